@@ -1,0 +1,18 @@
+//! `common`: everything the course exercises share, one concept per module.
+//!
+//! Data flows one way: [`data`] (datasets, loaders) → [`models`] / [`optim`] (one training
+//! step) → [`train`] (the loop, metrics, timing) → [`report`] (tables, CSV/JSON results),
+//! with [`checkpoint`] saving and restoring the whole training state on the way.
+pub mod checkpoint;
+pub mod data;
+pub mod device;
+pub mod error;
+pub mod models;
+pub mod optim;
+pub mod report;
+pub mod train;
+
+/// The PyTorch version the binaries were built against (set by the build scripts).
+pub fn torch_version() -> &'static str {
+    option_env!("TORCH_VERSION").unwrap_or("unknown")
+}

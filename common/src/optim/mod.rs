@@ -1,0 +1,1 @@
+//! Optimizers whose state can be saved. (Owned by the optim helper.)

@@ -1,1 +1,218 @@
-//! placeholder
+//! Checkpoints: model variables, optimizer state, progress and configuration in one
+//! `.safetensors` file, the JSON metadata in its header.
+//!
+//! A checkpoint is written to a temporary file beside the target, flushed to disk and then
+//! renamed over it, so a run killed at any moment leaves either the previous checkpoint or
+//! the new one, never a torn file.
+use crate::optim::Optimizer;
+use anyhow::Context;
+use safetensors::tensor::{Dtype, SafeTensors, View};
+use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use tch::{nn, Device, Kind, Tensor};
+
+/// Bumped when the layout changes, so an old file is refused instead of misread.
+pub const FORMAT_VERSION: u32 = 1;
+const METADATA_KEY: &str = "checkpoint";
+const MODEL_PREFIX: &str = "model.";
+const OPTIM_PREFIX: &str = "optim.";
+
+/// Everything about a checkpoint except its tensors.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointMeta {
+    pub format: u32,
+    /// Which run wrote it, e.g. `exercise1-cnn-cpu`.
+    pub run: String,
+    /// Identity of the model (architecture and shapes); a resume must build the same.
+    pub model: serde_json::Value,
+    /// Optimizer name (`adam`, `sgd`).
+    pub optimizer: String,
+    /// Epochs completed.
+    pub epoch: usize,
+    /// Optimizer steps completed.
+    pub step: usize,
+    pub seed: u64,
+    /// The run's configuration, for the record.
+    pub config: serde_json::Value,
+    pub torch_version: String,
+}
+
+/// A loaded checkpoint, tensors on the CPU.
+pub struct Checkpoint {
+    pub meta: CheckpointMeta,
+    pub tensors: HashMap<String, Tensor>,
+}
+
+/// Where the checkpoint of `run` lives in `dir`.
+pub fn path_for(dir: &Path, run: &str) -> PathBuf {
+    dir.join(format!("{run}.safetensors"))
+}
+
+/// Saves the model's variables (parameters and buffers) and the optimizer's state atomically.
+pub fn save(path: &Path, vs: &nn::VarStore, optimizer: &dyn Optimizer, meta: &CheckpointMeta) -> anyhow::Result<()> {
+    let mut tensors: Vec<(String, Tensor)> =
+        vs.variables().into_iter().map(|(name, t)| (format!("{MODEL_PREFIX}{name}"), t)).collect();
+    tensors.extend(optimizer.state_tensors().into_iter().map(|(name, t)| (format!("{OPTIM_PREFIX}{name}"), t)));
+    let views = tensors
+        .iter()
+        .map(|(name, t)| Ok((name.clone(), CpuView::new(t).with_context(|| format!("cannot save tensor {name}"))?)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let metadata = HashMap::from([(METADATA_KEY.to_string(), serde_json::to_string(meta)?)]);
+
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create checkpoint directory {}", dir.display()))?;
+    let tmp = path.with_extension(format!("safetensors.tmp-{}", std::process::id()));
+    let written = safetensors::serialize_to_file(views, Some(metadata), &tmp)
+        .with_context(|| format!("cannot write checkpoint {}", tmp.display()))
+        .and_then(|()| {
+            std::fs::File::open(&tmp)?.sync_all()?;
+            std::fs::rename(&tmp, path)?;
+            // Make the rename itself durable.
+            std::fs::File::open(dir)?.sync_all()?;
+            Ok(())
+        })
+        .with_context(|| format!("cannot write checkpoint {}", path.display()));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
+/// Reads a checkpoint, checking its format.
+pub fn load(path: &Path) -> anyhow::Result<Checkpoint> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read checkpoint {}", path.display()))?;
+    let corrupt = |what: &str| format!("checkpoint {} is corrupt or not a checkpoint: {what}", path.display());
+    let (_, header) = SafeTensors::read_metadata(&bytes).with_context(|| corrupt("bad safetensors header"))?;
+    let meta_json = header
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get(METADATA_KEY))
+        .with_context(|| corrupt("no checkpoint metadata"))?;
+    let meta: CheckpointMeta = serde_json::from_str(meta_json).with_context(|| corrupt("unreadable metadata"))?;
+    if meta.format != FORMAT_VERSION {
+        anyhow::bail!("checkpoint {} has format {}, this build reads format {FORMAT_VERSION}", path.display(), meta.format);
+    }
+    let file = SafeTensors::deserialize(&bytes).with_context(|| corrupt("bad tensor data"))?;
+    let tensors = file
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+            let tensor = Tensor::f_from_data_size(view.data(), &shape, kind_of(view.dtype())?)
+                .with_context(|| corrupt(&format!("tensor {name}")))?;
+            Ok((name, tensor))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    Ok(Checkpoint { meta, tensors })
+}
+
+impl Checkpoint {
+    /// Copies the checkpoint into a freshly built model and optimizer. Fails, naming the
+    /// file's model and this one, when the checkpoint was written for another model or shape.
+    pub fn restore(
+        &self,
+        path: &Path,
+        vs: &nn::VarStore,
+        optimizer: &mut dyn Optimizer,
+        model: &serde_json::Value,
+    ) -> anyhow::Result<()> {
+        if &self.meta.model != model {
+            anyhow::bail!(
+                "checkpoint {} was written for model {}, but this run builds {}; use another --checkpoint-dir or the same flags",
+                path.display(),
+                self.meta.model,
+                model
+            );
+        }
+        let mut problems = Vec::new();
+        let mut variables: Vec<_> = vs.variables().into_iter().collect();
+        variables.sort_by(|a, b| a.0.cmp(&b.0));
+        tch::no_grad(|| {
+            for (name, mut var) in variables {
+                match self.tensors.get(&format!("{MODEL_PREFIX}{name}")) {
+                    None => problems.push(format!("{name} missing")),
+                    Some(saved) if saved.size() != var.size() => {
+                        problems.push(format!("{name}: checkpoint {:?} vs model {:?}", saved.size(), var.size()))
+                    }
+                    Some(saved) => var.copy_(saved),
+                }
+            }
+        });
+        if !problems.is_empty() {
+            anyhow::bail!("checkpoint {} does not fit this model: {}", path.display(), problems.join("; "));
+        }
+        let state: HashMap<String, Tensor> = self
+            .tensors
+            .iter()
+            .filter_map(|(name, t)| Some((name.strip_prefix(OPTIM_PREFIX)?.to_string(), t.shallow_clone())))
+            .collect();
+        optimizer
+            .load_state_tensors(&state)
+            .with_context(|| format!("checkpoint {}: optimizer state does not fit", path.display()))
+    }
+}
+
+fn kind_of(dtype: Dtype) -> anyhow::Result<Kind> {
+    Ok(match dtype {
+        Dtype::BOOL => Kind::Bool,
+        Dtype::U8 => Kind::Uint8,
+        Dtype::I32 => Kind::Int,
+        Dtype::I64 => Kind::Int64,
+        Dtype::F16 => Kind::Half,
+        Dtype::BF16 => Kind::BFloat16,
+        Dtype::F32 => Kind::Float,
+        Dtype::F64 => Kind::Double,
+        other => anyhow::bail!("unsupported tensor type {other:?}"),
+    })
+}
+
+fn dtype_of(kind: Kind) -> anyhow::Result<Dtype> {
+    Ok(match kind {
+        Kind::Bool => Dtype::BOOL,
+        Kind::Uint8 => Dtype::U8,
+        Kind::Int => Dtype::I32,
+        Kind::Int64 => Dtype::I64,
+        Kind::Half => Dtype::F16,
+        Kind::BFloat16 => Dtype::BF16,
+        Kind::Float => Dtype::F32,
+        Kind::Double => Dtype::F64,
+        other => anyhow::bail!("unsupported tensor type {other:?}"),
+    })
+}
+
+/// A tensor copied to contiguous CPU memory, as safetensors wants to see it.
+struct CpuView {
+    tensor: Tensor,
+    shape: Vec<usize>,
+    dtype: Dtype,
+}
+
+impl CpuView {
+    fn new(tensor: &Tensor) -> anyhow::Result<Self> {
+        let tensor = tensor.detach().to_device(Device::Cpu).contiguous();
+        let shape = tensor.size().iter().map(|&d| d as usize).collect();
+        Ok(CpuView { dtype: dtype_of(tensor.kind())?, tensor, shape })
+    }
+}
+
+impl View for CpuView {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        let mut bytes = vec![0u8; self.data_len()];
+        self.tensor.copy_data_u8(&mut bytes, self.tensor.numel());
+        Cow::Owned(bytes)
+    }
+
+    fn data_len(&self) -> usize {
+        self.tensor.numel() * self.tensor.kind().elt_size_in_bytes()
+    }
+}

@@ -1,1 +1,65 @@
-//! placeholder
+//! Which devices a run uses, and what the machine offers.
+use crate::error::{usage, UsageError};
+use tch::Device;
+
+/// The `--device` flag: one device, or both for the course's CPU-vs-GPU comparison.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceChoice {
+    Cpu,
+    Cuda,
+    /// CPU first, then the GPU when there is one.
+    Both,
+}
+
+/// Whether LibTorch sees a usable CUDA device (and the binary was linked with CUDA support).
+pub fn cuda_available() -> bool {
+    tch::Cuda::is_available()
+}
+
+/// The devices to run on, in order. `cuda` without a GPU is a usage error; `both` without a
+/// GPU gives only the CPU and the caller reports the missing GPU column.
+pub fn devices_for(choice: DeviceChoice) -> anyhow::Result<Vec<Device>> {
+    let cuda = cuda_available();
+    match choice {
+        DeviceChoice::Cpu => Ok(vec![Device::Cpu]),
+        DeviceChoice::Cuda if cuda => Ok(vec![Device::Cuda(0)]),
+        DeviceChoice::Cuda => usage(no_cuda_message()),
+        DeviceChoice::Both if cuda => Ok(vec![Device::Cpu, Device::Cuda(0)]),
+        DeviceChoice::Both => Ok(vec![Device::Cpu]),
+    }
+}
+
+/// Why CUDA is not there, in words a user can act on.
+pub fn no_cuda_message() -> String {
+    format!(
+        "--device cuda was asked for, but no CUDA device is available (LibTorch {} sees {} GPUs; \
+         check nvidia-smi, CUDA_VISIBLE_DEVICES, and that the job was given a GPU)",
+        crate::torch_version(),
+        tch::Cuda::device_count()
+    )
+}
+
+/// Short name used in file names and tables: `cpu` or `cuda`.
+pub fn device_name(device: Device) -> &'static str {
+    match device {
+        Device::Cpu => "cpu",
+        _ => "cuda",
+    }
+}
+
+/// Blocks until queued GPU work is done, so that host timers measure it (no-op on CPU).
+pub fn synchronize(device: Device) {
+    if let Device::Cuda(index) = device {
+        tch::Cuda::synchronize(index as i64);
+    }
+}
+
+/// Sets LibTorch's intra-op thread count; 0 leaves LibTorch's default (one per core).
+pub fn set_threads(threads: usize) -> Result<(), UsageError> {
+    if threads > 0 {
+        let n = i32::try_from(threads).map_err(|_| UsageError(format!("--threads {threads} is too large")))?;
+        tch::set_num_threads(n);
+    }
+    Ok(())
+}

@@ -1,1 +1,199 @@
-//! placeholder
+//! What a run leaves behind: one JSON file per run, a row in the exercise's CSV, and the
+//! course's CPU-vs-GPU table on the terminal.
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+/// One finished run, flat so that it is also one CSV row.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunRecord {
+    pub exercise: String,
+    pub model: String,
+    pub params: i64,
+    pub device: String,
+    pub dataset: String,
+    /// True when the data were a generated stand-in, not the real data set.
+    pub data_generated: bool,
+    /// Epochs the run was configured for.
+    pub epochs: usize,
+    /// Optimizer steps taken by this process.
+    pub steps: usize,
+    pub batch_size: usize,
+    pub lr: f64,
+    pub optimizer: String,
+    /// Seconds in training steps (evaluation excluded).
+    pub train_time_s: f64,
+    /// Training examples per second (images/s, or tokens/s for a language model).
+    pub throughput: f64,
+    pub test_acc: f64,
+    pub test_loss: f64,
+    pub data_wait_s: f64,
+    pub forward_backward_s: f64,
+    pub optimizer_s: f64,
+    pub eval_s: f64,
+    /// LibTorch intra-op threads.
+    pub threads: usize,
+    pub seed: u64,
+    pub torch_version: String,
+    /// Seconds since the Unix epoch when the run finished.
+    pub finished_at: u64,
+}
+
+impl RunRecord {
+    /// `<exercise>-<model>-<device>`, the stem of its files.
+    pub fn name(&self) -> String {
+        format!("{}-{}-{}", self.exercise, self.model, self.device)
+    }
+}
+
+pub fn unix_time() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// Writes `<dir>/<exercise>-<model>-<device>.json` (the record plus `extra` fields such as the
+/// per-epoch history) and appends the record to `<dir>/<exercise>.csv`.
+pub fn save(dir: &Path, record: &RunRecord, extra: serde_json::Value) -> anyhow::Result<PathBuf> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create results directory {}", dir.display()))?;
+    let mut json = serde_json::to_value(record)?;
+    if let (Some(object), serde_json::Value::Object(extra)) = (json.as_object_mut(), extra) {
+        object.extend(extra);
+    }
+    let path = dir.join(format!("{}.json", record.name()));
+    std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n")
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    append_csv(&dir.join(format!("{}.csv", record.exercise)), record)?;
+    Ok(path)
+}
+
+/// Appends a row, writing the header first when the file is new.
+pub fn append_csv(path: &Path, record: &RunRecord) -> anyhow::Result<()> {
+    let is_new = std::fs::metadata(path).map(|m| m.len() == 0).unwrap_or(true);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    let mut writer = csv::WriterBuilder::new().has_headers(is_new).from_writer(file);
+    writer.serialize(record).and_then(|()| Ok(writer.flush()?)).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Reads every record of an exercise's CSV.
+pub fn read_csv(path: &Path) -> anyhow::Result<Vec<RunRecord>> {
+    let mut reader = csv::Reader::from_path(path).with_context(|| format!("cannot read {}", path.display()))?;
+    reader.deserialize().collect::<Result<_, _>>().with_context(|| format!("{}: unreadable results row", path.display()))
+}
+
+/// The course's comparison table: one row per device, the speed-up when both ran, and a
+/// plain statement when the GPU column is missing.
+pub fn comparison_table(records: &[RunRecord], missing: Option<&str>) -> String {
+    let mut out = String::new();
+    let first = &records[0];
+    let unit = if first.exercise.contains("nlp") { "tok/s" } else { "img/s" };
+    let _ = writeln!(
+        out,
+        "\n{} · {} · {} parameters · {}{}",
+        first.exercise,
+        first.model,
+        group_thousands(first.params),
+        first.dataset,
+        if first.data_generated { " (GENERATED stand-in data)" } else { "" }
+    );
+    let _ = writeln!(out, "| device | steps | train time (s) | throughput ({unit}) | test acc | test loss |");
+    let _ = writeln!(out, "|--------|------:|---------------:|-----------------:|---------:|----------:|");
+    for r in records {
+        let _ = writeln!(
+            out,
+            "| {:<6} | {:>5} | {:>14.1} | {:>16.1} | {:>8.4} | {:>9.4} |",
+            r.device, r.steps, r.train_time_s, r.throughput, r.test_acc, r.test_loss
+        );
+    }
+    if let Some(reason) = missing {
+        let _ = writeln!(out, "| cuda   | GPU column missing: {reason} |");
+    }
+    if let [cpu, gpu] = records {
+        if gpu.train_time_s > 0.0 {
+            let _ = writeln!(out, "GPU speed-up: {:.1}× (throughput ratio)", gpu.throughput / cpu.throughput.max(f64::EPSILON));
+        }
+    }
+    out
+}
+
+/// 191935 → "191,935".
+pub fn group_thousands(n: i64) -> String {
+    let digits = n.unsigned_abs().to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if n < 0 {
+        out.insert(0, '-');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(device: &str, throughput: f64) -> RunRecord {
+        RunRecord {
+            exercise: "exercise1".into(),
+            model: "cnn".into(),
+            params: 191_935,
+            device: device.into(),
+            dataset: "cifar10".into(),
+            data_generated: true,
+            epochs: 5,
+            steps: 10,
+            batch_size: 100,
+            lr: 1e-3,
+            optimizer: "adam".into(),
+            train_time_s: 1000.0 / throughput,
+            throughput,
+            test_acc: 0.5,
+            test_loss: 1.2,
+            data_wait_s: 0.0,
+            forward_backward_s: 0.0,
+            optimizer_s: 0.0,
+            eval_s: 0.0,
+            threads: 2,
+            seed: 1,
+            torch_version: "2.11.0".into(),
+            finished_at: 0,
+        }
+    }
+
+    #[test]
+    fn thousands() {
+        assert_eq!(group_thousands(191_935), "191,935");
+        assert_eq!(group_thousands(143_667_240), "143,667,240");
+        assert_eq!(group_thousands(999), "999");
+        assert_eq!(group_thousands(-1000), "-1,000");
+    }
+
+    #[test]
+    fn table_shows_speedup_or_missing_gpu() {
+        let both = comparison_table(&[record("cpu", 100.0), record("cuda", 400.0)], None);
+        assert!(both.contains("GPU speed-up: 4.0×"), "{both}");
+        assert!(both.contains("191,935 parameters"));
+        let cpu_only = comparison_table(&[record("cpu", 100.0)], Some("no CUDA device"));
+        assert!(cpu_only.contains("GPU column missing: no CUDA device"), "{cpu_only}");
+        assert!(!cpu_only.contains("speed-up"));
+    }
+
+    #[test]
+    fn csv_appends_rows_under_one_header() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("exercise1.csv");
+        append_csv(&path, &record("cpu", 100.0)).unwrap();
+        append_csv(&path, &record("cuda", 200.0)).unwrap();
+        let rows = read_csv(&path).unwrap();
+        assert_eq!(rows, vec![record("cpu", 100.0), record("cuda", 200.0)]);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text.matches("exercise,model").count(), 1);
+    }
+}

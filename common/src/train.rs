@@ -1,1 +1,341 @@
-//! placeholder
+//! The training loop every exercise uses: epochs of optimizer steps, evaluation without
+//! gradients, a live progress bar, a timing split, and checkpoints at epoch ends.
+//!
+//! Resuming is exact: everything random in an epoch (order, augmentation, dropout) is a
+//! function of (seed, epoch), and a checkpoint holds the whole model and optimizer state.
+use crate::checkpoint::{self, CheckpointMeta};
+use crate::device::synchronize;
+use crate::optim::{self, Optimizer};
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use tch::{nn, Kind, Tensor};
+
+/// One batch on the training device: model inputs and integer class (or next-token) targets.
+#[derive(Debug)]
+pub struct Batch {
+    pub inputs: Tensor,
+    pub targets: Tensor,
+}
+
+impl Batch {
+    /// Examples (images, or tokens for a language model) in the batch.
+    pub fn len(&self) -> usize {
+        self.targets.numel()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Anything that yields an epoch of batches.
+pub trait BatchSource {
+    fn batches_per_epoch(&self) -> usize;
+    /// The batches of epoch `epoch` (0-based), in a deterministic order.
+    fn epoch(&self, epoch: usize) -> Box<dyn Iterator<Item = Batch> + '_>;
+}
+
+/// Learning rate per epoch, relative to the optimizer's initial one.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub enum LrSchedule {
+    Constant,
+    /// `StepLR`: multiply by `gamma` every `every` epochs.
+    Step { every: usize, gamma: f64 },
+}
+
+impl LrSchedule {
+    pub fn lr(&self, base: f64, epoch: usize) -> f64 {
+        match *self {
+            LrSchedule::Constant => base,
+            LrSchedule::Step { every, gamma } => base * gamma.powi((epoch / every.max(1)) as i32),
+        }
+    }
+}
+
+/// Where and whether a run checkpoints.
+#[derive(Debug, Clone)]
+pub struct CheckpointConfig {
+    pub dir: PathBuf,
+    /// Continue from the run's checkpoint in `dir` when there is one.
+    pub resume: bool,
+    /// Identity of the model (a resume must build the same one).
+    pub model: serde_json::Value,
+    /// The run's configuration, stored for the record.
+    pub config: serde_json::Value,
+}
+
+/// How to train.
+#[derive(Debug, Clone)]
+pub struct TrainConfig {
+    /// Name of the run, e.g. `exercise1-cnn-cpu` (checkpoint file name).
+    pub run: String,
+    pub epochs: usize,
+    /// Stop after this many optimizer steps in total (smoke runs, benchmarks).
+    pub max_steps: Option<usize>,
+    pub seed: u64,
+    pub lr_schedule: LrSchedule,
+    pub clip_grad_norm: Option<f64>,
+    pub checkpoint: Option<CheckpointConfig>,
+    /// Show the progress bar (it hides itself anyway when stderr is not a terminal).
+    pub progress: bool,
+    /// Print one line per epoch.
+    pub verbose: bool,
+}
+
+/// Wall-clock time split of the training steps, and evaluation.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Timings {
+    /// Waiting for the loader's next batch.
+    pub data_wait_s: f64,
+    pub forward_backward_s: f64,
+    /// Gradient clipping and the optimizer step.
+    pub optimizer_s: f64,
+    pub eval_s: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct EpochStats {
+    /// 1-based, as printed.
+    pub epoch: usize,
+    pub lr: f64,
+    pub steps: usize,
+    pub train_loss: f64,
+    pub train_acc: f64,
+    pub test_loss: f64,
+    pub test_acc: f64,
+    pub train_time_s: f64,
+}
+
+/// What a call of [`fit`] did.
+#[derive(Debug, Clone, Serialize)]
+pub struct FitReport {
+    pub history: Vec<EpochStats>,
+    /// Epochs completed before this process started (resumed runs).
+    pub resumed_epochs: usize,
+    /// Optimizer steps taken in this process.
+    pub steps: usize,
+    /// Examples trained on in this process.
+    pub examples: usize,
+    /// Time in training steps (loader wait, forward, backward, optimizer), evaluation excluded.
+    pub train_time_s: f64,
+    pub timings: Timings,
+    pub test_loss: f64,
+    pub test_acc: f64,
+}
+
+impl FitReport {
+    /// Examples per second of training.
+    pub fn throughput(&self) -> f64 {
+        if self.train_time_s > 0.0 {
+            self.examples as f64 / self.train_time_s
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Mean cross-entropy over the last dimension of `logits` (classes, or vocabulary) and the
+/// number of arg-max hits.
+fn loss_and_hits(logits: &Tensor, targets: &Tensor) -> (Tensor, Tensor) {
+    let classes = *logits.size().last().expect("logits have a class dimension");
+    let logits = logits.reshape([-1, classes]);
+    let targets = targets.reshape([-1]);
+    let loss = logits.cross_entropy_for_logits(&targets);
+    let hits = logits.argmax(-1, false).eq_tensor(&targets).sum(Kind::Int64);
+    (loss, hits)
+}
+
+/// Loss and accuracy over one pass of `source`, in evaluation mode and without gradients.
+pub fn evaluate(model: &dyn nn::ModuleT, source: &dyn BatchSource) -> (f64, f64) {
+    tch::no_grad(|| {
+        let (mut loss_sum, mut hits, mut count) = (0.0, 0i64, 0usize);
+        for batch in source.epoch(0) {
+            let logits = model.forward_t(&batch.inputs, false);
+            let (loss, batch_hits) = loss_and_hits(&logits, &batch.targets);
+            loss_sum += loss.double_value(&[]) * batch.len() as f64;
+            hits += batch_hits.int64_value(&[]);
+            count += batch.len();
+        }
+        let n = count.max(1) as f64;
+        (loss_sum / n, hits as f64 / n)
+    })
+}
+
+/// Trains `model` on `train`, evaluating on `test` after every epoch, from a checkpoint when
+/// asked to resume and one exists.
+pub fn fit(
+    model: &dyn nn::ModuleT,
+    vs: &nn::VarStore,
+    optimizer: &mut dyn Optimizer,
+    train: &dyn BatchSource,
+    test: &dyn BatchSource,
+    config: &TrainConfig,
+) -> anyhow::Result<FitReport> {
+    let device = vs.device();
+    let base_lr = optimizer.lr();
+    let mut start_epoch = 0;
+    let mut step = 0;
+    if let Some(ck) = config.checkpoint.as_ref().filter(|ck| ck.resume) {
+        let path = checkpoint::path_for(&ck.dir, &config.run);
+        if path.exists() {
+            let saved = checkpoint::load(&path)?;
+            saved.restore(&path, vs, optimizer, &ck.model)?;
+            start_epoch = saved.meta.epoch;
+            step = saved.meta.step;
+            println!("resumed {} from {} after epoch {start_epoch} (step {step})", config.run, path.display());
+        } else {
+            println!("--resume: no checkpoint at {} yet, starting {} from scratch", path.display(), config.run);
+        }
+    }
+    let params: Vec<Tensor> = vs.trainable_variables();
+    let mut report = FitReport {
+        history: Vec::new(),
+        resumed_epochs: start_epoch,
+        steps: 0,
+        examples: 0,
+        train_time_s: 0.0,
+        timings: Timings::default(),
+        test_loss: f64::NAN,
+        test_acc: f64::NAN,
+    };
+    let out_of_steps = |step: usize| config.max_steps.is_some_and(|max| step >= max);
+
+    for epoch in start_epoch..config.epochs {
+        if out_of_steps(step) {
+            break;
+        }
+        // Dropout and any other LibTorch randomness: a function of (seed, epoch).
+        tch::manual_seed(config.seed.wrapping_add(epoch as u64) as i64);
+        let lr = config.lr_schedule.lr(base_lr, epoch);
+        optimizer.set_lr(lr);
+        let bar = progress_bar(config, epoch, train.batches_per_epoch());
+
+        // Sums stay on the device: no extra host synchronisation per step.
+        let mut loss_sum = Tensor::zeros([], (Kind::Double, device));
+        let mut hits_sum = Tensor::zeros([], (Kind::Int64, device));
+        let (mut seen, mut epoch_steps) = (0usize, 0usize);
+        let epoch_start = Instant::now();
+        let mut batches = train.epoch(epoch);
+        let mut completed = true;
+        loop {
+            if out_of_steps(step) {
+                completed = false;
+                break;
+            }
+            let t0 = Instant::now();
+            let Some(batch) = batches.next() else { break };
+            let t1 = Instant::now();
+            let logits = model.forward_t(&batch.inputs, true);
+            let (loss, batch_hits) = loss_and_hits(&logits, &batch.targets);
+            optimizer.zero_grad();
+            loss.backward();
+            synchronize(device);
+            let t2 = Instant::now();
+            if let Some(max_norm) = config.clip_grad_norm {
+                optim::clip_grad_norm(&params, max_norm);
+            }
+            optimizer.step();
+            synchronize(device);
+            let t3 = Instant::now();
+
+            report.timings.data_wait_s += (t1 - t0).as_secs_f64();
+            report.timings.forward_backward_s += (t2 - t1).as_secs_f64();
+            report.timings.optimizer_s += (t3 - t2).as_secs_f64();
+            loss_sum += loss.detach().to_kind(Kind::Double) * batch.len() as f64;
+            hits_sum += batch_hits;
+            seen += batch.len();
+            epoch_steps += 1;
+            step += 1;
+            if !bar.is_hidden() && (epoch_steps % 10 == 0 || epoch_steps == 1) {
+                let rate = seen as f64 / epoch_start.elapsed().as_secs_f64();
+                bar.set_message(format!("loss {:.4}  {rate:.0}/s", loss.double_value(&[])));
+            }
+            bar.inc(1);
+        }
+        drop(batches);
+        let train_time = epoch_start.elapsed().as_secs_f64();
+        bar.finish_and_clear();
+        let n = seen.max(1) as f64;
+        let train_loss = loss_sum.double_value(&[]) / n;
+
+        let eval_start = Instant::now();
+        let (test_loss, test_acc) = evaluate(model, test);
+        synchronize(device);
+        report.timings.eval_s += eval_start.elapsed().as_secs_f64();
+
+        let stats = EpochStats {
+            epoch: epoch + 1,
+            lr,
+            steps: epoch_steps,
+            train_loss,
+            train_acc: hits_sum.int64_value(&[]) as f64 / n,
+            test_loss,
+            test_acc,
+            train_time_s: train_time,
+        };
+        if config.verbose {
+            println!(
+                "[{}] epoch {}/{}{}: {} steps in {:.1} s ({:.0}/s)  train loss {:.4} acc {:.4}  test loss {:.4} acc {:.4}",
+                config.run,
+                stats.epoch,
+                config.epochs,
+                if completed { "" } else { " (stopped by --max-steps)" },
+                epoch_steps,
+                train_time,
+                n / train_time.max(f64::EPSILON),
+                train_loss,
+                stats.train_acc,
+                test_loss,
+                test_acc
+            );
+        }
+        report.steps += epoch_steps;
+        report.examples += seen;
+        report.train_time_s += train_time;
+        report.test_loss = test_loss;
+        report.test_acc = test_acc;
+        report.history.push(stats);
+
+        // Only whole epochs are checkpointed: a resume then starts at an epoch boundary, where
+        // the order, augmentation and dropout streams are known.
+        if let (Some(ck), true) = (&config.checkpoint, completed) {
+            let meta = CheckpointMeta {
+                format: checkpoint::FORMAT_VERSION,
+                run: config.run.clone(),
+                model: ck.model.clone(),
+                optimizer: optimizer.name().to_string(),
+                epoch: epoch + 1,
+                step,
+                seed: config.seed,
+                config: ck.config.clone(),
+                torch_version: crate::torch_version().to_string(),
+            };
+            let path = checkpoint::path_for(&ck.dir, &config.run);
+            checkpoint::save(&path, vs, optimizer, &meta).with_context(|| format!("after epoch {}", epoch + 1))?;
+        }
+    }
+    if report.history.is_empty() {
+        // Nothing left to train (a finished run resumed): still report where the model stands.
+        let eval_start = Instant::now();
+        (report.test_loss, report.test_acc) = evaluate(model, test);
+        report.timings.eval_s += eval_start.elapsed().as_secs_f64();
+    }
+    Ok(report)
+}
+
+fn progress_bar(config: &TrainConfig, epoch: usize, batches: usize) -> ProgressBar {
+    if !config.progress {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(batches as u64);
+    let style = ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {elapsed_precise} {msg}")
+        .expect("valid template")
+        .progress_chars("=> ");
+    bar.set_style(style);
+    bar.set_prefix(format!("{} epoch {}/{}", config.run, epoch + 1, config.epochs));
+    bar.enable_steady_tick(Duration::from_millis(500));
+    bar
+}

@@ -1,8 +1,23 @@
-//! Models of the course, in torchvision's parameter layout. (Owned by the models helper.)
-use tch::nn;
+//! Models of the course, in torchvision's parameter layout.
+//!
+//! Variable names follow PyTorch's `state_dict` keys exactly (`layer2.0.downsample.0.weight`,
+//! `features.34.bias`, ...), so that ImageNet weights exported from torchvision (see
+//! `scripts/export_torchvision_weights.py`) load with [`load_weights`], and checkpoints line up
+//! name for name with the PyTorch reference code.
+use tch::nn::{self, Init};
+use tch::Tensor;
+
+mod cnn;
+mod resnet;
+mod vgg;
+mod weights;
+
+pub use weights::load_weights;
 
 /// Which network to build.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Arch {
     /// The course's simple CNN: conv(C→50,k5) → maxpool2 → ReLU → conv(50→75,k5) → maxpool2 → ReLU → fc(→50) → ReLU → fc
@@ -28,11 +43,114 @@ pub struct ModelSpec {
 /// Builds the model's variables under `root` and returns its forward function.
 /// Input: float tensor `[N, in_channels, image_size, image_size]`; output: logits `[N, num_classes]`.
 pub fn build(root: &nn::Path, spec: &ModelSpec) -> Box<dyn nn::ModuleT> {
-    let _ = (root, spec);
-    todo!("models helper")
+    match spec.arch {
+        Arch::Cnn => Box::new(cnn::Cnn::new(root, spec)),
+        Arch::Resnet34 => Box::new(resnet::ResNet::resnet34(root, spec)),
+        Arch::Vgg19 => Box::new(vgg::Vgg::vgg19(root, spec)),
+    }
 }
 
 /// Number of trainable parameters (buffers such as batch-norm running statistics excluded).
 pub fn param_count(vs: &nn::VarStore) -> i64 {
-    vs.trainable_variables().iter().map(|t| t.numel() as i64).sum()
+    vs.trainable_variables()
+        .iter()
+        .map(|t| t.numel() as i64)
+        .sum()
+}
+
+/// The trainable variables of `vs` with their names, sorted by name (shallow clones: they share
+/// storage with the var store). Sorting gives optimizers and checkpoints one stable order,
+/// independent of the var store's hash map. Buffers (batch-norm running statistics) and frozen
+/// variables are left out: "trainable" means `requires_grad()`.
+pub fn named_parameters(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+    let mut params: Vec<(String, Tensor)> = vs
+        .variables()
+        .into_iter()
+        .filter(|(_, t)| t.requires_grad())
+        .collect();
+    params.sort_by(|(a, _), (b, _)| a.cmp(b));
+    params
+}
+
+// ---- Initialisations shared by the models, chosen to match PyTorch/torchvision. ----
+
+/// torchvision's convolution init for ResNet and VGG: `kaiming_normal_(mode="fan_out",
+/// nonlinearity="relu")`.
+const KAIMING_NORMAL_FAN_OUT: Init = Init::Kaiming {
+    dist: nn::init::NormalOrUniform::Normal,
+    fan: nn::init::FanInOut::FanOut,
+    non_linearity: nn::init::NonLinearity::ReLU,
+};
+
+/// PyTorch's default weight init for `nn.Linear` and `nn.Conv2d`: `kaiming_uniform_(a=√5)`,
+/// i.e. U(−1/√fan_in, 1/√fan_in). tch's own default (`DEFAULT_KAIMING_UNIFORM`) uses the ReLU
+/// gain √2 instead, giving √6 times wider weights; the gain √(1/3) restores PyTorch's bound.
+const TORCH_DEFAULT_WEIGHT: Init = Init::Kaiming {
+    dist: nn::init::NormalOrUniform::Uniform,
+    fan: nn::init::FanInOut::FanIn,
+    non_linearity: nn::init::NonLinearity::ExplicitGain(0.577_350_269_189_625_8), // √(1/3)
+};
+
+/// `nn.Linear` with PyTorch's default init. (tch's default bias init, U(±1/√in), already matches.)
+fn torch_linear(vs: nn::Path, in_dim: i64, out_dim: i64) -> nn::Linear {
+    let config = nn::LinearConfig {
+        ws_init: TORCH_DEFAULT_WEIGHT,
+        ..Default::default()
+    };
+    nn::linear(vs, in_dim, out_dim, config)
+}
+
+/// Batch norm as torchvision initialises it (weight 1, bias 0; tch defaults to a U(0, 1) weight).
+/// tch's default eps 1e-5 and momentum 0.1 have PyTorch's meaning (the weight of the new
+/// batch statistic in the running average), so they stay.
+fn batch_norm(vs: nn::Path, channels: i64) -> nn::BatchNorm {
+    let config = nn::BatchNormConfig {
+        ws_init: Init::Const(1.),
+        bs_init: Init::Const(0.),
+        ..Default::default()
+    };
+    nn::batch_norm2d(vs, channels, config)
+}
+
+/// Input channels of the first convolution of the ImageNet models: a grey image (MNIST) is
+/// repeated to 3 channels by [`imagenet_input`], so that the stem keeps ImageNet's shape and
+/// pretrained weights still load.
+fn imagenet_stem_channels(in_channels: i64) -> i64 {
+    if in_channels == 1 {
+        3
+    } else {
+        in_channels
+    }
+}
+
+/// Smallest image side the ImageNet models accept: VGG halves the map five times and needs at
+/// least 1×1 left at the end (ResNet would cope with less, but both get the same treatment).
+const MIN_IMAGENET_SIDE: i64 = 32;
+
+/// Adapts small data-set images to the ImageNet models, inside the model so that data loading
+/// stays the same for every architecture:
+/// - a 1-channel image (MNIST) is repeated to 3 channels, matching the 3-channel stem of the
+///   ImageNet weights;
+/// - an image smaller than 32×32 (MNIST's 28×28) is zero-padded (centred) to 32×32, since
+///   VGG19's five 2×2 max-pools would otherwise shrink 28 → 0. Zero is the data set's mean
+///   after normalisation, i.e. a neutral border.
+///
+/// CIFAR-10's 3×32×32 images pass through unchanged.
+fn imagenet_input(xs: &Tensor) -> Tensor {
+    let (_, channels, height, width) = xs.size4().expect("model input must be [N, C, H, W]");
+    let xs = if channels == 1 {
+        xs.repeat([1, 3, 1, 1])
+    } else {
+        xs.shallow_clone()
+    };
+    let pad = |side: i64| {
+        let total = (MIN_IMAGENET_SIDE - side).max(0);
+        [total / 2, total - total / 2]
+    };
+    let ([left, right], [top, bottom]) = (pad(width), pad(height));
+    if left + right + top + bottom == 0 {
+        xs
+    } else {
+        xs.constant_pad_nd([left, right, top, bottom])
+    }
 }

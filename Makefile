@@ -1,0 +1,49 @@
+# The front door. Every target that builds or runs goes through scripts/with-torch, which
+# finds (or installs, once, into .venv) PyTorch 2.11.0 and sets the LibTorch environment.
+#
+#   make exercise1          CPU vs GPU table for the course's CNN on CIFAR-10
+#   make exercise1 ARGS="--model resnet34 --max-steps 20"
+#   make test
+#
+# Use an existing PyTorch 2.11.0 instead of .venv:  make TORCH_PYTHON=/path/to/python ...
+# or an unpacked LibTorch 2.11.0:                   make LIBTORCH=/path/to/libtorch ...
+
+SHELL     := bash
+WITH      := scripts/with-torch
+CARGO     := $(WITH) cargo
+BIN       := target/release
+ARGS      ?=
+export TORCH_PYTHON LIBTORCH
+
+.PHONY: setup build data data-cifar10 data-mnist exercise1 exercise1-cpu exercise1-gpu test clean-results
+
+setup:
+	@$(WITH) true
+	@$(WITH) sh -c 'echo "LibTorch: PyTorch $$TORCH_VERSION"'
+
+build: setup
+	$(CARGO) build --release --workspace
+
+data: build
+	PREPARE_DATA=$(BIN)/prepare_data $(WITH) scripts/fetch_data.sh cifar10 mnist
+
+data-cifar10: build
+	PREPARE_DATA=$(BIN)/prepare_data $(WITH) scripts/fetch_data.sh cifar10
+
+data-mnist: build
+	PREPARE_DATA=$(BIN)/prepare_data $(WITH) scripts/fetch_data.sh mnist
+
+exercise1: data-cifar10
+	$(WITH) $(BIN)/exercise1 --device both $(ARGS)
+
+exercise1-cpu: data-cifar10
+	$(WITH) $(BIN)/exercise1 --device cpu $(ARGS)
+
+exercise1-gpu: data-cifar10
+	$(WITH) $(BIN)/exercise1 --device cuda $(ARGS)
+
+test: build
+	$(CARGO) test --release --workspace
+
+clean-results:
+	rm -f results/*.json results/*.csv

@@ -1,0 +1,71 @@
+//! The course's simple CNN, as written in the PyTorch exercises:
+//! conv(C→50, k5) → maxpool2 → ReLU → conv(50→75, k5) → maxpool2 → ReLU → flatten →
+//! fc(→50) → ReLU → fc(→num_classes).
+use super::{torch_linear, ModelSpec, TORCH_DEFAULT_WEIGHT};
+use tch::nn::{self, Module};
+use tch::Tensor;
+
+const KERNEL: i64 = 5;
+const CONV1_CHANNELS: i64 = 50;
+const CONV2_CHANNELS: i64 = 75;
+const HIDDEN: i64 = 50;
+
+#[derive(Debug)]
+pub(super) struct Cnn {
+    conv1: nn::Conv2D,
+    conv2: nn::Conv2D,
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+}
+
+/// `nn.Conv2d` (no padding) with PyTorch's default init: weight and bias U(±1/√fan_in).
+fn torch_conv(vs: nn::Path, in_dim: i64, out_dim: i64) -> nn::Conv2D {
+    let bound = 1. / ((in_dim * KERNEL * KERNEL) as f64).sqrt();
+    let config = nn::ConvConfig {
+        ws_init: TORCH_DEFAULT_WEIGHT,
+        bs_init: nn::Init::Uniform {
+            lo: -bound,
+            up: bound,
+        },
+        ..Default::default()
+    };
+    nn::conv2d(vs, in_dim, out_dim, KERNEL, config)
+}
+
+/// Side of the feature map after one unpadded k5 convolution and a 2×2 max-pool (floor).
+fn conv_pool_side(side: i64) -> i64 {
+    (side - (KERNEL - 1)) / 2
+}
+
+impl Cnn {
+    pub(super) fn new(vs: &nn::Path, spec: &ModelSpec) -> Cnn {
+        // CIFAR-10: 32 → 14 → 5, MNIST: 28 → 12 → 4.
+        let side = conv_pool_side(conv_pool_side(spec.image_size));
+        assert!(
+            side > 0,
+            "the CNN needs images of at least 16×16, got {}",
+            spec.image_size
+        );
+        Cnn {
+            conv1: torch_conv(vs / "conv1", spec.in_channels, CONV1_CHANNELS),
+            conv2: torch_conv(vs / "conv2", CONV1_CHANNELS, CONV2_CHANNELS),
+            fc1: torch_linear(vs / "fc1", CONV2_CHANNELS * side * side, HIDDEN),
+            fc2: torch_linear(vs / "fc2", HIDDEN, spec.num_classes),
+        }
+    }
+}
+
+impl Module for Cnn {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        xs.apply(&self.conv1)
+            .max_pool2d_default(2)
+            .relu()
+            .apply(&self.conv2)
+            .max_pool2d_default(2)
+            .relu()
+            .flatten(1, -1)
+            .apply(&self.fc1)
+            .relu()
+            .apply(&self.fc2)
+    }
+}

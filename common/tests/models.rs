@@ -1,0 +1,403 @@
+//! The course models: parameter counts and variable names against torchvision's, forward
+//! shapes on CIFAR-10- and MNIST-sized batches, and loading weights by name.
+use common::models::{self, load_weights, named_parameters, param_count, Arch, ModelSpec};
+use std::collections::BTreeSet;
+use std::path::Path;
+use tch::nn::{self, ModuleT};
+use tch::{Device, Kind, Tensor};
+
+fn cifar(arch: Arch, num_classes: i64) -> ModelSpec {
+    ModelSpec {
+        arch,
+        in_channels: 3,
+        image_size: 32,
+        num_classes,
+    }
+}
+
+fn mnist(arch: Arch, num_classes: i64) -> ModelSpec {
+    ModelSpec {
+        arch,
+        in_channels: 1,
+        image_size: 28,
+        num_classes,
+    }
+}
+
+fn build(spec: &ModelSpec) -> (nn::VarStore, Box<dyn ModuleT>) {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let model = models::build(&vs.root(), spec);
+    (vs, model)
+}
+
+fn batch(spec: &ModelSpec) -> Tensor {
+    Tensor::randn(
+        [2, spec.in_channels, spec.image_size, spec.image_size],
+        (Kind::Float, Device::Cpu),
+    )
+}
+
+/// Builds the model, checks its trainable parameter count, and runs a batch of 2 through it in
+/// both modes (train mode also exercises batch norm on the smallest maps).
+fn check_model(spec: &ModelSpec, expected_params: i64) -> (nn::VarStore, Box<dyn ModuleT>) {
+    let (vs, model) = build(spec);
+    assert_eq!(param_count(&vs), expected_params, "{spec:?}");
+    let xs = batch(spec);
+    for train in [false, true] {
+        let logits = tch::no_grad(|| model.forward_t(&xs, train));
+        assert_eq!(
+            logits.size(),
+            [2, spec.num_classes],
+            "{spec:?}, train {train}"
+        );
+        assert!(
+            bool::try_from(logits.isfinite().all()).unwrap(),
+            "{spec:?}: non-finite logits"
+        );
+    }
+    (vs, model)
+}
+
+fn names(vs: &nn::VarStore) -> BTreeSet<String> {
+    vs.variables().into_keys().collect()
+}
+
+fn shape(vs: &nn::VarStore, name: &str) -> Vec<i64> {
+    vs.variables()
+        .get(name)
+        .unwrap_or_else(|| panic!("no variable {name}"))
+        .size()
+}
+
+const RESNET34_PARAMS: i64 = 21_797_672;
+const VGG19_PARAMS: i64 = 143_667_240;
+
+/// The same network with a `classes`-way instead of a 1000-way head of `head_in` inputs.
+fn with_head(params_1000: i64, head_in: i64, classes: i64) -> i64 {
+    params_1000 - (head_in + 1) * 1000 + (head_in + 1) * classes
+}
+
+#[test]
+fn cnn_parameter_counts_and_shapes() {
+    check_model(&cifar(Arch::Cnn, 10), 191_935);
+    check_model(&mnist(Arch::Cnn, 10), 155_685);
+}
+
+#[test]
+fn cnn_variable_names_follow_pytorch() {
+    let (vs, _) = build(&cifar(Arch::Cnn, 10));
+    let expected = ["conv1", "conv2", "fc1", "fc2"]
+        .iter()
+        .flat_map(|layer| [format!("{layer}.bias"), format!("{layer}.weight")])
+        .collect::<Vec<_>>();
+    let params: Vec<String> = named_parameters(&vs)
+        .into_iter()
+        .map(|(name, _)| name)
+        .collect();
+    assert_eq!(params, expected, "sorted by name");
+    assert_eq!(shape(&vs, "conv1.weight"), [50, 3, 5, 5]);
+    assert_eq!(shape(&vs, "fc1.weight"), [50, 75 * 5 * 5]);
+    assert_eq!(shape(&vs, "fc2.weight"), [10, 50]);
+}
+
+#[test]
+fn resnet34_parameter_counts_and_shapes() {
+    check_model(&cifar(Arch::Resnet34, 1000), RESNET34_PARAMS);
+    let ten = with_head(RESNET34_PARAMS, 512, 10);
+    check_model(&cifar(Arch::Resnet34, 10), ten);
+    // Grey images are repeated to 3 channels inside the model: same parameters as for CIFAR.
+    check_model(&mnist(Arch::Resnet34, 10), ten);
+}
+
+#[test]
+fn vgg19_parameter_counts_and_shapes() {
+    check_model(&cifar(Arch::Vgg19, 1000), VGG19_PARAMS);
+    let ten = with_head(VGG19_PARAMS, 4096, 10);
+    check_model(&cifar(Arch::Vgg19, 10), ten);
+    check_model(&mnist(Arch::Vgg19, 10), ten);
+}
+
+#[test]
+fn resnet34_variables_are_torchvision_state_dict_keys() {
+    let (vs, _) = build(&cifar(Arch::Resnet34, 1000));
+    // torchvision's resnet34 state_dict has 218 entries; 36 of them are the batch norms'
+    // num_batches_tracked (stem 1 + 16 blocks × 2 + 3 downsamples), which tch does not keep.
+    assert_eq!(vs.len(), 218 - 36);
+    let expected: &[(&str, &[i64])] = &[
+        ("conv1.weight", &[64, 3, 7, 7]),
+        ("bn1.weight", &[64]),
+        ("bn1.running_mean", &[64]),
+        ("layer1.0.conv1.weight", &[64, 64, 3, 3]),
+        ("layer1.2.bn2.bias", &[64]),
+        ("layer2.0.conv1.weight", &[128, 64, 3, 3]),
+        ("layer2.0.downsample.0.weight", &[128, 64, 1, 1]),
+        ("layer2.0.downsample.1.running_var", &[128]),
+        ("layer2.3.conv2.weight", &[128, 128, 3, 3]),
+        ("layer3.0.downsample.1.weight", &[256]),
+        ("layer3.5.bn2.running_var", &[256]),
+        ("layer4.0.downsample.0.weight", &[512, 256, 1, 1]),
+        ("layer4.2.conv2.weight", &[512, 512, 3, 3]),
+        ("fc.weight", &[1000, 512]),
+        ("fc.bias", &[1000]),
+    ];
+    for &(name, size) in expected {
+        assert_eq!(shape(&vs, name), size, "{name}");
+    }
+    let names = names(&vs);
+    // layer1 keeps stride and channels; only the first block of a stage projects; stage sizes.
+    for absent in [
+        "layer1.0.downsample.0.weight",
+        "layer2.1.downsample.0.weight",
+        "layer1.3.conv1.weight",
+        "layer3.6.conv1.weight",
+        "conv1.bias",
+    ] {
+        assert!(!names.contains(absent), "unexpected {absent}");
+    }
+    // The 36 batch norms' running statistics are buffers, not parameters.
+    let params = named_parameters(&vs);
+    assert_eq!(params.len(), 182 - 2 * 36);
+    assert!(params.iter().all(|(name, _)| !name.contains("running")));
+    assert!(params.windows(2).all(|w| w[0].0 < w[1].0), "sorted by name");
+}
+
+#[test]
+fn vgg19_variables_are_torchvision_state_dict_keys() {
+    let (vs, _) = build(&cifar(Arch::Vgg19, 1000));
+    let convs = [0, 2, 5, 7, 10, 12, 14, 16, 19, 21, 23, 25, 28, 30, 32, 34];
+    let expected: BTreeSet<String> = convs
+        .iter()
+        .map(|i| format!("features.{i}"))
+        .chain([0, 3, 6].iter().map(|i| format!("classifier.{i}")))
+        .flat_map(|layer| [format!("{layer}.weight"), format!("{layer}.bias")])
+        .collect();
+    assert_eq!(names(&vs), expected);
+    assert_eq!(shape(&vs, "features.0.weight"), [64, 3, 3, 3]);
+    assert_eq!(shape(&vs, "features.5.weight"), [128, 64, 3, 3]);
+    assert_eq!(shape(&vs, "features.34.weight"), [512, 512, 3, 3]);
+    assert_eq!(shape(&vs, "classifier.0.weight"), [4096, 512 * 7 * 7]);
+    assert_eq!(shape(&vs, "classifier.6.bias"), [1000]);
+}
+
+#[test]
+fn grey_images_are_repeated_and_padded_for_imagenet_models() {
+    let spec = mnist(Arch::Resnet34, 10);
+    let (_vs, model) = build(&spec);
+    let grey = batch(&spec);
+    let adapted = grey.repeat([1, 3, 1, 1]).constant_pad_nd([2, 2, 2, 2]);
+    let (a, b) = tch::no_grad(|| {
+        (
+            model.forward_t(&grey, false),
+            model.forward_t(&adapted, false),
+        )
+    });
+    assert!(
+        a.allclose(&b, 1e-5, 1e-6, false),
+        "MNIST input is not adapted as 3×32×32"
+    );
+}
+
+#[test]
+fn named_parameters_skips_frozen_variables_and_shares_storage() {
+    let (mut vs, _) = build(&cifar(Arch::Cnn, 10));
+    let (name, mut param) = named_parameters(&vs).swap_remove(0);
+    let _ = tch::no_grad(|| param.fill_(3.0));
+    let stored = vs.variables()[&name].shallow_clone();
+    assert!(
+        bool::try_from(stored.eq(3.0).all()).unwrap(),
+        "not a shallow clone"
+    );
+    vs.freeze();
+    assert!(named_parameters(&vs).is_empty());
+}
+
+#[test]
+fn vgg19_dropout_only_in_train_mode() {
+    let spec = cifar(Arch::Vgg19, 10);
+    let (_vs, model) = build(&spec);
+    let xs = batch(&spec);
+    let forward = |train| tch::no_grad(|| model.forward_t(&xs, train));
+    assert!(
+        forward(false).equal(&forward(false)),
+        "eval mode must be deterministic"
+    );
+    assert!(
+        !forward(true).equal(&forward(true)),
+        "train mode must drop out"
+    );
+}
+
+// ---- Loading weights ----
+
+/// All variables of `vs`, by name, as a file would hold them.
+fn all_variables(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+    let mut vars: Vec<_> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    vars
+}
+
+fn seeded(spec: &ModelSpec, seed: i64) -> (nn::VarStore, Box<dyn ModuleT>) {
+    tch::manual_seed(seed);
+    build(spec)
+}
+
+fn eval(model: &dyn ModuleT, xs: &Tensor) -> Tensor {
+    tch::no_grad(|| model.forward_t(xs, false))
+}
+
+/// Saves a seeded CNN with `save`, loads it into a differently seeded one, compares outputs.
+fn cnn_round_trip(file_name: &str, save: impl Fn(&[(String, Tensor)], &Path)) {
+    let spec = cifar(Arch::Cnn, 10);
+    let (vs_a, a) = seeded(&spec, 1);
+    let (vs_b, b) = seeded(&spec, 2);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(file_name);
+    save(&all_variables(&vs_a), &path);
+
+    let xs = batch(&spec);
+    assert!(
+        !eval(&*a, &xs).equal(&eval(&*b, &xs)),
+        "differently seeded models must differ"
+    );
+    load_weights(&vs_b, &path).unwrap();
+    assert!(eval(&*a, &xs).equal(&eval(&*b, &xs)));
+    // Loaded variables stay trainable parameters.
+    assert_eq!(named_parameters(&vs_b).len(), 8);
+}
+
+#[test]
+fn weights_round_trip_safetensors() {
+    cnn_round_trip("cnn.safetensors", |vars, path| {
+        Tensor::write_safetensors(vars, path).unwrap()
+    });
+}
+
+#[test]
+fn weights_round_trip_ot_with_kind_conversion() {
+    // Stored as f64, loaded into the f32 model (exactly, since the values came from f32).
+    cnn_round_trip("cnn.ot", |vars, path| {
+        let doubles: Vec<_> = vars
+            .iter()
+            .map(|(n, t)| (n.clone(), t.to_kind(Kind::Double)))
+            .collect();
+        Tensor::save_multi(&doubles, path).unwrap()
+    });
+}
+
+#[test]
+fn weights_round_trip_resnet34_with_batch_norm_buffers() {
+    let spec = cifar(Arch::Resnet34, 10);
+    let (vs_a, a) = seeded(&spec, 1);
+    // A train-mode pass moves the running statistics away from their initial 0 / 1.
+    let _ = tch::no_grad(|| a.forward_t(&batch(&spec), true));
+    let mut vars = all_variables(&vs_a);
+    // torchvision files also hold num_batches_tracked, which has no counterpart here.
+    vars.push(("bn1.num_batches_tracked".into(), Tensor::from(1i64)));
+    vars.push((
+        "layer1.0.bn1.num_batches_tracked".into(),
+        Tensor::from(1i64),
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("resnet34.safetensors");
+    Tensor::write_safetensors(&vars, &path).unwrap();
+
+    let (vs_b, b) = seeded(&spec, 2);
+    load_weights(&vs_b, &path).unwrap();
+    let running_var =
+        |vs: &nn::VarStore| vs.variables()["layer3.5.bn2.running_var"].shallow_clone();
+    assert!(running_var(&vs_a).equal(&running_var(&vs_b)));
+    let xs = batch(&spec);
+    assert!(eval(&*a, &xs).allclose(&eval(&*b, &xs), 1e-6, 1e-6, false));
+}
+
+/// Writes `vars` to a temporary `.safetensors` file and returns the error loading it into `vs`.
+fn load_error(vs: &nn::VarStore, vars: &[(String, Tensor)]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("weights.safetensors");
+    Tensor::write_safetensors(vars, &path).unwrap();
+    let message = format!("{:#}", load_weights(vs, &path).unwrap_err());
+    assert!(
+        message.contains(&path.display().to_string()),
+        "names the file: {message}"
+    );
+    assert_eq!(message.lines().count(), 1, "one line: {message}");
+    message
+}
+
+#[test]
+fn weights_shape_mismatch_names_both_shapes_and_copies_nothing() {
+    let (vs, _) = build(&cifar(Arch::Cnn, 10));
+    let before = all_variables(&vs)
+        .into_iter()
+        .map(|(n, t)| (n, t.copy()))
+        .collect::<Vec<_>>();
+    let mut vars: Vec<_> = before
+        .iter()
+        .map(|(n, t)| (n.clone(), t.ones_like()))
+        .collect();
+    let fc2 = vars
+        .iter_mut()
+        .find(|(name, _)| name == "fc2.weight")
+        .unwrap();
+    fc2.1 = Tensor::zeros([1000, 50], (Kind::Float, Device::Cpu));
+
+    let message = load_error(&vs, &vars);
+    assert!(
+        message.contains("fc2.weight: file [1000, 50] vs model [10, 50]"),
+        "{message}"
+    );
+    assert!(
+        !message.contains("missing") && !message.contains("unexpected"),
+        "{message}"
+    );
+    for (name, old) in &before {
+        assert!(
+            vs.variables()[name].equal(old),
+            "{name} changed although loading failed"
+        );
+    }
+}
+
+#[test]
+fn weights_missing_and_unexpected_tensors_are_listed() {
+    let (vs, _) = build(&cifar(Arch::Cnn, 10));
+    let mut vars: Vec<_> = all_variables(&vs)
+        .into_iter()
+        .filter(|(name, _)| name != "conv1.bias" && name != "fc1.weight")
+        .collect();
+    let extra = Tensor::zeros([1], (Kind::Float, Device::Cpu));
+    vars.extend((0..15).map(|i| (format!("extra.{i:02}"), extra.copy())));
+
+    let message = load_error(&vs, &vars);
+    assert!(
+        message.contains("missing from the file (2): conv1.bias, fc1.weight"),
+        "{message}"
+    );
+    // Long lists are capped at 10 names.
+    assert!(
+        message.contains("unexpected in the file (15): extra.00,"),
+        "{message}"
+    );
+    assert!(message.contains("extra.09, ... and 5 more"), "{message}");
+    assert!(!message.contains("extra.10"), "{message}");
+}
+
+#[test]
+fn weights_unknown_extension_and_missing_file() {
+    let (vs, _) = build(&cifar(Arch::Cnn, 10));
+    let dir = tempfile::tempdir().unwrap();
+    let pt = dir.path().join("weights.pt");
+    std::fs::write(&pt, b"not a checkpoint").unwrap();
+    let message = load_weights(&vs, &pt).unwrap_err().to_string();
+    assert!(
+        message.contains("weights.pt") && message.contains(".safetensors or .ot"),
+        "{message}"
+    );
+
+    let absent = dir.path().join("absent.safetensors");
+    let message = load_weights(&vs, &absent).unwrap_err().to_string();
+    assert!(
+        message.contains(&absent.display().to_string()) && message.contains("not found"),
+        "{message}"
+    );
+}

@@ -23,7 +23,12 @@ pub struct AdamConfig {
 
 impl Default for AdamConfig {
     fn default() -> Self {
-        AdamConfig { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0 }
+        AdamConfig {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
     }
 }
 
@@ -51,13 +56,21 @@ impl ParamState for AdamState {
     ];
 
     fn to_tensors(&self) -> Vec<Tensor> {
-        vec![Tensor::from(self.step), self.exp_avg.shallow_clone(), self.exp_avg_sq.shallow_clone()]
+        vec![
+            Tensor::from(self.step),
+            self.exp_avg.shallow_clone(),
+            self.exp_avg_sq.shallow_clone(),
+        ]
     }
 
     fn from_tensors(tensors: Vec<Tensor>) -> Self {
         let [step, exp_avg, exp_avg_sq]: [Tensor; 3] =
             tensors.try_into().expect("one tensor per entry");
-        AdamState { step: step.int64_value(&[]), exp_avg, exp_avg_sq }
+        AdamState {
+            step: step.int64_value(&[]),
+            exp_avg,
+            exp_avg_sq,
+        }
     }
 }
 
@@ -69,13 +82,24 @@ impl Adam {
     /// On a hyper-parameter torch rejects (negative `lr`, `eps` or `weight_decay`, a beta outside
     /// `[0, 1)`), or on two parameters with the same name.
     pub fn new(params: Vec<(String, Tensor)>, config: AdamConfig) -> Self {
-        let AdamConfig { lr, betas: (beta1, beta2), eps, weight_decay } = config;
+        let AdamConfig {
+            lr,
+            betas: (beta1, beta2),
+            eps,
+            weight_decay,
+        } = config;
         assert!(lr >= 0.0, "Adam: invalid learning rate {lr}");
         assert!(eps >= 0.0, "Adam: invalid epsilon {eps}");
         assert!((0.0..1.0).contains(&beta1), "Adam: invalid beta1 {beta1}");
         assert!((0.0..1.0).contains(&beta2), "Adam: invalid beta2 {beta2}");
-        assert!(weight_decay >= 0.0, "Adam: invalid weight decay {weight_decay}");
-        Adam { slots: Slots::new(params), config }
+        assert!(
+            weight_decay >= 0.0,
+            "Adam: invalid weight decay {weight_decay}"
+        );
+        Adam {
+            slots: Slots::new(params),
+            config,
+        }
     }
 
     /// The hyper-parameters (with the current learning rate).
@@ -86,7 +110,12 @@ impl Adam {
 
 impl Optimizer for Adam {
     fn step(&mut self) {
-        let AdamConfig { lr, betas: (beta1, beta2), eps, weight_decay } = self.config;
+        let AdamConfig {
+            lr,
+            betas: (beta1, beta2),
+            eps,
+            weight_decay,
+        } = self.config;
         self.slots.update_each(|param, grad, state| {
             let state = state.get_or_insert_with(|| AdamState {
                 step: 0,
@@ -105,7 +134,10 @@ impl Optimizer for Adam {
             // torch: `exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)`. tch's
             // `addcmul_` has no `value`; the kernel computes `self + (value * t1) * t2`, so
             // passing `t1 = grad * value` (and value 1) gives the same roundings.
-            let _ = state.exp_avg_sq.g_mul_scalar_(beta2).addcmul_(&(grad * (1.0 - beta2)), grad);
+            let _ = state
+                .exp_avg_sq
+                .g_mul_scalar_(beta2)
+                .addcmul_(&(grad * (1.0 - beta2)), grad);
 
             // The bias corrections are Python floats in torch (`beta ** step` with a float
             // step); `powf` is the same C `pow`, and `** 0.5` is `pow` too, not `sqrt`.

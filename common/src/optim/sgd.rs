@@ -27,7 +27,13 @@ pub struct SgdConfig {
 
 impl Default for SgdConfig {
     fn default() -> Self {
-        SgdConfig { lr: 0.01, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false }
+        SgdConfig {
+            lr: 0.01,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+        }
     }
 }
 
@@ -64,15 +70,27 @@ impl Sgd {
     /// On a configuration torch rejects (negative `lr`, `momentum` or `weight_decay`; Nesterov
     /// without momentum or with dampening), or on two parameters with the same name.
     pub fn new(params: Vec<(String, Tensor)>, config: SgdConfig) -> Self {
-        let SgdConfig { lr, momentum, dampening, weight_decay, nesterov } = config;
+        let SgdConfig {
+            lr,
+            momentum,
+            dampening,
+            weight_decay,
+            nesterov,
+        } = config;
         assert!(lr >= 0.0, "SGD: invalid learning rate {lr}");
         assert!(momentum >= 0.0, "SGD: invalid momentum {momentum}");
-        assert!(weight_decay >= 0.0, "SGD: invalid weight decay {weight_decay}");
+        assert!(
+            weight_decay >= 0.0,
+            "SGD: invalid weight decay {weight_decay}"
+        );
         assert!(
             !nesterov || (momentum > 0.0 && dampening == 0.0),
             "SGD: Nesterov momentum requires a momentum and zero dampening"
         );
-        Sgd { slots: Slots::new(params), config }
+        Sgd {
+            slots: Slots::new(params),
+            config,
+        }
     }
 
     /// The hyper-parameters (with the current learning rate).
@@ -83,21 +101,42 @@ impl Sgd {
 
 impl Optimizer for Sgd {
     fn step(&mut self) {
-        let SgdConfig { lr, momentum, dampening, weight_decay, nesterov } = self.config;
+        let SgdConfig {
+            lr,
+            momentum,
+            dampening,
+            weight_decay,
+            nesterov,
+        } = self.config;
         self.slots.update_each(|param, grad, state| {
-            let mut grad =
-                if weight_decay != 0.0 { add_scaled(grad, param, weight_decay) } else { grad.shallow_clone() };
+            let mut grad = if weight_decay != 0.0 {
+                add_scaled(grad, param, weight_decay)
+            } else {
+                grad.shallow_clone()
+            };
             if momentum != 0.0 {
                 let buf = match state {
                     // torch starts the buffer at the (decayed) gradient itself, undampened.
-                    None => &state.insert(SgdState { momentum_buffer: grad.copy() }).momentum_buffer,
-                    Some(SgdState { momentum_buffer: buf }) => {
+                    None => {
+                        &state
+                            .insert(SgdState {
+                                momentum_buffer: grad.copy(),
+                            })
+                            .momentum_buffer
+                    }
+                    Some(SgdState {
+                        momentum_buffer: buf,
+                    }) => {
                         let _ = buf.g_mul_scalar_(momentum);
                         add_scaled_(buf, &grad, 1.0 - dampening);
                         buf
                     }
                 };
-                grad = if nesterov { add_scaled(&grad, buf, momentum) } else { buf.shallow_clone() };
+                grad = if nesterov {
+                    add_scaled(&grad, buf, momentum)
+                } else {
+                    buf.shallow_clone()
+                };
             }
             add_scaled_(param, &grad, -lr);
         });

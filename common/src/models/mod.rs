@@ -132,8 +132,8 @@ const MIN_IMAGENET_SIDE: i64 = 32;
 /// - a 1-channel image (MNIST) is repeated to 3 channels, matching the 3-channel stem of the
 ///   ImageNet weights;
 /// - an image smaller than 32×32 (MNIST's 28×28) is zero-padded (centred) to 32×32, since
-///   VGG19's five 2×2 max-pools would otherwise shrink 28 → 0. Zero is the data set's mean
-///   after normalisation, i.e. a neutral border.
+///   VGG19's five 2×2 max-pools would otherwise shrink 28 → 0. On mean/std-normalised input
+///   zero is the mean pixel, a neutral border.
 ///
 /// CIFAR-10's 3×32×32 images pass through unchanged.
 fn imagenet_input(xs: &Tensor) -> Tensor {

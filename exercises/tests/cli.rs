@@ -1,0 +1,172 @@
+//! exercise1 as a user runs it: learning on real MNIST digits, results files, exact resume
+//! through the flags, and one clear line with the right exit code for each mistake.
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn exercise1(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_exercise1")).args(args).output().expect("exercise1 runs")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn shared_mnist() -> PathBuf {
+    let base = std::env::var_os("SHARED_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data"));
+    let dir = base.join("mnist-5k");
+    assert!(dir.is_dir(), "this test needs the real MNIST sample at {} (or set SHARED_DATA)", dir.display());
+    dir
+}
+
+fn generated_cifar(dir: &Path, train: usize) {
+    let status = Command::new(env!("CARGO_BIN_EXE_prepare_data"))
+        .args(["generate", "--dataset", "cifar10", "--train", &train.to_string(), "--test", "50", "--out"])
+        .arg(dir)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+fn read_json(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+#[test]
+fn the_course_cnn_learns_real_mnist_digits() {
+    let results = tempfile::tempdir().unwrap();
+    let out = exercise1(&[
+        "--dataset", "mnist", "--data-dir", shared_mnist().to_str().unwrap(), "--device", "cpu",
+        "--epochs", "5", "--quiet", "--results-dir", results.path().to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("155,685 parameters"), "{stdout}");
+    let json = read_json(&results.path().join("exercise1-cnn-cpu.json"));
+    let acc = json["test_acc"].as_f64().unwrap();
+    println!("simple CNN, 4,000 real MNIST digits, 5 epochs on CPU: test accuracy {acc:.4} (PyTorch reaches 0.95-0.96)");
+    assert!(acc >= 0.94, "test accuracy {acc} < 0.94");
+    assert_eq!(json["data_generated"], false);
+    assert_eq!(json["steps"], 200);
+    assert_eq!(json["history"].as_array().unwrap().len(), 5);
+    for field in ["exercise", "model", "params", "device", "dataset", "epochs", "batch_size", "train_time_s", "throughput", "test_loss", "torch_version"] {
+        assert!(!json[field].is_null(), "results JSON lacks {field}");
+    }
+    assert!(json["torch_version"].as_str().unwrap().starts_with("2.11.0"), "{}", json["torch_version"]);
+    let csv = std::fs::read_to_string(results.path().join("exercise1.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 2, "header and one row");
+}
+
+#[test]
+fn device_both_without_a_gpu_runs_the_cpu_and_says_the_gpu_is_missing() {
+    let data = tempfile::tempdir().unwrap();
+    generated_cifar(data.path(), 100);
+    let results = tempfile::tempdir().unwrap();
+    let out = exercise1(&[
+        "--data-dir", data.path().to_str().unwrap(), "--device", "both", "--max-steps", "3",
+        "--results-dir", results.path().to_str().unwrap(), "--quiet",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("191,935 parameters"), "{stdout}");
+    assert!(stdout.contains("GPU column missing"), "{stdout}");
+    assert!(stderr(&out).contains("GENERATED"), "generated data is announced");
+    let json = read_json(&results.path().join("exercise1-cnn-cpu.json"));
+    assert_eq!(json["steps"], 3);
+    assert_eq!(json["data_generated"], true);
+}
+
+#[test]
+fn resume_through_the_flags_matches_a_straight_run() {
+    let data = tempfile::tempdir().unwrap();
+    generated_cifar(data.path(), 200);
+    let run = |epochs: &str, ck: &Path, results: &Path| {
+        let out = exercise1(&[
+            "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--epochs", epochs,
+            "--checkpoint-dir", ck.to_str().unwrap(), "--resume", "--quiet",
+            "--results-dir", results.to_str().unwrap(), "--batch-size", "50",
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        (read_json(&results.join("exercise1-cnn-cpu.json")), String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (straight, _) = run("2", a.path(), a.path());
+    run("1", b.path(), b.path());
+    let (resumed, stdout) = run("2", b.path(), b.path());
+    assert!(stdout.contains("resumed exercise1-cnn-cpu") && stdout.contains("after epoch 1"), "{stdout}");
+    assert_eq!(resumed["resumed_epochs"], 1);
+    assert_eq!(resumed["steps"], 4, "only the second epoch ran");
+    let (x, y) = (straight["test_loss"].as_f64().unwrap(), resumed["test_loss"].as_f64().unwrap());
+    assert!((x - y).abs() <= 1e-6 * x.abs(), "test loss straight {x} vs resumed {y}");
+}
+
+#[test]
+fn an_unknown_model_is_a_usage_error() {
+    let out = exercise1(&["--model", "alexnet"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("invalid value 'alexnet'") && err.contains("cnn, resnet34, vgg19"), "{err}");
+}
+
+#[test]
+fn a_missing_data_directory_is_one_clear_line() {
+    let out = exercise1(&["--data-dir", "/nonexistent/cifar", "--device", "cpu"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.starts_with("error: data directory /nonexistent/cifar does not exist") && err.contains("make data"), "{err}");
+}
+
+#[test]
+fn cuda_without_a_gpu_exits_2_with_one_line() {
+    let out = exercise1(&["--device", "cuda", "--data-dir", "/nonexistent"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("no CUDA device is available"), "{err}");
+}
+
+#[test]
+fn flag_mistakes_are_usage_errors() {
+    let out = exercise1(&["--resume"]);
+    assert_eq!(out.status.code(), Some(2), "--resume needs --checkpoint-dir");
+    assert!(stderr(&out).contains("--checkpoint-dir"), "{}", stderr(&out));
+    let out = exercise1(&["--batch-size", "0", "--device", "cpu"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("--batch-size must be at least 1"), "{}", stderr(&out));
+}
+
+#[test]
+fn a_corrupt_checkpoint_stops_the_resume_with_its_name() {
+    let data = tempfile::tempdir().unwrap();
+    generated_cifar(data.path(), 20);
+    let ck = tempfile::tempdir().unwrap();
+    std::fs::write(ck.path().join("exercise1-cnn-cpu.safetensors"), b"garbage").unwrap();
+    let out = exercise1(&[
+        "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--epochs", "1",
+        "--checkpoint-dir", ck.path().to_str().unwrap(), "--resume", "--quiet",
+        "--results-dir", ck.path().to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(err.contains("exercise1-cnn-cpu.safetensors") && err.contains("corrupt"), "{err}");
+}
+
+#[test]
+fn weights_that_do_not_fit_are_listed() {
+    let data = tempfile::tempdir().unwrap();
+    generated_cifar(data.path(), 20);
+    let weights = data.path().join("wrong.safetensors");
+    let tensors = [("conv1.weight", tch::Tensor::zeros([3, 3], (tch::Kind::Float, tch::Device::Cpu)))];
+    tch::Tensor::write_safetensors(&tensors, &weights).unwrap();
+    let out = exercise1(&[
+        "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--max-steps", "1",
+        "--weights", weights.to_str().unwrap(), "--quiet", "--results-dir", data.path().to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(err.contains("wrong.safetensors") && err.contains("conv1.weight") && err.contains("fc2.weight"), "{err}");
+}

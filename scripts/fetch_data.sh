@@ -12,9 +12,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 data="${DATA_DIR:-$root/data}"
 prepare="${PREPARE_DATA:?set PREPARE_DATA to the prepare_data binary}"
 
-CIFAR_URL="https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
-CIFAR_MD5="c32a1d4ab5d03f1284b67883e8d87530"
-MNIST_URL="https://ossci-datasets.s3.amazonaws.com/mnist"
+# Sources and checksums; the FETCH_* overrides exist for mirrors and for the tests.
+CIFAR_URL="${FETCH_CIFAR_URL:-https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz}"
+CIFAR_MD5="${FETCH_CIFAR_MD5:-c32a1d4ab5d03f1284b67883e8d87530}"
+MNIST_URL="${FETCH_MNIST_URL:-https://ossci-datasets.s3.amazonaws.com/mnist}"
 declare -A MNIST_MD5=(
     [train-images-idx3-ubyte.gz]=f68b3c2dcbeaaa9fbdd348bbdeb94873
     [train-labels-idx1-ubyte.gz]=d53e105ee54ea40749a09fcbcd1e9432

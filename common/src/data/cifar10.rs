@@ -52,7 +52,7 @@ pub fn read(dir: &Path, split: Split) -> anyhow::Result<(Vec<u8>, Vec<u8>)> {
 
 /// Splits a file's bytes into records, appending to `images` and `labels`.
 fn parse_records(bytes: &[u8], path: &Path, images: &mut Vec<u8>, labels: &mut Vec<u8>) -> anyhow::Result<()> {
-    if bytes.is_empty() || bytes.len() % RECORD_BYTES != 0 {
+    if bytes.is_empty() || !bytes.len().is_multiple_of(RECORD_BYTES) {
         anyhow::bail!(
             "{}: {} bytes is not a whole number of {RECORD_BYTES}-byte CIFAR-10 records (truncated or not a CIFAR-10 binary file)",
             path.display(),

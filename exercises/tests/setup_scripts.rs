@@ -1,0 +1,134 @@
+//! The shell front door: `scripts/with-torch` refuses a wrong PyTorch with the required
+//! version in the message, and `scripts/fetch_data.sh` verifies downloads and falls back to
+//! generated data in the official format.
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn text(out: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+/// A stand-in `python` that claims to have the given torch version.
+fn fake_python(dir: &Path, version: &str) -> PathBuf {
+    let path = dir.join("python");
+    std::fs::write(&path, format!("#!/bin/sh\necho '{version} /nonexistent/torch/lib'\n")).unwrap();
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    path
+}
+
+#[test]
+fn with_torch_refuses_another_pytorch_version_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let python = fake_python(dir.path(), "2.10.0+cpu");
+    let out = Command::new(repo().join("scripts/with-torch"))
+        .arg("true")
+        .env("TORCH_PYTHON", &python)
+        .env_remove("LIBTORCH")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let msg = text(&out);
+    assert!(msg.contains("PyTorch 2.10.0+cpu") && msg.contains("requires PyTorch 2.11.0"), "{msg}");
+
+    let ok = fake_python(dir.path(), "2.11.0+cu130");
+    let out = Command::new(repo().join("scripts/with-torch"))
+        .args(["sh", "-c", "echo $TORCH_VERSION $LIBTORCH_USE_PYTORCH $LD_LIBRARY_PATH"])
+        .env("TORCH_PYTHON", &ok)
+        .env_remove("LIBTORCH")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).starts_with("2.11.0+cu130 1 /nonexistent/torch/lib"), "{}", text(&out));
+}
+
+#[test]
+fn with_torch_refuses_a_libtorch_folder_of_another_version() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("lib")).unwrap();
+    std::fs::write(dir.path().join("build-version"), "2.9.1+cu126\n").unwrap();
+    let out = Command::new(repo().join("scripts/with-torch")).arg("true").env("LIBTORCH", dir.path()).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out).contains("version '2.9.1+cu126'") && text(&out).contains("requires LibTorch 2.11.0"), "{}", text(&out));
+}
+
+fn fetch(data_dir: &Path, dataset: &str, env: &[(&str, String)]) -> Output {
+    let mut cmd = Command::new(repo().join("scripts/fetch_data.sh"));
+    cmd.arg(dataset).env("DATA_DIR", data_dir).env("PREPARE_DATA", env!("CARGO_BIN_EXE_prepare_data"));
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+fn md5(path: &Path) -> String {
+    let out = Command::new("md5sum").arg(path).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).split_whitespace().next().unwrap().to_string()
+}
+
+#[test]
+fn a_verified_download_is_unpacked_and_used() {
+    // A CIFAR-10-format archive laid out like the official one, served from a file:// URL.
+    let src = tempfile::tempdir().unwrap();
+    let inner = src.path().join("cifar-10-batches-bin");
+    let status = Command::new(env!("CARGO_BIN_EXE_prepare_data"))
+        .args(["generate", "--dataset", "cifar10", "--train", "10", "--test", "5", "--out"])
+        .arg(&inner)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    std::fs::remove_file(inner.join("GENERATED.txt")).unwrap();
+    let archive = src.path().join("cifar-10-binary.tar.gz");
+    let status = Command::new("tar").arg("-czf").arg(&archive).arg("-C").arg(src.path()).arg("cifar-10-batches-bin").status().unwrap();
+    assert!(status.success());
+
+    let data = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", archive.display());
+    let out = fetch(data.path(), "cifar10", &[("FETCH_CIFAR_URL", url), ("FETCH_CIFAR_MD5", md5(&archive))]);
+    assert!(out.status.success(), "{}", text(&out));
+    let msg = text(&out);
+    assert!(msg.contains("10 train + 5 test images") && !msg.contains("GENERATED"), "{msg}");
+    assert!(data.path().join("cifar10/cifar-10-batches-bin/test_batch.bin").exists());
+    assert!(!data.path().join("cifar10/cifar-10-binary.tar.gz").exists(), "the archive is removed after unpacking");
+
+    // A second `make data` finds the data and downloads nothing.
+    let out = fetch(data.path(), "cifar10", &[("FETCH_CIFAR_URL", "file:///nonexistent".into())]);
+    assert!(out.status.success() && !text(&out).contains("downloading"), "{}", text(&out));
+}
+
+#[test]
+fn a_download_with_the_wrong_checksum_is_discarded_and_data_generated_loudly() {
+    let src = tempfile::tempdir().unwrap();
+    let archive = src.path().join("cifar-10-binary.tar.gz");
+    std::fs::write(&archive, b"not the archive").unwrap();
+    let data = tempfile::tempdir().unwrap();
+    let out = fetch(data.path(), "cifar10", &[("FETCH_CIFAR_URL", format!("file://{}", archive.display()))]);
+    assert!(out.status.success(), "{}", text(&out));
+    let msg = text(&out);
+    assert!(msg.contains("expected c32a1d4ab5d03f1284b67883e8d87530; discarding"), "{msg}");
+    assert!(msg.contains("GENERATING a stand-in"), "{msg}");
+    assert!(data.path().join("cifar10/GENERATED.txt").exists());
+    assert!(data.path().join("cifar10/data_batch_5.bin").exists());
+}
+
+#[test]
+fn mnist_without_network_falls_back_to_generated_idx_files() {
+    let data = tempfile::tempdir().unwrap();
+    let out = fetch(data.path(), "mnist", &[("FETCH_MNIST_URL", "file:///nonexistent".into())]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("GENERATING a stand-in"), "{}", text(&out));
+    assert!(text(&out).contains("60000 train + 10000 test"), "{}", text(&out));
+    assert!(data.path().join("mnist/t10k-labels-idx1-ubyte.gz").exists());
+}
+
+#[test]
+fn an_unknown_data_set_name_is_refused() {
+    let data = tempfile::tempdir().unwrap();
+    let out = fetch(data.path(), "imagenet", &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out).contains("unknown data set 'imagenet'"), "{}", text(&out));
+}

@@ -143,6 +143,7 @@ pub fn run(exercise: Exercise, args: &ImageArgs) -> anyhow::Result<Vec<RunRecord
         let (record, fit) = run_on(exercise, args, device, &train_set, &test_set)?;
         let extra = serde_json::json!({ "history": fit.history, "resumed_epochs": fit.resumed_epochs });
         let path = report::save(&args.results_dir, &record, extra)?;
+        println!("{}", report::time_split(&record));
         println!("wrote {}", path.display());
         records.push(record);
     }

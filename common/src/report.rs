@@ -119,6 +119,24 @@ pub fn comparison_table(records: &[RunRecord], missing: Option<&str>) -> String 
     out
 }
 
+/// Where the training time went, in one line.
+pub fn time_split(record: &RunRecord) -> String {
+    let total = record.train_time_s.max(f64::EPSILON);
+    let share = |s: f64| 100.0 * s / total;
+    format!(
+        "[{}] training {:.1} s: data wait {:.1} s ({:.0}%), forward+backward {:.1} s ({:.0}%), optimizer {:.1} s ({:.0}%); evaluation {:.1} s",
+        record.device,
+        record.train_time_s,
+        record.data_wait_s,
+        share(record.data_wait_s),
+        record.forward_backward_s,
+        share(record.forward_backward_s),
+        record.optimizer_s,
+        share(record.optimizer_s),
+        record.eval_s
+    )
+}
+
 /// 191935 → "191,935".
 pub fn group_thousands(n: i64) -> String {
     let digits = n.unsigned_abs().to_string();

@@ -6,7 +6,7 @@ use crate::error::usage;
 use crate::models::{self, Arch, ModelSpec};
 use crate::optim::{Adam, AdamConfig, Optimizer, OptimizerKind, Sgd, SgdConfig};
 use crate::report::{self, RunRecord};
-use crate::train::{self, CheckpointConfig, FitReport, LrSchedule, TrainConfig};
+use crate::train::{self, CheckpointConfig, FitReport, LrSchedule, Metric, TrainConfig};
 use serde::Serialize;
 use std::path::PathBuf;
 use tch::{nn, Device};
@@ -114,7 +114,7 @@ pub struct Exercise {
 pub fn run(exercise: Exercise, args: &ImageArgs) -> anyhow::Result<Vec<RunRecord>> {
     args.check()?;
     device::set_threads(args.threads)?;
-    let devices = device::devices_for(args.device)?;
+    device::devices_for(args.device)?; // a missing GPU is reported before any data is read
     let dir = args.data_dir.clone().unwrap_or_else(|| args.dataset.default_dir());
     let train_set = data::load(args.dataset, &dir, Split::Train)?;
     let test_set = data::load(args.dataset, &dir, Split::Test)?;
@@ -138,19 +138,11 @@ pub fn run(exercise: Exercise, args: &ImageArgs) -> anyhow::Result<Vec<RunRecord
         crate::torch_version()
     );
 
-    let mut records = Vec::new();
-    for device in devices {
+    report::run_per_device(args.device, &args.results_dir, |device| {
         let (record, fit) = run_on(exercise, args, device, &train_set, &test_set)?;
         let extra = serde_json::json!({ "history": fit.history, "resumed_epochs": fit.resumed_epochs });
-        let path = report::save(&args.results_dir, &record, extra)?;
-        println!("{}", report::time_split(&record));
-        println!("wrote {}", path.display());
-        records.push(record);
-    }
-    let missing = (args.device == DeviceChoice::Both && !device::cuda_available())
-        .then_some("no CUDA device on this machine; the run above is CPU only");
-    println!("{}", report::comparison_table(&records, missing));
-    Ok(records)
+        Ok((record, extra))
+    })
 }
 
 fn run_on(
@@ -209,6 +201,7 @@ fn run_on(
         }),
         progress: !args.quiet,
         verbose: true,
+        metric: Metric::Accuracy,
     };
     let fit = train::fit(model.as_ref(), &vs, optimizer.as_mut(), &train_loader, &test_loader, &config)?;
     let record = RunRecord {
@@ -225,8 +218,8 @@ fn run_on(
         optimizer: optimizer.name().into(),
         train_time_s: fit.train_time_s,
         throughput: fit.throughput(),
-        test_acc: fit.test_acc,
-        test_loss: fit.test_loss,
+        test_acc: fit.eval_acc,
+        test_loss: fit.eval_loss,
         data_wait_s: fit.timings.data_wait_s,
         forward_backward_s: fit.timings.forward_backward_s,
         optimizer_s: fit.timings.optimizer_s,

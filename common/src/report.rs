@@ -1,5 +1,6 @@
 //! What a run leaves behind: one JSON file per run, a row in the exercise's CSV, and the
 //! course's CPU-vs-GPU table on the terminal.
+use crate::device::{self, DeviceChoice};
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
@@ -76,6 +77,27 @@ pub fn append_csv(path: &Path, record: &RunRecord) -> anyhow::Result<()> {
         .with_context(|| format!("cannot open {}", path.display()))?;
     let mut writer = csv::WriterBuilder::new().has_headers(is_new).from_writer(file);
     writer.serialize(record).and_then(|()| Ok(writer.flush()?)).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Runs `run` on every device `choice` names (CPU first), saves each run's results, prints
+/// its time split, and finally the comparison table — saying so when `both` found no GPU.
+pub fn run_per_device(
+    choice: DeviceChoice,
+    results_dir: &Path,
+    mut run: impl FnMut(tch::Device) -> anyhow::Result<(RunRecord, serde_json::Value)>,
+) -> anyhow::Result<Vec<RunRecord>> {
+    let mut records = Vec::new();
+    for device in device::devices_for(choice)? {
+        let (record, extra) = run(device)?;
+        let path = save(results_dir, &record, extra)?;
+        println!("{}", time_split(&record));
+        println!("wrote {}", path.display());
+        records.push(record);
+    }
+    let missing = (choice == DeviceChoice::Both && !device::cuda_available())
+        .then_some("no CUDA device on this machine; the run above is CPU only");
+    println!("{}", comparison_table(&records, missing));
+    Ok(records)
 }
 
 /// Reads every record of an exercise's CSV.

@@ -83,6 +83,26 @@ pub struct TrainConfig {
     pub progress: bool,
     /// Print one line per epoch.
     pub verbose: bool,
+    /// What the epoch line reports besides the loss.
+    pub metric: Metric,
+}
+
+/// The figure of merit printed beside the loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Metric {
+    /// Share of arg-max hits (image classification).
+    Accuracy,
+    /// exp(loss) (language modelling).
+    Perplexity,
+}
+
+impl Metric {
+    fn describe(self, loss: f64, acc: f64) -> String {
+        match self {
+            Metric::Accuracy => format!("loss {loss:.4} acc {acc:.4}"),
+            Metric::Perplexity => format!("loss {loss:.4} ppl {:.2}", loss.exp()),
+        }
+    }
 }
 
 /// Wall-clock time split of the training steps, and evaluation.
@@ -104,8 +124,8 @@ pub struct EpochStats {
     pub steps: usize,
     pub train_loss: f64,
     pub train_acc: f64,
-    pub test_loss: f64,
-    pub test_acc: f64,
+    pub eval_loss: f64,
+    pub eval_acc: f64,
     pub train_time_s: f64,
 }
 
@@ -122,8 +142,8 @@ pub struct FitReport {
     /// Time in training steps (loader wait, forward, backward, optimizer), evaluation excluded.
     pub train_time_s: f64,
     pub timings: Timings,
-    pub test_loss: f64,
-    pub test_acc: f64,
+    pub eval_loss: f64,
+    pub eval_acc: f64,
 }
 
 impl FitReport {
@@ -164,14 +184,15 @@ pub fn evaluate(model: &dyn nn::ModuleT, source: &dyn BatchSource) -> (f64, f64)
     })
 }
 
-/// Trains `model` on `train`, evaluating on `test` after every epoch, from a checkpoint when
-/// asked to resume and one exists.
+/// Trains `model` on `train`, evaluating on `eval` after every epoch (the test set in the image
+/// exercises, the validation split for the language model), from a checkpoint when asked to
+/// resume and one exists.
 pub fn fit(
     model: &dyn nn::ModuleT,
     vs: &nn::VarStore,
     optimizer: &mut dyn Optimizer,
     train: &dyn BatchSource,
-    test: &dyn BatchSource,
+    eval: &dyn BatchSource,
     config: &TrainConfig,
 ) -> anyhow::Result<FitReport> {
     let device = vs.device();
@@ -198,8 +219,8 @@ pub fn fit(
         examples: 0,
         train_time_s: 0.0,
         timings: Timings::default(),
-        test_loss: f64::NAN,
-        test_acc: f64::NAN,
+        eval_loss: f64::NAN,
+        eval_acc: f64::NAN,
     };
     let out_of_steps = |step: usize| config.max_steps.is_some_and(|max| step >= max);
 
@@ -262,7 +283,7 @@ pub fn fit(
         let train_loss = loss_sum.double_value(&[]) / n;
 
         let eval_start = Instant::now();
-        let (test_loss, test_acc) = evaluate(model, test);
+        let (eval_loss, eval_acc) = evaluate(model, eval);
         synchronize(device);
         report.timings.eval_s += eval_start.elapsed().as_secs_f64();
 
@@ -272,13 +293,13 @@ pub fn fit(
             steps: epoch_steps,
             train_loss,
             train_acc: hits_sum.int64_value(&[]) as f64 / n,
-            test_loss,
-            test_acc,
+            eval_loss,
+            eval_acc,
             train_time_s: train_time,
         };
         if config.verbose {
             println!(
-                "[{}] epoch {}/{}{}: {} steps in {:.1} s ({:.0}/s)  train loss {:.4} acc {:.4}  test loss {:.4} acc {:.4}",
+                "[{}] epoch {}/{}{}: {} steps in {:.1} s ({:.0}/s), lr {:.4}  train {}  eval {}",
                 config.run,
                 stats.epoch,
                 config.epochs,
@@ -286,17 +307,16 @@ pub fn fit(
                 epoch_steps,
                 train_time,
                 n / train_time.max(f64::EPSILON),
-                train_loss,
-                stats.train_acc,
-                test_loss,
-                test_acc
+                lr,
+                config.metric.describe(train_loss, stats.train_acc),
+                config.metric.describe(eval_loss, eval_acc),
             );
         }
         report.steps += epoch_steps;
         report.examples += seen;
         report.train_time_s += train_time;
-        report.test_loss = test_loss;
-        report.test_acc = test_acc;
+        report.eval_loss = eval_loss;
+        report.eval_acc = eval_acc;
         report.history.push(stats);
 
         // Only whole epochs are checkpointed: a resume then starts at an epoch boundary, where
@@ -320,7 +340,7 @@ pub fn fit(
     if report.history.is_empty() {
         // Nothing left to train (a finished run resumed): still report where the model stands.
         let eval_start = Instant::now();
-        (report.test_loss, report.test_acc) = evaluate(model, test);
+        (report.eval_loss, report.eval_acc) = evaluate(model, eval);
         report.timings.eval_s += eval_start.elapsed().as_secs_f64();
     }
     Ok(report)

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""PyTorch eager reference for exercise1_nlp: the course's Transformer tutorial model and
+training step, same configuration flags as the Rust binary, reporting training tokens/s.
+
+    python bench/exercise1_nlp_reference.py --data-dir data/wikitext-2 --max-steps 50 --threads 2
+
+Prints one JSON line: {"impl": "pytorch", "tokens_per_s": ..., "steps": ..., ...}.
+Every step is timed, from batch slicing to the optimizer step, as the Rust training loop does.
+"""
+import argparse, json, math, os, re, time
+
+import torch
+from torch import nn
+
+_PATTERNS = [(r"\'", " '  "), (r"\"", ""), (r"\.", " . "), (r"<br \/>", " "), (r",", " , "),
+             (r"\(", " ( "), (r"\)", " ) "), (r"\!", " ! "), (r"\?", " ? "), (r"\;", " "),
+             (r"\:", " "), (r"\s+", " ")]
+_COMPILED = [(re.compile(p), r) for p, r in _PATTERNS]
+
+
+def basic_english(line):
+    """torchtext's get_tokenizer('basic_english')."""
+    line = line.lower()
+    for pattern, repl in _COMPILED:
+        line = pattern.sub(repl, line)
+    return line.split()
+
+
+def split_path(data_dir, split):
+    for name in (f"wiki.{split}.tokens", f"{split}.txt", f"wikitext-2/wiki.{split}.tokens"):
+        path = os.path.join(data_dir, name)
+        if os.path.exists(path):
+            return path
+    raise SystemExit(f"error: no {split} split in {data_dir}")
+
+
+def load_tokens(data_dir, split, tokenizer):
+    with open(split_path(data_dir, split), encoding="utf8") as f:
+        lines = f.readlines()
+    if tokenizer == "whitespace":
+        return [w for line in lines for w in line.split() + ["<eos>"]]
+    return [w for line in lines for w in basic_english(line)]
+
+
+class PositionalEncoding(nn.Module):
+    def __init__(self, d_model, dropout, max_len=5000):
+        super().__init__()
+        self.dropout = nn.Dropout(p=dropout)
+        position = torch.arange(max_len).unsqueeze(1)
+        div_term = torch.exp(torch.arange(0, d_model, 2) * (-math.log(10000.0) / d_model))
+        pe = torch.zeros(max_len, 1, d_model)
+        pe[:, 0, 0::2] = torch.sin(position * div_term)
+        pe[:, 0, 1::2] = torch.cos(position * div_term)
+        self.register_buffer("pe", pe)
+
+    def forward(self, x):
+        return self.dropout(x + self.pe[: x.size(0)])
+
+
+class TransformerModel(nn.Module):
+    def __init__(self, ntoken, d_model, nhead, d_hid, nlayers, dropout):
+        super().__init__()
+        self.pos_encoder = PositionalEncoding(d_model, dropout)
+        layer = nn.TransformerEncoderLayer(d_model, nhead, d_hid, dropout)
+        self.transformer_encoder = nn.TransformerEncoder(layer, nlayers, enable_nested_tensor=False)
+        self.embedding = nn.Embedding(ntoken, d_model)
+        self.d_model = d_model
+        self.linear = nn.Linear(d_model, ntoken)
+        self.embedding.weight.data.uniform_(-0.1, 0.1)
+        self.linear.bias.data.zero_()
+        self.linear.weight.data.uniform_(-0.1, 0.1)
+
+    def forward(self, src, src_mask):
+        src = self.embedding(src) * math.sqrt(self.d_model)
+        src = self.pos_encoder(src)
+        return self.linear(self.transformer_encoder(src, src_mask))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data-dir", default="data/wikitext-2")
+    p.add_argument("--train-split", default="train", help="split to train on (valid where train is absent)")
+    p.add_argument("--tokenizer", default="basic_english", choices=["basic_english", "whitespace"])
+    p.add_argument("--emsize", type=int, default=1024)
+    p.add_argument("--d-hid", type=int, default=1024)
+    p.add_argument("--nhead", type=int, default=4)
+    p.add_argument("--nlayers", type=int, default=3)
+    p.add_argument("--dropout", type=float, default=0.2)
+    p.add_argument("--bptt", type=int, default=35)
+    p.add_argument("--batch-size", type=int, default=20)
+    p.add_argument("--lr", type=float, default=5.0)
+    p.add_argument("--max-steps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=0, help="untimed first steps (the Rust loop times every step)")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=42)
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    device = torch.device(a.device)
+
+    tokens = load_tokens(a.data_dir, a.train_split, a.tokenizer)
+    vocab = {"<unk>": 0} if a.tokenizer == "basic_english" else {}
+    for w in tokens:
+        vocab.setdefault(w, len(vocab))
+    data = torch.tensor([vocab[w] for w in tokens], dtype=torch.long)
+    nbatch = data.size(0) // a.batch_size
+    data = data[: nbatch * a.batch_size].view(a.batch_size, -1).t().contiguous().to(device)
+
+    model = TransformerModel(len(vocab), a.emsize, a.nhead, a.d_hid, a.nlayers, a.dropout).to(device)
+    criterion = nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=a.lr)
+    mask = nn.Transformer.generate_square_subsequent_mask(a.bptt).to(device)
+    model.train()
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    steps, tokens_timed, timed = 0, 0, 0.0
+    i = 0
+    while steps < a.max_steps:
+        if i >= data.size(0) - 1 - a.bptt:
+            i = 0
+        src, tgt = data[i : i + a.bptt], data[i + 1 : i + 1 + a.bptt].reshape(-1)
+        i += a.bptt
+        sync()
+        t0 = time.perf_counter()
+        output = model(src, mask)
+        loss = criterion(output.view(-1, len(vocab)), tgt)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        loss_value = loss.item()
+        sync()
+        if steps >= a.warmup:
+            timed += time.perf_counter() - t0
+            tokens_timed += tgt.numel()
+        steps += 1
+    params = sum(p.numel() for p in model.parameters())
+    print(json.dumps({"impl": "pytorch", "tokens_per_s": tokens_timed / timed, "steps": steps,
+                      "timed_steps": steps - a.warmup, "params": params, "vocab": len(vocab),
+                      "last_loss": loss_value, "threads": torch.get_num_threads(),
+                      "torch_version": torch.__version__, "device": a.device}))
+
+
+if __name__ == "__main__":
+    main()

@@ -15,7 +15,8 @@ BIN       := target/release
 ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
-.PHONY: setup build data data-cifar10 data-mnist exercise1 exercise1-cpu exercise1-gpu test clean-results
+.PHONY: setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
+        exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test clean-results
 
 setup:
 	@$(WITH) true
@@ -26,12 +27,16 @@ build: setup
 
 data: build
 	PREPARE_DATA=$(BIN)/prepare_data $(WITH) scripts/fetch_data.sh cifar10 mnist
+	PREPARE_DATA=$(BIN)/prepare_data $(WITH) scripts/fetch_wikitext.sh
 
 data-cifar10: build
 	PREPARE_DATA=$(BIN)/prepare_data $(WITH) scripts/fetch_data.sh cifar10
 
 data-mnist: build
 	PREPARE_DATA=$(BIN)/prepare_data $(WITH) scripts/fetch_data.sh mnist
+
+data-wikitext2: build
+	PREPARE_DATA=$(BIN)/prepare_data $(WITH) scripts/fetch_wikitext.sh
 
 exercise1: data-cifar10
 	$(WITH) $(BIN)/exercise1 --device both $(ARGS)
@@ -41,6 +46,15 @@ exercise1-cpu: data-cifar10
 
 exercise1-gpu: data-cifar10
 	$(WITH) $(BIN)/exercise1 --device cuda $(ARGS)
+
+exercise1_nlp: data-wikitext2
+	$(WITH) $(BIN)/exercise1_nlp --device both $(ARGS)
+
+exercise1_nlp-cpu: data-wikitext2
+	$(WITH) $(BIN)/exercise1_nlp --device cpu $(ARGS)
+
+exercise1_nlp-gpu: data-wikitext2
+	$(WITH) $(BIN)/exercise1_nlp --device cuda $(ARGS)
 
 test: build
 	$(CARGO) test --release --workspace

@@ -23,25 +23,11 @@ declare -A MNIST_MD5=(
     [t10k-labels-idx1-ubyte.gz]=ec29112dd5afa0611ce80d1b7f02629c
 )
 
-# download URL FILE MD5: fetch to FILE and verify; non-zero on any failure.
-download() {
-    local url=$1 file=$2 md5=$3
-    echo ">> downloading $url"
-    curl -fsSL --connect-timeout 10 --max-time 1800 -o "$file.part" "$url" || { rm -f "$file.part"; return 1; }
-    local got; got=$(md5sum "$file.part" | cut -d' ' -f1)
-    if [[ "$got" != "$md5" ]]; then
-        echo "!! $url: MD5 $got, expected $md5; discarding" >&2
-        rm -f "$file.part"; return 1
-    fi
-    mv "$file.part" "$file"
-}
+source "$root/scripts/lib/fetch.sh"
 
 fallback() {
     local name=$1
-    echo "!!" >&2
-    echo "!! $name could not be downloaded here (no network?): GENERATING a stand-in in the same" >&2
-    echo "!! binary format instead. Runs on it say so; their accuracies are not the course's." >&2
-    echo "!!" >&2
+    announce_generated "$name" accuracies
     rm -rf "${data:?}/$name"
     "$prepare" generate --dataset "$name" --out "$data/$name"
 }

@@ -5,7 +5,8 @@ use crate::device::{self, DeviceChoice};
 use crate::error::usage;
 use crate::models::{self, Arch, ModelSpec};
 use crate::optim::{Adam, AdamConfig, Optimizer, OptimizerKind, Sgd, SgdConfig};
-use crate::report::{self, RunRecord};
+use crate::report::{self, RunInfo, RunRecord};
+use crate::Exercise;
 use crate::train::{self, CheckpointConfig, FitReport, LrSchedule, Metric, TrainConfig};
 use serde::Serialize;
 use std::path::PathBuf;
@@ -103,13 +104,6 @@ impl ImageArgs {
     }
 }
 
-/// Which exercise is running, for file names and defaults.
-#[derive(Debug, Clone, Copy)]
-pub struct Exercise {
-    pub name: &'static str,
-    pub default_epochs: usize,
-}
-
 /// Runs the exercise on every requested device, writes the results, prints the table.
 pub fn run(exercise: Exercise, args: &ImageArgs) -> anyhow::Result<Vec<RunRecord>> {
     args.check()?;
@@ -204,31 +198,20 @@ fn run_on(
         metric: Metric::Accuracy,
     };
     let fit = train::fit(model.as_ref(), &vs, optimizer.as_mut(), &train_loader, &test_loader, &config)?;
-    let record = RunRecord {
+    let info = RunInfo {
         exercise: exercise.name.into(),
         model: arch_name(args.model),
         params,
-        device: device::device_name(device).into(),
+        device,
         dataset: args.dataset.name().into(),
         data_generated: train_set.generated,
         epochs,
-        steps: fit.steps,
         batch_size: args.batch_size,
         lr: args.lr,
         optimizer: optimizer.name().into(),
-        train_time_s: fit.train_time_s,
-        throughput: fit.throughput(),
-        test_acc: fit.eval_acc,
-        test_loss: fit.eval_loss,
-        data_wait_s: fit.timings.data_wait_s,
-        forward_backward_s: fit.timings.forward_backward_s,
-        optimizer_s: fit.timings.optimizer_s,
-        eval_s: fit.timings.eval_s,
-        threads: tch::get_num_threads() as usize,
         seed: args.seed,
-        torch_version: crate::torch_version().into(),
-        finished_at: report::unix_time(),
     };
+    let record = RunRecord::new(info, &fit, (fit.eval_loss, fit.eval_acc));
     Ok((record, fit))
 }
 

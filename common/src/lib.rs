@@ -8,10 +8,18 @@ pub mod data;
 pub mod device;
 pub mod error;
 pub mod image_classification;
+pub mod language_model;
 pub mod models;
 pub mod optim;
 pub mod report;
 pub mod train;
+
+/// Which exercise is running: names its results and checkpoint files, and sets defaults.
+#[derive(Debug, Clone, Copy)]
+pub struct Exercise {
+    pub name: &'static str,
+    pub default_epochs: usize,
+}
 
 /// The PyTorch version the binaries were built against (set by the build scripts).
 pub fn torch_version() -> &'static str {

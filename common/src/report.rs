@@ -41,7 +41,53 @@ pub struct RunRecord {
     pub finished_at: u64,
 }
 
+/// What describes a run before it starts; [`RunRecord::new`] adds what the training measured.
+#[derive(Debug, Clone)]
+pub struct RunInfo {
+    pub exercise: String,
+    pub model: String,
+    pub params: i64,
+    pub device: tch::Device,
+    pub dataset: String,
+    pub data_generated: bool,
+    pub epochs: usize,
+    pub batch_size: usize,
+    pub lr: f64,
+    pub optimizer: String,
+    pub seed: u64,
+}
+
 impl RunRecord {
+    /// The record of a finished run: its description, what [`crate::train::fit`] measured, and
+    /// the final test loss and accuracy.
+    pub fn new(info: RunInfo, fit: &crate::train::FitReport, (test_loss, test_acc): (f64, f64)) -> Self {
+        RunRecord {
+            exercise: info.exercise,
+            model: info.model,
+            params: info.params,
+            device: device::device_name(info.device).into(),
+            dataset: info.dataset,
+            data_generated: info.data_generated,
+            epochs: info.epochs,
+            steps: fit.steps,
+            batch_size: info.batch_size,
+            lr: info.lr,
+            optimizer: info.optimizer,
+            train_time_s: fit.train_time_s,
+            throughput: fit.throughput(),
+            test_acc,
+            test_loss,
+            data_wait_s: fit.timings.data_wait_s,
+            forward_backward_s: fit.timings.forward_backward_s,
+            optimizer_s: fit.timings.optimizer_s,
+            eval_s: fit.timings.eval_s,
+            threads: tch::get_num_threads() as usize,
+            seed: info.seed,
+            torch_version: crate::torch_version().into(),
+            finished_at: unix_time(),
+        }
+    }
+
     /// `<exercise>-<model>-<device>`, the stem of its files.
     pub fn name(&self) -> String {
         format!("{}-{}-{}", self.exercise, self.model, self.device)

@@ -8,6 +8,7 @@ pub mod generate;
 pub mod loader;
 pub mod mnist;
 pub mod sampler;
+pub mod text;
 
 use anyhow::Context;
 use std::path::{Path, PathBuf};

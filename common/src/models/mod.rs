@@ -9,9 +9,11 @@ use tch::Tensor;
 
 mod cnn;
 mod resnet;
+pub mod transformer;
 mod vgg;
 mod weights;
 
+pub use transformer::{param_count_formula, EncoderLayer, TransformerConfig, TransformerLm};
 pub use weights::load_weights;
 
 /// Which network to build.

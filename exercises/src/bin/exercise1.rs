@@ -1,7 +1,8 @@
 //! Exercise 1: train a CNN, ResNet34 or VGG19 on CIFAR-10 (or MNIST) on the CPU and on the
 //! GPU, and compare the two, as in the course's `exercise1.py`.
 use clap::Parser;
-use common::image_classification::{self, Exercise, ImageArgs};
+use common::image_classification::{self, ImageArgs};
+use common::Exercise;
 
 /// Exercise 1: CPU vs GPU training of an image classifier.
 #[derive(Parser)]

@@ -1,0 +1,411 @@
+//! The course's Transformer language model: the model of PyTorch's tutorial "Language modeling
+//! with `nn.Transformer`" (`TransformerModel`), with its parameter names, initialisation and
+//! arithmetic.
+//!
+//! token ids `[seq_len, batch]` → embedding · √d_model → + sinusoidal positions → dropout →
+//! `nlayers` × post-norm encoder layer (causal multi-head self-attention, ReLU feed-forward) →
+//! linear → logits `[seq_len, batch, ntoken]`.
+//!
+//! Variables are named as in the tutorial model's `state_dict` (`embedding.weight`,
+//! `transformer_encoder.layers.{i}.self_attn.in_proj_weight`, ..., `linear.bias`), so weights
+//! move between the two by name. Each layer spells out the ATen operations of
+//! `torch.nn.TransformerEncoderLayer` with `batch_first=False` (the path torch takes for the
+//! tutorial model in training and evaluation alike, since its fast paths need `batch_first`), in
+//! the same order and on tensors of the same strides, so that LibTorch picks the same kernels:
+//! `tests/transformer.rs` checks the logits against torch's, and ten SGD steps of training with
+//! and without dropout (tch and torch share LibTorch's generator, so the masks are the same).
+//!
+//! The model is also available piece by piece ([`TransformerLm::embed`],
+//! [`TransformerLm::layers`], [`TransformerLm::decode`]) so that a pipeline can run the encoder
+//! layers on different devices.
+use super::TORCH_DEFAULT_WEIGHT;
+use tch::nn::{self, Init, Module, ModuleT};
+use tch::{Device, Kind, Tensor};
+
+/// Longest sequence the positional encoding covers (the tutorial's `max_len`).
+pub const MAX_LEN: i64 = 5000;
+
+/// The layer norms' epsilon (`nn.LayerNorm`'s and `TransformerEncoderLayer`'s default).
+const LAYER_NORM_EPS: f64 = 1e-5;
+
+/// The tutorial's `init_weights`: embedding and output weights U(−0.1, 0.1).
+const INIT_RANGE: f64 = 0.1;
+
+/// The model's hyper-parameters, named as the tutorial's `TransformerModel` arguments.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TransformerConfig {
+    /// Vocabulary size: the embedding's rows and the output layer's width.
+    pub ntoken: i64,
+    /// Width of the embeddings and of every layer's input and output.
+    pub d_model: i64,
+    /// Attention heads per layer; must divide `d_model`.
+    pub nhead: i64,
+    /// Hidden width of each layer's feed-forward block.
+    pub d_hid: i64,
+    /// Number of encoder layers.
+    pub nlayers: i64,
+    /// Dropout probability, used (in training mode only) after the positional encoding, on the
+    /// attention weights, after the attention block, inside and after the feed-forward block.
+    pub dropout: f64,
+}
+
+impl TransformerConfig {
+    /// The course's model for a vocabulary of `ntoken` words: d_model 1024, d_hid 1024,
+    /// 4 heads, 3 layers, dropout 0.2. (There is no `Default`: the vocabulary comes from the
+    /// data.)
+    pub fn course(ntoken: i64) -> Self {
+        TransformerConfig {
+            ntoken,
+            d_model: 1024,
+            nhead: 4,
+            d_hid: 1024,
+            nlayers: 3,
+            dropout: 0.2,
+        }
+    }
+
+    /// Panics with a readable message on a configuration torch would reject (or, for an odd
+    /// `d_model`, the tutorial's positional encoding).
+    fn validate(&self) {
+        let TransformerConfig {
+            ntoken,
+            d_model,
+            nhead,
+            d_hid,
+            nlayers,
+            dropout,
+        } = *self;
+        assert!(
+            ntoken > 0 && d_hid > 0 && nlayers > 0 && nhead > 0,
+            "invalid Transformer configuration {self:?}"
+        );
+        assert!(
+            d_model > 0 && d_model % 2 == 0,
+            "d_model must be positive and even (sines and cosines alternate), got {d_model}"
+        );
+        assert!(
+            d_model % nhead == 0,
+            "d_model ({d_model}) must be divisible by nhead ({nhead})"
+        );
+        assert!(
+            (0.0..=1.0).contains(&dropout),
+            "dropout must be a probability, got {dropout}"
+        );
+    }
+}
+
+/// The number of trainable parameters of the model `cfg` describes, by formula:
+/// embedding `V·d` + output layer `d·V + V` + per layer: attention `4d² + 4d` (packed q/k/v
+/// projection and output projection, with biases), feed-forward `2·d·d_hid + d_hid + d`, two
+/// layer norms `4d`. The course's model at V = 28,782 has 77,879,406.
+pub fn param_count_formula(cfg: &TransformerConfig) -> i64 {
+    let TransformerConfig {
+        ntoken: v,
+        d_model: d,
+        d_hid: h,
+        nlayers,
+        ..
+    } = *cfg;
+    let attention = 4 * d * d + 4 * d;
+    let feed_forward = 2 * d * h + h + d;
+    let norms = 4 * d;
+    v * d + (d * v + v) + nlayers * (attention + feed_forward + norms)
+}
+
+/// Multi-head self-attention with a causal mask: `torch.nn.MultiheadAttention(d, nhead,
+/// dropout)` called on `(x, x, x)` with the causal mask and `is_causal=True`, which is how
+/// `TransformerEncoder` calls it for the tutorial's mask (it recognises the mask as causal).
+#[derive(Debug)]
+struct SelfAttention {
+    /// q, k and v projections stacked: `[3·d, d]`.
+    in_proj_weight: Tensor,
+    in_proj_bias: Tensor,
+    out_proj: nn::Linear,
+    nhead: i64,
+    dropout: f64,
+}
+
+impl SelfAttention {
+    /// `MultiheadAttention._reset_parameters`: Xavier-uniform packed projection over its whole
+    /// `[3d, d]` shape, zero biases; the output projection keeps `nn.Linear`'s default weight.
+    fn new(vs: &nn::Path, cfg: &TransformerConfig) -> Self {
+        let d = cfg.d_model;
+        let xavier = (6.0 / (d + 3 * d) as f64).sqrt();
+        let out_proj = nn::linear(
+            vs / "out_proj",
+            d,
+            d,
+            nn::LinearConfig {
+                ws_init: TORCH_DEFAULT_WEIGHT,
+                bs_init: Some(Init::Const(0.)),
+                bias: true,
+            },
+        );
+        SelfAttention {
+            in_proj_weight: vs.var(
+                "in_proj_weight",
+                &[3 * d, d],
+                Init::Uniform {
+                    lo: -xavier,
+                    up: xavier,
+                },
+            ),
+            in_proj_bias: vs.var("in_proj_bias", &[3 * d], Init::Const(0.)),
+            out_proj,
+            nhead: cfg.nhead,
+            dropout: cfg.dropout,
+        }
+    }
+
+    /// `[seq, batch, d]` → `[seq, batch, d]`: position `t` attends to positions `≤ t`.
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        let (seq, batch, d) = xs.size3().expect("attention input must be [seq, batch, d]");
+        let head_dim = d / self.nhead;
+        // `_in_projection_packed`: one projection, split into q, k and v by a contiguous copy.
+        let qkv = xs
+            .linear(&self.in_proj_weight, Some(&self.in_proj_bias))
+            .unflatten(-1, [3, d])
+            .unsqueeze(0)
+            .transpose(0, -2)
+            .squeeze_dim(-2)
+            .contiguous();
+        // [seq, batch, d] → [batch, nhead, seq, head_dim] through the same (strided) views as
+        // `multi_head_attention_forward`; the strides decide which attention kernel runs.
+        let heads = |t: Tensor| {
+            t.view([seq, batch * self.nhead, head_dim])
+                .transpose(0, 1)
+                .view([batch, self.nhead, seq, head_dim])
+        };
+        let (q, k, v) = (heads(qkv.get(0)), heads(qkv.get(1)), heads(qkv.get(2)));
+        // The fused kernel with `is_causal` builds the causal mask itself (no mask tensor to
+        // make or cache) and drops attention weights with probability `dropout_p`, as torch's
+        // `MultiheadAttention` does in training mode.
+        let dropout_p = if train { self.dropout } else { 0.0 };
+        let attended = Tensor::scaled_dot_product_attention(
+            &q,
+            &k,
+            &v,
+            None::<Tensor>,
+            dropout_p,
+            true,
+            None,
+            false,
+        );
+        attended
+            .permute([2, 0, 1, 3])
+            .contiguous()
+            .view([seq * batch, d])
+            .apply(&self.out_proj)
+            .view([seq, batch, d])
+    }
+
+    fn parameters(&self) -> [&Tensor; 4] {
+        [
+            &self.in_proj_weight,
+            &self.in_proj_bias,
+            &self.out_proj.ws,
+            self.out_proj.bs.as_ref().expect("out_proj has a bias"),
+        ]
+    }
+}
+
+/// One post-norm encoder layer, `torch.nn.TransformerEncoderLayer(d_model, nhead, d_hid,
+/// dropout)` (ReLU, `norm_first=False`, `batch_first=False`) with causal self-attention:
+/// `x = norm1(x + dropout(attention(x)))`, then
+/// `x = norm2(x + dropout(linear2(dropout(relu(linear1(x))))))`.
+///
+/// Input and output `[seq_len, batch, d_model]`; `train` turns dropout on.
+#[derive(Debug)]
+pub struct EncoderLayer {
+    self_attn: SelfAttention,
+    linear1: nn::Linear,
+    linear2: nn::Linear,
+    norm1: nn::LayerNorm,
+    norm2: nn::LayerNorm,
+    dropout: f64,
+}
+
+impl EncoderLayer {
+    /// A layer with torch's initialisation, its variables under `vs` with torch's names
+    /// (`self_attn.in_proj_weight`, `linear1.weight`, `norm2.bias`, ...).
+    pub fn new(vs: &nn::Path, cfg: &TransformerConfig) -> Self {
+        cfg.validate();
+        let layer_norm = |name: &str| {
+            let config = nn::LayerNormConfig {
+                eps: LAYER_NORM_EPS,
+                ..Default::default() // weight 1, bias 0, as torch
+            };
+            nn::layer_norm(vs / name, vec![cfg.d_model], config)
+        };
+        EncoderLayer {
+            self_attn: SelfAttention::new(&(vs / "self_attn"), cfg),
+            linear1: super::torch_linear(vs / "linear1", cfg.d_model, cfg.d_hid),
+            linear2: super::torch_linear(vs / "linear2", cfg.d_hid, cfg.d_model),
+            norm1: layer_norm("norm1"),
+            norm2: layer_norm("norm2"),
+            dropout: cfg.dropout,
+        }
+    }
+
+    /// The layer's parameters, in a fixed order (for copying one layer into another).
+    fn parameters(&self) -> Vec<&Tensor> {
+        fn linear(l: &nn::Linear) -> [&Tensor; 2] {
+            [&l.ws, l.bs.as_ref().expect("linear has a bias")]
+        }
+        fn norm(n: &nn::LayerNorm) -> [&Tensor; 2] {
+            let affine = "affine layer norm";
+            [n.ws.as_ref().expect(affine), n.bs.as_ref().expect(affine)]
+        }
+        let mut params = self.self_attn.parameters().to_vec();
+        params.extend(linear(&self.linear1));
+        params.extend(linear(&self.linear2));
+        params.extend(norm(&self.norm1));
+        params.extend(norm(&self.norm2));
+        params
+    }
+}
+
+impl ModuleT for EncoderLayer {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        let p = self.dropout;
+        let xs = (xs + self.self_attn.forward_t(xs, train).dropout(p, train)).apply(&self.norm1);
+        let feed_forward = xs
+            .apply(&self.linear1)
+            .relu()
+            .dropout(p, train)
+            .apply(&self.linear2)
+            .dropout(p, train);
+        (xs + feed_forward).apply(&self.norm2)
+    }
+}
+
+/// The tutorial's sinusoidal encoding `pe[pos, 0, 2i] = sin(pos·10000^(−2i/d))`,
+/// `pe[pos, 0, 2i+1] = cos(...)`, shaped `[MAX_LEN, 1, d_model]`, computed with torch's ops
+/// and dtypes (int64 positions, float32 frequencies) so that it equals the buffer bit for bit.
+fn positional_encoding(d_model: i64, device: Device) -> Tensor {
+    let position = Tensor::arange(MAX_LEN, (Kind::Int64, device)).unsqueeze(1);
+    let div_term = (Tensor::arange_start_step(0, d_model, 2, (Kind::Int64, device))
+        * (-(10000f64.ln()) / d_model as f64))
+        .exp();
+    // [MAX_LEN, d_model / 2], float32 (int64 × float32 promotes as in torch).
+    let angles = position * div_term;
+    // Interleave: even features the sines, odd features the cosines.
+    Tensor::stack(&[angles.sin(), angles.cos()], 2).view([MAX_LEN, 1, d_model])
+}
+
+/// The tutorial's `TransformerModel`: a causal Transformer language model.
+///
+/// `forward_t` maps int64 token ids `[seq_len, batch]` (seq_len ≤ [`MAX_LEN`]) to logits
+/// `[seq_len, batch, ntoken]`; the logits at position `t` depend on the tokens at `0..=t` only.
+/// `train` turns dropout on.
+#[derive(Debug)]
+pub struct TransformerLm {
+    embedding: nn::Embedding,
+    /// The positional encoding: a constant of the configuration, kept out of the var store
+    /// (torch's `pos_encoder.pe` buffer). Stored, it would add `MAX_LEN · d_model` floats
+    /// (20 MB for the course's model) to every checkpoint and weights file while carrying no
+    /// information; outside, the var store holds exactly the trainable parameters, like the
+    /// tutorial's `named_parameters()`.
+    pos_encoding: Tensor,
+    layers: Vec<EncoderLayer>,
+    linear: nn::Linear,
+    d_model: i64,
+    dropout: f64,
+}
+
+impl TransformerLm {
+    /// The model with the tutorial's initialisation, its variables under `root` with the
+    /// tutorial model's `state_dict` names. The positional encoding is made on `root`'s device
+    /// (and follows the input to another device if need be).
+    ///
+    /// # Panics
+    /// On an invalid configuration (e.g. `d_model` not divisible by `nhead`).
+    pub fn new(root: &nn::Path, cfg: &TransformerConfig) -> Self {
+        cfg.validate();
+        let embedding = nn::embedding(
+            root / "embedding",
+            cfg.ntoken,
+            cfg.d_model,
+            nn::EmbeddingConfig {
+                ws_init: Init::Uniform {
+                    lo: -INIT_RANGE,
+                    up: INIT_RANGE,
+                },
+                ..Default::default()
+            },
+        );
+        let layers_path = root / "transformer_encoder" / "layers";
+        let layers: Vec<EncoderLayer> = (0..cfg.nlayers)
+            .map(|i| EncoderLayer::new(&(&layers_path / i), cfg))
+            .collect();
+        // `nn.TransformerEncoder` deep-copies one initialised layer `nlayers` times, so in torch
+        // every layer starts from the same weights; do the same.
+        tch::no_grad(|| {
+            let first = layers[0].parameters();
+            for layer in &layers[1..] {
+                for (dst, src) in layer.parameters().into_iter().zip(&first) {
+                    dst.shallow_clone().copy_(src);
+                }
+            }
+        });
+        let linear = nn::linear(
+            root / "linear",
+            cfg.d_model,
+            cfg.ntoken,
+            nn::LinearConfig {
+                ws_init: Init::Uniform {
+                    lo: -INIT_RANGE,
+                    up: INIT_RANGE,
+                },
+                bs_init: Some(Init::Const(0.)),
+                bias: true,
+            },
+        );
+        TransformerLm {
+            embedding,
+            pos_encoding: positional_encoding(cfg.d_model, root.device()),
+            layers,
+            linear,
+            d_model: cfg.d_model,
+            dropout: cfg.dropout,
+        }
+    }
+
+    /// The first stage: token ids `[seq_len, batch]` → `embedding · √d_model + positions`,
+    /// then dropout: `[seq_len, batch, d_model]`, the input of the first layer.
+    pub fn embed(&self, src: &Tensor, train: bool) -> Tensor {
+        let seq_len = src.size().first().copied().unwrap_or(0);
+        assert!(
+            src.dim() == 2 && seq_len <= MAX_LEN,
+            "input must be token ids [seq_len ≤ {MAX_LEN}, batch], got shape {:?}",
+            src.size()
+        );
+        let xs = src.apply(&self.embedding) * (self.d_model as f64).sqrt();
+        let positions = self
+            .pos_encoding
+            .narrow(0, 0, seq_len)
+            .to_device(xs.device())
+            .to_kind(xs.kind());
+        (xs + positions).dropout(self.dropout, train)
+    }
+
+    /// The encoder layers, in order; each maps `[seq_len, batch, d_model]` to the same shape.
+    pub fn layers(&self) -> &[EncoderLayer] {
+        &self.layers
+    }
+
+    /// The last stage: the output of the last layer `[seq_len, batch, d_model]` → logits
+    /// `[seq_len, batch, ntoken]`.
+    pub fn decode(&self, hidden: &Tensor) -> Tensor {
+        self.linear.forward(hidden)
+    }
+}
+
+impl ModuleT for TransformerLm {
+    fn forward_t(&self, src: &Tensor, train: bool) -> Tensor {
+        let hidden = self.layers.iter().fold(self.embed(src, train), |h, layer| {
+            layer.forward_t(&h, train)
+        });
+        self.decode(&hidden)
+    }
+}

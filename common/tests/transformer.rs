@@ -1,0 +1,534 @@
+//! The Transformer language model: parameter count and names, the causal mask, dropout, the
+//! piecewise (pipeline) API, and numerical parity with PyTorch.
+//!
+//! The parity tests run `tests/reference/transformer_parity.py` with the Python in
+//! `$TORCH_PYTHON` (set by `scripts/with-torch`), which builds the tutorial's model with
+//! `torch.nn` and writes its weights (by `state_dict` name), inputs and outputs to an `.npz`; the
+//! weights are loaded here by name and the outputs compared. Comparisons are relative to the
+//! reference's scale: `max |ours − torch| / max |torch| ≤ 1e-5`.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
+use std::process::Command;
+use std::sync::{Mutex, MutexGuard};
+
+use common::models::{
+    named_parameters, param_count, param_count_formula, EncoderLayer, TransformerConfig,
+    TransformerLm,
+};
+use common::optim::{clip_grad_norm, Optimizer, Sgd, SgdConfig};
+use tch::nn::{self, ModuleT};
+use tch::{Device, Kind, Reduction, Tensor};
+
+const TOLERANCE: f64 = 1e-5;
+
+/// Serialises the tests' use of LibTorch's global random generator. Tests run in parallel
+/// threads, and a test that reseeds the generator and expects a given sequence of draws (the
+/// dropout tests) would otherwise see another test's model initialisation take draws in between;
+/// so every test that draws random numbers holds this lock while it does.
+fn exclusive_rng() -> MutexGuard<'static, ()> {
+    static RNG: Mutex<()> = Mutex::new(());
+    // A test that failed while holding the lock leaves nothing inconsistent behind.
+    RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The reference script's models: V 50, d 32, 4 heads, d_hid 64, 2 layers.
+fn small(dropout: f64) -> TransformerConfig {
+    TransformerConfig {
+        ntoken: 50,
+        d_model: 32,
+        nhead: 4,
+        d_hid: 64,
+        nlayers: 2,
+        dropout,
+    }
+}
+
+fn build(cfg: &TransformerConfig) -> (nn::VarStore, TransformerLm) {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let model = TransformerLm::new(&vs.root(), cfg);
+    (vs, model)
+}
+
+fn tokens(cfg: &TransformerConfig, seq_len: i64, batch: i64) -> Tensor {
+    Tensor::randint(cfg.ntoken, [seq_len, batch], (Kind::Int64, Device::Cpu))
+}
+
+fn eval(model: &impl ModuleT, xs: &Tensor) -> Tensor {
+    tch::no_grad(|| model.forward_t(xs, false))
+}
+
+/// `max |a − b| / max |b|`: the largest difference relative to the reference's scale (an
+/// element-wise ratio would blow up on outputs that happen to be near zero).
+fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
+    let scale = b.abs().max().double_value(&[]).max(1e-30);
+    (a - b).abs().max().double_value(&[]) / scale
+}
+
+// --- parameters -------------------------------------------------------------------------------
+
+#[test]
+fn param_count_formula_gives_the_course_figures() {
+    // The course's model: 2049·V + 18,905,088 (d_model = d_hid = 1024, 3 layers).
+    for v in [1, 50, 10_000, 28_782, 33_278] {
+        assert_eq!(
+            param_count_formula(&TransformerConfig::course(v)),
+            2049 * v + 18_905_088,
+            "V = {v}"
+        );
+    }
+    assert_eq!(
+        param_count_formula(&TransformerConfig::course(28_782)),
+        77_879_406
+    );
+    // The large variant of the exercise, by formula only (1.4 B parameters would need 5.8 GB).
+    let large = TransformerConfig {
+        d_model: 4096,
+        d_hid: 4096,
+        nhead: 16,
+        nlayers: 12,
+        ..TransformerConfig::course(28_782)
+    };
+    assert_eq!(param_count_formula(&large), 1_444_261_998);
+}
+
+#[test]
+fn built_models_have_the_formulas_parameters_and_no_buffers() {
+    let _rng = exclusive_rng();
+    let configs = [
+        small(0.1),
+        TransformerConfig {
+            ntoken: 7,
+            d_model: 12,
+            nhead: 3,
+            d_hid: 5,
+            nlayers: 1,
+            dropout: 0.0,
+        },
+        TransformerConfig {
+            ntoken: 1000,
+            d_model: 64,
+            nhead: 8,
+            d_hid: 256,
+            nlayers: 4,
+            dropout: 0.5,
+        },
+        // The course's model itself (78 M parameters, 0.3 GB).
+        TransformerConfig::course(28_782),
+    ];
+    for cfg in configs {
+        let (vs, _model) = build(&cfg);
+        assert_eq!(param_count(&vs), param_count_formula(&cfg), "{cfg:?}");
+        // The positional encoding is not a variable: the store holds the parameters only.
+        assert_eq!(vs.variables().len() as i64, 3 + 12 * cfg.nlayers, "{cfg:?}");
+        assert_eq!(vs.trainable_variables().len(), vs.variables().len());
+    }
+}
+
+#[test]
+fn variables_have_torchs_names_and_shapes() {
+    let _rng = exclusive_rng();
+    let cfg = small(0.1);
+    let (vs, _model) = build(&cfg);
+    let (d, h, v) = (cfg.d_model, cfg.d_hid, cfg.ntoken);
+    let mut expected: Vec<(String, Vec<i64>)> = vec![
+        ("embedding.weight".into(), vec![v, d]),
+        ("linear.weight".into(), vec![v, d]),
+        ("linear.bias".into(), vec![v]),
+    ];
+    for i in 0..cfg.nlayers {
+        let layer = [
+            ("self_attn.in_proj_weight", vec![3 * d, d]),
+            ("self_attn.in_proj_bias", vec![3 * d]),
+            ("self_attn.out_proj.weight", vec![d, d]),
+            ("self_attn.out_proj.bias", vec![d]),
+            ("linear1.weight", vec![h, d]),
+            ("linear1.bias", vec![h]),
+            ("linear2.weight", vec![d, h]),
+            ("linear2.bias", vec![d]),
+            ("norm1.weight", vec![d]),
+            ("norm1.bias", vec![d]),
+            ("norm2.weight", vec![d]),
+            ("norm2.bias", vec![d]),
+        ];
+        expected.extend(
+            layer
+                .into_iter()
+                .map(|(n, s)| (format!("transformer_encoder.layers.{i}.{n}"), s)),
+        );
+    }
+    expected.sort();
+    let mut actual: Vec<(String, Vec<i64>)> = vs
+        .variables()
+        .into_iter()
+        .map(|(n, t)| (n, t.size()))
+        .collect();
+    actual.sort();
+    assert_eq!(actual, expected);
+}
+
+#[test]
+fn initialisation_follows_torch() {
+    let _rng = exclusive_rng();
+    let cfg = TransformerConfig {
+        nlayers: 3,
+        ..small(0.1)
+    };
+    let (vs, _model) = build(&cfg);
+    let vars = vs.variables();
+    let var = |name: &str| &vars[name];
+    let bound = |t: &Tensor| t.abs().max().double_value(&[]);
+    // The tutorial's init_weights.
+    assert!(bound(var("embedding.weight")) <= 0.1);
+    assert!(bound(var("linear.weight")) <= 0.1);
+    assert_eq!(bound(var("linear.bias")), 0.0);
+    // MultiheadAttention: Xavier-uniform packed projection (bound √(6 / 4d)), zero biases;
+    // layer norms weight 1, bias 0.
+    let xavier = (6.0 / (4 * cfg.d_model) as f64).sqrt();
+    let in_proj = var("transformer_encoder.layers.0.self_attn.in_proj_weight");
+    assert!(bound(in_proj) <= xavier && bound(in_proj) > 0.9 * xavier);
+    for name in [
+        "self_attn.in_proj_bias",
+        "self_attn.out_proj.bias",
+        "norm1.bias",
+    ] {
+        assert_eq!(
+            bound(var(&format!("transformer_encoder.layers.0.{name}"))),
+            0.0
+        );
+    }
+    let norm_weight = var("transformer_encoder.layers.1.norm2.weight");
+    assert!(norm_weight.eq(1.0).all().int64_value(&[]) == 1);
+    // nn.TransformerEncoder deep-copies one layer: all layers start equal.
+    for (name, t) in &vars {
+        if let Some(rest) = name.strip_prefix("transformer_encoder.layers.0.") {
+            for i in 1..cfg.nlayers {
+                let other = var(&format!("transformer_encoder.layers.{i}.{rest}"));
+                assert!(t.equal(other), "layer {i}'s {rest} differs from layer 0's");
+            }
+        }
+    }
+}
+
+// --- behaviour --------------------------------------------------------------------------------
+
+#[test]
+fn causal_mask_hides_later_tokens() {
+    let _rng = exclusive_rng();
+    tch::manual_seed(1);
+    let cfg = TransformerConfig {
+        ntoken: 30,
+        ..small(0.1)
+    };
+    let (_vs, model) = build(&cfg);
+    let (seq_len, batch) = (9, 2);
+    let src = tokens(&cfg, seq_len, batch);
+    let out = eval(&model, &src);
+    assert_eq!(out.size(), [seq_len, batch, cfg.ntoken]);
+    for t in [0, 4, seq_len - 1] {
+        // Change the token at position t of sequence 0.
+        let changed = src.copy();
+        let old = changed.int64_value(&[t, 0]);
+        let _ = changed.get(t).get(0).fill_((old + 1) % cfg.ntoken);
+        let out2 = eval(&model, &changed);
+        let seq0 = |o: &Tensor| o.select(1, 0);
+        assert!(
+            seq0(&out)
+                .narrow(0, 0, t)
+                .equal(&seq0(&out2).narrow(0, 0, t)),
+            "changing token {t} changed an output before it"
+        );
+        assert!(
+            !seq0(&out)
+                .get(t)
+                .allclose(&seq0(&out2).get(t), 1e-4, 1e-6, false),
+            "changing token {t} did not change the output at {t}"
+        );
+        // The other sequence of the batch is untouched.
+        assert!(out.select(1, 1).equal(&out2.select(1, 1)));
+    }
+}
+
+#[test]
+fn dropout_acts_in_training_mode_only() {
+    let _rng = exclusive_rng();
+    tch::manual_seed(2);
+    let cfg = small(0.3);
+    let (_vs, model) = build(&cfg);
+    let src = tokens(&cfg, 6, 3);
+    let train = |seed| {
+        tch::manual_seed(seed);
+        tch::no_grad(|| model.forward_t(&src, true))
+    };
+    let (a, b) = (train(10), train(11));
+    assert!(
+        !a.allclose(&b, 1e-4, 1e-6, false),
+        "two dropout masks gave the same output"
+    );
+    // The same seed draws the same masks.
+    assert!(train(10).equal(&a));
+    let (e1, e2) = (eval(&model, &src), eval(&model, &src));
+    assert!(e1.equal(&e2), "evaluation is not deterministic");
+    assert!(!e1.allclose(&a, 1e-4, 1e-6, false));
+    // Without dropout, training mode computes what evaluation does.
+    let (_vs, no_dropout) = build(&small(0.0));
+    let train_mode = tch::no_grad(|| no_dropout.forward_t(&src, true));
+    assert!(rel_diff(&train_mode, &eval(&no_dropout, &src)) <= TOLERANCE);
+}
+
+#[test]
+fn stage_by_stage_forward_equals_forward() {
+    let _rng = exclusive_rng();
+    tch::manual_seed(3);
+    let cfg = TransformerConfig {
+        nlayers: 3,
+        ..small(0.1)
+    };
+    let (_vs, model) = build(&cfg);
+    let src = tokens(&cfg, 7, 2);
+    let staged = tch::no_grad(|| {
+        let mut h = model.embed(&src, false);
+        assert_eq!(h.size(), [7, 2, cfg.d_model]);
+        assert_eq!(model.layers().len() as i64, cfg.nlayers);
+        for layer in model.layers() {
+            h = layer.forward_t(&h, false);
+        }
+        model.decode(&h)
+    });
+    assert!(staged.equal(&eval(&model, &src)));
+}
+
+#[test]
+#[should_panic(expected = "divisible by nhead")]
+fn rejects_heads_that_do_not_divide_d_model() {
+    build(&TransformerConfig {
+        nhead: 5,
+        ..small(0.0)
+    });
+}
+
+// --- parity with PyTorch ----------------------------------------------------------------------
+
+/// What the reference script wrote for one part.
+struct Reference(HashMap<String, Tensor>);
+
+impl Reference {
+    /// Runs the reference script for `part` (`layer`, `model` or `train`) and reads its output.
+    fn compute(part: &str) -> Reference {
+        let dir = tempfile::tempdir().unwrap();
+        let script =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/transformer_parity.py");
+        let python = std::env::var_os("TORCH_PYTHON").unwrap_or_else(|| {
+            panic!(
+                "TORCH_PYTHON is not set, so the PyTorch reference cannot run; run the tests through \
+                 scripts/with-torch (`scripts/with-torch cargo test --release -p common --test transformer`), \
+                 which points it at a Python with torch 2.11"
+            )
+        });
+        let npz = dir.path().join(format!("{part}.npz"));
+        let output = Command::new(&python)
+            .arg(&script)
+            .arg(part)
+            .arg(&npz)
+            .output()
+            .unwrap_or_else(|e| {
+                panic!("cannot run TORCH_PYTHON={}: {e}", python.to_string_lossy())
+            });
+        assert!(
+            output.status.success(),
+            "{} {} {part} failed ({}):\n{}",
+            python.to_string_lossy(),
+            script.display(),
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let tensors =
+            Tensor::read_npz(&npz).unwrap_or_else(|e| panic!("cannot read {}: {e}", npz.display()));
+        Reference(tensors.into_iter().collect())
+    }
+
+    fn get(&self, key: &str) -> &Tensor {
+        self.0
+            .get(key)
+            .unwrap_or_else(|| panic!("the reference .npz has no `{key}`"))
+    }
+
+    /// The tensors named `<prefix><name>`, by name.
+    fn with_prefix(&self, prefix: &str) -> HashMap<String, &Tensor> {
+        self.0
+            .iter()
+            .filter_map(|(k, t)| Some((k.strip_prefix(prefix)?.to_string(), t)))
+            .collect()
+    }
+
+    /// Copies the reference's `param.<name>` tensors into the variables of `vs`, after checking
+    /// that both have exactly the same names (torch's `named_parameters`) and shapes.
+    fn load_params(&self, vs: &nn::VarStore) {
+        let params = self.with_prefix("param.");
+        let vars = vs.variables();
+        assert_eq!(
+            vars.keys().collect::<BTreeSet<_>>(),
+            params.keys().collect::<BTreeSet<_>>(),
+            "variable names differ from torch's"
+        );
+        tch::no_grad(|| {
+            for (name, var) in &vars {
+                let src = params[name];
+                assert_eq!(src.kind(), Kind::Float, "{name}");
+                assert_eq!(var.size(), src.size(), "{name}");
+                var.shallow_clone().copy_(src);
+            }
+        });
+    }
+}
+
+#[test]
+fn encoder_layer_matches_torch() {
+    let reference = Reference::compute("layer");
+    let _rng = exclusive_rng();
+    let cfg = TransformerConfig {
+        dropout: 0.1,
+        ..small(0.1)
+    };
+    let vs = nn::VarStore::new(Device::Cpu);
+    let layer = EncoderLayer::new(&vs.root(), &cfg);
+    reference.load_params(&vs);
+    let x = reference.get("x");
+    let ours = eval(&layer, x);
+    // The layer as nn.TransformerEncoder calls it (is_causal), with the explicit -inf mask,
+    // and eval mode's fused kernel with and without the fast path enabled.
+    for path in ["causal_hint", "float_mask", "fastpath", "no_fastpath"] {
+        let theirs = reference.get(&format!("out.{path}"));
+        let diff = rel_diff(&ours, theirs);
+        eprintln!("encoder layer vs torch ({path}): max relative difference {diff:e}");
+        assert!(diff <= TOLERANCE, "{path}: relative difference {diff:e}");
+    }
+}
+
+#[test]
+fn model_logits_match_torch() {
+    let reference = Reference::compute("model");
+    let _rng = exclusive_rng();
+    let (vs, model) = build(&small(0.2));
+    reference.load_params(&vs);
+    let logits = eval(&model, reference.get("src"));
+    let diff = rel_diff(&logits, reference.get("logits"));
+    eprintln!("model logits vs torch: max relative difference {diff:e}");
+    assert!(diff <= TOLERANCE, "logits differ by {diff:e} (relative)");
+
+    // The positional encoding equals torch's buffer: with a zero embedding, `embed` returns it.
+    let pe = reference.get("buffer.pos_encoder.pe");
+    tch::no_grad(|| {
+        let _ = vs.variables()["embedding.weight"].shallow_clone().zero_();
+    });
+    let max_len = pe.size()[0];
+    let positions = tch::no_grad(|| {
+        model.embed(
+            &Tensor::zeros([max_len, 1], (Kind::Int64, Device::Cpu)),
+            false,
+        )
+    });
+    let pe_diff = rel_diff(&positions, pe);
+    eprintln!("positional encoding vs torch's buffer: max relative difference {pe_diff:e}");
+    assert!(pe_diff <= TOLERANCE);
+}
+
+/// Trains the reference's initial weights for its 10 steps as the course does (SGD lr 5.0,
+/// gradients clipped to norm 0.5, cross-entropy on the next tokens) and compares each step's
+/// loss and gradient norm, and the final weights, with torch's run `run` (`plain` or `dropout`).
+fn check_training(reference: &Reference, run: &str, dropout: f64) {
+    const STEPS: i64 = 10;
+    const BPTT: i64 = 8;
+    const MAX_NORM: f64 = 0.5;
+    /// The seed the script gives `torch.manual_seed` just before training.
+    const TRAIN_SEED: i64 = 1;
+    let _rng = exclusive_rng();
+    let cfg = small(dropout);
+    let (vs, model) = build(&cfg);
+    reference.load_params(&vs);
+    let params = named_parameters(&vs);
+    // Clip in torch's `model.parameters()` order, so that the total norm sums the same way.
+    let order = reference.with_prefix("order.");
+    let mut ordered: Vec<&(String, Tensor)> = params.iter().collect();
+    ordered.sort_by_key(|(name, _)| order[name].int64_value(&[]));
+    let tensors: Vec<Tensor> = ordered.iter().map(|(_, t)| t.shallow_clone()).collect();
+    let mut opt = Sgd::new(
+        params
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect(),
+        SgdConfig {
+            lr: 5.0,
+            ..Default::default()
+        },
+    );
+
+    // tch and the script share LibTorch's CPU generator: the same seed draws the same dropout
+    // masks if the model applies dropout at the same places in the same order.
+    tch::manual_seed(TRAIN_SEED);
+    let data = reference.get("data");
+    let (mut losses, mut norms) = (Vec::new(), Vec::new());
+    for step in 0..STEPS {
+        let i = step * BPTT;
+        let inputs = data.narrow(0, i, BPTT);
+        let targets = data.narrow(0, i + 1, BPTT).reshape([-1]);
+        opt.zero_grad();
+        let logits = model.forward_t(&inputs, true);
+        let loss = logits.view([-1, cfg.ntoken]).cross_entropy_loss::<Tensor>(
+            &targets,
+            None,
+            Reduction::Mean,
+            -100,
+            0.0,
+        );
+        loss.backward();
+        norms.push(clip_grad_norm(&tensors, MAX_NORM));
+        opt.step();
+        losses.push(loss.double_value(&[]));
+    }
+
+    let torch_losses = reference.get(&format!("loss.{run}"));
+    for (step, &ours) in losses.iter().enumerate() {
+        let theirs = torch_losses.double_value(&[step as i64]);
+        assert!(
+            (ours - theirs).abs() <= TOLERANCE * theirs.abs(),
+            "{run}: step {step}: loss {ours} here, {theirs} with torch"
+        );
+    }
+    let loss_diff = rel_diff(&Tensor::from_slice(&losses), torch_losses);
+    let norm_diff = rel_diff(
+        &Tensor::from_slice(&norms),
+        reference.get(&format!("grad_norm.{run}")),
+    );
+    assert!(
+        norm_diff <= TOLERANCE,
+        "{run}: gradient norms differ by {norm_diff:e}"
+    );
+    let finals = reference.with_prefix(&format!("final.{run}."));
+    let mut weight_diff = 0.0f64;
+    for (name, ours) in &params {
+        let diff = rel_diff(ours, finals[name]);
+        assert!(
+            diff <= TOLERANCE,
+            "{run}: final `{name}` differs by {diff:e}"
+        );
+        weight_diff = weight_diff.max(diff);
+    }
+    eprintln!(
+        "training vs torch ({run}, dropout {dropout}), {STEPS} SGD steps: losses {:.4} → {:.4}; \
+         max relative difference: losses {loss_diff:e}, gradient norms {norm_diff:e}, \
+         final weights {weight_diff:e}",
+        losses[0],
+        losses[losses.len() - 1]
+    );
+}
+
+#[test]
+fn training_matches_torch() {
+    let reference = Reference::compute("train");
+    // Deterministic, as the task demands.
+    check_training(&reference, "plain", 0.0);
+    // With the course's kind of dropout: also equal, which checks where dropout is applied.
+    check_training(&reference, "dropout", 0.2);
+}

@@ -56,6 +56,10 @@ exercise1_nlp-cpu: data-wikitext2
 exercise1_nlp-gpu: data-wikitext2
 	$(WITH) $(BIN)/exercise1_nlp --device cuda $(ARGS)
 
+# Rust vs PyTorch eager tokens/s, side by side (ROUNDS, STEPS, THREADS, DEVICE, MODEL_FLAGS).
+bench-nlp: data-wikitext2
+	$(WITH) bench/nlp.sh
+
 test: build
 	$(CARGO) test --release --workspace
 

@@ -7,10 +7,15 @@ training step, same configuration flags as the Rust binary, reporting training t
 Prints one JSON line: {"impl": "pytorch", "tokens_per_s": ..., "steps": ..., ...}.
 Every step is timed, from batch slicing to the optimizer step, as the Rust training loop does.
 """
-import argparse, json, math, os, re, time
+import argparse, json, os, re, time, warnings
 
 import torch
 from torch import nn
+
+from tutorial_transformer import TransformerModel
+
+# The tutorial's batch_first=False layers make nn.TransformerEncoder warn about nested tensors.
+warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
 
 _PATTERNS = [(r"\'", " '  "), (r"\"", ""), (r"\.", " . "), (r"<br \/>", " "), (r",", " , "),
              (r"\(", " ( "), (r"\)", " ) "), (r"\!", " ! "), (r"\?", " ? "), (r"\;", " "),
@@ -40,40 +45,6 @@ def load_tokens(data_dir, split, tokenizer):
     if tokenizer == "whitespace":
         return [w for line in lines for w in line.split() + ["<eos>"]]
     return [w for line in lines for w in basic_english(line)]
-
-
-class PositionalEncoding(nn.Module):
-    def __init__(self, d_model, dropout, max_len=5000):
-        super().__init__()
-        self.dropout = nn.Dropout(p=dropout)
-        position = torch.arange(max_len).unsqueeze(1)
-        div_term = torch.exp(torch.arange(0, d_model, 2) * (-math.log(10000.0) / d_model))
-        pe = torch.zeros(max_len, 1, d_model)
-        pe[:, 0, 0::2] = torch.sin(position * div_term)
-        pe[:, 0, 1::2] = torch.cos(position * div_term)
-        self.register_buffer("pe", pe)
-
-    def forward(self, x):
-        return self.dropout(x + self.pe[: x.size(0)])
-
-
-class TransformerModel(nn.Module):
-    def __init__(self, ntoken, d_model, nhead, d_hid, nlayers, dropout):
-        super().__init__()
-        self.pos_encoder = PositionalEncoding(d_model, dropout)
-        layer = nn.TransformerEncoderLayer(d_model, nhead, d_hid, dropout)
-        self.transformer_encoder = nn.TransformerEncoder(layer, nlayers, enable_nested_tensor=False)
-        self.embedding = nn.Embedding(ntoken, d_model)
-        self.d_model = d_model
-        self.linear = nn.Linear(d_model, ntoken)
-        self.embedding.weight.data.uniform_(-0.1, 0.1)
-        self.linear.bias.data.zero_()
-        self.linear.weight.data.uniform_(-0.1, 0.1)
-
-    def forward(self, src, src_mask):
-        src = self.embedding(src) * math.sqrt(self.d_model)
-        src = self.pos_encoder(src)
-        return self.linear(self.transformer_encoder(src, src_mask))
 
 
 def main():

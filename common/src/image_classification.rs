@@ -1,7 +1,8 @@
 //! The image-classification experiment behind exercise1 (and the data-parallel exercises):
 //! flags, data, model, optimizer, the training loop, and the results, per device.
 use crate::data::{self, DatasetKind, Loader, LoaderConfig, Split};
-use crate::device::{self, DeviceChoice};
+use crate::device;
+use crate::flags::RunArgs;
 use crate::error::usage;
 use crate::models::{self, Arch, ModelSpec};
 use crate::optim::{Adam, AdamConfig, Optimizer, OptimizerKind, Sgd, SgdConfig};
@@ -15,20 +16,14 @@ use tch::{nn, Device};
 /// The flags every image-classification exercise shares (names are a contract).
 #[derive(Debug, Clone, clap::Args, Serialize)]
 pub struct ImageArgs {
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub run: RunArgs,
     /// Network to train.
     #[arg(long, value_enum, default_value = "cnn")]
     pub model: Arch,
     #[arg(long, value_enum, default_value = "cifar10")]
     pub dataset: DatasetKind,
-    /// Folder with the data set's files [default: data/<dataset>].
-    #[arg(long)]
-    pub data_dir: Option<PathBuf>,
-    /// Where to train; `both` runs the CPU, then the GPU, and compares them.
-    #[arg(long, value_enum, default_value = "both")]
-    pub device: DeviceChoice,
-    /// Epochs [default: the exercise's, 5 for exercise1].
-    #[arg(long)]
-    pub epochs: Option<usize>,
     /// Images per batch.
     #[arg(long, default_value_t = 100)]
     pub batch_size: usize,
@@ -39,14 +34,6 @@ pub struct ImageArgs {
     /// Momentum, for --optimizer sgd.
     #[arg(long, default_value_t = 0.9)]
     pub momentum: f64,
-    #[arg(long, default_value_t = 42)]
-    pub seed: u64,
-    /// Stop after this many optimizer steps (smoke runs, benchmarks).
-    #[arg(long)]
-    pub max_steps: Option<usize>,
-    /// LibTorch threads for CPU work; 0 = one per core.
-    #[arg(long, default_value_t = 0)]
-    pub threads: usize,
     /// Initial weights in torchvision's names (.safetensors or .ot), e.g. ImageNet-pretrained.
     #[arg(long)]
     pub weights: Option<PathBuf>,
@@ -59,17 +46,6 @@ pub struct ImageArgs {
     /// Background threads preparing batches.
     #[arg(long, default_value_t = 2)]
     pub workers: usize,
-    /// Save a checkpoint here after every epoch.
-    #[arg(long)]
-    pub checkpoint_dir: Option<PathBuf>,
-    /// Continue from the checkpoint in --checkpoint-dir when there is one.
-    #[arg(long, requires = "checkpoint_dir")]
-    pub resume: bool,
-    #[arg(long, default_value = "results")]
-    pub results_dir: PathBuf,
-    /// No progress bar.
-    #[arg(long)]
-    pub quiet: bool,
 }
 
 impl ImageArgs {
@@ -79,9 +55,6 @@ impl ImageArgs {
         }
         if !(self.lr > 0.0 && self.lr.is_finite()) {
             return usage(format!("--lr must be a positive number, got {}", self.lr));
-        }
-        if self.epochs == Some(0) || self.max_steps == Some(0) {
-            return usage("--epochs and --max-steps must be at least 1");
         }
         if self.num_classes.is_some_and(|n| n < self.dataset.num_classes() as i64) {
             return usage(format!("--num-classes must be at least {} for {}", self.dataset.num_classes(), self.dataset.name()));
@@ -106,10 +79,11 @@ impl ImageArgs {
 
 /// Runs the exercise on every requested device, writes the results, prints the table.
 pub fn run(exercise: Exercise, args: &ImageArgs) -> anyhow::Result<Vec<RunRecord>> {
+    args.run.check()?;
     args.check()?;
-    device::set_threads(args.threads)?;
-    device::devices_for(args.device)?; // a missing GPU is reported before any data is read
-    let dir = args.data_dir.clone().unwrap_or_else(|| args.dataset.default_dir());
+    device::set_threads(args.run.threads)?;
+    device::devices_for(args.run.device)?; // a missing GPU is reported before any data is read
+    let dir = args.run.data_dir_or(args.dataset.name());
     let train_set = data::load(args.dataset, &dir, Split::Train)?;
     let test_set = data::load(args.dataset, &dir, Split::Test)?;
     if train_set.generated {
@@ -132,7 +106,7 @@ pub fn run(exercise: Exercise, args: &ImageArgs) -> anyhow::Result<Vec<RunRecord
         crate::torch_version()
     );
 
-    report::run_per_device(args.device, &args.results_dir, |device| {
+    report::run_per_device(args.run.device, &args.run.results_dir, |device| {
         let (record, fit) = run_on(exercise, args, device, &train_set, &test_set)?;
         let extra = serde_json::json!({ "history": fit.history, "resumed_epochs": fit.resumed_epochs });
         Ok((record, extra))
@@ -149,7 +123,7 @@ fn run_on(
     if device.is_cuda() {
         tch::Cuda::cudnn_set_benchmark(true);
     }
-    tch::manual_seed(args.seed as i64);
+    tch::manual_seed(args.run.seed as i64);
     let vs = nn::VarStore::new(device);
     let spec = args.model_spec();
     let model = models::build(&vs.root(), &spec);
@@ -174,26 +148,26 @@ fn run_on(
     };
     let train_loader = Loader::new(
         train_set.clone(),
-        LoaderConfig { augment: args.augment, workers: args.workers, ..LoaderConfig::train(args.batch_size, args.seed, device) },
+        LoaderConfig { augment: args.augment, workers: args.workers, ..LoaderConfig::train(args.batch_size, args.run.seed, device) },
     );
     let test_loader = Loader::new(test_set.clone(), LoaderConfig { workers: args.workers, ..LoaderConfig::eval(args.batch_size, device) });
 
-    let epochs = args.epochs.unwrap_or(exercise.default_epochs);
+    let epochs = args.run.epochs.unwrap_or(exercise.default_epochs);
     let run = format!("{}-{}-{}", exercise.name, arch_name(args.model), device::device_name(device));
     let config = TrainConfig {
         run: run.clone(),
         epochs,
-        max_steps: args.max_steps,
-        seed: args.seed,
+        max_steps: args.run.max_steps,
+        seed: args.run.seed,
         lr_schedule: LrSchedule::Constant,
         clip_grad_norm: None,
-        checkpoint: args.checkpoint_dir.as_ref().map(|dir| CheckpointConfig {
+        checkpoint: args.run.checkpoint_dir.as_ref().map(|dir| CheckpointConfig {
             dir: dir.clone(),
-            resume: args.resume,
+            resume: args.run.resume,
             model: serde_json::to_value(&spec).expect("a model spec serialises"),
             config: serde_json::to_value(args).expect("flags serialise"),
         }),
-        progress: !args.quiet,
+        progress: !args.run.quiet,
         verbose: true,
         metric: Metric::Accuracy,
     };
@@ -209,7 +183,7 @@ fn run_on(
         batch_size: args.batch_size,
         lr: args.lr,
         optimizer: optimizer.name().into(),
-        seed: args.seed,
+        seed: args.run.seed,
     };
     let record = RunRecord::new(info, &fit, (fit.eval_loss, fit.eval_acc));
     Ok((record, fit))

@@ -3,7 +3,8 @@
 //! WikiText-2, per device, with the same results, checkpoints and table as exercise1.
 use crate::data::text::{self, Corpus, TokenBatches, Tokenizer};
 use crate::data::GENERATED_MARKER;
-use crate::device::{self, DeviceChoice};
+use crate::device;
+use crate::flags::RunArgs;
 use crate::error::usage;
 use crate::models::{self, TransformerConfig, TransformerLm};
 use crate::optim::{Optimizer, Sgd, SgdConfig};
@@ -18,6 +19,9 @@ use tch::{nn, Device};
 /// takes the same).
 #[derive(Debug, Clone, clap::Args, Serialize)]
 pub struct LmArgs {
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub run: RunArgs,
     /// Embedding and model width (d_model).
     #[arg(long, default_value_t = 1024)]
     pub emsize: i64,
@@ -50,37 +54,9 @@ pub struct LmArgs {
     /// Gradient-norm clipping threshold (0 turns it off).
     #[arg(long, default_value_t = 0.5)]
     pub clip: f64,
-    /// Epochs [default: the exercise's, 3 for exercise1_nlp].
-    #[arg(long)]
-    pub epochs: Option<usize>,
     /// basic_english: the course tutorial's torchtext tokenizer; whitespace: word_language_model's.
     #[arg(long, value_enum, default_value = "basic_english")]
     pub tokenizer: Tokenizer,
-    /// Stop after this many optimizer steps (smoke runs, benchmarks).
-    #[arg(long)]
-    pub max_steps: Option<usize>,
-    /// Where to train; `both` runs the CPU, then the GPU, and compares them.
-    #[arg(long, value_enum, default_value = "both")]
-    pub device: DeviceChoice,
-    /// Folder with WikiText-2 [default: data/wikitext-2].
-    #[arg(long)]
-    pub data_dir: Option<PathBuf>,
-    /// Save a checkpoint here after every epoch.
-    #[arg(long)]
-    pub checkpoint_dir: Option<PathBuf>,
-    /// Continue from the checkpoint in --checkpoint-dir when there is one.
-    #[arg(long, requires = "checkpoint_dir")]
-    pub resume: bool,
-    #[arg(long, default_value = "results")]
-    pub results_dir: PathBuf,
-    #[arg(long, default_value_t = 42)]
-    pub seed: u64,
-    /// LibTorch threads for CPU work; 0 = one per core.
-    #[arg(long, default_value_t = 0)]
-    pub threads: usize,
-    /// No progress bar.
-    #[arg(long)]
-    pub quiet: bool,
 }
 
 impl LmArgs {
@@ -110,9 +86,6 @@ impl LmArgs {
         if !(self.lr > 0.0 && self.lr.is_finite()) || !(self.gamma > 0.0) || self.clip < 0.0 {
             return usage("--lr and --gamma must be positive, --clip non-negative");
         }
-        if self.epochs == Some(0) || self.max_steps == Some(0) {
-            return usage("--epochs and --max-steps must be at least 1");
-        }
         Ok(())
     }
 
@@ -129,15 +102,16 @@ impl LmArgs {
     }
 
     pub fn data_dir(&self) -> PathBuf {
-        self.data_dir.clone().unwrap_or_else(|| PathBuf::from("data/wikitext-2"))
+        self.run.data_dir_or("wikitext-2")
     }
 }
 
 /// Reads the corpus once, then trains and evaluates on every requested device.
 pub fn run(exercise: Exercise, args: &LmArgs) -> anyhow::Result<Vec<RunRecord>> {
+    args.run.check()?;
     args.check()?;
-    device::set_threads(args.threads)?;
-    device::devices_for(args.device)?; // a missing GPU is reported before any data is read
+    device::set_threads(args.run.threads)?;
+    device::devices_for(args.run.device)?; // a missing GPU is reported before any data is read
     let dir = args.data_dir();
     let corpus = text::load_corpus(&dir, args.tokenizer)?;
     if corpus.generated {
@@ -160,7 +134,7 @@ pub fn run(exercise: Exercise, args: &LmArgs) -> anyhow::Result<Vec<RunRecord>> 
         vocab,
         crate::torch_version()
     );
-    report::run_per_device(args.device, &args.results_dir, |device| {
+    report::run_per_device(args.run.device, &args.run.results_dir, |device| {
         let (record, extra) = run_on(exercise, args, device, &corpus)?;
         let mut extra = extra;
         extra["unigram_test_ppl"] = unigram.into();
@@ -172,7 +146,7 @@ fn run_on(exercise: Exercise, args: &LmArgs, device: Device, corpus: &Corpus) ->
     if device.is_cuda() {
         tch::Cuda::cudnn_set_benchmark(true);
     }
-    tch::manual_seed(args.seed as i64);
+    tch::manual_seed(args.run.seed as i64);
     let vs = nn::VarStore::new(device);
     let config = args.model_config(corpus.vocab.len() as i64);
     let model = TransformerLm::new(&vs.root(), &config);
@@ -192,7 +166,7 @@ fn run_on(exercise: Exercise, args: &LmArgs, device: Device, corpus: &Corpus) ->
     let valid_data = TokenBatches::new(&corpus.valid, args.eval_batch_size, args.bptt, device);
     let test_data = TokenBatches::new(&corpus.test, args.eval_batch_size, args.bptt, device);
 
-    let epochs = args.epochs.unwrap_or(exercise.default_epochs);
+    let epochs = args.run.epochs.unwrap_or(exercise.default_epochs);
     let model_identity = serde_json::json!({
         "transformer": config,
         "tokenizer": args.tokenizer.name(),
@@ -200,17 +174,17 @@ fn run_on(exercise: Exercise, args: &LmArgs, device: Device, corpus: &Corpus) ->
     let train_config = TrainConfig {
         run: format!("{}-transformer-{}", exercise.name, device::device_name(device)),
         epochs,
-        max_steps: args.max_steps,
-        seed: args.seed,
+        max_steps: args.run.max_steps,
+        seed: args.run.seed,
         lr_schedule: LrSchedule::Step { every: 1, gamma: args.gamma },
         clip_grad_norm: (args.clip > 0.0).then_some(args.clip),
-        checkpoint: args.checkpoint_dir.as_ref().map(|dir| CheckpointConfig {
+        checkpoint: args.run.checkpoint_dir.as_ref().map(|dir| CheckpointConfig {
             dir: dir.clone(),
-            resume: args.resume,
+            resume: args.run.resume,
             model: model_identity.clone(),
             config: serde_json::to_value(args).expect("flags serialise"),
         }),
-        progress: !args.quiet,
+        progress: !args.run.quiet,
         verbose: true,
         metric: Metric::Perplexity,
     };
@@ -232,7 +206,7 @@ fn run_on(exercise: Exercise, args: &LmArgs, device: Device, corpus: &Corpus) ->
         batch_size: args.batch_size as usize,
         lr: args.lr,
         optimizer: optimizer.name().into(),
-        seed: args.seed,
+        seed: args.run.seed,
     };
     let record = RunRecord::new(info, &fit, (test_loss, test_acc));
     let extra = serde_json::json!({

@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod device;
 pub mod error;
+pub mod flags;
 pub mod image_classification;
 pub mod language_model;
 pub mod models;

@@ -7,9 +7,10 @@
 //! spelled with the same ATen ops, is then trained here from the same weights on the same
 //! batches. The other tests need no Python.
 
+mod support;
+
 use std::collections::HashMap;
-use std::path::Path;
-use std::process::Command;
+use support::Reference;
 
 use common::optim::{clip_grad_norm, Adam, AdamConfig, Optimizer, OptimizerKind, Sgd, SgdConfig};
 use tch::{Device, Kind, Reduction, Tensor};
@@ -118,47 +119,6 @@ fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Tensor {
     logits.cross_entropy_loss::<Tensor>(targets, None, Reduction::Mean, -100, 0.0)
 }
 
-/// What the reference script wrote.
-struct Reference(HashMap<String, Tensor>);
-
-impl Reference {
-    /// Runs the reference script, writing into `dir`, and reads its output.
-    fn compute(dir: &Path) -> Reference {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/optim_parity.py");
-        let python = std::env::var_os("TORCH_PYTHON").unwrap_or_else(|| {
-            panic!(
-                "TORCH_PYTHON is not set, so the torch.optim reference cannot run; run the tests through \
-                 scripts/with-torch (`scripts/with-torch cargo test --release -p common --test optim_parity`), \
-                 which points it at a Python with torch 2.11"
-            )
-        });
-        let npz = dir.join("optim_parity.npz");
-        let output = Command::new(&python)
-            .arg(&script)
-            .arg(&npz)
-            .output()
-            .unwrap_or_else(|e| {
-                panic!("cannot run TORCH_PYTHON={}: {e}", python.to_string_lossy())
-            });
-        assert!(
-            output.status.success(),
-            "{} {} failed ({}):\n{}",
-            python.to_string_lossy(),
-            script.display(),
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        );
-        let tensors =
-            Tensor::read_npz(&npz).unwrap_or_else(|e| panic!("cannot read {}: {e}", npz.display()));
-        Reference(tensors.into_iter().collect())
-    }
-
-    fn get(&self, key: &str) -> &Tensor {
-        self.0
-            .get(key)
-            .unwrap_or_else(|| panic!("the reference .npz has no `{key}`"))
-    }
-}
 
 /// Largest `|a - b| / |b|` over the elements.
 fn max_rel_diff(a: &Tensor, b: &Tensor) -> f64 {
@@ -177,8 +137,7 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
 
 #[test]
 fn optimizers_match_torch_optim() {
-    let dir = tempfile::tempdir().unwrap();
-    let reference = Reference::compute(dir.path());
+    let reference = Reference::compute("optim_parity.py", &[]);
     let get = |key: &str| reference.get(key);
     // numpy keeps torch's dtypes: float32 data, int64 targets. A silent float64 would make the
     // comparison meaningless, so check.
@@ -186,11 +145,7 @@ fn optimizers_match_torch_optim() {
     assert_eq!(get("x.0").kind(), Kind::Float);
     assert_eq!(get("y.0").kind(), Kind::Int64);
     let configs = configs();
-    let loss_keys = reference
-        .0
-        .keys()
-        .filter(|k| k.starts_with("loss."))
-        .count();
+    let loss_keys = reference.with_prefix("loss.").len();
     assert_eq!(
         loss_keys,
         configs.len(),

@@ -7,9 +7,10 @@
 //! weights are loaded here by name and the outputs compared. Comparisons are relative to the
 //! reference's scale: `max |ours − torch| / max |torch| ≤ 1e-5`.
 
-use std::collections::{BTreeSet, HashMap};
-use std::path::Path;
-use std::process::Command;
+mod support;
+
+use std::collections::BTreeSet;
+use support::Reference;
 use std::sync::{Mutex, MutexGuard};
 
 use common::models::{
@@ -310,82 +311,29 @@ fn rejects_heads_that_do_not_divide_d_model() {
 
 // --- parity with PyTorch ----------------------------------------------------------------------
 
-/// What the reference script wrote for one part.
-struct Reference(HashMap<String, Tensor>);
-
-impl Reference {
-    /// Runs the reference script for `part` (`layer`, `model` or `train`) and reads its output.
-    fn compute(part: &str) -> Reference {
-        let dir = tempfile::tempdir().unwrap();
-        let script =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/transformer_parity.py");
-        let python = std::env::var_os("TORCH_PYTHON").unwrap_or_else(|| {
-            panic!(
-                "TORCH_PYTHON is not set, so the PyTorch reference cannot run; run the tests through \
-                 scripts/with-torch (`scripts/with-torch cargo test --release -p common --test transformer`), \
-                 which points it at a Python with torch 2.11"
-            )
-        });
-        let npz = dir.path().join(format!("{part}.npz"));
-        let output = Command::new(&python)
-            .arg(&script)
-            .arg(part)
-            .arg(&npz)
-            .output()
-            .unwrap_or_else(|e| {
-                panic!("cannot run TORCH_PYTHON={}: {e}", python.to_string_lossy())
-            });
-        assert!(
-            output.status.success(),
-            "{} {} {part} failed ({}):\n{}",
-            python.to_string_lossy(),
-            script.display(),
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        );
-        let tensors =
-            Tensor::read_npz(&npz).unwrap_or_else(|e| panic!("cannot read {}: {e}", npz.display()));
-        Reference(tensors.into_iter().collect())
-    }
-
-    fn get(&self, key: &str) -> &Tensor {
-        self.0
-            .get(key)
-            .unwrap_or_else(|| panic!("the reference .npz has no `{key}`"))
-    }
-
-    /// The tensors named `<prefix><name>`, by name.
-    fn with_prefix(&self, prefix: &str) -> HashMap<String, &Tensor> {
-        self.0
-            .iter()
-            .filter_map(|(k, t)| Some((k.strip_prefix(prefix)?.to_string(), t)))
-            .collect()
-    }
-
-    /// Copies the reference's `param.<name>` tensors into the variables of `vs`, after checking
-    /// that both have exactly the same names (torch's `named_parameters`) and shapes.
-    fn load_params(&self, vs: &nn::VarStore) {
-        let params = self.with_prefix("param.");
-        let vars = vs.variables();
-        assert_eq!(
-            vars.keys().collect::<BTreeSet<_>>(),
-            params.keys().collect::<BTreeSet<_>>(),
-            "variable names differ from torch's"
-        );
-        tch::no_grad(|| {
-            for (name, var) in &vars {
-                let src = params[name];
-                assert_eq!(src.kind(), Kind::Float, "{name}");
-                assert_eq!(var.size(), src.size(), "{name}");
-                var.shallow_clone().copy_(src);
-            }
-        });
-    }
+/// Copies the reference's `param.<name>` tensors into the variables of `vs`, after checking
+/// that both have exactly the same names (torch's `named_parameters`) and shapes.
+fn load_params(reference: &Reference, vs: &nn::VarStore) {
+    let params = reference.with_prefix("param.");
+    let vars = vs.variables();
+    assert_eq!(
+        vars.keys().collect::<BTreeSet<_>>(),
+        params.keys().collect::<BTreeSet<_>>(),
+        "variable names differ from torch's"
+    );
+    tch::no_grad(|| {
+        for (name, var) in &vars {
+            let src = params[name];
+            assert_eq!(src.kind(), Kind::Float, "{name}");
+            assert_eq!(var.size(), src.size(), "{name}");
+            var.shallow_clone().copy_(src);
+        }
+    });
 }
 
 #[test]
 fn encoder_layer_matches_torch() {
-    let reference = Reference::compute("layer");
+    let reference = Reference::compute("transformer_parity.py", &["layer"]);
     let _rng = exclusive_rng();
     let cfg = TransformerConfig {
         dropout: 0.1,
@@ -393,7 +341,7 @@ fn encoder_layer_matches_torch() {
     };
     let vs = nn::VarStore::new(Device::Cpu);
     let layer = EncoderLayer::new(&vs.root(), &cfg);
-    reference.load_params(&vs);
+    load_params(&reference, &vs);
     let x = reference.get("x");
     let ours = eval(&layer, x);
     // The layer as nn.TransformerEncoder calls it (is_causal), with the explicit -inf mask,
@@ -408,10 +356,10 @@ fn encoder_layer_matches_torch() {
 
 #[test]
 fn model_logits_match_torch() {
-    let reference = Reference::compute("model");
+    let reference = Reference::compute("transformer_parity.py", &["model"]);
     let _rng = exclusive_rng();
     let (vs, model) = build(&small(0.2));
-    reference.load_params(&vs);
+    load_params(&reference, &vs);
     let logits = eval(&model, reference.get("src"));
     let diff = rel_diff(&logits, reference.get("logits"));
     eprintln!("model logits vs torch: max relative difference {diff:e}");
@@ -446,7 +394,7 @@ fn check_training(reference: &Reference, run: &str, dropout: f64) {
     let _rng = exclusive_rng();
     let cfg = small(dropout);
     let (vs, model) = build(&cfg);
-    reference.load_params(&vs);
+    load_params(&reference, &vs);
     let params = named_parameters(&vs);
     // Clip in torch's `model.parameters()` order, so that the total norm sums the same way.
     let order = reference.with_prefix("order.");
@@ -526,7 +474,7 @@ fn check_training(reference: &Reference, run: &str, dropout: f64) {
 
 #[test]
 fn training_matches_torch() {
-    let reference = Reference::compute("train");
+    let reference = Reference::compute("transformer_parity.py", &["train"]);
     // Deterministic, as the task demands.
     check_training(&reference, "plain", 0.0);
     // With the course's kind of dropout: also equal, which checks where dropout is applied.

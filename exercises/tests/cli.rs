@@ -1,23 +1,13 @@
 //! exercise1 as a user runs it: learning on real MNIST digits, results files, exact resume
 //! through the flags, and one clear line with the right exit code for each mistake.
-use std::path::{Path, PathBuf};
+mod support;
+
+use std::path::Path;
+use support::{read_json, shared_data, stderr};
 use std::process::{Command, Output};
 
 fn exercise1(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_exercise1")).args(args).output().expect("exercise1 runs")
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-fn shared_mnist() -> PathBuf {
-    let base = std::env::var_os("SHARED_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data"));
-    let dir = base.join("mnist-5k");
-    assert!(dir.is_dir(), "this test needs the real MNIST sample at {} (or set SHARED_DATA)", dir.display());
-    dir
 }
 
 fn generated_cifar(dir: &Path, train: usize) {
@@ -30,16 +20,11 @@ fn generated_cifar(dir: &Path, train: usize) {
     assert!(status.success());
 }
 
-fn read_json(path: &Path) -> serde_json::Value {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap()
-}
-
 #[test]
 fn the_course_cnn_learns_real_mnist_digits() {
     let results = tempfile::tempdir().unwrap();
     let out = exercise1(&[
-        "--dataset", "mnist", "--data-dir", shared_mnist().to_str().unwrap(), "--device", "cpu",
+        "--dataset", "mnist", "--data-dir", shared_data("mnist-5k").to_str().unwrap(), "--device", "cpu",
         "--epochs", "5", "--quiet", "--results-dir", results.path().to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", stderr(&out));

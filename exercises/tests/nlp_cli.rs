@@ -1,41 +1,26 @@
 //! exercise1_nlp as a user runs it: learning on real WikiText-2 text, the results file, exact
 //! resume through the flags, and clear errors.
-use std::path::{Path, PathBuf};
+mod support;
+
+use std::path::Path;
+use support::{read_json, shared_data, stderr};
 use std::process::{Command, Output};
 
 fn exercise1_nlp(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_exercise1_nlp")).args(args).output().expect("exercise1_nlp runs")
 }
 
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-fn shared_wikitext() -> PathBuf {
-    let base = std::env::var_os("SHARED_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data"));
-    let dir = base.join("wikitext-2");
-    assert!(dir.is_dir(), "this test needs the real WikiText-2 sample at {} (or set SHARED_DATA)", dir.display());
-    dir
-}
-
 /// A corpus folder in the `{train,valid,test}.txt` layout, each split the first `lines` lines
 /// of a real split (train and valid from WikiText-2 valid, test from WikiText-2 test: the real
 /// train split is not available offline).
 fn corpus(dir: &Path, lines: [usize; 3]) {
-    let real = shared_wikitext();
+    let real = shared_data("wikitext-2");
     let read = |name: &str| std::fs::read_to_string(real.join(name)).unwrap();
     let (valid, test) = (read("valid.txt"), read("test.txt"));
     let take = |text: &str, n: usize| text.lines().take(n).collect::<Vec<_>>().join("\n") + "\n";
     std::fs::write(dir.join("train.txt"), take(&valid, lines[0])).unwrap();
     std::fs::write(dir.join("valid.txt"), take(&valid, lines[1])).unwrap();
     std::fs::write(dir.join("test.txt"), take(&test, lines[2])).unwrap();
-}
-
-fn read_json(path: &Path) -> serde_json::Value {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap()
 }
 
 #[test]

@@ -1,0 +1,55 @@
+//! The flags every exercise shares, with the same names, defaults and meanings in every binary
+//! (scripts, sbatch files and notebooks rely on them). Each experiment flattens [`RunArgs`]
+//! into its own flags.
+use crate::device::DeviceChoice;
+use crate::error::usage;
+use serde::Serialize;
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, clap::Args, Serialize)]
+pub struct RunArgs {
+    /// Where to train; `both` runs the CPU, then the GPU, and compares them.
+    #[arg(long, value_enum, default_value = "both")]
+    pub device: DeviceChoice,
+    /// Folder with the data set's files [default: data/<data set>].
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Epochs [default: the exercise's].
+    #[arg(long)]
+    pub epochs: Option<usize>,
+    /// Stop after this many optimizer steps (smoke runs, benchmarks).
+    #[arg(long)]
+    pub max_steps: Option<usize>,
+    /// Seeds the initial weights, the data order, augmentation and dropout.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// LibTorch threads for CPU work; 0 = one per core.
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Save a checkpoint here after every epoch.
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Continue from the checkpoint in --checkpoint-dir when there is one.
+    #[arg(long, requires = "checkpoint_dir")]
+    pub resume: bool,
+    /// Where results (JSON, CSV) are written.
+    #[arg(long, default_value = "results")]
+    pub results_dir: PathBuf,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+impl RunArgs {
+    pub fn check(&self) -> anyhow::Result<()> {
+        if self.epochs == Some(0) || self.max_steps == Some(0) {
+            return usage("--epochs and --max-steps must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// `--data-dir`, or `data/<default>`.
+    pub fn data_dir_or(&self, default: &str) -> PathBuf {
+        self.data_dir.clone().unwrap_or_else(|| PathBuf::from("data").join(default))
+    }
+}

@@ -157,14 +157,15 @@ impl FitReport {
     }
 }
 
-/// Mean cross-entropy over the last dimension of `logits` (classes, or vocabulary) and the
-/// number of arg-max hits.
-fn loss_and_hits(logits: &Tensor, targets: &Tensor) -> (Tensor, Tensor) {
+/// Mean cross-entropy over the last dimension of `logits` (classes, or vocabulary) and, when
+/// asked, the number of arg-max hits (a pass over all logits: skipped in language-model
+/// training, whose figure of merit is the perplexity).
+fn loss_and_hits(logits: &Tensor, targets: &Tensor, count_hits: bool) -> (Tensor, Option<Tensor>) {
     let classes = *logits.size().last().expect("logits have a class dimension");
     let logits = logits.reshape([-1, classes]);
     let targets = targets.reshape([-1]);
     let loss = logits.cross_entropy_for_logits(&targets);
-    let hits = logits.argmax(-1, false).eq_tensor(&targets).sum(Kind::Int64);
+    let hits = count_hits.then(|| logits.argmax(-1, false).eq_tensor(&targets).sum(Kind::Int64));
     (loss, hits)
 }
 
@@ -174,9 +175,9 @@ pub fn evaluate(model: &dyn nn::ModuleT, source: &dyn BatchSource) -> (f64, f64)
         let (mut loss_sum, mut hits, mut count) = (0.0, 0i64, 0usize);
         for batch in source.epoch(0) {
             let logits = model.forward_t(&batch.inputs, false);
-            let (loss, batch_hits) = loss_and_hits(&logits, &batch.targets);
+            let (loss, batch_hits) = loss_and_hits(&logits, &batch.targets, true);
             loss_sum += loss.double_value(&[]) * batch.len() as f64;
-            hits += batch_hits.int64_value(&[]);
+            hits += batch_hits.map_or(0, |h| h.int64_value(&[]));
             count += batch.len();
         }
         let n = count.max(1) as f64;
@@ -250,7 +251,7 @@ pub fn fit(
             let Some(batch) = batches.next() else { break };
             let t1 = Instant::now();
             let logits = model.forward_t(&batch.inputs, true);
-            let (loss, batch_hits) = loss_and_hits(&logits, &batch.targets);
+            let (loss, batch_hits) = loss_and_hits(&logits, &batch.targets, config.metric == Metric::Accuracy);
             optimizer.zero_grad();
             loss.backward();
             synchronize(device);
@@ -266,7 +267,9 @@ pub fn fit(
             report.timings.forward_backward_s += (t2 - t1).as_secs_f64();
             report.timings.optimizer_s += (t3 - t2).as_secs_f64();
             loss_sum += loss.detach().to_kind(Kind::Double) * batch.len() as f64;
-            hits_sum += batch_hits;
+            if let Some(batch_hits) = batch_hits {
+                hits_sum += batch_hits;
+            }
             seen += batch.len();
             epoch_steps += 1;
             step += 1;
@@ -292,7 +295,8 @@ pub fn fit(
             lr,
             steps: epoch_steps,
             train_loss,
-            train_acc: hits_sum.int64_value(&[]) as f64 / n,
+            // Not counted in language-model training (null in the JSON).
+            train_acc: if config.metric == Metric::Accuracy { hits_sum.int64_value(&[]) as f64 / n } else { f64::NAN },
             eval_loss,
             eval_acc,
             train_time_s: train_time,

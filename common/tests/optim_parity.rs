@@ -582,3 +582,26 @@ fn clip_grad_norm_leaves_small_gradients_and_skips_missing_ones() {
     assert_eq!(clip_grad_norm(&params[1..], 1.0), 0.0);
     assert_eq!(clip_grad_norm(&[], 1.0), 0.0);
 }
+
+#[test]
+fn zero_grad_drops_gradients_and_gradless_parameters_stay_put() {
+    let used = Tensor::from_slice(&[1.0f32, 2.0]).set_requires_grad(true);
+    let unused = Tensor::from_slice(&[3.0f32]).set_requires_grad(true);
+    let named = || vec![("unused".to_string(), unused.shallow_clone()), ("used".to_string(), used.shallow_clone())];
+    for mut opt in [
+        Box::new(Adam::new(named(), AdamConfig::default())) as Box<dyn Optimizer>,
+        Box::new(Sgd::new(named(), SgdConfig { lr: 0.1, momentum: 0.9, ..SgdConfig::default() })),
+    ] {
+        // Both parameters get a gradient once, then only `used` does.
+        (&used * 2.0 + &unused).sum(Kind::Float).backward();
+        opt.step();
+        opt.zero_grad();
+        assert!(!used.grad().defined() && !unused.grad().defined(), "{}: gradients dropped, as torch's set_to_none", opt.name());
+        let before = unused.copy();
+        (&used * 2.0).sum(Kind::Float).backward();
+        assert!(!unused.grad().defined());
+        opt.step();
+        assert!(unused.equal(&before), "{}: a parameter without a gradient is not updated (torch skips it)", opt.name());
+        opt.zero_grad();
+    }
+}

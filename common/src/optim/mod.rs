@@ -29,12 +29,9 @@ pub trait Optimizer: Send {
     /// skipped (as torch does). Runs without gradient tracking.
     fn step(&mut self);
 
-    /// Zeroes the gradients in place, as tch's `Tensor::zero_grad` does (the gradient is detached
-    /// from any graph, then filled with zeros). tch cannot reset a gradient to `None`, which is
-    /// what torch's `zero_grad(set_to_none=True)` does; the two only differ for a parameter that
-    /// once had a gradient and then gets none in a later step: torch skips it, here it is updated
-    /// with a zero gradient (Adam's momentum still moves it). Every exercise uses all parameters
-    /// in every step, so they behave the same there.
+    /// Drops the gradients (resets them to "none"), as torch's default
+    /// `zero_grad(set_to_none=True)` does: the next backward writes fresh gradients instead of
+    /// adding to zeroed ones, and a parameter that gets no gradient is skipped by the next step.
     fn zero_grad(&mut self);
 
     /// The learning rate used by the next [`Optimizer::step`].
@@ -159,6 +156,12 @@ struct Slot<S> {
 /// The parameters an optimizer updates, with their state.
 struct Slots<S> {
     slots: Vec<Slot<S>>,
+    /// A LibTorch optimizer over the same parameters, never stepped: tch has no way to reset
+    /// a gradient to "none", but LibTorch's `Optimizer::zero_grad()` does exactly that (its
+    /// `set_to_none` defaults to true, as `torch.optim`'s does). Zero-filled gradients instead
+    /// would cost a pass over every gradient to fill them, and another in the next backward to
+    /// accumulate into them.
+    grad_reset: tch::COptimizer,
 }
 
 impl<S: ParamState> Slots<S> {
@@ -172,6 +175,13 @@ impl<S: ParamState> Slots<S> {
                 "optimizer: duplicate parameter name `{name}`"
             );
         }
+        let mut grad_reset = tch::COptimizer::sgd(0.0, 0.0, 0.0, 0.0, false)
+            .expect("LibTorch can create an SGD optimizer");
+        for (_, param) in &params {
+            grad_reset
+                .add_parameters(param, 0)
+                .expect("LibTorch accepts a parameter");
+        }
         let slots = params
             .into_iter()
             .map(|(name, param)| Slot {
@@ -180,7 +190,7 @@ impl<S: ParamState> Slots<S> {
                 state: None,
             })
             .collect();
-        Slots { slots }
+        Slots { slots, grad_reset }
     }
 
     /// Calls `update(param, grad, state)` without gradient tracking for every parameter that
@@ -197,9 +207,9 @@ impl<S: ParamState> Slots<S> {
     }
 
     fn zero_grad(&mut self) {
-        for slot in &mut self.slots {
-            slot.param.zero_grad();
-        }
+        self.grad_reset
+            .zero_grad()
+            .expect("LibTorch resets the gradients");
     }
 
     fn state_tensors(&self) -> Vec<(String, Tensor)> {

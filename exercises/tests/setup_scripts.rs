@@ -132,3 +132,47 @@ fn an_unknown_data_set_name_is_refused() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out).contains("unknown data set 'imagenet'"), "{}", text(&out));
 }
+
+fn fetch_wikitext(data_dir: &Path, env: &[(&str, String)]) -> Output {
+    let mut cmd = Command::new(repo().join("scripts/fetch_wikitext.sh"));
+    cmd.env("DATA_DIR", data_dir).env("PREPARE_DATA", env!("CARGO_BIN_EXE_prepare_data"));
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+#[test]
+fn a_verified_wikitext_zip_is_unpacked_where_the_loader_finds_it() {
+    // A zip laid out like wikitext-2-v1.zip: wikitext-2/wiki.{train,valid,test}.tokens.
+    let src = tempfile::tempdir().unwrap();
+    let zip = src.path().join("wikitext-2-v1.zip");
+    let script = "import sys, zipfile\n\
+                  z = zipfile.ZipFile(sys.argv[1], 'w')\n\
+                  for s in ('train', 'valid', 'test'):\n    z.writestr(f'wikitext-2/wiki.{s}.tokens', ' = Title = \\n\\n the cat sat on the mat . \\n')\n\
+                  z.close()";
+    let status = Command::new("python3").args(["-c", script]).arg(&zip).status().unwrap();
+    assert!(status.success());
+    let data = tempfile::tempdir().unwrap();
+    let env = [("FETCH_WIKITEXT_URL", format!("file://{}", zip.display())), ("FETCH_WIKITEXT_MD5", md5(&zip))];
+    let out = fetch_wikitext(data.path(), &env);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("wikitext-2 in") && !text(&out).contains("GENERATED"), "{}", text(&out));
+    assert!(data.path().join("wikitext-2/wikitext-2/wiki.valid.tokens").exists());
+    assert!(!data.path().join("wikitext-2/wikitext-2-v1.zip").exists(), "the zip is removed after unpacking");
+}
+
+#[test]
+fn wikitext_with_a_bad_checksum_or_no_network_is_generated_loudly() {
+    let src = tempfile::tempdir().unwrap();
+    let zip = src.path().join("wikitext-2-v1.zip");
+    std::fs::write(&zip, b"not a zip").unwrap();
+    let data = tempfile::tempdir().unwrap();
+    let out = fetch_wikitext(data.path(), &[("FETCH_WIKITEXT_URL", format!("file://{}", zip.display()))]);
+    assert!(out.status.success(), "{}", text(&out));
+    let msg = text(&out);
+    assert!(msg.contains("expected 542ccefacc6c27f945fb54453812b3cd; discarding"), "{msg}");
+    assert!(msg.contains("GENERATING a stand-in") && msg.contains("(GENERATED stand-in)"), "{msg}");
+    assert!(data.path().join("wikitext-2/GENERATED.txt").exists());
+    assert!(data.path().join("wikitext-2/wiki.train.tokens").exists());
+}

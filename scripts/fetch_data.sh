@@ -29,7 +29,7 @@ fallback() {
     local name=$1
     announce_generated "$name" accuracies
     rm -rf "${data:?}/$name"
-    "$prepare" generate --dataset "$name" --out "$data/$name"
+    "$prepare" generate --dataset "$name" --out "$data/$name" && "$prepare" check --dataset "$name" --dir "$data/$name"
 }
 
 get_cifar10() {

@@ -34,7 +34,7 @@ unpack() {
 fallback() {
     announce_generated WikiText-2 perplexities
     rm -rf "${dir:?}"
-    "$prepare" generate-text --out "$dir"
+    "$prepare" generate-text --out "$dir" && "$prepare" check-text --dir "$dir"
 }
 
 if "$prepare" check-text --dir "$dir" 2>/dev/null; then exit 0; fi

@@ -15,10 +15,13 @@ BIN       := target/release
 ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
-.PHONY: setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
+.PHONY: system-deps exercise2 exercise3-ddp setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
         exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test clean-results
 
-setup:
+system-deps:
+	@scripts/system-deps
+
+setup: system-deps
 	@$(WITH) true
 	@$(WITH) sh -c 'echo "LibTorch: PyTorch $$TORCH_VERSION"'
 
@@ -55,6 +58,14 @@ exercise1_nlp-cpu: data-wikitext2
 
 exercise1_nlp-gpu: data-wikitext2
 	$(WITH) $(BIN)/exercise1_nlp --device cuda $(ARGS)
+
+# Data parallel: 2 local ranks through mpirun (on the GPUs where there are two, else CPU).
+NPROC ?= 2
+exercise2: data-cifar10
+	$(WITH) $(BIN)/exercise2 --nproc-per-node $(NPROC) $(ARGS)
+
+exercise3-ddp: data-cifar10
+	$(WITH) $(BIN)/exercise3 ddp --nproc-per-node $(NPROC) $(ARGS)
 
 # Rust vs PyTorch eager tokens/s, side by side (ROUNDS, STEPS, THREADS, DEVICE, MODEL_FLAGS).
 bench-nlp: data-wikitext2

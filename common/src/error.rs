@@ -10,6 +10,11 @@ use std::process::ExitCode;
 #[error("{0}")]
 pub struct UsageError(pub String);
 
+/// Child processes (the ranks under mpirun) failed and have reported why: exit with their code.
+#[derive(Debug, thiserror::Error)]
+#[error("the ranks started through mpirun failed (exit code {0})")]
+pub struct ChildExit(pub i32);
+
 /// Shorthand for returning a [`UsageError`].
 pub fn usage<T>(msg: impl Into<String>) -> anyhow::Result<T> {
     Err(UsageError(msg.into()).into())
@@ -30,8 +35,11 @@ pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
     }
 }
 
-/// 2 for a usage error, 1 otherwise.
+/// 2 for a usage error, the children's code when they failed, 1 otherwise.
 pub fn exit_code(err: &anyhow::Error) -> u8 {
+    if let Some(ChildExit(code)) = err.downcast_ref::<ChildExit>() {
+        return u8::try_from(*code).ok().filter(|&c| c != 0).unwrap_or(1);
+    }
     if err.chain().any(|cause| cause.is::<UsageError>()) {
         2
     } else {

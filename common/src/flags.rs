@@ -53,3 +53,43 @@ impl RunArgs {
         self.data_dir.clone().unwrap_or_else(|| PathBuf::from("data").join(default))
     }
 }
+
+/// The data-parallel exercises' own flags (exercise2, exercise3 ddp).
+#[derive(Debug, Clone, clap::Args, Serialize)]
+pub struct DataParallelArgs {
+    /// Start N local ranks (through mpirun), as the course's mp.spawn and `horovodrun -np N` do.
+    /// Without it, the ranks come from the launcher that started this process (mpirun, srun,
+    /// torchrun-style variables), or there is one.
+    #[arg(long)]
+    pub nproc_per_node: Option<usize>,
+    /// Collective engine: NCCL for CUDA tensors and MPI for CPU tensors (auto), or one of them.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub backend: crate::dist::Backend,
+    /// Gradients are averaged in buckets of this many MiB (fewer, larger messages).
+    #[arg(long, default_value_t = 25.0)]
+    pub bucket_mb: f64,
+    /// Send gradients as fp16 (NCCL only).
+    #[arg(long)]
+    pub fp16_allreduce: bool,
+    /// Multiply the learning rate by the world size (linear scaling, Goyal et al. 2017).
+    #[arg(long)]
+    pub scale_lr: bool,
+    /// Ramp the scaled learning rate up from the single-process one over this many epochs.
+    #[arg(long, default_value_t = 0)]
+    pub warmup_epochs: usize,
+}
+
+impl DataParallelArgs {
+    pub fn check(&self) -> anyhow::Result<()> {
+        if self.nproc_per_node == Some(0) {
+            return usage("--nproc-per-node must be at least 1");
+        }
+        if !(self.bucket_mb > 0.0 && self.bucket_mb.is_finite()) {
+            return usage(format!("--bucket-mb must be positive, got {}", self.bucket_mb));
+        }
+        if self.warmup_epochs > 0 && !self.scale_lr {
+            return usage("--warmup-epochs ramps up a scaled learning rate: use it with --scale-lr");
+        }
+        Ok(())
+    }
+}

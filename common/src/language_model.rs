@@ -10,7 +10,7 @@ use crate::models::{self, TransformerConfig, TransformerLm};
 use crate::optim::{Optimizer, Sgd, SgdConfig};
 use crate::report::{self, RunInfo, RunRecord};
 use crate::Exercise;
-use crate::train::{self, CheckpointConfig, LrSchedule, Metric, TrainConfig};
+use crate::train::{self, CheckpointConfig, LrSchedule, Metric, SingleReplica, TrainConfig};
 use serde::Serialize;
 use std::path::PathBuf;
 use tch::{nn, Device};
@@ -188,8 +188,8 @@ fn run_on(exercise: Exercise, args: &LmArgs, device: Device, corpus: &Corpus) ->
         verbose: true,
         metric: Metric::Perplexity,
     };
-    let fit = train::fit(&model, &vs, &mut optimizer, &train_data, &valid_data, &train_config)?;
-    let (test_loss, test_acc) = train::evaluate(&model, &test_data);
+    let fit = train::fit(&model, &vs, &mut optimizer, &train_data, &valid_data, &train_config, &SingleReplica)?;
+    let (test_loss, test_acc) = train::evaluate(&model, &test_data, &SingleReplica)?;
     println!(
         "[{}] end of training: test loss {test_loss:.4}, test perplexity {:.2}",
         device::device_name(device),
@@ -207,6 +207,7 @@ fn run_on(exercise: Exercise, args: &LmArgs, device: Device, corpus: &Corpus) ->
         lr: args.lr,
         optimizer: optimizer.name().into(),
         seed: args.run.seed,
+        world_size: 1,
     };
     let record = RunRecord::new(info, &fit, (test_loss, test_acc));
     let extra = serde_json::json!({

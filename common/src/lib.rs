@@ -6,6 +6,7 @@
 pub mod checkpoint;
 pub mod data;
 pub mod device;
+pub mod dist;
 pub mod error;
 pub mod flags;
 pub mod image_classification;

@@ -25,8 +25,11 @@ pub struct RunRecord {
     pub optimizer: String,
     /// Seconds in training steps (evaluation excluded).
     pub train_time_s: f64,
-    /// Training examples per second (images/s, or tokens/s for a language model).
+    /// Training examples per second (images/s, or tokens/s for a language model), all
+    /// data-parallel replicas together.
     pub throughput: f64,
+    /// Data-parallel replicas (1 for a single process).
+    pub world_size: usize,
     pub test_acc: f64,
     pub test_loss: f64,
     pub data_wait_s: f64,
@@ -55,6 +58,7 @@ pub struct RunInfo {
     pub lr: f64,
     pub optimizer: String,
     pub seed: u64,
+    pub world_size: usize,
 }
 
 impl RunRecord {
@@ -75,6 +79,7 @@ impl RunRecord {
             optimizer: info.optimizer,
             train_time_s: fit.train_time_s,
             throughput: fit.throughput(),
+            world_size: info.world_size,
             test_acc,
             test_loss,
             data_wait_s: fit.timings.data_wait_s,
@@ -144,6 +149,17 @@ pub fn run_per_device(
         .then_some("no CUDA device on this machine; the run above is CPU only");
     println!("{}", comparison_table(&records, missing));
     Ok(records)
+}
+
+/// Throughput of this run over `world_size` × that of the latest single-process run of the
+/// same exercise, model, device and per-rank batch in `csv` (None without such a run).
+pub fn scaling_efficiency(csv: &Path, record: &RunRecord) -> Option<f64> {
+    let baseline = read_csv(csv).ok()?.into_iter().rev().find(|r| {
+        r.world_size == 1
+            && (r.exercise.as_str(), r.model.as_str(), r.device.as_str(), r.batch_size)
+                == (record.exercise.as_str(), record.model.as_str(), record.device.as_str(), record.batch_size)
+    })?;
+    Some(record.throughput / (record.world_size as f64 * baseline.throughput))
 }
 
 /// Reads every record of an exercise's CSV.
@@ -240,6 +256,7 @@ mod tests {
             optimizer: "adam".into(),
             train_time_s: 1000.0 / throughput,
             throughput,
+            world_size: 1,
             test_acc: 0.5,
             test_loss: 1.2,
             data_wait_s: 0.0,

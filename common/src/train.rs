@@ -38,12 +38,90 @@ pub trait BatchSource {
     fn epoch(&self, epoch: usize) -> Box<dyn Iterator<Item = Batch> + '_>;
 }
 
+/// How the replicas of a data-parallel run agree (see `dist::data_parallel`); a single
+/// process is [`SingleReplica`]. The loop calls it at the start, after every backward, and to
+/// combine metrics, so the same loop trains one process or many.
+pub trait Replicas {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    fn is_root(&self) -> bool {
+        self.rank() == 0
+    }
+    /// Makes every replica start from rank 0's variables, optimizer state and progress
+    /// (epochs, steps), which it returns on every rank.
+    fn start_from_root(
+        &self,
+        vs: &nn::VarStore,
+        optimizer: &mut dyn Optimizer,
+        progress: (usize, usize),
+    ) -> anyhow::Result<(usize, usize)>;
+    /// Averages the gradients of `params` over the replicas, after backward.
+    fn average_gradients(&self, params: &[Tensor]) -> anyhow::Result<()>;
+    /// Element-wise sums of `values` over the replicas.
+    fn sum(&self, values: &[f64]) -> anyhow::Result<Vec<f64>>;
+    /// Every replica's `values`, in rank order.
+    fn gather(&self, values: &[f64]) -> anyhow::Result<Vec<Vec<f64>>>;
+}
+
+/// A bitwise fingerprint of all variables (FNV-1a over their bytes, in name order), as two
+/// exactly representable halves so that it travels through f64 collectives unchanged.
+pub fn fingerprint(vs: &nn::VarStore) -> [f64; 2] {
+    let mut vars: Vec<_> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for (_, var) in vars {
+        let var = var.detach().to_device(tch::Device::Cpu).contiguous();
+        let mut bytes = vec![0u8; var.numel() * var.kind().elt_size_in_bytes()];
+        var.copy_data_u8(&mut bytes, var.numel());
+        for byte in bytes {
+            hash = (hash ^ byte as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    [(hash >> 32) as f64, (hash & 0xffff_ffff) as f64]
+}
+
+/// Checks that every replica holds bit-identical variables (data parallelism's invariant);
+/// an error names the ranks that diverged from rank 0.
+pub fn check_replicas_agree(vs: &nn::VarStore, replicas: &dyn Replicas) -> anyhow::Result<()> {
+    let all = replicas.gather(&fingerprint(vs))?;
+    let diverged: Vec<usize> = (1..all.len()).filter(|&r| all[r] != all[0]).collect();
+    anyhow::ensure!(diverged.is_empty(), "data-parallel replicas diverged: ranks {diverged:?} hold other parameters than rank 0");
+    Ok(())
+}
+
+/// One process: nothing to agree on.
+pub struct SingleReplica;
+
+impl Replicas for SingleReplica {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn start_from_root(&self, _: &nn::VarStore, _: &mut dyn Optimizer, progress: (usize, usize)) -> anyhow::Result<(usize, usize)> {
+        Ok(progress)
+    }
+    fn average_gradients(&self, _: &[Tensor]) -> anyhow::Result<()> {
+        Ok(())
+    }
+    fn sum(&self, values: &[f64]) -> anyhow::Result<Vec<f64>> {
+        Ok(values.to_vec())
+    }
+    fn gather(&self, values: &[f64]) -> anyhow::Result<Vec<Vec<f64>>> {
+        Ok(vec![values.to_vec()])
+    }
+}
+
 /// Learning rate per epoch, relative to the optimizer's initial one.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub enum LrSchedule {
     Constant,
     /// `StepLR`: multiply by `gamma` every `every` epochs.
     Step { every: usize, gamma: f64 },
+    /// Gradual warm-up (Goyal et al. 2017): epoch `e < epochs` runs at
+    /// `start + (1 − start)·e/epochs` of the learning rate, later epochs at all of it.
+    Warmup { epochs: usize, start: f64 },
 }
 
 impl LrSchedule {
@@ -51,6 +129,10 @@ impl LrSchedule {
         match *self {
             LrSchedule::Constant => base,
             LrSchedule::Step { every, gamma } => base * gamma.powi((epoch / every.max(1)) as i32),
+            LrSchedule::Warmup { epochs, start } if epoch < epochs => {
+                base * (start + (1.0 - start) * epoch as f64 / epochs as f64)
+            }
+            LrSchedule::Warmup { .. } => base,
         }
     }
 }
@@ -111,6 +193,8 @@ pub struct Timings {
     /// Waiting for the loader's next batch.
     pub data_wait_s: f64,
     pub forward_backward_s: f64,
+    /// Averaging gradients over data-parallel replicas.
+    pub allreduce_s: f64,
     /// Gradient clipping and the optimizer step.
     pub optimizer_s: f64,
     pub eval_s: f64,
@@ -137,7 +221,7 @@ pub struct FitReport {
     pub resumed_epochs: usize,
     /// Optimizer steps taken in this process.
     pub steps: usize,
-    /// Examples trained on in this process.
+    /// Examples trained on in this process, by all replicas together.
     pub examples: usize,
     /// Time in training steps (loader wait, forward, backward, optimizer), evaluation excluded.
     pub train_time_s: f64,
@@ -169,9 +253,10 @@ fn loss_and_hits(logits: &Tensor, targets: &Tensor, count_hits: bool) -> (Tensor
     (loss, hits)
 }
 
-/// Loss and accuracy over one pass of `source`, in evaluation mode and without gradients.
-pub fn evaluate(model: &dyn nn::ModuleT, source: &dyn BatchSource) -> (f64, f64) {
-    tch::no_grad(|| {
+/// Loss and accuracy over one pass of `source` (each replica's shard of it, combined), in
+/// evaluation mode and without gradients.
+pub fn evaluate(model: &dyn nn::ModuleT, source: &dyn BatchSource, replicas: &dyn Replicas) -> anyhow::Result<(f64, f64)> {
+    let local = tch::no_grad(|| {
         let (mut loss_sum, mut hits, mut count) = (0.0, 0i64, 0usize);
         for batch in source.epoch(0) {
             let logits = model.forward_t(&batch.inputs, false);
@@ -180,9 +265,11 @@ pub fn evaluate(model: &dyn nn::ModuleT, source: &dyn BatchSource) -> (f64, f64)
             hits += batch_hits.map_or(0, |h| h.int64_value(&[]));
             count += batch.len();
         }
-        let n = count.max(1) as f64;
-        (loss_sum / n, hits as f64 / n)
-    })
+        [loss_sum, hits as f64, count as f64]
+    });
+    let [loss_sum, hits, count] = replicas.sum(&local)?[..] else { unreachable!("three sums") };
+    let n = count.max(1.0);
+    Ok((loss_sum / n, hits / n))
 }
 
 /// Trains `model` on `train`, evaluating on `eval` after every epoch (the test set in the image
@@ -195,23 +282,25 @@ pub fn fit(
     train: &dyn BatchSource,
     eval: &dyn BatchSource,
     config: &TrainConfig,
+    replicas: &dyn Replicas,
 ) -> anyhow::Result<FitReport> {
     let device = vs.device();
     let base_lr = optimizer.lr();
-    let mut start_epoch = 0;
-    let mut step = 0;
-    if let Some(ck) = config.checkpoint.as_ref().filter(|ck| ck.resume) {
+    let root = replicas.is_root();
+    let mut progress = (0, 0);
+    // Rank 0 alone reads the checkpoint; every replica then starts from rank 0's state.
+    if let Some(ck) = config.checkpoint.as_ref().filter(|ck| ck.resume && root) {
         let path = checkpoint::path_for(&ck.dir, &config.run);
         if path.exists() {
             let saved = checkpoint::load(&path)?;
             saved.restore(&path, vs, optimizer, &ck.model)?;
-            start_epoch = saved.meta.epoch;
-            step = saved.meta.step;
-            println!("resumed {} from {} after epoch {start_epoch} (step {step})", config.run, path.display());
+            progress = (saved.meta.epoch, saved.meta.step);
+            println!("resumed {} from {} after epoch {} (step {})", config.run, path.display(), progress.0, progress.1);
         } else {
             println!("--resume: no checkpoint at {} yet, starting {} from scratch", path.display(), config.run);
         }
     }
+    let (start_epoch, mut step) = replicas.start_from_root(vs, optimizer, progress)?;
     let params: Vec<Tensor> = vs.trainable_variables();
     let mut report = FitReport {
         history: Vec::new(),
@@ -233,7 +322,7 @@ pub fn fit(
         tch::manual_seed(config.seed.wrapping_add(epoch as u64) as i64);
         let lr = config.lr_schedule.lr(base_lr, epoch);
         optimizer.set_lr(lr);
-        let bar = progress_bar(config, epoch, train.batches_per_epoch());
+        let bar = progress_bar(config, root, epoch, train.batches_per_epoch());
 
         // Sums stay on the device: no extra host synchronisation per step.
         let mut loss_sum = Tensor::zeros([], (Kind::Double, device));
@@ -256,6 +345,8 @@ pub fn fit(
             loss.backward();
             synchronize(device);
             let t2 = Instant::now();
+            replicas.average_gradients(&params)?;
+            let t_avg = Instant::now();
             if let Some(max_norm) = config.clip_grad_norm {
                 optim::clip_grad_norm(&params, max_norm);
             }
@@ -265,7 +356,8 @@ pub fn fit(
 
             report.timings.data_wait_s += (t1 - t0).as_secs_f64();
             report.timings.forward_backward_s += (t2 - t1).as_secs_f64();
-            report.timings.optimizer_s += (t3 - t2).as_secs_f64();
+            report.timings.allreduce_s += (t_avg - t2).as_secs_f64();
+            report.timings.optimizer_s += (t3 - t_avg).as_secs_f64();
             loss_sum += loss.detach().to_kind(Kind::Double) * batch.len() as f64;
             if let Some(batch_hits) = batch_hits {
                 hits_sum += batch_hits;
@@ -274,7 +366,7 @@ pub fn fit(
             epoch_steps += 1;
             step += 1;
             if !bar.is_hidden() && (epoch_steps % 10 == 0 || epoch_steps == 1) {
-                let rate = seen as f64 / epoch_start.elapsed().as_secs_f64();
+                let rate = (seen * replicas.world_size()) as f64 / epoch_start.elapsed().as_secs_f64();
                 bar.set_message(format!("loss {:.4}  {rate:.0}/s", loss.double_value(&[])));
             }
             bar.inc(1);
@@ -282,11 +374,17 @@ pub fn fit(
         drop(batches);
         let train_time = epoch_start.elapsed().as_secs_f64();
         bar.finish_and_clear();
-        let n = seen.max(1) as f64;
-        let train_loss = loss_sum.double_value(&[]) / n;
+        // Every replica's examples count: sum over the replicas.
+        let local_hits = if config.metric == Metric::Accuracy { hits_sum.int64_value(&[]) as f64 } else { f64::NAN };
+        let [loss_total, hits_total, seen_total] = replicas.sum(&[loss_sum.double_value(&[]), local_hits, seen as f64])?[..]
+        else {
+            unreachable!("three sums")
+        };
+        let n = seen_total.max(1.0);
+        let train_loss = loss_total / n;
 
         let eval_start = Instant::now();
-        let (eval_loss, eval_acc) = evaluate(model, eval);
+        let (eval_loss, eval_acc) = evaluate(model, eval, replicas)?;
         synchronize(device);
         report.timings.eval_s += eval_start.elapsed().as_secs_f64();
 
@@ -295,13 +393,13 @@ pub fn fit(
             lr,
             steps: epoch_steps,
             train_loss,
-            // Not counted in language-model training (null in the JSON).
-            train_acc: if config.metric == Metric::Accuracy { hits_sum.int64_value(&[]) as f64 / n } else { f64::NAN },
+            // Not counted in language-model training (NaN: null in the JSON).
+            train_acc: hits_total / n,
             eval_loss,
             eval_acc,
             train_time_s: train_time,
         };
-        if config.verbose {
+        if config.verbose && root {
             println!(
                 "[{}] epoch {}/{}{}: {} steps in {:.1} s ({:.0}/s), lr {:.4}  train {}  eval {}",
                 config.run,
@@ -317,7 +415,7 @@ pub fn fit(
             );
         }
         report.steps += epoch_steps;
-        report.examples += seen;
+        report.examples += seen_total as usize;
         report.train_time_s += train_time;
         report.eval_loss = eval_loss;
         report.eval_acc = eval_acc;
@@ -325,7 +423,7 @@ pub fn fit(
 
         // Only whole epochs are checkpointed: a resume then starts at an epoch boundary, where
         // the order, augmentation and dropout streams are known.
-        if let (Some(ck), true) = (&config.checkpoint, completed) {
+        if let (Some(ck), true, true) = (&config.checkpoint, completed, root) {
             let meta = CheckpointMeta {
                 format: checkpoint::FORMAT_VERSION,
                 run: config.run.clone(),
@@ -344,14 +442,14 @@ pub fn fit(
     if report.history.is_empty() {
         // Nothing left to train (a finished run resumed): still report where the model stands.
         let eval_start = Instant::now();
-        (report.eval_loss, report.eval_acc) = evaluate(model, eval);
+        (report.eval_loss, report.eval_acc) = evaluate(model, eval, replicas)?;
         report.timings.eval_s += eval_start.elapsed().as_secs_f64();
     }
     Ok(report)
 }
 
-fn progress_bar(config: &TrainConfig, epoch: usize, batches: usize) -> ProgressBar {
-    if !config.progress {
+fn progress_bar(config: &TrainConfig, root: bool, epoch: usize, batches: usize) -> ProgressBar {
+    if !config.progress || !root {
         return ProgressBar::hidden();
     }
     let bar = ProgressBar::new(batches as u64);

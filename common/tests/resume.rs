@@ -69,7 +69,7 @@ fn train(setup: &Setup, epochs: usize, init_seed: i64) -> Vec<(String, tch::Tens
         verbose: false,
         metric: common::train::Metric::Accuracy,
     };
-    let report = train::fit(model.as_ref(), &vs, optimizer.as_mut(), &train_loader, &test_loader, &config).unwrap();
+    let report = train::fit(model.as_ref(), &vs, optimizer.as_mut(), &train_loader, &test_loader, &config, &train::SingleReplica).unwrap();
     assert!(report.eval_loss.is_finite());
     let mut vars: Vec<_> = vs.variables().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));

@@ -29,12 +29,24 @@ pub struct LoaderConfig {
     /// Seeds the order and the augmentation (each a function of seed, epoch and batch).
     pub seed: u64,
     pub device: Device,
+    /// (rank, world size): this replica's shard of every epoch (see [`Sampler`]); (0, 1) for all.
+    pub shard: (usize, usize),
 }
 
 impl LoaderConfig {
     /// The course's training loader: shuffled, 2 workers, 4 batches ahead each.
     pub fn train(batch_size: usize, seed: u64, device: Device) -> Self {
-        LoaderConfig { batch_size, shuffle: true, augment: false, drop_last: false, workers: 2, prefetch: 4, seed, device }
+        LoaderConfig {
+            batch_size,
+            shuffle: true,
+            augment: false,
+            drop_last: false,
+            workers: 2,
+            prefetch: 4,
+            seed,
+            device,
+            shard: (0, 1),
+        }
     }
 
     /// An evaluation loader: data set order, no augmentation, nothing dropped.
@@ -54,7 +66,8 @@ pub struct Loader {
 impl Loader {
     pub fn new(dataset: ImageDataset, config: LoaderConfig) -> Self {
         assert!(config.batch_size > 0, "batch size must be positive");
-        let sampler = Sampler::new(dataset.len(), config.shuffle, config.seed);
+        let (rank, world_size) = config.shard;
+        let sampler = Sampler::new(dataset.len(), config.shuffle, config.seed).sharded(rank, world_size);
         Loader { dataset, sampler, config }
     }
 
@@ -168,7 +181,10 @@ impl EpochJob {
         let [c, h, w] = self.dataset.kind.image_shape();
         let per_image = c * h * w;
         let mut bytes = vec![0u8; indices.len() * per_image];
-        let mut rng = ChaCha8Rng::seed_from_u64(mix(self.config.seed, self.epoch as u64, batch as u64));
+        // Each rank's batch b holds other images: give it other draws too (rank 0 keeps the
+        // single-process stream).
+        let seed = self.config.seed ^ (self.config.shard.0 as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93);
+        let mut rng = ChaCha8Rng::seed_from_u64(mix(seed, self.epoch as u64, batch as u64));
         for (out, &index) in bytes.chunks_exact_mut(per_image).zip(indices) {
             let image = self.dataset.image(index);
             if self.config.augment {

@@ -1,0 +1,425 @@
+//! [`ProcessGroup`]: the ranks of a job and the engine that runs collectives for each device
+//! type, chosen once at start-up from the launcher and the `--backend` flag.
+//!
+//! | ranks | launcher            | CPU tensors        | CUDA tensors (GPU present)                  |
+//! |-------|---------------------|--------------------|---------------------------------------------|
+//! | 1     | none                | identities         | identities (`--backend nccl`: NCCL)         |
+//! | > 1   | mpirun, srun+PMIx   | MPI                | NCCL, id sent through MPI (`--backend mpi`, or no `nccl` feature: MPI via the CPU) |
+//! | > 1   | torchrun, srun      | NCCL via the GPU   | NCCL, id sent over TCP to `MASTER_ADDR:MASTER_PORT` |
+//!
+//! `--backend mpi` also uses MPI with a single rank (then MPI starts as a "singleton").
+use std::rc::Rc;
+
+use anyhow::{bail, Result};
+use tch::{Device, Kind, Tensor};
+
+use super::launch::{LaunchEnv, LaunchSource};
+use super::single::SingleProcess;
+use super::{Backend, Collectives, ReduceOp};
+use crate::error::{usage, UsageError};
+
+#[cfg(feature = "mpi")]
+use super::mpi::MpiCollectives;
+
+/// How long ranks wait for each other while exchanging NCCL's id over TCP (ranks of a batch
+/// job may start minutes apart on a busy cluster).
+#[cfg(feature = "nccl")]
+const RENDEZVOUS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// The ranks of this job and their collectives.
+///
+/// Not `Send`: MPI is initialised with thread level `Funneled`, so every collective must come
+/// from the thread that created the group. Dropping it shuts the engines down (NCCL first,
+/// then `MPI_Finalize`); every rank must drop it, and before the process exits, or `mpirun`
+/// reports the rank as failed.
+pub struct ProcessGroup {
+    env: LaunchEnv,
+    // Fields drop in declaration order: the CUDA engine (NCCL's communicator) goes before the
+    // CPU one, and MPI, which the others may have used to start, is finalised last.
+    cuda: Rc<dyn Collectives>,
+    cpu: Rc<dyn Collectives>,
+    #[cfg(feature = "mpi")]
+    mpi: Option<Rc<MpiCollectives>>,
+}
+
+impl ProcessGroup {
+    /// Detects the launch environment and starts the engines the table in the module docs
+    /// lists. A single process needs neither MPI nor NCCL (unless `backend` names one).
+    pub fn init(backend: Backend) -> Result<ProcessGroup> {
+        Self::init_with(backend, LaunchEnv::detect()?)
+    }
+
+    /// [`ProcessGroup::init`] for a given launch environment.
+    ///
+    /// Mistakes every rank makes alike (an engine the binary or machine lacks) are returned
+    /// before any engine starts. A failure after MPI has started (NCCL's set-up, say) may hit
+    /// some ranks only, while the others wait for them: on a multi-rank job it ends the whole
+    /// job, as [`ProcessGroup::run`] does.
+    pub fn init_with(backend: Backend, env: LaunchEnv) -> Result<ProcessGroup> {
+        let distributed = env.is_distributed();
+        match backend {
+            Backend::Nccl if !cfg!(feature = "nccl") => {
+                return usage(built_without("NCCL", "nccl", "--backend nccl"))
+            }
+            Backend::Nccl if !tch::Cuda::is_available() => {
+                return usage(format!(
+                    "--backend nccl runs collectives on GPUs, but no CUDA device is available (LibTorch {} sees none)",
+                    crate::torch_version()
+                ))
+            }
+            Backend::Mpi if !cfg!(feature = "mpi") => {
+                return usage(built_without("MPI", "mpi", "--backend mpi"))
+            }
+            Backend::Mpi if distributed && !env.mpi => {
+                return usage(format!(
+                    "--backend mpi needs ranks started by an MPI launcher (mpirun, srun --mpi=pmix), \
+                     but {} started these {} ranks",
+                    env.source, env.world_size
+                ))
+            }
+            _ => {}
+        }
+
+        // MPI whenever an MPI launcher started the ranks (CPU tensors need it, and it carries
+        // NCCL's id), or when asked for.
+        #[cfg(feature = "mpi")]
+        {
+            let mpi = match backend == Backend::Mpi || (distributed && env.mpi) {
+                true => Some(Rc::new(start_mpi(&env)?)),
+                false => None,
+            };
+            let rank = env.rank;
+            let group = Self::with_engines(backend, env, mpi.clone().map(|m| m as _));
+            match (group, mpi) {
+                (Ok(mut group), mpi) => {
+                    group.mpi = mpi;
+                    Ok(group)
+                }
+                (Err(err), Some(mpi)) if distributed => abort_job(&mpi, rank, &err),
+                (Err(err), _) => Err(err),
+            }
+        }
+        #[cfg(not(feature = "mpi"))]
+        Self::with_engines(backend, env, None)
+    }
+
+    /// The group over the MPI engine `mpi` (if any), with NCCL started where wanted and every
+    /// device type routed to an engine.
+    fn with_engines(
+        backend: Backend,
+        env: LaunchEnv,
+        mpi: Option<Rc<dyn Collectives>>,
+    ) -> Result<ProcessGroup> {
+        let distributed = env.is_distributed();
+        let want_nccl = match backend {
+            Backend::Nccl => true,
+            Backend::Auto => distributed && tch::Cuda::is_available() && cfg!(feature = "nccl"),
+            Backend::Mpi => false,
+        };
+        let nccl = if want_nccl {
+            Some(start_nccl(&env, mpi.as_deref())?)
+        } else {
+            None
+        };
+
+        let single = || Rc::new(SingleProcess) as Rc<dyn Collectives>;
+        let staged = |engine: &Rc<dyn Collectives>, via| {
+            Rc::new(Staged {
+                engine: engine.clone(),
+                via,
+            }) as Rc<dyn Collectives>
+        };
+        let cpu = match (&mpi, &nccl) {
+            (Some(mpi), _) => mpi.clone(),
+            (None, _) if !distributed => single(),
+            (None, Some(nccl)) => staged(nccl, Device::Cuda(cuda_index(env.local_rank))),
+            (None, None) => return Err(no_engine(&env).into()),
+        };
+        let cuda = match (&nccl, &mpi) {
+            (Some(nccl), _) => nccl.clone(),
+            (None, Some(mpi)) => staged(mpi, Device::Cpu),
+            (None, None) => single(), // one rank: multi-rank jobs have an engine (checked above)
+        };
+        Ok(ProcessGroup {
+            env,
+            cuda,
+            cpu,
+            #[cfg(feature = "mpi")]
+            mpi: None,
+        })
+    }
+
+    /// A world of one rank, without any engine.
+    pub fn single() -> ProcessGroup {
+        ProcessGroup {
+            env: LaunchEnv::single(),
+            cuda: Rc::new(SingleProcess),
+            cpu: Rc::new(SingleProcess),
+            #[cfg(feature = "mpi")]
+            mpi: None,
+        }
+    }
+
+    /// Runs one rank's work with a group started by [`ProcessGroup::init`], making a failure
+    /// end the whole job at once. Without this, a rank returning an error would leave the
+    /// others blocked in their next collective, and its own `MPI_Finalize` could wait for them
+    /// too: the job would hang until the scheduler's time limit. Here, an error on a rank of a
+    /// multi-rank MPI job is printed (prefixed with the rank) and ends every rank through
+    /// `MPI_Abort` with the error's exit code (2 for a usage error, else 1); `mpirun` exits
+    /// with it. With one rank, or without MPI (torchrun tears the job down itself when a rank
+    /// exits), the error is returned as usual.
+    pub fn run<T>(backend: Backend, body: impl FnOnce(&ProcessGroup) -> Result<T>) -> Result<T> {
+        let group = ProcessGroup::init(backend)?;
+        let result = body(&group);
+        if let Err(err) = &result {
+            group.abort_on_error(err);
+        }
+        result
+    }
+
+    /// Ends every rank when `err` happened on a rank of a multi-rank MPI job (see
+    /// [`ProcessGroup::run`]); returns otherwise.
+    pub fn abort_on_error(&self, err: &anyhow::Error) {
+        #[cfg(feature = "mpi")]
+        if let (Some(mpi), true) = (&self.mpi, self.env.is_distributed()) {
+            abort_job(mpi, self.rank(), err);
+        }
+        // Without MPI there is nothing to abort: the ranks come from a launcher (torchrun) that
+        // ends the job itself when one exits with an error.
+        #[cfg(not(feature = "mpi"))]
+        let _ = err;
+    }
+
+    pub fn rank(&self) -> usize {
+        self.env.rank
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.env.world_size
+    }
+
+    pub fn local_rank(&self) -> usize {
+        self.env.local_rank
+    }
+
+    pub fn local_world_size(&self) -> usize {
+        self.env.local_world_size
+    }
+
+    /// Rank 0: the one that prints, writes results and checkpoints.
+    pub fn is_root(&self) -> bool {
+        self.env.rank == 0
+    }
+
+    /// Where the ranks came from.
+    pub fn env(&self) -> &LaunchEnv {
+        &self.env
+    }
+
+    /// The device this rank computes on: its own GPU (local rank modulo the GPUs it sees, so
+    /// both one GPU per rank via `CUDA_VISIBLE_DEVICES` and all GPUs visible to all ranks
+    /// work), or the CPU when `want_cuda` is false or there is no GPU.
+    pub fn device(&self, want_cuda: bool) -> Device {
+        if want_cuda && tch::Cuda::is_available() {
+            Device::Cuda(cuda_index(self.env.local_rank))
+        } else {
+            Device::Cpu
+        }
+    }
+
+    /// One line for logs, e.g. `rank 0 of 2 (mpirun), CPU: mpi, CUDA: nccl`.
+    pub fn describe(&self) -> String {
+        format!(
+            "rank {} of {} ({}), CPU collectives: {}, CUDA collectives: {}",
+            self.rank(),
+            self.world_size(),
+            self.env.source,
+            self.cpu.name(),
+            self.cuda.name()
+        )
+    }
+
+    /// The engine for tensors on `device`.
+    pub fn backend_for(&self, device: Device) -> Result<&dyn Collectives> {
+        match device {
+            Device::Cpu => Ok(&*self.cpu),
+            Device::Cuda(_) => Ok(&*self.cuda),
+            other => bail!("no collectives for tensors on {other:?}: use the CPU or CUDA"),
+        }
+    }
+
+    pub fn all_reduce(&self, t: &mut Tensor, op: ReduceOp) -> Result<()> {
+        self.backend_for(t.device())?.all_reduce(t, op)
+    }
+
+    pub fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<()> {
+        self.backend_for(t.device())?.broadcast(t, root)
+    }
+
+    pub fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>> {
+        self.backend_for(t.device())?.all_gather(t)
+    }
+
+    pub fn barrier(&self) -> Result<()> {
+        self.cpu.barrier()
+    }
+
+    /// Rank `root`'s `bytes` on every rank (what other ranks pass is ignored).
+    pub fn broadcast_bytes(&self, bytes: &[u8], root: usize) -> Result<Vec<u8>> {
+        super::broadcast_bytes(&*self.cpu, Device::Cpu, bytes, root)
+    }
+}
+
+/// The GPU of the rank with `local_rank` on its node.
+fn cuda_index(local_rank: usize) -> usize {
+    local_rank % tch::Cuda::device_count().max(1) as usize
+}
+
+/// Prints `err` as this rank's and ends every rank of the job with its exit code.
+#[cfg(feature = "mpi")]
+fn abort_job(mpi: &MpiCollectives, rank: usize, err: &anyhow::Error) -> ! {
+    let message = format!("{err:#}");
+    eprintln!(
+        "error on rank {rank}: {}",
+        message.lines().next().unwrap_or_default()
+    );
+    mpi.abort(crate::error::exit_code(err).into())
+}
+
+#[cfg(feature = "mpi")]
+fn start_mpi(env: &LaunchEnv) -> Result<MpiCollectives> {
+    let mpi = MpiCollectives::init()?;
+    let (size, rank) = (mpi.size(), mpi.rank());
+    if size == 1 && env.world_size > 1 {
+        return usage(format!(
+            "the launcher started {} ranks but MPI sees 1: start them with mpirun/srun --mpi=pmix, or use --backend nccl",
+            env.world_size
+        ));
+    }
+    if (size, rank) != (env.world_size, env.rank) {
+        bail!(
+            "MPI says rank {rank} of {size}, but the {} environment says rank {} of {}",
+            env.source,
+            env.rank,
+            env.world_size
+        );
+    }
+    Ok(mpi)
+}
+
+/// NCCL for this rank's GPU; its unique id is made on rank 0 and sent to the others through
+/// MPI when it is up, else over TCP to `MASTER_ADDR:MASTER_PORT` (as torch's `env://`).
+#[cfg(feature = "nccl")]
+fn start_nccl(env: &LaunchEnv, mpi: Option<&dyn Collectives>) -> Result<Rc<dyn Collectives>> {
+    use super::nccl::{nccl_unique_id, NcclCollectives};
+    let id = if env.rank == 0 {
+        nccl_unique_id()?
+    } else {
+        Vec::new()
+    };
+    let id = match (env.is_distributed(), mpi, &env.master) {
+        (false, _, _) => id,
+        (true, Some(mpi), _) => super::broadcast_bytes(mpi, Device::Cpu, &id, 0)?,
+        (true, None, Some((addr, port))) => super::rendezvous::exchange_root_bytes(
+            env.rank,
+            env.world_size,
+            addr,
+            // torchrun's agent already serves its own store on MASTER_PORT: meet next to it.
+            if env.source == LaunchSource::Torchrun { port + 1 } else { *port },
+            (env.rank == 0).then_some(id),
+            RENDEZVOUS_TIMEOUT,
+        )?,
+        (true, None, None) => {
+            return usage(format!(
+                "NCCL's ranks meet at MASTER_ADDR:MASTER_PORT when {} starts them without MPI: set both (torchrun does)",
+                env.source
+            ))
+        }
+    };
+    Ok(Rc::new(NcclCollectives::new(
+        env.rank,
+        env.world_size,
+        cuda_index(env.local_rank),
+        &id,
+    )?))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn start_nccl(_env: &LaunchEnv, _mpi: Option<&dyn Collectives>) -> Result<Rc<dyn Collectives>> {
+    unreachable!("NCCL is only wanted where the binary has it (checked in init_with)")
+}
+
+/// Why a binary cannot do what was asked without an optional part.
+fn built_without(what: &str, feature: &str, needed_by: &str) -> String {
+    format!("{needed_by} needs {what}, but this binary was built without {what} (cargo feature `{feature}`)")
+}
+
+/// The error for a multi-rank job that has no engine for CPU tensors.
+fn no_engine(env: &LaunchEnv) -> UsageError {
+    let n = env.world_size;
+    UsageError(if cfg!(feature = "mpi") {
+        let launcher = match env.source {
+            LaunchSource::Slurm => "srun (without --mpi=pmix)",
+            _ => "torchrun",
+        };
+        format!(
+            "{n} ranks need collectives for CPU tensors, but {launcher} started them without MPI: \
+             start the ranks with mpirun or srun --mpi=pmix, or train on GPUs with NCCL"
+        )
+    } else {
+        format!(
+            "{n} ranks need collectives for CPU tensors, but this binary was built without MPI \
+             (cargo feature `mpi`): rebuild it with its default features, or train on GPUs with NCCL"
+        )
+    })
+}
+
+/// An engine reached through another device's memory: each tensor is copied there, the
+/// collective runs, and the result is copied back into the caller's tensor. The slow path
+/// that lets every device type work with every launcher.
+struct Staged {
+    engine: Rc<dyn Collectives>,
+    via: Device,
+}
+
+impl Staged {
+    fn stage(&self, tensor: &Tensor) -> Tensor {
+        tensor.detach().to_device(self.via)
+    }
+}
+
+impl Collectives for Staged {
+    fn name(&self) -> &'static str {
+        self.engine.name()
+    }
+
+    fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<()> {
+        let mut staged = self.stage(tensor);
+        self.engine.all_reduce(&mut staged, op)?;
+        tch::no_grad(|| tensor.copy_(&staged));
+        Ok(())
+    }
+
+    fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<()> {
+        let mut staged = self.stage(tensor);
+        self.engine.broadcast(&mut staged, root)?;
+        tch::no_grad(|| tensor.copy_(&staged));
+        Ok(())
+    }
+
+    fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>> {
+        let gathered = self.engine.all_gather(&self.stage(tensor))?;
+        Ok(gathered
+            .iter()
+            .map(|t| t.to_device(tensor.device()))
+            .collect())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.engine.barrier()
+    }
+
+    fn supports_kind(&self, kind: Kind) -> bool {
+        self.engine.supports_kind(kind)
+    }
+}

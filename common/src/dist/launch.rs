@@ -1,0 +1,537 @@
+//! Which rank this process is, read from the environment its launcher set up, and starting
+//! local ranks through `mpirun` for `--nproc-per-node`.
+//!
+//! Launchers are recognised in this order (the first one whose variables are present wins):
+//!
+//! 1. an MPI launcher: OpenMPI's `mpirun` (`OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`,
+//!    `OMPI_COMM_WORLD_LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_SIZE`), MPICH / Intel MPI's Hydra
+//!    (`PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS`; also Slurm's
+//!    `srun --mpi=pmi2`);
+//! 2. Slurm's `srun` (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NNODES`,
+//!    `SLURM_NTASKS_PER_NODE` or `SLURM_TASKS_PER_NODE`);
+//! 3. `torchrun` and other launchers following PyTorch's `env://` convention (`RANK`,
+//!    `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `GROUP_WORLD_SIZE`);
+//! 4. none of them: a single process.
+//!
+//! `MASTER_ADDR` / `MASTER_PORT` (where rank 0 listens when the ranks exchange NCCL's id without
+//! MPI) are read whatever the launcher. Inconsistent values are usage errors that name the
+//! variables, so a misconfigured job fails at once instead of hanging in its first collective.
+use std::ffi::{OsStr, OsString};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus};
+
+use anyhow::{Context, Result};
+
+use crate::error::{usage, UsageError};
+
+/// What started this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LaunchSource {
+    /// No launcher: one process, rank 0 of 1.
+    Single,
+    /// `mpirun` / `mpiexec` (OpenMPI, MPICH, Intel MPI) or `srun --mpi=pmi2`.
+    Mpi,
+    /// Slurm's `srun`.
+    Slurm,
+    /// `torchrun` (PyTorch's `RANK` / `WORLD_SIZE` convention).
+    Torchrun,
+}
+
+impl std::fmt::Display for LaunchSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            LaunchSource::Single => "single process",
+            LaunchSource::Mpi => "mpirun",
+            LaunchSource::Slurm => "srun",
+            LaunchSource::Torchrun => "torchrun",
+        })
+    }
+}
+
+/// This process's place in the job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchEnv {
+    /// 0-based, unique in the job.
+    pub rank: usize,
+    pub world_size: usize,
+    /// 0-based among the ranks on this node: picks the GPU.
+    pub local_rank: usize,
+    pub local_world_size: usize,
+    pub nnodes: usize,
+    pub source: LaunchSource,
+    /// `MASTER_ADDR` and `MASTER_PORT`, when both are set.
+    pub master: Option<(String, u16)>,
+    /// Whether MPI's process manager started this rank (mpirun, Hydra, `srun --mpi=pmix` or
+    /// `--mpi=pmi2`), so that `MPI_Init` joins the ranks into one world. A plain `srun` or
+    /// torchrun does not: MPI would start a world of one.
+    pub mpi: bool,
+}
+
+impl LaunchEnv {
+    /// Rank 0 of 1, no launcher.
+    pub fn single() -> LaunchEnv {
+        LaunchEnv {
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            local_world_size: 1,
+            nnodes: 1,
+            source: LaunchSource::Single,
+            master: None,
+            mpi: false,
+        }
+    }
+
+    /// Reads the process environment (see the module docs).
+    pub fn detect() -> Result<LaunchEnv> {
+        Self::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// [`LaunchEnv::detect`] over any variable lookup (for tests).
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
+        let vars = Vars(&var);
+        let master = match (vars.get("MASTER_ADDR"), vars.num::<u16>("MASTER_PORT")?) {
+            (Some(addr), Some(port)) => Some((addr, port)),
+            _ => None,
+        };
+        // PMIx (OpenMPI's mpirun, `srun --mpi=pmix`) sets PMIX_RANK for every rank it starts.
+        let pmix = vars.get("PMIX_RANK").is_some();
+        let env = if let Some(env) = from_mpi(&vars)? {
+            env
+        } else if let Some(env) = from_slurm(&vars)? {
+            LaunchEnv { mpi: pmix, ..env }
+        } else if let Some(env) = from_torchrun(&vars)? {
+            env
+        } else {
+            LaunchEnv::single()
+        };
+        // torchrun-style variables exported in a job script must not contradict the launcher.
+        if env.source != LaunchSource::Torchrun {
+            if let Some(size) = vars.num::<usize>("WORLD_SIZE")? {
+                if size != env.world_size {
+                    return usage(format!(
+                        "WORLD_SIZE={size} disagrees with the {} launcher's world size {} ({}): unset WORLD_SIZE or make them agree",
+                        env.source, env.world_size, env.size_var(),
+                    ));
+                }
+            }
+        }
+        Ok(LaunchEnv { master, ..env })
+    }
+
+    /// More than one rank.
+    pub fn is_distributed(&self) -> bool {
+        self.world_size > 1
+    }
+
+    /// The variable the world size was read from, for error messages.
+    fn size_var(&self) -> &'static str {
+        match self.source {
+            LaunchSource::Mpi => "OMPI_COMM_WORLD_SIZE or PMI_SIZE",
+            LaunchSource::Slurm => "SLURM_NTASKS",
+            LaunchSource::Torchrun => "WORLD_SIZE",
+            LaunchSource::Single => "no launcher",
+        }
+    }
+}
+
+/// Named variable lookups that parse numbers, with errors naming the variable.
+struct Vars<'a>(&'a dyn Fn(&str) -> Option<String>);
+
+impl Vars<'_> {
+    fn get(&self, name: &str) -> Option<String> {
+        (self.0)(name).filter(|v| !v.trim().is_empty())
+    }
+
+    fn num<T: std::str::FromStr>(&self, name: &str) -> Result<Option<T>> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(v) => match v.trim().parse() {
+                Ok(n) => Ok(Some(n)),
+                Err(_) => usage(format!("{name}={v} is not a valid number")),
+            },
+        }
+    }
+
+    /// The first of `names` that is set, with its name.
+    fn first<T: std::str::FromStr>(
+        &self,
+        names: &[&'static str],
+    ) -> Result<Option<(&'static str, T)>> {
+        for &name in names {
+            if let Some(n) = self.num(name)? {
+                return Ok(Some((name, n)));
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// One launcher's rank / size / local rank / local size, with the variables they came from.
+struct Numbers {
+    rank: (&'static str, usize),
+    size: (&'static str, usize),
+    local_rank: (&'static str, usize),
+    local_size: (&'static str, usize),
+}
+
+impl Numbers {
+    /// Checks the numbers against each other and builds the environment.
+    fn into_env(self, source: LaunchSource, nnodes: Option<usize>, mpi: bool) -> Result<LaunchEnv> {
+        let Numbers {
+            rank: (rank_var, rank),
+            size: (size_var, size),
+            local_rank: (lr_var, local_rank),
+            local_size: (ls_var, local_size),
+        } = self;
+        if size == 0 {
+            return usage(format!("{size_var}=0: a job needs at least one rank"));
+        }
+        if rank >= size {
+            return usage(format!(
+                "{rank_var}={rank} must be below {size_var}={size} (ranks count from 0)"
+            ));
+        }
+        if local_size == 0 || local_size > size {
+            return usage(format!(
+                "{ls_var}={local_size} must be between 1 and {size_var}={size}"
+            ));
+        }
+        if local_rank >= local_size {
+            return usage(format!("{lr_var}={local_rank} must be below {ls_var}={local_size} (local ranks count from 0)"));
+        }
+        Ok(LaunchEnv {
+            rank,
+            world_size: size,
+            local_rank,
+            local_world_size: local_size,
+            // Without a node count, assume the ranks fill nodes of `local_size` each.
+            nnodes: nnodes.unwrap_or_else(|| size.div_ceil(local_size)),
+            source,
+            master: None,
+            mpi,
+        })
+    }
+}
+
+/// Requires both or neither of a rank and a size variable.
+fn rank_and_size(
+    vars: &Vars,
+    rank_var: &'static str,
+    size_var: &'static str,
+) -> Result<Option<(usize, usize)>> {
+    match (vars.num(rank_var)?, vars.num(size_var)?) {
+        (Some(rank), Some(size)) => Ok(Some((rank, size))),
+        (None, None) => Ok(None),
+        (Some(_), None) => usage(format!(
+            "{rank_var} is set but {size_var} is not: set both or neither"
+        )),
+        (None, Some(_)) => usage(format!(
+            "{size_var} is set but {rank_var} is not: set both or neither"
+        )),
+    }
+}
+
+fn from_mpi(vars: &Vars) -> Result<Option<LaunchEnv>> {
+    let (rank_var, size_var, local_vars) = if vars.get("OMPI_COMM_WORLD_SIZE").is_some()
+        || vars.get("OMPI_COMM_WORLD_RANK").is_some()
+    {
+        (
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            ["OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"],
+        )
+    } else {
+        (
+            "PMI_RANK",
+            "PMI_SIZE",
+            ["MPI_LOCALRANKID", "MPI_LOCALNRANKS"],
+        )
+    };
+    let Some((rank, size)) = rank_and_size(vars, rank_var, size_var)? else {
+        return Ok(None);
+    };
+    let [lr_var, ls_var] = local_vars;
+    let (local_rank, local_size) = match (vars.num(lr_var)?, vars.num(ls_var)?) {
+        (Some(local_rank), Some(local_size)) => ((lr_var, local_rank), (ls_var, local_size)),
+        // `srun --mpi=pmi2` sets no local numbers of its own, but Slurm's are there; without
+        // either (an old Hydra), the ranks are taken to share one node.
+        _ => match from_slurm(vars).ok().flatten() {
+            Some(slurm) => (
+                ("SLURM_LOCALID", slurm.local_rank),
+                ("SLURM_TASKS_PER_NODE", slurm.local_world_size),
+            ),
+            None => ((rank_var, rank), (size_var, size)),
+        },
+    };
+    Numbers {
+        rank: (rank_var, rank),
+        size: (size_var, size),
+        local_rank,
+        local_size,
+    }
+    .into_env(LaunchSource::Mpi, None, true)
+    .map(Some)
+}
+
+fn from_slurm(vars: &Vars) -> Result<Option<LaunchEnv>> {
+    // srun gives every task a rank and a task count. SLURM_NTASKS alone is a job script's
+    // allocation, and a job script's own SLURM_PROCID (0) without a task count is one process.
+    let (Some(rank), Some(size)) = (
+        vars.num("SLURM_PROCID")?,
+        vars.first(&["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"])?,
+    ) else {
+        return Ok(None);
+    };
+    let local_rank = vars
+        .first(&["SLURM_LOCALID"])?
+        .unwrap_or(("SLURM_PROCID", rank));
+    let local_size = match vars.first(&["SLURM_NTASKS_PER_NODE"])? {
+        Some(n) => n,
+        None => match vars
+            .get("SLURM_STEP_TASKS_PER_NODE")
+            .or_else(|| vars.get("SLURM_TASKS_PER_NODE"))
+        {
+            Some(spec) => {
+                let node = vars.num("SLURM_NODEID")?.unwrap_or(0);
+                ("SLURM_TASKS_PER_NODE", tasks_on_node(&spec, node)?)
+            }
+            None => ("SLURM_NTASKS", size.1),
+        },
+    };
+    let nnodes = vars
+        .first::<usize>(&["SLURM_STEP_NUM_NODES", "SLURM_NNODES"])?
+        .map(|(_, n)| n);
+    Numbers {
+        rank: ("SLURM_PROCID", rank),
+        size,
+        local_rank,
+        local_size,
+    }
+    .into_env(LaunchSource::Slurm, nnodes, false)
+    .map(Some)
+}
+
+/// The task count of node `node` in Slurm's compressed per-node list, e.g. `"2(x3),1"` is
+/// 2, 2, 2, 1.
+fn tasks_on_node(spec: &str, node: usize) -> Result<usize> {
+    let bad = || {
+        UsageError(format!(
+            "SLURM_TASKS_PER_NODE={spec} is not Slurm's `N(xM),...` list"
+        ))
+    };
+    let mut seen = 0;
+    for part in spec.split(',') {
+        let (count, repeat) = match part.split_once("(x") {
+            Some((count, rest)) => (
+                count,
+                rest.strip_suffix(')')
+                    .ok_or_else(bad)?
+                    .parse()
+                    .map_err(|_| bad())?,
+            ),
+            None => (part, 1usize),
+        };
+        let count: usize = count.trim().parse().map_err(|_| bad())?;
+        seen += repeat;
+        if node < seen {
+            return Ok(count);
+        }
+    }
+    Err(UsageError(format!(
+        "SLURM_NODEID={node} is beyond SLURM_TASKS_PER_NODE={spec}"
+    ))
+    .into())
+}
+
+fn from_torchrun(vars: &Vars) -> Result<Option<LaunchEnv>> {
+    let Some((rank, size)) = rank_and_size(vars, "RANK", "WORLD_SIZE")? else {
+        return Ok(None);
+    };
+    let local_rank = vars.first(&["LOCAL_RANK"])?.unwrap_or(("RANK", rank));
+    let local_size = vars
+        .first(&["LOCAL_WORLD_SIZE"])?
+        .unwrap_or(("WORLD_SIZE", size));
+    let nnodes = vars.num("GROUP_WORLD_SIZE")?;
+    Numbers {
+        rank: ("RANK", rank),
+        size: ("WORLD_SIZE", size),
+        local_rank,
+        local_size,
+    }
+    .into_env(LaunchSource::Torchrun, nnodes, false)
+    .map(Some)
+}
+
+// ---------------------------------------------------------------------------------------------
+// --nproc-per-node: the binary starts its own ranks, as the course's `mp.spawn(fn, nprocs=N)`
+// and `horovodrun -np N` do, by handing itself to mpirun.
+
+/// The message for a missing launcher.
+const NO_MPIRUN: &str = "--nproc-per-node needs an MPI launcher (mpirun) on PATH; install OpenMPI \
+                         (Debian: openmpi-bin) or start the ranks with srun/mpirun yourself";
+
+/// Re-executes the current binary as `nproc` ranks on this node under `mpirun -np <nproc>`,
+/// with the same arguments minus `--nproc-per-node` (so the ranks train instead of launching
+/// again), and waits for it. Standard input, output and error are the caller's: the ranks'
+/// lines appear as they print them.
+///
+/// The launcher is `mpirun` from `PATH`, or `$MPIRUN`. For OpenMPI it adds `--bind-to none`
+/// (OpenMPI pins each rank of a small job to one core by default, which would squeeze LibTorch's
+/// thread pool onto it), `--oversubscribe` (more ranks than cores is allowed, as with
+/// `mp.spawn`) and, when running as root (containers), `--allow-run-as-root`.
+///
+/// When one rank fails, mpirun stops the others and exits non-zero, which is returned here.
+pub fn relaunch_with_mpirun(nproc: usize) -> Result<ExitStatus> {
+    if nproc == 0 {
+        return usage("--nproc-per-node must be at least 1");
+    }
+    let launcher = find_launcher(std::env::var_os("MPIRUN"), std::env::var_os("PATH"))?;
+    let version = Command::new(&launcher).arg("--version").output();
+    let version = match version {
+        Ok(out) => {
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr)
+        }
+        Err(err) => {
+            return Err(UsageError(format!(
+                "{NO_MPIRUN} ({} cannot run: {err})",
+                launcher.display()
+            ))
+            .into())
+        }
+    };
+    let exe =
+        std::env::current_exe().context("cannot find this program's path to start its ranks")?;
+    let args: Vec<OsString> = std::env::args_os().skip(1).collect();
+    let mut command = Command::new(&launcher);
+    command
+        .args(mpirun_args(&version, is_root(), nproc))
+        .arg(exe)
+        .args(args_without_nproc(&args));
+    command
+        .status()
+        .with_context(|| format!("could not start {}", launcher.display()))
+}
+
+/// `$MPIRUN` if set, else `mpirun` from `path`; a usage error if it is not an executable file.
+fn find_launcher(mpirun: Option<OsString>, path: Option<OsString>) -> Result<PathBuf> {
+    let found = match mpirun {
+        Some(explicit) => {
+            let explicit = PathBuf::from(explicit);
+            if explicit.components().count() > 1 {
+                Some(explicit).filter(|p| is_executable(p))
+            } else {
+                search_path(explicit.as_os_str(), path.as_deref())
+            }
+        }
+        None => search_path(OsStr::new("mpirun"), path.as_deref()),
+    };
+    found.ok_or_else(|| UsageError(NO_MPIRUN.to_string()).into())
+}
+
+fn search_path(name: &OsStr, path: Option<&OsStr>) -> Option<PathBuf> {
+    std::env::split_paths(path?)
+        .map(|dir| dir.join(name))
+        .find(|candidate| is_executable(candidate))
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    path.metadata()
+        .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// The launcher's options before the program, for the flavour `--version` printed.
+fn mpirun_args(version: &str, root: bool, nproc: usize) -> Vec<String> {
+    let mut args = Vec::new();
+    if version.contains("Open MPI") || version.contains("OpenRTE") {
+        if root {
+            args.push("--allow-run-as-root".to_string());
+        }
+        args.extend(["--oversubscribe", "--bind-to", "none"].map(String::from));
+    }
+    // MPICH / Intel MPI's Hydra neither binds nor refuses root or oversubscription by default.
+    args.extend(["-np".to_string(), nproc.to_string()]);
+    args
+}
+
+/// `args` without `--nproc-per-node N` / `--nproc-per-node=N` (before a `--`, after which
+/// everything is a positional argument).
+pub fn args_without_nproc(args: &[OsString]) -> Vec<OsString> {
+    let mut out = Vec::with_capacity(args.len());
+    let mut iter = args.iter();
+    while let Some(arg) = iter.next() {
+        if arg == "--" {
+            out.push(arg.clone());
+            out.extend(iter.cloned());
+            break;
+        }
+        if arg == "--nproc-per-node" {
+            iter.next(); // its value
+        } else if !arg
+            .to_str()
+            .is_some_and(|a| a.starts_with("--nproc-per-node="))
+        {
+            out.push(arg.clone());
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slurm_task_lists() {
+        assert_eq!(tasks_on_node("4", 0).unwrap(), 4);
+        assert_eq!(tasks_on_node("2(x3),1", 2).unwrap(), 2);
+        assert_eq!(tasks_on_node("2(x3),1", 3).unwrap(), 1);
+        assert!(tasks_on_node("2(x3),1", 4).is_err());
+        assert!(tasks_on_node("2(x3", 0).is_err());
+    }
+
+    #[test]
+    fn launcher_flags_follow_the_flavour() {
+        let ompi =
+            "mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/";
+        assert_eq!(
+            mpirun_args(ompi, true, 2),
+            [
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "--bind-to",
+                "none",
+                "-np",
+                "2"
+            ]
+        );
+        assert_eq!(
+            mpirun_args(ompi, false, 3),
+            ["--oversubscribe", "--bind-to", "none", "-np", "3"]
+        );
+        assert_eq!(mpirun_args("HYDRA build details:", true, 2), ["-np", "2"]);
+    }
+
+    #[test]
+    fn launcher_lookup() {
+        assert!(find_launcher(Some("/nonexistent/mpirun".into()), None).is_err());
+        assert_eq!(
+            find_launcher(Some("/bin/sh".into()), None).unwrap(),
+            PathBuf::from("/bin/sh")
+        );
+        assert_eq!(
+            find_launcher(Some("sh".into()), Some("/nonexistent:/bin".into())).unwrap(),
+            PathBuf::from("/bin/sh")
+        );
+        let err = find_launcher(None, Some("/nonexistent".into())).unwrap_err();
+        assert!(err.is::<UsageError>());
+    }
+}

@@ -1,0 +1,193 @@
+//! Distributed data-parallel training: the launch environment, a process group whose
+//! collectives run on real engines (MPI for CPU tensors, NCCL for CUDA tensors; nothing
+//! home-made), and the data-parallel pieces built on it.
+//!
+//! # How ranks are started
+//!
+//! Every rank runs the same binary with the same arguments; [`launch::LaunchEnv::detect`] finds
+//! out which rank this process is from the launcher's environment variables:
+//!
+//! | launcher                                   | course equivalent            |
+//! |--------------------------------------------|------------------------------|
+//! | `mpirun -np 4 bin …` (OpenMPI, MPICH/Hydra) | `horovodrun -np 4 python …`  |
+//! | `srun --mpi=pmix bin …` (Slurm)            | `srun python …`              |
+//! | `torchrun --nproc-per-node 4 bin …`        | `torchrun …` (NCCL only)     |
+//! | `bin --nproc-per-node 4 …`                 | `mp.spawn(fn, nprocs=4)`     |
+//!
+//! The last form re-executes the binary under `mpirun` ([`launch::relaunch_with_mpirun`]).
+//!
+//! # Engines
+//!
+//! [`ProcessGroup::init`] picks, per device type, one [`Collectives`] implementation:
+//! [`mpi::MpiCollectives`] over `MPI_COMM_WORLD` for CPU tensors (cargo feature `mpi`, on by
+//! default), `nccl::NcclCollectives` for CUDA tensors (cargo feature `nccl`), and
+//! [`single::SingleProcess`] (identities) when there is only one rank. A device type without
+//! an engine of its own is staged through the other's memory (CUDA tensors through MPI on the
+//! CPU with `--backend mpi`, CPU tensors through NCCL on the GPU under torchrun): slow, but
+//! everything works with any launcher.
+//!
+//! # Data parallelism (Horovod / DDP, by hand)
+//!
+//! [`data_parallel`] has the steps of the course's Horovod recipe:
+//! [`data_parallel::broadcast_parameters`] and [`data_parallel::broadcast_optimizer_state`]
+//! once at the start (rank 0's initial weights, or its restored checkpoint, win),
+//! [`data_parallel::GradientAverager::average`] after every backward pass (gradients averaged in
+//! buckets, optionally in float16), and [`data_parallel::metric_average`] for losses and
+//! accuracies.
+//!
+//! # Errors and dying ranks
+//!
+//! A collective blocks until every rank has joined it, so a rank that stops early must take the
+//! others down with it, not leave them waiting:
+//!
+//! - a rank that dies outright (a crash, a signal, `exit` without finalising MPI) is seen by
+//!   `mpirun`, which by default kills the remaining ranks at once and names the failed one
+//!   (`Process name: [[job,1],<rank>]`, with its exit code);
+//! - a rank that panics aborts the job from [`mpi::MpiCollectives`]'s `Drop` (`MPI_Abort`);
+//! - a rank whose work returns an error must not simply drop its group: `MPI_Finalize` would
+//!   wait for the other ranks, which wait in their next collective for it, and the job would
+//!   hang until its time limit. [`ProcessGroup::run`] prints the error with the rank and ends
+//!   the whole job with `MPI_Abort` (exit code 2 for a usage error, else 1).
+//!
+//! # In a binary
+//!
+//! ```ignore
+//! fn main() -> ExitCode {
+//!     common::error::run_main(|| {
+//!         let args = Args::parse();
+//!         // `--nproc-per-node N` without a launcher: become N ranks under mpirun, and wait.
+//!         if let Some(n) = args.nproc_per_node {
+//!             if LaunchEnv::detect()?.source == LaunchSource::Single {
+//!                 let status = launch::relaunch_with_mpirun(n)?;
+//!                 anyhow::ensure!(status.success(), "the {n} ranks failed ({status})");
+//!                 return Ok(());
+//!             }
+//!         }
+//!         ProcessGroup::run(args.backend, |group| {
+//!             let device = group.device(want_cuda); // this rank's GPU: local rank
+//!             train(group, device, &args) // everything borrowing `group` ends here
+//!         }) // the group is dropped here on success: NCCL destroyed, then MPI_Finalize
+//!     })
+//! }
+//! ```
+//!
+//! Return from `main` normally (no `std::process::exit` while the group lives): a rank that
+//! exits without `MPI_Finalize` counts as failed for `mpirun`.
+
+pub mod data_parallel;
+pub mod group;
+pub mod launch;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
+pub mod rendezvous;
+pub mod replicas;
+pub mod single;
+
+pub use group::ProcessGroup;
+pub use launch::{LaunchEnv, LaunchSource};
+pub use replicas::DataParallel;
+
+use anyhow::{bail, Result};
+use tch::{Device, Kind, Tensor};
+
+/// Which engine runs the collectives on CUDA tensors (the `--backend` flag). CPU tensors use
+/// MPI whenever an MPI launcher started the ranks (see [`group`] for every combination).
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// NCCL for CUDA tensors when the binary has it and there is a GPU; MPI otherwise.
+    #[default]
+    Auto,
+    /// NCCL for CUDA tensors (an error where it is not available), even with a single rank.
+    Nccl,
+    /// MPI for everything, CUDA tensors copied through the CPU (slow); MPI even with one rank.
+    Mpi,
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Backend::Auto => "auto",
+            Backend::Nccl => "nccl",
+            Backend::Mpi => "mpi",
+        })
+    }
+}
+
+/// How [`Collectives::all_reduce`] combines the ranks' tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    /// The sum divided by the world size, in the tensor's kind (floating-point kinds only).
+    Average,
+}
+
+/// One engine's collectives on tensors of one device type. Every rank must call the same
+/// collectives in the same order with tensors of the same shape and kind; in place where
+/// torch's are (the caller's tensor holds the result, whatever its layout).
+pub trait Collectives {
+    /// `"mpi"`, `"nccl"` or `"single"`.
+    fn name(&self) -> &'static str;
+
+    /// Combines `tensor` across the ranks; every rank ends with the result.
+    fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<()>;
+
+    /// Overwrites `tensor` on every rank with its value on rank `root`.
+    fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<()>;
+
+    /// Every rank's `tensor`, in rank order (same shape and kind on all ranks).
+    fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>>;
+
+    /// Returns once every rank has called it.
+    fn barrier(&self) -> Result<()>;
+
+    /// Whether the engine can reduce tensors of `kind` (MPI has no float16, for example).
+    /// Checked up front where a caller chooses the kind, e.g. float16 gradient averaging.
+    fn supports_kind(&self, kind: Kind) -> bool {
+        let _ = kind;
+        true
+    }
+}
+
+/// Rejects `Average` on integer tensors: an integer mean would silently truncate.
+pub(crate) fn check_reduce(kind: Kind, op: ReduceOp) -> Result<()> {
+    let floating = matches!(kind, Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double);
+    if op == ReduceOp::Average && !floating {
+        bail!("an average all-reduce needs a floating-point tensor, not {kind:?} (use Sum)");
+    }
+    Ok(())
+}
+
+/// Rejects a broadcast root outside the world.
+pub(crate) fn check_root(root: usize, world_size: usize) -> Result<()> {
+    if root >= world_size {
+        bail!("broadcast from rank {root}, but the world has only {world_size} rank(s)");
+    }
+    Ok(())
+}
+
+/// `bytes` of rank `root` on every rank (others pass anything, e.g. an empty slice): the length
+/// first, then the bytes, as tensors on `device` through `engine`. Used for the NCCL unique id
+/// and for the list of optimizer state tensors.
+pub(crate) fn broadcast_bytes(
+    engine: &dyn Collectives,
+    device: Device,
+    bytes: &[u8],
+    root: usize,
+) -> Result<Vec<u8>> {
+    let mut len = Tensor::from(bytes.len() as i64).to_device(device);
+    engine.broadcast(&mut len, root)?;
+    let len = usize::try_from(len.int64_value(&[]))?;
+    // The root sends its bytes; the others' buffers only need the right length.
+    let mut data = if bytes.len() == len {
+        Tensor::from_slice(bytes).to_device(device)
+    } else {
+        Tensor::zeros([len as i64], (Kind::Uint8, device))
+    };
+    engine.broadcast(&mut data, root)?;
+    Ok(Vec::<u8>::try_from(data.to_device(Device::Cpu))?)
+}

@@ -1,0 +1,34 @@
+//! The collectives of a world of one rank: every operation is an identity, so a single
+//! process runs the same data-parallel code path as many, with no engine and no cost.
+use anyhow::Result;
+use tch::Tensor;
+
+use super::{check_reduce, check_root, Collectives, ReduceOp};
+
+/// Collectives for world size 1, on any device.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SingleProcess;
+
+impl Collectives for SingleProcess {
+    fn name(&self) -> &'static str {
+        "single"
+    }
+
+    fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<()> {
+        // Same argument checks as the real engines, so a mistake shows up without a second rank.
+        check_reduce(tensor.kind(), op)
+    }
+
+    fn broadcast(&self, _tensor: &mut Tensor, root: usize) -> Result<()> {
+        check_root(root, 1)
+    }
+
+    fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>> {
+        // A copy, as the real engines return: later in-place changes to `tensor` must not show.
+        Ok(vec![tensor.detach().copy()])
+    }
+
+    fn barrier(&self) -> Result<()> {
+        Ok(())
+    }
+}

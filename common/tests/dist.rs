@@ -1,0 +1,887 @@
+//! `common::dist`: the launch environment (pure parsing), the single-process group, and,
+//! on two real MPI ranks, the collectives, the data-parallel helpers, `--nproc-per-node`
+//! relaunching and what happens when a rank fails.
+//!
+//! The two-rank tests start this very test binary under `mpirun -np 2 <this binary> --exact
+//! rank_entry`, with `DIST_SCENARIO` naming what the ranks do; `rank_entry` does nothing when
+//! the variable is absent (a plain `cargo test`). Every scenario ends with a line
+//! `scenario <name> passed on rank <r>`, which the launching test looks for on both ranks, so a
+//! rank that silently did nothing cannot pass.
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::{Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use common::dist::data_parallel::{
+    broadcast_optimizer_state, broadcast_parameters, metric_average, GradientAverager,
+};
+use common::dist::launch::{args_without_nproc, relaunch_with_mpirun};
+use common::dist::{Backend, LaunchEnv, LaunchSource, ProcessGroup, ReduceOp};
+use common::error::{exit_code, UsageError};
+use common::optim::{Adam, AdamConfig, Optimizer};
+use tch::nn::Module;
+use tch::{nn, Device, Kind, Tensor};
+
+const SCENARIO: &str = "DIST_SCENARIO";
+/// A folder both ranks of a scenario see (for the barrier check).
+const SHARED_DIR: &str = "DIST_SHARED_DIR";
+
+// ---------------------------------------------------------------------------------------------
+// Launch environment: pure parsing of the variables.
+
+fn env_of(vars: &[(&str, &str)]) -> anyhow::Result<LaunchEnv> {
+    let vars: HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    LaunchEnv::from_vars(|name| vars.get(name).cloned())
+}
+
+/// The error of `vars`, checked to be a usage error (exit code 2) mentioning every word.
+fn usage_error(vars: &[(&str, &str)], words: &[&str]) {
+    let err = env_of(vars).expect_err("inconsistent variables must be refused");
+    let message = format!("{err:#}");
+    assert_eq!(
+        exit_code(&err),
+        2,
+        "a launch mistake is a usage error: {message}"
+    );
+    for word in words {
+        assert!(message.contains(word), "`{message}` should mention {word}");
+    }
+}
+
+#[test]
+fn no_launcher_is_one_process() {
+    let env = env_of(&[("PATH", "/bin")]).unwrap();
+    assert_eq!(env, LaunchEnv::single());
+    assert!(!env.is_distributed());
+}
+
+#[test]
+fn openmpi_variables() {
+    let env = env_of(&[
+        ("OMPI_COMM_WORLD_RANK", "3"),
+        ("OMPI_COMM_WORLD_SIZE", "8"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+    ])
+    .unwrap();
+    assert_eq!(
+        (
+            env.rank,
+            env.world_size,
+            env.local_rank,
+            env.local_world_size,
+            env.nnodes
+        ),
+        (3, 8, 1, 2, 4)
+    );
+    assert_eq!(env.source, LaunchSource::Mpi);
+    assert!(env.mpi);
+}
+
+#[test]
+fn hydra_variables() {
+    let env = env_of(&[
+        ("PMI_RANK", "1"),
+        ("PMI_SIZE", "4"),
+        ("MPI_LOCALRANKID", "1"),
+        ("MPI_LOCALNRANKS", "4"),
+    ])
+    .unwrap();
+    assert_eq!(
+        (
+            env.rank,
+            env.world_size,
+            env.local_rank,
+            env.local_world_size,
+            env.nnodes
+        ),
+        (1, 4, 1, 4, 1)
+    );
+    assert_eq!(env.source, LaunchSource::Mpi);
+}
+
+#[test]
+fn srun_pmi2_takes_local_numbers_from_slurm() {
+    let env = env_of(&[
+        ("PMI_RANK", "5"),
+        ("PMI_SIZE", "6"),
+        ("SLURM_PROCID", "5"),
+        ("SLURM_NTASKS", "6"),
+        ("SLURM_LOCALID", "2"),
+        ("SLURM_NNODES", "2"),
+        ("SLURM_TASKS_PER_NODE", "3(x2)"),
+        ("SLURM_NODEID", "1"),
+    ])
+    .unwrap();
+    assert_eq!((env.rank, env.local_rank, env.local_world_size), (5, 2, 3));
+    assert_eq!(env.source, LaunchSource::Mpi);
+}
+
+#[test]
+fn slurm_variables() {
+    let env = env_of(&[
+        ("SLURM_PROCID", "4"),
+        ("SLURM_NTASKS", "6"),
+        ("SLURM_LOCALID", "1"),
+        ("SLURM_NNODES", "2"),
+        ("SLURM_TASKS_PER_NODE", "3(x2)"),
+        ("SLURM_NODEID", "1"),
+    ])
+    .unwrap();
+    assert_eq!(
+        (
+            env.rank,
+            env.world_size,
+            env.local_rank,
+            env.local_world_size,
+            env.nnodes
+        ),
+        (4, 6, 1, 3, 2)
+    );
+    assert_eq!(env.source, LaunchSource::Slurm);
+    assert!(!env.mpi, "a plain srun does not start an MPI world");
+
+    let with_pmix = env_of(&[
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_NTASKS_PER_NODE", "2"),
+        ("PMIX_RANK", "0"),
+    ])
+    .unwrap();
+    assert_eq!(with_pmix.local_world_size, 2);
+    assert!(with_pmix.mpi, "srun --mpi=pmix does");
+
+    // A job script's own variables (an allocation, no srun task) are one process.
+    assert_eq!(
+        env_of(&[("SLURM_NTASKS", "4"), ("SLURM_NNODES", "1")]).unwrap(),
+        LaunchEnv::single()
+    );
+}
+
+#[test]
+fn torchrun_variables() {
+    let env = env_of(&[
+        ("RANK", "5"),
+        ("WORLD_SIZE", "8"),
+        ("LOCAL_RANK", "1"),
+        ("LOCAL_WORLD_SIZE", "4"),
+        ("MASTER_ADDR", "node01"),
+        ("MASTER_PORT", "29500"),
+    ])
+    .unwrap();
+    assert_eq!(
+        (
+            env.rank,
+            env.world_size,
+            env.local_rank,
+            env.local_world_size,
+            env.nnodes
+        ),
+        (5, 8, 1, 4, 2)
+    );
+    assert_eq!(env.source, LaunchSource::Torchrun);
+    assert_eq!(env.master, Some(("node01".to_string(), 29500)));
+    assert!(!env.mpi);
+}
+
+#[test]
+fn mpi_launcher_wins_over_slurm_and_torchrun() {
+    let env = env_of(&[
+        ("OMPI_COMM_WORLD_RANK", "1"),
+        ("OMPI_COMM_WORLD_SIZE", "2"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "1"),
+        ("RANK", "1"),
+        ("WORLD_SIZE", "2"),
+    ])
+    .unwrap();
+    assert_eq!(
+        (env.rank, env.world_size, env.source),
+        (1, 2, LaunchSource::Mpi)
+    );
+    let env = env_of(&[
+        ("SLURM_PROCID", "1"),
+        ("SLURM_NTASKS", "2"),
+        ("RANK", "1"),
+        ("WORLD_SIZE", "2"),
+    ])
+    .unwrap();
+    assert_eq!(env.source, LaunchSource::Slurm);
+}
+
+#[test]
+fn inconsistent_variables_are_usage_errors_naming_them() {
+    usage_error(
+        &[("RANK", "2"), ("WORLD_SIZE", "2")],
+        &["RANK=2", "WORLD_SIZE=2"],
+    );
+    usage_error(&[("WORLD_SIZE", "2")], &["WORLD_SIZE", "RANK"]);
+    usage_error(&[("RANK", "0")], &["RANK", "WORLD_SIZE"]);
+    usage_error(&[("RANK", "0"), ("WORLD_SIZE", "0")], &["WORLD_SIZE=0"]);
+    usage_error(&[("RANK", "x"), ("WORLD_SIZE", "2")], &["RANK=x"]);
+    usage_error(
+        &[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "2"),
+            ("LOCAL_WORLD_SIZE", "2"),
+        ],
+        &["LOCAL_RANK=2", "LOCAL_WORLD_SIZE=2"],
+    );
+    usage_error(
+        &[("OMPI_COMM_WORLD_RANK", "2"), ("OMPI_COMM_WORLD_SIZE", "2")],
+        &["OMPI_COMM_WORLD_RANK=2", "OMPI_COMM_WORLD_SIZE=2"],
+    );
+    usage_error(
+        &[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "3"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ],
+        &[
+            "OMPI_COMM_WORLD_LOCAL_RANK=3",
+            "OMPI_COMM_WORLD_LOCAL_SIZE=2",
+        ],
+    );
+    usage_error(
+        &[("PMI_RANK", "4"), ("PMI_SIZE", "4")],
+        &["PMI_RANK=4", "PMI_SIZE=4"],
+    );
+    usage_error(
+        &[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("WORLD_SIZE", "4"),
+        ],
+        &["WORLD_SIZE=4", "2"],
+    );
+    usage_error(
+        &[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "2")],
+        &["SLURM_PROCID=3", "SLURM_NTASKS=2"],
+    );
+    usage_error(
+        &[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_LOCALID", "2"),
+            ("SLURM_NTASKS_PER_NODE", "2"),
+        ],
+        &["SLURM_LOCALID=2", "SLURM_NTASKS_PER_NODE=2"],
+    );
+    usage_error(
+        &[("MASTER_ADDR", "node01"), ("MASTER_PORT", "http")],
+        &["MASTER_PORT=http"],
+    );
+}
+
+#[test]
+fn nproc_per_node_is_taken_out_of_the_relaunched_arguments() {
+    let args = |a: &[&str]| a.iter().map(OsString::from).collect::<Vec<_>>();
+    assert_eq!(
+        args_without_nproc(&args(&[
+            "--epochs",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--device",
+            "cpu"
+        ])),
+        args(&["--epochs", "2", "--device", "cpu"])
+    );
+    assert_eq!(
+        args_without_nproc(&args(&["--nproc-per-node=4", "--quiet"])),
+        args(&["--quiet"])
+    );
+    assert_eq!(
+        args_without_nproc(&args(&["--quiet", "--nproc-per-node"])),
+        args(&["--quiet"])
+    );
+    // After `--`, everything is the program's positional input.
+    assert_eq!(
+        args_without_nproc(&args(&["-x", "--", "--nproc-per-node", "2"])),
+        args(&["-x", "--", "--nproc-per-node", "2"])
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The group, without MPI.
+
+#[test]
+fn a_single_process_group_has_identity_collectives() {
+    let group = ProcessGroup::single();
+    assert_eq!(
+        (group.rank(), group.world_size(), group.is_root()),
+        (0, 1, true)
+    );
+    let mut t = Tensor::from_slice(&[1.5f32, -2.0]);
+    group.all_reduce(&mut t, ReduceOp::Average).unwrap();
+    group.broadcast(&mut t, 0).unwrap();
+    assert_eq!(Vec::<f32>::try_from(&t).unwrap(), [1.5, -2.0]);
+    let gathered = group.all_gather(&t).unwrap();
+    let _ = t.fill_(0.0);
+    assert_eq!(
+        Vec::<f32>::try_from(&gathered[0]).unwrap(),
+        [1.5, -2.0],
+        "all_gather returns a copy"
+    );
+    // The argument checks of the real engines, so mistakes show without a second rank.
+    assert!(group
+        .all_reduce(&mut Tensor::from_slice(&[1i64]), ReduceOp::Average)
+        .is_err());
+    assert!(group.broadcast(&mut t, 1).is_err());
+    group.barrier().unwrap();
+    assert_eq!(metric_average(&group, 0.25).unwrap(), 0.25);
+    assert_eq!(group.device(false), Device::Cpu);
+}
+
+#[test]
+fn a_multi_rank_job_without_an_engine_is_refused_before_any_collective() {
+    if tch::Cuda::is_available() {
+        return; // with a GPU, torchrun ranks would meet through NCCL instead
+    }
+    let torchrun = env_of(&[
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "1"),
+    ])
+    .unwrap();
+    let err = ProcessGroup::init_with(Backend::Auto, torchrun.clone())
+        .err()
+        .expect("no engine for CPU tensors");
+    assert_eq!(exit_code(&err), 2);
+    assert!(
+        format!("{err}").contains("need collectives for CPU tensors"),
+        "{err}"
+    );
+    let err = ProcessGroup::init_with(Backend::Mpi, torchrun)
+        .err()
+        .expect("MPI cannot join torchrun's ranks");
+    assert!(
+        format!("{err}").contains("--backend mpi needs"),
+        "{err}"
+    );
+    let err = ProcessGroup::init_with(Backend::Nccl, LaunchEnv::single())
+        .err()
+        .expect("NCCL needs a GPU");
+    assert!(
+        err.is::<UsageError>() && format!("{err}").contains("--backend nccl"),
+        "{err}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Two ranks under mpirun.
+
+/// The ranks' entry point (see the module docs).
+#[test]
+fn rank_entry() {
+    let Ok(scenario) = std::env::var(SCENARIO) else {
+        return;
+    };
+    tch::set_num_threads(1); // two ranks share the machine's cores
+    let rank = match scenario.as_str() {
+        "collectives" => collectives(),
+        "data_parallel" => data_parallel(),
+        "rank_dies" => rank_dies(),
+        "rank_errors" => rank_errors(),
+        "relaunch" => relaunch(),
+        "no_launcher" => no_launcher(),
+        "mpi_singleton" => mpi_singleton(),
+        other => panic!("unknown scenario {other}"),
+    };
+    println!("scenario {scenario} passed on rank {rank}");
+}
+
+/// What a two-rank run printed, how it ended, and how long it took.
+struct Run {
+    status: ExitStatus,
+    output: String,
+    elapsed: Duration,
+}
+
+impl Run {
+    /// Succeeded, and every one of `ranks` ranks finished the scenario.
+    fn assert_passed(&self, scenario: &str, ranks: usize) {
+        assert!(
+            self.status.success(),
+            "{scenario} failed ({}):\n{}",
+            self.status,
+            self.output
+        );
+        for rank in 0..ranks {
+            let line = format!("scenario {scenario} passed on rank {rank}");
+            assert!(
+                self.output.contains(&line),
+                "no `{line}` in:\n{}",
+                self.output
+            );
+        }
+    }
+}
+
+/// Runs `rank_entry` with `scenario` in a child process (under mpirun with `np` ranks, or
+/// directly), killing it after `limit`.
+fn launch(mpirun_np: Option<usize>, scenario: &str, vars: &[(&str, &str)], limit: Duration) -> Run {
+    let exe = std::env::current_exe().unwrap();
+    let mut command = match mpirun_np {
+        Some(np) => {
+            let mut c = Command::new("mpirun");
+            // OpenMPI refuses root without the flag (containers); harmless otherwise.
+            c.args([
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "--bind-to",
+                "none",
+                "-np",
+                &np.to_string(),
+            ])
+            .arg(exe);
+            c
+        }
+        None => Command::new(exe),
+    };
+    let shared = tempfile::tempdir().unwrap();
+    let log_path = shared.path().join("output.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    command
+        .args([
+            "--exact",
+            "rank_entry",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(SCENARIO, scenario)
+        .env(SHARED_DIR, shared.path())
+        .envs(vars.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log);
+    let start = Instant::now();
+    let mut child = command
+        .spawn()
+        .expect("mpirun is on PATH (OpenMPI: apt install openmpi-bin)");
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > limit {
+            // SIGTERM lets mpirun take its ranks down with it.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            std::thread::sleep(Duration::from_secs(3));
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "`{scenario}` still ran after {limit:?}, killed:\n{}",
+                std::fs::read_to_string(&log_path).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Run {
+        status,
+        output: std::fs::read_to_string(&log_path).unwrap(),
+        elapsed: start.elapsed(),
+    }
+}
+
+fn two_ranks(scenario: &str) -> Run {
+    launch(Some(2), scenario, &[], Duration::from_secs(60))
+}
+
+/// Rank-dependent values everywhere, each result checked on every rank.
+fn collectives() -> usize {
+    let group = ProcessGroup::init(Backend::Auto).unwrap();
+    assert_eq!(group.world_size(), 2);
+    assert_eq!(group.env().source, LaunchSource::Mpi);
+    assert_eq!(group.backend_for(Device::Cpu).unwrap().name(), "mpi");
+    let rank = group.rank();
+    let r = rank as f64;
+
+    // all_reduce: sum and average, several kinds.
+    let mut t = Tensor::from_slice(&[1.0 + r, 10.0 * (r + 1.0)]).to_kind(Kind::Float);
+    group.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+    assert_eq!(Vec::<f32>::try_from(&t).unwrap(), [3.0, 30.0]);
+    let mut t = Tensor::from_slice(&[1.0 + 2.0 * r, -r]);
+    group.all_reduce(&mut t, ReduceOp::Average).unwrap();
+    assert_eq!(t.kind(), Kind::Double);
+    assert_eq!(Vec::<f64>::try_from(&t).unwrap(), [2.0, -0.5]);
+    let mut t = Tensor::from_slice(&[1i64 << (40 + rank), 7]);
+    group.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+    assert_eq!(Vec::<i64>::try_from(&t).unwrap(), [3 << 40, 14]);
+    let mut t = Tensor::from_slice(&[rank as i32 + 1]);
+    group.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+    assert_eq!(Vec::<i32>::try_from(&t).unwrap(), [3]);
+    let mut t = Tensor::from_slice(&[100u8 + rank as u8]);
+    group.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+    assert_eq!(Vec::<u8>::try_from(&t).unwrap(), [201]);
+    // A float32 average stays float32, divided in float32.
+    let mut t = Tensor::from_slice(&[0.1f32 * (r as f32 + 1.0)]);
+    group.all_reduce(&mut t, ReduceOp::Average).unwrap();
+    assert_eq!(t.kind(), Kind::Float);
+    assert_eq!(Vec::<f32>::try_from(&t).unwrap(), [(0.1f32 + 0.2f32) / 2.0]);
+
+    // Refused before any message is sent (so every rank refuses alike and nothing hangs).
+    let err = group
+        .all_reduce(&mut Tensor::from_slice(&[1i64]), ReduceOp::Average)
+        .unwrap_err();
+    assert!(format!("{err}").contains("floating-point"), "{err}");
+    let err = group
+        .all_reduce(
+            &mut Tensor::ones([2], (Kind::Half, Device::Cpu)),
+            ReduceOp::Sum,
+        )
+        .unwrap_err();
+    assert!(format!("{err}").contains("Half"), "{err}");
+    let err = group.broadcast(&mut Tensor::from(1.0), 2).unwrap_err();
+    assert!(format!("{err}").contains("rank 2"), "{err}");
+
+    // The caller's tensor is updated in place even when it is a non-contiguous view.
+    let base = Tensor::arange(6, (Kind::Float, Device::Cpu)).reshape([2, 3]) * (r + 1.0);
+    let mut view = base.tr();
+    assert!(!view.is_contiguous());
+    group.all_reduce(&mut view, ReduceOp::Sum).unwrap();
+    let expected = Tensor::arange(6, (Kind::Float, Device::Cpu)).reshape([2, 3]) * 3.0;
+    assert!(
+        base.equal(&expected),
+        "the view's storage holds the sum: {base}"
+    );
+    let mut view = base.select(1, 1); // stride 3
+    let _ = view.fill_(r);
+    group.broadcast(&mut view, 1).unwrap();
+    assert_eq!(
+        Vec::<f32>::try_from(&base.select(1, 1)).unwrap(),
+        [1.0, 1.0]
+    );
+
+    // A parameter (a leaf that requires grad) can be written by a collective.
+    let mut param = Tensor::from_slice(&[r as f32]).set_requires_grad(true);
+    group.broadcast(&mut param, 1).unwrap();
+    assert_eq!(param.double_value(&[0]), 1.0);
+    assert!(param.requires_grad());
+
+    // broadcast from rank 1, several shapes and kinds.
+    let mut t = Tensor::full([2, 2], 10 * rank as i64, (Kind::Int64, Device::Cpu));
+    group.broadcast(&mut t, 1).unwrap();
+    assert!(t.equal(&Tensor::full([2, 2], 10, (Kind::Int64, Device::Cpu))));
+    let bytes = group
+        .broadcast_bytes(if rank == 1 { b"from one" } else { b"" }, 1)
+        .unwrap();
+    assert_eq!(bytes, b"from one");
+
+    // all_gather in rank order, as copies.
+    let mine = Tensor::from_slice(&[10.0 * r, 10.0 * r + 1.0]).reshape([1, 2]);
+    let gathered = group.all_gather(&mine).unwrap();
+    assert_eq!(gathered.len(), 2);
+    for (i, t) in gathered.iter().enumerate() {
+        assert_eq!(t.size(), [1, 2]);
+        assert_eq!(
+            Vec::<f64>::try_from(&t.reshape([-1])).unwrap(),
+            [10.0 * i as f64, 10.0 * i as f64 + 1.0]
+        );
+    }
+
+    // barrier: rank 1 writes a file late; rank 0 must see it once the barrier returns.
+    let marker = PathBuf::from(std::env::var(SHARED_DIR).unwrap()).join("late-marker");
+    if rank == 1 {
+        std::thread::sleep(Duration::from_millis(300));
+        std::fs::write(&marker, "here").unwrap();
+    }
+    group.barrier().unwrap();
+    assert!(
+        marker.exists(),
+        "rank {rank} left the barrier before rank 1 entered it"
+    );
+
+    assert_eq!(metric_average(&group, r).unwrap(), 0.5);
+    rank
+}
+
+/// Each rank's gradient of each parameter: distinct per rank, parameter and element.
+fn make_grads(params: &[Tensor], rank: usize) {
+    for (i, p) in params.iter().enumerate() {
+        if i == 2 {
+            continue; // a parameter that gets no gradient
+        }
+        let weights =
+            Tensor::randn(p.size(), (p.kind(), Device::Cpu)) * (rank as f64 + 1.0) + i as f64;
+        (p * weights).sum(p.kind()).backward();
+    }
+}
+
+/// Every tensor on every rank, bitwise equal to rank 0's (all_gather, then compare).
+fn assert_same_on_all_ranks(group: &ProcessGroup, tensors: &[(String, Tensor)]) {
+    for (name, t) in tensors {
+        let gathered = group.all_gather(&t.detach()).unwrap();
+        assert!(
+            gathered[1].equal(&gathered[0]),
+            "`{name}` differs between the ranks"
+        );
+    }
+}
+
+fn data_parallel() -> usize {
+    let group = ProcessGroup::init(Backend::Auto).unwrap();
+    let rank = group.rank();
+    tch::manual_seed(1000 + rank as i64); // different data and initial weights on each rank
+
+    // --- GradientAverager: tiny buckets and one large bucket give the mean of the ranks' grads.
+    let shapes: [&[i64]; 5] = [&[3, 4], &[4], &[2, 2], &[5, 1, 2], &[7]];
+    let mut averaged = Vec::new();
+    for bucket_bytes in [64, 1 << 30] {
+        tch::manual_seed(1 + rank as i64);
+        let params: Vec<Tensor> = shapes
+            .iter()
+            .enumerate()
+            // One float64 parameter: it must travel in a bucket of its own kind.
+            .map(|(i, s)| {
+                Tensor::randn(
+                    *s,
+                    (if i == 3 { Kind::Double } else { Kind::Float }, Device::Cpu),
+                )
+                .set_requires_grad(true)
+            })
+            .collect();
+        make_grads(&params, rank);
+        let before: Vec<Tensor> = params
+            .iter()
+            .map(|p| p.grad())
+            .map(|g| if g.defined() { g.copy() } else { g })
+            .collect();
+        GradientAverager::new(bucket_bytes, false)
+            .average(&group, &params)
+            .unwrap();
+        for (i, (p, mine)) in params.iter().zip(&before).enumerate() {
+            if i == 2 {
+                assert!(
+                    !p.grad().defined(),
+                    "a parameter without gradient keeps none"
+                );
+                continue;
+            }
+            let all = group.all_gather(mine).unwrap();
+            let mean = (&all[0] + &all[1]) / 2.0;
+            assert!(
+                p.grad().allclose(&mean, 1e-6, 1e-6, false),
+                "bucket {bucket_bytes}: grad {i} is not the mean"
+            );
+            assert_eq!(p.grad().kind(), mine.kind());
+        }
+        averaged.push(params.iter().map(|p| p.grad()).collect::<Vec<_>>());
+    }
+    for (small, large) in averaged[0].iter().zip(&averaged[1]) {
+        assert_eq!(small.defined(), large.defined());
+        if small.defined() {
+            assert!(
+                small.equal(large),
+                "bucket sizes must not change the averaged gradients"
+            );
+        }
+    }
+    let params = [Tensor::ones([2], (Kind::Float, Device::Cpu)).set_requires_grad(true)];
+    make_grads(&params, rank);
+    let err = GradientAverager::new(1 << 20, true)
+        .average(&group, &params)
+        .unwrap_err();
+    assert!(
+        format!("{err}").contains("--fp16-allreduce needs NCCL"),
+        "{err}"
+    );
+    assert_eq!(exit_code(&err), 2);
+
+    // --- broadcast_parameters: every variable, buffers included, becomes rank 0's.
+    let vs = nn::VarStore::new(Device::Cpu);
+    let root = vs.root();
+    let net = nn::seq()
+        .add(nn::linear(&root / "fc1", 4, 8, Default::default()))
+        .add(nn::linear(&root / "fc2", 8, 2, Default::default()));
+    let _running_mean = root.zeros_no_train("running_mean", &[8]).fill_(rank as f64);
+    let vars = || {
+        let mut v: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    let fc1_before = group
+        .all_gather(&vs.variables()["fc1.weight"].detach())
+        .unwrap();
+    assert!(
+        !fc1_before[0].equal(&fc1_before[1]),
+        "the ranks start from different weights"
+    );
+    broadcast_parameters(&group, &vs, 0).unwrap();
+    assert_same_on_all_ranks(&group, &vars());
+    assert_eq!(vs.variables()["running_mean"].double_value(&[0]), 0.0);
+
+    // --- broadcast_optimizer_state: rank 0 has trained (Adam state), rank 1 has not.
+    let mut opt = Adam::new(
+        vs.trainable_variables()
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| (format!("p{i}"), t))
+            .collect(),
+        AdamConfig::default(),
+    );
+    let step = |opt: &mut Adam, seed: i64| {
+        tch::manual_seed(seed);
+        let x = Tensor::randn([5, 4], (Kind::Float, Device::Cpu));
+        opt.zero_grad();
+        net.forward(&x).square().mean(Kind::Float).backward();
+        opt.step();
+    };
+    if rank == 0 {
+        step(&mut opt, 7);
+        step(&mut opt, 8);
+    }
+    broadcast_parameters(&group, &vs, 0).unwrap();
+    broadcast_optimizer_state(&group, &mut opt, 0).unwrap();
+    let state = opt.state_tensors();
+    assert_eq!(
+        state.len(),
+        3 * vs.trainable_variables().len(),
+        "rank {rank} has Adam's full state"
+    );
+    assert_same_on_all_ranks(&group, &state);
+    // The same step from the same state and data: the replicas stay bit-identical.
+    step(&mut opt, 9);
+    assert_same_on_all_ranks(&group, &vars());
+    assert_same_on_all_ranks(&group, &opt.state_tensors());
+    rank
+}
+
+/// Rank 1 dies before an all-reduce that rank 0 is already waiting in.
+fn rank_dies() -> usize {
+    let group = ProcessGroup::init(Backend::Auto).unwrap();
+    if group.rank() == 1 {
+        std::thread::sleep(Duration::from_millis(200));
+        std::process::exit(3);
+    }
+    let mut t = Tensor::from(1.0);
+    group.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+    unreachable!("rank 0 cannot finish an all-reduce without rank 1");
+}
+
+/// Rank 1's work fails with an error (not a crash) while rank 0 waits in an all-reduce.
+fn rank_errors() -> usize {
+    let result = ProcessGroup::run(Backend::Auto, |group| {
+        if group.rank() == 1 {
+            anyhow::bail!("rank 1 found something wrong");
+        }
+        let mut t = Tensor::from(1.0);
+        group.all_reduce(&mut t, ReduceOp::Sum)?;
+        Ok(group.rank())
+    });
+    unreachable!("the job ends inside ProcessGroup::run ({result:?})");
+}
+
+/// Started without a launcher: hands itself to mpirun as two ranks, which check their world.
+fn relaunch() -> usize {
+    let env = LaunchEnv::detect().unwrap();
+    if env.source == LaunchSource::Single {
+        let status = relaunch_with_mpirun(2).unwrap();
+        assert!(status.success(), "the ranks failed: {status}");
+        // Both ranks printed their lines; nothing is left to do here.
+        std::process::exit(0);
+    }
+    let group = ProcessGroup::init(Backend::Auto).unwrap();
+    let mut t = Tensor::from(1.0);
+    group.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+    assert_eq!(t.double_value(&[]), 2.0);
+    group.rank()
+}
+
+/// `MPIRUN` names no program: a usage error saying what to install.
+fn no_launcher() -> usize {
+    let err = relaunch_with_mpirun(2).unwrap_err();
+    assert!(err.is::<UsageError>());
+    assert!(
+        format!("{err}").contains("--nproc-per-node needs an MPI launcher (mpirun) on PATH"),
+        "{err}"
+    );
+    0
+}
+
+/// `--backend mpi` with a single process: MPI starts as a singleton world.
+fn mpi_singleton() -> usize {
+    let group = ProcessGroup::init(Backend::Mpi).unwrap();
+    assert_eq!(group.world_size(), 1);
+    assert_eq!(group.backend_for(Device::Cpu).unwrap().name(), "mpi");
+    let mut t = Tensor::from_slice(&[2.5f32]);
+    group.all_reduce(&mut t, ReduceOp::Average).unwrap();
+    assert_eq!(t.double_value(&[0]), 2.5);
+    0
+}
+
+#[test]
+#[cfg_attr(not(feature = "mpi"), ignore = "needs the `mpi` feature")]
+fn collectives_on_two_ranks() {
+    two_ranks("collectives").assert_passed("collectives", 2);
+}
+
+#[test]
+#[cfg_attr(not(feature = "mpi"), ignore = "needs the `mpi` feature")]
+fn data_parallel_helpers_on_two_ranks() {
+    two_ranks("data_parallel").assert_passed("data_parallel", 2);
+}
+
+#[test]
+#[cfg_attr(not(feature = "mpi"), ignore = "needs the `mpi` feature")]
+fn a_dying_rank_ends_the_job_and_is_named() {
+    // mpirun's default: a rank that exits without finalising MPI makes it kill the others.
+    let run = two_ranks("rank_dies");
+    assert!(!run.status.success(), "{}", run.output);
+    assert!(run.elapsed < Duration::from_secs(60));
+    assert_eq!(failed_rank(&run.output), Some(1), "mpirun names the failed rank:\n{}", run.output);
+    assert!(run.output.contains("Exit code:") && run.output.contains('3'), "{}", run.output);
+}
+
+/// The rank in mpirun's `Process name:` line: OpenMPI 4 writes `[[job,app],rank]`, OpenMPI 5
+/// `[prterun-host-pid@app,rank]`.
+fn failed_rank(output: &str) -> Option<usize> {
+    let line = output.lines().find_map(|l| l.trim().strip_prefix("Process name:"))?;
+    line.trim().trim_end_matches(']').rsplit(',').next()?.parse().ok()
+}
+
+#[test]
+#[cfg_attr(not(feature = "mpi"), ignore = "needs the `mpi` feature")]
+fn an_error_on_one_rank_aborts_every_rank() {
+    let run = two_ranks("rank_errors");
+    assert_eq!(run.status.code(), Some(1), "{}", run.output);
+    assert!(run.elapsed < Duration::from_secs(60));
+    assert!(
+        run.output
+            .contains("error on rank 1: rank 1 found something wrong"),
+        "{}",
+        run.output
+    );
+}
+
+#[test]
+#[cfg_attr(not(feature = "mpi"), ignore = "needs the `mpi` feature")]
+fn nproc_per_node_relaunches_under_mpirun() {
+    launch(None, "relaunch", &[], Duration::from_secs(60)).assert_passed("relaunch", 2);
+}
+
+#[test]
+fn nproc_per_node_without_mpirun_is_a_usage_error() {
+    launch(
+        None,
+        "no_launcher",
+        &[("MPIRUN", "/nonexistent/mpirun")],
+        Duration::from_secs(30),
+    )
+    .assert_passed("no_launcher", 1);
+}
+
+#[test]
+#[cfg_attr(not(feature = "mpi"), ignore = "needs the `mpi` feature")]
+fn backend_mpi_works_with_one_process() {
+    launch(None, "mpi_singleton", &[], Duration::from_secs(30)).assert_passed("mpi_singleton", 1);
+}

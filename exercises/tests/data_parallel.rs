@@ -1,0 +1,152 @@
+//! The data-parallel exercises as a user runs them, 2 CPU ranks started through
+//! `--nproc-per-node 2` (mpirun): the same model as one rank with the whole batch, replicas
+//! that agree bit for bit, checkpoints that resume on another world size, and clear errors.
+mod support;
+
+use common::checkpoint;
+use std::path::Path;
+use std::process::{Command, Output};
+use support::{read_json, stderr};
+
+fn exercise2(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_exercise2"));
+    cmd.args(args).args(["--device", "cpu", "--quiet", "--threads", "1", "--workers", "0"]);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("exercise2 runs")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Generated CIFAR-10-format data: `train` training images, 40 test images.
+fn data(dir: &Path, train: usize) {
+    let status = Command::new(env!("CARGO_BIN_EXE_prepare_data"))
+        .args(["generate", "--dataset", "cifar10", "--train", &train.to_string(), "--test", "40", "--out"])
+        .arg(dir)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+fn model_tensors(dir: &Path) -> Vec<(String, tch::Tensor)> {
+    let ck = checkpoint::load(&checkpoint::path_for(dir, "exercise2-cnn-cpu")).unwrap();
+    let mut tensors: Vec<_> = ck.tensors.into_iter().filter(|(k, _)| k.starts_with("model.")).collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    tensors
+}
+
+#[test]
+fn two_ranks_with_batch_b_train_the_same_model_as_one_rank_with_batch_2b() {
+    let d = tempfile::tempdir().unwrap();
+    data(d.path(), 320);
+    let (one, two) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    // 320 images: one epoch is 20 steps of 16 on one rank, and 20 steps of 2 × 8 on two.
+    let common = |ck: &Path, batch: &str| {
+        vec![
+            "--model".to_string(), "cnn".into(), "--num-classes".into(), "10".into(), "--optimizer".into(), "sgd".into(),
+            "--lr".into(), "0.05".into(), "--momentum".into(), "0.9".into(), "--epochs".into(), "1".into(),
+            "--batch-size".into(), batch.into(), "--data-dir".into(), d.path().to_str().unwrap().into(),
+            "--checkpoint-dir".into(), ck.to_str().unwrap().into(), "--results-dir".into(), ck.to_str().unwrap().into(),
+        ]
+    };
+    let args_one = common(one.path(), "16");
+    let out = exercise2(&args_one.iter().map(String::as_str).collect::<Vec<_>>(), &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut args_two = common(two.path(), "8");
+    args_two.extend(["--nproc-per-node".to_string(), "2".into()]);
+    let out = exercise2(&args_two.iter().map(String::as_str).collect::<Vec<_>>(), &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("parameters bit-identical on all 2 ranks"), "{}", stdout(&out));
+
+    let json = read_json(&two.path().join("exercise2-cnn-cpu.json"));
+    assert_eq!((json["world_size"].as_u64(), json["per_rank_batch"].as_u64(), json["steps"].as_u64()), (Some(2), Some(8), Some(20)));
+    assert!(json["allreduce_time_s"].as_f64().unwrap() > 0.0);
+
+    let (a, b) = (model_tensors(one.path()), model_tensors(two.path()));
+    assert_eq!(a.len(), b.len());
+    let mut worst = 0.0f64;
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        let scale = x.abs().max().double_value(&[]).max(1e-12);
+        let rel = (x - y).abs().max().double_value(&[]) / scale;
+        assert!(rel <= 1e-6, "{name}: 2 ranks × 8 and 1 rank × 16 differ by {rel:e} (relative)");
+        worst = worst.max(rel);
+    }
+    println!("2 ranks × batch 8 vs 1 rank × batch 16, 20 SGD-momentum steps: max relative parameter difference {worst:e}");
+}
+
+#[test]
+fn a_checkpoint_from_two_ranks_resumes_on_one_rank_and_on_two() {
+    let d = tempfile::tempdir().unwrap();
+    data(d.path(), 96);
+    let run = |ck: &Path, epochs: &str, nproc: &str| {
+        let out = exercise2(
+            &[
+                "--model", "cnn", "--num-classes", "10", "--batch-size", "16", "--epochs", epochs, "--resume",
+                "--data-dir", d.path().to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap(),
+                "--results-dir", ck.to_str().unwrap(), "--nproc-per-node", nproc,
+            ],
+            &[],
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+        (read_json(&ck.join("exercise2-cnn-cpu.json")), stdout(&out))
+    };
+    let straight = tempfile::tempdir().unwrap();
+    let (two_epochs, _) = run(straight.path(), "2", "2");
+
+    let first = tempfile::tempdir().unwrap();
+    run(first.path(), "1", "2");
+    let on_one = tempfile::tempdir().unwrap();
+    let name = "exercise2-cnn-cpu.safetensors";
+    std::fs::copy(first.path().join(name), on_one.path().join(name)).unwrap();
+
+    let (resumed_two, out) = run(first.path(), "2", "2");
+    assert!(out.contains("resumed exercise2-cnn-cpu") && out.contains("after epoch 1"), "{out}");
+    let (x, y) = (two_epochs["test_loss"].as_f64().unwrap(), resumed_two["test_loss"].as_f64().unwrap());
+    assert!((x - y).abs() <= 1e-6 * x.abs(), "2 epochs straight {x} vs 1 + resume + 1 on 2 ranks {y}");
+
+    let (resumed_one, out) = run(on_one.path(), "2", "1");
+    assert!(out.contains("after epoch 1"), "{out}");
+    assert_eq!(resumed_one["world_size"], 1);
+    assert_eq!(resumed_one["resumed_epochs"], 1);
+    assert!(resumed_one["test_loss"].as_f64().unwrap().is_finite());
+}
+
+#[test]
+fn launch_mistakes_are_one_clear_line_with_exit_2() {
+    let out = exercise2(&["--nproc-per-node", "2"], &[("MPIRUN", "/nonexistent/mpirun")]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("needs an MPI launcher"), "{}", stderr(&out));
+
+    let out = exercise2(&[], &[("RANK", "3"), ("WORLD_SIZE", "2")]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("RANK") && stderr(&out).contains("WORLD_SIZE"), "{}", stderr(&out));
+
+    let out = Command::new(env!("CARGO_BIN_EXE_exercise2")).args(["--device", "cuda"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("no CUDA device"), "{}", stderr(&out));
+
+    let out = exercise2(&["--warmup-epochs", "2"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("use it with --scale-lr"), "{}", stderr(&out));
+}
+
+#[test]
+fn exercise3_ddp_trains_vgg19_shaped_runs_on_two_ranks() {
+    let d = tempfile::tempdir().unwrap();
+    data(d.path(), 32);
+    let results = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_exercise3"))
+        .args(["ddp", "--device", "cpu", "--quiet", "--threads", "1", "--max-steps", "2", "--batch-size", "4", "--num-classes", "10"])
+        .args(["--nproc-per-node", "2", "--data-dir", d.path().to_str().unwrap(), "--results-dir", results.path().to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("vgg19"), "the DDP exercise's default model is VGG19: {}", stdout(&out));
+    let json = read_json(&results.path().join("exercise3_ddp-vgg19-cpu.json"));
+    assert_eq!(json["world_size"], 2);
+    assert_eq!(json["params"], 143_667_240 - 4097 * 990);
+}

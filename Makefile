@@ -15,7 +15,7 @@ BIN       := target/release
 ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
-.PHONY: system-deps exercise2 exercise3-ddp setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
+.PHONY: system-deps exercise2 exercise3-ddp bench-allreduce setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
         exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test clean-results
 
 system-deps:
@@ -66,6 +66,10 @@ exercise2: data-cifar10
 
 exercise3-ddp: data-cifar10
 	$(WITH) $(BIN)/exercise3 ddp --nproc-per-node $(NPROC) $(ARGS)
+
+# All-reduce bandwidth (4 KB … 256 MB) and 1 vs NPROC ranks training throughput.
+bench-allreduce: data-cifar10
+	NPROC=$(NPROC) $(WITH) bench/allreduce.sh
 
 # Rust vs PyTorch eager tokens/s, side by side (ROUNDS, STEPS, THREADS, DEVICE, MODEL_FLAGS).
 bench-nlp: data-wikitext2

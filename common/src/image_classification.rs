@@ -3,11 +3,11 @@
 use crate::data::{self, DatasetKind, Loader, LoaderConfig, Split};
 use crate::device::{self, DeviceChoice};
 use crate::dist::data_parallel::GradientAverager;
-use crate::dist::launch::{self, LaunchEnv};
+use crate::dist::launch;
 use crate::dist::{DataParallel, ProcessGroup};
 use crate::flags::DataParallelArgs;
 use crate::flags::RunArgs;
-use crate::error::{usage, ChildExit};
+use crate::error::usage;
 use crate::models::{self, Arch, ModelSpec};
 use crate::optim::{Adam, AdamConfig, Optimizer, OptimizerKind, Sgd, SgdConfig};
 use crate::report::{self, RunInfo, RunRecord};
@@ -116,15 +116,8 @@ pub fn run_data_parallel(exercise: Exercise, args: &ImageArgs, dp: &DataParallel
     args.run.check()?;
     args.check()?;
     dp.check()?;
-    if let Some(n) = dp.nproc_per_node {
-        if LaunchEnv::detect()?.world_size == 1 {
-            let status = launch::relaunch_with_mpirun(n)?;
-            // The ranks have said what went wrong; pass on mpirun's exit code (2: usage error).
-            return match status.code() {
-                Some(0) => Ok(()),
-                code => Err(ChildExit(code.unwrap_or(1)).into()),
-            };
-        }
+    if launch::start_ranks_if_asked(dp.nproc_per_node)? {
+        return Ok(());
     }
     // Errors on one rank abort every rank (MPI_Abort) instead of leaving the others waiting
     // in a collective.

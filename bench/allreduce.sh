@@ -16,7 +16,7 @@ work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
 train() {
     "$bin/exercise2" --model "$MODEL" --num-classes 10 --device "$DEVICE" --max-steps "$STEPS" --epochs 1 \
         --batch-size "$BATCH" --quiet --results-dir "$work" "$@" > "$work/log" 2>&1 || { cat "$work/log" >&2; exit 1; }
-    python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); e=d.get("scaling_efficiency"); print(f"{d[\"throughput\"]:.1f}", f"{e:.3f}" if e else "-")' \
+    python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); e = d.get("scaling_efficiency"); print(format(d["throughput"], ".1f"), format(e, ".3f") if e else "-")' \
         "$work/exercise2-$MODEL-$DEVICE.json"
 }
 read -r one _ < <(train)

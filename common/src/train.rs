@@ -57,6 +57,9 @@ pub trait Replicas {
     ) -> anyhow::Result<(usize, usize)>;
     /// Averages the gradients of `params` over the replicas, after backward.
     fn average_gradients(&self, params: &[Tensor]) -> anyhow::Result<()>;
+    /// Makes every replica's buffers (batch-norm statistics: each replica updates them from
+    /// its own shard) rank 0's, before evaluating and checkpointing.
+    fn sync_buffers(&self, vs: &nn::VarStore) -> anyhow::Result<()>;
     /// Element-wise sums of `values` over the replicas.
     fn sum(&self, values: &[f64]) -> anyhow::Result<Vec<f64>>;
     /// Every replica's `values`, in rank order.
@@ -103,6 +106,9 @@ impl Replicas for SingleReplica {
         Ok(progress)
     }
     fn average_gradients(&self, _: &[Tensor]) -> anyhow::Result<()> {
+        Ok(())
+    }
+    fn sync_buffers(&self, _: &nn::VarStore) -> anyhow::Result<()> {
         Ok(())
     }
     fn sum(&self, values: &[f64]) -> anyhow::Result<Vec<f64>> {
@@ -383,6 +389,7 @@ pub fn fit(
         let n = seen_total.max(1.0);
         let train_loss = loss_total / n;
 
+        replicas.sync_buffers(vs)?;
         let eval_start = Instant::now();
         let (eval_loss, eval_acc) = evaluate(model, eval, replicas)?;
         synchronize(device);

@@ -150,3 +150,22 @@ fn exercise3_ddp_trains_vgg19_shaped_runs_on_two_ranks() {
     assert_eq!(json["world_size"], 2);
     assert_eq!(json["params"], 143_667_240 - 4097 * 990);
 }
+
+#[test]
+fn resnet34_replicas_agree_including_batch_norm_statistics() {
+    // Each rank updates batch-norm running statistics from its own shard; rank 0's are
+    // broadcast at every epoch end (as DDP's broadcast_buffers), so the final check that all
+    // replicas hold bit-identical variables passes. Without that broadcast it fails.
+    let d = tempfile::tempdir().unwrap();
+    data(d.path(), 16);
+    let results = tempfile::tempdir().unwrap();
+    let out = exercise2(
+        &[
+            "--num-classes", "10", "--max-steps", "2", "--batch-size", "4", "--nproc-per-node", "2",
+            "--data-dir", d.path().to_str().unwrap(), "--results-dir", results.path().to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("resnet34") && stdout(&out).contains("parameters bit-identical on all 2 ranks"), "{}", stdout(&out));
+}

@@ -40,10 +40,10 @@ pub fn generate(kind: DatasetKind, dir: &Path, config: GenerateConfig) -> anyhow
     match kind {
         DatasetKind::Cifar10 => {
             // The official release splits the training set over five equal files.
-            let per_file = config.train.div_ceil(cifar10::TRAIN_FILES.len()).max(1);
+            let files = cifar10::TRAIN_FILES.len();
+            anyhow::ensure!(config.train >= files, "need at least {files} training images for {files} CIFAR-10 files");
             for (i, name) in cifar10::TRAIN_FILES.iter().enumerate() {
-                let range = (i * per_file).min(config.train)..((i + 1) * per_file).min(config.train);
-                anyhow::ensure!(!range.is_empty(), "need at least 5 training images for 5 CIFAR-10 files");
+                let range = (i * config.train / files)..((i + 1) * config.train / files);
                 let bytes = cifar10::IMAGE_BYTES;
                 cifar10::write(
                     &dir.join(name),

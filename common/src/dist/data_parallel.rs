@@ -15,7 +15,19 @@ use crate::optim::Optimizer;
 /// statistics too) with its value on rank `root`, in name order (the same order on every rank,
 /// whatever order the variables were created in).
 pub fn broadcast_parameters(group: &ProcessGroup, vs: &nn::VarStore, root: usize) -> Result<()> {
-    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    broadcast_variables(group, vs, root, |_| true)
+}
+
+/// Makes every rank's buffers (variables without gradient, e.g. batch-norm running
+/// statistics, which each rank updates from its own shard) rank `root`'s, as DDP's
+/// `broadcast_buffers` does.
+pub fn broadcast_buffers(group: &ProcessGroup, vs: &nn::VarStore, root: usize) -> Result<()> {
+    broadcast_variables(group, vs, root, |var| !var.requires_grad())
+}
+
+/// Broadcasts the variables `keep` selects, in name order (the same on every rank).
+fn broadcast_variables(group: &ProcessGroup, vs: &nn::VarStore, root: usize, keep: impl Fn(&Tensor) -> bool) -> Result<()> {
+    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(_, var)| keep(var)).collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     tch::no_grad(|| {
         vars.iter_mut().try_for_each(|(name, var)| {

@@ -1,6 +1,6 @@
 //! The training loop's view of a data-parallel job: [`DataParallel`] implements
 //! [`crate::train::Replicas`] over a [`ProcessGroup`].
-use super::data_parallel::{broadcast_optimizer_state, broadcast_parameters, GradientAverager};
+use super::data_parallel::{broadcast_buffers, broadcast_optimizer_state, broadcast_parameters, GradientAverager};
 use super::{ProcessGroup, ReduceOp};
 use crate::optim::Optimizer;
 use crate::train::Replicas;
@@ -44,6 +44,10 @@ impl Replicas for DataParallel<'_> {
 
     fn average_gradients(&self, params: &[Tensor]) -> anyhow::Result<()> {
         self.averager.average(self.group, params)
+    }
+
+    fn sync_buffers(&self, vs: &nn::VarStore) -> anyhow::Result<()> {
+        broadcast_buffers(self.group, vs, 0)
     }
 
     fn gather(&self, values: &[f64]) -> anyhow::Result<Vec<Vec<f64>>> {

@@ -118,8 +118,23 @@ pub fn save(dir: &Path, record: &RunRecord, extra: serde_json::Value) -> anyhow:
     Ok(path)
 }
 
-/// Appends a row, writing the header first when the file is new.
+/// Appends a row, writing the header first when the file is new. A file written with other
+/// columns (by an older version) is renamed to `<name>.<unix time>.old` first, so rows never
+/// land under the wrong header.
 pub fn append_csv(path: &Path, record: &RunRecord) -> anyhow::Result<()> {
+    let header = {
+        let mut w = csv::Writer::from_writer(Vec::new());
+        w.serialize(record)?;
+        let bytes = w.into_inner().map_err(|e| anyhow::anyhow!("{e}"))?;
+        String::from_utf8(bytes)?.lines().next().unwrap_or_default().to_string()
+    };
+    if let Ok(text) = std::fs::read_to_string(path) {
+        if text.lines().next().is_some_and(|first| first != header) {
+            let aside = path.with_extension(format!("{}.old", unix_time()));
+            std::fs::rename(path, &aside).with_context(|| format!("cannot move {} aside", path.display()))?;
+            eprintln!("note: {} had other columns; moved it to {}", path.display(), aside.display());
+        }
+    }
     let is_new = std::fs::metadata(path).map(|m| m.len() == 0).unwrap_or(true);
     let file = std::fs::OpenOptions::new()
         .create(true)
@@ -286,6 +301,22 @@ mod tests {
         let cpu_only = comparison_table(&[record("cpu", 100.0)], Some("no CUDA device"));
         assert!(cpu_only.contains("GPU column missing: no CUDA device"), "{cpu_only}");
         assert!(!cpu_only.contains("speed-up"));
+    }
+
+    #[test]
+    fn a_csv_with_other_columns_is_moved_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("exercise1.csv");
+        std::fs::write(&path, "exercise,model,params\nexercise1,cnn,1\n").unwrap();
+        append_csv(&path, &record("cpu", 100.0)).unwrap();
+        assert_eq!(read_csv(&path).unwrap(), vec![record("cpu", 100.0)]);
+        let moved: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.ends_with(".old"))
+            .collect();
+        assert_eq!(moved.len(), 1, "the old file is kept beside the new one");
+        assert!(std::fs::read_to_string(dir.path().join(&moved[0])).unwrap().contains("exercise1,cnn,1"));
     }
 
     #[test]

@@ -83,7 +83,8 @@ impl LmArgs {
         if !(0.0..1.0).contains(&self.dropout) {
             return usage(format!("--dropout must be in [0, 1), got {}", self.dropout));
         }
-        if !(self.lr > 0.0 && self.lr.is_finite()) || !(self.gamma > 0.0) || self.clip < 0.0 {
+        let positive = |x: f64| x > 0.0 && x.is_finite();
+        if !positive(self.lr) || !positive(self.gamma) || self.clip < 0.0 {
             return usage("--lr and --gamma must be positive, --clip non-negative");
         }
         Ok(())

@@ -394,7 +394,7 @@ fn check_training(reference: &Reference, run: &str, dropout: f64) {
     let _rng = exclusive_rng();
     let cfg = small(dropout);
     let (vs, model) = build(&cfg);
-    load_params(&reference, &vs);
+    load_params(reference, &vs);
     let params = named_parameters(&vs);
     // Clip in torch's `model.parameters()` order, so that the total norm sums the same way.
     let order = reference.with_prefix("order.");

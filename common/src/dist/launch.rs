@@ -485,6 +485,21 @@ pub fn args_without_nproc(args: &[OsString]) -> Vec<OsString> {
     out
 }
 
+/// `--nproc-per-node N`: from a plain shell, starts N ranks of this binary through mpirun and
+/// waits for them. Returns `true` when this process only started the ranks (they have run, and
+/// succeeded), `false` when it is to run itself (no flag, or already a rank of a launcher).
+/// Failed ranks have reported why; their exit code comes back as a [`ChildExit`] error.
+pub fn start_ranks_if_asked(nproc_per_node: Option<usize>) -> anyhow::Result<bool> {
+    let Some(n) = nproc_per_node else { return Ok(false) };
+    if LaunchEnv::detect()?.world_size > 1 {
+        return Ok(false);
+    }
+    match relaunch_with_mpirun(n)?.code() {
+        Some(0) => Ok(true),
+        code => Err(crate::error::ChildExit(code.unwrap_or(1)).into()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -533,20 +548,5 @@ mod tests {
         );
         let err = find_launcher(None, Some("/nonexistent".into())).unwrap_err();
         assert!(err.is::<UsageError>());
-    }
-}
-
-/// `--nproc-per-node N`: from a plain shell, starts N ranks of this binary through mpirun and
-/// waits for them. Returns `true` when this process only started the ranks (they have run, and
-/// succeeded), `false` when it is to run itself (no flag, or already a rank of a launcher).
-/// Failed ranks have reported why; their exit code comes back as a [`ChildExit`] error.
-pub fn start_ranks_if_asked(nproc_per_node: Option<usize>) -> anyhow::Result<bool> {
-    let Some(n) = nproc_per_node else { return Ok(false) };
-    if LaunchEnv::detect()?.world_size > 1 {
-        return Ok(false);
-    }
-    match relaunch_with_mpirun(n)?.code() {
-        Some(0) => Ok(true),
-        code => Err(crate::error::ChildExit(code.unwrap_or(1)).into()),
     }
 }

@@ -508,10 +508,18 @@ impl NcclCollectives {
         })
     }
 
-    /// Copies `work` back into `tensor` when `work` was a contiguous copy of it.
-    fn write_back(tensor: &mut Tensor, work: &Tensor, was_contiguous: bool) -> anyhow::Result<()> {
-        if !was_contiguous {
-            tch::no_grad(|| tensor.f_copy_(work))?;
+    /// Runs an in-place collective `call` on the device memory of `tensor`: directly when it is
+    /// contiguous, else on a contiguous copy that is then copied back into `tensor`.
+    fn in_place(tensor: &mut Tensor, call: impl FnOnce(*mut c_void) -> anyhow::Result<()>) -> anyhow::Result<()> {
+        let contiguous = tensor.is_contiguous();
+        let work = if contiguous {
+            tensor.shallow_clone()
+        } else {
+            tensor.f_contiguous()?
+        };
+        call(work.data_ptr())?;
+        if !contiguous {
+            tch::no_grad(|| tensor.f_copy_(&work))?;
         }
         Ok(())
     }
@@ -533,19 +541,13 @@ impl Collectives for NcclCollectives {
             ReduceOp::Sum => NCCL_SUM,
             ReduceOp::Average => NCCL_AVG,
         };
-        let contiguous = tensor.is_contiguous();
-        let work = if contiguous {
-            tensor.shallow_clone()
-        } else {
-            tensor.f_contiguous()?
-        };
-        let ptr = work.data_ptr();
-        // SAFETY: `ptr` is `count` elements of `data_type` on this communicator's device, alive
-        // until after the call has completed (launch synchronises the device).
-        self.launch("all_reduce", |api, comm| unsafe {
-            (api.all_reduce)(ptr, ptr, count, data_type, nccl_op, comm, std::ptr::null_mut())
-        })?;
-        Self::write_back(tensor, &work, contiguous)
+        Self::in_place(tensor, |ptr| {
+            // SAFETY: `ptr` is `count` elements of `data_type` on this communicator's device,
+            // alive until after the call has completed (launch synchronises the device).
+            self.launch("all_reduce", |api, comm| unsafe {
+                (api.all_reduce)(ptr, ptr, count, data_type, nccl_op, comm, std::ptr::null_mut())
+            })
+        })
     }
 
     fn broadcast(&self, tensor: &mut Tensor, root: usize) -> anyhow::Result<()> {
@@ -555,18 +557,12 @@ impl Collectives for NcclCollectives {
         if count == 0 {
             return Ok(());
         }
-        let contiguous = tensor.is_contiguous();
-        let work = if contiguous {
-            tensor.shallow_clone()
-        } else {
-            tensor.f_contiguous()?
-        };
-        let ptr = work.data_ptr();
-        // SAFETY: as in all_reduce; in place (sendbuff == recvbuff).
-        self.launch("broadcast", |api, comm| unsafe {
-            (api.broadcast)(ptr, ptr, count, data_type, root as c_int, comm, std::ptr::null_mut())
-        })?;
-        Self::write_back(tensor, &work, contiguous)
+        Self::in_place(tensor, |ptr| {
+            // SAFETY: as in all_reduce; in place (sendbuff == recvbuff).
+            self.launch("broadcast", |api, comm| unsafe {
+                (api.broadcast)(ptr, ptr, count, data_type, root as c_int, comm, std::ptr::null_mut())
+            })
+        })
     }
 
     fn all_gather(&self, tensor: &Tensor) -> anyhow::Result<Vec<Tensor>> {

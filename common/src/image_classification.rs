@@ -4,7 +4,7 @@ use crate::data::{self, DatasetKind, Loader, LoaderConfig, Split};
 use crate::device::{self, DeviceChoice};
 use crate::dist::data_parallel::GradientAverager;
 use crate::dist::launch;
-use crate::dist::{DataParallel, ProcessGroup};
+use crate::dist::{DataParallel, GradientSync, ProcessGroup};
 use crate::flags::DataParallelArgs;
 use crate::flags::RunArgs;
 use crate::error::usage;
@@ -112,7 +112,15 @@ pub fn run(exercise: Exercise, args: &ImageArgs) -> anyhow::Result<Vec<RunRecord
 /// Runs one rank of a data-parallel exercise: the ranks come from the launcher that started
 /// this process (mpirun, srun, torchrun-style variables), or `--nproc-per-node N` starts N
 /// local ranks through mpirun first.
-pub fn run_data_parallel(exercise: Exercise, args: &ImageArgs, dp: &DataParallelArgs) -> anyhow::Result<()> {
+///
+/// `sync` is the exercise's style: Horovod's (exercise2: a distributed optimizer averages the
+/// gradients in its step) or DDP's (exercise3: the loop averages them after backward).
+pub fn run_data_parallel(
+    exercise: Exercise,
+    args: &ImageArgs,
+    dp: &DataParallelArgs,
+    sync: GradientSync,
+) -> anyhow::Result<()> {
     args.run.check()?;
     args.check()?;
     dp.check()?;
@@ -141,9 +149,10 @@ pub fn run_data_parallel(exercise: Exercise, args: &ImageArgs, dp: &DataParallel
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             device::set_threads((cores / group.local_world_size()).max(1))?;
         }
-        let replicas = DataParallel::new(group, averager);
+        let replicas = DataParallel::new(group, averager, sync);
         let extra = serde_json::json!({
             "backend": group.describe(),
+            "gradient_sync": sync,
             "bucket_mb": dp.bucket_mb,
             "fp16_allreduce": dp.fp16_allreduce,
             "scale_lr": dp.scale_lr,
@@ -271,10 +280,11 @@ fn run_on(
     }
     let named = models::named_parameters(&vs);
     let lr = replication.lr;
-    let mut optimizer: Box<dyn Optimizer> = match args.optimizer {
+    let optimizer: Box<dyn Optimizer> = match args.optimizer {
         OptimizerKind::Adam => Box::new(Adam::new(named, AdamConfig { lr, ..AdamConfig::default() })),
         OptimizerKind::Sgd => Box::new(Sgd::new(named, SgdConfig { lr, momentum: args.momentum, ..SgdConfig::default() })),
     };
+    let mut optimizer = replicas.distribute_optimizer(optimizer, vs.trainable_variables());
     let train_loader = Loader::new(
         train_set.clone(),
         LoaderConfig {

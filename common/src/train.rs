@@ -55,7 +55,14 @@ pub trait Replicas {
         optimizer: &mut dyn Optimizer,
         progress: (usize, usize),
     ) -> anyhow::Result<(usize, usize)>;
-    /// Averages the gradients of `params` over the replicas, after backward.
+    /// The optimizer the loop steps: `optimizer` itself, or (Horovod style) a wrapper whose
+    /// step averages the gradients of `params` over the replicas first.
+    fn distribute_optimizer<'s>(&'s self, optimizer: Box<dyn Optimizer + 's>, params: Vec<Tensor>) -> Box<dyn Optimizer + 's> {
+        let _ = params;
+        optimizer
+    }
+    /// Averages the gradients of `params` over the replicas, after backward (DDP style; a
+    /// no-op where [`Replicas::distribute_optimizer`] wrapped the optimizer to do it).
     fn average_gradients(&self, params: &[Tensor]) -> anyhow::Result<()>;
     /// Makes every replica's buffers (batch-norm statistics: each replica updates them from
     /// its own shard) rank 0's, before evaluating and checkpointing.
@@ -352,11 +359,12 @@ pub fn fit(
             synchronize(device);
             let t2 = Instant::now();
             replicas.average_gradients(&params)?;
+            optimizer.synchronize()?; // a distributed optimizer averages here, before clipping
             let t_avg = Instant::now();
             if let Some(max_norm) = config.clip_grad_norm {
                 optim::clip_grad_norm(&params, max_norm);
             }
-            optimizer.step();
+            optimizer.step()?;
             synchronize(device);
             let t3 = Instant::now();
 

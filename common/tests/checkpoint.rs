@@ -32,7 +32,7 @@ fn trained(spec: &ModelSpec, seed: i64) -> (nn::VarStore, Box<dyn nn::ModuleT>, 
     let loss = model.forward_t(&x, true).mean(Kind::Float);
     adam.zero_grad();
     loss.backward();
-    adam.step();
+    adam.step().unwrap();
     (vs, model, adam)
 }
 

@@ -14,12 +14,13 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use common::dist::data_parallel::{
-    broadcast_optimizer_state, broadcast_parameters, metric_average, GradientAverager,
+    broadcast_optimizer_state, broadcast_parameters, metric_average, DistributedOptimizer,
+    GradientAverager,
 };
 use common::dist::launch::{args_without_nproc, relaunch_with_mpirun};
 use common::dist::{Backend, LaunchEnv, LaunchSource, ProcessGroup, ReduceOp};
 use common::error::{exit_code, UsageError};
-use common::optim::{Adam, AdamConfig, Optimizer};
+use common::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use tch::nn::Module;
 use tch::{nn, Device, Kind, Tensor};
 
@@ -734,7 +735,7 @@ fn data_parallel() -> usize {
         let x = Tensor::randn([5, 4], (Kind::Float, Device::Cpu));
         opt.zero_grad();
         net.forward(&x).square().mean(Kind::Float).backward();
-        opt.step();
+        opt.step().unwrap();
     };
     if rank == 0 {
         step(&mut opt, 7);
@@ -753,6 +754,57 @@ fn data_parallel() -> usize {
     step(&mut opt, 9);
     assert_same_on_all_ranks(&group, &vars());
     assert_same_on_all_ranks(&group, &opt.state_tensors());
+
+    // --- DistributedOptimizer (Horovod): a step on each rank's own data is a local SGD step on
+    // the ranks' mean gradient, identical everywhere.
+    let params = vs.trainable_variables();
+    let named = params.iter().enumerate().map(|(i, t)| (format!("p{i}"), t.shallow_clone())).collect();
+    let lr = 0.1;
+    let sgd = Sgd::new(named, SgdConfig { lr, momentum: 0.0, ..SgdConfig::default() });
+    let mut dist = DistributedOptimizer::new(Box::new(sgd), vs.trainable_variables(), &group, GradientAverager::new(1 << 20, false));
+    assert_eq!((dist.name(), dist.lr()), ("sgd", lr), "the wrapper reports the wrapped optimizer");
+    let backward_on_own_data = |dist: &mut DistributedOptimizer, seed: i64| {
+        dist.zero_grad();
+        tch::manual_seed(seed + rank as i64);
+        let x = Tensor::randn([5, 4], (Kind::Float, Device::Cpu));
+        net.forward(&x).square().mean(Kind::Float).backward();
+    };
+    backward_on_own_data(&mut dist, 20);
+    let expected: Vec<Tensor> = params
+        .iter()
+        .map(|p| {
+            let all = group.all_gather(&p.grad()).unwrap();
+            p.detach().copy() - (&all[0] + &all[1]) / 2.0 * lr
+        })
+        .collect();
+    assert!(
+        !group.all_gather(&params[0].grad()).unwrap()[0].equal(&group.all_gather(&params[0].grad()).unwrap()[1]),
+        "the ranks' own gradients differ before the step"
+    );
+    dist.step().unwrap();
+    for (p, e) in params.iter().zip(&expected) {
+        assert!(p.allclose(e, 1e-6, 1e-7, false), "rank {rank}: the step did not use the mean gradient");
+    }
+    assert_same_on_all_ranks(&group, &vars());
+
+    // synchronize() averages now (for clipping); the step after it does not average again:
+    // rank 1 zeroes its averaged gradients in between, so only rank 0 moves.
+    backward_on_own_data(&mut dist, 30);
+    dist.synchronize().unwrap();
+    let grads = group.all_gather(&params[0].grad()).unwrap();
+    assert!(grads[0].equal(&grads[1]), "synchronize() averaged the gradients");
+    if rank == 1 {
+        tch::no_grad(|| params.iter().for_each(|p| drop(p.grad().zero_())));
+    }
+    let before: Vec<Tensor> = params.iter().map(|p| p.detach().copy()).collect();
+    dist.step().unwrap();
+    let moved = params.iter().zip(&before).any(|(p, b)| !p.equal(b));
+    assert_eq!(moved, rank == 0, "rank {rank}: the step after synchronize() averaged again");
+    // After zero_grad the next step averages again, and the replicas agree once more.
+    broadcast_parameters(&group, &vs, 0).unwrap();
+    backward_on_own_data(&mut dist, 40);
+    dist.step().unwrap();
+    assert_same_on_all_ranks(&group, &vars());
     rank
 }
 

@@ -185,7 +185,7 @@ fn optimizers_match_torch_optim() {
             if let Some(max_norm) = max_norm {
                 norms.push(clip_grad_norm(&tensors, max_norm));
             }
-            opt.step();
+            opt.step().unwrap();
             losses.push(loss.double_value(&[]));
         }
 
@@ -282,7 +282,7 @@ impl Toy {
         let loss = (prediction - target).square().mean(Kind::Float);
         opt.zero_grad();
         loss.backward();
-        opt.step();
+        opt.step().unwrap();
     }
 }
 
@@ -594,13 +594,13 @@ fn zero_grad_drops_gradients_and_gradless_parameters_stay_put() {
     ] {
         // Both parameters get a gradient once, then only `used` does.
         (&used * 2.0 + &unused).sum(Kind::Float).backward();
-        opt.step();
+        opt.step().unwrap();
         opt.zero_grad();
         assert!(!used.grad().defined() && !unused.grad().defined(), "{}: gradients dropped, as torch's set_to_none", opt.name());
         let before = unused.copy();
         (&used * 2.0).sum(Kind::Float).backward();
         assert!(!unused.grad().defined());
-        opt.step();
+        opt.step().unwrap();
         assert!(unused.equal(&before), "{}: a parameter without a gradient is not updated (torch skips it)", opt.name());
         opt.zero_grad();
     }

@@ -432,7 +432,7 @@ fn check_training(reference: &Reference, run: &str, dropout: f64) {
         );
         loss.backward();
         norms.push(clip_grad_norm(&tensors, MAX_NORM));
-        opt.step();
+        opt.step().unwrap();
         losses.push(loss.double_value(&[]));
     }
 

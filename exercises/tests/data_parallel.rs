@@ -65,6 +65,7 @@ fn two_ranks_with_batch_b_train_the_same_model_as_one_rank_with_batch_2b() {
     let json = read_json(&two.path().join("exercise2-cnn-cpu.json"));
     assert_eq!((json["world_size"].as_u64(), json["per_rank_batch"].as_u64(), json["steps"].as_u64()), (Some(2), Some(8), Some(20)));
     assert!(json["allreduce_time_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(json["gradient_sync"], "horovod", "exercise2 averages in a distributed optimizer");
 
     let (a, b) = (model_tensors(one.path()), model_tensors(two.path()));
     assert_eq!(a.len(), b.len());
@@ -148,6 +149,7 @@ fn exercise3_ddp_trains_vgg19_shaped_runs_on_two_ranks() {
     assert!(stdout(&out).contains("vgg19"), "the DDP exercise's default model is VGG19: {}", stdout(&out));
     let json = read_json(&results.path().join("exercise3_ddp-vgg19-cpu.json"));
     assert_eq!(json["world_size"], 2);
+    assert_eq!(json["gradient_sync"], "ddp", "exercise3 ddp averages in the loop after backward");
     assert_eq!(json["params"], 143_667_240 - 4097 * 990);
 }
 

@@ -2,7 +2,9 @@
 //! a full replica, starts from rank 0's state ([`broadcast_parameters`],
 //! [`broadcast_optimizer_state`]), trains on its own shard of each batch, and averages the
 //! gradients after every backward pass ([`GradientAverager`]) so the replicas take identical
-//! steps. Metrics are averaged the same way ([`metric_average`]).
+//! steps. Metrics are averaged the same way ([`metric_average`]). The averaging runs either in
+//! the training loop after backward (DDP's way) or inside the optimizer's step
+//! ([`DistributedOptimizer`], Horovod's way): the same collectives, in the same order.
 use std::collections::HashMap;
 
 use anyhow::{bail, Context, Result};
@@ -211,6 +213,77 @@ impl GradientAverager {
             grad.copy_(&averaged.view_as(&grad));
         }
         Ok(())
+    }
+}
+
+/// Horovod's `hvd.DistributedOptimizer`: wraps a local optimizer so that its step first
+/// averages the gradients of `params` over the ranks (through a [`GradientAverager`], in
+/// buckets), then updates. Where something must read the averaged gradients before the step
+/// (gradient clipping), call [`Optimizer::synchronize`] first, as with Horovod's
+/// `optimizer.synchronize()`: the step that follows does not average again.
+///
+/// Everything else (learning rate, state, name) is the wrapped optimizer's, so checkpoints and
+/// [`broadcast_optimizer_state`] see the same state as without the wrapper.
+pub struct DistributedOptimizer<'g> {
+    inner: Box<dyn Optimizer + 'g>,
+    params: Vec<Tensor>,
+    group: &'g ProcessGroup,
+    averager: GradientAverager,
+    /// The gradients were averaged by `synchronize` since the last step.
+    synchronized: bool,
+}
+
+impl<'g> DistributedOptimizer<'g> {
+    /// `params` in the same order on every rank (e.g. `VarStore::trainable_variables`).
+    pub fn new(
+        inner: Box<dyn Optimizer + 'g>,
+        params: Vec<Tensor>,
+        group: &'g ProcessGroup,
+        averager: GradientAverager,
+    ) -> Self {
+        DistributedOptimizer { inner, params, group, averager, synchronized: false }
+    }
+}
+
+impl Optimizer for DistributedOptimizer<'_> {
+    fn step(&mut self) -> Result<()> {
+        self.synchronize()?;
+        self.synchronized = false;
+        self.inner.step()
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        if !self.synchronized {
+            self.averager.average(self.group, &self.params)?;
+            self.synchronized = true;
+        }
+        Ok(())
+    }
+
+    fn zero_grad(&mut self) {
+        // New gradients are coming: they will need averaging, whatever happened before.
+        self.synchronized = false;
+        self.inner.zero_grad();
+    }
+
+    fn lr(&self) -> f64 {
+        self.inner.lr()
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.inner.set_lr(lr);
+    }
+
+    fn state_tensors(&self) -> Vec<(String, Tensor)> {
+        self.inner.state_tensors()
+    }
+
+    fn load_state_tensors(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
+        self.inner.load_state_tensors(state)
+    }
+
+    fn name(&self) -> &'static str {
+        self.inner.name()
     }
 }
 

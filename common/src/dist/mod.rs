@@ -33,7 +33,9 @@
 //! once at the start (rank 0's initial weights, or its restored checkpoint, win),
 //! [`data_parallel::GradientAverager::average`] after every backward pass (gradients averaged in
 //! buckets, optionally in float16), and [`data_parallel::metric_average`] for losses and
-//! accuracies.
+//! accuracies. [`DistributedOptimizer`] is Horovod's `hvd.DistributedOptimizer` (the averaging
+//! inside the optimizer's step, exercise2); [`GradientSync`] chooses between that and DDP's
+//! averaging in the loop (exercise3 `ddp`).
 //!
 //! # Errors and dying ranks
 //!
@@ -87,7 +89,8 @@ pub mod single;
 
 pub use group::ProcessGroup;
 pub use launch::{LaunchEnv, LaunchSource};
-pub use replicas::DataParallel;
+pub use data_parallel::DistributedOptimizer;
+pub use replicas::{DataParallel, GradientSync};
 
 use anyhow::{bail, Result};
 use tch::{Device, Kind, Tensor};

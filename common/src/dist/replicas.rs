@@ -1,21 +1,36 @@
 //! The training loop's view of a data-parallel job: [`DataParallel`] implements
 //! [`crate::train::Replicas`] over a [`ProcessGroup`].
-use super::data_parallel::{broadcast_buffers, broadcast_optimizer_state, broadcast_parameters, GradientAverager};
+use super::data_parallel::{
+    broadcast_buffers, broadcast_optimizer_state, broadcast_parameters, DistributedOptimizer, GradientAverager,
+};
 use super::{ProcessGroup, ReduceOp};
 use crate::optim::Optimizer;
 use crate::train::Replicas;
 use tch::{nn, Device, Kind, Tensor};
 
+/// Where a replica averages its gradients: the two styles of the course's exercises, the same
+/// collectives either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GradientSync {
+    /// In the training loop, right after backward (PyTorch DDP's reducer).
+    Ddp,
+    /// Inside the optimizer's step, through a [`DistributedOptimizer`] (Horovod).
+    Horovod,
+}
+
 /// One replica of a data-parallel job: rank 0's state at the start, gradients averaged in
-/// buckets after every backward, metrics summed over the ranks.
+/// buckets after every backward (by the loop or by the optimizer, see [`GradientSync`]),
+/// metrics summed over the ranks.
 pub struct DataParallel<'a> {
     group: &'a ProcessGroup,
     averager: GradientAverager,
+    sync: GradientSync,
 }
 
 impl<'a> DataParallel<'a> {
-    pub fn new(group: &'a ProcessGroup, averager: GradientAverager) -> Self {
-        DataParallel { group, averager }
+    pub fn new(group: &'a ProcessGroup, averager: GradientAverager, sync: GradientSync) -> Self {
+        DataParallel { group, averager, sync }
     }
 }
 
@@ -42,8 +57,18 @@ impl Replicas for DataParallel<'_> {
         Ok((progress[0] as usize, progress[1] as usize))
     }
 
+    fn distribute_optimizer<'s>(&'s self, optimizer: Box<dyn Optimizer + 's>, params: Vec<Tensor>) -> Box<dyn Optimizer + 's> {
+        match self.sync {
+            GradientSync::Ddp => optimizer,
+            GradientSync::Horovod => Box::new(DistributedOptimizer::new(optimizer, params, self.group, self.averager)),
+        }
+    }
+
     fn average_gradients(&self, params: &[Tensor]) -> anyhow::Result<()> {
-        self.averager.average(self.group, params)
+        match self.sync {
+            GradientSync::Ddp => self.averager.average(self.group, params),
+            GradientSync::Horovod => Ok(()), // the optimizer's step averages them
+        }
     }
 
     fn sync_buffers(&self, vs: &nn::VarStore) -> anyhow::Result<()> {

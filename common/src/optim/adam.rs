@@ -109,7 +109,7 @@ impl Adam {
 }
 
 impl Optimizer for Adam {
-    fn step(&mut self) {
+    fn step(&mut self) -> Result<()> {
         let AdamConfig {
             lr,
             betas: (beta1, beta2),
@@ -151,6 +151,7 @@ impl Optimizer for Adam {
             // `param + (value * exp_avg) / denom`; again the value moves into the first factor.
             let _ = param.addcdiv_(&(&state.exp_avg * -step_size), &denom);
         });
+        Ok(())
     }
 
     fn zero_grad(&mut self) {

@@ -23,11 +23,22 @@ use std::collections::{HashMap, HashSet};
 use anyhow::{bail, Result};
 use tch::{Kind, Tensor};
 
-/// An optimizer over a fixed list of named parameters.
-pub trait Optimizer: Send {
+/// An optimizer over a fixed list of named parameters. (Not `Send` as a trait: a data-parallel
+/// wrapper holds its process group, which must stay on the thread that initialised MPI; ask for
+/// `dyn Optimizer + Send` where one has to move between threads.)
+pub trait Optimizer {
     /// One update from the parameters' current `.grad()`; parameters without a gradient are
-    /// skipped (as torch does). Runs without gradient tracking.
-    fn step(&mut self);
+    /// skipped (as torch does). Runs without gradient tracking. Fails only where the step
+    /// communicates (a distributed optimizer whose collective fails).
+    fn step(&mut self) -> Result<()>;
+
+    /// Makes the gradients final before anything reads them (gradient clipping): a distributed
+    /// optimizer averages them over the ranks here, as Horovod's `optimizer.synchronize()`
+    /// does, and its next [`Optimizer::step`] does not average again. Nothing to do for a local
+    /// optimizer.
+    fn synchronize(&mut self) -> Result<()> {
+        Ok(())
+    }
 
     /// Drops the gradients (resets them to "none"), as torch's default
     /// `zero_grad(set_to_none=True)` does: the next backward writes fresh gradients instead of

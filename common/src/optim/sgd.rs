@@ -100,7 +100,7 @@ impl Sgd {
 }
 
 impl Optimizer for Sgd {
-    fn step(&mut self) {
+    fn step(&mut self) -> Result<()> {
         let SgdConfig {
             lr,
             momentum,
@@ -140,6 +140,7 @@ impl Optimizer for Sgd {
             }
             add_scaled_(param, &grad, -lr);
         });
+        Ok(())
     }
 
     fn zero_grad(&mut self) {

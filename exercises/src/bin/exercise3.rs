@@ -6,6 +6,7 @@
 //!
 //!     exercise3 ddp --nproc-per-node 2 --device cpu --max-steps 20
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use common::dist::GradientSync;
 use common::flags::DataParallelArgs;
 use common::image_classification::{self, ImageArgs};
 use common::Exercise;
@@ -38,7 +39,7 @@ fn main() -> std::process::ExitCode {
     match cli.command {
         Command::Ddp { args, data_parallel } => {
             let exercise = Exercise { name: "exercise3_ddp", default_epochs: 10 };
-            common::error::run_main(|| image_classification::run_data_parallel(exercise, &args, &data_parallel))
+            common::error::run_main(|| image_classification::run_data_parallel(exercise, &args, &data_parallel, GradientSync::Ddp))
         }
     }
 }

@@ -13,6 +13,7 @@ pub mod image_classification;
 pub mod language_model;
 pub mod models;
 pub mod optim;
+pub mod pipeline;
 pub mod report;
 pub mod train;
 

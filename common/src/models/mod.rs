@@ -13,7 +13,9 @@ pub mod transformer;
 mod vgg;
 mod weights;
 
-pub use transformer::{param_count_formula, EncoderLayer, TransformerConfig, TransformerLm};
+pub use transformer::{
+    encoder_layers, output_layer, param_count_formula, EncoderLayer, TokenEmbedding, TransformerConfig, TransformerLm,
+};
 pub use weights::load_weights;
 
 /// Which network to build.

@@ -293,13 +293,11 @@ fn positional_encoding(d_model: i64, device: Device) -> Tensor {
     Tensor::stack(&[angles.sin(), angles.cos()], 2).view([MAX_LEN, 1, d_model])
 }
 
-/// The tutorial's `TransformerModel`: a causal Transformer language model.
-///
-/// `forward_t` maps int64 token ids `[seq_len, batch]` (seq_len ≤ [`MAX_LEN`]) to logits
-/// `[seq_len, batch, ntoken]`; the logits at position `t` depend on the tokens at `0..=t` only.
-/// `train` turns dropout on.
+/// The model's input end: token ids `[seq_len, batch]` → `embedding · √d_model + positions`,
+/// then dropout: `[seq_len, batch, d_model]`, the input of the first encoder layer. Variables:
+/// `embedding.weight` under the given path.
 #[derive(Debug)]
-pub struct TransformerLm {
+pub struct TokenEmbedding {
     embedding: nn::Embedding,
     /// The positional encoding: a constant of the configuration, kept out of the var store
     /// (torch's `pos_encoder.pe` buffer). Stored, it would add `MAX_LEN · d_model` floats
@@ -307,19 +305,13 @@ pub struct TransformerLm {
     /// information; outside, the var store holds exactly the trainable parameters, like the
     /// tutorial's `named_parameters()`.
     pos_encoding: Tensor,
-    layers: Vec<EncoderLayer>,
-    linear: nn::Linear,
     d_model: i64,
     dropout: f64,
 }
 
-impl TransformerLm {
-    /// The model with the tutorial's initialisation, its variables under `root` with the
-    /// tutorial model's `state_dict` names. The positional encoding is made on `root`'s device
-    /// (and follows the input to another device if need be).
-    ///
-    /// # Panics
-    /// On an invalid configuration (e.g. `d_model` not divisible by `nhead`).
+impl TokenEmbedding {
+    /// The tutorial's embedding (U(−0.1, 0.1)) as `root / "embedding"`; the positional encoding
+    /// is made on `root`'s device (and follows the input to another device if need be).
     pub fn new(root: &nn::Path, cfg: &TransformerConfig) -> Self {
         cfg.validate();
         let embedding = nn::embedding(
@@ -334,46 +326,17 @@ impl TransformerLm {
                 ..Default::default()
             },
         );
-        let layers_path = root / "transformer_encoder" / "layers";
-        let layers: Vec<EncoderLayer> = (0..cfg.nlayers)
-            .map(|i| EncoderLayer::new(&(&layers_path / i), cfg))
-            .collect();
-        // `nn.TransformerEncoder` deep-copies one initialised layer `nlayers` times, so in torch
-        // every layer starts from the same weights; do the same.
-        tch::no_grad(|| {
-            let first = layers[0].parameters();
-            for layer in &layers[1..] {
-                for (dst, src) in layer.parameters().into_iter().zip(&first) {
-                    dst.shallow_clone().copy_(src);
-                }
-            }
-        });
-        let linear = nn::linear(
-            root / "linear",
-            cfg.d_model,
-            cfg.ntoken,
-            nn::LinearConfig {
-                ws_init: Init::Uniform {
-                    lo: -INIT_RANGE,
-                    up: INIT_RANGE,
-                },
-                bs_init: Some(Init::Const(0.)),
-                bias: true,
-            },
-        );
-        TransformerLm {
+        TokenEmbedding {
             embedding,
             pos_encoding: positional_encoding(cfg.d_model, root.device()),
-            layers,
-            linear,
             d_model: cfg.d_model,
             dropout: cfg.dropout,
         }
     }
+}
 
-    /// The first stage: token ids `[seq_len, batch]` → `embedding · √d_model + positions`,
-    /// then dropout: `[seq_len, batch, d_model]`, the input of the first layer.
-    pub fn embed(&self, src: &Tensor, train: bool) -> Tensor {
+impl ModuleT for TokenEmbedding {
+    fn forward_t(&self, src: &Tensor, train: bool) -> Tensor {
         let seq_len = src.size().first().copied().unwrap_or(0);
         assert!(
             src.dim() == 2 && seq_len <= MAX_LEN,
@@ -387,6 +350,77 @@ impl TransformerLm {
             .to_device(xs.device())
             .to_kind(xs.kind());
         (xs + positions).dropout(self.dropout, train)
+    }
+}
+
+/// The model's output end, `root / "linear"`: hidden states `[seq_len, batch, d_model]` →
+/// logits `[seq_len, batch, ntoken]`, weights U(−0.1, 0.1) and zero bias as the tutorial's
+/// `init_weights`.
+pub fn output_layer(root: &nn::Path, cfg: &TransformerConfig) -> nn::Linear {
+    nn::linear(
+        root / "linear",
+        cfg.d_model,
+        cfg.ntoken,
+        nn::LinearConfig {
+            ws_init: Init::Uniform {
+                lo: -INIT_RANGE,
+                up: INIT_RANGE,
+            },
+            bs_init: Some(Init::Const(0.)),
+            bias: true,
+        },
+    )
+}
+
+/// `nlayers` encoder layers `root / "transformer_encoder" / "layers" / i` for `i` in `range`,
+/// all starting from the same weights, as in torch: `nn.TransformerEncoder` deep-copies one
+/// initialised layer. (A pipeline stage builds its own range of layers; every stage seeds
+/// LibTorch's generator alike first, so all layers of all stages start equal too.)
+pub fn encoder_layers(root: &nn::Path, cfg: &TransformerConfig, range: std::ops::Range<i64>) -> Vec<EncoderLayer> {
+    let layers_path = root / "transformer_encoder" / "layers";
+    let layers: Vec<EncoderLayer> = range.map(|i| EncoderLayer::new(&(&layers_path / i), cfg)).collect();
+    if let Some((first, rest)) = layers.split_first() {
+        tch::no_grad(|| {
+            let first = first.parameters();
+            for layer in rest {
+                for (dst, src) in layer.parameters().into_iter().zip(&first) {
+                    dst.shallow_clone().copy_(src);
+                }
+            }
+        });
+    }
+    layers
+}
+
+/// The tutorial's `TransformerModel`: a causal Transformer language model.
+///
+/// `forward_t` maps int64 token ids `[seq_len, batch]` (seq_len ≤ [`MAX_LEN`]) to logits
+/// `[seq_len, batch, ntoken]`; the logits at position `t` depend on the tokens at `0..=t` only.
+/// `train` turns dropout on.
+#[derive(Debug)]
+pub struct TransformerLm {
+    embedding: TokenEmbedding,
+    layers: Vec<EncoderLayer>,
+    linear: nn::Linear,
+}
+
+impl TransformerLm {
+    /// The model with the tutorial's initialisation, its variables under `root` with the
+    /// tutorial model's `state_dict` names.
+    ///
+    /// # Panics
+    /// On an invalid configuration (e.g. `d_model` not divisible by `nhead`).
+    pub fn new(root: &nn::Path, cfg: &TransformerConfig) -> Self {
+        TransformerLm {
+            embedding: TokenEmbedding::new(root, cfg),
+            layers: encoder_layers(root, cfg, 0..cfg.nlayers),
+            linear: output_layer(root, cfg),
+        }
+    }
+
+    /// The first stage: token ids `[seq_len, batch]` → `[seq_len, batch, d_model]`.
+    pub fn embed(&self, src: &Tensor, train: bool) -> Tensor {
+        self.embedding.forward_t(src, train)
     }
 
     /// The encoder layers, in order; each maps `[seq_len, batch, d_model]` to the same shape.

@@ -1,0 +1,148 @@
+//! Runs one stage's share of a mini-batch: its forward and backward passes in the order of its
+//! schedule, activations in from the previous stage and out to the next, gradients the other
+//! way. The same function runs a stage thread in one process and a stage process across
+//! processes; only the [`Link`]s differ.
+use std::collections::HashMap;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+use tch::{Device, Kind, Tensor};
+
+use super::link::Link;
+use super::schedule::Op;
+use super::stage::Stage;
+
+/// The micro-batches as the first and last stage see them.
+pub struct MicroBatches {
+    /// Token ids per micro-batch, on the first stage's device (empty on other stages).
+    pub inputs: Vec<Tensor>,
+    /// Target ids per micro-batch, on the last stage's device (empty on other stages).
+    pub targets: Vec<Tensor>,
+    /// Each micro-batch's share of the mini-batch (its sequences / all sequences): the
+    /// weighted micro-batch losses sum to the mini-batch's mean loss.
+    pub weights: Vec<f64>,
+}
+
+/// When a stage ran which pass, in seconds since the mini-batch started.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct OpInterval {
+    pub op: Op,
+    pub start_s: f64,
+    pub end_s: f64,
+}
+
+/// What one stage did during a mini-batch.
+#[derive(Debug, Clone, Serialize)]
+pub struct StageTrace {
+    pub stage: usize,
+    pub intervals: Vec<OpInterval>,
+    /// The most micro-batches whose activations the stage held at once.
+    pub peak_live: usize,
+}
+
+impl StageTrace {
+    /// Seconds the stage spent computing (its intervals' total length).
+    pub fn busy_s(&self) -> f64 {
+        self.intervals.iter().map(|i| i.end_s - i.start_s).sum()
+    }
+}
+
+/// What a forward pass leaves for its backward pass.
+struct Saved {
+    /// The stage's input: token ids on the first stage, else a leaf requiring grad whose
+    /// gradient goes back to the previous stage.
+    input: Tensor,
+    /// The output with its autograd graph (the weighted loss on the last stage); `None` with
+    /// activation recomputation, where only the input is kept.
+    output: Option<Tensor>,
+}
+
+/// Options of [`run_stage`].
+#[derive(Debug, Clone, Copy)]
+pub struct StageOptions {
+    /// Forward passes keep only the stage's input; the backward pass recomputes the rest.
+    pub recompute: bool,
+    /// Dropout on.
+    pub train: bool,
+}
+
+/// Runs `ops` on `stage` and returns the trace and, on the last stage, the mini-batch's mean
+/// loss (a 0-dim tensor on its device). Gradients accumulate into the stage's parameters.
+pub fn run_stage(
+    stage: &Stage,
+    ops: &[Op],
+    batches: &MicroBatches,
+    mut prev: Option<&mut dyn Link>,
+    mut next: Option<&mut dyn Link>,
+    options: StageOptions,
+    clock: Instant,
+) -> Result<(StageTrace, Option<Tensor>)> {
+    let device = stage.device();
+    let mut saved: HashMap<usize, Saved> = HashMap::new();
+    let mut loss_sum: Option<Tensor> = None;
+    let mut trace = StageTrace { stage: stage.index, intervals: Vec::with_capacity(ops.len()), peak_live: 0 };
+    // The last stage's output for micro-batch m: its weighted loss.
+    let finish = |m: usize, output: Tensor| -> Tensor {
+        match stage.is_last() {
+            true => Stage::loss(&output, &batches.targets[m]) * batches.weights[m],
+            false => output,
+        }
+    };
+    for &op in ops {
+        let start_s = clock.elapsed().as_secs_f64();
+        match op {
+            Op::Forward(m) => {
+                let input = match prev.as_deref_mut() {
+                    None => batches.inputs[m].shallow_clone(),
+                    Some(link) => link.recv(device)?.detach().set_requires_grad(options.train),
+                };
+                let output = if options.recompute {
+                    tch::no_grad(|| finish(m, stage.forward_t(&input, options.train)))
+                } else {
+                    finish(m, stage.forward_t(&input, options.train))
+                };
+                if let Some(link) = next.as_deref_mut() {
+                    link.send(&output)?;
+                } else {
+                    let loss = output.detach();
+                    loss_sum = Some(match loss_sum {
+                        Some(sum) => sum + loss,
+                        None => loss,
+                    });
+                }
+                let output = (!options.recompute).then_some(output);
+                saved.insert(m, Saved { input, output });
+                trace.peak_live = trace.peak_live.max(saved.len());
+            }
+            Op::Backward(m) => {
+                let Saved { input, output } = saved
+                    .remove(&m)
+                    .with_context(|| format!("stage {}: backward of micro-batch {m} before its forward", stage.index))?;
+                let output = match output {
+                    Some(output) => output,
+                    None => finish(m, stage.forward_t(&input, options.train)),
+                };
+                match next.as_deref_mut() {
+                    None => output.backward(),
+                    Some(link) => {
+                        let grad = link.recv(device)?;
+                        // Backward from a non-scalar output with upstream gradient `grad`: the
+                        // gradient of sum(output · grad) with respect to output is exactly `grad`
+                        // (tch's backward takes no gradient argument).
+                        (&output * &grad).sum(output.kind()).backward();
+                    }
+                }
+                if let Some(link) = prev.as_deref_mut() {
+                    link.send(&input.grad())?;
+                }
+            }
+        }
+        if let Device::Cuda(index) = device {
+            // Kernels run asynchronously: wait for them so the interval is the stage's real work.
+            tch::Cuda::synchronize(index as i64);
+        }
+        trace.intervals.push(OpInterval { op, start_s, end_s: clock.elapsed().as_secs_f64() });
+    }
+    Ok((trace, loss_sum.map(|l| l.to_kind(Kind::Double))))
+}

@@ -1,0 +1,111 @@
+//! One pipeline stage: a consecutive piece of the Transformer language model with its own
+//! variables on its own device.
+use std::ops::Range;
+
+use anyhow::{Context, Result};
+use tch::nn::{self, Module, ModuleT};
+use tch::{Device, Kind, Tensor};
+
+use crate::models::{self, EncoderLayer, TokenEmbedding, TransformerConfig};
+
+/// Stage `index` of a pipeline: the token embedding (first stage), encoder layers
+/// `layer_range`, the output layer (last stage). Its variables carry the names they have in the
+/// whole model ([`crate::models::TransformerLm`]), so the stages' variables together are
+/// exactly the unpartitioned model's state dict.
+pub struct Stage {
+    pub index: usize,
+    pub layer_range: Range<i64>,
+    pub vs: nn::VarStore,
+    embedding: Option<TokenEmbedding>,
+    layers: Vec<EncoderLayer>,
+    head: Option<nn::Linear>,
+}
+
+impl Stage {
+    /// Builds stage `index` of `stages` on `device`. The initialisation draws from LibTorch's
+    /// generator seeded with `seed` per part (embedding, layers, output layer), so that the
+    /// layers of all stages start from the same weights, as `nn.TransformerEncoder`'s do.
+    pub fn new(cfg: &TransformerConfig, index: usize, stages: usize, layer_range: Range<i64>, device: Device, seed: u64) -> Stage {
+        let vs = nn::VarStore::new(device);
+        let root = vs.root();
+        let seeded = |part: u64| tch::manual_seed(seed.wrapping_add(part) as i64);
+        seeded(0);
+        let embedding = (index == 0).then(|| TokenEmbedding::new(&root, cfg));
+        seeded(1);
+        let layers = models::encoder_layers(&root, cfg, layer_range.clone());
+        seeded(2);
+        let head = (index + 1 == stages).then(|| models::output_layer(&root, cfg));
+        Stage { index, layer_range, vs, embedding, layers, head }
+    }
+
+    pub fn device(&self) -> Device {
+        self.vs.device()
+    }
+
+    pub fn is_first(&self) -> bool {
+        self.embedding.is_some()
+    }
+
+    pub fn is_last(&self) -> bool {
+        self.head.is_some()
+    }
+
+    /// Stage 0: token ids `[seq_len, batch]` → hidden states; other stages: hidden states →
+    /// hidden states, or logits `[seq_len, batch, ntoken]` on the last stage.
+    pub fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        let xs = match &self.embedding {
+            Some(embedding) => embedding.forward_t(xs, train),
+            None => xs.shallow_clone(),
+        };
+        let xs = self.layers.iter().fold(xs, |h, layer| layer.forward_t(&h, train));
+        match &self.head {
+            Some(head) => head.forward(&xs),
+            None => xs,
+        }
+    }
+
+    /// The stage's trainable variables with their whole-model names, sorted by name.
+    pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        models::named_parameters(&self.vs)
+    }
+
+    /// Bytes of the stage's parameters (what a device must hold before any activation).
+    pub fn parameter_bytes(&self) -> usize {
+        self.vs
+            .trainable_variables()
+            .iter()
+            .map(|t| t.numel() * t.kind().elt_size_in_bytes())
+            .sum()
+    }
+
+    /// Overwrites the stage's variables with the same-named ones of `whole` (an unpartitioned
+    /// model's var store, e.g. to start a pipeline from exercise1_nlp weights).
+    pub fn copy_from(&self, whole: &nn::VarStore) -> Result<()> {
+        let source = whole.variables();
+        tch::no_grad(|| {
+            for (name, mut var) in self.vs.variables() {
+                let value = source
+                    .get(&name)
+                    .with_context(|| format!("the whole model has no variable `{name}`"))?;
+                anyhow::ensure!(
+                    value.size() == var.size(),
+                    "`{name}`: shape {:?} in the whole model, {:?} in stage {}",
+                    value.size(),
+                    var.size(),
+                    self.index
+                );
+                var.copy_(value);
+            }
+            Ok(())
+        })
+    }
+
+    /// Mean cross-entropy of `logits` `[seq_len, batch, ntoken]` against `targets`
+    /// `[seq_len, batch]`.
+    pub fn loss(logits: &Tensor, targets: &Tensor) -> Tensor {
+        let classes = *logits.size().last().expect("logits have a vocabulary dimension");
+        logits
+            .reshape([-1, classes])
+            .cross_entropy_for_logits(&targets.reshape([-1]).to_kind(Kind::Int64))
+    }
+}

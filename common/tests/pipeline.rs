@@ -1,0 +1,186 @@
+//! Pipeline parallelism in one process: a model cut into 1, 2 or 3 stages and run with GPipe or
+//! 1F1B over 1 or 4 micro-batches computes the unpartitioned model's loss, gradients and (after
+//! five optimizer steps) parameters; its stages really run at the same time; 1F1B bounds the
+//! activations a stage holds; bad configurations are refused clearly.
+use std::collections::HashMap;
+
+use common::models::{self, TransformerConfig, TransformerLm};
+use common::optim::{Optimizer, Sgd, SgdConfig};
+use common::pipeline::executor::StageTrace;
+use common::pipeline::{split_batch, Op, Partition, Pipeline, PipelineOptions, Schedule, Stage};
+use tch::nn::{self, ModuleT};
+use tch::{Device, Kind, Tensor};
+
+fn config(nlayers: i64, d_model: i64) -> TransformerConfig {
+    TransformerConfig { ntoken: 50, d_model, nhead: 2, d_hid: 2 * d_model, nlayers, dropout: 0.0 }
+}
+
+/// Token ids `[seq_len, batch]` and their next-token targets.
+fn batch(seed: i64, seq_len: i64, batch: i64) -> (Tensor, Tensor) {
+    tch::manual_seed(seed);
+    let ids = Tensor::randint(50, [seq_len + 1, batch], (Kind::Int64, Device::Cpu));
+    (ids.narrow(0, 0, seq_len), ids.narrow(0, 1, seq_len))
+}
+
+fn options(schedule: Schedule, chunks: usize, checkpoint_activations: bool) -> PipelineOptions {
+    PipelineOptions { schedule, chunks, checkpoint_activations, threads_per_stage: Some(1) }
+}
+
+fn sgd(params: Vec<(String, Tensor)>) -> Sgd {
+    Sgd::new(params, SgdConfig { lr: 0.5, momentum: 0.9, ..SgdConfig::default() })
+}
+
+/// max |a − b| / max |b| (b the reference).
+fn relative_difference(a: &Tensor, b: &Tensor) -> f64 {
+    let scale = b.abs().max().double_value(&[]).max(1e-12);
+    (a - b).abs().max().double_value(&[]) / scale
+}
+
+fn by_name(params: Vec<(String, Tensor)>) -> HashMap<String, Tensor> {
+    params.into_iter().collect()
+}
+
+/// Checks that `pipeline` matches the unpartitioned `reference` on loss, logits, every gradient,
+/// and the parameters after five SGD-momentum steps.
+fn assert_matches_unpartitioned(mut pipeline: Pipeline, reference: &TransformerLm, reference_vs: &nn::VarStore, what: &str) {
+    for stage in &pipeline.stages {
+        stage.copy_from(reference_vs).unwrap();
+    }
+    let mut reference_opt = sgd(models::named_parameters(reference_vs));
+    let mut pipeline_opt = sgd(pipeline.named_parameters());
+    for step in 0..5 {
+        let (src, targets) = batch(100 + step, 6, 8);
+        reference_opt.zero_grad();
+        let logits = reference.forward_t(&src, true);
+        let loss = Stage::loss(&logits, &targets);
+        loss.backward();
+        pipeline_opt.zero_grad();
+        let report = pipeline.train_step(&src, &targets).unwrap();
+
+        let expected = loss.double_value(&[]);
+        assert!((report.loss - expected).abs() <= 1e-5 * expected.abs(), "{what}: loss {} vs {expected}", report.loss);
+        if step == 0 {
+            let pipeline_logits = tch::no_grad(|| pipeline.forward_t(&src, true));
+            let diff = relative_difference(&pipeline_logits, &logits);
+            assert!(diff <= 1e-5, "{what}: logits differ by {diff:e}");
+            let grads = by_name(models::named_parameters(reference_vs));
+            let piped = by_name(pipeline.named_parameters());
+            assert_eq!(piped.len(), grads.len(), "{what}: the stages hold every variable once");
+            for (name, p) in &piped {
+                let diff = relative_difference(&p.grad(), &grads[name].grad());
+                assert!(diff <= 1e-5, "{what}: gradient of {name} differs by {diff:e}");
+            }
+        }
+        reference_opt.step().unwrap();
+        pipeline_opt.step().unwrap();
+    }
+    let reference_params = by_name(models::named_parameters(reference_vs));
+    for (name, p) in pipeline.named_parameters() {
+        let diff = relative_difference(&p, &reference_params[&name]);
+        assert!(diff <= 1e-5, "{what}: after 5 steps, {name} differs by {diff:e}");
+    }
+}
+
+#[test]
+fn every_partition_and_schedule_trains_the_unpartitioned_model() {
+    let cfg = config(3, 16);
+    tch::manual_seed(7);
+    let reference_vs = nn::VarStore::new(Device::Cpu);
+    let reference = TransformerLm::new(&reference_vs.root(), &cfg);
+    let initial: Vec<(String, Tensor)> = models::named_parameters(&reference_vs).into_iter().map(|(n, t)| (n, t.detach().copy())).collect();
+    for stages in 1..=3 {
+        for chunks in [1, 4] {
+            for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+                for recompute in [false, true] {
+                    // Every configuration starts from the same weights.
+                    tch::no_grad(|| {
+                        for (name, value) in &initial {
+                            reference_vs.variables()[name].shallow_clone().copy_(value);
+                        }
+                    });
+                    let partition = Partition::even(cfg.nlayers, stages).unwrap();
+                    let pipeline = Pipeline::new(&cfg, &partition, &vec![Device::Cpu; stages], 1, options(schedule, chunks, recompute)).unwrap();
+                    let what = format!("{stages} stages, {chunks} chunks, {}{}", schedule.name(), if recompute { ", recomputed" } else { "" });
+                    assert_matches_unpartitioned(pipeline, &reference, &reference_vs, &what);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn uneven_micro_batches_are_weighted_by_their_share() {
+    // 7 sequences in 3 micro-batches: 3 + 2 + 2, weights 3/7, 2/7, 2/7.
+    let (src, _) = batch(1, 4, 7);
+    let (parts, weights) = split_batch(&src, 3).unwrap();
+    assert_eq!(parts.iter().map(|p| p.size()[1]).collect::<Vec<_>>(), [3, 2, 2]);
+    assert_eq!(weights, [3.0 / 7.0, 2.0 / 7.0, 2.0 / 7.0]);
+    assert!(Tensor::cat(&parts, 1).equal(&src));
+    let cfg = config(2, 16);
+    tch::manual_seed(3);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let reference = TransformerLm::new(&vs.root(), &cfg);
+    let pipeline = Pipeline::new(&cfg, &Partition::even(2, 2).unwrap(), &[Device::Cpu; 2], 1, options(Schedule::OneFOneB, 3, false)).unwrap();
+    assert_matches_unpartitioned(pipeline, &reference, &vs, "7 sequences in 3 micro-batches");
+}
+
+/// Seconds during which both traces were computing.
+fn overlap_s(a: &StageTrace, b: &StageTrace) -> f64 {
+    let mut total = 0.0;
+    for x in &a.intervals {
+        for y in &b.intervals {
+            total += (x.end_s.min(y.end_s) - x.start_s.max(y.start_s)).max(0.0);
+        }
+    }
+    total
+}
+
+#[test]
+fn stages_compute_at_the_same_time() {
+    // Two CPU stages, one LibTorch thread each, 8 micro-batches of work large enough to time.
+    let cfg = config(4, 64);
+    let mut pipeline = Pipeline::new(&cfg, &Partition::even(4, 2).unwrap(), &[Device::Cpu; 2], 1, options(Schedule::GPipe, 8, false)).unwrap();
+    let (src, targets) = batch(5, 32, 16);
+    pipeline.train_step(&src, &targets).unwrap(); // warm-up
+    let report = pipeline.train_step(&src, &targets).unwrap();
+    let [first, second] = &report.traces[..] else { panic!("two traces") };
+    let overlap = overlap_s(first, second);
+    println!(
+        "2 stages × 8 micro-batches: stage busy {:.1} / {:.1} ms, overlapping {:.1} ms, wall {:.1} ms, bubble {:.3}",
+        1e3 * first.busy_s(),
+        1e3 * second.busy_s(),
+        1e3 * overlap,
+        1e3 * report.wall_s,
+        report.bubble_fraction()
+    );
+    assert!(overlap > 0.0, "the two stages never computed at the same time: {:?}", report.traces);
+    // The recorded passes are the schedule's, in order.
+    let ops: Vec<Op> = second.intervals.iter().map(|i| i.op).collect();
+    assert_eq!(ops, common::pipeline::schedule::stage_ops(Schedule::GPipe, 1, 2, 8));
+}
+
+#[test]
+fn one_f_one_b_holds_at_most_as_many_micro_batches_as_stages() {
+    let cfg = config(3, 16);
+    let (src, targets) = batch(9, 5, 12);
+    for (schedule, expected) in [(Schedule::GPipe, [12, 12, 12]), (Schedule::OneFOneB, [3, 2, 1])] {
+        let mut pipeline = Pipeline::new(&cfg, &Partition::even(3, 3).unwrap(), &[Device::Cpu; 3], 1, options(schedule, 12, false)).unwrap();
+        let report = pipeline.train_step(&src, &targets).unwrap();
+        let peaks: Vec<usize> = report.traces.iter().map(|t| t.peak_live).collect();
+        assert_eq!(peaks, expected, "{schedule:?}: live micro-batches per stage");
+    }
+}
+
+#[test]
+fn bad_configurations_are_refused_clearly() {
+    let cfg = config(2, 16);
+    let err = Partition::even(cfg.nlayers, 3).unwrap_err();
+    assert!(format!("{err}").contains("3 pipeline stages but only 2 encoder layers"), "{err}");
+    let mut pipeline = Pipeline::new(&cfg, &Partition::even(2, 2).unwrap(), &[Device::Cpu; 2], 1, options(Schedule::GPipe, 5, false)).unwrap();
+    let (src, targets) = batch(2, 4, 4);
+    let err = pipeline.train_step(&src, &targets).unwrap_err();
+    assert!(format!("{err}").contains("--chunks 5 must be between 1 and the batch's 4 sequences"), "{err}");
+    assert_eq!(common::error::exit_code(&err), 2);
+    let err = Pipeline::new(&cfg, &Partition::even(2, 2).unwrap(), &[Device::Cpu], 1, options(Schedule::GPipe, 1, false)).err().unwrap();
+    assert!(format!("{err}").contains("1 devices for 2 stages"), "{err}");
+}

@@ -15,7 +15,7 @@ BIN       := target/release
 ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
-.PHONY: system-deps exercise2 exercise3-ddp bench-allreduce setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
+.PHONY: system-deps exercise2 exercise3-ddp exercise3-pipeline bench-allreduce bench-pipeline setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
         exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test clean-results
 
 system-deps:
@@ -66,6 +66,16 @@ exercise2: data-cifar10
 
 exercise3-ddp: data-cifar10
 	$(WITH) $(BIN)/exercise3 ddp --nproc-per-node $(NPROC) $(ARGS)
+
+# Pipeline parallel: the 1.4B-parameter Transformer over the GPUs (cuda:0,cuda:1; both stages on
+# the one GPU; or cpu,cpu). On a CPU, try a smaller model:
+#   make exercise3-pipeline ARGS="--device cpu --emsize 256 --d-hid 256 --nlayers 4 --max-steps 50"
+exercise3-pipeline: data-wikitext2
+	$(WITH) $(BIN)/exercise3 pipeline $(ARGS)
+
+# Sequential vs 2-stage pipeline time per mini-batch over chunks 1…16, bubble vs theory.
+bench-pipeline: build
+	$(WITH) $(BIN)/bench_pipeline $(ARGS)
 
 # All-reduce bandwidth (4 KB … 256 MB) and 1 vs NPROC ranks training throughput.
 bench-allreduce: data-cifar10

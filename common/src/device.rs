@@ -63,3 +63,34 @@ pub fn set_threads(threads: usize) -> Result<(), UsageError> {
     }
     Ok(())
 }
+
+/// A device named on the command line: `cpu`, `cuda` (the first GPU) or `cuda:N`. Fails with a
+/// usage error for other names and for GPUs this machine does not have.
+pub fn parse_device(name: &str) -> Result<Device, UsageError> {
+    let device = match name.trim() {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::Cuda(0),
+        other => match other.strip_prefix("cuda:").and_then(|i| i.parse::<usize>().ok()) {
+            Some(index) => Device::Cuda(index),
+            None => return Err(UsageError(format!("unknown device `{name}`: use cpu, cuda or cuda:N"))),
+        },
+    };
+    if let Device::Cuda(index) = device {
+        if !cuda_available() {
+            return Err(UsageError(format!("device `{name}`: {}", no_cuda_message())));
+        }
+        let count = tch::Cuda::device_count() as usize;
+        if index >= count {
+            return Err(UsageError(format!("device `{name}`: this machine has {count} GPU(s), cuda:0 to cuda:{}", count - 1)));
+        }
+    }
+    Ok(device)
+}
+
+/// `cpu` or `cuda:N`, as [`parse_device`] reads it.
+pub fn device_label(device: Device) -> String {
+    match device {
+        Device::Cuda(index) => format!("cuda:{index}"),
+        _ => "cpu".into(),
+    }
+}

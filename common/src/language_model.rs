@@ -60,7 +60,7 @@ pub struct LmArgs {
 }
 
 impl LmArgs {
-    fn check(&self) -> anyhow::Result<()> {
+    pub fn check(&self) -> anyhow::Result<()> {
         for (flag, value) in [
             ("--emsize", self.emsize),
             ("--d-hid", self.d_hid),
@@ -113,6 +113,18 @@ pub fn run(exercise: Exercise, args: &LmArgs) -> anyhow::Result<Vec<RunRecord>> 
     args.check()?;
     device::set_threads(args.run.threads)?;
     device::devices_for(args.run.device)?; // a missing GPU is reported before any data is read
+    let (corpus, unigram) = load_corpus(exercise, args)?;
+    report::run_per_device(args.run.device, &args.run.results_dir, |device| {
+        let (record, extra) = run_on(exercise, args, device, &corpus)?;
+        let mut extra = extra;
+        extra["unigram_test_ppl"] = unigram.into();
+        Ok((record, extra))
+    })
+}
+
+/// Reads the WikiText-2 corpus the flags name and announces it (a warning for generated data),
+/// with the add-one unigram model's test perplexity, the baseline a language model must beat.
+pub fn load_corpus(exercise: Exercise, args: &LmArgs) -> anyhow::Result<(Corpus, f64)> {
     let dir = args.data_dir();
     let corpus = text::load_corpus(&dir, args.tokenizer)?;
     if corpus.generated {
@@ -135,12 +147,7 @@ pub fn run(exercise: Exercise, args: &LmArgs) -> anyhow::Result<Vec<RunRecord>> 
         vocab,
         crate::torch_version()
     );
-    report::run_per_device(args.run.device, &args.run.results_dir, |device| {
-        let (record, extra) = run_on(exercise, args, device, &corpus)?;
-        let mut extra = extra;
-        extra["unigram_test_ppl"] = unigram.into();
-        Ok((record, extra))
-    })
+    Ok((corpus, unigram))
 }
 
 fn run_on(exercise: Exercise, args: &LmArgs, device: Device, corpus: &Corpus) -> anyhow::Result<(RunRecord, serde_json::Value)> {

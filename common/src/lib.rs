@@ -14,6 +14,7 @@ pub mod language_model;
 pub mod models;
 pub mod optim;
 pub mod pipeline;
+pub mod pipeline_lm;
 pub mod report;
 pub mod train;
 

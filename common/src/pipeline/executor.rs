@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde::Serialize;
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 use super::link::Link;
 use super::schedule::Op;
@@ -90,13 +90,15 @@ pub fn run_stage(
         }
     };
     for &op in ops {
-        let start_s = clock.elapsed().as_secs_f64();
+        // The interval starts once the neighbour's tensor is here: waiting is idle time.
+        let start_s;
         match op {
             Op::Forward(m) => {
                 let input = match prev.as_deref_mut() {
                     None => batches.inputs[m].shallow_clone(),
                     Some(link) => link.recv(device)?.detach().set_requires_grad(options.train),
                 };
+                start_s = clock.elapsed().as_secs_f64();
                 let output = if options.recompute {
                     tch::no_grad(|| finish(m, stage.forward_t(&input, options.train)))
                 } else {
@@ -116,6 +118,11 @@ pub fn run_stage(
                 trace.peak_live = trace.peak_live.max(saved.len());
             }
             Op::Backward(m) => {
+                let grad = match next.as_deref_mut() {
+                    None => None,
+                    Some(link) => Some(link.recv(device)?),
+                };
+                start_s = clock.elapsed().as_secs_f64();
                 let Saved { input, output } = saved
                     .remove(&m)
                     .with_context(|| format!("stage {}: backward of micro-batch {m} before its forward", stage.index))?;
@@ -123,25 +130,20 @@ pub fn run_stage(
                     Some(output) => output,
                     None => finish(m, stage.forward_t(&input, options.train)),
                 };
-                match next.as_deref_mut() {
+                match grad {
                     None => output.backward(),
-                    Some(link) => {
-                        let grad = link.recv(device)?;
-                        // Backward from a non-scalar output with upstream gradient `grad`: the
-                        // gradient of sum(output · grad) with respect to output is exactly `grad`
-                        // (tch's backward takes no gradient argument).
-                        (&output * &grad).sum(output.kind()).backward();
-                    }
+                    // Backward from a non-scalar output with upstream gradient `grad`: the
+                    // gradient of sum(output · grad) with respect to output is exactly `grad`
+                    // (tch's backward takes no gradient argument).
+                    Some(grad) => (&output * &grad).sum(output.kind()).backward(),
                 }
                 if let Some(link) = prev.as_deref_mut() {
                     link.send(&input.grad())?;
                 }
             }
         }
-        if let Device::Cuda(index) = device {
-            // Kernels run asynchronously: wait for them so the interval is the stage's real work.
-            tch::Cuda::synchronize(index as i64);
-        }
+        // Kernels run asynchronously: wait for them so the interval is the stage's real work.
+        crate::device::synchronize(device);
         trace.intervals.push(OpInterval { op, start_s, end_s: clock.elapsed().as_secs_f64() });
     }
     Ok((trace, loss_sum.map(|l| l.to_kind(Kind::Double))))

@@ -7,6 +7,7 @@ use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
 
 use crate::models::{self, EncoderLayer, TokenEmbedding, TransformerConfig};
+use super::LayerCosts;
 
 /// Stage `index` of a pipeline: the token embedding (first stage), encoder layers
 /// `layer_range`, the output layer (last stage). Its variables carry the names they have in the
@@ -108,4 +109,37 @@ impl Stage {
             .reshape([-1, classes])
             .cross_entropy_for_logits(&targets.reshape([-1]).to_kind(Kind::Int64))
     }
+
+    /// Measures the forward + backward time of the model's pieces on `device` for one
+    /// micro-batch of `micro_batch` sequences of `seq_len` tokens (median of 3 after a warm-up),
+    /// on a probe with one layer: what `--balance` partitions by. The encoder layers are all
+    /// alike, so one is timed for all.
+    pub fn measure_costs(cfg: &TransformerConfig, device: Device, seq_len: i64, micro_batch: i64) -> LayerCosts {
+        let probe = Stage::new(&TransformerConfig { nlayers: 1, ..*cfg }, 0, 1, 0..1, device, 0);
+        let tokens = Tensor::randint(cfg.ntoken, [seq_len, micro_batch], (Kind::Int64, device));
+        let hidden = Tensor::randn([seq_len, micro_batch, cfg.d_model], (Kind::Float, device));
+        let embedding = probe.embedding.as_ref().expect("the probe embeds");
+        let head = probe.head.as_ref().expect("the probe decodes");
+        let embedding = median_time(device, || embedding.forward_t(&tokens, true).sum(Kind::Float).backward());
+        let layer = median_time(device, || {
+            let input = hidden.detach().set_requires_grad(true);
+            probe.layers[0].forward_t(&input, true).sum(Kind::Float).backward()
+        });
+        let head = median_time(device, || Stage::loss(&head.forward(&hidden), &tokens).backward());
+        LayerCosts { embedding, layers: vec![layer; cfg.nlayers as usize], head }
+    }
+}
+
+/// Median seconds of 3 runs of `work` after one warm-up run, waiting for the device.
+fn median_time(device: Device, mut work: impl FnMut()) -> f64 {
+    let mut run = || {
+        let start = std::time::Instant::now();
+        work();
+        crate::device::synchronize(device);
+        start.elapsed().as_secs_f64()
+    };
+    run();
+    let mut times = [run(), run(), run()];
+    times.sort_by(f64::total_cmp);
+    times[1]
 }

@@ -1,0 +1,177 @@
+//! Time per training mini-batch of the unpartitioned Transformer against a pipeline of its
+//! stages, over numbers of micro-batches, with the measured bubble beside GPipe's theory
+//! (p−1)/(m+p−1). On a CPU, each stage gets its share of the cores (`--threads` / stages) and
+//! the unpartitioned model all of them, so the comparison is at equal hardware.
+//!
+//!     bench_pipeline --devices cpu,cpu --threads 2 --chunks 1,2,4,8,16
+use std::io::Write;
+use std::time::Instant;
+
+use clap::Parser;
+use common::device;
+use common::models::{self, TransformerConfig, TransformerLm};
+use common::pipeline::{Partition, Pipeline, PipelineOptions, Schedule, Stage};
+use tch::nn::{self, ModuleT};
+use tch::{Device, Kind, Tensor};
+
+/// Sequential vs pipelined training steps of a Transformer LM.
+#[derive(Parser)]
+#[command(version, about)]
+struct Cli {
+    /// One device per stage.
+    #[arg(long, value_delimiter = ',', default_value = "cpu,cpu")]
+    devices: Vec<String>,
+    /// Micro-batch counts to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
+    chunks: Vec<usize>,
+    #[arg(long, value_enum, default_value = "gpipe")]
+    schedule: Schedule,
+    #[arg(long, default_value_t = 256)]
+    emsize: i64,
+    #[arg(long, default_value_t = 512)]
+    d_hid: i64,
+    #[arg(long, default_value_t = 4)]
+    nhead: i64,
+    #[arg(long, default_value_t = 8)]
+    nlayers: i64,
+    /// Vocabulary (kept small so that the output layer does not dwarf the layers).
+    #[arg(long, default_value_t = 2000)]
+    ntoken: i64,
+    #[arg(long, default_value_t = 35)]
+    bptt: i64,
+    #[arg(long, default_value_t = 32)]
+    batch_size: i64,
+    /// LibTorch threads in all (the stages share them on a CPU); 0 = one per core.
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Timed mini-batches per measurement, after one untimed.
+    #[arg(long, default_value_t = 4)]
+    steps: usize,
+    /// Measurements alternate sequential / pipelined this many times; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// CSV to append the results to.
+    #[arg(long, default_value = "results/bench-pipeline.csv")]
+    csv: std::path::PathBuf,
+}
+
+fn main() -> std::process::ExitCode {
+    common::error::run_main(|| bench(&Cli::parse()))
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+fn bench(cli: &Cli) -> anyhow::Result<()> {
+    let devices: Vec<Device> = cli.devices.iter().map(|d| device::parse_device(d)).collect::<Result<_, _>>()?;
+    device::set_threads(cli.threads)?;
+    let threads = tch::get_num_threads() as usize;
+    let cfg = TransformerConfig { ntoken: cli.ntoken, d_model: cli.emsize, nhead: cli.nhead, d_hid: cli.d_hid, nlayers: cli.nlayers, dropout: 0.0 };
+    let partition = Partition::even(cfg.nlayers, devices.len())?;
+    tch::manual_seed(0);
+    let ids = Tensor::randint(cfg.ntoken, [cli.bptt + 1, cli.batch_size], (Kind::Int64, Device::Cpu));
+    let (src, targets) = (ids.narrow(0, 0, cli.bptt), ids.narrow(0, 1, cli.bptt));
+
+    let reference_device = devices[0];
+    let vs = nn::VarStore::new(reference_device);
+    let reference = TransformerLm::new(&vs.root(), &cfg);
+    let reference_params: Vec<Tensor> = vs.trainable_variables();
+    let sequential_step = || {
+        // All the threads (stage threads set their own share, on their own threads).
+        tch::set_num_threads(threads as i32);
+        reference_params.iter().for_each(|p| drop(p.grad().f_zero_()));
+        let logits = reference.forward_t(&src.to_device(reference_device), true);
+        Stage::loss(&logits, &targets.to_device(reference_device)).backward();
+        device::synchronize(reference_device);
+    };
+    let time_steps = |step: &mut dyn FnMut() -> f64| {
+        step();
+        (0..cli.steps).map(|_| step()).sum::<f64>() / cli.steps as f64
+    };
+
+    let stage_threads = match devices.iter().all(|d| *d == Device::Cpu) {
+        true => Some((threads / devices.len()).max(1)),
+        false => None,
+    };
+    println!(
+        "Transformer {} layers, d_model {}, vocabulary {}, {} parameters; batch {} × {} tokens; {} stages on {:?}, {} schedule; {} LibTorch threads ({} per stage)",
+        cfg.nlayers,
+        cfg.d_model,
+        cfg.ntoken,
+        models::param_count(&vs),
+        cli.batch_size,
+        cli.bptt,
+        devices.len(),
+        cli.devices,
+        cli.schedule.name(),
+        threads,
+        stage_threads.map_or("all".into(), |n| n.to_string())
+    );
+    println!("| chunks | sequential ms | pipeline ms | speed-up | bubble measured | bubble theory |\n|---:|---:|---:|---:|---:|---:|");
+    let mut rows = Vec::new();
+    for &chunks in &cli.chunks {
+        let options = PipelineOptions { schedule: cli.schedule, chunks, checkpoint_activations: false, threads_per_stage: stage_threads };
+        let mut pipeline = Pipeline::new(&cfg, &partition, &devices, 0, options)?;
+        let params: Vec<Tensor> = pipeline.named_parameters().into_iter().map(|(_, t)| t).collect();
+        let (mut sequential, mut piped, mut bubbles) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..cli.rounds {
+            sequential.push(time_steps(&mut || {
+                let start = Instant::now();
+                sequential_step();
+                start.elapsed().as_secs_f64()
+            }));
+            let mut round_bubbles = Vec::new();
+            piped.push(time_steps(&mut || {
+                params.iter().for_each(|p| drop(p.grad().f_zero_()));
+                let start = Instant::now();
+                let report = pipeline.train_step(&src, &targets).expect("a pipeline step");
+                round_bubbles.push(report.bubble_fraction());
+                start.elapsed().as_secs_f64()
+            }));
+            bubbles.push(median(round_bubbles));
+        }
+        let (sequential, piped, bubble) = (median(sequential), median(piped), median(bubbles));
+        let theory = common::pipeline::schedule::theoretical_bubble(devices.len(), chunks);
+        println!(
+            "| {chunks} | {:.1} | {:.1} | {:.2} | {:.3} | {:.3} |",
+            1e3 * sequential,
+            1e3 * piped,
+            sequential / piped,
+            bubble,
+            theory
+        );
+        rows.push((chunks, sequential, piped, bubble, theory));
+    }
+    write_csv(cli, &devices, threads, &rows)
+}
+
+fn write_csv(cli: &Cli, devices: &[Device], threads: usize, rows: &[(usize, f64, f64, f64, f64)]) -> anyhow::Result<()> {
+    if let Some(dir) = cli.csv.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let new = !cli.csv.exists();
+    let mut file = std::fs::OpenOptions::new().create(true).append(true).open(&cli.csv)?;
+    if new {
+        writeln!(file, "devices,schedule,threads,d_model,nlayers,ntoken,batch,bptt,chunks,sequential_s,pipeline_s,speedup,bubble_measured,bubble_theory,finished_at")?;
+    }
+    let labels: Vec<String> = devices.iter().map(|&d| device::device_label(d)).collect();
+    for &(chunks, sequential, piped, bubble, theory) in rows {
+        writeln!(
+            file,
+            "{},{},{threads},{},{},{},{},{},{chunks},{sequential:.6},{piped:.6},{:.3},{bubble:.4},{theory:.4},{}",
+            labels.join("+"),
+            cli.schedule.name(),
+            cli.emsize,
+            cli.nlayers,
+            cli.ntoken,
+            cli.batch_size,
+            cli.bptt,
+            sequential / piped,
+            common::report::unix_time()
+        )?;
+    }
+    println!("appended to {}", cli.csv.display());
+    Ok(())
+}

@@ -1,0 +1,83 @@
+//! exercise3 pipeline as a user runs it: a pipelined Transformer learns real WikiText-2 text,
+//! the results file carries the pipeline's figures, and configuration mistakes are one clear
+//! line with exit code 2.
+mod support;
+
+use std::path::Path;
+use std::process::{Command, Output};
+use support::{read_json, shared_data, stderr};
+
+fn exercise3_pipeline(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_exercise3")).arg("pipeline").args(args).output().expect("exercise3 runs")
+}
+
+/// train and valid: the first `lines` lines of the real valid split; test: of the real test split.
+fn corpus(dir: &Path, lines: usize) {
+    let real = shared_data("wikitext-2");
+    let read = |name: &str| std::fs::read_to_string(real.join(name)).unwrap();
+    let take = |text: &str| text.lines().take(lines).collect::<Vec<_>>().join("\n") + "\n";
+    let (valid, test) = (take(&read("valid.txt")), take(&read("test.txt")));
+    std::fs::write(dir.join("train.txt"), &valid).unwrap();
+    std::fs::write(dir.join("valid.txt"), &valid).unwrap();
+    std::fs::write(dir.join("test.txt"), &test).unwrap();
+}
+
+#[test]
+fn a_two_stage_pipeline_learns_real_wikitext_and_reports_its_bubble() {
+    let data = tempfile::tempdir().unwrap();
+    corpus(data.path(), 1200);
+    let results = tempfile::tempdir().unwrap();
+    let out = exercise3_pipeline(&[
+        "--data-dir", data.path().to_str().unwrap(), "--devices", "cpu,cpu", "--chunks", "4", "--schedule", "1f1b", "--balance",
+        "--emsize", "64", "--d-hid", "128", "--nhead", "2", "--nlayers", "2", "--dropout", "0", "--epochs", "2",
+        "--threads", "2", "--quiet", "--results-dir", results.path().to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("stage 0 on cpu: embedding + layers 0..1") && stdout.contains("layers 1..2 + output layer"), "{stdout}");
+    assert!(stdout.contains("--balance: forward + backward of one micro-batch"), "{stdout}");
+    let json = read_json(&results.path().join("exercise3_pipeline-transformer-cpu.json"));
+    assert_eq!((json["stages"].as_u64(), json["chunks"].as_u64()), (Some(2), Some(4)));
+    assert_eq!(json["schedule"], "1f1b");
+    assert_eq!(json["partition"], serde_json::json!([[0, 1], [1, 2]]));
+    let bubble = json["bubble_fraction"].as_f64().unwrap();
+    assert!((0.0..1.0).contains(&bubble), "bubble {bubble}");
+    assert!((json["bubble_fraction_theory"].as_f64().unwrap() - 0.2).abs() < 1e-12, "(2−1)/(4+2−1)");
+    let v = json["vocab"].as_i64().unwrap();
+    let expected_params = 2 * 64 * v + v + 2 * ((4 * 64 * 64 + 4 * 64) + 2 * 64 * 128 + 128 + 64 + 4 * 64);
+    assert_eq!(json["params"], expected_params);
+    let bytes: Vec<i64> = json["stage_parameter_bytes"].as_array().unwrap().iter().map(|b| b.as_i64().unwrap()).collect();
+    assert_eq!(bytes.iter().sum::<i64>(), 4 * expected_params, "float32 parameters split over the stages");
+    let (ppl, unigram) = (json["test_ppl"].as_f64().unwrap(), json["unigram_test_ppl"].as_f64().unwrap());
+    println!("2-stage 1F1B pipeline (d 64, 2 layers), 2 epochs on 1,200 lines of real WikiText-2: test perplexity {ppl:.1} vs unigram {unigram:.1}, bubble {bubble:.3}");
+    let history = json["history"].as_array().unwrap();
+    let valid: Vec<f64> = history.iter().map(|e| e["eval_loss"].as_f64().unwrap()).collect();
+    assert!(valid[1] < valid[0], "validation loss did not fall: {valid:?}");
+    assert!(ppl < 0.95 * unigram, "the pipelined model did not learn: test perplexity {ppl} vs unigram {unigram}");
+}
+
+#[test]
+fn configuration_mistakes_are_one_clear_line_with_exit_2() {
+    let data = tempfile::tempdir().unwrap();
+    corpus(data.path(), 50);
+    let small = ["--emsize", "16", "--d-hid", "16", "--nhead", "2", "--nlayers", "2", "--max-steps", "1", "--quiet"];
+    let dir = data.path().to_str().unwrap();
+    for (flags, message) in [
+        (vec!["--devices", "gpu0,cpu"], "unknown device `gpu0`: use cpu, cuda or cuda:N"),
+        (vec!["--devices", "cpu,cpu,cpu"], "3 pipeline stages but only 2 encoder layers"),
+        (vec!["--devices", "cpu,cpu", "--chunks", "21"], "--chunks 21 is more than --batch-size 20"),
+        (vec!["--devices", "cpu,cpu", "--checkpoint-dir", "/tmp/x"], "does not checkpoint yet"),
+    ] {
+        let mut args = vec!["--data-dir", dir];
+        args.extend(small);
+        args.extend(&flags);
+        let out = exercise3_pipeline(&args);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains(message), "{flags:?}: {}", stderr(&out));
+    }
+    if !tch::Cuda::is_available() {
+        let out = exercise3_pipeline(&["--data-dir", dir, "--devices", "cuda:0,cuda:0"]);
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        assert!(stderr(&out).contains("device `cuda:0`"), "{}", stderr(&out));
+    }
+}

@@ -52,8 +52,14 @@ pub fn path_for(dir: &Path, run: &str) -> PathBuf {
 
 /// Saves the model's variables (parameters and buffers) and the optimizer's state atomically.
 pub fn save(path: &Path, vs: &nn::VarStore, optimizer: &dyn Optimizer, meta: &CheckpointMeta) -> anyhow::Result<()> {
+    save_variables(path, vs.variables().into_iter().collect(), optimizer, meta)
+}
+
+/// [`save`] for a model whose variables are spread over several var stores (the stages of a
+/// pipeline): `variables` by their whole-model names.
+pub fn save_variables(path: &Path, variables: Vec<(String, Tensor)>, optimizer: &dyn Optimizer, meta: &CheckpointMeta) -> anyhow::Result<()> {
     let mut tensors: Vec<(String, Tensor)> =
-        vs.variables().into_iter().map(|(name, t)| (format!("{MODEL_PREFIX}{name}"), t)).collect();
+        variables.into_iter().map(|(name, t)| (format!("{MODEL_PREFIX}{name}"), t)).collect();
     tensors.extend(optimizer.state_tensors().into_iter().map(|(name, t)| (format!("{OPTIM_PREFIX}{name}"), t)));
     let views = tensors
         .iter()
@@ -118,6 +124,18 @@ impl Checkpoint {
         optimizer: &mut dyn Optimizer,
         model: &serde_json::Value,
     ) -> anyhow::Result<()> {
+        self.restore_variables(path, vs.variables().into_iter().collect(), optimizer, model)
+    }
+
+    /// [`Checkpoint::restore`] into `variables` (whole-model names) spread over several var
+    /// stores, e.g. the stages of a pipeline.
+    pub fn restore_variables(
+        &self,
+        path: &Path,
+        mut variables: Vec<(String, Tensor)>,
+        optimizer: &mut dyn Optimizer,
+        model: &serde_json::Value,
+    ) -> anyhow::Result<()> {
         if &self.meta.model != model {
             anyhow::bail!(
                 "checkpoint {} was written for model {}, but this run builds {}; use another --checkpoint-dir or the same flags",
@@ -127,7 +145,6 @@ impl Checkpoint {
             );
         }
         let mut problems = Vec::new();
-        let mut variables: Vec<_> = vs.variables().into_iter().collect();
         variables.sort_by(|a, b| a.0.cmp(&b.0));
         tch::no_grad(|| {
             for (name, mut var) in variables {

@@ -9,6 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
+use crate::checkpoint::{self, CheckpointMeta};
 use crate::data::text::{Corpus, TokenBatches};
 use crate::device::{self, DeviceChoice};
 use crate::error::usage;
@@ -51,9 +52,6 @@ impl PipelineArgs {
     fn check(&self) -> Result<()> {
         self.lm.run.check()?;
         self.lm.check()?;
-        if self.lm.run.checkpoint_dir.is_some() {
-            return usage("exercise3 pipeline does not checkpoint yet: leave out --checkpoint-dir and --resume");
-        }
         if self.chunks == 0 {
             return usage("--chunks must be at least 1");
         }
@@ -281,6 +279,22 @@ fn train(exercise: Exercise, args: &PipelineArgs, pipeline: &mut Pipeline, corpu
     let schedule = LrSchedule::Step { every: 1, gamma: args.lm.gamma };
     let epochs = args.lm.run.epochs.unwrap_or(exercise.default_epochs);
     let out_of_steps = |step: usize| args.lm.run.max_steps.is_some_and(|max| step >= max);
+    // Checkpoints hold the variables under their whole-model names, whatever the partition:
+    // a run resumes on another number of stages, and the model identity is exercise1_nlp's.
+    let run = format!("{}-transformer-{}", exercise.name, device::device_name(first_device));
+    let model_identity = serde_json::json!({ "transformer": pipeline.config, "tokenizer": args.lm.tokenizer.name() });
+    let checkpoint_path = args.lm.run.checkpoint_dir.as_ref().map(|dir| checkpoint::path_for(dir, &run));
+    let (mut start_epoch, mut step_count) = (0, 0);
+    if let (Some(path), true) = (&checkpoint_path, args.lm.run.resume) {
+        if path.exists() {
+            let saved = checkpoint::load(path)?;
+            saved.restore_variables(path, pipeline.named_parameters(), &mut optimizer, &model_identity)?;
+            (start_epoch, step_count) = (saved.meta.epoch, saved.meta.step);
+            println!("resumed {run} from {} after epoch {start_epoch} (step {step_count})", path.display());
+        } else {
+            println!("--resume: no checkpoint at {} yet, starting {run} from scratch", path.display());
+        }
+    }
 
     let mut history = Vec::new();
     let mut fit = FitReport {
@@ -294,8 +308,9 @@ fn train(exercise: Exercise, args: &PipelineArgs, pipeline: &mut Pipeline, corpu
         eval_acc: f64::NAN,
     };
     let (mut bubble, mut warm_bubble) = (BubbleMeter::default(), BubbleMeter::default());
-    for epoch in 0..epochs {
-        if out_of_steps(fit.steps) {
+    fit.resumed_epochs = start_epoch;
+    for epoch in start_epoch..epochs {
+        if out_of_steps(step_count) {
             break;
         }
         tch::manual_seed(args.lm.run.seed.wrapping_add(epoch as u64) as i64);
@@ -304,8 +319,10 @@ fn train(exercise: Exercise, args: &PipelineArgs, pipeline: &mut Pipeline, corpu
         let bar = progress_bar(!args.lm.run.quiet, format!("epoch {}/{epochs}", epoch + 1), train_data.batches_per_epoch());
         let (mut loss_sum, mut tokens, mut steps) = (0.0, 0usize, 0usize);
         let epoch_start = Instant::now();
+        let mut completed = true;
         for batch in train_data.epoch(epoch) {
-            if out_of_steps(fit.steps) {
+            if out_of_steps(step_count) {
+                completed = false;
                 break;
             }
             let t0 = Instant::now();
@@ -332,6 +349,7 @@ fn train(exercise: Exercise, args: &PipelineArgs, pipeline: &mut Pipeline, corpu
             tokens += targets.numel();
             steps += 1;
             fit.steps += 1;
+            step_count += 1;
             bar.inc(1);
             if steps % 10 == 1 {
                 bar.set_message(format!("loss {:.4}  {:.0} tok/s", step.loss, tokens as f64 / epoch_start.elapsed().as_secs_f64()));
@@ -364,6 +382,22 @@ fn train(exercise: Exercise, args: &PipelineArgs, pipeline: &mut Pipeline, corpu
             eval_acc: valid.accuracy,
             train_time_s,
         });
+        // Whole epochs only: a resume starts at an epoch boundary, where the data and dropout
+        // streams are known.
+        if let (Some(path), true) = (&checkpoint_path, completed) {
+            let meta = CheckpointMeta {
+                format: checkpoint::FORMAT_VERSION,
+                run: run.clone(),
+                model: model_identity.clone(),
+                optimizer: optimizer.name().to_string(),
+                epoch: epoch + 1,
+                step: step_count,
+                seed: args.lm.run.seed,
+                config: serde_json::to_value(args).expect("flags serialise"),
+                torch_version: crate::torch_version().to_string(),
+            };
+            checkpoint::save_variables(path, pipeline.named_parameters(), &optimizer, &meta)?;
+        }
     }
     let bubble = if warm_bubble.stage_time_s > 0.0 { warm_bubble.fraction() } else { bubble.fraction() };
     fit.history = history.clone();

@@ -96,6 +96,8 @@ pub fn split_batch(batch: &Tensor, chunks: usize) -> Result<(Vec<Tensor>, Vec<f6
 
 /// All stages of a pipeline in one process.
 pub struct Pipeline {
+    /// The whole model's configuration.
+    pub config: TransformerConfig,
     pub stages: Vec<Stage>,
     pub options: PipelineOptions,
 }
@@ -115,7 +117,7 @@ impl Pipeline {
             .enumerate()
             .map(|(i, (&device, layers))| Stage::new(cfg, i, devices.len(), layers.clone(), device, seed))
             .collect();
-        Ok(Pipeline { stages, options })
+        Ok(Pipeline { config: *cfg, stages, options })
     }
 
     /// Every stage's trainable variables, with their whole-model names.

@@ -1,6 +1,6 @@
 //! `common::dist`: the launch environment (pure parsing), the single-process group, and,
-//! on two real MPI ranks, the collectives, the data-parallel helpers, `--nproc-per-node`
-//! relaunching and what happens when a rank fails.
+//! on two real MPI ranks, the collectives, point-to-point messages, the data-parallel helpers,
+//! `--nproc-per-node` relaunching and what happens when a rank fails; on four, sub-groups.
 //!
 //! The two-rank tests start this very test binary under `mpirun -np 2 <this binary> --exact
 //! rank_entry`, with `DIST_SCENARIO` naming what the ranks do; `rank_entry` does nothing when
@@ -343,6 +343,25 @@ fn a_single_process_group_has_identity_collectives() {
 }
 
 #[test]
+fn a_single_process_group_has_no_peer_and_splits_into_itself() {
+    let group = ProcessGroup::single();
+    let mut t = Tensor::from_slice(&[1.5f32, -2.0]);
+    let err = group.send(&t, 0).unwrap_err();
+    assert!(format!("{err}").contains("no peer"), "{err}");
+    let err = group.recv(&mut t, 0).unwrap_err();
+    assert!(format!("{err}").contains("no peer"), "{err}");
+    group.wait_sends().unwrap();
+
+    let sub = group.split(7, 3).unwrap();
+    assert_eq!((sub.rank(), sub.world_size(), sub.is_root()), (0, 1, true));
+    sub.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+    assert_eq!(Vec::<f32>::try_from(&t).unwrap(), [1.5, -2.0]);
+    assert!(sub.send(&t, 0).is_err());
+    drop(sub);
+    group.barrier().unwrap();
+}
+
+#[test]
 fn a_multi_rank_job_without_an_engine_is_refused_before_any_collective() {
     if tch::Cuda::is_available() {
         return; // with a GPU, torchrun ranks would meet through NCCL instead
@@ -396,6 +415,8 @@ fn rank_entry() {
         "relaunch" => relaunch(),
         "no_launcher" => no_launcher(),
         "mpi_singleton" => mpi_singleton(),
+        "p2p" => p2p(),
+        "split" => split(),
         other => panic!("unknown scenario {other}"),
     };
     println!("scenario {scenario} passed on rank {rank}");
@@ -868,13 +889,200 @@ fn mpi_singleton() -> usize {
     let mut t = Tensor::from_slice(&[2.5f32]);
     group.all_reduce(&mut t, ReduceOp::Average).unwrap();
     assert_eq!(t.double_value(&[0]), 2.5);
+    // A sub-group of a singleton is one through MPI too; there is nobody to message.
+    let sub = group.split(5, 0).unwrap();
+    assert_eq!((sub.rank(), sub.world_size()), (0, 1));
+    assert_eq!(sub.backend_for(Device::Cpu).unwrap().name(), "mpi");
+    let err = sub.send(&t, 0).unwrap_err();
+    assert!(format!("{err}").contains("itself"), "{err}");
+    sub.wait_sends().unwrap();
     0
+}
+
+/// Both ranks send first and receive afterwards (the 1F1B case), in several kinds and in a row;
+/// what cannot be delivered is refused with a clear error.
+fn p2p() -> usize {
+    let group = ProcessGroup::init(Backend::Auto).unwrap();
+    assert_eq!(group.world_size(), 2);
+    let (rank, peer) = (group.rank(), 1 - group.rank());
+    let cpu = Device::Cpu;
+
+    // 8M floats (32 MB) each way, far above any eager-send limit: a send that waited for its
+    // receiver would deadlock here (and the run would be killed at its time limit). The sent
+    // tensor is a temporary that the caller drops at once: the engine must keep it alive.
+    const N: i64 = 8 << 20;
+    let values = |r: usize| Tensor::arange(N, (Kind::Float, cpu)) + 1000.0 * r as f64;
+    group.send(&values(rank), peer).unwrap();
+    let mut got = Tensor::zeros([N], (Kind::Float, cpu));
+    group.recv(&mut got, peer).unwrap();
+    assert!(got.equal(&values(peer)), "rank {rank} received something else");
+    group.wait_sends().unwrap();
+
+    // Several messages in a row, float64 and int64 (and float16, which MPI cannot reduce but
+    // can carry), arrive in the order sent; an empty tensor is a message too.
+    for i in 0..5 {
+        let x = (10 * rank + i) as f64;
+        group.send(&Tensor::full([3, 4], x, (Kind::Double, cpu)), peer).unwrap();
+        group.send(&Tensor::from_slice(&[i as i64, rank as i64, 1 << 40]), peer).unwrap();
+        group.send(&Tensor::empty([0], (Kind::Float, cpu)), peer).unwrap();
+    }
+    group.send(&Tensor::from_slice(&[0.5f32 + rank as f32]).to_kind(Kind::Half), peer).unwrap();
+    for i in 0..5 {
+        let mut d = Tensor::zeros([3, 4], (Kind::Double, cpu));
+        group.recv(&mut d, peer).unwrap();
+        let x = (10 * peer + i) as f64;
+        assert!(d.equal(&Tensor::full([3, 4], x, (Kind::Double, cpu))), "message {i}: {d}");
+        let mut l = Tensor::zeros([3], (Kind::Int64, cpu));
+        group.recv(&mut l, peer).unwrap();
+        assert_eq!(Vec::<i64>::try_from(&l).unwrap(), [i as i64, peer as i64, 1 << 40]);
+        group.recv(&mut Tensor::empty([0], (Kind::Float, cpu)), peer).unwrap();
+    }
+    let mut h = Tensor::zeros([1], (Kind::Half, cpu));
+    group.recv(&mut h, peer).unwrap();
+    assert_eq!(h.double_value(&[0]), 0.5 + peer as f64);
+
+    // Non-contiguous at both ends: a transposed view is sent as its values, and a view is
+    // received into in place.
+    let sent = Tensor::arange(6, (Kind::Float, cpu)).reshape([2, 3]) * (rank as f64 + 1.0);
+    group.send(&sent.tr(), peer).unwrap();
+    let base = Tensor::zeros([2, 3], (Kind::Float, cpu));
+    let mut view = base.tr(); // [3, 2], as sent
+    assert!(!view.is_contiguous());
+    group.recv(&mut view, peer).unwrap();
+    let expected = Tensor::arange(6, (Kind::Float, cpu)).reshape([2, 3]) * (peer as f64 + 1.0);
+    assert!(base.equal(&expected), "the view's storage holds the peer's tensor: {base}");
+    group.wait_sends().unwrap();
+
+    // send returns at once, and wait_sends waits until the receiver has the data: rank 1
+    // receives half a second late.
+    let delay = Duration::from_millis(500);
+    group.barrier().unwrap();
+    let start = Instant::now();
+    if rank == 0 {
+        group.send(&values(0), 1).unwrap();
+        let handed_over = start.elapsed();
+        group.wait_sends().unwrap();
+        let received = start.elapsed();
+        assert!(handed_over < delay * 4 / 5, "send blocked for {handed_over:?}");
+        assert!(received >= delay * 4 / 5, "wait_sends returned after {received:?}, before rank 1 received");
+    } else {
+        std::thread::sleep(delay);
+        group.recv(&mut got, 0).unwrap();
+        assert!(got.equal(&values(0)));
+    }
+
+    // Mistakes are refused before anything is sent or received.
+    let t = Tensor::ones([2], (Kind::Float, cpu));
+    let err = group.send(&t, rank).unwrap_err();
+    assert!(format!("{err}").contains(&format!("rank {rank}, which is this rank itself")), "{err}");
+    let err = group.recv(&mut t.copy(), 2).unwrap_err();
+    assert!(format!("{err}").contains("rank 2, but the group has only 2 rank(s)"), "{err}");
+
+    // A message of another byte size than the receiving tensor is refused, naming both sizes
+    // (MPI alone would abort the job for a longer message and half-fill the tensor with a
+    // shorter one), and taken out of the way: the next message arrives intact.
+    group.send(&Tensor::ones([4], (Kind::Float, cpu)), peer).unwrap();
+    group.send(&Tensor::ones([6], (Kind::Float, cpu)), peer).unwrap();
+    group.send(&Tensor::from_slice(&[7.0f32 + rank as f32]), peer).unwrap();
+    let err = group.recv(&mut Tensor::zeros([5], (Kind::Float, cpu)), peer).unwrap_err();
+    let message = format!("{err}");
+    assert!(message.contains("16 bytes") && message.contains("takes 20") && message.contains("[5]"), "{message}");
+    let err = group.recv(&mut Tensor::zeros([3], (Kind::Float, cpu)), peer).unwrap_err();
+    let message = format!("{err}");
+    assert!(message.contains("24 bytes") && message.contains("takes 12"), "{message}");
+    let mut next = Tensor::zeros([1], (Kind::Float, cpu));
+    group.recv(&mut next, peer).unwrap();
+    assert_eq!(next.double_value(&[0]), 7.0 + peer as f64);
+    // Only the byte count can be checked: the same bytes under another shape arrive as bytes.
+    group.send(&Tensor::from_slice(&[1i32, 2, 3, 4, 5, 6]).reshape([2, 3]), peer).unwrap();
+    let mut other_shape = Tensor::zeros([3, 2], (Kind::Int, cpu));
+    group.recv(&mut other_shape, peer).unwrap();
+    assert_eq!(Vec::<i32>::try_from(&other_shape.reshape([-1])).unwrap(), [1, 2, 3, 4, 5, 6]);
+    group.wait_sends().unwrap();
+    rank
+}
+
+/// Four ranks split by rank % 2 into {0, 2} and {1, 3}, keyed in reverse, so that sub-ranks
+/// differ from both world ranks and world order.
+fn split() -> usize {
+    let world = ProcessGroup::init(Backend::Auto).unwrap();
+    assert_eq!(world.world_size(), 4);
+    let rank = world.rank();
+    let cpu = Device::Cpu;
+    let partner = rank ^ 2; // the other member of this rank's sub-group
+    {
+        let sub = world.split(rank % 2, 10 - rank).unwrap();
+        // Key 10 - rank puts the higher world rank first: world 2 and 3 are sub-rank 0.
+        assert_eq!((sub.rank(), sub.world_size()), (1 - rank / 2, 2));
+        assert_eq!(sub.is_root(), rank >= 2);
+        assert_eq!((sub.env().rank, sub.env().world_size), (rank, 4), "the job's numbers stay");
+        assert_eq!(sub.local_rank(), world.local_rank());
+        assert!(sub.describe().contains("job rank"), "{}", sub.describe());
+
+        // Collectives reach only the members: {0, 2} sums 1 + 3, {1, 3} sums 2 + 4.
+        let mut t = Tensor::from_slice(&[rank as f32 + 1.0]);
+        sub.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+        assert_eq!(t.double_value(&[0]), [4.0, 6.0][rank % 2]);
+        let gathered = sub.all_gather(&Tensor::from_slice(&[rank as i64])).unwrap();
+        let order: Vec<i64> = gathered.iter().map(|t| t.int64_value(&[0])).collect();
+        let (hi, lo) = (rank.max(partner) as i64, rank.min(partner) as i64);
+        assert_eq!(order, [hi, lo], "all_gather in sub-rank order");
+        let mut b = Tensor::from_slice(&[rank as i64]);
+        sub.broadcast(&mut b, 0).unwrap();
+        assert_eq!(b.int64_value(&[0]), hi, "sub-rank 0 is world rank {hi}");
+        sub.barrier().unwrap();
+
+        // Messages use sub-ranks, and the sub-group's stream is its own: each rank sends in the
+        // world (to rank ^ 1) and in the sub-group (to its partner) and receives in the other
+        // order.
+        world.send(&Tensor::from_slice(&[100 + rank as i64]), rank ^ 1).unwrap();
+        sub.send(&Tensor::from_slice(&[200 + rank as i64]), 1 - sub.rank()).unwrap();
+        let mut got = Tensor::zeros([1], (Kind::Int64, cpu));
+        sub.recv(&mut got, 1 - sub.rank()).unwrap();
+        assert_eq!(got.int64_value(&[0]), 200 + partner as i64);
+        world.recv(&mut got, rank ^ 1).unwrap();
+        assert_eq!(got.int64_value(&[0]), 100 + (rank ^ 1) as i64);
+        let err = sub.send(&got, 2).unwrap_err();
+        assert!(format!("{err}").contains("only 2 rank(s)"), "{err}");
+        sub.wait_sends().unwrap();
+        world.wait_sends().unwrap();
+
+        // A sub-group of a sub-group: each rank alone.
+        let alone = sub.split(sub.rank(), 0).unwrap();
+        assert_eq!((alone.rank(), alone.world_size()), (0, 1));
+        let mut t = Tensor::from_slice(&[rank as f32]);
+        alone.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+        assert_eq!(t.double_value(&[0]), rank as f64);
+    } // the sub-groups are dropped here, before the world
+
+    // The world group works as before: a sum over all four, and a ring of messages.
+    let mut t = Tensor::from_slice(&[rank as f64]);
+    world.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+    assert_eq!(t.double_value(&[0]), 6.0);
+    world.send(&Tensor::from_slice(&[rank as i64]), (rank + 1) % 4).unwrap();
+    let mut got = Tensor::zeros([1], (Kind::Int64, cpu));
+    world.recv(&mut got, (rank + 3) % 4).unwrap();
+    assert_eq!(got.int64_value(&[0]), ((rank + 3) % 4) as i64);
+    world.wait_sends().unwrap();
+    rank
 }
 
 #[test]
 #[cfg_attr(not(feature = "mpi"), ignore = "needs the `mpi` feature")]
 fn collectives_on_two_ranks() {
     two_ranks("collectives").assert_passed("collectives", 2);
+}
+
+#[test]
+#[cfg_attr(not(feature = "mpi"), ignore = "needs the `mpi` feature")]
+fn send_and_recv_on_two_ranks() {
+    two_ranks("p2p").assert_passed("p2p", 2);
+}
+
+#[test]
+#[cfg_attr(not(feature = "mpi"), ignore = "needs the `mpi` feature")]
+fn sub_groups_on_four_ranks() {
+    launch(Some(4), "split", &[], Duration::from_secs(60)).assert_passed("split", 4);
 }
 
 #[test]

@@ -8,6 +8,9 @@
 //! | > 1   | torchrun, srun      | NCCL via the GPU   | NCCL, id sent over TCP to `MASTER_ADDR:MASTER_PORT` |
 //!
 //! `--backend mpi` also uses MPI with a single rank (then MPI starts as a "singleton").
+//!
+//! [`ProcessGroup::split`] makes sub-groups (pipeline stages, the replicas of one stage) with
+//! the same routing, on communicators of their own.
 use std::rc::Rc;
 
 use anyhow::{bail, Result};
@@ -26,14 +29,23 @@ use super::mpi::MpiCollectives;
 #[cfg(feature = "nccl")]
 const RENDEZVOUS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
 
-/// The ranks of this job and their collectives.
+/// The ranks of this job (or of a sub-group of it, see [`ProcessGroup::split`]) and their
+/// collectives and point-to-point messages.
 ///
 /// Not `Send`: MPI is initialised with thread level `Funneled`, so every collective must come
-/// from the thread that created the group. Dropping it shuts the engines down (NCCL first,
-/// then `MPI_Finalize`); every rank must drop it, and before the process exits, or `mpirun`
-/// reports the rank as failed.
+/// from the thread that created the group. Dropping it completes the sends still in flight and
+/// shuts the engines down (NCCL first, then `MPI_Finalize`); every rank must drop it, and
+/// before the process exits, or `mpirun` reports the rank as failed. Drop sub-groups before
+/// the world group (MPI stays up until the last group sharing it is dropped).
 pub struct ProcessGroup {
+    /// How this process was started; its rank and size are the job's.
     env: LaunchEnv,
+    /// This group's rank and size: the job's, or the sub-group's.
+    rank: usize,
+    size: usize,
+    /// Whether CUDA tensors go through an NCCL communicator of this group's own, so that its
+    /// sub-groups get one too.
+    nccl: bool,
     // Fields drop in declaration order: the CUDA engine (NCCL's communicator) goes before the
     // CPU one, and MPI, which the others may have used to start, is finalised last.
     cuda: Rc<dyn Collectives>,
@@ -116,32 +128,18 @@ impl ProcessGroup {
             Backend::Auto => distributed && tch::Cuda::is_available() && cfg!(feature = "nccl"),
             Backend::Mpi => false,
         };
+        let (rank, size) = (env.rank, env.world_size);
         let nccl = if want_nccl {
-            Some(start_nccl(&env, mpi.as_deref())?)
+            Some(start_nccl(&env, rank, size, mpi.as_deref())?)
         } else {
             None
         };
-
-        let single = || Rc::new(SingleProcess) as Rc<dyn Collectives>;
-        let staged = |engine: &Rc<dyn Collectives>, via| {
-            Rc::new(Staged {
-                engine: engine.clone(),
-                via,
-            }) as Rc<dyn Collectives>
-        };
-        let cpu = match (&mpi, &nccl) {
-            (Some(mpi), _) => mpi.clone(),
-            (None, _) if !distributed => single(),
-            (None, Some(nccl)) => staged(nccl, Device::Cuda(cuda_index(env.local_rank))),
-            (None, None) => return Err(no_engine(&env).into()),
-        };
-        let cuda = match (&nccl, &mpi) {
-            (Some(nccl), _) => nccl.clone(),
-            (None, Some(mpi)) => staged(mpi, Device::Cpu),
-            (None, None) => single(), // one rank: multi-rank jobs have an engine (checked above)
-        };
+        let (cpu, cuda) = route(&env, size, mpi, nccl)?;
         Ok(ProcessGroup {
             env,
+            rank,
+            size,
+            nccl: want_nccl,
             cuda,
             cpu,
             #[cfg(feature = "mpi")]
@@ -153,6 +151,9 @@ impl ProcessGroup {
     pub fn single() -> ProcessGroup {
         ProcessGroup {
             env: LaunchEnv::single(),
+            rank: 0,
+            size: 1,
+            nccl: false,
             cuda: Rc::new(SingleProcess),
             cpu: Rc::new(SingleProcess),
             #[cfg(feature = "mpi")]
@@ -177,12 +178,83 @@ impl ProcessGroup {
         result
     }
 
+    /// The sub-group of the ranks that pass the same `color`, ordered by `key` (ties by their
+    /// rank here), like `MPI_Comm_split` or torch's `new_group`: the stages of a pipeline, or
+    /// the data-parallel replicas of one stage. Every rank of this group must call it, at the
+    /// same point among its collectives.
+    ///
+    /// Collectives and messages in the sub-group use its own ranks, which
+    /// [`rank`](Self::rank) and [`world_size`](Self::world_size) return; the launch
+    /// environment, the local rank and so the device stay this process's. The engines are
+    /// routed as here, on communicators of the sub-group's own: an MPI communicator split from
+    /// this group's, and, where this group has NCCL, an NCCL communicator whose id the
+    /// sub-group's rank 0 makes and sends through that MPI communicator.
+    ///
+    /// Sub-groups need MPI: ranks that torchrun started cannot form them (a usage error), and
+    /// splitting a world of one without MPI gives the same world of one. Drop a sub-group
+    /// before the group it came from (its communicators are released then; MPI itself is
+    /// finalised with the last group).
+    pub fn split(&self, color: usize, key: usize) -> Result<ProcessGroup> {
+        #[cfg(feature = "mpi")]
+        if let Some(mpi) = &self.mpi {
+            return self.split_mpi(mpi, color, key);
+        }
+        if self.size == 1 {
+            return Ok(self.world_of_one());
+        }
+        let why = if cfg!(feature = "mpi") {
+            format!("{} started these {} ranks without MPI", self.env.source, self.size)
+        } else {
+            built_without("MPI", "mpi", "this")
+        };
+        usage(format!(
+            "sub-groups (ProcessGroup::split) need ranks started by an MPI launcher (mpirun, srun --mpi=pmix), but {why}"
+        ))
+    }
+
+    /// [`ProcessGroup::split`] through `mpi`, this group's MPI communicator.
+    #[cfg(feature = "mpi")]
+    fn split_mpi(&self, mpi: &MpiCollectives, color: usize, key: usize) -> Result<ProcessGroup> {
+        let sub = Rc::new(mpi.split(color, key)?);
+        let (rank, size) = (sub.rank(), sub.size());
+        let nccl = if self.nccl {
+            Some(start_nccl(&self.env, rank, size, Some(&*sub))?)
+        } else {
+            None
+        };
+        let (cpu, cuda) = route(&self.env, size, Some(sub.clone() as _), nccl)?;
+        Ok(ProcessGroup {
+            env: self.env.clone(),
+            rank,
+            size,
+            nccl: self.nccl,
+            cuda,
+            cpu,
+            mpi: Some(sub),
+        })
+    }
+
+    /// A group of just this process, sharing this group's engines: the only sub-group a world
+    /// of one has.
+    fn world_of_one(&self) -> ProcessGroup {
+        ProcessGroup {
+            env: self.env.clone(),
+            rank: 0,
+            size: 1,
+            nccl: self.nccl,
+            cuda: self.cuda.clone(),
+            cpu: self.cpu.clone(),
+            #[cfg(feature = "mpi")]
+            mpi: None,
+        }
+    }
+
     /// Ends every rank when `err` happened on a rank of a multi-rank MPI job (see
-    /// [`ProcessGroup::run`]); returns otherwise.
+    /// [`ProcessGroup::run`]); returns otherwise. In a sub-group too, the whole job ends.
     pub fn abort_on_error(&self, err: &anyhow::Error) {
         #[cfg(feature = "mpi")]
         if let (Some(mpi), true) = (&self.mpi, self.env.is_distributed()) {
-            abort_job(mpi, self.rank(), err);
+            abort_job(mpi, self.env.rank, err);
         }
         // Without MPI there is nothing to abort: the ranks come from a launcher (torchrun) that
         // ends the job itself when one exits with an error.
@@ -190,12 +262,14 @@ impl ProcessGroup {
         let _ = err;
     }
 
+    /// This process's rank in this group (in a sub-group, its rank there).
     pub fn rank(&self) -> usize {
-        self.env.rank
+        self.rank
     }
 
+    /// The number of ranks in this group.
     pub fn world_size(&self) -> usize {
-        self.env.world_size
+        self.size
     }
 
     pub fn local_rank(&self) -> usize {
@@ -206,12 +280,13 @@ impl ProcessGroup {
         self.env.local_world_size
     }
 
-    /// Rank 0: the one that prints, writes results and checkpoints.
+    /// Rank 0 of this group: in the world group, the one that prints, writes results and
+    /// checkpoints.
     pub fn is_root(&self) -> bool {
-        self.env.rank == 0
+        self.rank == 0
     }
 
-    /// Where the ranks came from.
+    /// Where the ranks came from (with the job's rank and size, also in a sub-group).
     pub fn env(&self) -> &LaunchEnv {
         &self.env
     }
@@ -227,12 +302,18 @@ impl ProcessGroup {
         }
     }
 
-    /// One line for logs, e.g. `rank 0 of 2 (mpirun), CPU: mpi, CUDA: nccl`.
+    /// One line for logs, e.g. `rank 0 of 2 (mpirun), CPU: mpi, CUDA: nccl`; a sub-group adds
+    /// the job's rank.
     pub fn describe(&self) -> String {
+        let job = if (self.rank, self.size) == (self.env.rank, self.env.world_size) {
+            String::new()
+        } else {
+            format!(" in a sub-group; job rank {} of {}", self.env.rank, self.env.world_size)
+        };
         format!(
-            "rank {} of {} ({}), CPU collectives: {}, CUDA collectives: {}",
-            self.rank(),
-            self.world_size(),
+            "rank {} of {}{job} ({}), CPU collectives: {}, CUDA collectives: {}",
+            self.rank,
+            self.size,
             self.env.source,
             self.cpu.name(),
             self.cuda.name()
@@ -262,6 +343,24 @@ impl ProcessGroup {
 
     pub fn barrier(&self) -> Result<()> {
         self.cpu.barrier()
+    }
+
+    /// Hands `t` over for rank `dst` of this group without waiting (see [`Collectives::send`]).
+    pub fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
+        self.backend_for(t.device())?.send(t, dst)
+    }
+
+    /// Receives the next message from rank `src` of this group into `t` (see
+    /// [`Collectives::recv`]); the sender's tensor must have been on the same device type.
+    pub fn recv(&self, t: &mut Tensor, src: usize) -> Result<()> {
+        self.backend_for(t.device())?.recv(t, src)
+    }
+
+    /// Waits until every tensor this rank sent in this group, on either device type, has been
+    /// received.
+    pub fn wait_sends(&self) -> Result<()> {
+        self.cuda.wait_sends()?;
+        self.cpu.wait_sends()
     }
 
     /// Rank `root`'s `bytes` on every rank (what other ranks pass is ignored).
@@ -307,26 +406,63 @@ fn start_mpi(env: &LaunchEnv) -> Result<MpiCollectives> {
     Ok(mpi)
 }
 
-/// NCCL for this rank's GPU; its unique id is made on rank 0 and sent to the others through
-/// MPI when it is up, else over TCP to `MASTER_ADDR:MASTER_PORT` (as torch's `env://`).
+/// The engine for each device type, `(cpu, cuda)`, of a group of `size` ranks with the
+/// engines `mpi` and `nccl` (as the table in the module docs): an engine of the device's own,
+/// else the other device's engine through a copy, else the identities of a world of one.
+fn route(
+    env: &LaunchEnv,
+    size: usize,
+    mpi: Option<Rc<dyn Collectives>>,
+    nccl: Option<Rc<dyn Collectives>>,
+) -> Result<(Rc<dyn Collectives>, Rc<dyn Collectives>)> {
+    let single = || Rc::new(SingleProcess) as Rc<dyn Collectives>;
+    let staged = |engine: &Rc<dyn Collectives>, via| {
+        Rc::new(Staged {
+            engine: engine.clone(),
+            via,
+        }) as Rc<dyn Collectives>
+    };
+    let cpu = match (&mpi, &nccl) {
+        (Some(mpi), _) => mpi.clone(),
+        (None, _) if size == 1 => single(),
+        (None, Some(nccl)) => staged(nccl, Device::Cuda(cuda_index(env.local_rank))),
+        (None, None) => return Err(no_engine(env).into()),
+    };
+    let cuda = match (&nccl, &mpi) {
+        (Some(nccl), _) => nccl.clone(),
+        (None, Some(mpi)) => staged(mpi, Device::Cpu),
+        (None, None) => single(), // one rank: multi-rank groups have an engine (checked above)
+    };
+    Ok((cpu, cuda))
+}
+
+/// NCCL for this rank's GPU, as `rank` of a group of `size` (the job, or a sub-group); its
+/// unique id is made on the group's rank 0 and sent to the others through the group's MPI
+/// communicator when there is one, else over TCP to `MASTER_ADDR:MASTER_PORT` (as torch's
+/// `env://`; the whole job only).
 #[cfg(feature = "nccl")]
-fn start_nccl(env: &LaunchEnv, mpi: Option<&dyn Collectives>) -> Result<Rc<dyn Collectives>> {
+fn start_nccl(
+    env: &LaunchEnv,
+    rank: usize,
+    size: usize,
+    mpi: Option<&dyn Collectives>,
+) -> Result<Rc<dyn Collectives>> {
     use super::nccl::{nccl_unique_id, NcclCollectives};
-    let id = if env.rank == 0 {
+    let id = if rank == 0 {
         nccl_unique_id()?
     } else {
         Vec::new()
     };
-    let id = match (env.is_distributed(), mpi, &env.master) {
+    let id = match (size > 1, mpi, &env.master) {
         (false, _, _) => id,
         (true, Some(mpi), _) => super::broadcast_bytes(mpi, Device::Cpu, &id, 0)?,
         (true, None, Some((addr, port))) => super::rendezvous::exchange_root_bytes(
-            env.rank,
-            env.world_size,
+            rank,
+            size,
             addr,
             // torchrun's agent already serves its own store on MASTER_PORT: meet next to it.
             if env.source == LaunchSource::Torchrun { port + 1 } else { *port },
-            (env.rank == 0).then_some(id),
+            (rank == 0).then_some(id),
             RENDEZVOUS_TIMEOUT,
         )?,
         (true, None, None) => {
@@ -337,15 +473,20 @@ fn start_nccl(env: &LaunchEnv, mpi: Option<&dyn Collectives>) -> Result<Rc<dyn C
         }
     };
     Ok(Rc::new(NcclCollectives::new(
-        env.rank,
-        env.world_size,
+        rank,
+        size,
         cuda_index(env.local_rank),
         &id,
     )?))
 }
 
 #[cfg(not(feature = "nccl"))]
-fn start_nccl(_env: &LaunchEnv, _mpi: Option<&dyn Collectives>) -> Result<Rc<dyn Collectives>> {
+fn start_nccl(
+    _env: &LaunchEnv,
+    _rank: usize,
+    _size: usize,
+    _mpi: Option<&dyn Collectives>,
+) -> Result<Rc<dyn Collectives>> {
     unreachable!("NCCL is only wanted where the binary has it (checked in init_with)")
 }
 
@@ -417,6 +558,23 @@ impl Collectives for Staged {
 
     fn barrier(&self) -> Result<()> {
         self.engine.barrier()
+    }
+
+    /// The staged copy is the engine's to keep until the send completes: the caller's tensor
+    /// may change at once.
+    fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
+        self.engine.send(&self.stage(tensor), dst)
+    }
+
+    fn recv(&self, tensor: &mut Tensor, src: usize) -> Result<()> {
+        let mut staged = Tensor::empty(tensor.size(), (tensor.kind(), self.via));
+        self.engine.recv(&mut staged, src)?;
+        tch::no_grad(|| tensor.copy_(&staged));
+        Ok(())
+    }
+
+    fn wait_sends(&self) -> Result<()> {
+        self.engine.wait_sends()
     }
 
     fn supports_kind(&self, kind: Kind) -> bool {

@@ -19,12 +19,36 @@
 //! # Engines
 //!
 //! [`ProcessGroup::init`] picks, per device type, one [`Collectives`] implementation:
-//! [`mpi::MpiCollectives`] over `MPI_COMM_WORLD` for CPU tensors (cargo feature `mpi`, on by
+//! [`mpi::MpiCollectives`] over `MPI_COMM_WORLD` (or a sub-communicator) for CPU tensors (cargo feature `mpi`, on by
 //! default), `nccl::NcclCollectives` for CUDA tensors (cargo feature `nccl`), and
 //! [`single::SingleProcess`] (identities) when there is only one rank. A device type without
 //! an engine of its own is staged through the other's memory (CUDA tensors through MPI on the
 //! CPU with `--backend mpi`, CPU tensors through NCCL on the GPU under torchrun): slow, but
 //! everything works with any launcher.
+//!
+//! # Point-to-point and sub-groups
+//!
+//! For pipeline parallelism, [`ProcessGroup::send`] hands a tensor to another rank without
+//! waiting for it to be received, [`ProcessGroup::recv`] waits for the next tensor from a rank
+//! (into a preallocated tensor of the same shape and kind), and [`ProcessGroup::wait_sends`]
+//! waits until every send has been received. Sends do not block so that, in a 1F1B schedule,
+//! stage 0 can send an activation forward while stage 1 sends a gradient back, both before
+//! receiving. Messages between two ranks arrive in order. MPI starts each send at once and
+//! checks the size of what arrives; NCCL queues sends until the rank's next receive (issued
+//! together in one NCCL group) or `wait_sends` (the `nccl` module's docs say what that implies).
+//!
+//! [`ProcessGroup::split`] makes sub-groups, like `MPI_Comm_split` or torch's `new_group`: the
+//! ranks passing the same color form a group, ranked by key, with communicators of their own
+//! (MPI split from the parent's, a new NCCL communicator where the parent has one). Its
+//! collectives and messages use the sub-group's ranks. Sub-groups need an MPI launcher; drop
+//! them before the world group.
+//!
+//! ```ignore
+//! // Four ranks as two pipelines of two stages: ranks 0, 1 and ranks 2, 3 pass activations
+//! // along (send/recv), and the replicas of each stage (0, 2 and 1, 3) average gradients.
+//! let pipeline = group.split(group.rank() / 2, group.rank())?;
+//! let replicas = group.split(group.rank() % 2, group.rank())?;
+//! ```
 //!
 //! # Data parallelism (Horovod / DDP, by hand)
 //!
@@ -148,6 +172,23 @@ pub trait Collectives {
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()>;
 
+    /// Hands `tensor` over for rank `dst` and returns without waiting for it to be received
+    /// (`isend`): the engine keeps the tensor alive until the message has gone, and
+    /// [`Collectives::wait_sends`] waits for that. Non-blocking so that two ranks may send to
+    /// each other before either receives (a pipeline's activations going forward while its
+    /// gradients come back) without deadlocking. Messages from one rank to another arrive in
+    /// the order sent. The tensor's memory may be read until `wait_sends` returns: do not
+    /// change it in place before then.
+    fn send(&self, tensor: &Tensor, dst: usize) -> Result<()>;
+
+    /// Waits for the next message from rank `src` and writes it into `tensor`, which must have
+    /// the sent tensor's shape and kind (in place, whatever its layout, as for `broadcast`).
+    fn recv(&self, tensor: &mut Tensor, src: usize) -> Result<()>;
+
+    /// Returns once every message [`Collectives::send`] handed over has been received, so the
+    /// sent tensors may be changed or freed (at the end of a pipeline step, say).
+    fn wait_sends(&self) -> Result<()>;
+
     /// Whether the engine can reduce tensors of `kind` (MPI has no float16, for example).
     /// Checked up front where a caller chooses the kind, e.g. float16 gradient averaging.
     fn supports_kind(&self, kind: Kind) -> bool {
@@ -171,6 +212,24 @@ pub(crate) fn check_root(root: usize, world_size: usize) -> Result<()> {
         bail!("broadcast from rank {root}, but the world has only {world_size} rank(s)");
     }
     Ok(())
+}
+
+/// Rejects a `send`/`recv` peer outside the group or equal to this rank: a message to oneself
+/// is a logic error in a schedule, and an out-of-range rank would hang or abort inside MPI.
+pub(crate) fn check_peer(what: &str, peer: usize, rank: usize, world_size: usize) -> Result<()> {
+    if peer >= world_size {
+        bail!("{what} rank {peer}, but the group has only {world_size} rank(s)");
+    }
+    if peer == rank {
+        bail!("{what} rank {peer}, which is this rank itself: a rank cannot message itself");
+    }
+    Ok(())
+}
+
+/// How many bytes a tensor's elements take: point-to-point messages are sent as bytes, so any
+/// kind travels, and the receiver can check the size of what arrives.
+pub(crate) fn byte_size(tensor: &Tensor) -> usize {
+    tensor.numel() * tensor.kind().elt_size_in_bytes()
 }
 
 /// `bytes` of rank `root` on every rank (others pass anything, e.g. an empty slice): the length

@@ -1,36 +1,69 @@
-//! Collectives on CPU tensors over `MPI_COMM_WORLD` (OpenMPI, MPICH, Intel MPI), through the
-//! `mpi` crate: the engine of Horovod's CPU path and of `torch.distributed`'s `mpi` backend.
+//! Collectives and point-to-point messages on CPU tensors over `MPI_COMM_WORLD` or a
+//! communicator split from it (OpenMPI, MPICH, Intel MPI), through the `mpi` crate: the engine
+//! of Horovod's CPU path and of `torch.distributed`'s `mpi` backend.
 //!
 //! MPI works on host memory of its own types: tensors of kinds float32, float64, int64, int32
 //! and uint8 are passed as slices of their memory (a contiguous copy is made for other layouts
 //! and the result copied back, so the caller's tensor is always updated in place). Other kinds,
 //! float16 among them, have no MPI type and are refused with an error naming the kind.
+//!
+//! Point-to-point messages carry a tensor's bytes, so they take every kind. `send` is
+//! `MPI_Isend` (the request and the tensor are kept until `wait_sends`, or until a later call
+//! finds the request complete); `recv` probes the next message first (`MPI_Mprobe`) and refuses
+//! one whose size differs from the receiving tensor's, which MPI itself would treat as a fatal
+//! error or silently accept. Only the byte count can be checked: a tensor of another shape or
+//! kind with the same number of bytes is received as its bytes.
+use std::cell::RefCell;
+use std::ffi::c_int;
+use std::mem::MaybeUninit;
+use std::rc::Rc;
+
 use ::mpi::collective::SystemOperation;
 use ::mpi::environment::Universe;
-use ::mpi::topology::SimpleCommunicator;
+use ::mpi::ffi;
+use ::mpi::raw::AsRaw;
+use ::mpi::topology::{Color, SimpleCommunicator};
 use ::mpi::traits::*;
 use ::mpi::Threading;
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::{check_reduce, check_root, Collectives, ReduceOp};
+use super::{byte_size, check_peer, check_reduce, check_root, Collectives, ReduceOp};
 
 /// MPI counts elements in a C `int`: longer buffers are sent in pieces of at most this many.
 const MAX_COUNT: usize = i32::MAX as usize;
 
-/// `MPI_COMM_WORLD` of this process. There is at most one: MPI is initialised when it is
-/// created and finalised when it is dropped, and cannot be initialised again afterwards.
+/// The tag of every point-to-point message: one stream per pair of ranks, in order.
+const P2P_TAG: c_int = 0;
+
+/// One communicator of this process's MPI: `MPI_COMM_WORLD`, or a sub-communicator made by
+/// [`MpiCollectives::split`].
+///
+/// MPI is initialised when the world's value is created ([`MpiCollectives::init`]) and finalised
+/// when the last value sharing it is dropped: the world's, as long as sub-groups are dropped
+/// before it (a sub-group that outlives the world keeps MPI up until it goes). MPI cannot be
+/// initialised again afterwards.
 ///
 /// MPI is initialised with thread level `MPI_THREAD_FUNNELED`: only the thread that created
 /// this value may call its collectives (LibTorch's own worker threads never call MPI).
 pub struct MpiCollectives {
-    world: SimpleCommunicator,
-    /// Dropped last: `MPI_Finalize`.
-    _universe: Universe,
+    comm: SimpleCommunicator,
+    /// Sends handed to MPI that may not have completed yet.
+    pending: RefCell<Vec<PendingSend>>,
+    /// Dropped after `comm` (freed first when it is a sub-communicator); the last clone's drop
+    /// is `MPI_Finalize`.
+    _universe: Rc<Universe>,
+}
+
+/// An `MPI_Isend` in flight and the tensor whose memory it reads, kept alive until it completes.
+struct PendingSend {
+    request: ffi::MPI_Request,
+    _data: Tensor,
 }
 
 impl MpiCollectives {
-    /// Initialises MPI (`MPI_Init_thread`). Fails if MPI was initialised before in this process.
+    /// Initialises MPI (`MPI_Init_thread`) and returns `MPI_COMM_WORLD`. Fails if MPI was
+    /// initialised before in this process.
     pub fn init() -> Result<MpiCollectives> {
         let Some((universe, provided)) = ::mpi::initialize_with_threading(Threading::Funneled)
         else {
@@ -40,22 +73,105 @@ impl MpiCollectives {
             bail!("the MPI library offers thread level {provided:?}, but LibTorch's threads need at least Funneled");
         }
         Ok(MpiCollectives {
-            world: universe.world(),
-            _universe: universe,
+            comm: universe.world(),
+            pending: RefCell::default(),
+            _universe: Rc::new(universe),
         })
     }
 
+    /// The ranks of this communicator that pass the same `color`, ordered by `key` (ties by
+    /// their rank here): `MPI_Comm_split`. Every rank of this communicator must call it.
+    pub fn split(&self, color: usize, key: usize) -> Result<MpiCollectives> {
+        let as_int = |what: &str, value: usize| {
+            c_int::try_from(value)
+                .map_err(|_| anyhow!("a sub-group {what} must be at most {}, not {value}", c_int::MAX))
+        };
+        let (color, key) = (as_int("color", color)?, as_int("key", key)?);
+        let Some(comm) = self.comm.split_by_color_with_key(Color::with_value(color), key) else {
+            bail!("MPI_Comm_split returned no communicator for color {color}");
+        };
+        Ok(MpiCollectives {
+            comm,
+            pending: RefCell::default(),
+            _universe: self._universe.clone(),
+        })
+    }
+
+    /// This process's rank in the communicator.
     pub fn rank(&self) -> usize {
-        self.world.rank() as usize
+        self.comm.rank() as usize
     }
 
+    /// The number of ranks in the communicator.
     pub fn size(&self) -> usize {
-        self.world.size() as usize
+        self.comm.size() as usize
     }
 
-    /// Ends every rank of the job now (`MPI_Abort`), with `code` as the launcher's exit status.
+    /// Ends every rank of the job now (`MPI_Abort` on the world, whichever communicator this
+    /// is), with `code` as the launcher's exit status.
     pub fn abort(&self, code: i32) -> ! {
-        self.world.abort(code)
+        SimpleCommunicator::world().abort(code)
+    }
+
+    /// Forgets the sends that have completed, so that the list stays as long as the messages
+    /// still in flight (a schedule may never call `wait_sends` between many sends).
+    fn forget_completed_sends(&self) -> Result<()> {
+        let mut pending = self.pending.borrow_mut();
+        let mut i = 0;
+        while i < pending.len() {
+            let mut done: c_int = 0;
+            // SAFETY: the request is live (not yet completed: completed ones are removed).
+            let code = unsafe {
+                ffi::MPI_Test(&mut pending[i].request, &mut done, ffi::RSMPI_STATUS_IGNORE)
+            };
+            check_code(code, "MPI_Test on a send")?;
+            if done != 0 {
+                pending.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Receives the next message from `src` into the `len` bytes at `dst` if it has exactly
+    /// that many bytes, and returns its size. A message of another size is taken out of the
+    /// queue into a scratch buffer and dropped (the stream stays in step, and the caller
+    /// reports the mismatch) instead of overrunning `dst`.
+    ///
+    /// # Safety
+    /// `dst` must point to `len` writable bytes that nothing else uses during the call.
+    unsafe fn receive_piece(&self, dst: *mut u8, len: usize, src: usize) -> Result<usize> {
+        let mut message = ffi::RSMPI_MESSAGE_NULL;
+        let mut status = MaybeUninit::<ffi::MPI_Status>::uninit();
+        let code = ffi::MPI_Mprobe(
+            src as c_int,
+            P2P_TAG,
+            self.comm.as_raw(),
+            &mut message,
+            status.as_mut_ptr(),
+        );
+        check_code(code, "MPI_Mprobe")?;
+        let mut count: c_int = 0;
+        let code = ffi::MPI_Get_count(status.as_ptr(), ffi::RSMPI_UINT8_T, &mut count);
+        check_code(code, "MPI_Get_count")?;
+        let size = usize::try_from(count)?;
+        let mut scratch = Vec::new();
+        let into = if size == len {
+            dst
+        } else {
+            scratch.resize(size, 0u8);
+            scratch.as_mut_ptr()
+        };
+        let code = ffi::MPI_Mrecv(
+            into.cast(),
+            count,
+            ffi::RSMPI_UINT8_T,
+            &mut message,
+            ffi::RSMPI_STATUS_IGNORE,
+        );
+        check_code(code, "MPI_Mrecv")?;
+        Ok(size)
     }
 }
 
@@ -64,10 +180,36 @@ impl Drop for MpiCollectives {
         // Unwinding from a panic: the other ranks would wait for this one in their next
         // collective (or in MPI_Finalize) forever. Take the whole job down instead.
         if std::thread::panicking() {
-            eprintln!("rank {} panicked: aborting the MPI job", self.rank());
-            self.world.abort(101);
+            let rank = SimpleCommunicator::world().rank();
+            eprintln!("rank {rank} panicked: aborting the MPI job");
+            self.abort(101);
+        }
+        // Sends in flight read tensors owned here, and must complete before the communicator
+        // is freed and MPI finalised: wait for their receivers.
+        if let Err(err) = self.wait_sends() {
+            eprintln!("warning: MPI rank {}: completing the outstanding sends failed: {err:#}", self.rank());
         }
     }
+}
+
+/// An error for an MPI return code other than `MPI_SUCCESS` (MPI's default error handler ends
+/// the job before returning one, but a program may install another).
+fn check_code(code: c_int, call: &str) -> Result<()> {
+    if code == ffi::MPI_SUCCESS as c_int {
+        Ok(())
+    } else {
+        bail!("{call} failed with MPI error code {code}")
+    }
+}
+
+/// The (offset, length) pieces in which a message of `bytes` bytes travels: MPI counts in a C
+/// `int`. An empty tensor is one empty piece, so that every send is a message to match.
+fn pieces(bytes: usize) -> impl Iterator<Item = (usize, usize)> {
+    let n = bytes.div_ceil(MAX_COUNT).max(1);
+    (0..n).map(move |i| {
+        let start = i * MAX_COUNT;
+        (start, (bytes - start).min(MAX_COUNT))
+    })
 }
 
 /// Runs `$body` with `$T` the Rust element type of `$kind`, or fails for kinds MPI lacks.
@@ -142,7 +284,7 @@ impl Collectives for MpiCollectives {
             // SAFETY: both are fresh contiguous CPU tensors of kind T; `sum` is a separate allocation.
             let (src, dst) = unsafe { (elements::<T>(&send), elements_mut::<T>(&mut sum)) };
             for (src, dst) in src.chunks(MAX_COUNT).zip(dst.chunks_mut(MAX_COUNT)) {
-                self.world.all_reduce_into(src, dst, SystemOperation::sum());
+                self.comm.all_reduce_into(src, dst, SystemOperation::sum());
             }
         });
         if op == ReduceOp::Average {
@@ -159,7 +301,7 @@ impl Collectives for MpiCollectives {
         with_element_type!(buffer.kind(), T => {
             // SAFETY: `buffer` is contiguous, on the CPU, of kind T, and only MPI writes it here.
             let data = unsafe { elements_mut::<T>(&mut buffer) };
-            let root = self.world.process_at_rank(root as i32);
+            let root = self.comm.process_at_rank(root as i32);
             for piece in data.chunks_mut(MAX_COUNT) {
                 root.broadcast_into(piece);
             }
@@ -184,15 +326,91 @@ impl Collectives for MpiCollectives {
             // SAFETY: both are contiguous CPU tensors of kind T; `gathered` is a fresh allocation.
             let (src, dst) = unsafe { (elements::<T>(&send), elements_mut::<T>(&mut gathered)) };
             if !src.is_empty() {
-                self.world.all_gather_into(src, dst);
+                self.comm.all_gather_into(src, dst);
             }
         });
         Ok(gathered.unbind(0))
     }
 
     fn barrier(&self) -> Result<()> {
-        self.world.barrier();
+        self.comm.barrier();
         Ok(())
+    }
+
+    fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
+        check_peer("send to", dst, self.rank(), self.size())?;
+        self.forget_completed_sends()?;
+        // The caller's memory when it is contiguous already (no copy), else a contiguous copy.
+        let data = host(tensor)?;
+        let base = data.data_ptr() as *const u8;
+        let mut pending = self.pending.borrow_mut();
+        for (start, len) in pieces(byte_size(&data)) {
+            // SAFETY: MPI writes the handle into this before returning.
+            let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
+            // SAFETY: the `len` bytes at `start` lie in `data`'s memory, which `pending` keeps
+            // alive until MPI reports the request complete.
+            let code = unsafe {
+                ffi::MPI_Isend(
+                    base.wrapping_add(start).cast(),
+                    len as c_int,
+                    ffi::RSMPI_UINT8_T,
+                    dst as c_int,
+                    P2P_TAG,
+                    self.comm.as_raw(),
+                    &mut request,
+                )
+            };
+            check_code(code, "MPI_Isend")?;
+            pending.push(PendingSend {
+                request,
+                _data: data.shallow_clone(),
+            });
+        }
+        Ok(())
+    }
+
+    fn recv(&self, tensor: &mut Tensor, src: usize) -> Result<()> {
+        check_peer("receive from", src, self.rank(), self.size())?;
+        self.forget_completed_sends()?;
+        let buffer = host(tensor)?;
+        let bytes = byte_size(&buffer);
+        let base = buffer.data_ptr() as *mut u8;
+        for (start, len) in pieces(bytes) {
+            // SAFETY: the `len` bytes at `start` lie in `buffer`, a contiguous CPU tensor that
+            // only MPI writes during the call.
+            let got = unsafe { self.receive_piece(base.wrapping_add(start), len, src)? };
+            if got != len {
+                bail!(
+                    "receive from rank {src}: a message of {got} bytes arrived, but the receiving \
+                     {:?} tensor of shape {:?} takes {len} (the ranks disagree on its shape or kind)",
+                    buffer.kind(),
+                    buffer.size()
+                );
+            }
+        }
+        copy_back(tensor, &buffer);
+        Ok(())
+    }
+
+    fn wait_sends(&self) -> Result<()> {
+        let sends = std::mem::take(&mut *self.pending.borrow_mut());
+        if sends.is_empty() {
+            return Ok(());
+        }
+        let mut requests: Vec<ffi::MPI_Request> = sends.iter().map(|s| s.request).collect();
+        // SAFETY: live requests of this process; MPI marks each one completed.
+        let code = unsafe {
+            ffi::MPI_Waitall(
+                requests.len() as c_int,
+                requests.as_mut_ptr(),
+                ffi::RSMPI_STATUSES_IGNORE,
+            )
+        };
+        if code != ffi::MPI_SUCCESS as c_int {
+            // MPI may still read the tensors: leak them rather than free memory in use.
+            std::mem::forget(sends);
+        }
+        check_code(code, "MPI_Waitall on the outstanding sends")
     }
 
     fn supports_kind(&self, kind: Kind) -> bool {

@@ -47,7 +47,23 @@
 //! that is copied back. All ranks must call the same collectives in the same order with
 //! tensors of the same numel and dtype, as with any NCCL program; a rank that never arrives
 //! makes the others wait (NCCL has no timeout in blocking mode).
-use super::{Collectives, ReduceOp};
+//!
+//! # Point-to-point messages
+//!
+//! `ncclSend` and `ncclRecv` (NCCL ≥ 2.7) carry a tensor's bytes (`ncclUint8`), so any kind
+//! travels. A send is a kernel that runs in stream order until the peer's receive has taken the
+//! data: issued at once, two ranks that send to each other before receiving would each wait in
+//! their send for a receive queued behind it. [`Collectives::send`] therefore only queues the
+//! tensor (the caller's memory when contiguous, else a contiguous copy); the queued sends are
+//! issued in one `ncclGroupStart`/`ncclGroupEnd` group with this rank's next receive, where
+//! NCCL progresses them together (as torch's `batch_isend_irecv` does), or by
+//! [`Collectives::wait_sends`]. Collectives leave the queue alone, so a send reaches its peer
+//! only once this rank receives or waits for its sends: a schedule must do one of them before
+//! it waits for the peer in a collective. Message order is kept (a group's sends are issued in
+//! the order queued, and NCCL matches the sends and receives of a pair in order). NCCL cannot
+//! check sizes: the receiving tensor must have exactly the sent byte count, or the ranks hang
+//! or get garbage; an empty tensor sends nothing.
+use super::{byte_size, check_peer, Collectives, ReduceOp};
 use anyhow::{anyhow, bail, Context};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::PathBuf;
@@ -111,6 +127,12 @@ struct NcclApi {
     broadcast:
         unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, NcclComm, CudaStream) -> NcclResult,
     all_gather: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, NcclComm, CudaStream) -> NcclResult,
+    /// `ncclSend(sendbuff, count, datatype, peer, comm, stream)`, NCCL ≥ 2.7.
+    send: unsafe extern "C" fn(*const c_void, usize, c_int, c_int, NcclComm, CudaStream) -> NcclResult,
+    /// `ncclRecv(recvbuff, count, datatype, peer, comm, stream)`, NCCL ≥ 2.7.
+    recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, NcclComm, CudaStream) -> NcclResult,
+    group_start: unsafe extern "C" fn() -> NcclResult,
+    group_end: unsafe extern "C" fn() -> NcclResult,
     get_error_string: unsafe extern "C" fn(NcclResult) -> *const c_char,
     /// NCCL ≥ 2.13.
     get_last_error: Option<unsafe extern "C" fn(NcclComm) -> *const c_char>,
@@ -193,6 +215,10 @@ fn load_nccl() -> anyhow::Result<NcclApi> {
             all_reduce: symbol(&lib, "ncclAllReduce", o)?,
             broadcast: symbol(&lib, "ncclBroadcast", o)?,
             all_gather: symbol(&lib, "ncclAllGather", o)?,
+            send: symbol(&lib, "ncclSend", o)?,
+            recv: symbol(&lib, "ncclRecv", o)?,
+            group_start: symbol(&lib, "ncclGroupStart", o)?,
+            group_end: symbol(&lib, "ncclGroupEnd", o)?,
             get_error_string: symbol(&lib, "ncclGetErrorString", o)?,
             get_last_error: symbol(&lib, "ncclGetLastError", o).ok(),
             origin,
@@ -347,6 +373,14 @@ pub struct NcclCollectives {
     lock: Mutex<()>,
     /// Set once an NCCL call failed: the communicator is then aborted, not destroyed, on drop.
     failed: AtomicBool,
+    /// Sends not yet issued: they go out with the next receive or `wait_sends` (module docs).
+    queued: Mutex<Vec<QueuedSend>>,
+}
+
+/// A tensor handed to `send` and the rank it goes to.
+struct QueuedSend {
+    data: Tensor,
+    peer: usize,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread (each call makes the device
@@ -437,6 +471,7 @@ impl NcclCollectives {
             device_index,
             lock: Mutex::new(()),
             failed: AtomicBool::new(false),
+            queued: Mutex::default(),
         })
     }
 
@@ -461,8 +496,8 @@ impl NcclCollectives {
         anyhow!(msg)
     }
 
-    /// Checks the tensor's device and returns its NCCL data type.
-    fn data_type(&self, tensor: &Tensor, what: &str, reducing: bool) -> anyhow::Result<c_int> {
+    /// Fails unless the tensor is on this communicator's device.
+    fn check_device(&self, tensor: &Tensor, what: &str) -> anyhow::Result<()> {
         let device = tensor.device();
         if device != self.device() {
             bail!(
@@ -471,6 +506,12 @@ impl NcclCollectives {
                 self.device()
             );
         }
+        Ok(())
+    }
+
+    /// Checks the tensor's device and returns its NCCL data type.
+    fn data_type(&self, tensor: &Tensor, what: &str, reducing: bool) -> anyhow::Result<c_int> {
+        self.check_device(tensor, what)?;
         nccl_data_type(tensor.kind(), reducing).with_context(|| format!("NCCL {what} on rank {}", self.rank))
     }
 
@@ -506,6 +547,53 @@ impl NcclCollectives {
         cuda_check("cudaDeviceSynchronize after the collective", unsafe {
             (cuda.device_synchronize)()
         })
+    }
+
+    /// The queued sends, in order, leaving the queue empty.
+    fn take_queued_sends(&self) -> Vec<QueuedSend> {
+        std::mem::take(&mut *self.queued.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Issues `sends` and, if given, the receive of `(buffer, bytes, src)` as one NCCL group,
+    /// so that they progress together (see the module docs). Stops at the first failing call
+    /// but always closes the group, and returns the first failure.
+    ///
+    /// # Safety
+    /// The sends' tensors and `buffer` (`bytes` writable bytes) must be memory on the
+    /// communicator's device that stays alive, and that nothing else writes, until the group
+    /// has completed on the device.
+    unsafe fn p2p_group(
+        api: &NcclApi,
+        comm: NcclComm,
+        sends: &[QueuedSend],
+        recv: Option<(*mut c_void, usize, usize)>,
+    ) -> NcclResult {
+        let stream: CudaStream = std::ptr::null_mut();
+        let started = (api.group_start)();
+        if started != NCCL_SUCCESS {
+            return started;
+        }
+        let mut result = NCCL_SUCCESS;
+        for send in sends {
+            let bytes = byte_size(&send.data);
+            if bytes > 0 {
+                result = (api.send)(send.data.data_ptr(), bytes, dtype::UINT8, send.peer as c_int, comm, stream);
+                if result != NCCL_SUCCESS {
+                    break;
+                }
+            }
+        }
+        if let (NCCL_SUCCESS, Some((buffer, bytes, src))) = (result, recv) {
+            if bytes > 0 {
+                result = (api.recv)(buffer, bytes, dtype::UINT8, src as c_int, comm, stream);
+            }
+        }
+        let ended = (api.group_end)();
+        if result != NCCL_SUCCESS {
+            result
+        } else {
+            ended
+        }
     }
 
     /// Runs an in-place collective `call` on the device memory of `tensor`: directly when it is
@@ -593,6 +681,46 @@ impl Collectives for NcclCollectives {
         nccl_data_type(kind, true).is_ok()
     }
 
+    /// Queues the tensor; it goes out with this rank's next receive or `wait_sends`.
+    fn send(&self, tensor: &Tensor, dst: usize) -> anyhow::Result<()> {
+        check_peer("send to", dst, self.rank, self.world_size).with_context(|| format!("NCCL on rank {}", self.rank))?;
+        self.check_device(tensor, "send")?;
+        let data = if tensor.is_contiguous() {
+            tensor.shallow_clone()
+        } else {
+            tensor.f_contiguous()?
+        };
+        self.queued
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(QueuedSend { data, peer: dst });
+        Ok(())
+    }
+
+    /// Receives in one group with the queued sends, so that ranks sending to each other first
+    /// do not deadlock.
+    fn recv(&self, tensor: &mut Tensor, src: usize) -> anyhow::Result<()> {
+        check_peer("receive from", src, self.rank, self.world_size).with_context(|| format!("NCCL on rank {}", self.rank))?;
+        self.check_device(tensor, "recv")?;
+        let bytes = byte_size(tensor);
+        Self::in_place(tensor, |buffer| {
+            // Taken only now, so that a failure before the launch leaves them queued.
+            let sends = self.take_queued_sends();
+            // SAFETY: `sends` holds its tensors and `buffer` is `bytes` bytes of this device's
+            // memory, both alive until after the group has completed (launch synchronises).
+            self.launch("recv", |api, comm| unsafe { Self::p2p_group(api, comm, &sends, Some((buffer, bytes, src))) })
+        })
+    }
+
+    fn wait_sends(&self) -> anyhow::Result<()> {
+        let sends = self.take_queued_sends();
+        if sends.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `sends` holds its tensors until after the group has completed.
+        self.launch("send", |api, comm| unsafe { Self::p2p_group(api, comm, &sends, None) })
+    }
+
     fn barrier(&self) -> anyhow::Result<()> {
         let mut token = Tensor::f_zeros([1i64].as_slice(), (Kind::Float, self.device()))?;
         self.all_reduce(&mut token, ReduceOp::Sum).context("NCCL barrier")
@@ -603,6 +731,13 @@ impl Drop for NcclCollectives {
     fn drop(&mut self) {
         if self.comm.is_null() {
             return;
+        }
+        // Queued sends are owed to peers that may be waiting for them (not while unwinding from
+        // a panic: MPI then aborts the job, and a peer may never receive).
+        if !std::thread::panicking() && !self.failed.load(Ordering::SeqCst) {
+            if let Err(err) = self.wait_sends() {
+                eprintln!("warning: NCCL rank {}: issuing the queued sends failed: {err:#}", self.rank);
+            }
         }
         let (Ok(api), Ok(cuda)) = (nccl(), cudart()) else {
             return;
@@ -753,5 +888,11 @@ mod tests {
         nccl.broadcast(&mut flags, 0).unwrap();
         assert!(nccl.broadcast(&mut t, 1).is_err());
         nccl.barrier().unwrap();
+        // Point-to-point needs a peer: a world of one refuses both ends and has nothing to wait for.
+        let err = format!("{:#}", nccl.send(&t, 0).unwrap_err());
+        assert!(err.contains("itself"), "{err}");
+        let err = format!("{:#}", nccl.recv(&mut t, 1).unwrap_err());
+        assert!(err.contains("only 1 rank"), "{err}");
+        nccl.wait_sends().unwrap();
     }
 }

@@ -1,6 +1,6 @@
 //! The collectives of a world of one rank: every operation is an identity, so a single
 //! process runs the same data-parallel code path as many, with no engine and no cost.
-use anyhow::Result;
+use anyhow::{bail, Result};
 use tch::Tensor;
 
 use super::{check_reduce, check_root, Collectives, ReduceOp};
@@ -29,6 +29,19 @@ impl Collectives for SingleProcess {
     }
 
     fn barrier(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn send(&self, _tensor: &Tensor, dst: usize) -> Result<()> {
+        bail!("send to rank {dst}: a world of one rank has no peer")
+    }
+
+    fn recv(&self, _tensor: &mut Tensor, src: usize) -> Result<()> {
+        bail!("receive from rank {src}: a world of one rank has no peer")
+    }
+
+    /// Nothing can have been sent.
+    fn wait_sends(&self) -> Result<()> {
         Ok(())
     }
 }

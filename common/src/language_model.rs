@@ -113,7 +113,7 @@ pub fn run(exercise: Exercise, args: &LmArgs) -> anyhow::Result<Vec<RunRecord>> 
     args.check()?;
     device::set_threads(args.run.threads)?;
     device::devices_for(args.run.device)?; // a missing GPU is reported before any data is read
-    let (corpus, unigram) = load_corpus(exercise, args)?;
+    let (corpus, unigram) = load_corpus(exercise, args, true)?;
     report::run_per_device(args.run.device, &args.run.results_dir, |device| {
         let (record, extra) = run_on(exercise, args, device, &corpus)?;
         let mut extra = extra;
@@ -122,19 +122,23 @@ pub fn run(exercise: Exercise, args: &LmArgs) -> anyhow::Result<Vec<RunRecord>> 
     })
 }
 
-/// Reads the WikiText-2 corpus the flags name and announces it (a warning for generated data),
-/// with the add-one unigram model's test perplexity, the baseline a language model must beat.
-pub fn load_corpus(exercise: Exercise, args: &LmArgs) -> anyhow::Result<(Corpus, f64)> {
+/// Reads the WikiText-2 corpus the flags name and, with `announce`, announces it (a warning for
+/// generated data), with the add-one unigram model's test perplexity, the baseline a language
+/// model must beat (returned either way).
+pub fn load_corpus(exercise: Exercise, args: &LmArgs, announce: bool) -> anyhow::Result<(Corpus, f64)> {
     let dir = args.data_dir();
     let corpus = text::load_corpus(&dir, args.tokenizer)?;
+    let vocab = corpus.vocab.len() as i64;
+    let unigram = text::unigram_perplexity(&corpus.train, &corpus.test, vocab);
+    if !announce {
+        return Ok((corpus, unigram));
+    }
     if corpus.generated {
         eprintln!(
             "WARNING: WikiText-2 in {} is a GENERATED stand-in, not the real corpus (see {GENERATED_MARKER}); perplexities are not comparable to the course's",
             dir.display()
         );
     }
-    let vocab = corpus.vocab.len() as i64;
-    let unigram = text::unigram_perplexity(&corpus.train, &corpus.test, vocab);
     println!(
         "{}: WikiText-2 from {} ({} tokenizer): {} / {} / {} tokens (train / valid / test), vocabulary {}; \
          unigram test perplexity {unigram:.1}; LibTorch {}",

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use common::models::{self, TransformerConfig, TransformerLm};
 use common::optim::{Optimizer, Sgd, SgdConfig};
 use common::pipeline::executor::StageTrace;
-use common::pipeline::{split_batch, Op, Partition, Pipeline, PipelineOptions, Schedule, Stage};
+use common::pipeline::{split_batch, Op, Partition, Pipeline, PipelineOptions, PipelineTrainer, Schedule, Stage};
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Tensor};
 

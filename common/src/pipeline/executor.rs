@@ -67,8 +67,17 @@ pub struct StageOptions {
     pub train: bool,
 }
 
-/// Runs `ops` on `stage` and returns the trace and, on the last stage, the mini-batch's mean
-/// loss (a 0-dim tensor on its device). Gradients accumulate into the stage's parameters.
+/// What [`run_stage`] returns: the trace, and on the last stage the mini-batch's mean loss and,
+/// without training, its number of correctly predicted tokens.
+pub struct StageOutcome {
+    pub trace: StageTrace,
+    pub loss: Option<f64>,
+    pub hits: Option<i64>,
+}
+
+/// Runs `ops` on `stage`. Training (`options.train`), gradients accumulate into the stage's
+/// parameters; otherwise `ops` must be forward passes only, run without gradients, and the last
+/// stage counts the arg-max hits as well.
 pub fn run_stage(
     stage: &Stage,
     ops: &[Op],
@@ -77,10 +86,11 @@ pub fn run_stage(
     mut next: Option<&mut dyn Link>,
     options: StageOptions,
     clock: Instant,
-) -> Result<(StageTrace, Option<Tensor>)> {
+) -> Result<StageOutcome> {
     let device = stage.device();
     let mut saved: HashMap<usize, Saved> = HashMap::new();
     let mut loss_sum: Option<Tensor> = None;
+    let mut hits = Tensor::zeros([], (Kind::Int64, device));
     let mut trace = StageTrace { stage: stage.index, intervals: Vec::with_capacity(ops.len()), peak_live: 0 };
     // The last stage's output for micro-batch m: its weighted loss.
     let finish = |m: usize, output: Tensor| -> Tensor {
@@ -88,6 +98,9 @@ pub fn run_stage(
             true => Stage::loss(&output, &batches.targets[m]) * batches.weights[m],
             false => output,
         }
+    };
+    let count_hits = |m: usize, logits: &Tensor| -> Tensor {
+        logits.argmax(-1, false).eq_tensor(&batches.targets[m]).sum(Kind::Int64)
     };
     for &op in ops {
         // The interval starts once the neighbour's tensor is here: waiting is idle time.
@@ -99,10 +112,18 @@ pub fn run_stage(
                     Some(link) => link.recv(device)?.detach().set_requires_grad(options.train),
                 };
                 start_s = clock.elapsed().as_secs_f64();
-                let output = if options.recompute {
-                    tch::no_grad(|| finish(m, stage.forward_t(&input, options.train)))
+                let output = if !options.train {
+                    tch::no_grad(|| {
+                        let output = stage.forward_t(&input, false);
+                        if stage.is_last() {
+                            hits += count_hits(m, &output);
+                        }
+                        finish(m, output)
+                    })
+                } else if options.recompute {
+                    tch::no_grad(|| finish(m, stage.forward_t(&input, true)))
                 } else {
-                    finish(m, stage.forward_t(&input, options.train))
+                    finish(m, stage.forward_t(&input, true))
                 };
                 if let Some(link) = next.as_deref_mut() {
                     link.send(&output)?;
@@ -113,9 +134,11 @@ pub fn run_stage(
                         None => loss,
                     });
                 }
-                let output = (!options.recompute).then_some(output);
-                saved.insert(m, Saved { input, output });
-                trace.peak_live = trace.peak_live.max(saved.len());
+                if options.train {
+                    let output = (!options.recompute).then_some(output);
+                    saved.insert(m, Saved { input, output });
+                    trace.peak_live = trace.peak_live.max(saved.len());
+                }
             }
             Op::Backward(m) => {
                 let grad = match next.as_deref_mut() {
@@ -146,5 +169,10 @@ pub fn run_stage(
         crate::device::synchronize(device);
         trace.intervals.push(OpInterval { op, start_s, end_s: clock.elapsed().as_secs_f64() });
     }
-    Ok((trace, loss_sum.map(|l| l.to_kind(Kind::Double))))
+    let last = stage.is_last();
+    Ok(StageOutcome {
+        trace,
+        loss: loss_sum.map(|l| l.double_value(&[])),
+        hits: (last && !options.train).then(|| hits.int64_value(&[])),
+    })
 }

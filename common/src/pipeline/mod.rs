@@ -11,6 +11,10 @@
 //! - [`executor::run_stage`]: one stage's passes, exchanging activations and gradients with its
 //!   neighbours over a [`link::Link`].
 //! - [`Pipeline`]: all stages in one process, one thread per stage, joined by channels.
+//! - [`process::StageProcess`]: one stage per process (`torch.distributed.pipelining`'s way),
+//!   activations and gradients sent point-to-point through the process group (MPI for CPU
+//!   tensors, NCCL for CUDA tensors), replicated `--dp` times for data parallelism.
+//! - [`PipelineTrainer`]: what the training loop needs of either.
 //!
 //! Gradients are exactly those of the whole model on the whole mini-batch (up to float
 //! rounding): each micro-batch's mean loss is weighted by its share of the sequences, so the
@@ -21,25 +25,25 @@
 //! `--checkpoint-activations`, the recomputed forward draws new masks, as
 //! `torch.utils.checkpoint(preserve_rng_state=False)` does.
 pub mod executor;
+pub mod in_process;
 pub mod link;
 pub mod partition;
+pub mod process;
 pub mod schedule;
 pub mod stage;
 
+pub use in_process::Pipeline;
 pub use partition::{LayerCosts, Partition};
 pub use schedule::{Op, Schedule};
 pub use stage::Stage;
 
-use std::time::Instant;
-
-use anyhow::{anyhow, Result};
+use anyhow::Result;
 use serde::Serialize;
-use tch::{Device, Tensor};
+use tch::Tensor;
 
+use crate::data::text::TokenBatches;
 use crate::error::usage;
-use crate::models::TransformerConfig;
-use executor::{MicroBatches, StageOptions, StageTrace};
-use link::{ChannelLink, Link, NeighbourGone};
+use executor::StageTrace;
 
 /// How the pipeline runs a mini-batch.
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -53,29 +57,68 @@ pub struct PipelineOptions {
     pub threads_per_stage: Option<usize>,
 }
 
-/// What one training mini-batch did.
+/// What one mini-batch did.
 #[derive(Debug, Clone, Serialize)]
 pub struct StepReport {
     /// The mini-batch's mean loss.
     pub loss: f64,
+    /// Correctly predicted tokens (evaluation only; 0 in training).
+    pub hits: i64,
     pub wall_s: f64,
+    /// Seconds each stage computed (its own waits excluded), in stage order.
+    pub stage_busy_s: Vec<f64>,
+    /// The passes of the stages this process ran, with their times.
     pub traces: Vec<StageTrace>,
 }
 
 impl StepReport {
     /// The measured idle share: 1 − (time the stages computed) / (stages × wall time).
     pub fn bubble_fraction(&self) -> f64 {
-        bubble_fraction(&self.traces, self.wall_s)
+        if self.stage_busy_s.is_empty() || self.wall_s <= 0.0 {
+            return 0.0;
+        }
+        let busy: f64 = self.stage_busy_s.iter().sum();
+        (1.0 - busy / (self.stage_busy_s.len() as f64 * self.wall_s)).max(0.0)
     }
 }
 
-/// 1 − Σ busy / (stages × span): the share of the stages' time spent waiting.
-pub fn bubble_fraction(traces: &[StageTrace], wall_s: f64) -> f64 {
-    if traces.is_empty() || wall_s <= 0.0 {
-        return 0.0;
+/// Sums over a pass of evaluation: combine them over data-parallel replicas by adding.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EvalSums {
+    pub loss_sum: f64,
+    pub hits: f64,
+    pub tokens: f64,
+}
+
+impl EvalSums {
+    pub fn mean_loss(&self) -> f64 {
+        self.loss_sum / self.tokens.max(1.0)
     }
-    let busy: f64 = traces.iter().map(StageTrace::busy_s).sum();
-    (1.0 - busy / (traces.len() as f64 * wall_s)).max(0.0)
+
+    pub fn accuracy(&self) -> f64 {
+        self.hits / self.tokens.max(1.0)
+    }
+}
+
+/// What a training loop needs of a pipeline, whether its stages are threads of this process
+/// ([`Pipeline`]) or processes of a job ([`process::StageProcess`]).
+pub trait PipelineTrainer {
+    /// The variables this process trains, with their whole-model names.
+    fn named_parameters(&self) -> Vec<(String, Tensor)>;
+
+    /// The forward and backward passes of one mini-batch (`[seq_len, batch]` ids and targets);
+    /// the gradients accumulate (zero them before, step after). The loss is known on every
+    /// process.
+    fn train_step(&mut self, src: &Tensor, targets: &Tensor) -> Result<StepReport>;
+
+    /// Makes the gradients final before the optimizer step: averaged over data-parallel
+    /// replicas, then scaled so that their total norm over the whole model is at most
+    /// `max_norm` (`clip_grad_norm_`).
+    fn finish_gradients(&mut self, params: &[Tensor], max_norm: Option<f64>) -> Result<()>;
+
+    /// Loss and hits over one pass of `source` (forward passes only, dropout off), known on
+    /// every process.
+    fn evaluate(&mut self, source: &TokenBatches) -> Result<EvalSums>;
 }
 
 /// Splits `batch` (`[seq_len, batch]` ids) along the batch dimension into `chunks` parts as even
@@ -94,132 +137,8 @@ pub fn split_batch(batch: &Tensor, chunks: usize) -> Result<(Vec<Tensor>, Vec<f6
     Ok((parts, sizes.iter().map(|&s| s as f64 / n as f64).collect()))
 }
 
-/// All stages of a pipeline in one process.
-pub struct Pipeline {
-    /// The whole model's configuration.
-    pub config: TransformerConfig,
-    pub stages: Vec<Stage>,
-    pub options: PipelineOptions,
-}
-
-impl Pipeline {
-    /// Builds one stage per device with `partition`'s layers (see [`Stage::new`] for `seed`).
-    pub fn new(cfg: &TransformerConfig, partition: &Partition, devices: &[Device], seed: u64, options: PipelineOptions) -> Result<Pipeline> {
-        if devices.len() != partition.stages() {
-            return usage(format!("{} devices for {} stages", devices.len(), partition.stages()));
-        }
-        if options.chunks == 0 {
-            return usage("--chunks must be at least 1");
-        }
-        let stages = devices
-            .iter()
-            .zip(&partition.layers)
-            .enumerate()
-            .map(|(i, (&device, layers))| Stage::new(cfg, i, devices.len(), layers.clone(), device, seed))
-            .collect();
-        Ok(Pipeline { config: *cfg, stages, options })
-    }
-
-    /// Every stage's trainable variables, with their whole-model names.
-    pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        self.stages.iter().flat_map(Stage::named_parameters).collect()
-    }
-
-    /// Logits `[seq_len, batch, ntoken]` for token ids `src` (on the last stage's device),
-    /// stage after stage, without pipelining: for evaluation.
-    pub fn forward_t(&self, src: &Tensor, train: bool) -> Tensor {
-        self.stages.iter().fold(src.shallow_clone(), |xs, stage| stage.forward_t(&xs.to_device(stage.device()), train))
-    }
-
-    /// One training mini-batch: the forward and backward passes of its micro-batches, the
-    /// stages running concurrently in threads; the parameters' gradients accumulate (call the
-    /// optimizer's `zero_grad` before and `step` after).
-    pub fn train_step(&mut self, src: &Tensor, targets: &Tensor) -> Result<StepReport> {
-        let (inputs, weights) = split_batch(src, self.options.chunks)?;
-        let (targets, _) = split_batch(targets, self.options.chunks)?;
-        let count = self.stages.len();
-        // What each stage needs of the batch: the inputs on the first stage's device, the
-        // targets on the last's.
-        let batches: Vec<MicroBatches> = self
-            .stages
-            .iter()
-            .map(|stage| MicroBatches {
-                inputs: match stage.is_first() {
-                    true => inputs.iter().map(|t| t.to_device(stage.device())).collect(),
-                    false => Vec::new(),
-                },
-                targets: match stage.is_last() {
-                    true => targets.iter().map(|t| t.to_device(stage.device())).collect(),
-                    false => Vec::new(),
-                },
-                weights: weights.clone(),
-            })
-            .collect();
-
-        // Links between stage s and s + 1: s holds `.0` as its next, s + 1 holds `.1` as its prev.
-        let (mut nexts, mut prevs): (Vec<Option<ChannelLink>>, Vec<Option<ChannelLink>>) = (vec![], vec![None]);
-        for _ in 1..count {
-            let (earlier, later) = ChannelLink::pair();
-            nexts.push(Some(earlier));
-            prevs.push(Some(later));
-        }
-        nexts.push(None);
-
-        let options = StageOptions { recompute: self.options.checkpoint_activations, train: true };
-        let schedule = self.options.schedule;
-        let chunks = self.options.chunks;
-        let threads = self.options.threads_per_stage;
-        let clock = Instant::now();
-        let results: Vec<Result<(StageTrace, Option<Tensor>)>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = self
-                .stages
-                .iter_mut()
-                .zip(batches)
-                .zip(prevs.into_iter().zip(nexts))
-                .map(|((stage, batches), (mut prev, mut next))| {
-                    scope.spawn(move || {
-                        let stage: &Stage = stage;
-                        if let Some(n) = threads {
-                            tch::set_num_threads(n as i32);
-                        }
-                        let ops = schedule::stage_ops(schedule, stage.index, count, chunks);
-                        executor::run_stage(
-                            stage,
-                            &ops,
-                            &batches,
-                            prev.as_mut().map(|l| l as &mut dyn Link),
-                            next.as_mut().map(|l| l as &mut dyn Link),
-                            options,
-                            clock,
-                        )
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .enumerate()
-                .map(|(i, handle)| handle.join().unwrap_or_else(|_| Err(anyhow!("pipeline stage {i} panicked"))))
-                .collect()
-        });
-        let wall_s = clock.elapsed().as_secs_f64();
-        let mut traces = Vec::with_capacity(count);
-        let mut loss = None;
-        let mut consequences = Vec::new();
-        for (i, result) in results.into_iter().enumerate() {
-            match result {
-                Ok((trace, stage_loss)) => {
-                    traces.push(trace);
-                    loss = loss.or(stage_loss);
-                }
-                // A stage that stopped because its neighbour did: report the neighbour's error.
-                Err(err) if err.is::<NeighbourGone>() => consequences.push(i),
-                Err(err) => return Err(err.context(format!("pipeline stage {i}"))),
-            }
-        }
-        if let Some(i) = consequences.first() {
-            return Err(anyhow!(NeighbourGone).context(format!("pipeline stage {i}")));
-        }
-        let loss = loss.expect("the last stage computes the loss").double_value(&[]);
-        Ok(StepReport { loss, wall_s, traces })
-    }
+/// The micro-batch count for a batch of `batch` sequences: `chunks`, or fewer for a smaller
+/// batch (evaluation batches, the last batch of a split).
+pub fn chunks_for(chunks: usize, batch: i64) -> usize {
+    chunks.min(batch.max(1) as usize)
 }

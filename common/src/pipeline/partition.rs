@@ -4,12 +4,12 @@
 use std::ops::Range;
 
 use anyhow::Result;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::usage;
 
 /// Consecutive ranges of encoder layers, one per stage, covering `0..nlayers` in order.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Partition {
     pub layers: Vec<Range<i64>>,
 }

@@ -10,7 +10,7 @@ use std::time::Instant;
 use clap::Parser;
 use common::device;
 use common::models::{self, TransformerConfig, TransformerLm};
-use common::pipeline::{Partition, Pipeline, PipelineOptions, Schedule, Stage};
+use common::pipeline::{Partition, Pipeline, PipelineOptions, PipelineTrainer, Schedule, Stage};
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Tensor};
 

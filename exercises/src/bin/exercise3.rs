@@ -62,7 +62,7 @@ fn main() -> std::process::ExitCode {
         }
         Command::Pipeline { args } => {
             let exercise = Exercise { name: "exercise3_pipeline", default_epochs: 3 };
-            common::error::run_main(|| pipeline_lm::run(exercise, &args).map(drop))
+            common::error::run_main(|| pipeline_lm::run(exercise, &args))
         }
     }
 }

@@ -199,6 +199,8 @@ impl ProcessGroup {
         if let Some(mpi) = &self.mpi {
             return self.split_mpi(mpi, color, key);
         }
+        #[cfg(not(feature = "mpi"))]
+        let _ = (color, key); // a world of one has a single sub-group, whatever is asked
         if self.size == 1 {
             return Ok(self.world_of_one());
         }

@@ -216,6 +216,7 @@ pub(crate) fn check_root(root: usize, world_size: usize) -> Result<()> {
 
 /// Rejects a `send`/`recv` peer outside the group or equal to this rank: a message to oneself
 /// is a logic error in a schedule, and an out-of-range rank would hang or abort inside MPI.
+#[cfg_attr(not(any(feature = "mpi", feature = "nccl")), allow(dead_code))] // only MPI and NCCL send messages
 pub(crate) fn check_peer(what: &str, peer: usize, rank: usize, world_size: usize) -> Result<()> {
     if peer >= world_size {
         bail!("{what} rank {peer}, but the group has only {world_size} rank(s)");
@@ -228,6 +229,7 @@ pub(crate) fn check_peer(what: &str, peer: usize, rank: usize, world_size: usize
 
 /// How many bytes a tensor's elements take: point-to-point messages are sent as bytes, so any
 /// kind travels, and the receiver can check the size of what arrives.
+#[cfg_attr(not(any(feature = "mpi", feature = "nccl")), allow(dead_code))] // only MPI and NCCL send messages
 pub(crate) fn byte_size(tensor: &Tensor) -> usize {
     tensor.numel() * tensor.kind().elt_size_in_bytes()
 }

@@ -420,3 +420,21 @@ impl Collectives for MpiCollectives {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Messages over 2 GiB (too large for the two-rank tests) go in pieces MPI can count.
+    #[test]
+    fn messages_travel_in_pieces_of_at_most_max_count_bytes() {
+        let of = |bytes| pieces(bytes).collect::<Vec<_>>();
+        assert_eq!(of(0), [(0, 0)], "an empty tensor is still one message");
+        assert_eq!(of(5), [(0, 5)]);
+        assert_eq!(of(MAX_COUNT), [(0, MAX_COUNT)]);
+        assert_eq!(
+            of(2 * MAX_COUNT + 3),
+            [(0, MAX_COUNT), (MAX_COUNT, MAX_COUNT), (2 * MAX_COUNT, 3)]
+        );
+    }
+}

@@ -57,7 +57,8 @@
 //! tensor (the caller's memory when contiguous, else a contiguous copy); the queued sends are
 //! issued in one `ncclGroupStart`/`ncclGroupEnd` group with this rank's next receive, where
 //! NCCL progresses them together (as torch's `batch_isend_irecv` does), or by
-//! [`Collectives::wait_sends`]. Collectives leave the queue alone, so a send reaches its peer
+//! [`Collectives::wait_sends`]; either returns once the whole group has completed, so a
+//! receive also waits until the sends issued with it have been received. Collectives leave the queue alone, so a send reaches its peer
 //! only once this rank receives or waits for its sends: a schedule must do one of them before
 //! it waits for the peer in a collective. Message order is kept (a group's sends are issued in
 //! the order queued, and NCCL matches the sends and receives of a pair in order). NCCL cannot
@@ -685,11 +686,9 @@ impl Collectives for NcclCollectives {
     fn send(&self, tensor: &Tensor, dst: usize) -> anyhow::Result<()> {
         check_peer("send to", dst, self.rank, self.world_size).with_context(|| format!("NCCL on rank {}", self.rank))?;
         self.check_device(tensor, "send")?;
-        let data = if tensor.is_contiguous() {
-            tensor.shallow_clone()
-        } else {
-            tensor.f_contiguous()?
-        };
+        // Detached: the queue holds the values only, not the autograd graph behind them.
+        let data = tensor.detach();
+        let data = if data.is_contiguous() { data } else { data.f_contiguous()? };
         self.queued
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

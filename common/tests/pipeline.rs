@@ -1,13 +1,23 @@
-//! Pipeline parallelism in one process: a model cut into 1, 2 or 3 stages and run with GPipe or
-//! 1F1B over 1 or 4 micro-batches computes the unpartitioned model's loss, gradients and (after
-//! five optimizer steps) parameters; its stages really run at the same time; 1F1B bounds the
+//! Pipeline parallelism: a model cut into 1, 2 or 3 stages in one process, or into 2 stages in
+//! 2 processes (and 2 replicas of them in 4 processes), run with GPipe or 1F1B over 1 or 4
+//! micro-batches, computes the unpartitioned model's loss, gradients (clipped) and, after five
+//! optimizer steps, parameters; its stages really run at the same time; 1F1B bounds the
 //! activations a stage holds; bad configurations are refused clearly.
+//!
+//! The multi-process cases run this test binary's `rank_entry` under mpirun (see
+//! `support::ranks`).
+mod support;
+
 use std::collections::HashMap;
+use std::time::Duration;
 
 use common::models::{self, TransformerConfig, TransformerLm};
 use common::optim::{Optimizer, Sgd, SgdConfig};
+use common::dist::{Backend, ProcessGroup};
 use common::pipeline::executor::StageTrace;
+use common::pipeline::process::{Placement, StageProcess};
 use common::pipeline::{split_batch, Op, Partition, Pipeline, PipelineOptions, PipelineTrainer, Schedule, Stage};
+use support::ranks::{launch, SCENARIO};
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Tensor};
 
@@ -40,53 +50,79 @@ fn by_name(params: Vec<(String, Tensor)>) -> HashMap<String, Tensor> {
     params.into_iter().collect()
 }
 
-/// Checks that `pipeline` matches the unpartitioned `reference` on loss, logits, every gradient,
-/// and the parameters after five SGD-momentum steps.
-fn assert_matches_unpartitioned(mut pipeline: Pipeline, reference: &TransformerLm, reference_vs: &nn::VarStore, what: &str) {
-    for stage in &pipeline.stages {
-        stage.copy_from(reference_vs).unwrap();
-    }
+/// The gradient-norm bound of the tests (the tutorial's): small enough to clip these gradients.
+const CLIP: f64 = 0.5;
+
+/// Checks that `trainer` (replica `replica.0` of `replica.1`, each training on its share of
+/// every batch) matches the unpartitioned `reference` trained on whole batches: the loss, every
+/// clipped gradient of the first step, and the parameters after five SGD-momentum steps.
+fn assert_trains_like_unpartitioned(
+    trainer: &mut dyn PipelineTrainer,
+    reference: &TransformerLm,
+    reference_vs: &nn::VarStore,
+    replica: (usize, usize),
+    what: &str,
+) {
     let mut reference_opt = sgd(models::named_parameters(reference_vs));
-    let mut pipeline_opt = sgd(pipeline.named_parameters());
+    let mut trainer_opt = sgd(trainer.named_parameters());
+    let trainer_params: Vec<Tensor> = trainer.named_parameters().into_iter().map(|(_, t)| t).collect();
+    let per_replica = 8;
     for step in 0..5 {
-        let (src, targets) = batch(100 + step, 6, 8);
+        let (src, targets) = batch(100 + step, 6, per_replica * replica.1 as i64);
         reference_opt.zero_grad();
-        let logits = reference.forward_t(&src, true);
-        let loss = Stage::loss(&logits, &targets);
+        let loss = Stage::loss(&reference.forward_t(&src, true), &targets);
         loss.backward();
-        pipeline_opt.zero_grad();
-        let report = pipeline.train_step(&src, &targets).unwrap();
+        common::optim::clip_grad_norm(&reference_vs.trainable_variables(), CLIP);
+        let mine = |t: &Tensor| t.narrow(1, per_replica * replica.0 as i64, per_replica);
+        trainer_opt.zero_grad();
+        let report = trainer.train_step(&mine(&src), &mine(&targets)).unwrap();
+        trainer.finish_gradients(&trainer_params, Some(CLIP)).unwrap();
 
         let expected = loss.double_value(&[]);
         assert!((report.loss - expected).abs() <= 1e-5 * expected.abs(), "{what}: loss {} vs {expected}", report.loss);
         if step == 0 {
-            let pipeline_logits = tch::no_grad(|| pipeline.forward_t(&src, true));
-            let diff = relative_difference(&pipeline_logits, &logits);
-            assert!(diff <= 1e-5, "{what}: logits differ by {diff:e}");
             let grads = by_name(models::named_parameters(reference_vs));
-            let piped = by_name(pipeline.named_parameters());
-            assert_eq!(piped.len(), grads.len(), "{what}: the stages hold every variable once");
-            for (name, p) in &piped {
-                let diff = relative_difference(&p.grad(), &grads[name].grad());
+            for (name, p) in trainer.named_parameters() {
+                let diff = relative_difference(&p.grad(), &grads[&name].grad());
                 assert!(diff <= 1e-5, "{what}: gradient of {name} differs by {diff:e}");
             }
         }
         reference_opt.step().unwrap();
-        pipeline_opt.step().unwrap();
+        trainer_opt.step().unwrap();
     }
     let reference_params = by_name(models::named_parameters(reference_vs));
-    for (name, p) in pipeline.named_parameters() {
+    for (name, p) in trainer.named_parameters() {
         let diff = relative_difference(&p, &reference_params[&name]);
         assert!(diff <= 1e-5, "{what}: after 5 steps, {name} differs by {diff:e}");
     }
 }
 
+/// [`assert_trains_like_unpartitioned`] for a pipeline in this process, which also holds every
+/// variable once and gives the reference's logits.
+fn assert_matches_unpartitioned(mut pipeline: Pipeline, reference: &TransformerLm, reference_vs: &nn::VarStore, what: &str) {
+    for stage in &pipeline.stages {
+        stage.copy_from(reference_vs).unwrap();
+    }
+    assert_eq!(pipeline.named_parameters().len(), reference_vs.trainable_variables().len(), "{what}: the stages hold every variable once");
+    let (src, _) = batch(99, 6, 8);
+    let expected = tch::no_grad(|| reference.forward_t(&src, false));
+    let diff = relative_difference(&tch::no_grad(|| pipeline.forward_t(&src, false)), &expected);
+    assert!(diff <= 1e-5, "{what}: logits differ by {diff:e}");
+    assert_trains_like_unpartitioned(&mut pipeline, reference, reference_vs, (0, 1), what);
+}
+
+/// The unpartitioned model every comparison starts from.
+fn reference_model(cfg: &TransformerConfig) -> (nn::VarStore, TransformerLm) {
+    tch::manual_seed(7);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let model = TransformerLm::new(&vs.root(), cfg);
+    (vs, model)
+}
+
 #[test]
 fn every_partition_and_schedule_trains_the_unpartitioned_model() {
     let cfg = config(3, 16);
-    tch::manual_seed(7);
-    let reference_vs = nn::VarStore::new(Device::Cpu);
-    let reference = TransformerLm::new(&reference_vs.root(), &cfg);
+    let (reference_vs, reference) = reference_model(&cfg);
     let initial: Vec<(String, Tensor)> = models::named_parameters(&reference_vs).into_iter().map(|(n, t)| (n, t.detach().copy())).collect();
     for stages in 1..=3 {
         for chunks in [1, 4] {
@@ -183,4 +219,60 @@ fn bad_configurations_are_refused_clearly() {
     assert_eq!(common::error::exit_code(&err), 2);
     let err = Pipeline::new(&cfg, &Partition::even(2, 2).unwrap(), &[Device::Cpu], 1, options(Schedule::GPipe, 1, false)).err().unwrap();
     assert!(format!("{err}").contains("1 devices for 2 stages"), "{err}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stages in separate processes (under mpirun).
+
+#[test]
+fn rank_entry() {
+    let Ok(scenario) = std::env::var(SCENARIO) else { return };
+    tch::set_num_threads(1); // the ranks share the machine's cores
+    let rank = match scenario.as_str() {
+        "two_stages" => stages_in_processes(2),
+        "two_replicas_of_two_stages" => stages_in_processes(4),
+        other => panic!("unknown scenario {other}"),
+    };
+    println!("scenario {scenario} passed on rank {rank}");
+}
+
+/// Two stages, one per rank, replicated over `world / 2` pairs of ranks; every rank checks its
+/// stage against the unpartitioned model.
+fn stages_in_processes(world: usize) -> usize {
+    let group = ProcessGroup::init(Backend::Auto).unwrap();
+    assert_eq!(group.world_size(), world);
+    let cfg = config(3, 16);
+    let placement = Placement::of(group.rank(), world, 2, Some(world / 2)).unwrap();
+    let partition = Partition::even(cfg.nlayers, 2).unwrap();
+    for chunks in [1, 4] {
+        for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+            let (reference_vs, reference) = reference_model(&cfg);
+            let stage = Stage::new(&cfg, placement.stage, 2, partition.layers[placement.stage].clone(), Device::Cpu, 1);
+            stage.copy_from(&reference_vs).unwrap();
+            let mut process = StageProcess::new(&group, stage, placement, options(schedule, chunks, false)).unwrap();
+            let what = format!("rank {} (stage {}, replica {}): {chunks} chunks, {}", group.rank(), placement.stage, placement.replica, schedule.name());
+            assert_trains_like_unpartitioned(&mut process, &reference, &reference_vs, (placement.replica, placement.replicas), &what);
+        }
+    }
+    group.rank()
+}
+
+#[test]
+fn two_stages_in_two_processes_train_the_unpartitioned_model() {
+    launch(Some(2), "two_stages", &[], Duration::from_secs(120)).assert_passed("two_stages", 2);
+}
+
+#[test]
+fn two_replicas_of_a_two_stage_pipeline_train_the_unpartitioned_model_on_both_halves() {
+    let scenario = "two_replicas_of_two_stages";
+    launch(Some(4), scenario, &[], Duration::from_secs(180)).assert_passed(scenario, 4);
+}
+
+#[test]
+fn a_job_that_does_not_split_into_pipelines_is_refused() {
+    let err = Placement::of(0, 3, 2, None).unwrap_err();
+    assert!(format!("{err}").contains("3 ranks cannot run pipelines of 2 stages"), "{err}");
+    let err = Placement::of(0, 4, 2, Some(3)).unwrap_err();
+    assert!(format!("{err}").contains("--dp 3 with 2 stages needs 6 ranks, but the job has 4"), "{err}");
+    assert_eq!(Placement::of(5, 6, 2, None).unwrap(), Placement { stage: 1, replica: 2, stages: 2, replicas: 3 });
 }

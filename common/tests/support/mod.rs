@@ -2,6 +2,8 @@
 #![allow(dead_code)]
 use std::path::PathBuf;
 
+pub mod ranks;
+
 /// The real data samples beside the checkout (`../shared/data`), or `$SHARED_DATA`.
 /// Missing data fails the test with the reason: these tests are never skipped silently.
 pub fn shared_data(sub: &str) -> PathBuf {

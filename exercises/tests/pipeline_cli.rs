@@ -91,6 +91,39 @@ fn a_checkpoint_resumes_on_another_number_of_stages() {
 }
 
 #[test]
+fn stages_in_separate_processes_and_replicas_of_them() {
+    let data = tempfile::tempdir().unwrap();
+    corpus(data.path(), 60);
+    let results = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--chunks", "2", "--schedule", "1f1b",
+            "--emsize", "16", "--d-hid", "32", "--nhead", "2", "--nlayers", "2", "--max-steps", "3", "--epochs", "1",
+            "--quiet", "--results-dir", results.path().to_str().unwrap(),
+        ];
+        args.extend(extra);
+        let out = exercise3_pipeline(&args);
+        assert!(out.status.success(), "{extra:?}: {}", stderr(&out));
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        (stdout, read_json(&results.path().join("exercise3_pipeline-transformer-cpu.json")))
+    };
+    let (stdout, json) = run(&["--nproc-per-node", "2"]);
+    assert!(stdout.contains("2 ranks: 1 replica(s) of a 2-stage pipeline"), "{stdout}");
+    assert_eq!((json["stages"].as_u64(), json["dp"].as_u64(), json["world_size"].as_u64()), (Some(2), Some(1), Some(2)));
+    assert!(json["test_loss"].as_f64().unwrap().is_finite());
+    let (stdout, json) = run(&["--nproc-per-node", "4", "--dp", "2"]);
+    assert!(stdout.contains("4 ranks: 2 replica(s) of a 2-stage pipeline"), "{stdout}");
+    assert_eq!((json["stages"].as_u64(), json["dp"].as_u64(), json["world_size"].as_u64()), (Some(2), Some(2), Some(4)));
+    // A job that is not stages × dp ranks: one clear line from rank 0, exit 2.
+    let out = exercise3_pipeline(&[
+        "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--emsize", "16", "--d-hid", "32", "--nhead", "2",
+        "--nlayers", "2", "--max-steps", "1", "--quiet", "--nproc-per-node", "3", "--devices", "cpu,cpu",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("3 ranks cannot run pipelines of 2 stages"), "{}", stderr(&out));
+}
+
+#[test]
 fn configuration_mistakes_are_one_clear_line_with_exit_2() {
     let data = tempfile::tempdir().unwrap();
     corpus(data.path(), 50);

@@ -66,8 +66,8 @@ impl Partition {
         // cut[s][i]: where stage s starts in that optimum.
         let mut best = vec![vec![f64::INFINITY; n + 1]; stages];
         let mut cut = vec![vec![0usize; n + 1]; stages];
-        for i in 1..=n {
-            best[0][i] = stage_cost(0, 0, i);
+        for (i, best) in best[0].iter_mut().enumerate().skip(1) {
+            *best = stage_cost(0, 0, i);
         }
         for s in 1..stages {
             for i in s + 1..=n {
@@ -119,7 +119,7 @@ mod tests {
         assert_eq!(Partition::even(12, 2).unwrap().layers, [0..6, 6..12]);
         assert_eq!(Partition::even(5, 3).unwrap().layers, [0..2, 2..4, 4..5]);
         assert_eq!(Partition::even(3, 3).unwrap().layers, [0..1, 1..2, 2..3]);
-        assert_eq!(Partition::even(4, 1).unwrap().layers, [0..4]);
+        assert_eq!(Partition::even(4, 1).unwrap().layers, vec![0..4]);
     }
 
     #[test]

@@ -34,7 +34,7 @@ impl Placement {
     /// Rank `rank` of `world` ranks with `stages` stages per replica; `dp`, when given, must be
     /// the number of replicas this makes.
     pub fn of(rank: usize, world: usize, stages: usize, dp: Option<usize>) -> Result<Placement> {
-        if stages == 0 || world % stages != 0 {
+        if stages == 0 || !world.is_multiple_of(stages) {
             return usage(format!(
                 "{world} ranks cannot run pipelines of {stages} stages: the number of ranks must be stages × --dp"
             ));

@@ -1,7 +1,9 @@
 //! Time per training mini-batch of the unpartitioned Transformer against a pipeline of its
 //! stages, over numbers of micro-batches, with the measured bubble beside GPipe's theory
 //! (p−1)/(m+p−1). On a CPU, each stage gets its share of the cores (`--threads` / stages) and
-//! the unpartitioned model all of them, so the comparison is at equal hardware.
+//! the unpartitioned model all of them, so the comparison is at equal hardware; the
+//! unpartitioned model is also timed on one stage's share, which shows what the stages'
+//! concurrency buys (ideally × stages × (1 − bubble)).
 //!
 //!     bench_pipeline --devices cpu,cpu --threads 2 --chunks 1,2,4,8,16
 use std::io::Write;
@@ -78,8 +80,8 @@ fn bench(cli: &Cli) -> anyhow::Result<()> {
     let vs = nn::VarStore::new(reference_device);
     let reference = TransformerLm::new(&vs.root(), &cfg);
     let reference_params: Vec<Tensor> = vs.trainable_variables();
-    let sequential_step = || {
-        // All the threads (stage threads set their own share, on their own threads).
+    let sequential_step = |threads: usize| {
+        // Stage threads set their own share, on their own threads.
         tch::set_num_threads(threads as i32);
         reference_params.iter().for_each(|p| drop(p.grad().f_zero_()));
         let logits = reference.forward_t(&src.to_device(reference_device), true);
@@ -109,19 +111,24 @@ fn bench(cli: &Cli) -> anyhow::Result<()> {
         threads,
         stage_threads.map_or("all".into(), |n| n.to_string())
     );
-    println!("| chunks | sequential ms | pipeline ms | speed-up | bubble measured | bubble theory |\n|---:|---:|---:|---:|---:|---:|");
+    let share = stage_threads.unwrap_or(threads);
+    println!(
+        "| chunks | sequential ms ({threads} threads) | sequential ms ({share} threads) | pipeline ms | speed-up vs {threads} threads | vs {share} | bubble measured | bubble theory |\n|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
     let mut rows = Vec::new();
     for &chunks in &cli.chunks {
         let options = PipelineOptions { schedule: cli.schedule, chunks, checkpoint_activations: false, threads_per_stage: stage_threads };
         let mut pipeline = Pipeline::new(&cfg, &partition, &devices, 0, options)?;
         let params: Vec<Tensor> = pipeline.named_parameters().into_iter().map(|(_, t)| t).collect();
-        let (mut sequential, mut piped, mut bubbles) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut sequential, mut one_share, mut piped, mut bubbles) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..cli.rounds {
-            sequential.push(time_steps(&mut || {
-                let start = Instant::now();
-                sequential_step();
-                start.elapsed().as_secs_f64()
-            }));
+            for (times, threads) in [(&mut sequential, threads), (&mut one_share, share)] {
+                times.push(time_steps(&mut || {
+                    let start = Instant::now();
+                    sequential_step(threads);
+                    start.elapsed().as_secs_f64()
+                }));
+            }
             let mut round_bubbles = Vec::new();
             piped.push(time_steps(&mut || {
                 params.iter().for_each(|p| drop(p.grad().f_zero_()));
@@ -132,35 +139,55 @@ fn bench(cli: &Cli) -> anyhow::Result<()> {
             }));
             bubbles.push(median(round_bubbles));
         }
-        let (sequential, piped, bubble) = (median(sequential), median(piped), median(bubbles));
+        let (sequential, one_share, piped, bubble) = (median(sequential), median(one_share), median(piped), median(bubbles));
         let theory = common::pipeline::schedule::theoretical_bubble(devices.len(), chunks);
         println!(
-            "| {chunks} | {:.1} | {:.1} | {:.2} | {:.3} | {:.3} |",
+            "| {chunks} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.3} | {:.3} |",
             1e3 * sequential,
+            1e3 * one_share,
             1e3 * piped,
             sequential / piped,
+            one_share / piped,
             bubble,
             theory
         );
-        rows.push((chunks, sequential, piped, bubble, theory));
+        rows.push(Row { chunks, sequential, one_share, share, piped, bubble, theory });
     }
     write_csv(cli, &devices, threads, &rows)
 }
 
-fn write_csv(cli: &Cli, devices: &[Device], threads: usize, rows: &[(usize, f64, f64, f64, f64)]) -> anyhow::Result<()> {
+/// One line of the table.
+#[derive(Clone, Copy)]
+struct Row {
+    chunks: usize,
+    /// Seconds per mini-batch of the unpartitioned model on all the threads.
+    sequential: f64,
+    /// The same on one stage's share of the threads.
+    one_share: f64,
+    share: usize,
+    piped: f64,
+    bubble: f64,
+    theory: f64,
+}
+
+fn write_csv(cli: &Cli, devices: &[Device], threads: usize, rows: &[Row]) -> anyhow::Result<()> {
     if let Some(dir) = cli.csv.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
     let new = !cli.csv.exists();
     let mut file = std::fs::OpenOptions::new().create(true).append(true).open(&cli.csv)?;
     if new {
-        writeln!(file, "devices,schedule,threads,d_model,nlayers,ntoken,batch,bptt,chunks,sequential_s,pipeline_s,speedup,bubble_measured,bubble_theory,finished_at")?;
-    }
-    let labels: Vec<String> = devices.iter().map(|&d| device::device_label(d)).collect();
-    for &(chunks, sequential, piped, bubble, theory) in rows {
         writeln!(
             file,
-            "{},{},{threads},{},{},{},{},{},{chunks},{sequential:.6},{piped:.6},{:.3},{bubble:.4},{theory:.4},{}",
+            "devices,schedule,threads,d_model,nlayers,ntoken,batch,bptt,chunks,sequential_s,stage_threads,sequential_stage_threads_s,pipeline_s,speedup,speedup_vs_stage_threads,bubble_measured,bubble_theory,finished_at"
+        )?;
+    }
+    let labels: Vec<String> = devices.iter().map(|&d| device::device_label(d)).collect();
+    for row in rows {
+        let Row { chunks, sequential, one_share, share, piped, bubble, theory } = *row;
+        writeln!(
+            file,
+            "{},{},{threads},{},{},{},{},{},{chunks},{sequential:.6},{share},{one_share:.6},{piped:.6},{:.3},{:.3},{bubble:.4},{theory:.4},{}",
             labels.join("+"),
             cli.schedule.name(),
             cli.emsize,
@@ -169,6 +196,7 @@ fn write_csv(cli: &Cli, devices: &[Device], threads: usize, rows: &[(usize, f64,
             cli.batch_size,
             cli.bptt,
             sequential / piped,
+            one_share / piped,
             common::report::unix_time()
         )?;
     }

@@ -23,7 +23,7 @@ use crate::optim::{Optimizer, Sgd, SgdConfig};
 use crate::pipeline::process::{Placement, StageProcess};
 use crate::pipeline::{self, EvalSums, LayerCosts, Partition, Pipeline, PipelineOptions, PipelineTrainer, Schedule, Stage, StepReport};
 use crate::report::{self, RunInfo, RunRecord};
-use crate::train::{BatchSource, EpochStats, FitReport, LrSchedule, Timings};
+use crate::train::{BatchSource, EpochStats, FitReport, LrSchedule};
 use crate::Exercise;
 
 /// exercise3 pipeline's flags: exercise1_nlp's, plus the pipeline's own.
@@ -481,16 +481,7 @@ fn train(setup: &Setup, trainer: &mut dyn PipelineTrainer) -> Result<(FitReport,
         }
     }
 
-    let mut fit = FitReport {
-        history: Vec::new(),
-        resumed_epochs: start_epoch,
-        steps: 0,
-        examples: 0,
-        train_time_s: 0.0,
-        timings: Timings::default(),
-        eval_loss: f64::NAN,
-        eval_acc: f64::NAN,
-    };
+    let mut fit = FitReport::new(start_epoch);
     let (mut first_step, mut warm) = (BubbleMeter::default(), BubbleMeter::default());
     for epoch in start_epoch..epochs {
         if out_of_steps(step_count) {

@@ -244,6 +244,20 @@ pub struct FitReport {
 }
 
 impl FitReport {
+    /// Nothing trained yet, `resumed_epochs` done before this process started.
+    pub fn new(resumed_epochs: usize) -> FitReport {
+        FitReport {
+            history: Vec::new(),
+            resumed_epochs,
+            steps: 0,
+            examples: 0,
+            train_time_s: 0.0,
+            timings: Timings::default(),
+            eval_loss: f64::NAN,
+            eval_acc: f64::NAN,
+        }
+    }
+
     /// Examples per second of training.
     pub fn throughput(&self) -> f64 {
         if self.train_time_s > 0.0 {
@@ -315,16 +329,7 @@ pub fn fit(
     }
     let (start_epoch, mut step) = replicas.start_from_root(vs, optimizer, progress)?;
     let params: Vec<Tensor> = vs.trainable_variables();
-    let mut report = FitReport {
-        history: Vec::new(),
-        resumed_epochs: start_epoch,
-        steps: 0,
-        examples: 0,
-        train_time_s: 0.0,
-        timings: Timings::default(),
-        eval_loss: f64::NAN,
-        eval_acc: f64::NAN,
-    };
+    let mut report = FitReport::new(start_epoch);
     let out_of_steps = |step: usize| config.max_steps.is_some_and(|max| step >= max);
 
     for epoch in start_epoch..config.epochs {

@@ -11,7 +11,6 @@ use super::{schedule, split_batch, EvalSums, Op, Partition, PipelineOptions, Pip
 use crate::data::text::TokenBatches;
 use crate::error::usage;
 use crate::models::TransformerConfig;
-use crate::train::BatchSource;
 
 /// All stages of a pipeline in one process.
 pub struct Pipeline {
@@ -160,15 +159,6 @@ impl PipelineTrainer for Pipeline {
     }
 
     fn evaluate(&mut self, source: &TokenBatches) -> Result<EvalSums> {
-        let mut sums = EvalSums::default();
-        for batch in source.epoch(0) {
-            let targets = batch.targets.reshape(batch.inputs.size());
-            let report = self.run_batch(&batch.inputs, &targets, false)?;
-            let tokens = targets.numel() as f64;
-            sums.loss_sum += report.loss * tokens;
-            sums.hits += report.hits as f64;
-            sums.tokens += tokens;
-        }
-        Ok(sums)
+        super::evaluate_batches(source, |src, targets| self.run_batch(src, targets, false))
     }
 }

@@ -121,6 +121,21 @@ pub trait PipelineTrainer {
     fn evaluate(&mut self, source: &TokenBatches) -> Result<EvalSums>;
 }
 
+/// Sums over one pass of `source`, each batch through `run` (a pipeline's forward passes:
+/// `(src, targets, train = false)`).
+fn evaluate_batches(source: &TokenBatches, mut run: impl FnMut(&Tensor, &Tensor) -> Result<StepReport>) -> Result<EvalSums> {
+    let mut sums = EvalSums::default();
+    for batch in crate::train::BatchSource::epoch(source, 0) {
+        let targets = batch.targets.reshape(batch.inputs.size());
+        let report = run(&batch.inputs, &targets)?;
+        let tokens = targets.numel() as f64;
+        sums.loss_sum += report.loss * tokens;
+        sums.hits += report.hits as f64;
+        sums.tokens += tokens;
+    }
+    Ok(sums)
+}
+
 /// Splits `batch` (`[seq_len, batch]` ids) along the batch dimension into `chunks` parts as even
 /// as possible (sizes differ by at most one; `torch.chunk` would make fewer, larger chunks) and
 /// returns them with their shares of the batch.

@@ -19,7 +19,6 @@ use crate::data::text::TokenBatches;
 use crate::dist::data_parallel::GradientAverager;
 use crate::dist::{ProcessGroup, ReduceOp};
 use crate::error::usage;
-use crate::train::BatchSource;
 
 /// Where this process sits in a job of `stages × replicas` ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -207,15 +206,7 @@ impl PipelineTrainer for StageProcess<'_> {
     }
 
     fn evaluate(&mut self, source: &TokenBatches) -> Result<EvalSums> {
-        let mut sums = EvalSums::default();
-        for batch in source.epoch(0) {
-            let targets = batch.targets.reshape(batch.inputs.size());
-            let report = self.run_batch(&batch.inputs, &targets, false)?;
-            let tokens = targets.numel() as f64;
-            sums.loss_sum += report.loss * tokens;
-            sums.hits += report.hits as f64;
-            sums.tokens += tokens;
-        }
+        let mut sums = super::evaluate_batches(source, |src, targets| self.run_batch(src, targets, false))?;
         if let Some(replicas) = &self.replicas {
             // Each replica evaluated its own shard.
             let mut all = Tensor::from_slice(&[sums.loss_sum, sums.hits, sums.tokens]);

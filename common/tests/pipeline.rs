@@ -145,6 +145,22 @@ fn every_partition_and_schedule_trains_the_unpartitioned_model() {
 }
 
 #[test]
+fn the_course_pipeline_model_has_1_444_261_998_parameters_and_its_stages_add_up() {
+    // The course's figure at V = 28,782 (too large to build in a test: the formula is checked
+    // against built stages below).
+    let course = TransformerConfig { ntoken: 28_782, d_model: 4096, nhead: 16, d_hid: 4096, nlayers: 12, dropout: 0.2 };
+    assert_eq!(models::param_count_formula(&course), 1_444_261_998);
+    let cfg = config(5, 16);
+    for stages in 1..=3 {
+        let pipeline = Pipeline::new(&cfg, &Partition::even(5, stages).unwrap(), &vec![Device::Cpu; stages], 1, options(Schedule::GPipe, 1, false)).unwrap();
+        let total: i64 = pipeline.stages.iter().map(|s| models::param_count(&s.vs)).sum();
+        assert_eq!(total, models::param_count_formula(&cfg), "{stages} stages");
+        let bytes: usize = pipeline.stages.iter().map(Stage::parameter_bytes).sum();
+        assert_eq!(bytes as i64, 4 * total);
+    }
+}
+
+#[test]
 fn uneven_micro_batches_are_weighted_by_their_share() {
     // 7 sequences in 3 micro-batches: 3 + 2 + 2, weights 3/7, 2/7, 2/7.
     let (src, _) = batch(1, 4, 7);

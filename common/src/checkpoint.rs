@@ -37,6 +37,9 @@ pub struct CheckpointMeta {
     /// The run's configuration, for the record.
     pub config: serde_json::Value,
     pub torch_version: String,
+    /// The float16 gradient scaler's state (`--precision 16-mixed`); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_scaler: Option<crate::precision::GradScalerState>,
 }
 
 /// A loaded checkpoint, tensors on the CPU.

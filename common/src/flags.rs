@@ -38,6 +38,14 @@ pub struct RunArgs {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// 32: float32; 16-mixed: float16 autocast with gradient scaling (GPU); bf16-mixed:
+    /// bfloat16 autocast (GPU or CPU).
+    #[arg(long, value_enum, default_value = "32")]
+    pub precision: crate::precision::Precision,
+    /// Peak TFLOP/s of one device in this precision, for the model-FLOPs utilisation (MFU)
+    /// [default: from the data sheet of a known GPU; none on a CPU].
+    #[arg(long)]
+    pub peak_tflops: Option<f64>,
 }
 
 impl RunArgs {

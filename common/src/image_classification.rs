@@ -10,6 +10,7 @@ use crate::flags::RunArgs;
 use crate::error::usage;
 use crate::models::{self, Arch, ModelSpec};
 use crate::optim::{Adam, AdamConfig, Optimizer, OptimizerKind, Sgd, SgdConfig};
+use crate::flops;
 use crate::report::{self, RunInfo, RunRecord};
 use crate::Exercise;
 use crate::train::{self, CheckpointConfig, FitReport, LrSchedule, Metric, Replicas, SingleReplica, TrainConfig};
@@ -100,7 +101,10 @@ pub fn run(exercise: Exercise, args: &ImageArgs) -> anyhow::Result<Vec<RunRecord
     args.run.check()?;
     args.check()?;
     device::set_threads(args.run.threads)?;
-    device::devices_for(args.run.device)?; // a missing GPU is reported before any data is read
+    // A missing GPU, or a precision a device cannot train in, is reported before any data is read.
+    for device in device::devices_for(args.run.device)? {
+        args.run.precision.check(device)?;
+    }
     let (train_set, test_set) = load_data(exercise, args, true)?;
     report::run_per_device(args.run.device, &args.run.results_dir, |device| {
         let (record, fit) = run_on(exercise, args, device, &train_set, &test_set, &Replication::single(args.lr))?;
@@ -136,6 +140,7 @@ pub fn run_data_parallel(
             // `both` (the default) means the GPUs where there are some: one job runs on one kind.
             DeviceChoice::Cuda | DeviceChoice::Both => group.device(device::cuda_available()),
         };
+        args.run.precision.check(device)?;
         let world = group.world_size();
         let lr = if dp.scale_lr { args.lr * world as f64 } else { args.lr };
         let lr_schedule = match dp.warmup_epochs {
@@ -315,6 +320,7 @@ fn run_on(
         progress: !args.run.quiet,
         verbose: true,
         metric: Metric::Accuracy,
+        precision: args.run.precision,
     };
     let fit = train::fit(model.as_ref(), &vs, optimizer.as_mut(), &train_loader, &test_loader, &config, replicas)?;
     if shard.1 > 1 {
@@ -333,9 +339,24 @@ fn run_on(
         optimizer: optimizer.name().into(),
         seed: args.run.seed,
         world_size: replicas.world_size(),
+        precision: args.run.precision,
+        flops_per_example: flops::training_flops_per_image(&spec),
+        peak_tflops: peak_tflops(device, args.run.precision, args.run.peak_tflops, root),
     };
     let record = RunRecord::new(info, &fit, (fit.eval_loss, fit.eval_acc));
+    if root {
+        println!("{}", report::compute_summary(&record, train_set.len()));
+    }
     Ok((record, fit))
+}
+
+/// One device's peak TFLOP/s for the MFU (see [`flops::peak_tflops`]), announced once (`say`).
+pub(crate) fn peak_tflops(device: Device, precision: crate::precision::Precision, given: Option<f64>, say: bool) -> Option<f64> {
+    let (peak, source) = flops::peak_tflops(device, precision, given)?;
+    if say {
+        println!("[{}] peak {peak:.1} TFLOP/s per device ({source})", device::device_name(device));
+    }
+    Some(peak)
 }
 
 /// The flag spelling of an architecture (`cnn`, `resnet34`, `vgg19`).

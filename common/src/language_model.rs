@@ -8,6 +8,7 @@ use crate::flags::RunArgs;
 use crate::error::usage;
 use crate::models::{self, TransformerConfig, TransformerLm};
 use crate::optim::{Optimizer, Sgd, SgdConfig};
+use crate::flops;
 use crate::report::{self, RunInfo, RunRecord};
 use crate::Exercise;
 use crate::train::{self, CheckpointConfig, LrSchedule, Metric, SingleReplica, TrainConfig};
@@ -112,7 +113,10 @@ pub fn run(exercise: Exercise, args: &LmArgs) -> anyhow::Result<Vec<RunRecord>> 
     args.run.check()?;
     args.check()?;
     device::set_threads(args.run.threads)?;
-    device::devices_for(args.run.device)?; // a missing GPU is reported before any data is read
+    // A missing GPU, or a precision a device cannot train in, is reported before any data is read.
+    for device in device::devices_for(args.run.device)? {
+        args.run.precision.check(device)?;
+    }
     let (corpus, unigram) = load_corpus(exercise, args, true)?;
     report::run_per_device(args.run.device, &args.run.results_dir, |device| {
         let (record, extra) = run_on(exercise, args, device, &corpus)?;
@@ -199,9 +203,10 @@ fn run_on(exercise: Exercise, args: &LmArgs, device: Device, corpus: &Corpus) ->
         progress: !args.run.quiet,
         verbose: true,
         metric: Metric::Perplexity,
+        precision: args.run.precision,
     };
     let fit = train::fit(&model, &vs, &mut optimizer, &train_data, &valid_data, &train_config, &SingleReplica)?;
-    let (test_loss, test_acc) = train::evaluate(&model, &test_data, &SingleReplica)?;
+    let (test_loss, test_acc) = train::evaluate(&model, &test_data, &SingleReplica, args.run.precision)?;
     println!(
         "[{}] end of training: test loss {test_loss:.4}, test perplexity {:.2}",
         device::device_name(device),
@@ -220,8 +225,12 @@ fn run_on(exercise: Exercise, args: &LmArgs, device: Device, corpus: &Corpus) ->
         optimizer: optimizer.name().into(),
         seed: args.run.seed,
         world_size: 1,
+        precision: args.run.precision,
+        flops_per_example: flops::training_flops_per_token(&config, args.bptt),
+        peak_tflops: crate::image_classification::peak_tflops(device, args.run.precision, args.run.peak_tflops, true),
     };
     let record = RunRecord::new(info, &fit, (test_loss, test_acc));
+    println!("{}", report::compute_summary(&record, corpus.train.numel()));
     let extra = serde_json::json!({
         "test_ppl": test_loss.exp(),
         "valid_ppl": fit.eval_loss.exp(),

@@ -8,6 +8,7 @@ pub mod data;
 pub mod device;
 pub mod dist;
 pub mod error;
+pub mod flops;
 pub mod flags;
 pub mod image_classification;
 pub mod language_model;
@@ -15,6 +16,7 @@ pub mod models;
 pub mod optim;
 pub mod pipeline;
 pub mod pipeline_lm;
+pub mod precision;
 pub mod report;
 pub mod train;
 

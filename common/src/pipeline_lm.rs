@@ -21,7 +21,9 @@ use crate::language_model::{self, LmArgs};
 use crate::models::{self, TransformerConfig};
 use crate::optim::{Optimizer, Sgd, SgdConfig};
 use crate::pipeline::process::{Placement, StageProcess};
+use crate::precision::Precision;
 use crate::pipeline::{self, EvalSums, LayerCosts, Partition, Pipeline, PipelineOptions, PipelineTrainer, Schedule, Stage, StepReport};
+use crate::flops;
 use crate::report::{self, RunInfo, RunRecord};
 use crate::train::{BatchSource, EpochStats, FitReport, LrSchedule};
 use crate::Exercise;
@@ -68,6 +70,12 @@ impl PipelineArgs {
     fn check(&self) -> Result<()> {
         self.lm.run.check()?;
         self.lm.check()?;
+        if self.lm.run.precision == Precision::Half {
+            return usage(
+                "exercise3 pipeline trains in --precision 32 or bf16-mixed: float16 would need a gradient scaler \
+                 agreed across the stages, which the pipeline does not have yet",
+            );
+        }
         if self.dp == Some(0) || self.nproc_per_node == Some(0) {
             return usage("--dp and --nproc-per-node must be at least 1");
         }
@@ -174,6 +182,8 @@ struct Setup<'a> {
     world_size: usize,
     /// Whether this run can checkpoint (all stages in this process).
     checkpoints: bool,
+    /// Distinct devices this process drives (for the MFU).
+    devices_per_process: usize,
 }
 
 fn run_in_one_process(exercise: Exercise, args: &PipelineArgs) -> Result<()> {
@@ -193,6 +203,7 @@ fn run_in_one_process(exercise: Exercise, args: &PipelineArgs) -> Result<()> {
         chunks: args.chunks,
         checkpoint_activations: args.checkpoint_activations,
         threads_per_stage,
+        precision: args.lm.run.precision,
     };
     if devices.iter().any(|d| d.is_cuda()) {
         tch::Cuda::cudnn_set_benchmark(true);
@@ -211,6 +222,7 @@ fn run_in_one_process(exercise: Exercise, args: &PipelineArgs) -> Result<()> {
         shard: (0, 1),
         world_size: 1,
         checkpoints: true,
+        devices_per_process: devices.iter().collect::<std::collections::HashSet<_>>().len(),
     };
     train_and_report(&setup, &mut pipeline)
 }
@@ -280,6 +292,7 @@ fn run_in_processes(exercise: Exercise, args: &PipelineArgs, group: &ProcessGrou
         chunks: args.chunks,
         checkpoint_activations: args.checkpoint_activations,
         threads_per_stage: None,
+        precision: args.lm.run.precision,
     };
     let mut trainer = StageProcess::new(group, stage, placement, options)?;
     if root {
@@ -302,6 +315,7 @@ fn run_in_processes(exercise: Exercise, args: &PipelineArgs, group: &ProcessGrou
         shard: (placement.replica, placement.replicas),
         world_size: world,
         checkpoints: false,
+        devices_per_process: 1,
     };
     train_and_report(&setup, &mut trainer)
 }
@@ -420,8 +434,15 @@ fn train_and_report(setup: &Setup, trainer: &mut dyn PipelineTrainer) -> Result<
         optimizer: "sgd".into(),
         seed: args.lm.run.seed,
         world_size: setup.world_size,
+        precision: args.lm.run.precision,
+        flops_per_example: flops::training_flops_per_token(&setup.cfg, args.lm.bptt),
+        // Per process: the devices it drives (its stages' distinct devices in one process; one
+        // stage's across processes) × one device's peak.
+        peak_tflops: crate::image_classification::peak_tflops(setup.data_device, args.lm.run.precision, args.lm.run.peak_tflops, true)
+            .map(|peak| peak * setup.devices_per_process as f64),
     };
     let record = RunRecord::new(info, &fit, (test.mean_loss(), test.accuracy()));
+    println!("{}", report::compute_summary(&record, setup.corpus.train.numel()));
     let extra = serde_json::json!({
         "stages": stages,
         "dp": setup.shard.1,
@@ -570,6 +591,7 @@ fn train(setup: &Setup, trainer: &mut dyn PipelineTrainer) -> Result<(FitReport,
                 seed: args.lm.run.seed,
                 config: serde_json::to_value(args).expect("flags serialise"),
                 torch_version: crate::torch_version().to_string(),
+                grad_scaler: None,
             };
             checkpoint::save_variables(path, trainer.named_parameters(), &optimizer, &meta)?;
         }

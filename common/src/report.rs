@@ -30,6 +30,16 @@ pub struct RunRecord {
     pub throughput: f64,
     /// Data-parallel replicas (1 for a single process).
     pub world_size: usize,
+    /// `32`, `16-mixed` or `bf16-mixed`.
+    pub precision: String,
+    /// Training FLOPs per example (image or token), from the model's shapes (`flops`).
+    pub flops_per_example: f64,
+    /// Achieved training TFLOP/s, all replicas together.
+    pub tflops: f64,
+    /// Peak TFLOP/s of one device in this precision, where known (`--peak-tflops`, or a known GPU).
+    pub peak_tflops: Option<f64>,
+    /// Model-FLOPs utilisation: tflops / (world_size × peak_tflops).
+    pub mfu: Option<f64>,
     pub test_acc: f64,
     pub test_loss: f64,
     pub data_wait_s: f64,
@@ -59,12 +69,18 @@ pub struct RunInfo {
     pub optimizer: String,
     pub seed: u64,
     pub world_size: usize,
+    pub precision: crate::precision::Precision,
+    /// Training FLOPs per example (see `flops`).
+    pub flops_per_example: f64,
+    /// One device's peak TFLOP/s in this precision, where known.
+    pub peak_tflops: Option<f64>,
 }
 
 impl RunRecord {
     /// The record of a finished run: its description, what [`crate::train::fit`] measured, and
     /// the final test loss and accuracy.
     pub fn new(info: RunInfo, fit: &crate::train::FitReport, (test_loss, test_acc): (f64, f64)) -> Self {
+        let tflops = info.flops_per_example * fit.throughput() / 1e12;
         RunRecord {
             exercise: info.exercise,
             model: info.model,
@@ -80,6 +96,11 @@ impl RunRecord {
             train_time_s: fit.train_time_s,
             throughput: fit.throughput(),
             world_size: info.world_size,
+            precision: info.precision.name().into(),
+            flops_per_example: info.flops_per_example,
+            tflops,
+            peak_tflops: info.peak_tflops,
+            mfu: info.peak_tflops.map(|peak| tflops / (info.world_size as f64 * peak)),
             test_acc,
             test_loss,
             data_wait_s: fit.timings.data_wait_s,
@@ -167,10 +188,11 @@ pub fn run_per_device(
 }
 
 /// Throughput of this run over `world_size` × that of the latest single-process run of the
-/// same exercise, model, device and per-rank batch in `csv` (None without such a run).
+/// same exercise, model, device, precision and per-rank batch in `csv` (None without such a run).
 pub fn scaling_efficiency(csv: &Path, record: &RunRecord) -> Option<f64> {
     let baseline = read_csv(csv).ok()?.into_iter().rev().find(|r| {
         r.world_size == 1
+            && r.precision == record.precision
             && (r.exercise.as_str(), r.model.as_str(), r.device.as_str(), r.batch_size)
                 == (record.exercise.as_str(), record.model.as_str(), record.device.as_str(), record.batch_size)
     })?;
@@ -236,6 +258,28 @@ pub fn time_split(record: &RunRecord) -> String {
     )
 }
 
+/// The compute the run achieved, its utilisation of the hardware where the peak is known, and
+/// the course's machine-time estimate for a whole run of `examples_per_epoch` × the configured
+/// epochs: time = FLOPs / (devices × peak × utilisation).
+pub fn compute_summary(record: &RunRecord, examples_per_epoch: usize) -> String {
+    let unit = if record.exercise.contains("nlp") || record.exercise.contains("pipeline") { "token" } else { "image" };
+    let mut line = format!(
+        "[{}] compute: {:.3} TFLOP/s achieved ({:.3} GFLOP per {unit} for forward + backward)",
+        record.device,
+        record.tflops,
+        record.flops_per_example / 1e9
+    );
+    let total = record.flops_per_example * examples_per_epoch as f64 * record.epochs as f64;
+    // devices × peak × utilisation is the achieved rate.
+    let hours = total / (record.tflops * 1e12).max(f64::MIN_POSITIVE) / 3600.0;
+    if let (Some(peak), Some(mfu)) = (record.peak_tflops, record.mfu) {
+        line += &format!("; MFU {:.2}% of {peak:.1} TFLOP/s per device", 100.0 * mfu);
+    } else {
+        line += "; MFU: give the device's peak with --peak-tflops";
+    }
+    line + &format!("; {} epochs = {total:.3e} FLOP = {hours:.2} h at this rate", record.epochs)
+}
+
 /// 191935 → "191,935".
 pub fn group_thousands(n: i64) -> String {
     let digits = n.unsigned_abs().to_string();
@@ -272,6 +316,11 @@ mod tests {
             train_time_s: 1000.0 / throughput,
             throughput,
             world_size: 1,
+            precision: "32".into(),
+            flops_per_example: 1.0,
+            tflops: 0.0,
+            peak_tflops: None,
+            mfu: None,
             test_acc: 0.5,
             test_loss: 1.2,
             data_wait_s: 0.0,

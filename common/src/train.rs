@@ -6,6 +6,7 @@
 use crate::checkpoint::{self, CheckpointMeta};
 use crate::device::synchronize;
 use crate::optim::{self, Optimizer};
+use crate::precision::{self, GradScaler, GradScalerState, Precision};
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -180,6 +181,8 @@ pub struct TrainConfig {
     pub verbose: bool,
     /// What the epoch line reports besides the loss.
     pub metric: Metric,
+    /// float32, or mixed precision (autocast, and a gradient scaler for float16).
+    pub precision: Precision,
 }
 
 /// The figure of merit printed beside the loss.
@@ -282,12 +285,20 @@ fn loss_and_hits(logits: &Tensor, targets: &Tensor, count_hits: bool) -> (Tensor
 
 /// Loss and accuracy over one pass of `source` (each replica's shard of it, combined), in
 /// evaluation mode and without gradients.
-pub fn evaluate(model: &dyn nn::ModuleT, source: &dyn BatchSource, replicas: &dyn Replicas) -> anyhow::Result<(f64, f64)> {
+pub fn evaluate(
+    model: &dyn nn::ModuleT,
+    source: &dyn BatchSource,
+    replicas: &dyn Replicas,
+    precision: Precision,
+) -> anyhow::Result<(f64, f64)> {
     let local = tch::no_grad(|| {
         let (mut loss_sum, mut hits, mut count) = (0.0, 0i64, 0usize);
         for batch in source.epoch(0) {
-            let logits = model.forward_t(&batch.inputs, false);
-            let (loss, batch_hits) = loss_and_hits(&logits, &batch.targets, true);
+            let device = batch.inputs.device();
+            let (loss, batch_hits) = precision::autocast(precision, device, || {
+                let logits = model.forward_t(&batch.inputs, false);
+                loss_and_hits(&logits, &batch.targets, true)
+            });
             loss_sum += loss.double_value(&[]) * batch.len() as f64;
             hits += batch_hits.map_or(0, |h| h.int64_value(&[]));
             count += batch.len();
@@ -312,6 +323,9 @@ pub fn fit(
     replicas: &dyn Replicas,
 ) -> anyhow::Result<FitReport> {
     let device = vs.device();
+    config.precision.check(device)?;
+    let mut scaler = config.precision.needs_scaler().then(|| GradScaler::new(device));
+    let mut saved_scaler = None;
     let base_lr = optimizer.lr();
     let root = replicas.is_root();
     let mut progress = (0, 0);
@@ -322,12 +336,21 @@ pub fn fit(
             let saved = checkpoint::load(&path)?;
             saved.restore(&path, vs, optimizer, &ck.model)?;
             progress = (saved.meta.epoch, saved.meta.step);
+            saved_scaler = saved.meta.grad_scaler;
             println!("resumed {} from {} after epoch {} (step {})", config.run, path.display(), progress.0, progress.1);
         } else {
             println!("--resume: no checkpoint at {} yet, starting {} from scratch", path.display(), config.run);
         }
     }
     let (start_epoch, mut step) = replicas.start_from_root(vs, optimizer, progress)?;
+    if let Some(scaler) = &mut scaler {
+        // Rank 0's restored scale, on every replica (NaN: none saved, keep the initial one).
+        let mine = saved_scaler.map_or([f64::NAN; 2], |s: GradScalerState| [s.scale, s.growth_tracker as f64]);
+        let from_root = &replicas.gather(&mine)?[0];
+        if !from_root[0].is_nan() {
+            scaler.load_state(GradScalerState { scale: from_root[0], growth_tracker: from_root[1] as i64 });
+        }
+    }
     let params: Vec<Tensor> = vs.trainable_variables();
     let mut report = FitReport::new(start_epoch);
     let out_of_steps = |step: usize| config.max_steps.is_some_and(|max| step >= max);
@@ -357,19 +380,35 @@ pub fn fit(
             let t0 = Instant::now();
             let Some(batch) = batches.next() else { break };
             let t1 = Instant::now();
-            let logits = model.forward_t(&batch.inputs, true);
-            let (loss, batch_hits) = loss_and_hits(&logits, &batch.targets, config.metric == Metric::Accuracy);
+            let (loss, batch_hits) = precision::autocast(config.precision, device, || {
+                let logits = model.forward_t(&batch.inputs, true);
+                loss_and_hits(&logits, &batch.targets, config.metric == Metric::Accuracy)
+            });
             optimizer.zero_grad();
-            loss.backward();
+            match &scaler {
+                Some(scaler) => scaler.scale(&loss).backward(),
+                None => loss.backward(),
+            }
             synchronize(device);
             let t2 = Instant::now();
             replicas.average_gradients(&params)?;
             optimizer.synchronize()?; // a distributed optimizer averages here, before clipping
             let t_avg = Instant::now();
+            if let Some(scaler) = &scaler {
+                scaler.unscale(&params);
+            }
             if let Some(max_norm) = config.clip_grad_norm {
                 optim::clip_grad_norm(&params, max_norm);
             }
-            optimizer.step()?;
+            match &mut scaler {
+                // An inf/NaN step is skipped (the same on every replica: the gradients were
+                // averaged before the check).
+                Some(scaler) => {
+                    scaler.step(&params, || optimizer.step())?;
+                    scaler.update();
+                }
+                None => optimizer.step()?,
+            }
             synchronize(device);
             let t3 = Instant::now();
 
@@ -404,7 +443,7 @@ pub fn fit(
 
         replicas.sync_buffers(vs)?;
         let eval_start = Instant::now();
-        let (eval_loss, eval_acc) = evaluate(model, eval, replicas)?;
+        let (eval_loss, eval_acc) = evaluate(model, eval, replicas, config.precision)?;
         synchronize(device);
         report.timings.eval_s += eval_start.elapsed().as_secs_f64();
 
@@ -454,6 +493,7 @@ pub fn fit(
                 seed: config.seed,
                 config: ck.config.clone(),
                 torch_version: crate::torch_version().to_string(),
+                grad_scaler: scaler.as_ref().map(GradScaler::state),
             };
             let path = checkpoint::path_for(&ck.dir, &config.run);
             checkpoint::save(&path, vs, optimizer, &meta).with_context(|| format!("after epoch {}", epoch + 1))?;
@@ -462,7 +502,7 @@ pub fn fit(
     if report.history.is_empty() {
         // Nothing left to train (a finished run resumed): still report where the model stands.
         let eval_start = Instant::now();
-        (report.eval_loss, report.eval_acc) = evaluate(model, eval, replicas)?;
+        (report.eval_loss, report.eval_acc) = evaluate(model, eval, replicas, config.precision)?;
         report.timings.eval_s += eval_start.elapsed().as_secs_f64();
     }
     Ok(report)

@@ -19,6 +19,7 @@ fn meta(model: &ModelSpec, epoch: usize) -> CheckpointMeta {
         seed: 5,
         config: serde_json::json!({"lr": 1e-3}),
         torch_version: common::torch_version().into(),
+        grad_scaler: None,
     }
 }
 

@@ -16,6 +16,7 @@ use common::optim::{Optimizer, Sgd, SgdConfig};
 use common::dist::{Backend, ProcessGroup};
 use common::pipeline::executor::StageTrace;
 use common::pipeline::process::{Placement, StageProcess};
+use common::precision::Precision;
 use common::pipeline::{split_batch, Op, Partition, Pipeline, PipelineOptions, PipelineTrainer, Schedule, Stage};
 use support::ranks::{launch, SCENARIO};
 use tch::nn::{self, ModuleT};
@@ -33,7 +34,7 @@ fn batch(seed: i64, seq_len: i64, batch: i64) -> (Tensor, Tensor) {
 }
 
 fn options(schedule: Schedule, chunks: usize, checkpoint_activations: bool) -> PipelineOptions {
-    PipelineOptions { schedule, chunks, checkpoint_activations, threads_per_stage: Some(1) }
+    PipelineOptions { schedule, chunks, checkpoint_activations, threads_per_stage: Some(1), precision: Precision::Full }
 }
 
 fn sgd(params: Vec<(String, Tensor)>) -> Sgd {

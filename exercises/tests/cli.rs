@@ -122,6 +122,13 @@ fn flag_mistakes_are_usage_errors() {
     let out = exercise1(&["--batch-size", "0", "--device", "cpu"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("--batch-size must be at least 1"), "{}", stderr(&out));
+    // float16 needs a GPU: said before any data is read (this data directory does not exist).
+    let out = exercise1(&["--precision", "16-mixed", "--device", "cpu", "--data-dir", "/nonexistent"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--precision 16-mixed needs a GPU"), "{}", stderr(&out));
+    let out = exercise1(&["--precision", "fp8"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("32, 16-mixed, bf16-mixed"), "{}", stderr(&out));
 }
 
 #[test]

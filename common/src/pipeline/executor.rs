@@ -65,6 +65,8 @@ pub struct StageOptions {
     pub recompute: bool,
     /// Dropout on.
     pub train: bool,
+    /// Autocast in the stage's forward passes (bfloat16 or float16), or float32.
+    pub precision: crate::precision::Precision,
 }
 
 /// What [`run_stage`] returns: the trace, and on the last stage the mini-batch's mean loss and,
@@ -92,6 +94,8 @@ pub fn run_stage(
     let mut loss_sum: Option<Tensor> = None;
     let mut hits = Tensor::zeros([], (Kind::Int64, device));
     let mut trace = StageTrace { stage: stage.index, intervals: Vec::with_capacity(ops.len()), peak_live: 0 };
+    // The stage's forward pass, in the run's precision (autocast is per thread: this one's).
+    let forward = |input: &Tensor, train: bool| crate::precision::autocast(options.precision, device, || stage.forward_t(input, train));
     // The last stage's output for micro-batch m: its weighted loss.
     let finish = |m: usize, output: Tensor| -> Tensor {
         match stage.is_last() {
@@ -114,16 +118,16 @@ pub fn run_stage(
                 start_s = clock.elapsed().as_secs_f64();
                 let output = if !options.train {
                     tch::no_grad(|| {
-                        let output = stage.forward_t(&input, false);
+                        let output = forward(&input, false);
                         if stage.is_last() {
                             hits += count_hits(m, &output);
                         }
                         finish(m, output)
                     })
                 } else if options.recompute {
-                    tch::no_grad(|| finish(m, stage.forward_t(&input, true)))
+                    tch::no_grad(|| finish(m, forward(&input, true)))
                 } else {
-                    finish(m, stage.forward_t(&input, true))
+                    finish(m, forward(&input, true))
                 };
                 if let Some(link) = next.as_deref_mut() {
                     link.send(&output)?;
@@ -151,7 +155,7 @@ pub fn run_stage(
                     .with_context(|| format!("stage {}: backward of micro-batch {m} before its forward", stage.index))?;
                 let output = match output {
                     Some(output) => output,
-                    None => finish(m, stage.forward_t(&input, options.train)),
+                    None => finish(m, forward(&input, options.train)),
                 };
                 match grad {
                     None => output.backward(),

@@ -79,7 +79,7 @@ impl Pipeline {
         }
         nexts.push(None);
 
-        let options = StageOptions { recompute: self.options.checkpoint_activations, train };
+        let options = StageOptions { recompute: self.options.checkpoint_activations, train, precision: self.options.precision };
         let schedule = self.options.schedule;
         let threads = self.options.threads_per_stage;
         let clock = Instant::now();

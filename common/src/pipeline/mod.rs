@@ -55,6 +55,8 @@ pub struct PipelineOptions {
     pub checkpoint_activations: bool,
     /// LibTorch threads per stage thread (CPU stages); `None` leaves LibTorch's setting.
     pub threads_per_stage: Option<usize>,
+    /// float32 or bfloat16 autocast (float16 would need loss scaling across the stages).
+    pub precision: crate::precision::Precision,
 }
 
 /// What one mini-batch did.

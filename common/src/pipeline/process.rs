@@ -149,7 +149,7 @@ impl<'g> StageProcess<'g> {
             &batches,
             prev.as_mut().map(|l| l as &mut dyn Link),
             next.as_mut().map(|l| l as &mut dyn Link),
-            StageOptions { recompute: self.options.checkpoint_activations, train },
+            StageOptions { recompute: self.options.checkpoint_activations, train, precision: self.options.precision },
             clock,
         )?;
         pipe.wait_sends()?;

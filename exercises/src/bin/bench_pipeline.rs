@@ -117,7 +117,7 @@ fn bench(cli: &Cli) -> anyhow::Result<()> {
     );
     let mut rows = Vec::new();
     for &chunks in &cli.chunks {
-        let options = PipelineOptions { schedule: cli.schedule, chunks, checkpoint_activations: false, threads_per_stage: stage_threads };
+        let options = PipelineOptions { schedule: cli.schedule, chunks, checkpoint_activations: false, threads_per_stage: stage_threads, precision: common::precision::Precision::Full };
         let mut pipeline = Pipeline::new(&cfg, &partition, &devices, 0, options)?;
         let params: Vec<Tensor> = pipeline.named_parameters().into_iter().map(|(_, t)| t).collect();
         let (mut sequential, mut one_share, mut piped, mut bubbles) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());

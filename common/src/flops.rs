@@ -1,0 +1,164 @@
+//! Floating-point operations per training step, counted from the models' shapes, and how close
+//! a run came to the hardware's peak (model-FLOPs utilisation, MFU).
+//!
+//! Counted are the multiply-adds of the convolutions and matrix products (what dominates; as
+//! fvcore and torchvision's model tables count them), each 2 FLOPs, and a training step costs 3
+//! forward passes (forward, and a backward that computes gradients for both the inputs and the
+//! weights): training FLOPs = 6 × multiply-adds per example (the course's "2 × multiply-adds × 3").
+//! For the Transformer, per token: 6·N for the N weights of the matrix products (the
+//! embedding lookup is none), plus the attention's 12·layers·d_model·seq_len (PaLM's formula).
+use tch::Device;
+
+use crate::models::{Arch, ModelSpec, TransformerConfig};
+use crate::precision::Precision;
+
+/// Multiply-adds of one forward pass of one image through `spec`'s model.
+pub fn forward_macs(spec: &ModelSpec) -> f64 {
+    match spec.arch {
+        Arch::Cnn => cnn_macs(spec),
+        Arch::Resnet34 => resnet34_macs(spec),
+        Arch::Vgg19 => vgg19_macs(spec),
+    }
+}
+
+/// Training FLOPs per image (forward and backward).
+pub fn training_flops_per_image(spec: &ModelSpec) -> f64 {
+    6.0 * forward_macs(spec)
+}
+
+/// Training FLOPs per token of the Transformer language model with `seq_len`-token windows.
+pub fn training_flops_per_token(cfg: &TransformerConfig, seq_len: i64) -> f64 {
+    let TransformerConfig { ntoken, d_model: d, d_hid: h, nlayers: l, .. } = *cfg;
+    // Per layer: q, k, v and output projections (4·d²) and the feed-forward block (2·d·h);
+    // then the output layer (d·V).
+    let matmul_weights = l * (4 * d * d + 2 * d * h) + d * ntoken;
+    6.0 * matmul_weights as f64 + 12.0 * (l * d * seq_len) as f64
+}
+
+/// `c_in → c_out` convolution with a `k`×`k` kernel producing an `out`×`out` map.
+fn conv_macs(c_in: i64, c_out: i64, k: i64, out: i64) -> f64 {
+    (c_in * c_out * k * k * out * out) as f64
+}
+
+/// The side of a convolution's or pooling's output.
+fn out_side(side: i64, kernel: i64, stride: i64, padding: i64) -> i64 {
+    (side + 2 * padding - kernel) / stride + 1
+}
+
+/// The course CNN: conv(C→50, k5) → pool 2 → conv(50→75, k5) → pool 2 → fc(→50) → fc.
+fn cnn_macs(spec: &ModelSpec) -> f64 {
+    let s1 = out_side(spec.image_size, 5, 1, 0);
+    let s2 = out_side(s1 / 2, 5, 1, 0);
+    let flat = 75 * (s2 / 2) * (s2 / 2);
+    conv_macs(spec.in_channels, 50, 5, s1) + conv_macs(50, 75, 5, s2) + (flat * 50 + 50 * spec.num_classes) as f64
+}
+
+/// Side of the ImageNet models' input: small images are padded to 32 (see `models`).
+fn imagenet_side(spec: &ModelSpec) -> i64 {
+    spec.image_size.max(32)
+}
+
+fn resnet34_macs(spec: &ModelSpec) -> f64 {
+    let mut side = out_side(imagenet_side(spec), 7, 2, 3);
+    let mut macs = conv_macs(3, 64, 7, side);
+    side = out_side(side, 3, 2, 1); // max pool
+    let mut channels = 64;
+    for (stage, (blocks, width)) in [(3, 64), (4, 128), (6, 256), (3, 512)].into_iter().enumerate() {
+        for block in 0..blocks {
+            let stride = if stage > 0 && block == 0 { 2 } else { 1 };
+            let out = out_side(side, 3, stride, 1);
+            macs += conv_macs(channels, width, 3, out) + conv_macs(width, width, 3, out);
+            if stride != 1 || channels != width {
+                macs += conv_macs(channels, width, 1, out); // downsample projection
+            }
+            (side, channels) = (out, width);
+        }
+    }
+    macs + (512 * spec.num_classes) as f64
+}
+
+fn vgg19_macs(spec: &ModelSpec) -> f64 {
+    let mut side = imagenet_side(spec);
+    let (mut macs, mut channels) = (0.0, 3);
+    for width in [[64, 64, 0, 0], [128, 128, 0, 0], [256; 4], [512; 4], [512; 4]] {
+        for width in width.into_iter().filter(|&w| w > 0) {
+            macs += conv_macs(channels, width, 3, side);
+            channels = width;
+        }
+        side /= 2; // max pool
+    }
+    // Adaptive average pooling to 7×7, then the classifier.
+    macs + (512 * 49 * 4096 + 4096 * 4096 + 4096 * spec.num_classes) as f64
+}
+
+/// Dense peak TFLOP/s of the GPUs the project knows, for a precision: (name fragment, float32,
+/// bfloat16/float16 tensor cores). From NVIDIA's data sheets; float32 is the non-tensor-core
+/// rate (LibTorch does not use TF32 for matrix products by default).
+const GPU_PEAKS: [(&str, f64, f64); 5] = [
+    ("H100 PCIe", 51.0, 756.0),
+    ("H100", 67.0, 989.4),
+    ("H200", 67.0, 989.4),
+    ("A100", 19.5, 312.0),
+    ("V100", 15.7, 125.0),
+];
+
+/// The peak TFLOP/s of `device` in `precision`: `--peak-tflops` when given, else from the GPU's
+/// name (`nvidia-smi`) when it is one the project knows; None on a CPU without the flag.
+pub fn peak_tflops(device: Device, precision: Precision, given: Option<f64>) -> Option<(f64, String)> {
+    if let Some(peak) = given {
+        return Some((peak, "--peak-tflops".into()));
+    }
+    let Device::Cuda(index) = device else { return None };
+    let output = std::process::Command::new("nvidia-smi")
+        .args(["--query-gpu=name", "--format=csv,noheader", "-i", &index.to_string()])
+        .output()
+        .ok()?;
+    let name = String::from_utf8_lossy(&output.stdout).trim().to_string();
+    let (_, fp32, half) = GPU_PEAKS.iter().find(|(fragment, _, _)| name.contains(fragment))?;
+    let peak = if precision == Precision::Full { *fp32 } else { *half };
+    Some((peak, format!("{name}, {} data sheet", precision.name())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(arch: Arch, in_channels: i64, image_size: i64, num_classes: i64) -> ModelSpec {
+        ModelSpec { arch, in_channels, image_size, num_classes }
+    }
+
+    #[test]
+    fn the_course_cnn_on_cifar10_by_hand() {
+        // conv1 3·50·25·28² + conv2 50·75·25·10² + fc1 1875·50 + fc2 50·10.
+        let expected = 2_940_000.0 + 9_375_000.0 + 93_750.0 + 500.0;
+        assert_eq!(forward_macs(&spec(Arch::Cnn, 3, 32, 10)), expected);
+        assert_eq!(training_flops_per_image(&spec(Arch::Cnn, 3, 32, 10)), 6.0 * expected);
+    }
+
+    #[test]
+    fn imagenet_models_match_torchvisions_published_multiply_adds() {
+        // torchvision's model tables (224×224, 1000 classes): ResNet34 3.66 G, VGG19 19.63 G
+        // (they count the convolutions and linear layers, as here).
+        let resnet = forward_macs(&spec(Arch::Resnet34, 3, 224, 1000));
+        assert!((resnet / 1e9 - 3.66).abs() < 0.01, "ResNet34: {resnet:e}");
+        let vgg = forward_macs(&spec(Arch::Vgg19, 3, 224, 1000));
+        assert!((vgg / 1e9 - 19.63).abs() < 0.01, "VGG19: {vgg:e}");
+        // On CIFAR-10's 32×32 images they are far cheaper; MNIST is padded to 32×32.
+        let small = forward_macs(&spec(Arch::Resnet34, 3, 32, 1000));
+        assert!(small < resnet / 40.0);
+        assert_eq!(forward_macs(&spec(Arch::Vgg19, 1, 28, 1000)), forward_macs(&spec(Arch::Vgg19, 3, 32, 1000)));
+    }
+
+    #[test]
+    fn transformer_flops_are_six_per_weight_plus_attention() {
+        let cfg = TransformerConfig { ntoken: 100, d_model: 8, nhead: 2, d_hid: 16, nlayers: 2, dropout: 0.0 };
+        let weights = 2 * (4 * 64 + 2 * 8 * 16) + 8 * 100;
+        assert_eq!(training_flops_per_token(&cfg, 10), 6.0 * weights as f64 + 12.0 * (2 * 8 * 10) as f64);
+    }
+
+    #[test]
+    fn peak_from_the_flag_or_unknown_on_a_cpu() {
+        assert_eq!(peak_tflops(Device::Cpu, Precision::Full, Some(1.5)).map(|p| p.0), Some(1.5));
+        assert_eq!(peak_tflops(Device::Cpu, Precision::Full, None), None);
+    }
+}

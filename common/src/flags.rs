@@ -46,6 +46,11 @@ pub struct RunArgs {
     /// [default: from the data sheet of a known GPU; none on a CPU].
     #[arg(long)]
     pub peak_tflops: Option<f64>,
+    /// Print where the step time goes (data wait, forward, backward, all-reduce, optimizer,
+    /// evaluation) and write a Chrome trace `<run>.trace.json` to --results-dir. Waits for the
+    /// device between phases: costs some speed.
+    #[arg(long)]
+    pub profile: bool,
 }
 
 impl RunArgs {

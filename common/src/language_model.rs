@@ -187,8 +187,9 @@ fn run_on(exercise: Exercise, args: &LmArgs, device: Device, corpus: &Corpus) ->
         "transformer": config,
         "tokenizer": args.tokenizer.name(),
     });
+    let run = format!("{}-transformer-{}", exercise.name, device::device_name(device));
     let train_config = TrainConfig {
-        run: format!("{}-transformer-{}", exercise.name, device::device_name(device)),
+        run: run.clone(),
         epochs,
         max_steps: args.run.max_steps,
         seed: args.run.seed,
@@ -204,6 +205,7 @@ fn run_on(exercise: Exercise, args: &LmArgs, device: Device, corpus: &Corpus) ->
         verbose: true,
         metric: Metric::Perplexity,
         precision: args.run.precision,
+        profile: args.run.profile.then(|| args.run.results_dir.join(format!("{run}.trace.json"))),
     };
     let fit = train::fit(&model, &vs, &mut optimizer, &train_data, &valid_data, &train_config, &SingleReplica)?;
     let (test_loss, test_acc) = train::evaluate(&model, &test_data, &SingleReplica, args.run.precision)?;

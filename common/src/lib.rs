@@ -17,6 +17,7 @@ pub mod optim;
 pub mod pipeline;
 pub mod pipeline_lm;
 pub mod precision;
+pub mod profile;
 pub mod report;
 pub mod train;
 

@@ -7,6 +7,7 @@ use crate::checkpoint::{self, CheckpointMeta};
 use crate::device::synchronize;
 use crate::optim::{self, Optimizer};
 use crate::precision::{self, GradScaler, GradScalerState, Precision};
+use crate::profile::Profiler;
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -183,6 +184,8 @@ pub struct TrainConfig {
     pub metric: Metric,
     /// float32, or mixed precision (autocast, and a gradient scaler for float16).
     pub precision: Precision,
+    /// `--profile`: where to write the Chrome trace (the table is printed too).
+    pub profile: Option<PathBuf>,
 }
 
 /// The figure of merit printed beside the loss.
@@ -354,6 +357,7 @@ pub fn fit(
     let params: Vec<Tensor> = vs.trainable_variables();
     let mut report = FitReport::new(start_epoch);
     let out_of_steps = |step: usize| config.max_steps.is_some_and(|max| step >= max);
+    let mut profiler = Profiler::new(config.profile.is_some(), replicas.rank());
 
     for epoch in start_epoch..config.epochs {
         if out_of_steps(step) {
@@ -370,6 +374,7 @@ pub fn fit(
         let mut hits_sum = Tensor::zeros([], (Kind::Int64, device));
         let (mut seen, mut epoch_steps) = (0usize, 0usize);
         let epoch_start = Instant::now();
+        let data_wait_before = report.timings.data_wait_s;
         let mut batches = train.epoch(epoch);
         let mut completed = true;
         loop {
@@ -384,6 +389,10 @@ pub fn fit(
                 let logits = model.forward_t(&batch.inputs, true);
                 loss_and_hits(&logits, &batch.targets, config.metric == Metric::Accuracy)
             });
+            if profiler.enabled() {
+                synchronize(device);
+            }
+            let t_forward = Instant::now();
             optimizer.zero_grad();
             match &scaler {
                 Some(scaler) => scaler.scale(&loss).backward(),
@@ -412,6 +421,11 @@ pub fn fit(
             synchronize(device);
             let t3 = Instant::now();
 
+            for (phase, start, end) in
+                [("data wait", t0, t1), ("forward", t1, t_forward), ("backward", t_forward, t2), ("all-reduce", t2, t_avg), ("optimizer", t_avg, t3)]
+            {
+                profiler.record(phase, start, end, step);
+            }
             report.timings.data_wait_s += (t1 - t0).as_secs_f64();
             report.timings.forward_backward_s += (t2 - t1).as_secs_f64();
             report.timings.allreduce_s += (t_avg - t2).as_secs_f64();
@@ -446,6 +460,7 @@ pub fn fit(
         let (eval_loss, eval_acc) = evaluate(model, eval, replicas, config.precision)?;
         synchronize(device);
         report.timings.eval_s += eval_start.elapsed().as_secs_f64();
+        profiler.record("evaluation", eval_start, Instant::now(), step);
 
         let stats = EpochStats {
             epoch: epoch + 1,
@@ -460,7 +475,7 @@ pub fn fit(
         };
         if config.verbose && root {
             println!(
-                "[{}] epoch {}/{}{}: {} steps in {:.1} s ({:.0}/s), lr {:.4}  train {}  eval {}",
+                "[{}] epoch {}/{}{}: {} steps in {:.1} s ({:.0}/s, data wait {:.1}%), lr {:.4}  train {}  eval {}",
                 config.run,
                 stats.epoch,
                 config.epochs,
@@ -468,6 +483,7 @@ pub fn fit(
                 epoch_steps,
                 train_time,
                 n / train_time.max(f64::EPSILON),
+                100.0 * (report.timings.data_wait_s - data_wait_before) / train_time.max(f64::EPSILON),
                 lr,
                 config.metric.describe(train_loss, stats.train_acc),
                 config.metric.describe(eval_loss, eval_acc),
@@ -504,6 +520,11 @@ pub fn fit(
         let eval_start = Instant::now();
         (report.eval_loss, report.eval_acc) = evaluate(model, eval, replicas, config.precision)?;
         report.timings.eval_s += eval_start.elapsed().as_secs_f64();
+    }
+    if let (Some(path), true) = (&config.profile, root) {
+        println!("--profile: {} (device waited for at every phase boundary)\n{}", config.run, profiler.table(report.steps));
+        profiler.write_chrome_trace(path)?;
+        println!("wrote the Chrome trace {} (open in chrome://tracing or ui.perfetto.dev)", path.display());
     }
     Ok(report)
 }

@@ -89,6 +89,38 @@ fn resume_through_the_flags_matches_a_straight_run() {
 }
 
 #[test]
+fn profile_prints_the_phases_and_writes_a_chrome_trace() {
+    let d = tempfile::tempdir().unwrap();
+    generated_cifar(d.path(), 40);
+    let results = tempfile::tempdir().unwrap();
+    let out = exercise1(&[
+        "--device", "cpu", "--data-dir", d.path().to_str().unwrap(), "--batch-size", "10", "--max-steps", "3",
+        "--quiet", "--profile", "--peak-tflops", "1", "--results-dir", results.path().to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for phase in ["| data wait |", "| forward |", "| backward |", "| all-reduce |", "| optimizer |", "| evaluation |"] {
+        assert!(stdout.contains(phase), "no {phase} row: {stdout}");
+    }
+    assert!(stdout.contains("compute: ") && stdout.contains("MFU "), "{stdout}");
+    let trace: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(results.path().join("exercise1-cnn-cpu.trace.json")).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let count = |name: &str| events.iter().filter(|e| e["name"] == name).count();
+    assert_eq!((count("forward"), count("backward"), count("optimizer"), count("evaluation")), (3, 3, 3, 1));
+    // Each step's phases follow one another in time.
+    let step0: Vec<&serde_json::Value> = events.iter().filter(|e| e["args"]["step"] == 0).collect();
+    for pair in step0.windows(2) {
+        let end = pair[0]["ts"].as_f64().unwrap() + pair[0]["dur"].as_f64().unwrap();
+        assert!(pair[1]["ts"].as_f64().unwrap() >= end - 1.0, "{pair:?}");
+    }
+    let json = read_json(&results.path().join("exercise1-cnn-cpu.json"));
+    let (flops, tflops, mfu) = (json["flops_per_example"].as_f64().unwrap(), json["tflops"].as_f64().unwrap(), json["mfu"].as_f64().unwrap());
+    assert_eq!(flops, 6.0 * 12_409_250.0, "the course CNN's training FLOPs per image");
+    assert!((mfu - tflops / 1.0).abs() < 1e-12 && tflops > 0.0);
+}
+
+#[test]
 fn an_unknown_model_is_a_usage_error() {
     let out = exercise1(&["--model", "alexnet"]);
     assert_eq!(out.status.code(), Some(2));

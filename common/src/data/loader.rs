@@ -4,6 +4,12 @@
 //! while the model trains, `prefetch` batches ahead per worker. For a CUDA device a worker
 //! leaves the images as bytes in pinned memory: the copy to the GPU is then asynchronous and
 //! four times smaller, and the conversion to normalised floats runs on the GPU.
+//!
+//! With `resident` (`--data-on-device`), the whole split is copied to the device once (CIFAR-10's
+//! training set is 150 MB as bytes) and every batch is gathered, cropped, flipped and normalised
+//! there: no worker threads, no copies per step. The order and the augmentation draws are the
+//! same as the host path's (the same sampler and random streams), so the two give identical
+//! batches (tested).
 use super::{DatasetKind, ImageDataset, Sampler};
 use crate::train::BatchSource;
 use rand::{Rng, SeedableRng};
@@ -31,6 +37,8 @@ pub struct LoaderConfig {
     pub device: Device,
     /// (rank, world size): this replica's shard of every epoch (see [`Sampler`]); (0, 1) for all.
     pub shard: (usize, usize),
+    /// Keep the whole split on the device and assemble batches there (see the module docs).
+    pub resident: bool,
 }
 
 impl LoaderConfig {
@@ -46,6 +54,7 @@ impl LoaderConfig {
             seed,
             device,
             shard: (0, 1),
+            resident: false,
         }
     }
 
@@ -61,6 +70,8 @@ pub struct Loader {
     dataset: ImageDataset,
     sampler: Sampler,
     config: LoaderConfig,
+    /// The split's images `[N, C, H, W]` (bytes) and labels on the device, with `resident`.
+    on_device: Option<(Tensor, Tensor)>,
 }
 
 impl Loader {
@@ -68,7 +79,13 @@ impl Loader {
         assert!(config.batch_size > 0, "batch size must be positive");
         let (rank, world_size) = config.shard;
         let sampler = Sampler::new(dataset.len(), config.shuffle, config.seed).sharded(rank, world_size);
-        Loader { dataset, sampler, config }
+        let on_device = config.resident.then(|| {
+            let [c, h, w] = dataset.kind.image_shape();
+            let images = Tensor::from_slice(&dataset.images).view([dataset.len() as i64, c as i64, h as i64, w as i64]);
+            let labels = Tensor::from_slice(&dataset.labels).to_kind(Kind::Int64);
+            (images.to_device(config.device), labels.to_device(config.device))
+        });
+        Loader { dataset, sampler, config, on_device }
     }
 
     pub fn dataset(&self) -> &ImageDataset {
@@ -91,11 +108,32 @@ impl BatchSource for Loader {
     }
 
     fn epoch(&self, epoch: usize) -> Box<dyn Iterator<Item = Batch> + '_> {
-        Box::new(self.epoch_batches(epoch))
+        match &self.on_device {
+            Some(resident) => Box::new(self.resident_batches(resident, epoch)),
+            None => Box::new(self.epoch_batches(epoch)),
+        }
     }
 }
 
 impl Loader {
+    /// The batches of one epoch from the device-resident split: gathered, augmented and
+    /// normalised on the device.
+    fn resident_batches<'a>(&'a self, (images, labels): &'a (Tensor, Tensor), epoch: usize) -> impl Iterator<Item = Batch> + 'a {
+        let indices = self.sampler.indices(epoch);
+        let size = self.config.batch_size;
+        let device = self.config.device;
+        (0..self.batches_per_epoch()).map(move |batch| {
+            let chunk = &indices[batch * size..((batch + 1) * size).min(indices.len())];
+            let index = Tensor::from_slice(&chunk.iter().map(|&i| i as i64).collect::<Vec<_>>()).to_device(device);
+            let mut batch_images = images.index_select(0, &index);
+            if self.config.augment {
+                let draws = augmentation_draws(&self.config, epoch, batch, chunk.len());
+                batch_images = crop_flip_on_device(&batch_images, &draws, AUGMENT_PADDING);
+            }
+            Batch { inputs: normalize(&batch_images, self.dataset.kind), targets: labels.index_select(0, &index) }
+        })
+    }
+
     /// The batches of one epoch, in a deterministic order.
     pub fn epoch_batches(&self, epoch: usize) -> Epoch {
         let job = Arc::new(EpochJob {
@@ -181,16 +219,15 @@ impl EpochJob {
         let [c, h, w] = self.dataset.kind.image_shape();
         let per_image = c * h * w;
         let mut bytes = vec![0u8; indices.len() * per_image];
-        // Each rank's batch b holds other images: give it other draws too (rank 0 keeps the
-        // single-process stream).
-        let seed = self.config.seed ^ (self.config.shard.0 as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93);
-        let mut rng = ChaCha8Rng::seed_from_u64(mix(seed, self.epoch as u64, batch as u64));
-        for (out, &index) in bytes.chunks_exact_mut(per_image).zip(indices) {
+        let draws = match self.config.augment {
+            true => augmentation_draws(&self.config, self.epoch, batch, indices.len()),
+            false => Vec::new(),
+        };
+        for (i, (out, &index)) in bytes.chunks_exact_mut(per_image).zip(indices).enumerate() {
             let image = self.dataset.image(index);
-            if self.config.augment {
-                random_crop_flip(image, out, [c, h, w], 4, &mut rng);
-            } else {
-                out.copy_from_slice(image);
+            match draws.get(i) {
+                Some(&draw) => crop_flip(image, out, [c, h, w], draw),
+                None => out.copy_from_slice(image),
             }
         }
         let labels: Vec<i64> = indices.iter().map(|&i| self.dataset.labels[i] as i64).collect();
@@ -224,11 +261,52 @@ pub fn normalize(images: &Tensor, kind: DatasetKind) -> Tensor {
     (images.to_kind(Kind::Float) / 255.0 - mean) / std
 }
 
-/// torchvision's `RandomCrop(size, padding)` followed by `RandomHorizontalFlip()`, on bytes.
-fn random_crop_flip(src: &[u8], out: &mut [u8], [channels, height, width]: [usize; 3], pad: usize, rng: &mut ChaCha8Rng) {
+/// Zero padding of the random crop (torchvision's `RandomCrop(32, padding=4)`).
+const AUGMENT_PADDING: usize = 4;
+
+/// One image's augmentation: the crop's shift (dy, dx) in −pad..=pad and whether to flip.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Draw {
+    dy: isize,
+    dx: isize,
+    flip: bool,
+}
+
+/// Draws the augmentation of the `n` images of `batch` in `epoch`: a random stream per (seed,
+/// epoch, batch), so a batch gets the same draws whichever thread (or device) makes it.
+fn augmentation_draws(config: &LoaderConfig, epoch: usize, batch: usize, n: usize) -> Vec<Draw> {
+    // Each rank's batch b holds other images: give it other draws too (rank 0 keeps the
+    // single-process stream).
+    let seed = config.seed ^ (config.shard.0 as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93);
+    let mut rng = ChaCha8Rng::seed_from_u64(mix(seed, epoch as u64, batch as u64));
+    (0..n).map(|_| draw(&mut rng, AUGMENT_PADDING)).collect()
+}
+
+fn draw(rng: &mut ChaCha8Rng, pad: usize) -> Draw {
     let dy = rng.random_range(0..=2 * pad) as isize - pad as isize;
     let dx = rng.random_range(0..=2 * pad) as isize - pad as isize;
-    let flip = rng.random_bool(0.5);
+    Draw { dy, dx, flip: rng.random_bool(0.5) }
+}
+
+/// [`crop_flip`] for a whole batch `[B, C, H, W]` on its device: zero-pad by `pad`, then gather
+/// each image's shifted (and mirrored) rows and columns.
+fn crop_flip_on_device(images: &Tensor, draws: &[Draw], pad: usize) -> Tensor {
+    let (b, _, h, w) = images.size4().expect("images are [B, C, H, W]");
+    let device = images.device();
+    let pad = pad as i64;
+    let padded = images.constant_pad_nd([pad, pad, pad, pad]).permute([0, 2, 3, 1]); // [B, H+2p, W+2p, C]
+    let offsets = |f: fn(&Draw) -> isize| Tensor::from_slice(&draws.iter().map(|d| f(d) as i64 + pad).collect::<Vec<_>>()).to_device(device);
+    let rows = offsets(|d| d.dy).view([b, 1]) + Tensor::arange(h, (Kind::Int64, device)).view([1, h]);
+    let flips = Tensor::from_slice(&draws.iter().map(|d| d.flip).collect::<Vec<_>>()).to_device(device).view([b, 1]);
+    let x = Tensor::arange(w, (Kind::Int64, device)).view([1, w]);
+    let columns = offsets(|d| d.dx).view([b, 1]) + x.where_self(&flips.logical_not(), &(x.g_mul_scalar(-1) + (w - 1)));
+    let batch = Tensor::arange(b, (Kind::Int64, device)).view([b, 1, 1]);
+    padded.index(&[Some(batch), Some(rows.view([b, h, 1])), Some(columns.view([b, 1, w]))]).permute([0, 3, 1, 2]).contiguous()
+}
+
+/// torchvision's `RandomCrop(size, padding)` followed by `RandomHorizontalFlip()`, on bytes,
+/// with the shift and flip of `draw`.
+fn crop_flip(src: &[u8], out: &mut [u8], [channels, height, width]: [usize; 3], Draw { dy, dx, flip }: Draw) {
     for c in 0..channels {
         for y in 0..height {
             let sy = y as isize + dy;
@@ -270,7 +348,7 @@ mod tests {
                 continue;
             }
             let mut out = vec![0; 6];
-            random_crop_flip(&src, &mut out, [c, h, w], 1, &mut ChaCha8Rng::seed_from_u64(seed));
+            crop_flip(&src, &mut out, [c, h, w], draw(&mut ChaCha8Rng::seed_from_u64(seed), 1));
             if flip {
                 assert_eq!(out, vec![3, 2, 1, 6, 5, 4]);
                 seen.1 = true;
@@ -291,10 +369,33 @@ mod tests {
         let mut zeros_seen = false;
         for seed in 0..50 {
             let mut out = vec![0; 16];
-            random_crop_flip(&src, &mut out, [1, 4, 4], 2, &mut ChaCha8Rng::seed_from_u64(seed));
+            crop_flip(&src, &mut out, [1, 4, 4], draw(&mut ChaCha8Rng::seed_from_u64(seed), 2));
             assert!(out.iter().all(|&v| v == 0 || v == 9));
             zeros_seen |= out.contains(&0);
         }
         assert!(zeros_seen, "a shifted crop must bring in zero padding");
+    }
+
+    #[test]
+    fn device_resident_batches_equal_the_host_loaders() {
+        // A small generated CIFAR-10-like set; on the CPU the resident path runs the same code
+        // as on a GPU (gather, pad, index, normalise as tensors).
+        let n = 37;
+        let images: Vec<u8> = (0..n * 3 * 32 * 32).map(|i| (i * 7 % 251) as u8).collect();
+        let labels: Vec<u8> = (0..n).map(|i| (i % 10) as u8).collect();
+        let dataset = ImageDataset { kind: DatasetKind::Cifar10, images: images.into(), labels: labels.into(), generated: true };
+        for (augment, shard) in [(false, (0, 1)), (true, (0, 1)), (true, (1, 2))] {
+            let config = LoaderConfig { augment, shard, workers: 0, ..LoaderConfig::train(8, 5, Device::Cpu) };
+            let host = Loader::new(dataset.clone(), config.clone());
+            let resident = Loader::new(dataset.clone(), LoaderConfig { resident: true, ..config });
+            for epoch in 0..2 {
+                let (a, b): (Vec<Batch>, Vec<Batch>) = (host.epoch(epoch).collect(), resident.epoch(epoch).collect());
+                assert_eq!(a.len(), b.len());
+                for (x, y) in a.iter().zip(&b) {
+                    assert!(x.inputs.equal(&y.inputs), "augment {augment}, shard {shard:?}, epoch {epoch}: images differ");
+                    assert!(x.targets.equal(&y.targets));
+                }
+            }
+        }
     }
 }

@@ -1,0 +1,139 @@
+//! `--profile`: where the step time goes. The training loop records each phase of each step
+//! (data wait, forward, backward, all-reduce, optimizer) and each evaluation as intervals, from
+//! its own timers, waiting for the device at every phase boundary so that the intervals are the
+//! device's work (which costs some throughput: profile separately from timing runs). The result
+//! is a table and a Chrome trace (`chrome://tracing`, <https://ui.perfetto.dev>): tch does not
+//! expose LibTorch's profiler, so the trace has our phases, not LibTorch's kernels.
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+/// One interval of the trace.
+#[derive(Debug, Clone, Serialize)]
+struct TraceEvent {
+    name: &'static str,
+    /// Complete event (begin and duration).
+    ph: &'static str,
+    /// Microseconds since the run started.
+    ts: f64,
+    dur: f64,
+    /// The rank (one row per process in the viewer).
+    pid: usize,
+    tid: usize,
+    args: EventArgs,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct EventArgs {
+    step: usize,
+}
+
+/// Records phases when enabled; does nothing (and costs nothing) otherwise.
+pub struct Profiler {
+    enabled: bool,
+    rank: usize,
+    origin: Instant,
+    events: Vec<TraceEvent>,
+}
+
+/// The phases in the order the table lists them.
+pub const PHASES: [&str; 6] = ["data wait", "forward", "backward", "all-reduce", "optimizer", "evaluation"];
+
+impl Profiler {
+    pub fn new(enabled: bool, rank: usize) -> Profiler {
+        Profiler { enabled, rank, origin: Instant::now(), events: Vec::new() }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// Records `name` (one of [`PHASES`]) from `start` to `end`, in step `step`.
+    pub fn record(&mut self, name: &'static str, start: Instant, end: Instant, step: usize) {
+        if !self.enabled {
+            return;
+        }
+        let us = |t: Instant| t.saturating_duration_since(self.origin).as_secs_f64() * 1e6;
+        self.events.push(TraceEvent {
+            name,
+            ph: "X",
+            ts: us(start),
+            dur: us(end) - us(start),
+            pid: self.rank,
+            tid: 0,
+            args: EventArgs { step },
+        });
+    }
+
+    /// Seconds spent in each phase, in [`PHASES`] order.
+    pub fn totals(&self) -> Vec<(&'static str, f64)> {
+        PHASES
+            .iter()
+            .map(|&phase| (phase, self.events.iter().filter(|e| e.name == phase).map(|e| e.dur / 1e6).sum()))
+            .collect()
+    }
+
+    /// The table `--profile` prints: each phase's total, share and time per training step.
+    pub fn table(&self, steps: usize) -> String {
+        let totals = self.totals();
+        let all: f64 = totals.iter().map(|(_, s)| s).sum::<f64>().max(f64::EPSILON);
+        let mut out = String::from("| phase | total (s) | share | per step (ms) |\n|---|---:|---:|---:|\n");
+        for (phase, seconds) in totals {
+            let per_step = if phase == "evaluation" { String::from("-") } else { format!("{:.2}", 1e3 * seconds / steps.max(1) as f64) };
+            out += &format!("| {phase} | {seconds:.3} | {:.1}% | {per_step} |\n", 100.0 * seconds / all);
+        }
+        out
+    }
+
+    /// Writes the Chrome trace (JSON object format) to `path`.
+    pub fn write_chrome_trace(&self, path: &Path) -> Result<()> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        }
+        let trace = serde_json::json!({ "traceEvents": self.events, "displayTimeUnit": "ms" });
+        std::fs::write(path, serde_json::to_vec(&trace)?).with_context(|| format!("cannot write {}", path.display()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn phases_add_up_in_the_table_and_the_trace() {
+        let mut profiler = Profiler::new(true, 3);
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        for step in 0..2 {
+            let base = 100 * step as u64;
+            profiler.record("forward", at(base), at(base + 30), step);
+            profiler.record("backward", at(base + 30), at(base + 90), step);
+        }
+        profiler.record("evaluation", at(200), at(300), 2);
+        let totals: std::collections::HashMap<_, _> = profiler.totals().into_iter().collect();
+        assert!((totals["forward"] - 0.06).abs() < 1e-9 && (totals["backward"] - 0.12).abs() < 1e-9);
+        assert_eq!(totals["data wait"], 0.0);
+        let table = profiler.table(2);
+        assert!(table.contains("| forward | 0.060 | 21.4% | 30.00 |"), "{table}");
+        assert!(table.contains("| evaluation | 0.100 | 35.7% | - |"), "{table}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sub/trace.json");
+        profiler.write_chrome_trace(&path).unwrap();
+        let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let events = trace["traceEvents"].as_array().unwrap();
+        assert_eq!(events.len(), 5);
+        assert_eq!((events[1]["name"].as_str(), events[1]["ph"].as_str(), events[1]["pid"].as_u64()), (Some("backward"), Some("X"), Some(3)));
+        assert!((events[1]["dur"].as_f64().unwrap() - 60_000.0).abs() < 1.0, "microseconds");
+    }
+
+    #[test]
+    fn a_disabled_profiler_records_nothing() {
+        let mut profiler = Profiler::new(false, 0);
+        profiler.record("forward", Instant::now(), Instant::now(), 0);
+        assert!(profiler.totals().iter().all(|(_, s)| *s == 0.0));
+    }
+}

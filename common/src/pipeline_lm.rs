@@ -22,6 +22,7 @@ use crate::models::{self, TransformerConfig};
 use crate::optim::{Optimizer, Sgd, SgdConfig};
 use crate::pipeline::process::{Placement, StageProcess};
 use crate::precision::Precision;
+use crate::profile::Profiler;
 use crate::pipeline::{self, EvalSums, LayerCosts, Partition, Pipeline, PipelineOptions, PipelineTrainer, Schedule, Stage, StepReport};
 use crate::flops;
 use crate::report::{self, RunInfo, RunRecord};
@@ -184,6 +185,8 @@ struct Setup<'a> {
     checkpoints: bool,
     /// Distinct devices this process drives (for the MFU).
     devices_per_process: usize,
+    /// This process's rank in the job (0 in one process).
+    world_rank: usize,
 }
 
 fn run_in_one_process(exercise: Exercise, args: &PipelineArgs) -> Result<()> {
@@ -223,6 +226,7 @@ fn run_in_one_process(exercise: Exercise, args: &PipelineArgs) -> Result<()> {
         world_size: 1,
         checkpoints: true,
         devices_per_process: devices.iter().collect::<std::collections::HashSet<_>>().len(),
+        world_rank: 0,
     };
     train_and_report(&setup, &mut pipeline)
 }
@@ -316,6 +320,7 @@ fn run_in_processes(exercise: Exercise, args: &PipelineArgs, group: &ProcessGrou
         world_size: world,
         checkpoints: false,
         devices_per_process: 1,
+        world_rank: group.rank(),
     };
     train_and_report(&setup, &mut trainer)
 }
@@ -504,6 +509,8 @@ fn train(setup: &Setup, trainer: &mut dyn PipelineTrainer) -> Result<(FitReport,
 
     let mut fit = FitReport::new(start_epoch);
     let (mut first_step, mut warm) = (BubbleMeter::default(), BubbleMeter::default());
+    // --profile: every stage's forward (F<m>) and backward (B<m>) passes, one row per stage.
+    let mut profiler = Profiler::new(args.lm.run.profile, setup.world_rank);
     for epoch in start_epoch..epochs {
         if out_of_steps(step_count) {
             break;
@@ -525,6 +532,16 @@ fn train(setup: &Setup, trainer: &mut dyn PipelineTrainer) -> Result<(FitReport,
             optimizer.zero_grad();
             let targets = batch.targets.reshape(batch.inputs.size());
             let step = trainer.train_step(&batch.inputs, &targets)?;
+            for trace in &step.traces {
+                for interval in &trace.intervals {
+                    let (name, m) = match interval.op {
+                        pipeline::Op::Forward(m) => ("F", m),
+                        pipeline::Op::Backward(m) => ("B", m),
+                    };
+                    let at = |s: f64| t0 + std::time::Duration::from_secs_f64(s.max(0.0));
+                    profiler.record_on(format!("{name}{m}"), trace.stage, at(interval.start_s), at(interval.end_s), fit.steps);
+                }
+            }
             let t1 = Instant::now();
             trainer.finish_gradients(&params, clip)?;
             optimizer.step()?;
@@ -597,6 +614,11 @@ fn train(setup: &Setup, trainer: &mut dyn PipelineTrainer) -> Result<(FitReport,
         }
     }
     let bubble = if warm.stage_time_s > 0.0 { warm.fraction() } else { first_step.fraction() };
+    if args.lm.run.profile {
+        let path = args.lm.run.results_dir.join(format!("{run}-rank{}.trace.json", setup.world_rank));
+        profiler.write_chrome_trace(&path)?;
+        println!("wrote the Chrome trace of the stages' passes {} (one row per stage)", path.display());
+    }
     Ok((fit, bubble))
 }
 

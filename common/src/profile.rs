@@ -13,7 +13,7 @@ use serde::Serialize;
 /// One interval of the trace.
 #[derive(Debug, Clone, Serialize)]
 struct TraceEvent {
-    name: &'static str,
+    name: String,
     /// Complete event (begin and duration).
     ph: &'static str,
     /// Microseconds since the run started.
@@ -52,6 +52,11 @@ impl Profiler {
 
     /// Records `name` (one of [`PHASES`]) from `start` to `end`, in step `step`.
     pub fn record(&mut self, name: &'static str, start: Instant, end: Instant, step: usize) {
+        self.record_on(name.to_string(), 0, start, end, step);
+    }
+
+    /// Records `name` on row `tid` of this process (a pipeline stage, say).
+    pub fn record_on(&mut self, name: String, tid: usize, start: Instant, end: Instant, step: usize) {
         if !self.enabled {
             return;
         }
@@ -62,7 +67,7 @@ impl Profiler {
             ts: us(start),
             dur: us(end) - us(start),
             pid: self.rank,
-            tid: 0,
+            tid,
             args: EventArgs { step },
         });
     }

@@ -107,10 +107,22 @@ fn stages_in_separate_processes_and_replicas_of_them() {
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         (stdout, read_json(&results.path().join("exercise3_pipeline-transformer-cpu.json")))
     };
-    let (stdout, json) = run(&["--nproc-per-node", "2"]);
+    let (stdout, json) = run(&["--nproc-per-node", "2", "--profile"]);
     assert!(stdout.contains("2 ranks: 1 replica(s) of a 2-stage pipeline"), "{stdout}");
     assert_eq!((json["stages"].as_u64(), json["dp"].as_u64(), json["world_size"].as_u64()), (Some(2), Some(1), Some(2)));
     assert!(json["test_loss"].as_f64().unwrap().is_finite());
+    // --profile: each rank's trace holds its stage's passes of the 1F1B schedule, 2 micro-batches
+    // × 3 steps, forward and backward.
+    for rank in 0..2u64 {
+        let path = results.path().join(format!("exercise3_pipeline-transformer-cpu-rank{rank}.trace.json"));
+        let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let events = trace["traceEvents"].as_array().unwrap();
+        assert_eq!(events.len(), 3 * 2 * 2, "{path:?}");
+        assert!(events.iter().all(|e| e["tid"].as_u64() == Some(rank) && e["pid"].as_u64() == Some(rank)));
+        let names: Vec<&str> = events[..4].iter().map(|e| e["name"].as_str().unwrap()).collect();
+        let expected = if rank == 0 { ["F0", "F1", "B0", "B1"] } else { ["F0", "B0", "F1", "B1"] };
+        assert_eq!(names, expected, "rank {rank}: the 1F1B order of stage {rank}");
+    }
     let (stdout, json) = run(&["--nproc-per-node", "4", "--dp", "2"]);
     assert!(stdout.contains("4 ranks: 2 replica(s) of a 2-stage pipeline"), "{stdout}");
     assert_eq!((json["stages"].as_u64(), json["dp"].as_u64(), json["world_size"].as_u64()), (Some(2), Some(2), Some(4)));

@@ -15,7 +15,7 @@ BIN       := target/release
 ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
-.PHONY: system-deps exercise2 exercise3-ddp exercise3-pipeline bench-allreduce bench-pipeline setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
+.PHONY: system-deps python-tools exercise2 exercise3-ddp exercise3-pipeline bench-allreduce bench-pipeline setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
         exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test clean-results
 
 system-deps:
@@ -85,7 +85,11 @@ bench-allreduce: data-cifar10
 bench-nlp: data-wikitext2
 	$(WITH) bench/nlp.sh
 
-test: build
+# Python packages the tests read our outputs with (TensorBoard's event reader), into .venv.
+python-tools: setup
+	$(WITH) scripts/python-tools
+
+test: build python-tools
 	$(CARGO) test --release --workspace
 
 # Run logs only; the committed reference results stay.

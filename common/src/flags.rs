@@ -51,6 +51,10 @@ pub struct RunArgs {
     /// device between phases: costs some speed.
     #[arg(long)]
     pub profile: bool,
+    /// Write TensorBoard event files (loss, learning rate, throughput every 10 steps; each
+    /// epoch's losses, accuracy or perplexity) to DIR/<run>.
+    #[arg(long)]
+    pub tensorboard: Option<PathBuf>,
 }
 
 impl RunArgs {

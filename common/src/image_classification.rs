@@ -329,6 +329,7 @@ fn run_on(
         metric: Metric::Accuracy,
         precision: args.run.precision,
         profile: args.run.profile.then(|| args.run.results_dir.join(format!("{run}.trace.json"))),
+        tensorboard: args.run.tensorboard.as_ref().map(|dir| dir.join(&run)),
     };
     let fit = train::fit(model.as_ref(), &vs, optimizer.as_mut(), &train_loader, &test_loader, &config, replicas)?;
     if shard.1 > 1 {

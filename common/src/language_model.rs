@@ -206,6 +206,7 @@ fn run_on(exercise: Exercise, args: &LmArgs, device: Device, corpus: &Corpus) ->
         metric: Metric::Perplexity,
         precision: args.run.precision,
         profile: args.run.profile.then(|| args.run.results_dir.join(format!("{run}.trace.json"))),
+        tensorboard: args.run.tensorboard.as_ref().map(|dir| dir.join(&run)),
     };
     let fit = train::fit(&model, &vs, &mut optimizer, &train_data, &valid_data, &train_config, &SingleReplica)?;
     let (test_loss, test_acc) = train::evaluate(&model, &test_data, &SingleReplica, args.run.precision)?;

@@ -19,6 +19,7 @@ pub mod pipeline_lm;
 pub mod precision;
 pub mod profile;
 pub mod report;
+pub mod tensorboard;
 pub mod train;
 
 /// Which exercise is running: names its results and checkpoint files, and sets defaults.

@@ -23,6 +23,7 @@ use crate::optim::{Optimizer, Sgd, SgdConfig};
 use crate::pipeline::process::{Placement, StageProcess};
 use crate::precision::Precision;
 use crate::profile::Profiler;
+use crate::tensorboard::SummaryWriter;
 use crate::pipeline::{self, EvalSums, LayerCosts, Partition, Pipeline, PipelineOptions, PipelineTrainer, Schedule, Stage, StepReport};
 use crate::flops;
 use crate::report::{self, RunInfo, RunRecord};
@@ -511,6 +512,10 @@ fn train(setup: &Setup, trainer: &mut dyn PipelineTrainer) -> Result<(FitReport,
     let (mut first_step, mut warm) = (BubbleMeter::default(), BubbleMeter::default());
     // --profile: every stage's forward (F<m>) and backward (B<m>) passes, one row per stage.
     let mut profiler = Profiler::new(args.lm.run.profile, setup.world_rank);
+    let mut board = match (&args.lm.run.tensorboard, setup.root) {
+        (Some(dir), true) => Some(SummaryWriter::new(&dir.join(&run))?),
+        _ => None,
+    };
     for epoch in start_epoch..epochs {
         if out_of_steps(step_count) {
             break;
@@ -559,6 +564,11 @@ fn train(setup: &Setup, trainer: &mut dyn PipelineTrainer) -> Result<(FitReport,
             fit.steps += 1;
             step_count += 1;
             bar.inc(1);
+            if let Some(board) = board.as_mut().filter(|_| step_count % crate::train::TENSORBOARD_EVERY == 0) {
+                board.add_scalar("train/loss", step.loss, step_count)?;
+                board.add_scalar("train/lr", lr, step_count)?;
+                board.add_scalar("train/bubble_fraction", step.bubble_fraction(), step_count)?;
+            }
             if steps % 10 == 1 {
                 let rate = (tokens * setup.shard.1) as f64 / epoch_start.elapsed().as_secs_f64();
                 bar.set_message(format!("loss {:.4}  {rate:.0} tok/s", step.loss));
@@ -584,6 +594,14 @@ fn train(setup: &Setup, trainer: &mut dyn PipelineTrainer) -> Result<(FitReport,
                 fit.eval_loss.exp(),
                 all_tokens as f64 / train_time_s
             );
+        }
+        if let Some(board) = board.as_mut() {
+            board.add_scalar("epoch/train_loss", train_loss, step_count)?;
+            board.add_scalar("epoch/eval_loss", fit.eval_loss, step_count)?;
+            board.add_scalar("epoch/eval_perplexity", fit.eval_loss.exp(), step_count)?;
+            board.add_scalar("epoch/lr", lr, step_count)?;
+            board.add_scalar("epoch/throughput", all_tokens as f64 / train_time_s, step_count)?;
+            board.flush()?;
         }
         fit.history.push(EpochStats {
             epoch: epoch + 1,

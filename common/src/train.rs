@@ -8,6 +8,7 @@ use crate::device::synchronize;
 use crate::optim::{self, Optimizer};
 use crate::precision::{self, GradScaler, GradScalerState, Precision};
 use crate::profile::Profiler;
+use crate::tensorboard::SummaryWriter;
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -128,6 +129,10 @@ impl Replicas for SingleReplica {
     }
 }
 
+/// `--tensorboard` logs the training loss, learning rate and throughput every this many steps
+/// (and every epoch's figures at its end).
+pub const TENSORBOARD_EVERY: usize = 10;
+
 /// Learning rate per epoch, relative to the optimizer's initial one.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub enum LrSchedule {
@@ -186,6 +191,8 @@ pub struct TrainConfig {
     pub precision: Precision,
     /// `--profile`: where to write the Chrome trace (the table is printed too).
     pub profile: Option<PathBuf>,
+    /// `--tensorboard`: the run's TensorBoard log directory.
+    pub tensorboard: Option<PathBuf>,
 }
 
 /// The figure of merit printed beside the loss.
@@ -358,6 +365,11 @@ pub fn fit(
     let mut report = FitReport::new(start_epoch);
     let out_of_steps = |step: usize| config.max_steps.is_some_and(|max| step >= max);
     let mut profiler = Profiler::new(config.profile.is_some(), replicas.rank());
+    let mut board = match (&config.tensorboard, root) {
+        (Some(dir), true) => Some(SummaryWriter::new(dir)?),
+        _ => None,
+    };
+    let mut last_logged = (Instant::now(), 0usize); // time and examples at the last step logged
 
     for epoch in start_epoch..config.epochs {
         if out_of_steps(step) {
@@ -437,6 +449,15 @@ pub fn fit(
             seen += batch.len();
             epoch_steps += 1;
             step += 1;
+            if let Some(board) = board.as_mut().filter(|_| step % TENSORBOARD_EVERY == 0) {
+                // Every few steps only: reading the loss waits for the device.
+                let examples = seen * replicas.world_size();
+                let rate = examples.saturating_sub(last_logged.1) as f64 / last_logged.0.elapsed().as_secs_f64();
+                board.add_scalar("train/loss", loss.double_value(&[]), step)?;
+                board.add_scalar("train/lr", lr, step)?;
+                board.add_scalar("train/throughput", rate, step)?;
+                last_logged = (Instant::now(), examples);
+            }
             if !bar.is_hidden() && (epoch_steps % 10 == 0 || epoch_steps == 1) {
                 let rate = (seen * replicas.world_size()) as f64 / epoch_start.elapsed().as_secs_f64();
                 bar.set_message(format!("loss {:.4}  {rate:.0}/s", loss.double_value(&[])));
@@ -462,6 +483,18 @@ pub fn fit(
         report.timings.eval_s += eval_start.elapsed().as_secs_f64();
         profiler.record("evaluation", eval_start, Instant::now(), step);
 
+        last_logged = (Instant::now(), 0);
+        if let Some(board) = board.as_mut() {
+            board.add_scalar("epoch/train_loss", train_loss, step)?;
+            board.add_scalar("epoch/eval_loss", eval_loss, step)?;
+            match config.metric {
+                Metric::Accuracy => board.add_scalar("epoch/eval_accuracy", eval_acc, step)?,
+                Metric::Perplexity => board.add_scalar("epoch/eval_perplexity", eval_loss.exp(), step)?,
+            }
+            board.add_scalar("epoch/lr", lr, step)?;
+            board.add_scalar("epoch/throughput", n / train_time.max(f64::EPSILON), step)?;
+            board.flush()?;
+        }
         let stats = EpochStats {
             epoch: epoch + 1,
             lr,

@@ -70,6 +70,7 @@ fn train(setup: &Setup, epochs: usize, init_seed: i64) -> Vec<(String, tch::Tens
         metric: common::train::Metric::Accuracy,
         precision: common::precision::Precision::Full,
         profile: None,
+        tensorboard: None,
     };
     let report = train::fit(model.as_ref(), &vs, optimizer.as_mut(), &train_loader, &test_loader, &config, &train::SingleReplica).unwrap();
     assert!(report.eval_loss.is_finite());

@@ -15,7 +15,7 @@ BIN       := target/release
 ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
-.PHONY: system-deps python-tools exercise2 exercise3-ddp exercise3-pipeline bench-allreduce bench-pipeline setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
+.PHONY: system-deps python-tools report exercise2 exercise3-ddp exercise3-pipeline bench-allreduce bench-pipeline setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
         exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test clean-results
 
 system-deps:
@@ -91,6 +91,10 @@ python-tools: setup
 
 test: build python-tools
 	$(CARGO) test --release --workspace
+
+# The tables and charts of the last runs in results/ into results/README.md (generated section).
+report: build
+	$(WITH) $(BIN)/report --results-dir results
 
 # Run logs only; the committed reference results stay.
 clean-results:

@@ -14,11 +14,13 @@ pub mod image_classification;
 pub mod language_model;
 pub mod models;
 pub mod optim;
+pub mod plots;
 pub mod pipeline;
 pub mod pipeline_lm;
 pub mod precision;
 pub mod profile;
 pub mod report;
+pub mod results_page;
 pub mod tensorboard;
 pub mod train;
 

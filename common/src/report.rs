@@ -125,7 +125,8 @@ pub fn unix_time() -> u64 {
 }
 
 /// Writes `<dir>/<exercise>-<model>-<device>.json` (the record plus `extra` fields such as the
-/// per-epoch history) and appends the record to `<dir>/<exercise>.csv`.
+/// per-epoch history), appends the record to `<dir>/<exercise>.csv`, and draws the training
+/// curves beside them (`<name>.svg`; a drawing failure is reported, the results are kept).
 pub fn save(dir: &Path, record: &RunRecord, extra: serde_json::Value) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create results directory {}", dir.display()))?;
     let mut json = serde_json::to_value(record)?;
@@ -136,6 +137,10 @@ pub fn save(dir: &Path, record: &RunRecord, extra: serde_json::Value) -> anyhow:
     std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n")
         .with_context(|| format!("cannot write {}", path.display()))?;
     append_csv(&dir.join(format!("{}.csv", record.exercise)), record)?;
+    match crate::plots::curves_for_run(dir, record, &json) {
+        Ok(svg) => println!("wrote the training curves {}", svg.display()),
+        Err(err) => eprintln!("warning: {err:#}"),
+    }
     Ok(path)
 }
 
@@ -183,6 +188,14 @@ pub fn run_per_device(
     }
     let missing = (choice == DeviceChoice::Both && !device::cuda_available())
         .then_some("no CUDA device on this machine; the run above is CPU only");
+    if choice == DeviceChoice::Both {
+        // The course slide's bar chart (one bar where only the CPU ran).
+        let path = crate::plots::devices_path(results_dir, &records[0]);
+        match crate::plots::device_comparison(&records, &path) {
+            Ok(()) => println!("wrote the device comparison {}", path.display()),
+            Err(err) => eprintln!("warning: {err:#}"),
+        }
+    }
     println!("{}", comparison_table(&records, missing));
     Ok(records)
 }

@@ -62,6 +62,15 @@ fn device_both_without_a_gpu_runs_the_cpu_and_says_the_gpu_is_missing() {
     let json = read_json(&results.path().join("exercise1-cnn-cpu.json"));
     assert_eq!(json["steps"], 3);
     assert_eq!(json["data_generated"], true);
+    // The charts beside the results: SVG images of the chart sizes, with the run's names.
+    for (file, size, text) in [
+        ("exercise1-cnn-cpu.svg", (common::plots::WIDTH, common::plots::HEIGHT), "evaluation accuracy"),
+        ("exercise1-cnn-devices.svg", (common::plots::WIDTH / 2, common::plots::HEIGHT), "images/s"),
+    ] {
+        let svg = std::fs::read_to_string(results.path().join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert!(svg.contains(&format!("width=\"{}\" height=\"{}\"", size.0, size.1)), "{file}: not {size:?}");
+        assert!(svg.contains(text) && svg.trim_end().ends_with("</svg>"), "{file}");
+    }
 }
 
 #[test]

@@ -27,6 +27,9 @@ fn plot_error<E: std::fmt::Debug>(path: &Path) -> impl Fn(E) -> anyhow::Error + 
     move |e| anyhow!("cannot draw {}: {e:?}", path.display())
 }
 
+/// A figure of one epoch, for a curve.
+type Figure = fn(&EpochPoint) -> f64;
+
 /// The range of `values` (finite ones), widened a little so that lines do not touch the frame.
 fn range(values: impl Iterator<Item = f64>) -> std::ops::Range<f64> {
     let (lo, hi) = values.filter(|v| v.is_finite()).fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
@@ -57,7 +60,7 @@ pub fn training_curves(title: &str, history: &[EpochPoint], perplexity: bool, pa
         .build_cartesian_2d(epochs.clone(), loss_range)
         .map_err(&fail)?;
     chart.configure_mesh().x_desc("epoch").draw().map_err(&fail)?;
-    let curves: [(&str, RGBColor, fn(&EpochPoint) -> f64); 2] =
+    let curves: [(&str, RGBColor, Figure); 2] =
         [("train", BLUE, |p| p.train_loss), ("evaluation", RED, |p| p.eval_loss)];
     for (label, color, value) in curves {
         chart
@@ -68,16 +71,16 @@ pub fn training_curves(title: &str, history: &[EpochPoint], perplexity: bool, pa
     }
     chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw().map_err(&fail)?;
 
-    let (name, metric): (&str, Box<dyn Fn(&EpochPoint) -> f64>) = match perplexity {
-        true => ("evaluation perplexity", Box::new(|p: &EpochPoint| p.eval_loss.exp())),
-        false => ("evaluation accuracy", Box::new(|p: &EpochPoint| p.eval_acc.unwrap_or(f64::NAN))),
+    let (name, metric): (&str, Figure) = match perplexity {
+        true => ("evaluation perplexity", |p| p.eval_loss.exp()),
+        false => ("evaluation accuracy", |p| p.eval_acc.unwrap_or(f64::NAN)),
     };
     let mut chart = ChartBuilder::on(&right)
         .caption(name, ("sans-serif", 14))
         .margin(10)
         .x_label_area_size(30)
         .y_label_area_size(50)
-        .build_cartesian_2d(epochs, range(history.iter().map(&metric)))
+        .build_cartesian_2d(epochs, range(history.iter().map(metric)))
         .map_err(&fail)?;
     chart.configure_mesh().x_desc("epoch").draw().map_err(&fail)?;
     chart

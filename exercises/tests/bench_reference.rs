@@ -1,6 +1,7 @@
 //! `make bench` compares exercise1 with `bench/exercise1_reference.py`; that comparison only
 //! means something if both train the same network. This checks, for each model, that the
-//! reference (its `--describe`, which needs no data and no torchvision) has the parameter
+//! reference (its `--describe`, which needs no data, and takes torchvision's models where
+//! torchvision is installed and its own copies of them otherwise) has the parameter
 //! count exercise1 reports in its results JSON, with exercise1's default head, and the same
 //! `state_dict` names and shapes as our var store (torchvision's layout).
 //!
@@ -27,7 +28,7 @@ fn describe(model: &str) -> serde_json::Value {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/exercise1_reference.py");
     let out = Command::new(python())
         .arg(&script)
-        .args(["--model", model, "--describe", "--layouts", "builtin"])
+        .args(["--model", model, "--describe"])
         .output()
         .expect("the reference runs");
     assert!(out.status.success(), "{} --describe failed: {}", script.display(), stderr(&out));

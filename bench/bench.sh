@@ -26,6 +26,8 @@
 #   PY_WORKERS     DataLoader worker processes for LOADER=dataloader (WORKERS)
 #   NLP_MODEL_FLAGS  model flags for both exercise1_nlp sides, e.g. "--emsize 256 --d-hid 256"
 #   BENCH_CSV      where the rows go (results/bench.csv)
+#   BENCH_NOTE     free text for the rows' note column
+#   BIN            where the Rust binaries are (target/release)
 #
 # Run through scripts/with-torch (the Makefile does): it provides TORCH_PYTHON and LibTorch.
 set -euo pipefail
@@ -162,5 +164,5 @@ for entry in $BENCH; do
 done
 
 "$python" bench/bench_report.py --runs "$runs" --csv "$BENCH_CSV" --device "$DEVICE" --threads "$THREADS" \
-    --rounds "$ROUNDS" --loader "$LOADER" --workers "$WORKERS" --nlp-model-flags "$NLP_MODEL_FLAGS" \
+    --rounds "$ROUNDS" --loader "$LOADER" --workers "$WORKERS" --nlp-model-flags "$NLP_MODEL_FLAGS" --note "${BENCH_NOTE:-}" \
     ${NLP_CSV:+--nlp-csv "$NLP_CSV"}

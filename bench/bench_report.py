@@ -13,7 +13,8 @@ ENTRIES = {  # entry: (exercise, model, unit)
 COLUMNS = ["finished_at", "exercise", "model", "device", "threads", "steps", "rounds", "unit",
            "rust_throughput", "pytorch_throughput", "ratio", "params_rust", "params_pytorch",
            "rust_data_ms", "rust_fwd_bwd_ms", "rust_optim_ms", "pytorch_data_ms", "pytorch_fwd_bwd_ms",
-           "pytorch_optim_ms", "rust_workers", "pytorch_loader", "model_flags", "generated_data", "torch_version"]
+           "pytorch_optim_ms", "rust_workers", "pytorch_loader", "model_flags", "omp_wait_policy", "generated_data",
+           "torch_version", "note"]
 
 
 def median(runs, key, per_step=False):
@@ -35,6 +36,7 @@ def main():
     p.add_argument("--loader", default="memory")
     p.add_argument("--workers", default="2")
     p.add_argument("--nlp-model-flags", default="")
+    p.add_argument("--note", default="", help="free text for the CSV's note column (BENCH_NOTE)")
     p.add_argument("--nlp-csv", default=None, help="also append the nlp entry to this CSV in bench/nlp.sh's old format")
     a = p.parse_args()
     with open(a.runs) as f:
@@ -60,8 +62,10 @@ def main():
             "rust_workers": a.workers if exercise == "exercise1" else "",
             "pytorch_loader": torch_[0].get("loader") or "",
             "model_flags": a.nlp_model_flags if entry == "nlp" else "",
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
             "generated_data": "yes" if generated else "no",
             "torch_version": rust[0].get("torch_version") or torch_[0].get("torch_version") or "",
+            "note": a.note,
         })
         if rust[0]["params"] != torch_[0]["params"]:
             print(f"WARNING: {exercise} {model}: Rust has {rust[0]['params']} parameters, PyTorch "
@@ -70,8 +74,10 @@ def main():
         raise SystemExit("error: no complete pairs of runs")
 
     generated = any(r["generated_data"] == "yes" for r in rows)
+    omp = os.environ.get("OMP_WAIT_POLICY")
     print(f"\nTraining throughput, Rust (tch) vs PyTorch eager: {a.device}, {a.threads} threads, "
-          f"{a.rounds} rounds A B A B, medians{'; GENERATED data' if generated else ''}")
+          f"{a.rounds} rounds A B A B, medians{f'; OMP_WAIT_POLICY={omp}' if omp else ''}"
+          f"{'; GENERATED data' if generated else ''}")
     print("| exercise | model | steps | unit | Rust | PyTorch | Rust/PyTorch | Rust data / fwd+bwd / optim (ms/step) | PyTorch data / fwd+bwd / optim (ms/step) |")
     print("|---|---|---:|---|---:|---:|---:|---|---|")
     for r in rows:

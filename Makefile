@@ -15,7 +15,7 @@ BIN       := target/release
 ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
-.PHONY: system-deps python-tools report exercise2 exercise3-ddp exercise3-pipeline bench-allreduce bench-pipeline setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
+.PHONY: system-deps python-tools report exercise2 exercise3-ddp exercise3-pipeline bench bench-allreduce bench-pipeline setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
         exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test clean-results
 
 system-deps:
@@ -81,7 +81,14 @@ bench-pipeline: build
 bench-allreduce: data-cifar10
 	NPROC=$(NPROC) $(WITH) bench/allreduce.sh
 
-# Rust vs PyTorch eager tokens/s, side by side (ROUNDS, STEPS, THREADS, DEVICE, MODEL_FLAGS).
+# Rust vs PyTorch eager throughput, side by side, A B A B: exercise1's cnn, resnet34 and vgg19
+# (images/s) and exercise1_nlp (tokens/s); medians, ratios, results/bench.csv. Settings: BENCH,
+# ROUNDS, THREADS, DEVICE, CNN_STEPS, RESNET34_STEPS, VGG19_STEPS, NLP_STEPS, LOADER, WORKERS
+# (see bench/bench.sh).
+bench: data-cifar10 data-wikitext2
+	$(WITH) bench/bench.sh
+
+# exercise1_nlp alone (ROUNDS, STEPS, THREADS, DEVICE, MODEL_FLAGS); also results/bench-nlp.csv.
 bench-nlp: data-wikitext2
 	$(WITH) bench/nlp.sh
 

@@ -5,7 +5,9 @@ training step, same configuration flags as the Rust binary, reporting training t
     python bench/exercise1_nlp_reference.py --data-dir data/wikitext-2 --max-steps 50 --threads 2
 
 Prints one JSON line: {"impl": "pytorch", "tokens_per_s": ..., "steps": ..., ...}.
-Every step is timed, from batch slicing to the optimizer step, as the Rust training loop does.
+Timed as the Rust training loop (common/src/train.rs) times an epoch: one clock over all steps
+(tokens / that time = the Rust JSON's `throughput`), each step split into data (slicing the
+batch), forward+backward and optimizer (clipping and the step).
 """
 import argparse, json, os, re, time, warnings
 
@@ -72,6 +74,7 @@ def main():
     device = torch.device(a.device)
 
     tokens = load_tokens(a.data_dir, a.train_split, a.tokenizer)
+    generated = os.path.exists(os.path.join(a.data_dir, "GENERATED.txt"))
     vocab = {"<unk>": 0} if a.tokenizer == "basic_english" else {}
     for w in tokens:
         vocab.setdefault(w, len(vocab))
@@ -89,29 +92,49 @@ def main():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    steps, tokens_timed, timed = 0, 0, 0.0
+    # As common/src/train.rs: one clock over the whole loop (the Rust epoch clock; started
+    # after --warmup untimed steps), and each step split into data (slicing the batch),
+    # forward+backward and optimizer (clipping and the step); the loss is summed on the
+    # device, with no host synchronisation per step.
+    steps, tokens_timed = 0, 0
+    data_wait = forward_backward = optimizer_time = 0.0
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     i = 0
+    sync()
+    start = time.perf_counter()
     while steps < a.max_steps:
+        if steps == a.warmup:
+            sync()
+            start = time.perf_counter()
+        t0 = time.perf_counter()
         if i >= data.size(0) - 1 - a.bptt:
             i = 0
         src, tgt = data[i : i + a.bptt], data[i + 1 : i + 1 + a.bptt].reshape(-1)
         i += a.bptt
-        sync()
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         output = model(src, mask)
         loss = criterion(output.view(-1, len(vocab)), tgt)
         optimizer.zero_grad()
         loss.backward()
+        sync()
+        t2 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
-        loss_value = loss.item()
         sync()
+        t3 = time.perf_counter()
+        loss_sum += loss.detach().to(torch.float64) * tgt.numel()
         if steps >= a.warmup:
-            timed += time.perf_counter() - t0
+            data_wait += t1 - t0
+            forward_backward += t2 - t1
+            optimizer_time += t3 - t2
             tokens_timed += tgt.numel()
         steps += 1
+    timed = time.perf_counter() - start
+    loss_value = loss.item()
     params = sum(p.numel() for p in model.parameters())
     print(json.dumps({"impl": "pytorch", "tokens_per_s": tokens_timed / timed, "steps": steps,
+                      "train_time_s": timed, "data_wait_s": data_wait, "forward_backward_s": forward_backward,
+                      "optimizer_s": optimizer_time, "generated_data": generated,
                       "timed_steps": steps - a.warmup, "params": params, "vocab": len(vocab),
                       "last_loss": loss_value, "threads": torch.get_num_threads(),
                       "torch_version": torch.__version__, "device": a.device}))

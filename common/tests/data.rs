@@ -225,6 +225,29 @@ fn worker_threads_deliver_exactly_what_the_training_thread_would() {
     assert!(!a.inputs.equal(&p.inputs));
 }
 
+/// The loader's workers normalise on the host in plain Rust: the same floats as LibTorch's
+/// operations, bit for bit, for every byte value in every channel of both data sets.
+#[test]
+fn host_normalisation_is_libtorch_normalisation_bit_for_bit() {
+    for kind in [DatasetKind::Cifar10, DatasetKind::Mnist] {
+        let channels = kind.normalization().0.len();
+        let bytes: Vec<u8> = (0..channels).flat_map(|_| 0..=255u8).collect();
+        let host = data::loader::normalize_bytes(&bytes, kind, 256);
+        let torch = data::loader::normalize(&Tensor::from_slice(&bytes).view([1, channels as i64, 16, 16]), kind);
+        let torch = Vec::<f32>::try_from(torch.flatten(0, -1)).unwrap();
+        assert_eq!(host.len(), torch.len());
+        for (i, (h, t)) in host.iter().zip(&torch).enumerate() {
+            assert_eq!(h.to_bits(), t.to_bits(), "{kind:?}: byte {} of channel {}: {h} vs {t}", i % 256, i / 256);
+        }
+        // And a whole batch of odd-sized images, which LibTorch splits over its threads.
+        let shape = [7, channels as i64, 33, 31];
+        let batch = Tensor::randint(256, shape, (Kind::Uint8, Device::Cpu));
+        let bytes = Vec::<u8>::try_from(batch.flatten(0, -1)).unwrap();
+        let host = Tensor::from_slice(&data::loader::normalize_bytes(&bytes, kind, 33 * 31)).view(shape);
+        assert!(host.equal(&data::loader::normalize(&batch, kind)), "{kind:?}: a batch");
+    }
+}
+
 #[test]
 fn normalisation_uses_the_dataset_statistics() {
     let bytes = Tensor::from_slice(&[0u8, 255, 0, 255, 128, 128]).view([1, 3, 1, 2]);

@@ -100,6 +100,47 @@ fn cnn_variable_names_follow_pytorch() {
     assert_eq!(shape(&vs, "fc2.weight"), [10, 50]);
 }
 
+/// The CNN runs its convolutions on channels-last activations on the CPU: its logits and
+/// gradients are the plain NCHW computation's (`torch.nn.functional` op for op) up to rounding.
+#[test]
+fn cnn_channels_last_forward_and_backward_match_the_plain_computation() {
+    for spec in [cifar(Arch::Cnn, 10), mnist(Arch::Cnn, 10)] {
+        tch::manual_seed(3);
+        let (vs, model) = build(&spec);
+        let vars = vs.variables();
+        let xs = Tensor::randn([16, spec.in_channels, spec.image_size, spec.image_size], (Kind::Float, Device::Cpu));
+        let weights = Tensor::randn([16, 10], (Kind::Float, Device::Cpu));
+        let plain = |p: &std::collections::HashMap<String, Tensor>| {
+            let conv = |x: &Tensor, n: &str| x.conv2d(&p[&format!("{n}.weight")], Some(&p[&format!("{n}.bias")]), [1, 1], [0, 0], [1, 1], 1);
+            let h = conv(&xs, "conv1").max_pool2d_default(2).relu();
+            let h = conv(&h, "conv2").max_pool2d_default(2).relu().flatten(1, -1);
+            let h = h.linear(&p["fc1.weight"], Some(&p["fc1.bias"])).relu();
+            h.linear(&p["fc2.weight"], Some(&p["fc2.bias"]))
+        };
+        let grads = |logits: &Tensor| {
+            for v in vars.values() {
+                let mut g = v.grad();
+                if g.defined() {
+                    let _ = g.zero_();
+                }
+            }
+            (logits * &weights).sum(Kind::Float).backward();
+            let mut out: Vec<(String, Tensor)> = vars.iter().map(|(n, v)| (n.clone(), v.grad().copy())).collect();
+            out.sort_by(|a, b| a.0.cmp(&b.0));
+            out
+        };
+        let ours = model.forward_t(&xs, true);
+        let our_grads = grads(&ours);
+        let theirs = plain(&vars);
+        let their_grads = grads(&theirs);
+        let rel = |a: &Tensor, b: &Tensor| ((a - b).abs().max() / b.abs().max()).double_value(&[]);
+        assert!(rel(&ours, &theirs) <= 1e-5, "{spec:?}: logits differ by {:e}", rel(&ours, &theirs));
+        for ((name, a), (_, b)) in our_grads.iter().zip(&their_grads) {
+            assert!(rel(a, b) <= 1e-5, "{spec:?}: gradient of {name} differs by {:e}", rel(a, b));
+        }
+    }
+}
+
 #[test]
 fn resnet34_parameter_counts_and_shapes() {
     check_model(&cifar(Arch::Resnet34, 1000), RESNET34_PARAMS);

@@ -231,11 +231,14 @@ impl EpochJob {
             }
         }
         let labels: Vec<i64> = indices.iter().map(|&i| self.dataset.labels[i] as i64).collect();
-        let images = Tensor::from_slice(&bytes).view([indices.len() as i64, c as i64, h as i64, w as i64]);
         let labels = Tensor::from_slice(&labels);
+        let shape = [indices.len() as i64, c as i64, h as i64, w as i64];
         match self.config.device {
-            Device::Cpu => HostBatch { images: normalize(&images, self.dataset.kind), labels },
-            device => HostBatch { images: images.pin_memory(device), labels: labels.pin_memory(device) },
+            // Plain Rust, not LibTorch operations: a worker thread running LibTorch's parallel
+            // kernels would start an OpenMP team of its own and compete with the training
+            // thread's for the cores.
+            Device::Cpu => HostBatch { images: Tensor::from_slice(&normalize_bytes(&bytes, self.dataset.kind, h * w)).view(shape), labels },
+            device => HostBatch { images: Tensor::from_slice(&bytes).view(shape).pin_memory(device), labels: labels.pin_memory(device) },
         }
     }
 
@@ -259,6 +262,20 @@ pub fn normalize(images: &Tensor, kind: DatasetKind) -> Tensor {
     let mean = Tensor::from_slice(mean).to_kind(Kind::Float).to_device(options.1).view(shape);
     let std = Tensor::from_slice(std).to_kind(Kind::Float).to_device(options.1).view(shape);
     (images.to_kind(Kind::Float) / 255.0 - mean) / std
+}
+
+/// [`normalize`] on the host, without LibTorch: bytes of `[B, C, H, W]` images (`plane` = H·W
+/// bytes per channel) → floats, the same float operations in the same order, so the same
+/// floats bit for bit (tested for every byte value and channel).
+pub fn normalize_bytes(bytes: &[u8], kind: DatasetKind, plane: usize) -> Vec<f32> {
+    let (mean, std) = kind.normalization();
+    let (mean, std): (Vec<f32>, Vec<f32>) = (mean.iter().map(|&m| m as f32).collect(), std.iter().map(|&s| s as f32).collect());
+    let mut out = Vec::with_capacity(bytes.len());
+    for (i, channel) in bytes.chunks_exact(plane).enumerate() {
+        let (m, s) = (mean[i % mean.len()], std[i % std.len()]);
+        out.extend(channel.iter().map(|&b| (b as f32 / 255.0 - m) / s));
+    }
+    out
 }
 
 /// Zero padding of the random crop (torchvision's `RandomCrop(32, padding=4)`).

@@ -3,7 +3,7 @@
 //! fc(→50) → ReLU → fc(→num_classes).
 use super::{torch_linear, ModelSpec, TORCH_DEFAULT_WEIGHT};
 use tch::nn::{self, Module};
-use tch::Tensor;
+use tch::{Device, Tensor};
 
 const KERNEL: i64 = 5;
 const CONV1_CHANNELS: i64 = 50;
@@ -55,17 +55,31 @@ impl Cnn {
     }
 }
 
+/// The same `[N, C, H, W]` tensor with its channels innermost in memory (PyTorch's
+/// `channels_last` memory format), which LibTorch's convolutions keep for their outputs.
+fn channels_last(xs: &Tensor) -> Tensor {
+    xs.permute([0, 2, 3, 1]).contiguous().permute([0, 3, 1, 2])
+}
+
 impl Module for Cnn {
     fn forward(&self, xs: &Tensor) -> Tensor {
+        // On the CPU, oneDNN's convolutions (forward and backward) run about a quarter faster
+        // on channels-last activations, with the same results up to rounding (the same sums in
+        // another order: relative differences of 1e-6 in the gradients, as between one and two
+        // threads). Both max-pools come before their ReLU, so no ties among zeros are broken
+        // differently. (Not for ResNet34 or VGG19: there, channels-last batch norm and max-pool
+        // after ReLU change gradients by 1e-3.) The ReLUs run in place: max-pool's and linear's
+        // backward need their inputs, not their outputs.
+        let xs = if xs.device() == Device::Cpu { channels_last(xs) } else { xs.shallow_clone() };
         xs.apply(&self.conv1)
             .max_pool2d_default(2)
-            .relu()
+            .relu_()
             .apply(&self.conv2)
             .max_pool2d_default(2)
-            .relu()
+            .relu_()
             .flatten(1, -1)
             .apply(&self.fc1)
-            .relu()
+            .relu_()
             .apply(&self.fc2)
     }
 }

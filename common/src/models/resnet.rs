@@ -58,17 +58,20 @@ impl BasicBlock {
 
 impl ModuleT for BasicBlock {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        let out = xs
+        // In place where torchvision is (`ReLU(inplace=True)`, `out += identity`): batch norm's
+        // backward needs its input, not its output, so its output may be overwritten, which
+        // saves an allocation and a pass over the activation each time.
+        let mut out = xs
             .apply(&self.conv1)
             .apply_t(&self.bn1, train)
-            .relu()
+            .relu_()
             .apply(&self.conv2)
             .apply_t(&self.bn2, train);
-        let identity = match &self.downsample {
-            Some((conv, bn)) => xs.apply(conv).apply_t(bn, train),
-            None => xs.shallow_clone(),
-        };
-        (out + identity).relu()
+        match &self.downsample {
+            Some((conv, bn)) => out += xs.apply(conv).apply_t(bn, train),
+            None => out += xs,
+        }
+        out.relu_()
     }
 }
 
@@ -118,7 +121,7 @@ impl ModuleT for ResNet {
         let stem = imagenet_input(xs)
             .apply(&self.conv1)
             .apply_t(&self.bn1, train)
-            .relu()
+            .relu_()
             .max_pool2d([3, 3], [2, 2], [1, 1], [1, 1], false);
         self.blocks
             .iter()

@@ -103,7 +103,9 @@ impl ModuleT for Vgg {
             .features
             .iter()
             .fold(imagenet_input(xs), |xs, layer| match layer {
-                Feature::Conv(conv) => xs.apply(conv).relu(),
+                // In place, as torchvision's `ReLU(inplace=True)`: a convolution's backward
+                // needs its input, not its output.
+                Feature::Conv(conv) => xs.apply(conv).relu_(),
                 Feature::MaxPool => xs.max_pool2d_default(2),
             });
         let [fc0, fc3, fc6] = &self.fc;
@@ -111,10 +113,10 @@ impl ModuleT for Vgg {
             .adaptive_avg_pool2d([POOLED_SIDE, POOLED_SIDE])
             .flatten(1, -1)
             .apply(fc0)
-            .relu()
+            .relu_()
             .dropout(DROPOUT, train)
             .apply(fc3)
-            .relu()
+            .relu_()
             .dropout(DROPOUT, train)
             .apply(fc6)
     }

@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# `make bench`: training throughput of our binaries against their PyTorch eager references,
+# side by side, per exercise and model:
+#
+#   exercise1 cnn | resnet34 | vgg19   target/release/exercise1      vs bench/exercise1_reference.py   images/s
+#   exercise1_nlp transformer          target/release/exercise1_nlp  vs bench/exercise1_nlp_reference.py  tokens/s
+#
+# Same model, batch, precision (fp32), data (read from data/cifar10 and data/wikitext-2 by both),
+# intra-op thread count and device. Each pair runs alternately, Rust then PyTorch, ROUNDS
+# times (A B A B ...), so that both see the same machine state; the table shows medians and
+# the ratio Rust/PyTorch, and results/bench.csv gets one row per entry.
+#
+#   make bench                                     # all four entries, ROUNDS=3, THREADS=nproc, cpu
+#   make bench BENCH="cnn" ROUNDS=5 CNN_STEPS=100
+#   DEVICE=cuda make bench                         # on a GPU (both sides synchronise before timing)
+#   TORCH_PYTHON=/path/to/python make bench        # a machine's own PyTorch 2.11.0
+#
+# Settings (environment):
+#   BENCH          entries to run, default "cnn resnet34 vgg19 nlp"
+#   ROUNDS         A/B rounds per entry (3)
+#   THREADS        intra-op threads on both sides (nproc)
+#   DEVICE         cpu, cuda or cuda:N (cpu)
+#   CNN_STEPS, RESNET34_STEPS, VGG19_STEPS, NLP_STEPS   optimizer steps per run (30, 5, 3, 10)
+#   WORKERS        Rust loader threads, exercise1's --workers (2)
+#   LOADER         the reference's data path: memory (default) or dataloader (see the script)
+#   PY_WORKERS     DataLoader worker processes for LOADER=dataloader (WORKERS)
+#   NLP_MODEL_FLAGS  model flags for both exercise1_nlp sides, e.g. "--emsize 256 --d-hid 256"
+#   BENCH_CSV      where the rows go (results/bench.csv)
+#   BENCH_NOTE     free text for the rows' note column
+#   BIN            where the Rust binaries are (target/release)
+#
+# Run through scripts/with-torch (the Makefile does): it provides TORCH_PYTHON and LibTorch.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+BENCH="${BENCH:-cnn resnet34 vgg19 nlp}"
+ROUNDS="${ROUNDS:-3}"
+THREADS="${THREADS:-$(nproc)}"
+DEVICE="${DEVICE:-cpu}"
+CNN_STEPS="${CNN_STEPS:-30}"
+RESNET34_STEPS="${RESNET34_STEPS:-5}"
+VGG19_STEPS="${VGG19_STEPS:-3}"
+NLP_STEPS="${NLP_STEPS:-10}"
+WORKERS="${WORKERS:-2}"
+LOADER="${LOADER:-memory}"
+PY_WORKERS="${PY_WORKERS:-$WORKERS}"
+NLP_MODEL_FLAGS="${NLP_MODEL_FLAGS:-}"
+BENCH_CSV="${BENCH_CSV:-results/bench.csv}"
+python="${TORCH_PYTHON:?run through scripts/with-torch (it sets TORCH_PYTHON)}"
+bin="${BIN:-target/release}"
+die() { echo "error: $*" >&2; exit 2; }
+
+work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
+runs="$work/runs.jsonl"; : >"$runs"
+
+# ---- data: the real files, with short evaluation splits ----------------------------------
+# Throughput counts training steps only; evaluating a whole test split after a few timed
+# steps would only cost wall time (VGG19 on a CPU: minutes), so the Rust side evaluates on
+# the first 100 test images. The reference does not evaluate.
+cifar_data() {
+    [[ -d "$work/cifar10" ]] && return
+    local src=data/cifar10
+    [[ -f "$src/test_batch.bin" || ! -d "$src/cifar-10-batches-bin" ]] || src="$src/cifar-10-batches-bin"
+    for f in data_batch_{1..5}.bin test_batch.bin; do
+        [[ -f "$src/$f" ]] || die "no $src/$f: run make data-cifar10"
+    done
+    mkdir -p "$work/cifar10"
+    for f in data_batch_{1..5}.bin; do ln -s "$root/$src/$f" "$work/cifar10/$f"; done
+    head -c $((100 * 3073)) "$src/test_batch.bin" >"$work/cifar10/test_batch.bin"
+    for marker in data/cifar10/GENERATED.txt "$src/GENERATED.txt"; do
+        [[ -f "$marker" ]] && cp "$marker" "$work/cifar10/GENERATED.txt"
+    done
+    return 0
+}
+
+nlp_data() {
+    [[ -d "$work/wikitext-2" ]] && return
+    local train=""
+    for f in data/wikitext-2/wiki.train.tokens data/wikitext-2/wikitext-2/wiki.train.tokens data/wikitext-2/train.txt; do
+        [[ -f "$f" ]] && { train="$f"; break; }
+    done
+    [[ -n "$train" ]] || die "no WikiText-2 train split under data/wikitext-2: run make data-wikitext2"
+    mkdir -p "$work/wikitext-2"
+    ln -s "$root/$train" "$work/wikitext-2/train.txt"
+    head -n 200 "$train" >"$work/wikitext-2/valid.txt"
+    head -n 200 "$train" >"$work/wikitext-2/test.txt"
+    [[ -f "$(dirname "$train")/GENERATED.txt" ]] && cp "$(dirname "$train")/GENERATED.txt" "$work/wikitext-2/"
+    return 0
+}
+
+# ---- one run each; every run appends one JSON line to $runs -------------------------------
+# run_rust ENTRY ROUND BINARY ARGS...: the binary's results JSON, tagged.
+run_rust() {
+    local entry="$1" round="$2" binary="$3"; shift 3
+    local out="$work/rust-$entry-$round"
+    "$bin/$binary" "$@" --device "$DEVICE" --threads "$THREADS" --quiet --results-dir "$out" \
+        >"$out.log" 2>&1 || { cat "$out.log" >&2; die "$binary failed"; }
+    local json=("$out"/*.json)
+    [[ -f "${json[0]}" ]] || { cat "$out.log" >&2; die "$binary wrote no results JSON"; }
+    "$python" - "$entry" "$round" "${json[0]}" >>"$runs" <<'PY'
+import json, sys
+entry, round_, path = sys.argv[1:]
+r = json.load(open(path))
+print(json.dumps({"entry": entry, "impl": "rust", "round": int(round_), "throughput": r["throughput"],
+                  "steps": r["steps"], "params": r["params"], "train_time_s": r["train_time_s"],
+                  "data_wait_s": r["data_wait_s"], "forward_backward_s": r["forward_backward_s"],
+                  "optimizer_s": r["optimizer_s"], "generated": r.get("data_generated"),
+                  "torch_version": r.get("torch_version")}))
+PY
+}
+
+# run_torch ENTRY ROUND SCRIPT ARGS...: the reference's JSON line, tagged.
+run_torch() {
+    local entry="$1" round="$2" script="$3"; shift 3
+    local out="$work/torch-$entry-$round"
+    "$python" "$script" "$@" --device "$DEVICE" --threads "$THREADS" >"$out.log" 2>&1 \
+        || { cat "$out.log" >&2; die "$script failed"; }
+    "$python" - "$entry" "$round" "$out.log" >>"$runs" <<'PY'
+import json, sys
+entry, round_, path = sys.argv[1:]
+r = json.loads(open(path).read().splitlines()[-1])
+print(json.dumps({"entry": entry, "impl": "pytorch", "round": int(round_),
+                  "throughput": r.get("images_per_s", r.get("tokens_per_s")), "steps": r["steps"],
+                  "params": r["params"], "train_time_s": r.get("train_time_s"),
+                  "data_wait_s": r.get("data_wait_s"), "forward_backward_s": r.get("forward_backward_s"),
+                  "optimizer_s": r.get("optimizer_s"), "generated": r.get("generated_data"),
+                  "torch_version": r.get("torch_version"), "loader": r.get("loader"),
+                  "layouts": r.get("layouts")}))
+PY
+}
+
+last_throughput() { "$python" -c 'import json,sys; print("%.1f" % json.loads(open(sys.argv[1]).read().splitlines()[-1])["throughput"])' "$runs"; }
+
+for entry in $BENCH; do
+    case "$entry" in
+        cnn|resnet34|vgg19)
+            cifar_data
+            var="$(tr a-z A-Z <<<"$entry")_STEPS"; steps="${!var}"
+            per_epoch=$(( (50000 + 99) / 100 )); epochs=$(( (steps + per_epoch - 1) / per_epoch ))
+            for round in $(seq "$ROUNDS"); do
+                run_rust "$entry" "$round" exercise1 --model "$entry" --data-dir "$work/cifar10" \
+                    --max-steps "$steps" --epochs "$epochs" --workers "$WORKERS"
+                r="$(last_throughput)"
+                run_torch "$entry" "$round" bench/exercise1_reference.py --model "$entry" \
+                    --data-dir "$work/cifar10" --max-steps "$steps" --loader "$LOADER" --workers "$PY_WORKERS"
+                echo "exercise1 $entry round $round/$ROUNDS: rust $r images/s, pytorch $(last_throughput) images/s"
+            done
+            ;;
+        nlp)
+            nlp_data
+            for round in $(seq "$ROUNDS"); do
+                # shellcheck disable=SC2086 # MODEL_FLAGS are words
+                run_rust nlp "$round" exercise1_nlp --data-dir "$work/wikitext-2" --max-steps "$NLP_STEPS" \
+                    --epochs 1 $NLP_MODEL_FLAGS
+                r="$(last_throughput)"
+                # shellcheck disable=SC2086
+                run_torch nlp "$round" bench/exercise1_nlp_reference.py --data-dir "$work/wikitext-2" \
+                    --max-steps "$NLP_STEPS" $NLP_MODEL_FLAGS
+                echo "exercise1_nlp round $round/$ROUNDS: rust $r tokens/s, pytorch $(last_throughput) tokens/s"
+            done
+            ;;
+        *) die "unknown bench entry '$entry' (cnn, resnet34, vgg19, nlp)" ;;
+    esac
+done
+
+"$python" bench/bench_report.py --runs "$runs" --csv "$BENCH_CSV" --device "$DEVICE" --threads "$THREADS" \
+    --rounds "$ROUNDS" --loader "$LOADER" --workers "$WORKERS" --nlp-model-flags "$NLP_MODEL_FLAGS" --note "${BENCH_NOTE:-}" \
+    ${NLP_CSV:+--nlp-csv "$NLP_CSV"}

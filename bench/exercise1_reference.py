@@ -1,0 +1,241 @@
+#!/usr/bin/env python3
+"""PyTorch eager reference for exercise1: the same model, data, batch, optimizer and timing as
+target/release/exercise1, reporting training images/s.
+
+    python bench/exercise1_reference.py --model cnn --data-dir data/cifar10 --max-steps 30 --threads 2
+
+Prints one JSON line: {"impl": "pytorch", "images_per_s": ..., "params": ..., ...}.
+
+The configuration is the Rust binary's (common/src/image_classification.rs): the course's CNN
+(10-way head) or torchvision's ResNet34 / VGG19 (1000-way heads), CIFAR-10 from the binary
+batches in --data-dir, fp32, batch 100, Adam lr 1e-3 as `torch.optim.Adam` chooses its
+implementation by default (a per-parameter loop on the CPU, the foreach kernels on a GPU),
+cross-entropy, shuffled every epoch, no augmentation, cudnn.benchmark on a GPU.
+
+Timing mirrors common/src/train.rs: an epoch's clock starts before its order is drawn and
+stops after its last step (the loader's start and shutdown included); each step runs from
+fetching the batch to the end of the optimizer step, split into data wait, forward+backward
+(forward, loss, arg-max hits, zero_grad, backward) and optimizer, with a CUDA synchronize
+before each clock reading on a GPU. Throughput = images / epoch time, as the Rust JSON's
+`throughput`. Evaluation is not timed on either side and is skipped here.
+
+Data path (--loader):
+  memory      (default) the whole training split as one uint8 tensor; each step gathers its
+              100 images by index, converts to float and normalises per channel, in the
+              training thread: the cheapest way PyTorch can feed this loop.
+  dataloader  torch.utils.data.DataLoader with --workers processes (default 2, prefetch 4
+              batches each, as the Rust loader's threads): a BatchSampler over a RandomSampler,
+              each worker gathering and normalising a whole batch (no per-image collation).
+On a GPU both leave the gathered batch as bytes in pinned memory, copy it asynchronously and
+normalise on the GPU, as the Rust loader does.
+"""
+import argparse, json, os, sys, time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import vision_models  # noqa: E402
+
+MEAN = (0.4914, 0.4822, 0.4465)
+STD = (0.2470, 0.2435, 0.2616)
+TRAIN_FILES = [f"data_batch_{i}.bin" for i in range(1, 6)]
+RECORD = 1 + 3 * 32 * 32
+
+
+def cifar_dir(data_dir):
+    nested = os.path.join(data_dir, "cifar-10-batches-bin")
+    if not os.path.exists(os.path.join(data_dir, "test_batch.bin")) and os.path.isdir(nested):
+        return nested
+    return data_dir
+
+
+def read_cifar10_train(data_dir):
+    """The five training batches of the binary release: (uint8 [N, 3, 32, 32], int64 [N])."""
+    d = cifar_dir(data_dir)
+    raw = bytearray()
+    for name in TRAIN_FILES:
+        path = os.path.join(d, name)
+        if not os.path.exists(path):
+            raise SystemExit(f"error: CIFAR-10 file {path} is missing; run make data-cifar10")
+        with open(path, "rb") as f:
+            raw += f.read()
+    if len(raw) % RECORD:
+        raise SystemExit(f"error: {d}: not a whole number of CIFAR-10 records")
+    records = torch.frombuffer(raw, dtype=torch.uint8).view(-1, RECORD)
+    labels = records[:, 0].to(torch.int64)
+    images = records[:, 1:].reshape(-1, 3, 32, 32).clone()
+    return images, labels, os.path.exists(os.path.join(data_dir, "GENERATED.txt")) or os.path.exists(os.path.join(d, "GENERATED.txt"))
+
+
+def normalize(images, mean, std):
+    """common/src/data/loader.rs `normalize`: bytes → float / 255, minus mean, over std (per channel)."""
+    return (images.to(torch.float32) / 255.0 - mean) / std
+
+
+class MemoryLoader:
+    """Batches gathered from the in-memory split in the training thread."""
+
+    def __init__(self, images, labels, batch_size, seed, device):
+        self.images, self.labels, self.batch_size, self.seed, self.device = images, labels, batch_size, seed, device
+        self.mean = torch.tensor(MEAN, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(STD, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+
+    def epoch(self, epoch):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        order = torch.randperm(len(self.labels), generator=g)
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start : start + self.batch_size]
+            images, labels = self.images[idx], self.labels[idx]
+            if self.device.type == "cpu":
+                yield normalize(images, self.mean, self.std), labels
+            else:
+                images = images.pin_memory().to(self.device, non_blocking=True)
+                labels = labels.pin_memory().to(self.device, non_blocking=True)
+                yield normalize(images, self.mean, self.std), labels
+
+
+class _BatchDataset(torch.utils.data.Dataset):
+    """Indexed by a whole batch of indices; a worker gathers (and on the CPU normalises) it."""
+
+    def __init__(self, images, labels, normalize_here):
+        self.images, self.labels, self.normalize_here = images, labels, normalize_here
+        self.mean = torch.tensor(MEAN, dtype=torch.float32).view(1, 3, 1, 1)
+        self.std = torch.tensor(STD, dtype=torch.float32).view(1, 3, 1, 1)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, indices):
+        idx = torch.as_tensor(indices)
+        images, labels = self.images[idx], self.labels[idx]
+        if self.normalize_here:
+            images = normalize(images, self.mean, self.std)
+        return images, labels
+
+
+class DataLoaderLoader:
+    """torch.utils.data.DataLoader with worker processes, whole batches per fetch."""
+
+    def __init__(self, images, labels, batch_size, seed, device, workers, prefetch):
+        self.dataset = _BatchDataset(images, labels, device.type == "cpu")
+        self.batch_size, self.seed, self.device, self.workers, self.prefetch = batch_size, seed, device, workers, prefetch
+        self.mean = torch.tensor(MEAN, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(STD, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+
+    def epoch(self, epoch):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        sampler = torch.utils.data.BatchSampler(
+            torch.utils.data.RandomSampler(self.dataset, generator=g), self.batch_size, drop_last=False)
+        extra = {"prefetch_factor": self.prefetch, "worker_init_fn": _one_thread} if self.workers else {}
+        loader = torch.utils.data.DataLoader(
+            self.dataset, sampler=sampler, batch_size=None, num_workers=self.workers,
+            pin_memory=self.device.type == "cuda", **extra)
+        for images, labels in loader:
+            if self.device.type == "cpu":
+                yield images, labels
+            else:
+                images = images.to(self.device, non_blocking=True)
+                labels = labels.to(self.device, non_blocking=True)
+                yield normalize(images, self.mean, self.std), labels
+
+
+def _one_thread(_worker):
+    torch.set_num_threads(1)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="cnn", choices=["cnn", "resnet34", "vgg19"])
+    p.add_argument("--data-dir", default="data/cifar10")
+    p.add_argument("--batch-size", type=int, default=100)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--num-classes", type=int, default=None, help="default: 10 for cnn, 1000 for resnet34/vgg19")
+    p.add_argument("--max-steps", type=int, default=30)
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--loader", default="memory", choices=["memory", "dataloader"])
+    p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes (--loader dataloader)")
+    p.add_argument("--prefetch", type=int, default=4, help="batches each worker prepares ahead")
+    p.add_argument("--layouts", default="auto", choices=["auto", "torchvision", "builtin"],
+                   help="where ResNet34/VGG19 come from: torchvision when installed (auto), or bench/vision_models.py")
+    p.add_argument("--describe", action="store_true",
+                   help="print the model's parameter count and state_dict shapes as JSON, and exit (no data, no training)")
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    num_classes = a.num_classes or (10 if a.model == "cnn" else 1000)
+    torch.manual_seed(a.seed)
+    model, source = vision_models.build(a.model, num_classes, a.layouts)
+    params = sum(p.numel() for p in model.parameters())
+    if a.describe:
+        print(json.dumps({"model": a.model, "params": params, "layouts": source,
+                          "state_dict": {k: list(v.shape) for k, v in model.state_dict().items()}}))
+        return
+
+    images, labels, generated = read_cifar10_train(a.data_dir)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # as the Rust binary sets it
+    model = model.to(device)
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=a.lr)
+    if a.loader == "memory":
+        loader = MemoryLoader(images, labels, a.batch_size, a.seed, device)
+    else:
+        loader = DataLoaderLoader(images, labels, a.batch_size, a.seed, device, a.workers, a.prefetch)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    hits_sum = torch.zeros((), dtype=torch.int64, device=device)
+    data_wait = forward_backward = optimizer_time = train_time = 0.0
+    step, seen, epoch = 0, 0, 0
+    while step < a.max_steps:
+        torch.manual_seed(a.seed + epoch)  # dropout stream per epoch, as the Rust loop seeds it
+        epoch_start = time.perf_counter()
+        batches = loader.epoch(epoch)
+        while step < a.max_steps:
+            t0 = time.perf_counter()
+            batch = next(batches, None)
+            if batch is None:
+                break
+            inputs, targets = batch
+            t1 = time.perf_counter()
+            logits = model(inputs)
+            loss = F.cross_entropy(logits, targets)
+            hits = logits.argmax(-1).eq(targets).sum()
+            optimizer.zero_grad()
+            loss.backward()
+            sync()
+            t2 = time.perf_counter()
+            optimizer.step()
+            sync()
+            t3 = time.perf_counter()
+            data_wait += t1 - t0
+            forward_backward += t2 - t1
+            optimizer_time += t3 - t2
+            loss_sum += loss.detach().to(torch.float64) * len(targets)
+            hits_sum += hits
+            seen += len(targets)
+            step += 1
+        batches.close()  # shuts a DataLoader's workers down, as the Rust loop drops its loader
+        train_time += time.perf_counter() - epoch_start
+        epoch += 1
+
+    print(json.dumps({
+        "impl": "pytorch", "exercise": "exercise1", "model": a.model, "params": params, "layouts": source,
+        "device": a.device, "threads": torch.get_num_threads(), "loader": a.loader,
+        "workers": a.workers if a.loader == "dataloader" else 0, "batch_size": a.batch_size,
+        "steps": step, "images": seen, "train_time_s": train_time, "images_per_s": seen / train_time,
+        "data_wait_s": data_wait, "forward_backward_s": forward_backward, "optimizer_s": optimizer_time,
+        "train_loss": loss_sum.item() / max(seen, 1), "train_acc": hits_sum.item() / max(seen, 1),
+        "generated_data": generated, "torch_version": torch.__version__,
+    }))
+
+
+if __name__ == "__main__":
+    main()

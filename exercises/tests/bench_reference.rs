@@ -1,0 +1,114 @@
+//! `make bench` compares exercise1 with `bench/exercise1_reference.py`; that comparison only
+//! means something if both train the same network. This checks, for each model, that the
+//! reference (its `--describe`, which needs no data, and takes torchvision's models where
+//! torchvision is installed and its own copies of them otherwise) has the parameter
+//! count exercise1 reports in its results JSON, with exercise1's default head, and the same
+//! `state_dict` names and shapes as our var store (torchvision's layout).
+//!
+//! The reference runs under `$TORCH_PYTHON`, which `scripts/with-torch` sets.
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use support::{read_json, stderr};
+use tch::nn;
+
+fn python() -> PathBuf {
+    std::env::var_os("TORCH_PYTHON").map(PathBuf::from).unwrap_or_else(|| {
+        panic!(
+            "TORCH_PYTHON is not set, so bench/exercise1_reference.py cannot run; run the tests through \
+             scripts/with-torch (e.g. `scripts/with-torch cargo test --release -p exercises --test bench_reference`)"
+        )
+    })
+}
+
+/// The reference's `--describe` JSON for `model` (its default head).
+fn describe(model: &str) -> serde_json::Value {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/exercise1_reference.py");
+    let out = Command::new(python())
+        .arg(&script)
+        .args(["--model", model, "--describe"])
+        .output()
+        .expect("the reference runs");
+    assert!(out.status.success(), "{} --describe failed: {}", script.display(), stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(stdout.lines().last().expect("one JSON line")).unwrap()
+}
+
+fn generated_cifar(dir: &Path) {
+    let status = Command::new(env!("CARGO_BIN_EXE_prepare_data"))
+        .args(["generate", "--dataset", "cifar10", "--train", "10", "--test", "2", "--out"])
+        .arg(dir)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// exercise1's parameter count for `model` with its default head (one tiny step).
+fn exercise1_params(model: &str, data: &Path) -> i64 {
+    let results = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_exercise1"))
+        .args(["--model", model, "--device", "cpu", "--max-steps", "1", "--batch-size", "2", "--quiet", "--data-dir"])
+        .arg(data)
+        .arg("--results-dir")
+        .arg(results.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    read_json(&results.path().join(format!("exercise1-{model}-cpu.json")))["params"].as_i64().unwrap()
+}
+
+/// Our var store's names and shapes for `model` with exercise1's default head, and its
+/// trainable parameter count.
+fn var_store_layout(model: &str) -> (BTreeMap<String, Vec<i64>>, i64) {
+    use common::models::{build, param_count, Arch, ModelSpec};
+    let arch = match model {
+        "cnn" => Arch::Cnn,
+        "resnet34" => Arch::Resnet34,
+        _ => Arch::Vgg19,
+    };
+    let spec = ModelSpec { arch, in_channels: 3, image_size: 32, num_classes: if model == "cnn" { 10 } else { 1000 } };
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let _model = build(&vs.root(), &spec);
+    (vs.variables().into_iter().map(|(k, v)| (k, v.size())).collect(), param_count(&vs))
+}
+
+#[test]
+fn the_exercise1_reference_trains_the_same_models() {
+    let data = tempfile::tempdir().unwrap();
+    generated_cifar(data.path());
+    // The three models side by side: the check is then as long as VGG19's.
+    std::thread::scope(|scope| {
+        let checks: Vec<_> = ["cnn", "resnet34", "vgg19"]
+            .into_iter()
+            .map(|model| {
+                let data = data.path();
+                scope.spawn(move || {
+                    let reference = describe(model);
+                    let ours = exercise1_params(model, data);
+                    assert_eq!(reference["params"].as_i64(), Some(ours), "{model}: reference vs exercise1 parameter count");
+                    // Names and shapes: our var store against the reference's state_dict, which
+                    // also holds batch norm's step counter (`num_batches_tracked`, kept inside
+                    // the module by LibTorch).
+                    let (layout, params) = var_store_layout(model);
+                    assert_eq!(params, ours, "{model}: the spec here is exercise1's");
+                    let theirs: BTreeMap<String, Vec<i64>> = reference["state_dict"]
+                        .as_object()
+                        .unwrap()
+                        .iter()
+                        .filter(|(k, _)| !k.ends_with("num_batches_tracked"))
+                        .map(|(k, v)| (k.clone(), v.as_array().unwrap().iter().map(|d| d.as_i64().unwrap()).collect()))
+                        .collect();
+                    assert_eq!(layout, theirs, "{model}: var store vs the reference's state_dict (names and shapes)");
+                })
+            })
+            .collect();
+        for check in checks {
+            if let Err(panic) = check.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+    });
+}

@@ -16,7 +16,7 @@ ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
 .PHONY: system-deps python-tools report exercise2 exercise3-ddp exercise3-pipeline bench bench-allreduce bench-pipeline setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
-        exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test clean-results
+        exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test test-slurm clean-results
 
 system-deps:
 	@scripts/system-deps
@@ -98,6 +98,12 @@ python-tools: setup
 
 test: build python-tools
 	$(CARGO) test --release --workspace
+
+# The sbatch/ scripts through a real one-node Slurm on this machine (root; installs Debian's
+# slurm-wlm and munge when missing): every script submitted with CPU overrides and tiny data,
+# exit codes and outputs checked. Not part of `make test` (a few minutes; see README).
+test-slurm: build
+	scripts/test-slurm
 
 # The tables and charts of the last runs in results/ into results/README.md (generated section).
 report: build

@@ -19,7 +19,7 @@
 #   BENCH          entries to run, default "cnn resnet34 vgg19 nlp"
 #   ROUNDS         A/B rounds per entry (3)
 #   THREADS        intra-op threads on both sides (nproc)
-#   DEVICE         cpu, cuda or cuda:N (cpu)
+#   DEVICE         cpu or cuda (cpu; cuda is the first visible GPU: pick one with CUDA_VISIBLE_DEVICES)
 #   CNN_STEPS, RESNET34_STEPS, VGG19_STEPS, NLP_STEPS   optimizer steps per run (30, 5, 3, 10)
 #   WORKERS        Rust loader threads, exercise1's --workers (2)
 #   LOADER         the reference's data path: memory (default) or dataloader (see the script)
@@ -49,6 +49,23 @@ BENCH_CSV="${BENCH_CSV:-results/bench.csv}"
 python="${TORCH_PYTHON:?run through scripts/with-torch (it sets TORCH_PYTHON)}"
 bin="${BIN:-target/release}"
 die() { echo "error: $*" >&2; exit 2; }
+[[ "$DEVICE" == cpu || "$DEVICE" == cuda ]] || die "DEVICE=$DEVICE: use cpu or cuda (choose the GPU with CUDA_VISIBLE_DEVICES)"
+
+# How busy other processes kept the CPUs during a run: all CPU time the machine spent (from
+# /proc/stat) minus this script's children's, over the wall time, in cores. Other load makes
+# the comparison unreliable (see README.md).
+hz="$(getconf CLK_TCK 2>/dev/null || echo 100)"
+machine_cpu_s() { awk -v hz="$hz" '/^cpu /{printf "%.3f", ($2+$3+$4+$7+$8+$9)/hz; exit}' /proc/stat 2>/dev/null || echo 0; }
+# `times` (this shell's children's CPU time) only means something in this shell, not in a $(…).
+children_cpu_s() { awk 'NR==2{n=split($0,f," "); s=0; for(i=1;i<=n;i++){split(f[i],p,"m"); s+=p[1]*60+p[2]}; printf "%.3f", s}' "$1"; }
+others_start() { t0_wall="$(date +%s.%N)"; t0_machine="$(machine_cpu_s)"; times >"$work/times0"; }
+others_stop() { # sets $others
+    local w1 m1
+    w1="$(date +%s.%N)"; m1="$(machine_cpu_s)"; times >"$work/times1"
+    others="$(awk -v w0="$t0_wall" -v w1="$w1" -v m0="$t0_machine" -v m1="$m1" \
+        -v c0="$(children_cpu_s "$work/times0")" -v c1="$(children_cpu_s "$work/times1")" \
+        'BEGIN { o = ((m1 - m0) - (c1 - c0)) / (w1 - w0); printf "%.2f", (o < 0 ? 0 : o) }')"
+}
 
 work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
 runs="$work/runs.jsonl"; : >"$runs"
@@ -92,16 +109,18 @@ nlp_data() {
 # run_rust ENTRY ROUND BINARY ARGS...: the binary's results JSON, tagged.
 run_rust() {
     local entry="$1" round="$2" binary="$3"; shift 3
-    local out="$work/rust-$entry-$round"
+    local out="$work/rust-$entry-$round" others
+    others_start
     "$bin/$binary" "$@" --device "$DEVICE" --threads "$THREADS" --quiet --results-dir "$out" \
         >"$out.log" 2>&1 || { cat "$out.log" >&2; die "$binary failed"; }
+    others_stop
     local json=("$out"/*.json)
     [[ -f "${json[0]}" ]] || { cat "$out.log" >&2; die "$binary wrote no results JSON"; }
-    "$python" - "$entry" "$round" "${json[0]}" >>"$runs" <<'PY'
+    "$python" - "$entry" "$round" "${json[0]}" "$others" >>"$runs" <<'PY'
 import json, sys
-entry, round_, path = sys.argv[1:]
+entry, round_, path, others = sys.argv[1:]
 r = json.load(open(path))
-print(json.dumps({"entry": entry, "impl": "rust", "round": int(round_), "throughput": r["throughput"],
+print(json.dumps({"entry": entry, "impl": "rust", "round": int(round_), "throughput": r["throughput"], "others": float(others),
                   "steps": r["steps"], "params": r["params"], "train_time_s": r["train_time_s"],
                   "data_wait_s": r["data_wait_s"], "forward_backward_s": r["forward_backward_s"],
                   "optimizer_s": r["optimizer_s"], "generated": r.get("data_generated"),
@@ -112,14 +131,16 @@ PY
 # run_torch ENTRY ROUND SCRIPT ARGS...: the reference's JSON line, tagged.
 run_torch() {
     local entry="$1" round="$2" script="$3"; shift 3
-    local out="$work/torch-$entry-$round"
+    local out="$work/torch-$entry-$round" others
+    others_start
     "$python" "$script" "$@" --device "$DEVICE" --threads "$THREADS" >"$out.log" 2>&1 \
         || { cat "$out.log" >&2; die "$script failed"; }
-    "$python" - "$entry" "$round" "$out.log" >>"$runs" <<'PY'
+    others_stop
+    "$python" - "$entry" "$round" "$out.log" "$others" >>"$runs" <<'PY'
 import json, sys
-entry, round_, path = sys.argv[1:]
+entry, round_, path, others = sys.argv[1:]
 r = json.loads(open(path).read().splitlines()[-1])
-print(json.dumps({"entry": entry, "impl": "pytorch", "round": int(round_),
+print(json.dumps({"entry": entry, "impl": "pytorch", "round": int(round_), "others": float(others),
                   "throughput": r.get("images_per_s", r.get("tokens_per_s")), "steps": r["steps"],
                   "params": r["params"], "train_time_s": r.get("train_time_s"),
                   "data_wait_s": r.get("data_wait_s"), "forward_backward_s": r.get("forward_backward_s"),
@@ -129,6 +150,8 @@ print(json.dumps({"entry": entry, "impl": "pytorch", "round": int(round_),
 PY
 }
 
+# ", other processes: R + P cores" for the last pair, when they used any.
+last_others() { "$python" -c 'import json,sys; l=[json.loads(x) for x in open(sys.argv[1]).read().splitlines()[-2:]]; o=[x["others"] for x in l]; print(", other processes busy on %.2f / %.2f cores" % tuple(o) if max(o) >= 0.1 else "")' "$runs"; }
 last_throughput() { "$python" -c 'import json,sys; print("%.1f" % json.loads(open(sys.argv[1]).read().splitlines()[-1])["throughput"])' "$runs"; }
 
 for entry in $BENCH; do
@@ -143,7 +166,7 @@ for entry in $BENCH; do
                 r="$(last_throughput)"
                 run_torch "$entry" "$round" bench/exercise1_reference.py --model "$entry" \
                     --data-dir "$work/cifar10" --max-steps "$steps" --loader "$LOADER" --workers "$PY_WORKERS"
-                echo "exercise1 $entry round $round/$ROUNDS: rust $r images/s, pytorch $(last_throughput) images/s"
+                echo "exercise1 $entry round $round/$ROUNDS: rust $r images/s, pytorch $(last_throughput) images/s$(last_others)"
             done
             ;;
         nlp)
@@ -156,7 +179,7 @@ for entry in $BENCH; do
                 # shellcheck disable=SC2086
                 run_torch nlp "$round" bench/exercise1_nlp_reference.py --data-dir "$work/wikitext-2" \
                     --max-steps "$NLP_STEPS" $NLP_MODEL_FLAGS
-                echo "exercise1_nlp round $round/$ROUNDS: rust $r tokens/s, pytorch $(last_throughput) tokens/s"
+                echo "exercise1_nlp round $round/$ROUNDS: rust $r tokens/s, pytorch $(last_throughput) tokens/s$(last_others)"
             done
             ;;
         *) die "unknown bench entry '$entry' (cnn, resnet34, vgg19, nlp)" ;;

@@ -11,9 +11,10 @@ ENTRIES = {  # entry: (exercise, model, unit)
     "nlp": ("exercise1_nlp", "transformer", "tokens/s"),
 }
 COLUMNS = ["finished_at", "exercise", "model", "device", "threads", "steps", "rounds", "unit",
-           "rust_throughput", "pytorch_throughput", "ratio", "params_rust", "params_pytorch",
+           "rust_throughput", "pytorch_throughput", "ratio", "ratio_rounds_median", "params_rust", "params_pytorch",
            "rust_data_ms", "rust_fwd_bwd_ms", "rust_optim_ms", "pytorch_data_ms", "pytorch_fwd_bwd_ms",
-           "pytorch_optim_ms", "rust_workers", "pytorch_loader", "model_flags", "omp_wait_policy", "generated_data",
+           "pytorch_optim_ms", "other_cores_median", "other_cores_max", "rust_workers", "pytorch_loader", "model_flags",
+           "omp_wait_policy", "generated_data",
            "torch_version", "note"]
 
 
@@ -48,17 +49,23 @@ def main():
         if not rust or not torch_:
             continue
         rt, pt = median(rust, "throughput"), median(torch_, "throughput")
+        # Each round's pair ran back to back: the median of the per-round ratios is less
+        # sensitive to the machine's state drifting between rounds than the ratio of medians.
+        by_round = {r["round"]: r["throughput"] for r in torch_}
+        paired = statistics.median(r["throughput"] / by_round[r["round"]] for r in rust if r["round"] in by_round)
         ms = lambda runs, key: None if median(runs, key, True) is None else 1000 * median(runs, key, True)
         generated = any(r.get("generated") for r in rust + torch_)
         rows.append({
             "finished_at": int(time.time()), "exercise": exercise, "model": model, "device": a.device,
             "threads": a.threads, "steps": rust[0]["steps"], "rounds": len(rust), "unit": unit,
-            "rust_throughput": f"{rt:.2f}", "pytorch_throughput": f"{pt:.2f}", "ratio": f"{rt / pt:.4f}",
+            "rust_throughput": f"{rt:.2f}", "pytorch_throughput": f"{pt:.2f}", "ratio": f"{rt / pt:.4f}", "ratio_rounds_median": f"{paired:.4f}",
             "params_rust": rust[0]["params"], "params_pytorch": torch_[0]["params"],
             "rust_data_ms": fmt(ms(rust, "data_wait_s"), ".2f"), "rust_fwd_bwd_ms": fmt(ms(rust, "forward_backward_s"), ".2f"),
             "rust_optim_ms": fmt(ms(rust, "optimizer_s"), ".2f"), "pytorch_data_ms": fmt(ms(torch_, "data_wait_s"), ".2f"),
             "pytorch_fwd_bwd_ms": fmt(ms(torch_, "forward_backward_s"), ".2f"),
             "pytorch_optim_ms": fmt(ms(torch_, "optimizer_s"), ".2f"),
+            "other_cores_median": fmt(median(rust + torch_, "others"), ".2f"),
+            "other_cores_max": fmt(max((r["others"] for r in rust + torch_ if r.get("others") is not None), default=None), ".2f"),
             "rust_workers": a.workers if exercise == "exercise1" else "",
             "pytorch_loader": torch_[0].get("loader") or "",
             "model_flags": a.nlp_model_flags if entry == "nlp" else "",
@@ -78,20 +85,33 @@ def main():
     print(f"\nTraining throughput, Rust (tch) vs PyTorch eager: {a.device}, {a.threads} threads, "
           f"{a.rounds} rounds A B A B, medians{f'; OMP_WAIT_POLICY={omp}' if omp else ''}"
           f"{'; GENERATED data' if generated else ''}")
-    print("| exercise | model | steps | unit | Rust | PyTorch | Rust/PyTorch | Rust data / fwd+bwd / optim (ms/step) | PyTorch data / fwd+bwd / optim (ms/step) |")
-    print("|---|---|---:|---|---:|---:|---:|---|---|")
+    print("| exercise | model | steps | unit | Rust | PyTorch | Rust/PyTorch | per-round ratios, median | Rust data / fwd+bwd / optim (ms/step) | PyTorch data / fwd+bwd / optim (ms/step) |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---|---|")
     for r in rows:
         split = lambda side: " / ".join(r[f"{side}_{k}_ms"] or "–" for k in ("data", "fwd_bwd", "optim"))
         print(f"| {r['exercise']} | {r['model']} | {r['steps']} | {r['unit']} | {float(r['rust_throughput']):.1f} | "
-              f"{float(r['pytorch_throughput']):.1f} | {float(r['ratio']):.3f} | {split('rust')} | {split('pytorch')} |")
+              f"{float(r['pytorch_throughput']):.1f} | {float(r['ratio']):.3f} | {float(r['ratio_rounds_median']):.3f} | "
+              f"{split('rust')} | {split('pytorch')} |")
+
+    busy = [r for r in rows if r["other_cores_max"] and float(r["other_cores_max"]) >= 0.25]
+    if busy:
+        print("WARNING: other processes kept the CPUs busy during some runs (up to "
+              f"{max(float(r['other_cores_max']) for r in busy):.2f} cores, column other_cores_max): the "
+              "comparison is unreliable; rerun on an idle machine, or with OMP_WAIT_POLICY=passive on both sides")
 
     os.makedirs(os.path.dirname(a.csv) or ".", exist_ok=True)
-    new = not os.path.exists(a.csv) or os.path.getsize(a.csv) == 0
-    with open(a.csv, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+    old_rows, rewrite = [], False
+    if os.path.exists(a.csv) and os.path.getsize(a.csv) > 0:
+        with open(a.csv, newline="") as f:
+            reader = csv.DictReader(f)
+            if reader.fieldnames != COLUMNS:  # written by an older bench: rewrite under today's header
+                old_rows, rewrite = list(reader), True
+    new = rewrite or not os.path.exists(a.csv) or os.path.getsize(a.csv) == 0
+    with open(a.csv, "w" if rewrite else "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, restval="", extrasaction="ignore")
         if new:
             w.writeheader()
-        w.writerows(rows)
+        w.writerows(old_rows + rows)
     print(f"appended {len(rows)} row(s) to {a.csv}")
 
     nlp = [r for r in rows if r["exercise"] == "exercise1_nlp"]

@@ -12,9 +12,32 @@ pub enum DeviceChoice {
     Both,
 }
 
-/// Whether LibTorch sees a usable CUDA device (and the binary was linked with CUDA support).
+/// Whether LibTorch sees a usable CUDA device.
+///
+/// LibTorch's CUDA backend registers itself from `libtorch_cuda.so`'s static initialisers. Our
+/// binaries link that library with `--no-as-needed` (build-support/link_libtorch.rs), but code
+/// built by another crate (an evcxr notebook, a user's own binary) usually drops it, and CUDA
+/// then looks absent. So when LibTorch sees no GPU, the library is loaded once by hand and
+/// LibTorch asked again.
 pub fn cuda_available() -> bool {
-    tch::Cuda::is_available()
+    tch::Cuda::is_available() || {
+        load_cuda_backend();
+        tch::Cuda::is_available()
+    }
+}
+
+/// Loads `libtorch_cuda.so` into the process (once; it stays loaded), found the way the
+/// dynamic linker finds LibTorch's other libraries (rpath, LD_LIBRARY_PATH). A CPU-only
+/// LibTorch has no such library, and nothing happens.
+fn load_cuda_backend() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: dlopen with a constant, NUL-terminated name; the handle is deliberately never
+        // closed, so the backend it registers stays valid for the life of the process.
+        unsafe {
+            libc::dlopen(c"libtorch_cuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL);
+        }
+    });
 }
 
 /// The devices to run on, in order. `cuda` without a GPU is a usage error; `both` without a

@@ -73,7 +73,7 @@ impl ProcessGroup {
             Backend::Nccl if !cfg!(feature = "nccl") => {
                 return usage(built_without("NCCL", "nccl", "--backend nccl"))
             }
-            Backend::Nccl if !tch::Cuda::is_available() => {
+            Backend::Nccl if !crate::device::cuda_available() => {
                 return usage(format!(
                     "--backend nccl runs collectives on GPUs, but no CUDA device is available (LibTorch {} sees none)",
                     crate::torch_version()
@@ -125,7 +125,7 @@ impl ProcessGroup {
         let distributed = env.is_distributed();
         let want_nccl = match backend {
             Backend::Nccl => true,
-            Backend::Auto => distributed && tch::Cuda::is_available() && cfg!(feature = "nccl"),
+            Backend::Auto => distributed && crate::device::cuda_available() && cfg!(feature = "nccl"),
             Backend::Mpi => false,
         };
         let (rank, size) = (env.rank, env.world_size);
@@ -297,7 +297,7 @@ impl ProcessGroup {
     /// both one GPU per rank via `CUDA_VISIBLE_DEVICES` and all GPUs visible to all ranks
     /// work), or the CPU when `want_cuda` is false or there is no GPU.
     pub fn device(&self, want_cuda: bool) -> Device {
-        if want_cuda && tch::Cuda::is_available() {
+        if want_cuda && crate::device::cuda_available() {
             Device::Cuda(cuda_index(self.env.local_rank))
         } else {
             Device::Cpu

@@ -833,7 +833,7 @@ mod tests {
         let bad = NcclCollectives::new(2, 2, 0, &[0u8; 128]).unwrap_err().to_string();
         assert!(bad.contains("rank 2") && bad.contains("size 2"), "{bad}");
 
-        if !tch::Cuda::is_available() {
+        if !crate::device::cuda_available() {
             let id = [0u8; NCCL_UNIQUE_ID_BYTES];
             let err = format!("{:#}", NcclCollectives::new(0, 1, 0, &id).unwrap_err());
             eprintln!("no GPU here: {err}");

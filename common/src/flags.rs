@@ -110,3 +110,48 @@ impl DataParallelArgs {
         Ok(())
     }
 }
+
+/// An exercise's flags from a command line, as its binary would parse them:
+/// `parse::<ImageArgs>("exercise1", "--device cpu --max-steps 20")`. For notebooks and other
+/// library callers, which then run the very configuration a job script would. Words are split
+/// at whitespace (no quoting); a bad flag is clap's usage error, as a `UsageError`.
+pub fn parse<T: clap::Args + clap::FromArgMatches>(program: &str, command_line: &str) -> anyhow::Result<T> {
+    let command = T::augment_args(clap::Command::new(program.to_string()).no_binary_name(true));
+    let matches = command.try_get_matches_from(command_line.split_whitespace()).map_err(|e| {
+        crate::error::UsageError(e.render().to_string().trim_end().to_string())
+    })?;
+    Ok(T::from_arg_matches(&matches).map_err(|e| crate::error::UsageError(e.to_string()))?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::UsageError;
+    use crate::image_classification::ImageArgs;
+    use crate::models::Arch;
+
+    #[test]
+    fn a_command_line_parses_as_the_binary_would() {
+        let args: ImageArgs = parse("exercise1", "--device cpu  --model vgg19 --max-steps 7\n--results-dir /tmp/r").unwrap();
+        assert_eq!(args.run.device, DeviceChoice::Cpu);
+        assert_eq!(args.model, Arch::Vgg19);
+        assert_eq!(args.run.max_steps, Some(7));
+        assert_eq!(args.run.results_dir, PathBuf::from("/tmp/r"));
+        // Defaults are the binary's.
+        assert_eq!(args.batch_size, 100);
+        assert_eq!(args.run.seed, 42);
+        let empty: ImageArgs = parse("exercise1", "").unwrap();
+        assert_eq!(empty.run.device, DeviceChoice::Both);
+    }
+
+    #[test]
+    fn a_bad_flag_is_a_usage_error_naming_it() {
+        for (line, names) in [("--devise cpu", "--devise"), ("--device tpu", "tpu"), ("--max-steps many", "many")] {
+            let err = parse::<ImageArgs>("exercise1", line).unwrap_err();
+            let usage = err.downcast_ref::<UsageError>().unwrap_or_else(|| panic!("{line}: not a usage error: {err:#}"));
+            assert!(usage.0.contains(names), "{line}: {}", usage.0);
+        }
+        let unknown = parse::<ImageArgs>("exercise1", "--devise cpu").unwrap_err().to_string();
+        assert!(unknown.contains("Usage: exercise1"), "{unknown}");
+    }
+}

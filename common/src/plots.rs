@@ -145,6 +145,28 @@ pub fn curves_for_run(results_dir: &Path, record: &RunRecord, json: &serde_json:
     Ok(path)
 }
 
+/// An SVG file's text, shown as a picture by the evcxr Jupyter kernel when it is a cell's value
+/// (evcxr calls `evcxr_display` by name and reads the MIME-tagged block it prints).
+#[derive(Debug, Clone)]
+pub struct Svg(pub String);
+
+impl Svg {
+    pub fn open(path: impl AsRef<Path>) -> Result<Svg> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| anyhow!("cannot read the chart {}: {e}", path.display()))?;
+        Ok(Svg(text))
+    }
+
+    /// What evcxr reads from the cell's stdout to show the picture.
+    pub fn evcxr_block(&self) -> String {
+        format!("EVCXR_BEGIN_CONTENT image/svg+xml\n{}\nEVCXR_END_CONTENT", self.0.trim_end())
+    }
+
+    pub fn evcxr_display(&self) {
+        println!("{}", self.evcxr_block());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -174,5 +196,21 @@ mod tests {
             assert!(svg.contains(text), "no `{text}` in the chart");
         }
         assert!(svg.matches("<polyline").count() >= 3, "three curves");
+    }
+
+    #[test]
+    fn a_chart_is_shown_to_evcxr_as_one_svg_block() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("curves.svg");
+        let history = [EpochPoint { epoch: 1, train_loss: 2.0, eval_loss: 1.5, eval_acc: Some(0.4) }];
+        training_curves("run", &history, false, &path).unwrap();
+        let block = Svg::open(&path).unwrap().evcxr_block();
+        let lines: Vec<&str> = block.lines().collect();
+        assert_eq!(lines[0], "EVCXR_BEGIN_CONTENT image/svg+xml");
+        assert_eq!(*lines.last().unwrap(), "EVCXR_END_CONTENT");
+        assert!(lines[1].starts_with("<svg") || lines[1].starts_with("<?xml"), "{}", lines[1]);
+        assert_eq!(block.matches("EVCXR_END_CONTENT").count(), 1);
+        let missing = Svg::open(dir.path().join("none.svg")).unwrap_err().to_string();
+        assert!(missing.contains("none.svg"), "{missing}");
     }
 }

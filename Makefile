@@ -16,7 +16,8 @@ ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
 .PHONY: system-deps python-tools report exercise2 exercise3-ddp exercise3-pipeline bench bench-allreduce bench-pipeline setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
-        exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test test-slurm clean-results
+        exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test test-slurm clean-results \
+        notebooks notebook-kernel jupyter
 
 system-deps:
 	@scripts/system-deps
@@ -104,6 +105,22 @@ test: build python-tools
 # exit codes and outputs checked. Not part of `make test` (a few minutes; see README).
 test-slurm: build
 	scripts/test-slurm
+
+# The evcxr notebooks (notebooks/*.ipynb): builds the Rust Jupyter kernel (evcxr_jupyter, pinned)
+# and installs Jupyter's runner into .venv, then executes every notebook headless (nbconvert
+# --execute) into target/notebooks/, failing on any cell error. NOTEBOOKS=path.ipynb runs one.
+notebooks: build data-cifar10 data-wikitext2
+	$(WITH) scripts/notebooks run $(NOTEBOOKS)
+
+# The kernel alone, for JupyterLab or a cluster's Jupyter service; KERNEL_USER=1 installs it for
+# your user too (~/.local/share/jupyter/kernels, where Open OnDemand's Jupyter looks).
+notebook-kernel: setup
+	$(WITH) scripts/notebooks kernel
+
+# JupyterLab from .venv on this machine, with the kernel, serving notebooks/.
+JUPYTERLAB_VERSION ?= 4.6.6
+jupyter: notebook-kernel data-cifar10 data-wikitext2
+	$(WITH) sh -c '"$$TORCH_PYTHON" -m pip install --quiet --disable-pip-version-check jupyterlab==$(JUPYTERLAB_VERSION) && "$$TORCH_PYTHON" -m jupyter lab --no-browser --notebook-dir notebooks $(ARGS)'
 
 # The tables and charts of the last runs in results/ into results/README.md (generated section).
 report: build

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use anyhow::Result;
-use tch::{Device, Kind, Tensor};
+use tch::Tensor;
 
 use super::{add_scaled, EntryKind, Optimizer, ParamState, Slots};
 
@@ -36,9 +36,6 @@ impl Default for AdamConfig {
 pub struct Adam {
     slots: Slots<AdamState>,
     config: AdamConfig,
-    /// CPU buffers of [`CPU_CHUNK`] elements for the update's intermediates, one pair per
-    /// floating-point kind met.
-    scratch: Vec<Scratch>,
 }
 
 /// What Adam keeps per parameter; torch's `state[p]` with `step`, `exp_avg`, `exp_avg_sq`.
@@ -102,7 +99,6 @@ impl Adam {
         Adam {
             slots: Slots::new(params),
             config,
-            scratch: Vec::new(),
         }
     }
 
@@ -112,39 +108,23 @@ impl Adam {
     }
 }
 
-/// Elements of a parameter updated together on the CPU: every operation of the update runs
-/// over one chunk before the next chunk, so the chunk's slices of the parameter, gradient and
-/// moments stay in cache across the nine operations instead of streaming the whole tensors
-/// through memory nine times, and the two intermediates live in small scratch buffers reused
-/// by every chunk of every parameter instead of fresh parameter-sized allocations (which on
-/// the CPU cost a page fault per 4 KiB, as much as the arithmetic). Adam is element-wise, so
-/// the result is the same, element for element, as over whole tensors. A multiple of 1024
-/// (whole SIMD vectors), and large enough that each operation still uses every intra-op thread
-/// (ATen splits an operation over threads from 32,768 elements per thread).
-pub(crate) const CPU_CHUNK: i64 = 1 << 18;
+/// The scalars of one parameter's update: `[1 − β₁, β₂, 1 − β₂, √(bias correction 2), ε,
+/// −step size]` (torch's Python floats).
+type UpdateScalars = [f64; 6];
 
-/// Buffers for the intermediates of an update on the CPU: `scaled` holds `(1 − β₂)·grad`, then
-/// `−step_size·exp_avg`; `denom` the denominator.
-struct Scratch {
-    kind: Kind,
-    scaled: Tensor,
-    denom: Tensor,
-}
-
-/// One Adam update of `param` (all tensors alike in shape, device and kind), with `scaled` and
-/// `denom` as the buffers for the intermediates: torch's single-tensor `_single_tensor_adam`,
-/// operation for operation, except that intermediates are written into the buffers.
-#[allow(clippy::too_many_arguments)]
+/// One Adam update of `param` (all tensors alike in shape, device and kind) with LibTorch
+/// operations: torch's single-tensor `_single_tensor_adam`, operation for operation. Used on
+/// the GPU and for what [`fused`] does not take.
 fn update(
     param: &mut Tensor,
     grad: &Tensor,
     exp_avg: &mut Tensor,
     exp_avg_sq: &mut Tensor,
-    scaled: &Tensor,
-    denom: &mut Tensor,
     weight_decay: f64,
-    [one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size]: [f64; 6],
+    [one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size]: UpdateScalars,
 ) {
+    let scaled = grad.empty_like();
+    let mut denom = exp_avg_sq.empty_like();
     let decayed;
     let grad = if weight_decay != 0.0 {
         decayed = add_scaled(grad, param, weight_decay);
@@ -156,16 +136,16 @@ fn update(
     // torch: `exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)`. tch's `addcmul_`
     // has no `value`; the kernel computes `self + (value * t1) * t2`, so passing
     // `t1 = grad * value` (and value 1) gives the same roundings.
-    let _ = grad.mul_scalar_out(scaled, one_minus_beta2);
-    let _ = exp_avg_sq.g_mul_scalar_(beta2).addcmul_(scaled, grad);
+    let _ = grad.mul_scalar_out(&scaled, one_minus_beta2);
+    let _ = exp_avg_sq.g_mul_scalar_(beta2).addcmul_(&scaled, grad);
     // torch: `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`.
-    let _ = exp_avg_sq.sqrt_out(denom);
+    let _ = exp_avg_sq.sqrt_out(&mut denom);
     let _ = denom.g_div_scalar_(bias_correction2_sqrt);
     let _ = denom.g_add_scalar_(eps);
     // torch: `param.addcdiv_(exp_avg, denom, value=-step_size)`, i.e.
     // `param + (value * exp_avg) / denom`; again the value moves into the first factor.
-    let _ = exp_avg.mul_scalar_out(scaled, neg_step_size);
-    let _ = param.addcdiv_(scaled, denom);
+    let _ = exp_avg.mul_scalar_out(&scaled, neg_step_size);
+    let _ = param.addcdiv_(&scaled, &denom);
 }
 
 impl Optimizer for Adam {
@@ -176,7 +156,7 @@ impl Optimizer for Adam {
             eps,
             weight_decay,
         } = self.config;
-        let scratch = &mut self.scratch;
+        let mut jobs = Vec::new();
         self.slots.update_each(|param, grad, state| {
             let state = state.get_or_insert_with(|| AdamState {
                 step: 0,
@@ -191,48 +171,12 @@ impl Optimizer for Adam {
             let bias_correction2 = 1.0 - beta2.powf(step);
             let step_size = lr / bias_correction1;
             let scalars = [1.0 - beta1, beta2, 1.0 - beta2, bias_correction2.powf(0.5), eps, -step_size];
-
-            let tensors = [&*param, grad, &state.exp_avg, &state.exp_avg_sq];
-            let chunked = param.device() == Device::Cpu && tensors.iter().all(|t| t.is_contiguous());
-            if !chunked {
-                // A GPU (whose caching allocator makes temporaries cheap, and where each
-                // chunk would be a kernel launch more) or unusual strides: whole tensors.
-                let scaled = grad.empty_like();
-                let mut denom = state.exp_avg_sq.empty_like();
-                update(param, grad, &mut state.exp_avg, &mut state.exp_avg_sq, &scaled, &mut denom, weight_decay, scalars);
-                return;
-            }
-            let kind = param.kind();
-            let buffers = match scratch.iter_mut().position(|s| s.kind == kind) {
-                Some(i) => &mut scratch[i],
-                None => {
-                    let options = (kind, Device::Cpu);
-                    scratch.push(Scratch {
-                        kind,
-                        scaled: Tensor::empty([CPU_CHUNK], options),
-                        denom: Tensor::empty([CPU_CHUNK], options),
-                    });
-                    scratch.last_mut().expect("just pushed")
-                }
-            };
-            let numel = param.numel() as i64;
-            // Flat views sharing storage with the parameter and its state, updated chunk by chunk.
-            let [p, g, m, v] = tensors.map(|t| t.view([-1]));
-            for start in (0..numel).step_by(CPU_CHUNK as usize) {
-                let len = CPU_CHUNK.min(numel - start);
-                let slice = |t: &Tensor| t.narrow(0, start, len);
-                update(
-                    &mut slice(&p),
-                    &slice(&g),
-                    &mut slice(&m),
-                    &mut slice(&v),
-                    &buffers.scaled.narrow(0, 0, len),
-                    &mut buffers.denom.narrow(0, 0, len),
-                    weight_decay,
-                    scalars,
-                );
+            match fused::Job::new(param, grad, &state.exp_avg, &state.exp_avg_sq, weight_decay, scalars) {
+                Some(job) => jobs.push(job),
+                None => update(param, grad, &mut state.exp_avg, &mut state.exp_avg_sq, weight_decay, scalars),
             }
         });
+        fused::run(&jobs, tch::get_num_threads().max(1) as usize);
         Ok(())
     }
 
@@ -258,5 +202,192 @@ impl Optimizer for Adam {
 
     fn name(&self) -> &'static str {
         "adam"
+    }
+}
+
+/// Adam on float32 CPU parameters in one pass over memory.
+///
+/// torch's single-tensor Adam makes nine passes over each parameter (one per operation: lerp,
+/// mul, addcmul, sqrt, div, add, mul, addcdiv, with the temporaries they allocate), and each
+/// operation is a fork and join of the intra-op threads. On the CPU those passes, not the
+/// arithmetic, are the cost: the update is memory-bound, and a model's hundred small tensors
+/// make a thousand operations. Here every element's update is done in registers, reading the
+/// parameter, gradient and both moments once and writing three of them once, and all the
+/// parameters' elements are shared out among LibTorch's intra-op thread count in one fork and
+/// join per step.
+///
+/// The arithmetic is torch's, in float32 and in its order (scalars rounded to float32 as
+/// LibTorch's kernels do); torch's vectorised lerp uses a fused multiply-add, so results can
+/// differ from `torch.optim.Adam`'s in the last bit (tests/optim_parity.rs compares them).
+mod fused {
+    use super::UpdateScalars;
+    use tch::{Device, Kind, Tensor};
+
+    /// One parameter's update: raw views of its four tensors. The tensors are kept alive by
+    /// the handles, and are distinct (a parameter, its gradient, its two moments).
+    pub(super) struct Job {
+        _tensors: [Tensor; 4],
+        param: *mut f32,
+        grad: *const f32,
+        exp_avg: *mut f32,
+        exp_avg_sq: *mut f32,
+        len: usize,
+        weight_decay: f32,
+        scalars: [f32; 6],
+    }
+
+    // SAFETY: a job's pointers are only dereferenced inside `run`, where the threads work on
+    // disjoint ranges of each tensor, and the tensors outlive `run` (the job owns handles).
+    unsafe impl Send for Job {}
+    unsafe impl Sync for Job {}
+
+    impl Job {
+        /// The job for a float32, contiguous CPU parameter (whose gradient and moments are
+        /// too); None for anything else.
+        pub(super) fn new(param: &Tensor, grad: &Tensor, exp_avg: &Tensor, exp_avg_sq: &Tensor, weight_decay: f64, scalars: UpdateScalars) -> Option<Job> {
+            let tensors = [param, grad, exp_avg, exp_avg_sq];
+            let eligible = tensors.iter().all(|t| t.device() == Device::Cpu && t.kind() == Kind::Float && t.is_contiguous())
+                && tensors.iter().all(|t| t.size() == param.size());
+            if !eligible {
+                return None;
+            }
+            Some(Job {
+                param: param.data_ptr() as *mut f32,
+                grad: grad.data_ptr() as *const f32,
+                exp_avg: exp_avg.data_ptr() as *mut f32,
+                exp_avg_sq: exp_avg_sq.data_ptr() as *mut f32,
+                len: param.numel(),
+                weight_decay: weight_decay as f32,
+                scalars: scalars.map(|x| x as f32),
+                _tensors: tensors.map(Tensor::shallow_clone),
+            })
+        }
+
+        /// Updates elements `range` of the parameter.
+        ///
+        /// # Safety
+        /// No other thread may touch these elements meanwhile.
+        unsafe fn update(&self, range: std::ops::Range<usize>) {
+            let (start, len) = (range.start, range.len());
+            let p = std::slice::from_raw_parts_mut(self.param.add(start), len);
+            let g = std::slice::from_raw_parts(self.grad.add(start), len);
+            let m = std::slice::from_raw_parts_mut(self.exp_avg.add(start), len);
+            let v = std::slice::from_raw_parts_mut(self.exp_avg_sq.add(start), len);
+            let [one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size] = self.scalars;
+            let wd = self.weight_decay;
+            for i in 0..len {
+                // torch: grad.add(param, alpha=weight_decay) when decaying.
+                let grad = if wd != 0.0 { g[i] + wd * p[i] } else { g[i] };
+                // exp_avg.lerp_(grad, 1 - beta1): LibTorch's lerp for a weight below ½.
+                let exp_avg = m[i] + one_minus_beta1 * (grad - m[i]);
+                // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2).
+                let exp_avg_sq = v[i] * beta2 + (one_minus_beta2 * grad) * grad;
+                // (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps).
+                let denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps;
+                // param.addcdiv_(exp_avg, denom, value=-step_size).
+                p[i] += (neg_step_size * exp_avg) / denom;
+                m[i] = exp_avg;
+                v[i] = exp_avg_sq;
+            }
+        }
+    }
+
+    /// Elements below which one thread does the whole step (a thread start costs more).
+    const PARALLEL_FROM: usize = 1 << 16;
+
+    /// Runs every job, the elements of all of them split evenly over `threads` threads.
+    pub(super) fn run(jobs: &[Job], threads: usize) {
+        let total: usize = jobs.iter().map(|j| j.len).sum();
+        let threads = if total < PARALLEL_FROM { 1 } else { threads.min(total) };
+        let share = total.div_ceil(threads.max(1));
+        // Thread t takes elements [t·share, (t+1)·share) of the jobs laid end to end.
+        let work = |t: usize| {
+            let (from, to) = (t * share, ((t + 1) * share).min(total));
+            let mut offset = 0;
+            for job in jobs {
+                let (lo, hi) = (from.max(offset), to.min(offset + job.len));
+                if lo < hi {
+                    // SAFETY: threads' element ranges are disjoint, so are their parts of each job.
+                    unsafe { job.update(lo - offset..hi - offset) };
+                }
+                offset += job.len;
+                if offset >= to {
+                    break;
+                }
+            }
+        };
+        if threads <= 1 {
+            return work(0);
+        }
+        std::thread::scope(|scope| {
+            for t in 1..threads {
+                scope.spawn(move || work(t));
+            }
+            work(0);
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Parameters, gradients and moments of the given sizes, with varied values (from sines,
+    /// not the random generator, which other tests running at the same time also draw from).
+    fn tensors(sizes: &[i64], seed: i64) -> Vec<[Tensor; 4]> {
+        let wave = |n: i64, f: f64| (Tensor::arange(n, (tch::Kind::Float, tch::Device::Cpu)) * f + seed as f64).sin();
+        sizes.iter().map(|&n| [wave(n, 0.37), wave(n, 1.91), wave(n, 0.73) * 0.1, wave(n, 2.3).square() * 0.01]).collect()
+    }
+
+    const SCALARS: UpdateScalars = [0.1, 0.999, 0.001, 0.0447213595499958, 1e-8, -0.0031622776601683794];
+
+    fn fused_step(sizes: &[i64], threads: usize, weight_decay: f64) -> Vec<[Tensor; 4]> {
+        let set = tensors(sizes, 5);
+        let jobs: Vec<fused::Job> =
+            set.iter().map(|[p, g, m, v]| fused::Job::new(p, g, m, v, weight_decay, SCALARS).expect("float32 contiguous CPU")).collect();
+        fused::run(&jobs, threads);
+        set
+    }
+
+    #[test]
+    fn the_one_pass_update_is_the_same_however_it_is_split_and_agrees_with_libtorch_ops() {
+        // Sizes that put thread boundaries inside parameters and one parameter of one element.
+        let sizes = [70_001, 1, 65_537, 333];
+        for weight_decay in [0.0, 0.01] {
+            let one = fused_step(&sizes, 1, weight_decay);
+            for threads in [2, 3, 7] {
+                for (a, b) in one.iter().zip(&fused_step(&sizes, threads, weight_decay)) {
+                    for (x, y) in a.iter().zip(b) {
+                        assert!(x.equal(y), "{threads} threads changed the result");
+                    }
+                }
+            }
+            let mut reference = tensors(&sizes, 5);
+            for [p, g, m, v] in &mut reference {
+                update(p, g, m, v, weight_decay, SCALARS);
+            }
+            for (ours, theirs) in one.iter().zip(&reference) {
+                for (x, y) in ours.iter().zip(theirs) {
+                    let diff = (x - y).abs().max().double_value(&[]);
+                    assert!(diff <= 1e-6 * (1.0 + y.abs().max().double_value(&[])), "one pass vs LibTorch ops: {diff:e}");
+                }
+                // Skipped elements would show in the moments, which move by a tenth of (grad − exp_avg).
+                let before = &tensors(&sizes, 5)[one.iter().position(|t| std::ptr::eq(t, ours)).unwrap()];
+                let moved = ours[2].ne_tensor(&before[2]).to_kind(tch::Kind::Float).mean(tch::Kind::Float).double_value(&[]);
+                assert!(moved > 0.99, "only {moved} of the first moments changed");
+            }
+        }
+    }
+
+    #[test]
+    fn other_kinds_and_strides_take_libtorch_ops() {
+        let p = Tensor::ones([4, 3], (tch::Kind::Float, tch::Device::Cpu));
+        let g = p.ones_like();
+        let (m, v) = (p.zeros_like(), p.zeros_like());
+        assert!(fused::Job::new(&p, &g, &m, &v, 0.0, SCALARS).is_some());
+        let t = p.tr();
+        assert!(fused::Job::new(&t, &g.tr(), &m.tr(), &v.tr(), 0.0, SCALARS).is_none(), "non-contiguous");
+        let d = p.to_kind(tch::Kind::Double);
+        assert!(fused::Job::new(&d, &d.ones_like(), &d.zeros_like(), &d.zeros_like(), 0.0, SCALARS).is_none(), "float64");
     }
 }

@@ -1,5 +1,5 @@
-"""Reference for common/tests/optim_parity.rs's test of Adam on parameters larger than the
-Rust Adam's CPU chunk (common/src/optim/adam.rs, CPU_CHUNK): torch.optim.Adam's single-tensor
+"""Reference for common/tests/optim_parity.rs's test of Adam on parameters large enough that the
+Rust Adam's CPU update (common/src/optim/adam.rs, `fused`) splits them between threads: torch.optim.Adam's single-tensor
 path (foreach=False, what torch uses on the CPU by default) over a few steps with given
 gradients.
 

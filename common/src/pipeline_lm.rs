@@ -588,8 +588,9 @@ fn train(setup: &Setup, trainer: &mut dyn PipelineTrainer) -> Result<(FitReport,
         let train_loss = loss_sum / tokens.max(1) as f64;
         if setup.root {
             println!(
-                "epoch {}/{epochs}: train loss {train_loss:.4}, valid loss {:.4} ppl {:.2}, {train_time_s:.1} s, {:.0} tokens/s, lr {lr:.4}",
+                "epoch {}/{epochs}{}: train loss {train_loss:.4}, valid loss {:.4} ppl {:.2}, {train_time_s:.1} s, {:.0} tokens/s, lr {lr:.4}",
                 epoch + 1,
+                if completed { "" } else { " (stopped by --max-steps)" },
                 fit.eval_loss,
                 fit.eval_loss.exp(),
                 all_tokens as f64 / train_time_s

@@ -117,10 +117,10 @@ notebooks: build data-cifar10 data-wikitext2
 notebook-kernel: setup
 	$(WITH) scripts/notebooks kernel
 
-# JupyterLab from .venv on this machine, with the kernel, serving notebooks/.
-JUPYTERLAB_VERSION ?= 4.6.6
-jupyter: notebook-kernel data-cifar10 data-wikitext2
-	$(WITH) sh -c '"$$TORCH_PYTHON" -m pip install --quiet --disable-pip-version-check jupyterlab==$(JUPYTERLAB_VERSION) && "$$TORCH_PYTHON" -m jupyter lab --no-browser --notebook-dir notebooks $(ARGS)'
+# JupyterLab (pinned) from .venv on this machine, with the kernel, serving notebooks/; ARGS go
+# to Jupyter (e.g. ARGS="--port 8899 --ip 0.0.0.0").
+jupyter: build data-cifar10 data-wikitext2
+	$(WITH) scripts/notebooks lab $(ARGS)
 
 # The tables and charts of the last runs in results/ into results/README.md (generated section).
 report: build

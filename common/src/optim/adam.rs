@@ -278,7 +278,8 @@ mod fused {
             for i in 0..len {
                 // torch: grad.add(param, alpha=weight_decay) when decaying.
                 let grad = if wd != 0.0 { g[i] + wd * p[i] } else { g[i] };
-                // exp_avg.lerp_(grad, 1 - beta1): LibTorch's lerp for a weight below ½.
+                // exp_avg.lerp_(grad, 1 - beta1), in LibTorch's form for a weight below ½ (β₁ above ½,
+                // as always in practice; its other form is the same sum in exact arithmetic).
                 let exp_avg = m[i] + one_minus_beta1 * (grad - m[i]);
                 // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2).
                 let exp_avg_sq = v[i] * beta2 + (one_minus_beta2 * grad) * grad;

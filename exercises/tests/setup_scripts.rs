@@ -176,3 +176,55 @@ fn wikitext_with_a_bad_checksum_or_no_network_is_generated_loudly() {
     assert!(data.path().join("wikitext-2/GENERATED.txt").exists());
     assert!(data.path().join("wikitext-2/wiki.train.tokens").exists());
 }
+
+/// `scripts/find-libclang` run on a fake file tree `root`, with the search variables given
+/// (and no others from this machine).
+fn find_libclang(root: &Path, env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(repo().join("scripts/find-libclang"));
+    cmd.arg("--root").arg(root).env_remove("LIBCLANG_PATH").env_remove("LD_LIBRARY_PATH").env_remove("LIBRARY_PATH");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+/// Creates the (empty) files `paths` under `root`.
+fn files(root: &Path, paths: &[&str]) {
+    for path in paths {
+        let path = root.join(path);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, b"").unwrap();
+    }
+}
+
+#[test]
+fn libclang_is_found_as_bindgen_finds_it_and_libclang_cpp_does_not_count() {
+    // What Debian 12's LLVM toolchain installs without libclang-dev: LLVM's C++ library only.
+    let toolchain_only = tempfile::tempdir().unwrap();
+    files(toolchain_only.path(), &["usr/lib/llvm-14/lib/libclang-cpp.so.14", "usr/lib/x86_64-linux-gnu/libclang-cpp.so.14"]);
+    let out = find_libclang(toolchain_only.path(), &[]);
+    assert_eq!(out.status.code(), Some(1), "libclang-cpp must not count as libclang: {}", text(&out));
+
+    // After libclang-dev: the versioned library bindgen loads at run time.
+    let with_libclang = tempfile::tempdir().unwrap();
+    files(with_libclang.path(), &["usr/lib/llvm-14/lib/libclang-cpp.so.14", "usr/lib/llvm-14/lib/libclang-14.so.1"]);
+    let out = find_libclang(with_libclang.path(), &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).trim().ends_with("usr/lib/llvm-14/lib/libclang-14.so.1"), "{}", text(&out));
+
+    // LIBCLANG_PATH is the only place looked at when it is set: a folder or the file itself.
+    let module = tempfile::tempdir().unwrap();
+    files(module.path(), &["opt/llvm/17/lib/libclang.so", "opt/llvm/cpp-only/libclang-cpp.so.17"]);
+    assert!(find_libclang(module.path(), &[]).status.code() == Some(1), "/opt is not searched without LIBCLANG_PATH");
+    for path in ["/opt/llvm/17/lib", "/opt/llvm/17/lib/libclang.so"] {
+        let out = find_libclang(module.path(), &[("LIBCLANG_PATH", path)]);
+        assert!(out.status.success(), "LIBCLANG_PATH={path}: {}", text(&out));
+    }
+    for path in ["/opt/llvm/cpp-only", "/opt/llvm/cpp-only/libclang-cpp.so.17", "/opt/llvm/missing"] {
+        let out = find_libclang(module.path(), &[("LIBCLANG_PATH", path)]);
+        assert_eq!(out.status.code(), Some(1), "LIBCLANG_PATH={path}: {}", text(&out));
+    }
+    // LD_LIBRARY_PATH is searched, as clang-sys does.
+    let out = find_libclang(module.path(), &[("LD_LIBRARY_PATH", "/nowhere:/opt/llvm/17/lib")]);
+    assert!(out.status.success(), "{}", text(&out));
+}

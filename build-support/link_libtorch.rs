@@ -1,5 +1,6 @@
 // Link-time fixes that Cargo cannot inherit from `torch-sys`, for every crate with binaries or
-// tests (included by `exercises/build.rs` and `common/build.rs`).
+// tests (included by `exercises/build.rs` and `common/build.rs`, whose `main` calls
+// `link_libtorch()`).
 //
 // * `libtorch_cuda.so` is only referenced through static initialisers, so the default
 //   `--as-needed` linker drops it and CUDA then reports "unavailable" on a GPU machine.
@@ -9,9 +10,15 @@
 // * The PyTorch version the binaries were built against, for the results files.
 use std::path::PathBuf;
 
-fn main() {
+/// LibTorch's lib folder (torch-sys's `DEP_TCH_LIBTORCH_LIB`), where it told us.
+#[allow(dead_code)] // exercises/build.rs only links
+fn libtorch_lib_dir() -> Option<PathBuf> {
+    std::env::var("DEP_TCH_LIBTORCH_LIB").map(PathBuf::from).ok()
+}
+
+fn link_libtorch() {
     println!("cargo:rerun-if-env-changed=TORCH_VERSION");
-    let lib_dir = std::env::var("DEP_TCH_LIBTORCH_LIB").map(PathBuf::from).ok();
+    let lib_dir = libtorch_lib_dir();
     let version = std::env::var("TORCH_VERSION")
         .ok()
         .or_else(|| {

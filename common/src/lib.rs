@@ -22,6 +22,7 @@ pub mod profile;
 pub mod report;
 pub mod results_page;
 pub mod tensorboard;
+pub mod torch_ext;
 pub mod train;
 
 /// Which exercise is running: names its results and checkpoint files, and sets defaults.

@@ -238,7 +238,13 @@ impl EpochJob {
             // kernels would start an OpenMP team of its own and compete with the training
             // thread's for the cores.
             Device::Cpu => HostBatch { images: Tensor::from_slice(&normalize_bytes(&bytes, self.dataset.kind, h * w)).view(shape), labels },
-            device => HostBatch { images: Tensor::from_slice(&bytes).view(shape).pin_memory(device), labels: labels.pin_memory(device) },
+            // Pinned, so that the copy to the GPU runs asynchronously; should pinning ever fail
+            // (it needs the CUDA runtime that the GPU run has), the copy just waits.
+            Device::Cuda(_) => {
+                let pin = |t: Tensor| crate::torch_ext::pin_memory(&t).unwrap_or(t);
+                HostBatch { images: pin(Tensor::from_slice(&bytes).view(shape)), labels: pin(labels) }
+            }
+            Device::Mps | Device::Vulkan => HostBatch { images: Tensor::from_slice(&bytes).view(shape), labels },
         }
     }
 

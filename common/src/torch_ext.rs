@@ -1,0 +1,165 @@
+//! Safe Rust over `csrc/torch_ext.cpp`: the LibTorch C++ calls tch does not bind, compiled
+//! against the headers of the LibTorch we link (`build.rs`).
+//!
+//! - [`pin_memory`]: page-locked host memory without the deprecated device argument tch passes
+//!   (which made every CUDA run print LibTorch's deprecation warning).
+//! - [`Generator`]: a random generator of one's own (tch has only the global default one), and
+//!   [`dropout`] drawing its mask from it: masks keyed to what they belong to (a layer, a
+//!   micro-batch) instead of to the order in which threads reach the shared generator.
+use anyhow::{bail, Result};
+use std::ffi::c_void;
+use tch::{Device, Tensor};
+use torch_sys::C_tensor;
+
+mod ffi {
+    use super::*;
+    extern "C" {
+        pub fn torch_ext_last_error(buffer: *mut u8, size: usize) -> usize;
+        pub fn torch_ext_pin_memory(tensor: *const C_tensor) -> *mut C_tensor;
+        pub fn torch_ext_is_pinned(tensor: *const C_tensor) -> i32;
+        pub fn torch_ext_generator_new(device_type: i32, device_index: i32) -> *mut c_void;
+        pub fn torch_ext_generator_free(generator: *mut c_void);
+        pub fn torch_ext_generator_set_seed(generator: *mut c_void, seed: u64);
+        pub fn torch_ext_dropout(input: *const C_tensor, p: f64, generator: *mut c_void) -> *mut C_tensor;
+    }
+}
+
+/// The message the shim left on this thread for its last failure.
+fn last_error() -> String {
+    let mut buffer = vec![0u8; 4096];
+    // SAFETY: the buffer is valid for its length; the shim writes at most that many bytes.
+    let length = unsafe { ffi::torch_ext_last_error(buffer.as_mut_ptr(), buffer.len()) };
+    buffer.truncate(length.min(buffer.len() - 1));
+    String::from_utf8_lossy(&buffer).into_owned()
+}
+
+/// A tensor the shim returned, or its error.
+fn tensor(ptr: *mut C_tensor, what: &str) -> Result<Tensor> {
+    if ptr.is_null() {
+        bail!("{what}: {}", last_error());
+    }
+    // SAFETY: a non-null result is a heap-allocated at::Tensor the caller now owns, as tch's own.
+    Ok(unsafe { Tensor::from_ptr(ptr) })
+}
+
+/// `tensor` copied into page-locked (pinned) host memory, from which copies to a GPU can run
+/// asynchronously (`non_blocking`). Needs a CUDA runtime.
+pub fn pin_memory(tensor_: &Tensor) -> Result<Tensor> {
+    // SAFETY: a valid tensor pointer for the duration of the call.
+    tensor(unsafe { ffi::torch_ext_pin_memory(tensor_.as_ptr()) }, "pin_memory")
+}
+
+/// Whether `tensor` lives in pinned host memory.
+pub fn is_pinned(tensor: &Tensor) -> Result<bool> {
+    // SAFETY: as above.
+    match unsafe { ffi::torch_ext_is_pinned(tensor.as_ptr()) } {
+        -1 => bail!("is_pinned: {}", last_error()),
+        pinned => Ok(pinned == 1),
+    }
+}
+
+/// A random generator of its own for one device, of LibTorch's engine for it (mt19937 on the
+/// CPU, Philox on CUDA), independent of the default generator that `tch::manual_seed` seeds.
+/// Not shared between threads (`Send`, not `Sync`).
+pub struct Generator {
+    ptr: *mut c_void,
+    device: Device,
+}
+
+// SAFETY: the at::Generator it owns may be used from any thread, one at a time (`&mut self`).
+unsafe impl Send for Generator {}
+
+impl Generator {
+    pub fn new(device: Device) -> Result<Generator> {
+        let (device_type, index) = match device {
+            Device::Cuda(i) => (1, i as i32),
+            _ => (0, 0),
+        };
+        // SAFETY: plain call; null means failure.
+        let ptr = unsafe { ffi::torch_ext_generator_new(device_type, index) };
+        if ptr.is_null() {
+            bail!("cannot create a random generator on {device:?}: {}", last_error());
+        }
+        Ok(Generator { ptr, device })
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Restarts the generator's stream at `seed`.
+    pub fn set_seed(&mut self, seed: u64) {
+        // SAFETY: `ptr` is a live generator owned by self.
+        unsafe { ffi::torch_ext_generator_set_seed(self.ptr, seed) }
+    }
+}
+
+impl Drop for Generator {
+    fn drop(&mut self) {
+        // SAFETY: allocated by torch_ext_generator_new, freed once.
+        unsafe { ffi::torch_ext_generator_free(self.ptr) }
+    }
+}
+
+/// Dropout in training mode with the mask drawn from `generator` (on the input's device):
+/// `torch.nn.functional.dropout(input, p)`'s arithmetic, differentiable; the fused kernel on
+/// CUDA.
+pub fn dropout(input: &Tensor, p: f64, generator: &mut Generator) -> Result<Tensor> {
+    if generator.device != input.device() {
+        bail!("dropout of a tensor on {:?} with a generator on {:?}", input.device(), generator.device);
+    }
+    // SAFETY: valid tensor and generator for the duration of the call.
+    tensor(unsafe { ffi::torch_ext_dropout(input.as_ptr(), p, generator.ptr) }, "dropout")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Kind;
+
+    #[test]
+    fn a_seeded_generator_repeats_its_masks_and_leaves_the_default_one_alone() {
+        let x = Tensor::ones([1000], (Kind::Float, Device::Cpu));
+        let mut generator = Generator::new(Device::Cpu).unwrap();
+        tch::manual_seed(7);
+        let before = Tensor::rand([4], (Kind::Float, Device::Cpu));
+        generator.set_seed(11);
+        let a = dropout(&x, 0.25, &mut generator).unwrap();
+        let b = dropout(&x, 0.25, &mut generator).unwrap();
+        generator.set_seed(11);
+        let a_again = dropout(&x, 0.25, &mut generator).unwrap();
+        assert!(a.equal(&a_again), "the same seed gives the same mask");
+        assert!(!a.equal(&b), "the stream moves on between draws");
+        // Kept elements are scaled by 1/(1 − p), the rest are zero; about p of them dropped.
+        let kept = a.ne(0.0).sum(Kind::Int64).int64_value(&[]);
+        assert!((650..850).contains(&kept), "kept {kept} of 1000 at p = 0.25");
+        let scale = a.max().double_value(&[]);
+        assert!((scale - 1.0 / 0.75).abs() < 1e-6, "scale {scale}");
+        // The default generator did not move: the same draws as without the keyed dropouts.
+        tch::manual_seed(7);
+        let unchanged = Tensor::rand([4], (Kind::Float, Device::Cpu));
+        assert!(before.equal(&unchanged));
+    }
+
+    #[test]
+    fn keyed_dropout_is_differentiable_with_the_mask_it_drew() {
+        let x = Tensor::ones([64], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let mut generator = Generator::new(Device::Cpu).unwrap();
+        generator.set_seed(3);
+        let y = dropout(&x, 0.5, &mut generator).unwrap();
+        y.sum(Kind::Float).backward();
+        assert!(x.grad().equal(&y.detach()), "d(sum y)/dx is the scaled mask itself (x = 1)");
+        assert!(dropout(&x, 0.0, &mut generator).unwrap().equal(&x));
+    }
+
+    #[test]
+    fn pinning_without_cuda_is_an_error_not_a_crash() {
+        let x = Tensor::ones([4], (Kind::Float, Device::Cpu));
+        if tch::Cuda::is_available() {
+            assert!(is_pinned(&pin_memory(&x).unwrap()).unwrap());
+        } else {
+            assert!(!is_pinned(&x).unwrap());
+            assert!(pin_memory(&x).is_err());
+        }
+    }
+}

@@ -536,7 +536,9 @@ fn train(setup: &Setup, trainer: &mut dyn PipelineTrainer) -> Result<(FitReport,
             let t0 = Instant::now();
             optimizer.zero_grad();
             let targets = batch.targets.reshape(batch.inputs.size());
-            let step = trainer.train_step(&batch.inputs, &targets)?;
+            // Dropout keyed to (seed, step): the same masks whatever the stages and timing.
+            let dropout_key = models::mix_key(&[args.lm.run.seed, step_count as u64]);
+            let step = trainer.train_step(&batch.inputs, &targets, dropout_key)?;
             for trace in &step.traces {
                 for interval in &trace.intervals {
                     let (name, m) = match interval.op {

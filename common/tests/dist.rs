@@ -861,19 +861,21 @@ fn p2p() -> usize {
     assert!(base.equal(&expected), "the view's storage holds the peer's tensor: {base}");
     group.wait_sends().unwrap();
 
-    // send returns at once, and wait_sends waits until the receiver has the data: rank 1
-    // receives half a second late.
-    let delay = Duration::from_millis(500);
-    group.barrier().unwrap();
-    let start = Instant::now();
+    // wait_sends waits until the receiver has the data. Rank 1 posts its receive only after a
+    // go-ahead that rank 0 sends when its clock starts, plus a sleep, so the receive happens at
+    // least `delay` after that start whatever the machine's speed or load (a sleep lasts at
+    // least as long as asked): wait_sends returning earlier would have returned before it.
+    let delay = Duration::from_millis(300);
+    let mut go = Tensor::zeros([1], (Kind::Float, cpu));
     if rank == 0 {
+        let start = Instant::now();
+        group.send(&Tensor::ones([1], (Kind::Float, cpu)), 1).unwrap();
         group.send(&values(0), 1).unwrap();
-        let handed_over = start.elapsed();
         group.wait_sends().unwrap();
         let received = start.elapsed();
-        assert!(handed_over < delay * 4 / 5, "send blocked for {handed_over:?}");
-        assert!(received >= delay * 4 / 5, "wait_sends returned after {received:?}, before rank 1 received");
+        assert!(received >= delay, "wait_sends returned after {received:?}, before rank 1 received");
     } else {
+        group.recv(&mut go, 0).unwrap();
         std::thread::sleep(delay);
         group.recv(&mut got, 0).unwrap();
         assert!(got.equal(&values(0)));

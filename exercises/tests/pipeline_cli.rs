@@ -29,8 +29,11 @@ fn a_two_stage_pipeline_learns_real_wikitext_and_reports_its_bubble() {
     let results = tempfile::tempdir().unwrap();
     let out = exercise3_pipeline(&[
         "--data-dir", data.path().to_str().unwrap(), "--devices", "cpu,cpu", "--chunks", "4", "--schedule", "1f1b", "--balance",
-        "--emsize", "64", "--d-hid", "128", "--nhead", "2", "--nlayers", "2", "--dropout", "0", "--epochs", "2",
-        "--threads", "2", "--quiet", "--results-dir", results.path().to_str().unwrap(),
+        "--emsize", "64", "--d-hid", "128", "--nhead", "2", "--nlayers", "2", "--dropout", "0", "--epochs", "4",
+        // lr 2.0 rather than the course's 5.0: at 5.0 this small model barely reached the unigram
+        // model in 2 epochs (314.8 vs 301.2), and where it lands then depends on each machine's
+        // float rounding; at 2.0 over 4 epochs it measured 207.8, a margin that holds anywhere.
+        "--lr", "2.0", "--seed", "42", "--threads", "2", "--quiet", "--results-dir", results.path().to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -49,11 +52,11 @@ fn a_two_stage_pipeline_learns_real_wikitext_and_reports_its_bubble() {
     let bytes: Vec<i64> = json["stage_parameter_bytes"].as_array().unwrap().iter().map(|b| b.as_i64().unwrap()).collect();
     assert_eq!(bytes.iter().sum::<i64>(), 4 * expected_params, "float32 parameters split over the stages");
     let (ppl, unigram) = (json["test_ppl"].as_f64().unwrap(), json["unigram_test_ppl"].as_f64().unwrap());
-    println!("2-stage 1F1B pipeline (d 64, 2 layers), 2 epochs on 1,200 lines of real WikiText-2: test perplexity {ppl:.1} vs unigram {unigram:.1}, bubble {bubble:.3}");
+    println!("2-stage 1F1B pipeline (d 64, 2 layers), 4 epochs on 1,200 lines of real WikiText-2: test perplexity {ppl:.1} vs unigram {unigram:.1}, bubble {bubble:.3}");
     let history = json["history"].as_array().unwrap();
     let valid: Vec<f64> = history.iter().map(|e| e["eval_loss"].as_f64().unwrap()).collect();
-    assert!(valid[1] < valid[0], "validation loss did not fall: {valid:?}");
-    assert!(ppl < 0.95 * unigram, "the pipelined model did not learn: test perplexity {ppl} vs unigram {unigram}");
+    assert!(valid.windows(2).all(|w| w[1] < w[0]), "validation loss did not fall every epoch: {valid:?}");
+    assert!(ppl < 0.85 * unigram, "the pipelined model did not learn: test perplexity {ppl} vs unigram {unigram}");
 }
 
 /// The model tensors of a checkpoint, sorted by name.

@@ -14,7 +14,8 @@ mod vgg;
 mod weights;
 
 pub use transformer::{
-    encoder_layers, output_layer, param_count_formula, EncoderLayer, TokenEmbedding, TransformerConfig, TransformerLm,
+    encoder_layers, mix_key, output_layer, param_count_formula, EncoderLayer, Masks, TokenEmbedding, TransformerConfig,
+    TransformerLm,
 };
 pub use weights::load_weights;
 

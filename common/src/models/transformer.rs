@@ -19,8 +19,74 @@
 //! [`TransformerLm::layers`], [`TransformerLm::decode`]) so that a pipeline can run the encoder
 //! layers on different devices.
 use super::TORCH_DEFAULT_WEIGHT;
+use crate::torch_ext::{self, Generator};
+use std::cell::RefCell;
 use tch::nn::{self, Init, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
+
+/// Where the dropout masks of a forward pass come from.
+#[derive(Clone, Copy)]
+pub enum Masks<'a> {
+    /// LibTorch's default generator (what `tch::manual_seed` seeds), drawn in the order torch
+    /// draws them: the tutorial model's masks, bit for bit. Only repeatable when one thread
+    /// draws in a fixed order.
+    Shared,
+    /// A generator of its own, re-seeded for every dropout site from `key` (one micro-batch of
+    /// one step) and the site (a layer and a place in it): a mask is a function of what it
+    /// belongs to, not of the thread, the pipeline stage, the schedule or the timing that
+    /// reached the generator first. Recomputing a forward pass redraws the same masks.
+    Keyed { generator: &'a RefCell<Generator>, key: u64 },
+}
+
+/// A dropout site of the model, for [`Masks::Keyed`]: the embedding's (layer `None`) or one of
+/// a layer's four.
+#[derive(Debug, Clone, Copy)]
+enum Site {
+    Embedding,
+    AttentionWeights(i64),
+    AfterAttention(i64),
+    FeedForwardInner(i64),
+    FeedForwardOut(i64),
+}
+
+impl Site {
+    fn id(self) -> [u64; 2] {
+        match self {
+            Site::Embedding => [0, 0],
+            Site::AttentionWeights(l) => [l as u64 + 1, 1],
+            Site::AfterAttention(l) => [l as u64 + 1, 2],
+            Site::FeedForwardInner(l) => [l as u64 + 1, 3],
+            Site::FeedForwardOut(l) => [l as u64 + 1, 4],
+        }
+    }
+}
+
+/// A 64-bit key mixing `parts` (SplitMix64's finaliser over each part in turn): nearby inputs
+/// give unrelated keys.
+pub fn mix_key(parts: &[u64]) -> u64 {
+    parts.iter().fold(0x9e37_79b9_7f4a_7c15u64, |acc, &part| {
+        let mut z = (acc ^ part).wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    })
+}
+
+impl Masks<'_> {
+    /// `xs` with dropout `p` applied in training mode (unchanged otherwise).
+    fn dropout(&self, xs: &Tensor, p: f64, train: bool, site: Site) -> Tensor {
+        match self {
+            _ if !train || p == 0.0 => xs.shallow_clone(),
+            Masks::Shared => xs.dropout(p, train),
+            Masks::Keyed { generator, key } => {
+                let mut generator = generator.borrow_mut();
+                let [layer, place] = site.id();
+                generator.set_seed(mix_key(&[*key, layer, place]));
+                torch_ext::dropout(xs, p, &mut generator).unwrap_or_else(|err| panic!("{err:#}"))
+            }
+        }
+    }
+}
 
 /// Longest sequence the positional encoding covers (the tutorial's `max_len`).
 pub const MAX_LEN: i64 = 5000;
@@ -157,8 +223,9 @@ impl SelfAttention {
         }
     }
 
-    /// `[seq, batch, d]` → `[seq, batch, d]`: position `t` attends to positions `≤ t`.
-    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+    /// `[seq, batch, d]` → `[seq, batch, d]`: position `t` attends to positions `≤ t`; layer
+    /// `layer`'s attention weights dropped in training as `masks` says.
+    fn forward_t(&self, xs: &Tensor, train: bool, masks: Masks, layer: i64) -> Tensor {
         let (seq, batch, d) = xs.size3().expect("attention input must be [seq, batch, d]");
         let head_dim = d / self.nhead;
         // `_in_projection_packed`: one projection, split into q, k and v by a contiguous copy.
@@ -181,16 +248,18 @@ impl SelfAttention {
         // make or cache) and drops attention weights with probability `dropout_p`, as torch's
         // `MultiheadAttention` does in training mode.
         let dropout_p = if train { self.dropout } else { 0.0 };
-        let attended = Tensor::scaled_dot_product_attention(
-            &q,
-            &k,
-            &v,
-            None::<Tensor>,
-            dropout_p,
-            true,
-            None,
-            false,
-        );
+        let attended = match masks {
+            Masks::Keyed { .. } if dropout_p > 0.0 => {
+                // The fused kernels draw from the default generator only: spell the attention
+                // out (LibTorch's math kernel) with a keyed mask on its weights.
+                let (seq_q, seq_k) = (q.size()[2], k.size()[2]);
+                let scores = q.matmul(&k.transpose(-2, -1)) / (head_dim as f64).sqrt();
+                let causal = Tensor::ones([seq_q, seq_k], (Kind::Bool, scores.device())).tril(0);
+                let weights = scores.masked_fill(&causal.logical_not(), f64::NEG_INFINITY).softmax(-1, scores.kind());
+                masks.dropout(&weights, dropout_p, train, Site::AttentionWeights(layer)).matmul(&v)
+            }
+            _ => Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, dropout_p, true, None, false),
+        };
         attended
             .permute([2, 0, 1, 3])
             .contiguous()
@@ -265,17 +334,22 @@ impl EncoderLayer {
     }
 }
 
+impl EncoderLayer {
+    /// The layer as layer `layer` of the model (which names its dropout sites for keyed
+    /// masks), its masks drawn as `masks` says.
+    pub fn forward_masked(&self, xs: &Tensor, train: bool, masks: Masks, layer: i64) -> Tensor {
+        let p = self.dropout;
+        let attended = self.self_attn.forward_t(xs, train, masks, layer);
+        let xs = (xs + masks.dropout(&attended, p, train, Site::AfterAttention(layer))).apply(&self.norm1);
+        let inner = masks.dropout(&xs.apply(&self.linear1).relu(), p, train, Site::FeedForwardInner(layer));
+        let feed_forward = masks.dropout(&inner.apply(&self.linear2), p, train, Site::FeedForwardOut(layer));
+        (xs + feed_forward).apply(&self.norm2)
+    }
+}
+
 impl ModuleT for EncoderLayer {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        let p = self.dropout;
-        let xs = (xs + self.self_attn.forward_t(xs, train).dropout(p, train)).apply(&self.norm1);
-        let feed_forward = xs
-            .apply(&self.linear1)
-            .relu()
-            .dropout(p, train)
-            .apply(&self.linear2)
-            .dropout(p, train);
-        (xs + feed_forward).apply(&self.norm2)
+        self.forward_masked(xs, train, Masks::Shared, 0)
     }
 }
 
@@ -337,6 +411,13 @@ impl TokenEmbedding {
 
 impl ModuleT for TokenEmbedding {
     fn forward_t(&self, src: &Tensor, train: bool) -> Tensor {
+        self.forward_masked(src, train, Masks::Shared)
+    }
+}
+
+impl TokenEmbedding {
+    /// [`ModuleT::forward_t`] with the positional dropout's mask drawn as `masks` says.
+    pub fn forward_masked(&self, src: &Tensor, train: bool, masks: Masks) -> Tensor {
         let seq_len = src.size().first().copied().unwrap_or(0);
         assert!(
             src.dim() == 2 && seq_len <= MAX_LEN,
@@ -349,7 +430,7 @@ impl ModuleT for TokenEmbedding {
             .narrow(0, 0, seq_len)
             .to_device(xs.device())
             .to_kind(xs.kind());
-        (xs + positions).dropout(self.dropout, train)
+        masks.dropout(&(xs + positions), self.dropout, train, Site::Embedding)
     }
 }
 

@@ -2,6 +2,7 @@
 //! schedule, activations in from the previous stage and out to the next, gradients the other
 //! way. The same function runs a stage thread in one process and a stage process across
 //! processes; only the [`Link`]s differ.
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -10,6 +11,8 @@ use serde::Serialize;
 use tch::{Kind, Tensor};
 
 use super::link::Link;
+use crate::models::{mix_key, Masks};
+use crate::torch_ext::Generator;
 use super::schedule::Op;
 use super::stage::Stage;
 
@@ -61,6 +64,10 @@ struct Saved {
 /// Options of [`run_stage`].
 #[derive(Debug, Clone, Copy)]
 pub struct StageOptions {
+    /// The mini-batch's dropout key: micro-batch `m`'s masks are keyed by (key, m) and by the
+    /// layer (see [`Masks::Keyed`]), so a seeded run trains the same model whatever the
+    /// partition, the number of stages, the schedule or the threads' timing.
+    pub dropout_key: u64,
     /// Forward passes keep only the stage's input; the backward pass recomputes the rest.
     pub recompute: bool,
     /// Dropout on.
@@ -94,8 +101,14 @@ pub fn run_stage(
     let mut loss_sum: Option<Tensor> = None;
     let mut hits = Tensor::zeros([], (Kind::Int64, device));
     let mut trace = StageTrace { stage: stage.index, intervals: Vec::with_capacity(ops.len()), peak_live: 0 };
-    // The stage's forward pass, in the run's precision (autocast is per thread: this one's).
-    let forward = |input: &Tensor, train: bool| crate::precision::autocast(options.precision, device, || stage.forward_t(input, train));
+    // The stage's forward pass of micro-batch m, in the run's precision (autocast is per
+    // thread: this one's), its dropout masks keyed to the micro-batch (a recomputation redraws
+    // the same ones).
+    let generator = RefCell::new(Generator::new(device)?);
+    let forward = |m: usize, input: &Tensor, train: bool| {
+        let masks = Masks::Keyed { generator: &generator, key: mix_key(&[options.dropout_key, m as u64]) };
+        crate::precision::autocast(options.precision, device, || stage.forward_masked(input, train, masks))
+    };
     // The last stage's output for micro-batch m: its weighted loss.
     let finish = |m: usize, output: Tensor| -> Tensor {
         match stage.is_last() {
@@ -118,16 +131,16 @@ pub fn run_stage(
                 start_s = clock.elapsed().as_secs_f64();
                 let output = if !options.train {
                     tch::no_grad(|| {
-                        let output = forward(&input, false);
+                        let output = forward(m, &input, false);
                         if stage.is_last() {
                             hits += count_hits(m, &output);
                         }
                         finish(m, output)
                     })
                 } else if options.recompute {
-                    tch::no_grad(|| finish(m, forward(&input, true)))
+                    tch::no_grad(|| finish(m, forward(m, &input, true)))
                 } else {
-                    finish(m, forward(&input, true))
+                    finish(m, forward(m, &input, true))
                 };
                 if let Some(link) = next.as_deref_mut() {
                     link.send(&output)?;
@@ -155,7 +168,7 @@ pub fn run_stage(
                     .with_context(|| format!("stage {}: backward of micro-batch {m} before its forward", stage.index))?;
                 let output = match output {
                     Some(output) => output,
-                    None => finish(m, forward(&input, options.train)),
+                    None => finish(m, forward(m, &input, options.train)),
                 };
                 match grad {
                     None => output.backward(),

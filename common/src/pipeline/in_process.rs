@@ -47,7 +47,7 @@ impl Pipeline {
     /// One mini-batch through the pipeline, the stages running concurrently in threads: with
     /// `train`, forward and backward passes in the schedule's order (gradients accumulate);
     /// without, forward passes only.
-    pub fn run_batch(&mut self, src: &Tensor, targets: &Tensor, train: bool) -> Result<StepReport> {
+    pub fn run_batch(&mut self, src: &Tensor, targets: &Tensor, train: bool, dropout_key: u64) -> Result<StepReport> {
         let chunks = if train { self.options.chunks } else { super::chunks_for(self.options.chunks, src.size()[1]) };
         let (inputs, weights) = split_batch(src, chunks)?;
         let (targets, _) = split_batch(targets, chunks)?;
@@ -79,7 +79,7 @@ impl Pipeline {
         }
         nexts.push(None);
 
-        let options = StageOptions { recompute: self.options.checkpoint_activations, train, precision: self.options.precision };
+        let options = StageOptions { dropout_key, recompute: self.options.checkpoint_activations, train, precision: self.options.precision };
         let schedule = self.options.schedule;
         let threads = self.options.threads_per_stage;
         let clock = Instant::now();
@@ -147,8 +147,8 @@ impl PipelineTrainer for Pipeline {
         self.stages.iter().flat_map(Stage::named_parameters).collect()
     }
 
-    fn train_step(&mut self, src: &Tensor, targets: &Tensor) -> Result<StepReport> {
-        self.run_batch(src, targets, true)
+    fn train_step(&mut self, src: &Tensor, targets: &Tensor, dropout_key: u64) -> Result<StepReport> {
+        self.run_batch(src, targets, true, dropout_key)
     }
 
     fn finish_gradients(&mut self, params: &[Tensor], max_norm: Option<f64>) -> Result<()> {
@@ -159,6 +159,6 @@ impl PipelineTrainer for Pipeline {
     }
 
     fn evaluate(&mut self, source: &TokenBatches) -> Result<EvalSums> {
-        super::evaluate_batches(source, |src, targets| self.run_batch(src, targets, false))
+        super::evaluate_batches(source, |src, targets| self.run_batch(src, targets, false, 0))
     }
 }

@@ -19,11 +19,16 @@
 //! Gradients are exactly those of the whole model on the whole mini-batch (up to float
 //! rounding): each micro-batch's mean loss is weighted by its share of the sequences, so the
 //! weighted losses sum to the mini-batch's mean, and the gradients accumulate over the
-//! micro-batches before one optimizer step. With dropout, the micro-batches draw their masks
-//! from LibTorch's shared generator in whatever order the stage threads reach it, so a run is
-//! not repeatable bit for bit (the unpartitioned model draws other masks anyway); with
-//! `--checkpoint-activations`, the recomputed forward draws new masks, as
-//! `torch.utils.checkpoint(preserve_rng_state=False)` does.
+//! micro-batches before one optimizer step.
+//!
+//! Dropout masks are keyed, not drawn from LibTorch's shared generator: micro-batch `m` of a
+//! step draws each layer's masks from a generator seeded with (step key, m, layer, site)
+//! ([`crate::models::Masks::Keyed`]). A seeded run therefore trains the same model whatever the
+//! number of stages, where the cuts fall (`--balance` measures time, which differs between
+//! machines), the schedule, or which stage thread reaches a generator first; and a recomputed
+//! forward pass (`--checkpoint-activations`) redraws the masks of the original, as
+//! `torch.utils.checkpoint` does with its default `preserve_rng_state=True`. (The unpartitioned
+//! exercise1_nlp model keeps torch's shared-generator masks, bit for bit the tutorial's.)
 pub mod executor;
 pub mod in_process;
 pub mod link;
@@ -110,8 +115,9 @@ pub trait PipelineTrainer {
 
     /// The forward and backward passes of one mini-batch (`[seq_len, batch]` ids and targets);
     /// the gradients accumulate (zero them before, step after). The loss is known on every
-    /// process.
-    fn train_step(&mut self, src: &Tensor, targets: &Tensor) -> Result<StepReport>;
+    /// process. `dropout_key` keys the mini-batch's dropout masks (one per step of a seeded
+    /// run: [`crate::models::mix_key`] of the seed and the step).
+    fn train_step(&mut self, src: &Tensor, targets: &Tensor, dropout_key: u64) -> Result<StepReport>;
 
     /// Makes the gradients final before the optimizer step: averaged over data-parallel
     /// replicas, then scaled so that their total norm over the whole model is at most

@@ -123,7 +123,7 @@ impl<'g> StageProcess<'g> {
     }
 
     /// This stage's passes of one mini-batch, exchanging with the neighbouring stages' processes.
-    fn run_batch(&mut self, src: &Tensor, targets: &Tensor, train: bool) -> Result<StepReport> {
+    fn run_batch(&mut self, src: &Tensor, targets: &Tensor, train: bool, dropout_key: u64) -> Result<StepReport> {
         let chunks = if train { self.options.chunks } else { chunks_for(self.options.chunks, src.size()[1]) };
         let (inputs, weights) = split_batch(src, chunks)?;
         let (targets, _) = split_batch(targets, chunks)?;
@@ -149,7 +149,7 @@ impl<'g> StageProcess<'g> {
             &batches,
             prev.as_mut().map(|l| l as &mut dyn Link),
             next.as_mut().map(|l| l as &mut dyn Link),
-            StageOptions { recompute: self.options.checkpoint_activations, train, precision: self.options.precision },
+            StageOptions { dropout_key, recompute: self.options.checkpoint_activations, train, precision: self.options.precision },
             clock,
         )?;
         pipe.wait_sends()?;
@@ -174,8 +174,8 @@ impl PipelineTrainer for StageProcess<'_> {
         self.stage.named_parameters()
     }
 
-    fn train_step(&mut self, src: &Tensor, targets: &Tensor) -> Result<StepReport> {
-        let mut report = self.run_batch(src, targets, true)?;
+    fn train_step(&mut self, src: &Tensor, targets: &Tensor, dropout_key: u64) -> Result<StepReport> {
+        let mut report = self.run_batch(src, targets, true, dropout_key)?;
         if let Some(replicas) = &self.replicas {
             // The loss each replica saw, averaged: what the progress line shows.
             let mut loss = Tensor::from(report.loss);
@@ -206,7 +206,7 @@ impl PipelineTrainer for StageProcess<'_> {
     }
 
     fn evaluate(&mut self, source: &TokenBatches) -> Result<EvalSums> {
-        let mut sums = super::evaluate_batches(source, |src, targets| self.run_batch(src, targets, false))?;
+        let mut sums = super::evaluate_batches(source, |src, targets| self.run_batch(src, targets, false, 0))?;
         if let Some(replicas) = &self.replicas {
             // Each replica evaluated its own shard.
             let mut all = Tensor::from_slice(&[sums.loss_sum, sums.hits, sums.tokens]);

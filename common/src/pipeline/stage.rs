@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
 
-use crate::models::{self, EncoderLayer, TokenEmbedding, TransformerConfig};
+use crate::models::{self, EncoderLayer, Masks, TokenEmbedding, TransformerConfig};
 use super::LayerCosts;
 
 /// Stage `index` of a pipeline: the token embedding (first stage), encoder layers
@@ -54,11 +54,21 @@ impl Stage {
     /// Stage 0: token ids `[seq_len, batch]` → hidden states; other stages: hidden states →
     /// hidden states, or logits `[seq_len, batch, ntoken]` on the last stage.
     pub fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        self.forward_masked(xs, train, Masks::Shared)
+    }
+
+    /// [`Stage::forward_t`] with the dropout masks drawn as `masks` says; keyed masks are
+    /// named by the layers' whole-model indices, so they do not depend on the partition.
+    pub fn forward_masked(&self, xs: &Tensor, train: bool, masks: Masks) -> Tensor {
         let xs = match &self.embedding {
-            Some(embedding) => embedding.forward_t(xs, train),
+            Some(embedding) => embedding.forward_masked(xs, train, masks),
             None => xs.shallow_clone(),
         };
-        let xs = self.layers.iter().fold(xs, |h, layer| layer.forward_t(&h, train));
+        let xs = self
+            .layers
+            .iter()
+            .zip(self.layer_range.clone())
+            .fold(xs, |h, (layer, index)| layer.forward_masked(&h, train, masks, index));
         match &self.head {
             Some(head) => head.forward(&xs),
             None => xs,

@@ -133,7 +133,7 @@ fn bench(cli: &Cli) -> anyhow::Result<()> {
             piped.push(time_steps(&mut || {
                 params.iter().for_each(|p| drop(p.grad().f_zero_()));
                 let start = Instant::now();
-                let report = pipeline.train_step(&src, &targets).expect("a pipeline step");
+                let report = pipeline.train_step(&src, &targets, 0).expect("a pipeline step");
                 round_bubbles.push(report.bubble_fraction());
                 start.elapsed().as_secs_f64()
             }));

@@ -61,9 +61,15 @@ pub fn save(path: &Path, vs: &nn::VarStore, optimizer: &dyn Optimizer, meta: &Ch
 /// [`save`] for a model whose variables are spread over several var stores (the stages of a
 /// pipeline): `variables` by their whole-model names.
 pub fn save_variables(path: &Path, variables: Vec<(String, Tensor)>, optimizer: &dyn Optimizer, meta: &CheckpointMeta) -> anyhow::Result<()> {
+    save_tensors(path, variables, optimizer.state_tensors(), meta)
+}
+
+/// [`save`] of a model's `variables` and an optimizer's `state` gathered from wherever they
+/// live (the ranks of a job), by their whole-model names.
+pub fn save_tensors(path: &Path, variables: Vec<(String, Tensor)>, state: Vec<(String, Tensor)>, meta: &CheckpointMeta) -> anyhow::Result<()> {
     let mut tensors: Vec<(String, Tensor)> =
         variables.into_iter().map(|(name, t)| (format!("{MODEL_PREFIX}{name}"), t)).collect();
-    tensors.extend(optimizer.state_tensors().into_iter().map(|(name, t)| (format!("{OPTIM_PREFIX}{name}"), t)));
+    tensors.extend(state.into_iter().map(|(name, t)| (format!("{OPTIM_PREFIX}{name}"), t)));
     let views = tensors
         .iter()
         .map(|(name, t)| Ok((name.clone(), CpuView::new(t).with_context(|| format!("cannot save tensor {name}"))?)))
@@ -172,6 +178,80 @@ impl Checkpoint {
             .load_state_tensors(&state)
             .with_context(|| format!("checkpoint {}: optimizer state does not fit", path.display()))
     }
+}
+
+impl Checkpoint {
+    /// Fails, naming the file, when the checkpoint was written for another model than `model`.
+    pub fn check_model(&self, path: &Path, model: &serde_json::Value) -> anyhow::Result<()> {
+        if &self.meta.model != model {
+            anyhow::bail!(
+                "checkpoint {} was written for model {}, but this run builds {}; use another --checkpoint-dir or the same flags",
+                path.display(),
+                self.meta.model,
+                model
+            );
+        }
+        Ok(())
+    }
+
+    /// The model variables named `names` and the optimizer state of the parameters among them:
+    /// one rank's part of the checkpoint (a pipeline stage's), by whole-model names, as
+    /// [`restore_part`] takes it. Fails, naming the file, on a variable it does not hold.
+    pub fn part(&self, path: &Path, names: &[String]) -> anyhow::Result<Vec<(String, Tensor)>> {
+        let wanted: std::collections::HashSet<&str> = names.iter().map(String::as_str).collect();
+        let mut part = Vec::new();
+        let mut missing = Vec::new();
+        for name in names {
+            match self.tensors.get(&format!("{MODEL_PREFIX}{name}")) {
+                Some(t) => part.push((format!("{MODEL_PREFIX}{name}"), t.shallow_clone())),
+                None => missing.push(name.as_str()),
+            }
+        }
+        if !missing.is_empty() {
+            anyhow::bail!("checkpoint {} does not fit this model: {} missing", path.display(), missing.join(", "));
+        }
+        for (key, t) in &self.tensors {
+            // Optimizer entries are `<entry>.<parameter name>`.
+            let param = key.strip_prefix(OPTIM_PREFIX).and_then(|k| k.split_once('.')).map(|(_, p)| p);
+            if param.is_some_and(|p| wanted.contains(p)) {
+                part.push((key.clone(), t.shallow_clone()));
+            }
+        }
+        Ok(part)
+    }
+
+    /// How many model variables the file holds (to check that the ranks' parts cover it).
+    pub fn model_variables(&self) -> usize {
+        self.tensors.keys().filter(|k| k.starts_with(MODEL_PREFIX)).count()
+    }
+}
+
+/// Copies one rank's part of a checkpoint (from [`Checkpoint::part`]) into its `variables` and
+/// optimizer; `what` names the file in errors.
+pub fn restore_part(what: &str, part: Vec<(String, Tensor)>, variables: Vec<(String, Tensor)>, optimizer: &mut dyn Optimizer) -> anyhow::Result<()> {
+    let mut model = HashMap::new();
+    let mut state = HashMap::new();
+    for (key, t) in part {
+        if let Some(name) = key.strip_prefix(MODEL_PREFIX) {
+            model.insert(name.to_string(), t);
+        } else if let Some(name) = key.strip_prefix(OPTIM_PREFIX) {
+            state.insert(name.to_string(), t);
+        }
+    }
+    let mut problems = Vec::new();
+    tch::no_grad(|| {
+        for (name, mut var) in variables {
+            match model.get(&name) {
+                None => problems.push(format!("{name} missing")),
+                Some(saved) if saved.size() != var.size() => problems.push(format!("{name}: checkpoint {:?} vs model {:?}", saved.size(), var.size())),
+                Some(saved) => var.copy_(saved),
+            }
+        }
+    });
+    if !problems.is_empty() {
+        anyhow::bail!("checkpoint {what} does not fit this model: {}", problems.join("; "));
+    }
+    optimizer.load_state_tensors(&state).with_context(|| format!("checkpoint {what}: optimizer state does not fit"))
 }
 
 fn kind_of(dtype: Dtype) -> anyhow::Result<Kind> {

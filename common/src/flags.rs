@@ -65,15 +65,107 @@ impl RunArgs {
         Ok(())
     }
 
+    /// The results file of the run named `run` is `<results dir>/<run>.json`; its Chrome trace
+    /// (with `--profile`) `<run>.trace.json` beside it, or `<run>-rank<r>.trace.json` for the
+    /// ranks of a model spread over several.
+    pub fn trace_path(&self, run: &str, rank: Option<usize>) -> PathBuf {
+        match rank {
+            Some(rank) => self.results_dir.join(format!("{run}-rank{rank}.trace.json")),
+            None => self.results_dir.join(format!("{run}.trace.json")),
+        }
+    }
+
     /// `--data-dir`, or `data/<default>`.
     pub fn data_dir_or(&self, default: &str) -> PathBuf {
         self.data_dir.clone().unwrap_or_else(|| PathBuf::from("data").join(default))
     }
 }
 
-/// The data-parallel exercises' own flags (exercise2, exercise3 ddp).
+/// How the model is optimized: every exercise takes these; what is not given comes from the
+/// exercise's preset ([`crate::presets`]), which `--help` lists.
+#[derive(Debug, Clone, Default, clap::Args, Serialize)]
+pub struct RecipeArgs {
+    /// Examples (images, or token streams) per batch on each rank [default: the preset's].
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// adam, sgd (with --momentum), lars (SGD with layer-wise trust ratios, You et al. 2017) or
+    /// lamb (Adam with them, You et al. 2019) [default: the preset's].
+    #[arg(long, value_enum)]
+    pub optimizer: Option<crate::optim::OptimizerKind>,
+    /// Learning rate [default: the preset's].
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Momentum of sgd and lars [default: 0.9].
+    #[arg(long)]
+    pub momentum: Option<f64>,
+    /// L2 weight decay (decoupled for lamb) [default: the preset's].
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
+    /// Gradient-norm clipping threshold; 0 turns it off [default: the preset's].
+    #[arg(long)]
+    pub clip: Option<f64>,
+    /// The learning rate of every step [default: the preset's].
+    #[arg(long, value_enum)]
+    pub lr_schedule: Option<crate::train::ScheduleKind>,
+    /// StepLR's factor applied after every epoch [default: the preset's].
+    #[arg(long)]
+    pub gamma: Option<f64>,
+    /// Accumulate the gradients of K batches into one optimizer step: an effective batch of
+    /// K × batch × ranks (replicas average once, after the last of them).
+    #[arg(long, default_value_t = 1)]
+    pub accumulate: usize,
+    /// Multiply the learning rate by the effective batch's growth, --accumulate × ranks (linear
+    /// scaling, Goyal et al. 2017).
+    #[arg(long)]
+    pub scale_lr: bool,
+    /// Ramp the learning rate up linearly, step by step, over this many epochs...
+    #[arg(long, default_value_t = 0, conflicts_with = "warmup_steps")]
+    pub warmup_epochs: usize,
+    /// ...or over this many optimizer steps.
+    #[arg(long, default_value_t = 0)]
+    pub warmup_steps: usize,
+    /// Where the warm-up starts, as a share of the learning rate [default: 1/(--accumulate ×
+    /// ranks) with --scale-lr: from the small batch's rate, as Goyal et al.].
+    #[arg(long)]
+    pub warmup_start: Option<f64>,
+}
+
+impl RecipeArgs {
+    pub fn check(&self) -> anyhow::Result<()> {
+        if self.batch_size == Some(0) {
+            return usage("--batch-size must be at least 1");
+        }
+        if self.accumulate == 0 {
+            return usage("--accumulate must be at least 1");
+        }
+        let positive = |x: Option<f64>| x.is_none_or(|x| x > 0.0 && x.is_finite());
+        let non_negative = |x: Option<f64>| x.is_none_or(|x| x >= 0.0 && x.is_finite());
+        if !positive(self.lr) {
+            return usage(format!("--lr must be a positive number, got {}", self.lr.unwrap_or_default()));
+        }
+        if !positive(self.gamma) || !non_negative(self.clip) || !non_negative(self.momentum) || !non_negative(self.weight_decay) {
+            return usage("--gamma must be positive; --clip, --momentum and --weight-decay non-negative");
+        }
+        let warming = self.warmup_epochs > 0 || self.warmup_steps > 0;
+        if warming && !self.scale_lr && self.warmup_start.is_none() {
+            return usage(
+                "--warmup-epochs/--warmup-steps ramp up a scaled learning rate: use it with --scale-lr (Goyal et al.: from \
+                 the small batch's rate), or say where the ramp starts with --warmup-start",
+            );
+        }
+        if self.warmup_start.is_some_and(|s| !(0.0..=1.0).contains(&s)) {
+            return usage("--warmup-start is a share of the learning rate, between 0 and 1");
+        }
+        if warming && self.lr_schedule == Some(crate::train::ScheduleKind::OneCycle) {
+            return usage("--lr-schedule one-cycle warms up by itself: drop --warmup-epochs/--warmup-steps");
+        }
+        Ok(())
+    }
+}
+
+/// How the ranks of a job are started and talk (every exercise takes these).
 #[derive(Debug, Clone, clap::Args, Serialize)]
-pub struct DataParallelArgs {
+pub struct ParallelArgs {
     /// Start N local ranks (through mpirun), as the course's mp.spawn and `horovodrun -np N` do.
     /// Without it, the ranks come from the launcher that started this process (mpirun, srun,
     /// torchrun-style variables), or there is one.
@@ -88,15 +180,9 @@ pub struct DataParallelArgs {
     /// Send gradients as fp16 (NCCL only).
     #[arg(long)]
     pub fp16_allreduce: bool,
-    /// Multiply the learning rate by the world size (linear scaling, Goyal et al. 2017).
-    #[arg(long)]
-    pub scale_lr: bool,
-    /// Ramp the scaled learning rate up from the single-process one over this many epochs.
-    #[arg(long, default_value_t = 0)]
-    pub warmup_epochs: usize,
 }
 
-impl DataParallelArgs {
+impl ParallelArgs {
     pub fn check(&self) -> anyhow::Result<()> {
         if self.nproc_per_node == Some(0) {
             return usage("--nproc-per-node must be at least 1");
@@ -104,10 +190,12 @@ impl DataParallelArgs {
         if !(self.bucket_mb > 0.0 && self.bucket_mb.is_finite()) {
             return usage(format!("--bucket-mb must be positive, got {}", self.bucket_mb));
         }
-        if self.warmup_epochs > 0 && !self.scale_lr {
-            return usage("--warmup-epochs ramps up a scaled learning rate: use it with --scale-lr");
-        }
         Ok(())
+    }
+
+    /// The bucketed gradient averager these flags describe.
+    pub fn averager(&self) -> crate::dist::data_parallel::GradientAverager {
+        crate::dist::data_parallel::GradientAverager::new((self.bucket_mb * 1024.0 * 1024.0) as usize, self.fp16_allreduce)
     }
 }
 
@@ -134,11 +222,13 @@ mod tests {
     fn a_command_line_parses_as_the_binary_would() {
         let args: ImageArgs = parse("exercise1", "--device cpu  --model vgg19 --max-steps 7\n--results-dir /tmp/r").unwrap();
         assert_eq!(args.run.device, DeviceChoice::Cpu);
-        assert_eq!(args.model, Arch::Vgg19);
+        assert_eq!(args.model, Some(Arch::Vgg19));
         assert_eq!(args.run.max_steps, Some(7));
         assert_eq!(args.run.results_dir, PathBuf::from("/tmp/r"));
-        // Defaults are the binary's.
-        assert_eq!(args.batch_size, 100);
+        // Defaults are the binary's: its preset's, resolved where the run starts.
+        let exercise1 = crate::image_classification::ImageExperiment { preset: &crate::presets::EXERCISE1, args: &args };
+        let recipe = crate::experiment::Recipe::resolve(exercise1.preset, &args.recipe, 1, 10, 5);
+        assert_eq!((recipe.batch_size, recipe.lr, exercise1.arch()), (100, 1e-3, Arch::Vgg19));
         assert_eq!(args.run.seed, 42);
         let empty: ImageArgs = parse("exercise1", "").unwrap();
         assert_eq!(empty.run.device, DeviceChoice::Both);

@@ -1,20 +1,25 @@
-//! The Transformer language-model experiment behind exercise1_nlp: the course's tutorial
-//! recipe (SGD lr 5.0, StepLR γ 0.95 per epoch, gradient-norm clipping 0.5, bptt 35) on
-//! WikiText-2, per device, with the same results, checkpoints and table as exercise1.
+//! The language-model exercises: exercise1_nlp (the tutorial's Transformer, CPU vs GPU, or
+//! data-parallel over ranks) and exercise3 pipeline (the 1.4B-parameter model cut into stages
+//! over devices or ranks, replicated `--dp` times). Their flags, WikiText-2, the model, and what
+//! their results add; everything around the training loop is [`crate::experiment`]'s.
+use anyhow::Result;
+use serde::Serialize;
+use tch::Device;
+
 use crate::data::text::{self, Corpus, TokenBatches, Tokenizer};
 use crate::data::GENERATED_MARKER;
-use crate::device;
-use crate::flags::RunArgs;
+use crate::device::{self, DeviceChoice};
+use crate::dist::layout::{Groups, Layout};
 use crate::error::usage;
-use crate::models::{self, TransformerConfig, TransformerLm};
-use crate::optim::{Optimizer, Sgd, SgdConfig};
+use crate::experiment::{self, Experiment, Sources};
+use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
 use crate::flops;
-use crate::report::{self, RunInfo, RunRecord};
-use crate::Exercise;
-use crate::train::{self, CheckpointConfig, LrSchedule, Metric, SingleReplica, TrainConfig};
-use serde::Serialize;
-use std::path::PathBuf;
-use tch::{nn, Device};
+use crate::models::TransformerConfig;
+use crate::parallelize::{ModelPlan, PipelinePlan};
+use crate::pipeline::{self, LayerCosts, Partition, PipelineOptions, Schedule, Stage};
+use crate::presets::{ModelPreset, Preset, TransformerShape};
+use crate::report::{self, RunRecord};
+use crate::train::{EvalSums, FitReport, Metric, Observers, TrainStep};
 
 /// The flags of the language-model exercises (names are a contract: the pipeline exercise
 /// takes the same).
@@ -23,227 +28,525 @@ pub struct LmArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub run: RunArgs,
-    /// Embedding and model width (d_model).
-    #[arg(long, default_value_t = 1024)]
-    pub emsize: i64,
-    /// Feed-forward width of each encoder layer.
-    #[arg(long, default_value_t = 1024)]
-    pub d_hid: i64,
-    /// Attention heads.
-    #[arg(long, default_value_t = 4)]
-    pub nhead: i64,
-    /// Encoder layers.
-    #[arg(long, default_value_t = 3)]
-    pub nlayers: i64,
-    #[arg(long, default_value_t = 0.2)]
-    pub dropout: f64,
-    /// Sequence length of a training batch.
-    #[arg(long, default_value_t = 35)]
-    pub bptt: i64,
-    /// Token streams side by side in a training batch.
-    #[arg(long, default_value_t = 20)]
-    pub batch_size: i64,
-    /// Streams side by side when evaluating.
-    #[arg(long, default_value_t = 10)]
-    pub eval_batch_size: i64,
-    /// SGD learning rate.
-    #[arg(long, default_value_t = 5.0)]
-    pub lr: f64,
-    /// StepLR factor applied to the learning rate after every epoch.
-    #[arg(long, default_value_t = 0.95)]
-    pub gamma: f64,
-    /// Gradient-norm clipping threshold (0 turns it off).
-    #[arg(long, default_value_t = 0.5)]
-    pub clip: f64,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub recipe: RecipeArgs,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub parallel: ParallelArgs,
+    /// Embedding and model width, d_model [default: the preset's].
+    #[arg(long)]
+    pub emsize: Option<i64>,
+    /// Feed-forward width of each encoder layer [default: the preset's].
+    #[arg(long)]
+    pub d_hid: Option<i64>,
+    /// Attention heads [default: the preset's].
+    #[arg(long)]
+    pub nhead: Option<i64>,
+    /// Encoder layers [default: the preset's].
+    #[arg(long)]
+    pub nlayers: Option<i64>,
+    /// [default: the preset's]
+    #[arg(long)]
+    pub dropout: Option<f64>,
+    /// Sequence length of a training batch [default: the preset's].
+    #[arg(long)]
+    pub bptt: Option<i64>,
+    /// Streams side by side when evaluating [default: the preset's].
+    #[arg(long)]
+    pub eval_batch_size: Option<i64>,
     /// basic_english: the course tutorial's torchtext tokenizer; whitespace: word_language_model's.
     #[arg(long, value_enum, default_value = "basic_english")]
     pub tokenizer: Tokenizer,
 }
 
-impl LmArgs {
-    pub fn check(&self) -> anyhow::Result<()> {
-        for (flag, value) in [
-            ("--emsize", self.emsize),
-            ("--d-hid", self.d_hid),
-            ("--nhead", self.nhead),
-            ("--nlayers", self.nlayers),
-            ("--bptt", self.bptt),
-            ("--batch-size", self.batch_size),
-            ("--eval-batch-size", self.eval_batch_size),
-        ] {
+/// exercise3 pipeline's flags: exercise1_nlp's, plus the pipeline's own.
+#[derive(Debug, Clone, clap::Args, Serialize)]
+pub struct PipelineArgs {
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub lm: LmArgs,
+    /// One device per stage, comma-separated: cpu, cuda, cuda:N (a device may repeat)
+    /// [default: cuda:0,cuda:1 with two GPUs, cuda:0,cuda:0 with one, cpu,cpu without or with
+    /// --device cpu].
+    #[arg(long, value_delimiter = ',')]
+    pub devices: Vec<String>,
+    /// Micro-batches per mini-batch (GPipe's `chunks`).
+    #[arg(long, default_value_t = 8)]
+    pub chunks: usize,
+    /// gpipe: all forwards, then all backwards; 1f1b: alternate, holding fewer activations.
+    #[arg(long, value_enum, default_value = "gpipe")]
+    pub schedule: Schedule,
+    /// Split the layers by their measured time (embedding and output layer included) instead
+    /// of their number.
+    #[arg(long)]
+    pub balance: bool,
+    /// Keep only each stage's input in the forward pass and recompute the rest in the backward
+    /// (less memory, about one more forward pass of time).
+    #[arg(long)]
+    pub checkpoint_activations: bool,
+    /// Data-parallel replicas of the pipeline when the stages run in separate processes (the
+    /// job then has stages × dp ranks) [default: ranks / stages].
+    #[arg(long)]
+    pub dp: Option<usize>,
+}
+
+/// A language-model exercise: its preset, flags, and the pipeline's flags if it is one.
+pub struct LmExperiment<'a> {
+    pub preset: &'a Preset,
+    pub args: &'a LmArgs,
+    pub pipeline: Option<&'a PipelineArgs>,
+    /// A pipeline's stages as [`Experiment::describe`] found them, for the results.
+    stages: std::cell::RefCell<Vec<StageSummary>>,
+}
+
+impl<'a> LmExperiment<'a> {
+    pub fn new(preset: &'a Preset, args: &'a LmArgs, pipeline: Option<&'a PipelineArgs>) -> Self {
+        LmExperiment { preset, args, pipeline, stages: Default::default() }
+    }
+}
+
+/// Runs exercise1_nlp-style `preset` with `args` (see [`experiment::run`]).
+pub fn run(preset: &Preset, args: &LmArgs, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
+    experiment::run(&LmExperiment::new(preset, args, None), listeners)
+}
+
+/// Runs exercise3 pipeline-style `preset` with `args`.
+pub fn run_pipeline(preset: &Preset, args: &PipelineArgs, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
+    experiment::run(&LmExperiment::new(preset, &args.lm, Some(args)), listeners)
+}
+
+/// The corpus and its add-one unigram model's test perplexity (the baseline to beat).
+pub struct LmData {
+    pub corpus: Corpus,
+    pub unigram: f64,
+}
+
+impl LmExperiment<'_> {
+    /// The model's shape: the preset's, with the flags given.
+    pub fn shape(&self) -> TransformerShape {
+        let ModelPreset::Transformer(base) = self.preset.model else { unreachable!("a language-model exercise has a Transformer preset") };
+        let a = self.args;
+        TransformerShape {
+            emsize: a.emsize.unwrap_or(base.emsize),
+            d_hid: a.d_hid.unwrap_or(base.d_hid),
+            nhead: a.nhead.unwrap_or(base.nhead),
+            nlayers: a.nlayers.unwrap_or(base.nlayers),
+            dropout: a.dropout.unwrap_or(base.dropout),
+            bptt: a.bptt.unwrap_or(base.bptt),
+            eval_batch_size: a.eval_batch_size.unwrap_or(base.eval_batch_size),
+        }
+    }
+
+    /// The model for a vocabulary of `ntoken` words.
+    pub fn config(&self, ntoken: i64) -> TransformerConfig {
+        let s = self.shape();
+        TransformerConfig { ntoken, d_model: s.emsize, nhead: s.nhead, d_hid: s.d_hid, nlayers: s.nlayers, dropout: s.dropout }
+    }
+
+    fn batch_size(&self) -> usize {
+        self.args.recipe.batch_size.unwrap_or(self.preset.recipe.batch_size)
+    }
+
+    /// The stages' devices in one process: `--devices`, or two stages on what `--device` and
+    /// the machine offer.
+    fn stage_devices(&self, pipeline: &PipelineArgs) -> Result<Vec<Device>> {
+        if !pipeline.devices.is_empty() {
+            return Ok(pipeline.devices.iter().map(|name| device::parse_device(name)).collect::<Result<_, _>>()?);
+        }
+        let gpus = if device::cuda_available() { tch::Cuda::device_count() } else { 0 };
+        Ok(match (self.args.run.device, gpus) {
+            (DeviceChoice::Cpu, _) => vec![Device::Cpu; 2],
+            (DeviceChoice::Cuda, 0) => return usage(device::no_cuda_message()),
+            (_, 0) => vec![Device::Cpu; 2],
+            (_, 1) => vec![Device::Cuda(0); 2],
+            (_, _) => vec![Device::Cuda(0), Device::Cuda(1)],
+        })
+    }
+
+    /// The number of stages the flags ask for in a job of `world` ranks.
+    fn stages(&self, pipeline: &PipelineArgs, world: usize) -> usize {
+        match (pipeline.devices.len(), pipeline.dp) {
+            (0, _) if world == 1 => 2,
+            (0, Some(dp)) => world / dp.max(1),
+            (0, None) => world,
+            (n, _) => n,
+        }
+    }
+
+    /// The partition the flags ask for; with `--balance`, measured on `probe` by rank 0 and the
+    /// same on every rank (the timings differ between machines: rank 0's cut wins).
+    fn partition(&self, pipeline: &PipelineArgs, cfg: &TransformerConfig, stages: usize, probe: Device, groups: &Groups, observers: &mut Observers) -> Result<Partition> {
+        let even = Partition::even(cfg.nlayers, stages)?; // also the clear error for too many stages
+        if !pipeline.balance {
+            return Ok(even);
+        }
+        let mine = if groups.is_root() {
+            let micro_batch = (self.batch_size()).div_ceil(pipeline.chunks) as i64;
+            let costs: LayerCosts = Stage::measure_costs(cfg, probe, self.shape().bptt, micro_batch);
+            observers.info(format!(
+                "--balance: forward + backward of one micro-batch on {}: embedding {:.2} ms, each layer {:.2} ms, output layer {:.2} ms",
+                device::device_label(probe),
+                1e3 * costs.embedding,
+                1e3 * costs.layers.first().copied().unwrap_or(0.0),
+                1e3 * costs.head
+            ))?;
+            serde_json::to_vec(&Partition::balanced(&costs, stages)?)?
+        } else {
+            Vec::new()
+        };
+        Ok(serde_json::from_slice(&groups.world.broadcast_bytes(&mine, 0)?)?)
+    }
+}
+
+impl Experiment for LmExperiment<'_> {
+    type Data = LmData;
+
+    fn preset(&self) -> &Preset {
+        self.preset
+    }
+
+    fn run_args(&self) -> &RunArgs {
+        &self.args.run
+    }
+
+    fn recipe_args(&self) -> &RecipeArgs {
+        &self.args.recipe
+    }
+
+    fn parallel_args(&self) -> &ParallelArgs {
+        &self.args.parallel
+    }
+
+    fn flags_json(&self) -> serde_json::Value {
+        match self.pipeline {
+            Some(pipeline) => serde_json::to_value(pipeline),
+            None => serde_json::to_value(self.args),
+        }
+        .expect("flags serialise")
+    }
+
+    fn check(&self) -> Result<()> {
+        let shape = self.shape();
+        for (flag, value) in [("--bptt", shape.bptt), ("--eval-batch-size", shape.eval_batch_size)] {
             if value < 1 {
                 return usage(format!("{flag} must be at least 1, got {value}"));
             }
         }
-        if self.emsize % self.nhead != 0 {
-            return usage(format!("--emsize {} must be divisible by --nhead {}", self.emsize, self.nhead));
-        }
-        if self.emsize % 2 != 0 {
-            return usage(format!("--emsize {} must be even (sinusoidal positions come in sine/cosine pairs)", self.emsize));
-        }
-        if !(0.0..1.0).contains(&self.dropout) {
-            return usage(format!("--dropout must be in [0, 1), got {}", self.dropout));
-        }
-        let positive = |x: f64| x > 0.0 && x.is_finite();
-        if !positive(self.lr) || !positive(self.gamma) || self.clip < 0.0 {
-            return usage("--lr and --gamma must be positive, --clip non-negative");
+        // The model's own checks, on the flags, before any data is read.
+        self.config(1).validate()?;
+        if let Some(pipeline) = self.pipeline {
+            if pipeline.dp == Some(0) {
+                return usage("--dp must be at least 1");
+            }
+            if pipeline.chunks == 0 {
+                return usage("--chunks must be at least 1");
+            }
+            if pipeline.chunks > self.batch_size() {
+                return usage(format!(
+                    "--chunks {} is more than --batch-size {}: every micro-batch needs at least one sequence",
+                    pipeline.chunks,
+                    self.batch_size()
+                ));
+            }
         }
         Ok(())
     }
 
-    /// The model these flags describe, for a vocabulary of `ntoken` words.
-    pub fn model_config(&self, ntoken: i64) -> TransformerConfig {
-        TransformerConfig {
-            ntoken,
-            d_model: self.emsize,
-            nhead: self.nhead,
-            d_hid: self.d_hid,
-            nlayers: self.nlayers,
-            dropout: self.dropout,
+    fn load(&self, observers: &mut Observers, announce: bool) -> Result<LmData> {
+        let args = self.args;
+        let dir = args.run.data_dir_or("wikitext-2");
+        let corpus = text::load_corpus(&dir, args.tokenizer)?;
+        let vocab = corpus.vocab.len() as i64;
+        let unigram = text::unigram_perplexity(&corpus.train, &corpus.test, vocab);
+        if announce {
+            if corpus.generated {
+                observers.warn(format!(
+                    "WARNING: WikiText-2 in {} is a GENERATED stand-in, not the real corpus (see {GENERATED_MARKER}); perplexities are not comparable to the course's",
+                    dir.display()
+                ))?;
+            }
+            observers.info(format!(
+                "{}: WikiText-2 from {} ({} tokenizer): {} / {} / {} tokens (train / valid / test), vocabulary {}; \
+                 unigram test perplexity {unigram:.1}; LibTorch {}",
+                self.preset.name,
+                dir.display(),
+                args.tokenizer.name(),
+                corpus.train.numel(),
+                corpus.valid.numel(),
+                corpus.test.numel(),
+                vocab,
+                crate::torch_version()
+            ))?;
+        }
+        Ok(LmData { corpus, unigram })
+    }
+
+    fn layout(&self, world: usize) -> Result<Layout> {
+        match self.pipeline {
+            // Stages as threads of one process, or one stage per rank.
+            Some(pipeline) if world == 1 => {
+                if pipeline.dp.is_some_and(|dp| dp > 1) {
+                    return usage("--dp replicates a pipeline whose stages run in separate processes: start them with --nproc-per-node (stages × dp) or a launcher");
+                }
+                Ok(Layout::SINGLE)
+            }
+            Some(pipeline) => Layout::new(world, self.stages(pipeline, world), 1, pipeline.dp),
+            None => Layout::new(world, 1, 1, None),
         }
     }
 
-    pub fn data_dir(&self) -> PathBuf {
-        self.run.data_dir_or("wikitext-2")
+    fn device(&self, groups: &Groups) -> Result<Device> {
+        match self.pipeline {
+            Some(pipeline) if groups.world.world_size() == 1 => Ok(self.stage_devices(pipeline)?[0]),
+            Some(pipeline) if !pipeline.devices.is_empty() => Ok(device::parse_device(&pipeline.devices[groups.coords.stage])?),
+            _ => match self.args.run.device {
+                DeviceChoice::Cpu => Ok(Device::Cpu),
+                DeviceChoice::Cuda if !device::cuda_available() => usage(device::no_cuda_message()),
+                DeviceChoice::Cuda | DeviceChoice::Both => Ok(groups.world.device(device::cuda_available())),
+            },
+        }
+    }
+
+    fn model_name(&self) -> String {
+        "transformer".into()
+    }
+
+    fn dataset_name(&self) -> String {
+        "wikitext2".into()
+    }
+
+    fn metric(&self) -> Metric {
+        Metric::Perplexity
+    }
+
+    fn model(&self, data: &LmData, groups: &Groups, device: Device, observers: &mut Observers) -> Result<ModelPlan> {
+        let config = self.config(data.corpus.vocab.len() as i64);
+        let Some(pipeline) = self.pipeline else { return Ok(ModelPlan::Transformer { config, pipeline: None }) };
+        let in_process = groups.world.world_size() == 1;
+        let devices = if in_process { self.stage_devices(pipeline)? } else { Vec::new() };
+        let stages = if in_process { devices.len() } else { groups.layout.pp };
+        let partition = self.partition(pipeline, &config, stages, device, groups, observers)?;
+        // CPU stages in one process share the cores: each stage thread gets its share.
+        let threads_per_stage = (in_process && devices.iter().all(|d| *d == Device::Cpu)).then(|| (tch::get_num_threads() as usize / devices.len()).max(1));
+        let options = PipelineOptions { schedule: pipeline.schedule, chunks: pipeline.chunks, checkpoint_activations: pipeline.checkpoint_activations, threads_per_stage };
+        Ok(ModelPlan::Transformer { config, pipeline: Some(PipelinePlan { partition, options, devices }) })
+    }
+
+    fn describe(&self, plan: &ModelPlan, step: &dyn TrainStep<'_>, groups: &Groups, device: Device, observers: &mut Observers) -> Result<()> {
+        let ModelPlan::Transformer { config: cfg, pipeline } = plan else { unreachable!("a Transformer plan") };
+        let Some(pipeline_plan) = pipeline else {
+            if groups.is_root() {
+                let params: i64 = step.named_parameters().iter().map(|(_, t)| t.numel() as i64).sum();
+                observers.info(format!(
+                    "[{}] Transformer LM: {} layers, d_model {}, d_hid {}, {} heads, vocabulary {}: {} parameters{}",
+                    device::device_name(device),
+                    cfg.nlayers,
+                    cfg.d_model,
+                    cfg.d_hid,
+                    cfg.nhead,
+                    cfg.ntoken,
+                    report::group_thousands(params),
+                    if groups.layout.dp > 1 { format!(", {} replicas × batch {}", groups.layout.dp, self.batch_size()) } else { String::new() }
+                ))?;
+            }
+            return Ok(());
+        };
+        let pipeline = self.pipeline.expect("a pipeline plan comes from the pipeline's flags");
+        let summaries = stage_summaries(step, pipeline_plan, groups)?;
+        *self.stages.borrow_mut() = summaries.clone();
+        if !groups.is_root() {
+            return Ok(());
+        }
+        if groups.world.world_size() > 1 {
+            let (stages, replicas) = (groups.layout.pp, groups.layout.dp);
+            observers.info(format!(
+                "{} ranks: {replicas} replica(s) of a {stages}-stage pipeline, rank r runs stage r mod {stages}; {}",
+                groups.world.world_size(),
+                groups.world.describe()
+            ))?;
+        }
+        let params: i64 = summaries.iter().map(|s| s.parameters).sum();
+        observers.info(format!(
+            "Transformer LM: {} layers, d_model {}, d_hid {}, {} heads, vocabulary {}: {} parameters; \
+             {} stages, {} micro-batches per batch of {}, {} schedule{}",
+            cfg.nlayers,
+            cfg.d_model,
+            cfg.d_hid,
+            cfg.nhead,
+            cfg.ntoken,
+            report::group_thousands(params),
+            summaries.len(),
+            pipeline.chunks,
+            self.batch_size(),
+            pipeline.schedule.name(),
+            if pipeline.checkpoint_activations { ", activations recomputed" } else { "" }
+        ))?;
+        for summary in &summaries {
+            observers.info(summary.line(summaries.len()))?;
+        }
+        Ok(())
+    }
+
+    fn model_identity(&self, plan: &ModelPlan) -> serde_json::Value {
+        let ModelPlan::Transformer { config, .. } = plan else { unreachable!("a Transformer plan") };
+        // Whatever the partition: checkpoints resume on another number of stages.
+        serde_json::json!({ "transformer": config, "tokenizer": self.args.tokenizer.name() })
+    }
+
+    fn flops_per_example(&self, plan: &ModelPlan) -> f64 {
+        let ModelPlan::Transformer { config, .. } = plan else { unreachable!("a Transformer plan") };
+        flops::training_flops_per_token(config, self.shape().bptt)
+    }
+
+    fn sources(&self, data: &LmData, device: Device, shard: (usize, usize)) -> Result<Sources> {
+        let (shape, corpus) = (self.shape(), &data.corpus);
+        let batches = |tokens: &tch::Tensor, batch: i64| TokenBatches::sharded(tokens, batch, shape.bptt, device, shard);
+        Ok(Sources {
+            train: Box::new(batches(&corpus.train, self.batch_size() as i64)),
+            eval: Box::new(batches(&corpus.valid, shape.eval_batch_size)),
+            test: Some(Box::new(batches(&corpus.test, shape.eval_batch_size))),
+            examples_per_epoch: corpus.train.numel(),
+        })
+    }
+
+    fn data_generated(&self, data: &LmData) -> bool {
+        data.corpus.generated
+    }
+
+    fn devices_per_process(&self, plan: &ModelPlan) -> usize {
+        match plan {
+            ModelPlan::Transformer { pipeline: Some(p), .. } if !p.devices.is_empty() => p.devices.iter().collect::<std::collections::HashSet<_>>().len(),
+            _ => 1,
+        }
+    }
+
+    fn report(&self, data: &LmData, plan: &ModelPlan, fit: &FitReport, test: &EvalSums, device: Device) -> (Vec<String>, serde_json::Value) {
+        let ModelPlan::Transformer { config, pipeline } = plan else { unreachable!("a Transformer plan") };
+        let test_loss = test.mean_loss();
+        let mut lines = vec![format!(
+            "[{}] end of training: test loss {test_loss:.4}, test perplexity {:.2}",
+            device::device_name(device),
+            test_loss.exp()
+        )];
+        let mut extra = serde_json::json!({
+            "test_ppl": test_loss.exp(),
+            "valid_ppl": fit.eval_loss.exp(),
+            "unigram_test_ppl": data.unigram,
+            "throughput_unit": "tokens/s",
+            "vocab": config.ntoken,
+            "tokenizer": self.args.tokenizer.name(),
+            "bptt": self.shape().bptt,
+            "model_config": config,
+        });
+        if let (Some(plan), Some(flags)) = (pipeline, self.pipeline) {
+            let stages = plan.partition.stages();
+            let theory = pipeline::schedule::theoretical_bubble(stages, flags.chunks);
+            let bubble = fit.bubble_fraction.unwrap_or(f64::NAN);
+            lines.push(format!(
+                "pipeline bubble: measured {:.1}% of the stages' time idle, theory (p−1)/(m+p−1) = {:.1}% for p = {stages}, m = {}",
+                100.0 * bubble,
+                100.0 * theory,
+                flags.chunks
+            ));
+            extra["stages"] = stages.into();
+            extra["partition"] = plan.partition.layers.iter().map(|r| [r.start, r.end]).collect::<Vec<_>>().into();
+            extra["chunks"] = flags.chunks.into();
+            extra["schedule"] = serde_json::to_value(flags.schedule).expect("a schedule serialises");
+            extra["checkpoint_activations"] = flags.checkpoint_activations.into();
+            extra["bubble_fraction"] = bubble.into();
+            extra["bubble_fraction_theory"] = theory.into();
+            let summaries = self.stages.borrow();
+            extra["devices"] = summaries.iter().map(|s| s.device.clone()).collect::<Vec<_>>().into();
+            extra["stage_parameter_bytes"] = summaries.iter().map(|s| s.parameter_bytes).collect::<Vec<_>>().into();
+        }
+        (lines, extra)
     }
 }
 
-/// Reads the corpus once, then trains and evaluates on every requested device.
-pub fn run(exercise: Exercise, args: &LmArgs) -> anyhow::Result<Vec<RunRecord>> {
-    args.run.check()?;
-    args.check()?;
-    device::set_threads(args.run.threads)?;
-    // A missing GPU, or a precision a device cannot train in, is reported before any data is read.
-    for device in device::devices_for(args.run.device)? {
-        args.run.precision.check(device)?;
-    }
-    let (corpus, unigram) = load_corpus(exercise, args, true)?;
-    report::run_per_device(args.run.device, &args.run.results_dir, |device| {
-        let (record, extra) = run_on(exercise, args, device, &corpus)?;
-        let mut extra = extra;
-        extra["unigram_test_ppl"] = unigram.into();
-        Ok((record, extra))
-    })
+/// One stage as the run reports it.
+#[derive(Debug, Clone, Serialize)]
+struct StageSummary {
+    stage: usize,
+    device: String,
+    layers: [i64; 2],
+    parameters: i64,
+    parameter_bytes: usize,
 }
 
-/// Reads the WikiText-2 corpus the flags name and, with `announce`, announces it (a warning for
-/// generated data), with the add-one unigram model's test perplexity, the baseline a language
-/// model must beat (returned either way).
-pub fn load_corpus(exercise: Exercise, args: &LmArgs, announce: bool) -> anyhow::Result<(Corpus, f64)> {
-    let dir = args.data_dir();
-    let corpus = text::load_corpus(&dir, args.tokenizer)?;
-    let vocab = corpus.vocab.len() as i64;
-    let unigram = text::unigram_perplexity(&corpus.train, &corpus.test, vocab);
-    if !announce {
-        return Ok((corpus, unigram));
+impl StageSummary {
+    fn line(&self, stages: usize) -> String {
+        let mut pieces = Vec::new();
+        if self.stage == 0 {
+            pieces.push("embedding".to_string());
+        }
+        pieces.push(format!("layers {}..{}", self.layers[0], self.layers[1]));
+        if self.stage + 1 == stages {
+            pieces.push("output layer".to_string());
+        }
+        format!(
+            "  stage {} on {}: {}; {} parameters, {:.1} MiB (and as much again for their gradients)",
+            self.stage,
+            self.device,
+            pieces.join(" + "),
+            report::group_thousands(self.parameters),
+            self.parameter_bytes as f64 / (1024.0 * 1024.0)
+        )
     }
-    if corpus.generated {
-        eprintln!(
-            "WARNING: WikiText-2 in {} is a GENERATED stand-in, not the real corpus (see {GENERATED_MARKER}); perplexities are not comparable to the course's",
-            dir.display()
-        );
-    }
-    println!(
-        "{}: WikiText-2 from {} ({} tokenizer): {} / {} / {} tokens (train / valid / test), vocabulary {}; \
-         unigram test perplexity {unigram:.1}; LibTorch {}",
-        exercise.name,
-        dir.display(),
-        args.tokenizer.name(),
-        corpus.train.numel(),
-        corpus.valid.numel(),
-        corpus.test.numel(),
-        vocab,
-        crate::torch_version()
-    );
-    Ok((corpus, unigram))
 }
 
-fn run_on(exercise: Exercise, args: &LmArgs, device: Device, corpus: &Corpus) -> anyhow::Result<(RunRecord, serde_json::Value)> {
-    if device.is_cuda() {
-        tch::Cuda::cudnn_set_benchmark(true);
+/// Every stage of replica 0: read off the stages in this process, or gathered from the ranks.
+fn stage_summaries(step: &dyn TrainStep<'_>, plan: &PipelinePlan, groups: &Groups) -> Result<Vec<StageSummary>> {
+    let layers = |s: usize| [plan.partition.layers[s].start, plan.partition.layers[s].end];
+    if !plan.devices.is_empty() {
+        // In this process: group the parameters by stage through their layer names.
+        let params = step.named_parameters();
+        return Ok((0..plan.devices.len())
+            .map(|s| {
+                let mine: Vec<&tch::Tensor> = params.iter().filter(|(name, _)| stage_of(name, &plan.partition) == s).map(|(_, t)| t).collect();
+                StageSummary {
+                    stage: s,
+                    device: device::device_label(plan.devices[s]),
+                    layers: layers(s),
+                    parameters: mine.iter().map(|t| t.numel() as i64).sum(),
+                    parameter_bytes: mine.iter().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum(),
+                }
+            })
+            .collect());
     }
-    tch::manual_seed(args.run.seed as i64);
-    let vs = nn::VarStore::new(device);
-    let config = args.model_config(corpus.vocab.len() as i64);
-    let model = TransformerLm::new(&vs.root(), &config);
-    let params = models::param_count(&vs);
-    println!(
-        "[{}] Transformer LM: {} layers, d_model {}, d_hid {}, {} heads, vocabulary {}: {} parameters",
-        device::device_name(device),
-        config.nlayers,
-        config.d_model,
-        config.d_hid,
-        config.nhead,
-        config.ntoken,
-        report::group_thousands(params)
-    );
-    let mut optimizer = Sgd::new(models::named_parameters(&vs), SgdConfig { lr: args.lr, ..SgdConfig::default() });
-    let train_data = TokenBatches::new(&corpus.train, args.batch_size, args.bptt, device);
-    let valid_data = TokenBatches::new(&corpus.valid, args.eval_batch_size, args.bptt, device);
-    let test_data = TokenBatches::new(&corpus.test, args.eval_batch_size, args.bptt, device);
-
-    let epochs = args.run.epochs.unwrap_or(exercise.default_epochs);
-    let model_identity = serde_json::json!({
-        "transformer": config,
-        "tokenizer": args.tokenizer.name(),
-    });
-    let run = format!("{}-transformer-{}", exercise.name, device::device_name(device));
-    let train_config = TrainConfig {
-        run: run.clone(),
-        epochs,
-        max_steps: args.run.max_steps,
-        seed: args.run.seed,
-        lr_schedule: LrSchedule::Step { every: 1, gamma: args.gamma },
-        clip_grad_norm: (args.clip > 0.0).then_some(args.clip),
-        checkpoint: args.run.checkpoint_dir.as_ref().map(|dir| CheckpointConfig {
-            dir: dir.clone(),
-            resume: args.run.resume,
-            model: model_identity.clone(),
-            config: serde_json::to_value(args).expect("flags serialise"),
-        }),
-        progress: !args.run.quiet,
-        verbose: true,
-        metric: Metric::Perplexity,
-        precision: args.run.precision,
-        profile: args.run.profile.then(|| args.run.results_dir.join(format!("{run}.trace.json"))),
-        tensorboard: args.run.tensorboard.as_ref().map(|dir| dir.join(&run)),
+    let params = step.named_parameters();
+    let count: i64 = params.iter().map(|(_, t)| t.numel() as i64).sum();
+    let bytes: usize = params.iter().map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes()).sum();
+    let code = match step.input_device() {
+        Device::Cuda(i) => i as f64,
+        _ => -1.0,
     };
-    let fit = train::fit(&model, &vs, &mut optimizer, &train_data, &valid_data, &train_config, &SingleReplica)?;
-    let (test_loss, test_acc) = train::evaluate(&model, &test_data, &SingleReplica, args.run.precision)?;
-    println!(
-        "[{}] end of training: test loss {test_loss:.4}, test perplexity {:.2}",
-        device::device_name(device),
-        test_loss.exp()
-    );
-    let info = RunInfo {
-        exercise: exercise.name.into(),
-        model: "transformer".into(),
-        params,
-        device,
-        dataset: "wikitext2".into(),
-        data_generated: corpus.generated,
-        epochs,
-        batch_size: args.batch_size as usize,
-        lr: args.lr,
-        optimizer: optimizer.name().into(),
-        seed: args.run.seed,
-        world_size: 1,
-        precision: args.run.precision,
-        flops_per_example: flops::training_flops_per_token(&config, args.bptt),
-        peak_tflops: crate::image_classification::peak_tflops(device, args.run.precision, args.run.peak_tflops, true),
-    };
-    let record = RunRecord::new(info, &fit, (test_loss, test_acc));
-    println!("{}", report::compute_summary(&record, corpus.train.numel()));
-    let extra = serde_json::json!({
-        "test_ppl": test_loss.exp(),
-        "valid_ppl": fit.eval_loss.exp(),
-        "throughput_unit": "tokens/s",
-        "vocab": config.ntoken,
-        "tokenizer": args.tokenizer.name(),
-        "bptt": args.bptt,
-        "model_config": config,
-        "history": fit.history,
-        "resumed_epochs": fit.resumed_epochs,
-    });
-    Ok((record, extra))
+    let all = groups.world.all_gather(&tch::Tensor::from_slice(&[count as f64, bytes as f64, code]))?;
+    all[..groups.layout.pp]
+        .iter()
+        .enumerate()
+        .map(|(s, t)| {
+            let v = Vec::<f64>::try_from(t)?;
+            Ok(StageSummary {
+                stage: s,
+                device: if v[2] < 0.0 { "cpu".into() } else { format!("cuda:{} (rank {s})", v[2]) },
+                layers: layers(s),
+                parameters: v[0] as i64,
+                parameter_bytes: v[1] as usize,
+            })
+        })
+        .collect()
+}
+
+/// The stage holding the variable `name` of the whole model.
+fn stage_of(name: &str, partition: &Partition) -> usize {
+    let last = partition.stages() - 1;
+    if name.starts_with("embedding.") {
+        return 0;
+    }
+    if name.starts_with("linear.") {
+        return last;
+    }
+    let layer: i64 = name.split('.').nth(2).and_then(|i| i.parse().ok()).unwrap_or(0);
+    partition.layers.iter().position(|r| r.contains(&layer)).unwrap_or(last)
 }

@@ -227,6 +227,16 @@ impl GradScaler {
         });
     }
 
+    /// Makes the inf/NaN verdict of the last unscale the same on every rank of `group`: an inf
+    /// on any rank (a pipeline stage) means every rank skips the step. Call it after
+    /// [`GradScaler::unscale`] on every rank of the group.
+    pub fn agree(&self, group: &crate::dist::ProcessGroup) -> Result<()> {
+        let mut found = self.found_inf.shallow_clone();
+        group.all_reduce(&mut found, crate::dist::ReduceOp::Sum)?;
+        let _ = found.clamp_max_(1.0);
+        Ok(())
+    }
+
     /// Unscales (if not done yet) and runs `step` unless a gradient holds an inf or NaN;
     /// returns whether it ran. Then call [`GradScaler::update`].
     pub fn step(&self, params: &[Tensor], step: impl FnOnce() -> Result<()>) -> Result<bool> {

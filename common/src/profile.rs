@@ -36,6 +36,9 @@ pub struct Profiler {
     rank: usize,
     origin: Instant,
     events: Vec<TraceEvent>,
+    /// Seconds per phase counted in the table but drawn otherwise in the trace (a pipeline's
+    /// steps, whose trace shows the stages' passes).
+    table_only: Vec<(&'static str, f64)>,
 }
 
 /// The phases in the order the table lists them.
@@ -43,7 +46,7 @@ pub const PHASES: [&str; 6] = ["data wait", "forward", "backward", "all-reduce",
 
 impl Profiler {
     pub fn new(enabled: bool, rank: usize) -> Profiler {
-        Profiler { enabled, rank, origin: Instant::now(), events: Vec::new() }
+        Profiler { enabled, rank, origin: Instant::now(), events: Vec::new(), table_only: Vec::new() }
     }
 
     pub fn enabled(&self) -> bool {
@@ -72,12 +75,27 @@ impl Profiler {
         });
     }
 
-    /// Seconds spent in each phase, in [`PHASES`] order.
+    /// Counts `seconds` of `phase` in the table, without an interval in the trace.
+    pub fn add_to_table(&mut self, phase: &'static str, seconds: f64) {
+        if self.enabled {
+            self.table_only.push((phase, seconds));
+        }
+    }
+
+    /// Seconds spent in each phase, in [`PHASES`] order, then any other phase recorded (a
+    /// pipeline's `forward+backward`).
     pub fn totals(&self) -> Vec<(&'static str, f64)> {
-        PHASES
-            .iter()
-            .map(|&phase| (phase, self.events.iter().filter(|e| e.name == phase).map(|e| e.dur / 1e6).sum()))
-            .collect()
+        let total = |phase: &str| -> f64 {
+            self.events.iter().filter(|e| e.name == phase).map(|e| e.dur / 1e6).sum::<f64>()
+                + self.table_only.iter().filter(|(p, _)| *p == phase).map(|(_, s)| s).sum::<f64>()
+        };
+        let mut phases: Vec<&'static str> = PHASES.to_vec();
+        for (phase, _) in &self.table_only {
+            if !phases.contains(phase) {
+                phases.push(phase);
+            }
+        }
+        phases.into_iter().map(|phase| (phase, total(phase))).collect()
     }
 
     /// The table `--profile` prints: each phase's total, share and time per training step.

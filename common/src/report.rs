@@ -1,6 +1,6 @@
 //! What a run leaves behind: one JSON file per run, a row in the exercise's CSV, and the
 //! course's CPU-vs-GPU table on the terminal.
-use crate::device::{self, DeviceChoice};
+use crate::device;
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
@@ -124,10 +124,17 @@ pub fn unix_time() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
+/// Where [`save`] put a run's results.
+pub struct Saved {
+    pub json: PathBuf,
+    /// The training curves' chart, or why it could not be drawn (the results are kept).
+    pub curves: anyhow::Result<PathBuf>,
+}
+
 /// Writes `<dir>/<exercise>-<model>-<device>.json` (the record plus `extra` fields such as the
 /// per-epoch history), appends the record to `<dir>/<exercise>.csv`, and draws the training
-/// curves beside them (`<name>.svg`; a drawing failure is reported, the results are kept).
-pub fn save(dir: &Path, record: &RunRecord, extra: serde_json::Value) -> anyhow::Result<PathBuf> {
+/// curves beside them (`<name>.svg`).
+pub fn save(dir: &Path, record: &RunRecord, extra: serde_json::Value) -> anyhow::Result<Saved> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create results directory {}", dir.display()))?;
     let mut json = serde_json::to_value(record)?;
     if let (Some(object), serde_json::Value::Object(extra)) = (json.as_object_mut(), extra) {
@@ -137,11 +144,7 @@ pub fn save(dir: &Path, record: &RunRecord, extra: serde_json::Value) -> anyhow:
     std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n")
         .with_context(|| format!("cannot write {}", path.display()))?;
     append_csv(&dir.join(format!("{}.csv", record.exercise)), record)?;
-    match crate::plots::curves_for_run(dir, record, &json) {
-        Ok(svg) => println!("wrote the training curves {}", svg.display()),
-        Err(err) => eprintln!("warning: {err:#}"),
-    }
-    Ok(path)
+    Ok(Saved { json: path, curves: crate::plots::curves_for_run(dir, record, &json) })
 }
 
 /// Appends a row, writing the header first when the file is new. A file written with other
@@ -169,35 +172,6 @@ pub fn append_csv(path: &Path, record: &RunRecord) -> anyhow::Result<()> {
         .with_context(|| format!("cannot open {}", path.display()))?;
     let mut writer = csv::WriterBuilder::new().has_headers(is_new).from_writer(file);
     writer.serialize(record).and_then(|()| Ok(writer.flush()?)).with_context(|| format!("cannot write {}", path.display()))
-}
-
-/// Runs `run` on every device `choice` names (CPU first), saves each run's results, prints
-/// its time split, and finally the comparison table — saying so when `both` found no GPU.
-pub fn run_per_device(
-    choice: DeviceChoice,
-    results_dir: &Path,
-    mut run: impl FnMut(tch::Device) -> anyhow::Result<(RunRecord, serde_json::Value)>,
-) -> anyhow::Result<Vec<RunRecord>> {
-    let mut records = Vec::new();
-    for device in device::devices_for(choice)? {
-        let (record, extra) = run(device)?;
-        let path = save(results_dir, &record, extra)?;
-        println!("{}", time_split(&record));
-        println!("wrote {}", path.display());
-        records.push(record);
-    }
-    let missing = (choice == DeviceChoice::Both && !device::cuda_available())
-        .then_some("no CUDA device on this machine; the run above is CPU only");
-    if choice == DeviceChoice::Both {
-        // The course slide's bar chart (one bar where only the CPU ran).
-        let path = crate::plots::devices_path(results_dir, &records[0]);
-        match crate::plots::device_comparison(&records, &path) {
-            Ok(()) => println!("wrote the device comparison {}", path.display()),
-            Err(err) => eprintln!("warning: {err:#}"),
-        }
-    }
-    println!("{}", comparison_table(&records, missing));
-    Ok(records)
 }
 
 /// Throughput of this run over `world_size` × that of the latest single-process run of the

@@ -11,13 +11,16 @@ mod support;
 use std::collections::HashMap;
 use std::time::Duration;
 
+use common::dist::data_parallel::GradientAverager;
+use common::dist::layout::{Coords, Groups, Layout};
+use common::dist::{Backend, ProcessGroup};
 use common::models::{self, TransformerConfig, TransformerLm};
 use common::optim::{Optimizer, Sgd, SgdConfig};
-use common::dist::{Backend, ProcessGroup};
 use common::pipeline::executor::StageTrace;
-use common::pipeline::process::{Placement, StageProcess};
+use common::pipeline::process::StageProcess;
+use common::pipeline::{split_batch, Op, Partition, Pipeline, PipelineOptions, Schedule, Stage};
 use common::precision::Precision;
-use common::pipeline::{split_batch, Op, Partition, Pipeline, PipelineOptions, PipelineTrainer, Schedule, Stage};
+use common::train::{Batch, StepContext, TrainStep};
 use support::ranks::{launch, SCENARIO};
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Tensor};
@@ -34,7 +37,16 @@ fn batch(seed: i64, seq_len: i64, batch: i64) -> (Tensor, Tensor) {
 }
 
 fn options(schedule: Schedule, chunks: usize, checkpoint_activations: bool) -> PipelineOptions {
-    PipelineOptions { schedule, chunks, checkpoint_activations, threads_per_stage: Some(1), precision: Precision::Full }
+    PipelineOptions { schedule, chunks, checkpoint_activations, threads_per_stage: Some(1) }
+}
+
+/// One mini-batch's forward and backward passes through `trainer` as the training loop runs
+/// them (float32, dropout keyed by `dropout_key`); returns the mean loss.
+fn train_step(trainer: &mut dyn TrainStep<'_>, src: &Tensor, targets: &Tensor, dropout_key: u64) -> f64 {
+    let ctx = StepContext { precision: Precision::Full, scaler: None, dropout_key, sync_phases: false, count_hits: false };
+    let batch = Batch { inputs: src.shallow_clone(), targets: targets.shallow_clone() };
+    let out = trainer.forward_backward(&batch, 1.0, &ctx).unwrap();
+    out.mean_loss().double_value(&[])
 }
 
 fn sgd(params: Vec<(String, Tensor)>) -> Sgd {
@@ -58,7 +70,7 @@ const CLIP: f64 = 0.5;
 /// every batch) matches the unpartitioned `reference` trained on whole batches: the loss, every
 /// clipped gradient of the first step, and the parameters after five SGD-momentum steps.
 fn assert_trains_like_unpartitioned(
-    trainer: &mut dyn PipelineTrainer,
+    trainer: &mut dyn TrainStep<'_>,
     reference: &TransformerLm,
     reference_vs: &nn::VarStore,
     replica: (usize, usize),
@@ -66,7 +78,6 @@ fn assert_trains_like_unpartitioned(
 ) {
     let mut reference_opt = sgd(models::named_parameters(reference_vs));
     let mut trainer_opt = sgd(trainer.named_parameters());
-    let trainer_params: Vec<Tensor> = trainer.named_parameters().into_iter().map(|(_, t)| t).collect();
     let per_replica = 8;
     for step in 0..5 {
         let (src, targets) = batch(100 + step, 6, per_replica * replica.1 as i64);
@@ -76,11 +87,17 @@ fn assert_trains_like_unpartitioned(
         common::optim::clip_grad_norm(&reference_vs.trainable_variables(), CLIP);
         let mine = |t: &Tensor| t.narrow(1, per_replica * replica.0 as i64, per_replica);
         trainer_opt.zero_grad();
-        let report = trainer.train_step(&mine(&src), &mine(&targets), step as u64).unwrap();
-        trainer.finish_gradients(&trainer_params, Some(CLIP)).unwrap();
+        let mut got = train_step(trainer, &mine(&src), &mine(&targets), step as u64);
+        if let Some(replicas) = trainer.parallel().replica_group() {
+            // Each replica saw its half of the batch: their losses average to the whole batch's.
+            let mut mean = Tensor::from(got);
+            replicas.all_reduce(&mut mean, common::dist::ReduceOp::Average).unwrap();
+            got = mean.double_value(&[]);
+        }
+        trainer.finish_gradients(&mut trainer_opt, None, Some(CLIP)).unwrap();
 
         let expected = loss.double_value(&[]);
-        assert!((report.loss - expected).abs() <= 1e-5 * expected.abs(), "{what}: loss {} vs {expected}", report.loss);
+        assert!((got - expected).abs() <= 1e-5 * expected.abs(), "{what}: loss {got} vs {expected}");
         if step == 0 {
             let grads = by_name(models::named_parameters(reference_vs));
             for (name, p) in trainer.named_parameters() {
@@ -116,7 +133,7 @@ fn assert_matches_unpartitioned(mut pipeline: Pipeline, reference: &TransformerL
 fn reference_model(cfg: &TransformerConfig) -> (nn::VarStore, TransformerLm) {
     tch::manual_seed(7);
     let vs = nn::VarStore::new(Device::Cpu);
-    let model = TransformerLm::new(&vs.root(), cfg);
+    let model = TransformerLm::new(&vs.root(), cfg).unwrap();
     (vs, model)
 }
 
@@ -172,7 +189,7 @@ fn uneven_micro_batches_are_weighted_by_their_share() {
     let cfg = config(2, 16);
     tch::manual_seed(3);
     let vs = nn::VarStore::new(Device::Cpu);
-    let reference = TransformerLm::new(&vs.root(), &cfg);
+    let reference = TransformerLm::new(&vs.root(), &cfg).unwrap();
     let pipeline = Pipeline::new(&cfg, &Partition::even(2, 2).unwrap(), &[Device::Cpu; 2], 1, options(Schedule::OneFOneB, 3, false)).unwrap();
     assert_matches_unpartitioned(pipeline, &reference, &vs, "7 sequences in 3 micro-batches");
 }
@@ -209,15 +226,14 @@ fn five_step_losses(pipeline: &mut Pipeline, weights: &nn::VarStore) -> Vec<f64>
         stage.copy_from(weights).unwrap();
     }
     let mut optimizer = sgd(pipeline.named_parameters());
-    let params: Vec<Tensor> = pipeline.named_parameters().into_iter().map(|(_, t)| t).collect();
     (0..5)
         .map(|step| {
             let (src, targets) = private_batch(200 + step, 6, 8);
             optimizer.zero_grad();
-            let report = pipeline.train_step(&src, &targets, models::mix_key(&[42, step as u64])).unwrap();
-            pipeline.finish_gradients(&params, Some(CLIP)).unwrap();
+            let loss = train_step(pipeline, &src, &targets, models::mix_key(&[42, step as u64]));
+            pipeline.finish_gradients(&mut optimizer, None, Some(CLIP)).unwrap();
             optimizer.step().unwrap();
-            report.loss
+            loss
         })
         .collect()
 }
@@ -266,7 +282,7 @@ fn a_seeded_run_with_dropout_trains_the_same_model_whatever_the_stages_partition
         stage.copy_from(&weights).unwrap();
     }
     let (src, targets) = private_batch(200, 6, 8);
-    let other = pipeline.train_step(&src, &targets, models::mix_key(&[43, 0])).unwrap().loss;
+    let other = train_step(&mut pipeline, &src, &targets, models::mix_key(&[43, 0]));
     let first = reference.unwrap()[0];
     assert!((other - first).abs() > 1e-4, "another seed's masks give another loss: {other} vs {first}");
 }
@@ -349,35 +365,36 @@ fn stages_in_processes(world: usize) -> usize {
     let group = ProcessGroup::init(Backend::Auto).unwrap();
     assert_eq!(group.world_size(), world);
     let cfg = config(3, 16);
-    let placement = Placement::of(group.rank(), world, 2, Some(world / 2)).unwrap();
+    let groups = Groups::new(&group, Layout::new(world, 2, 1, Some(world / 2)).unwrap()).unwrap();
+    let coords = groups.coords;
     let partition = Partition::even(cfg.nlayers, 2).unwrap();
+    let averager = GradientAverager::new(25 << 20, false);
     for chunks in [1, 4] {
         for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
             let (reference_vs, reference) = reference_model(&cfg);
-            let stage = Stage::new(&cfg, placement.stage, 2, partition.layers[placement.stage].clone(), Device::Cpu, 1);
+            let stage = Stage::new(&cfg, coords.stage, 2, partition.layers[coords.stage].clone(), Device::Cpu, 1).unwrap();
             stage.copy_from(&reference_vs).unwrap();
-            let mut process = StageProcess::new(&group, stage, placement, options(schedule, chunks, false)).unwrap();
-            let what = format!("rank {} (stage {}, replica {}): {chunks} chunks, {}", group.rank(), placement.stage, placement.replica, schedule.name());
-            assert_trains_like_unpartitioned(&mut process, &reference, &reference_vs, (placement.replica, placement.replicas), &what);
+            let mut process = StageProcess::new(&groups, stage, options(schedule, chunks, false), averager).unwrap();
+            let what = format!("rank {} (stage {}, replica {}): {chunks} chunks, {}", group.rank(), coords.stage, coords.replica, schedule.name());
+            assert_trains_like_unpartitioned(&mut process, &reference, &reference_vs, (coords.replica, world / 2), &what);
         }
     }
-    if placement.replicas == 1 {
+    if world == 2 {
         // With dropout, stages in two processes draw the masks one stage in this process draws.
         let cfg = TransformerConfig { dropout: 0.2, ..config(4, 16) };
         let (weights, _) = reference_model(&cfg);
         let one_stage = Pipeline::new(&cfg, &Partition::even(4, 1).unwrap(), &[Device::Cpu], 1, options(Schedule::GPipe, 4, false));
         let expected = five_step_losses(&mut one_stage.unwrap(), &weights);
         let partition = Partition::even(4, 2).unwrap();
-        let stage = Stage::new(&cfg, placement.stage, 2, partition.layers[placement.stage].clone(), Device::Cpu, 1);
+        let stage = Stage::new(&cfg, coords.stage, 2, partition.layers[coords.stage].clone(), Device::Cpu, 1).unwrap();
         stage.copy_from(&weights).unwrap();
-        let mut process = StageProcess::new(&group, stage, placement, options(Schedule::OneFOneB, 4, false)).unwrap();
+        let mut process = StageProcess::new(&groups, stage, options(Schedule::OneFOneB, 4, false), averager).unwrap();
         let mut optimizer = sgd(process.named_parameters());
-        let params: Vec<Tensor> = process.named_parameters().into_iter().map(|(_, t)| t).collect();
         for (step, want) in expected.iter().enumerate() {
             let (src, targets) = private_batch(200 + step as u64, 6, 8);
             optimizer.zero_grad();
-            let got = process.train_step(&src, &targets, models::mix_key(&[42, step as u64])).unwrap().loss;
-            process.finish_gradients(&params, Some(CLIP)).unwrap();
+            let got = train_step(&mut process, &src, &targets, models::mix_key(&[42, step as u64]));
+            process.finish_gradients(&mut optimizer, None, Some(CLIP)).unwrap();
             optimizer.step().unwrap();
             assert!((got - want).abs() <= 1e-5 * want.abs(), "rank {}: dropout step {step}: loss {got} vs {want} in one process", group.rank());
         }
@@ -398,9 +415,10 @@ fn two_replicas_of_a_two_stage_pipeline_train_the_unpartitioned_model_on_both_ha
 
 #[test]
 fn a_job_that_does_not_split_into_pipelines_is_refused() {
-    let err = Placement::of(0, 3, 2, None).unwrap_err();
+    let err = Layout::new(3, 2, 1, None).unwrap_err();
     assert!(format!("{err}").contains("3 ranks cannot run pipelines of 2 stages"), "{err}");
-    let err = Placement::of(0, 4, 2, Some(3)).unwrap_err();
+    let err = Layout::new(4, 2, 1, Some(3)).unwrap_err();
     assert!(format!("{err}").contains("--dp 3 with 2 stages needs 6 ranks, but the job has 4"), "{err}");
-    assert_eq!(Placement::of(5, 6, 2, None).unwrap(), Placement { stage: 1, replica: 2, stages: 2, replicas: 3 });
+    let layout = Layout::new(6, 2, 1, None).unwrap();
+    assert_eq!((layout.coords(5), layout.dp, layout.pp), (Coords { stage: 1, replica: 2, shard: 0 }, 3, 2));
 }

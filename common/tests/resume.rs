@@ -5,7 +5,7 @@ use common::data::generate::{self, GenerateConfig};
 use common::data::{self, DatasetKind, Loader, LoaderConfig, Split};
 use common::models::{self, Arch, ModelSpec};
 use common::optim::{Adam, AdamConfig, Optimizer, OptimizerKind, Sgd, SgdConfig};
-use common::train::{self, CheckpointConfig, LrSchedule, TrainConfig};
+use common::train::{self, CheckpointConfig, LocalStep, LrSchedule, Observers, Parallel, ScheduleKind, TrainConfig};
 use std::path::Path;
 use std::sync::Mutex;
 use tch::{nn, Device};
@@ -47,6 +47,7 @@ fn train(setup: &Setup, epochs: usize, init_seed: i64) -> Vec<(String, tch::Tens
     let mut optimizer: Box<dyn Optimizer> = match setup.optimizer {
         OptimizerKind::Adam => Box::new(Adam::new(params, AdamConfig { weight_decay: 1e-4, ..AdamConfig::default() })),
         OptimizerKind::Sgd => Box::new(Sgd::new(params, SgdConfig { lr: 0.05, momentum: 0.9, ..SgdConfig::default() })),
+        other => unreachable!("{other:?} is not used here"),
     };
     let train_set = data::load(DatasetKind::Cifar10, setup.data, Split::Train).unwrap();
     let test_set = data::load(DatasetKind::Cifar10, setup.data, Split::Test).unwrap();
@@ -57,7 +58,8 @@ fn train(setup: &Setup, epochs: usize, init_seed: i64) -> Vec<(String, tch::Tens
         epochs,
         max_steps: None,
         seed: 9,
-        lr_schedule: LrSchedule::Step { every: 1, gamma: 0.5 },
+        lr_schedule: LrSchedule { gamma: 0.5, ..LrSchedule::new(ScheduleKind::Step, 0) },
+        accumulate: 1,
         clip_grad_norm: Some(1.0),
         checkpoint: Some(CheckpointConfig {
             dir: setup.checkpoint_dir.to_path_buf(),
@@ -65,16 +67,15 @@ fn train(setup: &Setup, epochs: usize, init_seed: i64) -> Vec<(String, tch::Tens
             model: serde_json::json!({ "arch": format!("{:?}", setup.arch) }),
             config: serde_json::json!({}),
         }),
-        progress: false,
-        verbose: false,
         metric: common::train::Metric::Accuracy,
         precision: common::precision::Precision::Full,
-        profile: None,
-        tensorboard: None,
+        profile: false,
     };
-    let report = train::fit(model.as_ref(), &vs, optimizer.as_mut(), &train_loader, &test_loader, &config, &train::SingleReplica).unwrap();
+    let mut step = LocalStep::new(vs, model, Parallel::default());
+    let mut observers = Observers::new().with(train::sinks::CheckpointEveryEpoch);
+    let report = train::fit(&mut step, optimizer.as_mut(), &train_loader, &test_loader, &config, &mut observers).unwrap();
     assert!(report.eval_loss.is_finite());
-    let mut vars: Vec<_> = vs.variables().into_iter().collect();
+    let mut vars: Vec<_> = step.vs.variables().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     vars
 }

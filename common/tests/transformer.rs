@@ -47,7 +47,7 @@ fn small(dropout: f64) -> TransformerConfig {
 
 fn build(cfg: &TransformerConfig) -> (nn::VarStore, TransformerLm) {
     let vs = nn::VarStore::new(Device::Cpu);
-    let model = TransformerLm::new(&vs.root(), cfg);
+    let model = TransformerLm::new(&vs.root(), cfg).unwrap();
     (vs, model)
 }
 
@@ -301,12 +301,17 @@ fn stage_by_stage_forward_equals_forward() {
 }
 
 #[test]
-#[should_panic(expected = "divisible by nhead")]
 fn rejects_heads_that_do_not_divide_d_model() {
-    build(&TransformerConfig {
-        nhead: 5,
-        ..small(0.0)
-    });
+    // A usage error from the constructor (the configuration checks itself), not a panic.
+    let vs = nn::VarStore::new(Device::Cpu);
+    let cfg = TransformerConfig { nhead: 5, ..small(0.0) };
+    let err = TransformerLm::new(&vs.root(), &cfg).unwrap_err();
+    assert!(err.to_string().contains("--emsize 32 must be divisible by --nhead 5"), "{err}");
+    assert!(cfg.validate().is_err() && small(0.0).validate().is_ok());
+    let odd = TransformerConfig { d_model: 33, nhead: 3, ..small(0.0) };
+    assert!(odd.validate().unwrap_err().to_string().contains("must be even"));
+    let dropout = TransformerConfig { dropout: 1.0, ..small(0.0) };
+    assert!(dropout.validate().unwrap_err().to_string().contains("--dropout must be in [0, 1)"));
 }
 
 // --- parity with PyTorch ----------------------------------------------------------------------
@@ -340,7 +345,7 @@ fn encoder_layer_matches_torch() {
         ..small(0.1)
     };
     let vs = nn::VarStore::new(Device::Cpu);
-    let layer = EncoderLayer::new(&vs.root(), &cfg);
+    let layer = EncoderLayer::new(&vs.root(), &cfg).unwrap();
     load_params(&reference, &vs);
     let x = reference.get("x");
     let ours = eval(&layer, x);

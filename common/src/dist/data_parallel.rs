@@ -13,6 +13,17 @@ use tch::{nn, Device, Kind, Tensor};
 use super::{ProcessGroup, ReduceOp};
 use crate::optim::Optimizer;
 
+/// Where a replica averages its gradients: the two styles of the course's exercises, the same
+/// collectives either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GradientSync {
+    /// In the training loop, right after backward (PyTorch DDP's reducer).
+    Ddp,
+    /// Inside the optimizer's step, through a [`DistributedOptimizer`] (Horovod).
+    Horovod,
+}
+
 /// Overwrites every variable of `vs` (trainable or not, so buffers such as batch-norm
 /// statistics too) with its value on rank `root`, in name order (the same order on every rank,
 /// whatever order the variables were created in).
@@ -29,7 +40,13 @@ pub fn broadcast_buffers(group: &ProcessGroup, vs: &nn::VarStore, root: usize) -
 
 /// Broadcasts the variables `keep` selects, in name order (the same on every rank).
 fn broadcast_variables(group: &ProcessGroup, vs: &nn::VarStore, root: usize, keep: impl Fn(&Tensor) -> bool) -> Result<()> {
-    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(_, var)| keep(var)).collect();
+    broadcast_named(group, vs.variables().into_iter().filter(|(_, var)| keep(var)).collect(), root)
+}
+
+/// Overwrites every variable in `vars` with its value on rank `root`, in name order (the same
+/// on every rank, whatever order they come in): for variables that live outside one var store
+/// (a pipeline stage's, say).
+pub fn broadcast_named(group: &ProcessGroup, mut vars: Vec<(String, Tensor)>, root: usize) -> Result<()> {
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     tch::no_grad(|| {
         vars.iter_mut().try_for_each(|(name, var)| {

@@ -61,6 +61,12 @@
 //! inside the optimizer's step, exercise2); [`GradientSync`] chooses between that and DDP's
 //! averaging in the loop (exercise3 `ddp`).
 //!
+//! # Layouts
+//!
+//! [`layout::Layout`] divides a job into data-parallel replicas of pipeline stages (of
+//! tensor-parallel shards), checked once against the world size; [`layout::Groups`] splits the
+//! world into the sub-groups each kind of parallelism talks over.
+//!
 //! # Errors and dying ranks
 //!
 //! A collective blocks until every rank has joined it, so a rank that stops early must take the
@@ -103,18 +109,19 @@
 pub mod data_parallel;
 pub mod group;
 pub mod launch;
+pub mod layout;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod rendezvous;
-pub mod replicas;
 pub mod single;
+pub mod transfer;
 
 pub use group::ProcessGroup;
 pub use launch::{LaunchEnv, LaunchSource};
-pub use data_parallel::DistributedOptimizer;
-pub use replicas::{DataParallel, GradientSync};
+pub use data_parallel::{DistributedOptimizer, GradientSync};
+pub use layout::{Groups, Layout};
 
 use anyhow::{bail, Result};
 use tch::{Device, Kind, Tensor};

@@ -33,6 +33,17 @@ pub enum Arch {
     Vgg19,
 }
 
+impl Arch {
+    /// The flag spelling: `cnn`, `resnet34`, `vgg19`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Cnn => "cnn",
+            Arch::Resnet34 => "resnet34",
+            Arch::Vgg19 => "vgg19",
+        }
+    }
+}
+
 /// Everything needed to build a model for a data set.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ModelSpec {

@@ -19,6 +19,7 @@
 //! [`TransformerLm::layers`], [`TransformerLm::decode`]) so that a pipeline can run the encoder
 //! layers on different devices.
 use super::TORCH_DEFAULT_WEIGHT;
+use crate::error::UsageError;
 use crate::torch_ext::{self, Generator};
 use std::cell::RefCell;
 use tch::nn::{self, Init, Module, ModuleT};
@@ -130,33 +131,30 @@ impl TransformerConfig {
         }
     }
 
-    /// Panics with a readable message on a configuration torch would reject (or, for an odd
-    /// `d_model`, the tutorial's positional encoding).
-    fn validate(&self) {
-        let TransformerConfig {
-            ntoken,
-            d_model,
-            nhead,
-            d_hid,
-            nlayers,
-            dropout,
-        } = *self;
-        assert!(
-            ntoken > 0 && d_hid > 0 && nlayers > 0 && nhead > 0,
-            "invalid Transformer configuration {self:?}"
-        );
-        assert!(
-            d_model > 0 && d_model % 2 == 0,
-            "d_model must be positive and even (sines and cosines alternate), got {d_model}"
-        );
-        assert!(
-            d_model % nhead == 0,
-            "d_model ({d_model}) must be divisible by nhead ({nhead})"
-        );
-        assert!(
-            (0.0..=1.0).contains(&dropout),
-            "dropout must be a probability, got {dropout}"
-        );
+    /// Checks the configuration once, where it is made: a usage error naming the flag (the
+    /// fields are the flags `--emsize`, `--d-hid`, `--nhead`, `--nlayers`, `--dropout`) for a
+    /// shape torch would reject or the tutorial's positional encoding cannot have. The model's
+    /// constructors call it; an experiment calls it on its flags before reading any data.
+    pub fn validate(&self) -> Result<(), UsageError> {
+        let TransformerConfig { ntoken, d_model, nhead, d_hid, nlayers, dropout } = *self;
+        for (flag, value) in [("--emsize", d_model), ("--d-hid", d_hid), ("--nhead", nhead), ("--nlayers", nlayers)] {
+            if value < 1 {
+                return Err(UsageError(format!("{flag} must be at least 1, got {value}")));
+            }
+        }
+        if ntoken < 1 {
+            return Err(UsageError(format!("the vocabulary must hold at least one word, got {ntoken}")));
+        }
+        if d_model % nhead != 0 {
+            return Err(UsageError(format!("--emsize {d_model} must be divisible by --nhead {nhead} (each head gets an equal share of the width)")));
+        }
+        if d_model % 2 != 0 {
+            return Err(UsageError(format!("--emsize {d_model} must be even (sinusoidal positions come in sine/cosine pairs)")));
+        }
+        if !(0.0..1.0).contains(&dropout) {
+            return Err(UsageError(format!("--dropout must be in [0, 1), got {dropout}")));
+        }
+        Ok(())
     }
 }
 
@@ -297,8 +295,8 @@ pub struct EncoderLayer {
 impl EncoderLayer {
     /// A layer with torch's initialisation, its variables under `vs` with torch's names
     /// (`self_attn.in_proj_weight`, `linear1.weight`, `norm2.bias`, ...).
-    pub fn new(vs: &nn::Path, cfg: &TransformerConfig) -> Self {
-        cfg.validate();
+    pub fn new(vs: &nn::Path, cfg: &TransformerConfig) -> Result<Self, UsageError> {
+        cfg.validate()?;
         let layer_norm = |name: &str| {
             let config = nn::LayerNormConfig {
                 eps: LAYER_NORM_EPS,
@@ -306,14 +304,14 @@ impl EncoderLayer {
             };
             nn::layer_norm(vs / name, vec![cfg.d_model], config)
         };
-        EncoderLayer {
+        Ok(EncoderLayer {
             self_attn: SelfAttention::new(&(vs / "self_attn"), cfg),
             linear1: super::torch_linear(vs / "linear1", cfg.d_model, cfg.d_hid),
             linear2: super::torch_linear(vs / "linear2", cfg.d_hid, cfg.d_model),
             norm1: layer_norm("norm1"),
             norm2: layer_norm("norm2"),
             dropout: cfg.dropout,
-        }
+        })
     }
 
     /// The layer's parameters, in a fixed order (for copying one layer into another).
@@ -386,8 +384,8 @@ pub struct TokenEmbedding {
 impl TokenEmbedding {
     /// The tutorial's embedding (U(−0.1, 0.1)) as `root / "embedding"`; the positional encoding
     /// is made on `root`'s device (and follows the input to another device if need be).
-    pub fn new(root: &nn::Path, cfg: &TransformerConfig) -> Self {
-        cfg.validate();
+    pub fn new(root: &nn::Path, cfg: &TransformerConfig) -> Result<Self, UsageError> {
+        cfg.validate()?;
         let embedding = nn::embedding(
             root / "embedding",
             cfg.ntoken,
@@ -400,12 +398,12 @@ impl TokenEmbedding {
                 ..Default::default()
             },
         );
-        TokenEmbedding {
+        Ok(TokenEmbedding {
             embedding,
             pos_encoding: positional_encoding(cfg.d_model, root.device()),
             d_model: cfg.d_model,
             dropout: cfg.dropout,
-        }
+        })
     }
 }
 
@@ -457,9 +455,9 @@ pub fn output_layer(root: &nn::Path, cfg: &TransformerConfig) -> nn::Linear {
 /// all starting from the same weights, as in torch: `nn.TransformerEncoder` deep-copies one
 /// initialised layer. (A pipeline stage builds its own range of layers; every stage seeds
 /// LibTorch's generator alike first, so all layers of all stages start equal too.)
-pub fn encoder_layers(root: &nn::Path, cfg: &TransformerConfig, range: std::ops::Range<i64>) -> Vec<EncoderLayer> {
+pub fn encoder_layers(root: &nn::Path, cfg: &TransformerConfig, range: std::ops::Range<i64>) -> Result<Vec<EncoderLayer>, UsageError> {
     let layers_path = root / "transformer_encoder" / "layers";
-    let layers: Vec<EncoderLayer> = range.map(|i| EncoderLayer::new(&(&layers_path / i), cfg)).collect();
+    let layers: Vec<EncoderLayer> = range.map(|i| EncoderLayer::new(&(&layers_path / i), cfg)).collect::<Result<_, _>>()?;
     if let Some((first, rest)) = layers.split_first() {
         tch::no_grad(|| {
             let first = first.parameters();
@@ -470,7 +468,7 @@ pub fn encoder_layers(root: &nn::Path, cfg: &TransformerConfig, range: std::ops:
             }
         });
     }
-    layers
+    Ok(layers)
 }
 
 /// The tutorial's `TransformerModel`: a causal Transformer language model.
@@ -489,14 +487,13 @@ impl TransformerLm {
     /// The model with the tutorial's initialisation, its variables under `root` with the
     /// tutorial model's `state_dict` names.
     ///
-    /// # Panics
-    /// On an invalid configuration (e.g. `d_model` not divisible by `nhead`).
-    pub fn new(root: &nn::Path, cfg: &TransformerConfig) -> Self {
-        TransformerLm {
-            embedding: TokenEmbedding::new(root, cfg),
-            layers: encoder_layers(root, cfg, 0..cfg.nlayers),
+    /// A usage error (from [`TransformerConfig::validate`]) for an impossible configuration.
+    pub fn new(root: &nn::Path, cfg: &TransformerConfig) -> Result<Self, UsageError> {
+        Ok(TransformerLm {
+            embedding: TokenEmbedding::new(root, cfg)?,
+            layers: encoder_layers(root, cfg, 0..cfg.nlayers)?,
             linear: output_layer(root, cfg),
-        }
+        })
     }
 
     /// The first stage: token ids `[seq_len, batch]` → `[seq_len, batch, d_model]`.

@@ -13,9 +13,13 @@
 //! (including Adam's step count), so a restored state continues the exact trajectory.
 
 mod adam;
+mod lamb;
+mod lars;
 mod sgd;
 
 pub use adam::{Adam, AdamConfig};
+pub use lamb::{Lamb, LambConfig};
+pub use lars::{Lars, LarsConfig};
 pub use sgd::{Sgd, SgdConfig};
 
 use std::collections::{HashMap, HashSet};
@@ -79,6 +83,10 @@ pub enum OptimizerKind {
     Adam,
     /// `torch.optim.SGD`
     Sgd,
+    /// LARS: SGD with momentum and layer-wise trust ratios (You et al. 2017, Apex `LARC`)
+    Lars,
+    /// LAMB: Adam with layer-wise trust ratios (You et al. 2019)
+    Lamb,
 }
 
 impl OptimizerKind {
@@ -87,6 +95,19 @@ impl OptimizerKind {
         match self {
             OptimizerKind::Adam => "adam",
             OptimizerKind::Sgd => "sgd",
+            OptimizerKind::Lars => "lars",
+            OptimizerKind::Lamb => "lamb",
+        }
+    }
+
+    /// This optimizer over `params` with learning rate `lr`, `momentum` (SGD, LARS) and L2
+    /// weight decay (decoupled for LAMB), otherwise torch's (or the paper's) defaults.
+    pub fn build(self, params: Vec<(String, Tensor)>, lr: f64, momentum: f64, weight_decay: f64) -> Box<dyn Optimizer> {
+        match self {
+            OptimizerKind::Adam => Box::new(Adam::new(params, AdamConfig { lr, weight_decay, ..AdamConfig::default() })),
+            OptimizerKind::Sgd => Box::new(Sgd::new(params, SgdConfig { lr, momentum, weight_decay, ..SgdConfig::default() })),
+            OptimizerKind::Lars => Box::new(Lars::new(params, LarsConfig { lr, momentum, weight_decay, ..LarsConfig::default() })),
+            OptimizerKind::Lamb => Box::new(Lamb::new(params, LambConfig { lr, weight_decay, ..LambConfig::default() })),
         }
     }
 }
@@ -126,6 +147,27 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
             let _ = g.g_mul_(&coef.to_device(g.device()));
         }
         total.double_value(&[])
+    })
+}
+
+/// [`clip_grad_norm`] for a model whose parameters are spread over the ranks of `group` (the
+/// stages of a pipeline): every rank passes its own parameters, and the total norm is that of
+/// all of them, `sqrt(Σ_ranks Σ_params ‖g‖²)`, so every rank scales by the same coefficient as
+/// the unpartitioned model would. Without a group it is [`clip_grad_norm`] itself (bitwise
+/// torch's). Every rank of `group` must call it.
+pub fn clip_grad_norm_over(params: &[Tensor], max_norm: f64, group: Option<&crate::dist::ProcessGroup>) -> Result<f64> {
+    let Some(group) = group else { return Ok(clip_grad_norm(params, max_norm)) };
+    tch::no_grad(|| {
+        let grads: Vec<Tensor> = params.iter().map(Tensor::grad).filter(Tensor::defined).collect();
+        let local: f64 = grads.iter().map(|g| g.norm().double_value(&[]).powi(2)).sum();
+        let mut total = Tensor::from(local);
+        group.all_reduce(&mut total, crate::dist::ReduceOp::Sum)?;
+        let total = total.double_value(&[]).sqrt();
+        let coef = (max_norm / (total + 1e-6)).min(1.0);
+        for g in &grads {
+            let _ = g.shallow_clone().g_mul_scalar_(coef);
+        }
+        Ok(total)
     })
 }
 

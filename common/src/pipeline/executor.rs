@@ -72,6 +72,9 @@ pub struct StageOptions {
     pub recompute: bool,
     /// Dropout on.
     pub train: bool,
+    /// The last stage's backward starts from its loss × this (an accumulated step's share of
+    /// the batch, times float16's loss scale); the reported loss is not scaled.
+    pub loss_scale: f64,
     /// Autocast in the stage's forward passes (bfloat16 or float16), or float32.
     pub precision: crate::precision::Precision,
 }
@@ -171,7 +174,8 @@ pub fn run_stage(
                     None => finish(m, forward(m, &input, options.train)),
                 };
                 match grad {
-                    None => output.backward(),
+                    None if options.loss_scale == 1.0 => output.backward(),
+                    None => (&output * options.loss_scale).backward(),
                     // Backward from a non-scalar output with upstream gradient `grad`: the
                     // gradient of sum(output · grad) with respect to output is exactly `grad`
                     // (tch's backward takes no gradient argument).

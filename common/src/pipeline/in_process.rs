@@ -7,10 +7,11 @@ use tch::{Device, Tensor};
 
 use super::executor::{self, MicroBatches, StageOptions, StageOutcome};
 use super::link::{ChannelLink, Link, NeighbourGone};
-use super::{schedule, split_batch, EvalSums, Op, Partition, PipelineOptions, PipelineTrainer, Stage, StepReport};
-use crate::data::text::TokenBatches;
+use super::{schedule, split_batch, Op, Partition, PipelineOptions, Stage, StepReport};
 use crate::error::usage;
 use crate::models::TransformerConfig;
+use crate::precision::Precision;
+use crate::train::{Batch, BatchSource, EvalSums, Parallel, StepContext, StepOutput, TrainStep};
 
 /// All stages of a pipeline in one process.
 pub struct Pipeline {
@@ -34,7 +35,7 @@ impl Pipeline {
             .zip(&partition.layers)
             .enumerate()
             .map(|(i, (&device, layers))| Stage::new(cfg, i, devices.len(), layers.clone(), device, seed))
-            .collect();
+            .collect::<Result<_, _>>()?;
         Ok(Pipeline { config: *cfg, stages, options })
     }
 
@@ -47,7 +48,8 @@ impl Pipeline {
     /// One mini-batch through the pipeline, the stages running concurrently in threads: with
     /// `train`, forward and backward passes in the schedule's order (gradients accumulate);
     /// without, forward passes only.
-    pub fn run_batch(&mut self, src: &Tensor, targets: &Tensor, train: bool, dropout_key: u64) -> Result<StepReport> {
+    pub fn run_batch(&mut self, src: &Tensor, targets: &Tensor, options: StageOptions) -> Result<StepReport> {
+        let train = options.train;
         let chunks = if train { self.options.chunks } else { super::chunks_for(self.options.chunks, src.size()[1]) };
         let (inputs, weights) = split_batch(src, chunks)?;
         let (targets, _) = split_batch(targets, chunks)?;
@@ -79,7 +81,6 @@ impl Pipeline {
         }
         nexts.push(None);
 
-        let options = StageOptions { dropout_key, recompute: self.options.checkpoint_activations, train, precision: self.options.precision };
         let schedule = self.options.schedule;
         let threads = self.options.threads_per_stage;
         let clock = Instant::now();
@@ -142,23 +143,49 @@ impl Pipeline {
     }
 }
 
-impl PipelineTrainer for Pipeline {
+impl Pipeline {
+    /// The forward and backward passes of one mini-batch (`[seq_len, batch]` ids and targets)
+    /// in float32, gradients accumulating, dropout keyed by `dropout_key`: the bare step, for
+    /// benchmarks and notebooks (the training loop goes through [`TrainStep`]).
+    pub fn train_step(&mut self, src: &Tensor, targets: &Tensor, dropout_key: u64) -> Result<StepReport> {
+        let options = self.stage_options(true, Precision::Full, dropout_key, 1.0);
+        self.run_batch(src, targets, options)
+    }
+
+    /// How its stages run a mini-batch: `train`ing or not, in `precision`.
+    pub fn stage_options(&self, train: bool, precision: Precision, dropout_key: u64, loss_scale: f64) -> StageOptions {
+        StageOptions { dropout_key, recompute: self.options.checkpoint_activations, train, precision, loss_scale }
+    }
+}
+
+impl<'g> TrainStep<'g> for Pipeline {
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         self.stages.iter().flat_map(Stage::named_parameters).collect()
     }
 
-    fn train_step(&mut self, src: &Tensor, targets: &Tensor, dropout_key: u64) -> Result<StepReport> {
-        self.run_batch(src, targets, true, dropout_key)
+    fn named_variables(&self) -> Vec<(String, Tensor)> {
+        self.named_parameters()
     }
 
-    fn finish_gradients(&mut self, params: &[Tensor], max_norm: Option<f64>) -> Result<()> {
-        if let Some(max_norm) = max_norm {
-            crate::optim::clip_grad_norm(params, max_norm);
-        }
-        Ok(())
+    fn input_device(&self) -> Device {
+        self.stages[0].device()
     }
 
-    fn evaluate(&mut self, source: &TokenBatches) -> Result<EvalSums> {
-        super::evaluate_batches(source, |src, targets| self.run_batch(src, targets, false, 0))
+    /// All stages are in this process: nobody to agree with.
+    fn parallel(&self) -> Parallel<'g> {
+        Parallel::default()
+    }
+
+    fn forward_backward(&mut self, batch: &Batch, weight: f64, ctx: &StepContext) -> Result<StepOutput> {
+        let scale = ctx.scaler.map_or(1.0, |s| s.scale_value());
+        let options = self.stage_options(true, ctx.precision, ctx.dropout_key, weight * scale);
+        let targets = batch.targets.reshape(batch.inputs.size());
+        let started = std::time::Instant::now();
+        Ok(self.run_batch(&batch.inputs, &targets, options)?.into_output(batch.len(), started))
+    }
+
+    fn evaluate(&mut self, source: &dyn BatchSource, precision: Precision) -> Result<EvalSums> {
+        let options = self.stage_options(false, precision, 0, 1.0);
+        super::evaluate_batches(source, |src, targets| self.run_batch(src, targets, options))
     }
 }

@@ -14,7 +14,7 @@
 //! - [`process::StageProcess`]: one stage per process (`torch.distributed.pipelining`'s way),
 //!   activations and gradients sent point-to-point through the process group (MPI for CPU
 //!   tensors, NCCL for CUDA tensors), replicated `--dp` times for data parallelism.
-//! - [`PipelineTrainer`]: what the training loop needs of either.
+//! - Both are [`crate::train::TrainStep`]s: the one training loop trains them like any model.
 //!
 //! Gradients are exactly those of the whole model on the whole mini-batch (up to float
 //! rounding): each micro-batch's mean loss is weighted by its share of the sequences, so the
@@ -46,8 +46,8 @@ use anyhow::Result;
 use serde::Serialize;
 use tch::Tensor;
 
-use crate::data::text::TokenBatches;
 use crate::error::usage;
+use crate::train::{BatchSource, EvalSums, StepOutput};
 use executor::StageTrace;
 
 /// How the pipeline runs a mini-batch.
@@ -60,8 +60,6 @@ pub struct PipelineOptions {
     pub checkpoint_activations: bool,
     /// LibTorch threads per stage thread (CPU stages); `None` leaves LibTorch's setting.
     pub threads_per_stage: Option<usize>,
-    /// float32 or bfloat16 autocast (float16 would need loss scaling across the stages).
-    pub precision: crate::precision::Precision,
 }
 
 /// What one mini-batch did.
@@ -87,59 +85,34 @@ impl StepReport {
         let busy: f64 = self.stage_busy_s.iter().sum();
         (1.0 - busy / (self.stage_busy_s.len() as f64 * self.wall_s)).max(0.0)
     }
-}
 
-/// Sums over a pass of evaluation: combine them over data-parallel replicas by adding.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct EvalSums {
-    pub loss_sum: f64,
-    pub hits: f64,
-    pub tokens: f64,
-}
-
-impl EvalSums {
-    pub fn mean_loss(&self) -> f64 {
-        self.loss_sum / self.tokens.max(1.0)
+    /// The training loop's view of it: the loss summed over `tokens`, the phase, the traces,
+    /// the busy and elapsed stage-seconds.
+    fn into_output(self, tokens: usize, started: std::time::Instant) -> StepOutput {
+        let busy: f64 = self.stage_busy_s.iter().sum();
+        let elapsed = self.stage_busy_s.len() as f64 * self.wall_s;
+        StepOutput {
+            loss_sum: Some(Tensor::from(self.loss * tokens as f64)),
+            hits: None,
+            examples: tokens,
+            phases: vec![("forward+backward", started, std::time::Instant::now())],
+            stage_traces: self.traces,
+            stage_busy: Some((busy, elapsed)),
+        }
     }
-
-    pub fn accuracy(&self) -> f64 {
-        self.hits / self.tokens.max(1.0)
-    }
-}
-
-/// What a training loop needs of a pipeline, whether its stages are threads of this process
-/// ([`Pipeline`]) or processes of a job ([`process::StageProcess`]).
-pub trait PipelineTrainer {
-    /// The variables this process trains, with their whole-model names.
-    fn named_parameters(&self) -> Vec<(String, Tensor)>;
-
-    /// The forward and backward passes of one mini-batch (`[seq_len, batch]` ids and targets);
-    /// the gradients accumulate (zero them before, step after). The loss is known on every
-    /// process. `dropout_key` keys the mini-batch's dropout masks (one per step of a seeded
-    /// run: [`crate::models::mix_key`] of the seed and the step).
-    fn train_step(&mut self, src: &Tensor, targets: &Tensor, dropout_key: u64) -> Result<StepReport>;
-
-    /// Makes the gradients final before the optimizer step: averaged over data-parallel
-    /// replicas, then scaled so that their total norm over the whole model is at most
-    /// `max_norm` (`clip_grad_norm_`).
-    fn finish_gradients(&mut self, params: &[Tensor], max_norm: Option<f64>) -> Result<()>;
-
-    /// Loss and hits over one pass of `source` (forward passes only, dropout off), known on
-    /// every process.
-    fn evaluate(&mut self, source: &TokenBatches) -> Result<EvalSums>;
 }
 
 /// Sums over one pass of `source`, each batch through `run` (a pipeline's forward passes:
-/// `(src, targets, train = false)`).
-fn evaluate_batches(source: &TokenBatches, mut run: impl FnMut(&Tensor, &Tensor) -> Result<StepReport>) -> Result<EvalSums> {
+/// `(src, targets)`).
+fn evaluate_batches(source: &dyn BatchSource, mut run: impl FnMut(&Tensor, &Tensor) -> Result<StepReport>) -> Result<EvalSums> {
     let mut sums = EvalSums::default();
-    for batch in crate::train::BatchSource::epoch(source, 0) {
+    for batch in source.epoch(0) {
         let targets = batch.targets.reshape(batch.inputs.size());
         let report = run(&batch.inputs, &targets)?;
         let tokens = targets.numel() as f64;
         sums.loss_sum += report.loss * tokens;
         sums.hits += report.hits as f64;
-        sums.tokens += tokens;
+        sums.examples += tokens;
     }
     Ok(sums)
 }

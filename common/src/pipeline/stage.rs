@@ -6,6 +6,7 @@ use anyhow::{Context, Result};
 use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
 
+use crate::error::UsageError;
 use crate::models::{self, EncoderLayer, Masks, TokenEmbedding, TransformerConfig};
 use super::LayerCosts;
 
@@ -26,17 +27,17 @@ impl Stage {
     /// Builds stage `index` of `stages` on `device`. The initialisation draws from LibTorch's
     /// generator seeded with `seed` per part (embedding, layers, output layer), so that the
     /// layers of all stages start from the same weights, as `nn.TransformerEncoder`'s do.
-    pub fn new(cfg: &TransformerConfig, index: usize, stages: usize, layer_range: Range<i64>, device: Device, seed: u64) -> Stage {
+    pub fn new(cfg: &TransformerConfig, index: usize, stages: usize, layer_range: Range<i64>, device: Device, seed: u64) -> Result<Stage, UsageError> {
         let vs = nn::VarStore::new(device);
         let root = vs.root();
         let seeded = |part: u64| tch::manual_seed(seed.wrapping_add(part) as i64);
         seeded(0);
-        let embedding = (index == 0).then(|| TokenEmbedding::new(&root, cfg));
+        let embedding = (index == 0).then(|| TokenEmbedding::new(&root, cfg)).transpose()?;
         seeded(1);
-        let layers = models::encoder_layers(&root, cfg, layer_range.clone());
+        let layers = models::encoder_layers(&root, cfg, layer_range.clone())?;
         seeded(2);
         let head = (index + 1 == stages).then(|| models::output_layer(&root, cfg));
-        Stage { index, layer_range, vs, embedding, layers, head }
+        Ok(Stage { index, layer_range, vs, embedding, layers, head })
     }
 
     pub fn device(&self) -> Device {
@@ -125,7 +126,7 @@ impl Stage {
     /// on a probe with one layer: what `--balance` partitions by. The encoder layers are all
     /// alike, so one is timed for all.
     pub fn measure_costs(cfg: &TransformerConfig, device: Device, seq_len: i64, micro_batch: i64) -> LayerCosts {
-        let probe = Stage::new(&TransformerConfig { nlayers: 1, ..*cfg }, 0, 1, 0..1, device, 0);
+        let probe = Stage::new(&TransformerConfig { nlayers: 1, ..*cfg }, 0, 1, 0..1, device, 0).expect("a valid configuration has a valid one-layer probe");
         let tokens = Tensor::randint(cfg.ntoken, [seq_len, micro_batch], (Kind::Int64, device));
         let hidden = Tensor::randn([seq_len, micro_batch, cfg.d_model], (Kind::Float, device));
         let embedding = probe.embedding.as_ref().expect("the probe embeds");

@@ -12,7 +12,8 @@ use std::time::Instant;
 use clap::Parser;
 use common::device;
 use common::models::{self, TransformerConfig, TransformerLm};
-use common::pipeline::{Partition, Pipeline, PipelineOptions, PipelineTrainer, Schedule, Stage};
+use common::pipeline::{Partition, Pipeline, PipelineOptions, Schedule, Stage};
+use common::train::TrainStep;
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Tensor};
 
@@ -78,7 +79,7 @@ fn bench(cli: &Cli) -> anyhow::Result<()> {
 
     let reference_device = devices[0];
     let vs = nn::VarStore::new(reference_device);
-    let reference = TransformerLm::new(&vs.root(), &cfg);
+    let reference = TransformerLm::new(&vs.root(), &cfg)?;
     let reference_params: Vec<Tensor> = vs.trainable_variables();
     let sequential_step = |threads: usize| {
         // Stage threads set their own share, on their own threads.
@@ -117,7 +118,7 @@ fn bench(cli: &Cli) -> anyhow::Result<()> {
     );
     let mut rows = Vec::new();
     for &chunks in &cli.chunks {
-        let options = PipelineOptions { schedule: cli.schedule, chunks, checkpoint_activations: false, threads_per_stage: stage_threads, precision: common::precision::Precision::Full };
+        let options = PipelineOptions { schedule: cli.schedule, chunks, checkpoint_activations: false, threads_per_stage: stage_threads };
         let mut pipeline = Pipeline::new(&cfg, &partition, &devices, 0, options)?;
         let params: Vec<Tensor> = pipeline.named_parameters().into_iter().map(|(_, t)| t).collect();
         let (mut sequential, mut one_share, mut piped, mut bubbles) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());

@@ -1,8 +1,8 @@
 //! Exercise 1: train a CNN, ResNet34 or VGG19 on CIFAR-10 (or MNIST) on the CPU and on the
 //! GPU, and compare the two, as in the course's `exercise1.py`.
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use common::image_classification::{self, ImageArgs};
-use common::Exercise;
+use common::presets::EXERCISE1;
 
 /// Exercise 1: CPU vs GPU training of an image classifier.
 #[derive(Parser)]
@@ -13,7 +13,7 @@ struct Cli {
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
-    let exercise = Exercise { name: "exercise1", default_epochs: 5 };
-    common::error::run_main(|| image_classification::run(exercise, &cli.args).map(drop))
+    let matches = Cli::command().after_help(EXERCISE1.describe()).get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    common::error::run_main(|| image_classification::run(&EXERCISE1, &cli.args, &mut Default::default()).map(drop))
 }

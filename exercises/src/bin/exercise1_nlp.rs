@@ -1,8 +1,8 @@
 //! Exercise 1 (NLP): the course's Transformer language model on WikiText-2, on the CPU and on
-//! the GPU, as in the course's PyTorch tutorial script.
-use clap::Parser;
+//! the GPU, as in the course's PyTorch tutorial script; data-parallel with `--nproc-per-node`.
+use clap::{CommandFactory, FromArgMatches, Parser};
 use common::language_model::{self, LmArgs};
-use common::Exercise;
+use common::presets::EXERCISE1_NLP;
 
 /// Exercise 1 (NLP): CPU vs GPU training of a Transformer language model on WikiText-2.
 #[derive(Parser)]
@@ -13,7 +13,7 @@ struct Cli {
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
-    let exercise = Exercise { name: "exercise1_nlp", default_epochs: 3 };
-    common::error::run_main(|| language_model::run(exercise, &cli.args).map(drop))
+    let matches = Cli::command().after_help(EXERCISE1_NLP.describe()).get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    common::error::run_main(|| language_model::run(&EXERCISE1_NLP, &cli.args, &mut Default::default()).map(drop))
 }

@@ -7,10 +7,8 @@
 //!     exercise2 --nproc-per-node 2 --device cpu --max-steps 20
 //!     mpirun -np 2 exercise2 ...        srun exercise2 ...        (one task per GPU)
 use clap::{CommandFactory, FromArgMatches, Parser};
-use common::dist::GradientSync;
-use common::flags::DataParallelArgs;
 use common::image_classification::{self, ImageArgs};
-use common::Exercise;
+use common::presets::EXERCISE2;
 
 /// Exercise 2: data-parallel ResNet34 on CIFAR-10 (Horovod style).
 #[derive(Parser)]
@@ -18,14 +16,10 @@ use common::Exercise;
 struct Cli {
     #[command(flatten)]
     args: ImageArgs,
-    #[command(flatten)]
-    data_parallel: DataParallelArgs,
 }
 
 fn main() -> std::process::ExitCode {
-    // The course's exercise2 trains ResNet34: the shared flags' default model is the CNN.
-    let matches = Cli::command().mut_arg("model", |arg| arg.default_value("resnet34")).get_matches();
+    let matches = Cli::command().after_help(EXERCISE2.describe()).get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    let exercise = Exercise { name: "exercise2", default_epochs: 10 };
-    common::error::run_main(|| image_classification::run_data_parallel(exercise, &cli.args, &cli.data_parallel, GradientSync::Horovod))
+    common::error::run_main(|| image_classification::run(&EXERCISE2, &cli.args, &mut Default::default()).map(drop))
 }

@@ -13,11 +13,9 @@
 //!     exercise3 pipeline --devices cuda:0,cuda:1
 //!     exercise3 pipeline --devices cpu,cpu --emsize 256 --d-hid 256 --nlayers 4 --max-steps 20
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
-use common::dist::GradientSync;
-use common::flags::DataParallelArgs;
 use common::image_classification::{self, ImageArgs};
-use common::pipeline_lm::{self, PipelineArgs};
-use common::Exercise;
+use common::language_model::{self, PipelineArgs};
+use common::presets::{EXERCISE3_DDP, EXERCISE3_PIPELINE};
 
 /// Exercise 3: VGG19 data-parallel (DDP style), or the Transformer pipeline-parallel.
 #[derive(Parser)]
@@ -33,8 +31,6 @@ enum Command {
     Ddp {
         #[command(flatten)]
         args: ImageArgs,
-        #[command(flatten)]
-        data_parallel: DataParallelArgs,
     },
     /// The 1.4B-parameter Transformer LM on WikiText-2, pipeline-parallel over several devices.
     Pipeline {
@@ -44,25 +40,14 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
-    // The course's DDP exercise trains VGG19: the shared flags' default model is the CNN.
     let matches = Cli::command()
-        .mut_subcommand("ddp", |ddp| ddp.mut_arg("model", |arg| arg.default_value("vgg19")))
-        // The pipeline exercise's model is exercise1_nlp's, 16 times larger.
-        .mut_subcommand("pipeline", |pipeline| {
-            pipeline_lm::COURSE_DEFAULTS
-                .iter()
-                .fold(pipeline, |cmd, (flag, value)| cmd.mut_arg(*flag, |arg| arg.default_value(*value)))
-        })
+        .mut_subcommand("ddp", |ddp| ddp.after_help(EXERCISE3_DDP.describe()))
+        .mut_subcommand("pipeline", |pipeline| pipeline.after_help(EXERCISE3_PIPELINE.describe()))
         .get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    match cli.command {
-        Command::Ddp { args, data_parallel } => {
-            let exercise = Exercise { name: "exercise3_ddp", default_epochs: 10 };
-            common::error::run_main(|| image_classification::run_data_parallel(exercise, &args, &data_parallel, GradientSync::Ddp))
-        }
-        Command::Pipeline { args } => {
-            let exercise = Exercise { name: "exercise3_pipeline", default_epochs: 3 };
-            common::error::run_main(|| pipeline_lm::run(exercise, &args))
-        }
-    }
+    let mut listeners = Default::default();
+    common::error::run_main(|| match &cli.command {
+        Command::Ddp { args } => image_classification::run(&EXERCISE3_DDP, args, &mut listeners).map(drop),
+        Command::Pipeline { args } => language_model::run_pipeline(&EXERCISE3_PIPELINE, args, &mut listeners).map(drop),
+    })
 }

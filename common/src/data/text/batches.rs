@@ -15,6 +15,16 @@ impl TokenBatches {
     pub fn new(tokens: &Tensor, batch_size: i64, bptt: i64, device: Device) -> Self {
         TokenBatches { data: batchify(tokens, batch_size).to_device(device), bptt }
     }
+
+    /// Replica `index` of `count`'s share of the batches one process would make with
+    /// `batch_size × count` streams: its `batch_size` consecutive streams of each. The replicas
+    /// together train exactly the single process's batches (data parallelism that equals one
+    /// process with the whole batch).
+    pub fn sharded(tokens: &Tensor, batch_size: i64, bptt: i64, device: Device, (index, count): (usize, usize)) -> Self {
+        let all = batchify(tokens, batch_size * count as i64);
+        let mine = all.narrow(1, index as i64 * batch_size, batch_size).contiguous();
+        TokenBatches { data: mine.to_device(device), bptt }
+    }
 }
 
 impl BatchSource for TokenBatches {

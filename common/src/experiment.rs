@@ -1,0 +1,369 @@
+//! What every exercise does around the training loop, written once: start the ranks, lay them
+//! out, pick the device, load the data, build the step ([`crate::parallelize`]) and the
+//! optimizer, train ([`crate::train::fit`]), test, and report. An exercise is an
+//! [`Experiment`] (its data, model and results) plus a [`Preset`]; the image exercises are
+//! [`crate::image_classification`], the language models [`crate::language_model`].
+use anyhow::Result;
+use serde::Serialize;
+use tch::Device;
+
+use crate::device::{self, DeviceChoice};
+use crate::dist::layout::{Groups, Layout};
+use crate::dist::{launch, Backend, LaunchEnv, ProcessGroup};
+use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
+use crate::parallelize::{parallelize, DataParallelPlan, ModelPlan};
+use crate::presets::Preset;
+use crate::report::{self, RunInfo, RunRecord};
+use crate::train::sinks::{CheckpointEveryEpoch, ConsoleLog, ProfileSink, ProgressBars, TensorBoardLog};
+use crate::train::{
+    self, BatchSource, CheckpointConfig, EvalSums, Event, FitReport, LrSchedule, Metric, Observer, Observers, TrainConfig, Warmup,
+};
+
+/// The data sources of one run on one rank.
+pub struct Sources {
+    pub train: Box<dyn BatchSource>,
+    /// Evaluated after every epoch (the test set for images, the validation split for text).
+    pub eval: Box<dyn BatchSource>,
+    /// Evaluated at the end: the test split (None: the last epoch's evaluation was on it).
+    pub test: Option<Box<dyn BatchSource>>,
+    /// Examples in an epoch of the whole training set (for the machine-time estimate).
+    pub examples_per_epoch: usize,
+}
+
+/// An exercise's own part: its flags, data, model and results.
+pub trait Experiment {
+    /// What [`Experiment::load`] reads once per process.
+    type Data;
+
+    fn preset(&self) -> &Preset;
+    fn run_args(&self) -> &RunArgs;
+    fn recipe_args(&self) -> &RecipeArgs;
+    fn parallel_args(&self) -> &ParallelArgs;
+    /// The flags as given, for the checkpoint's record.
+    fn flags_json(&self) -> serde_json::Value;
+
+    /// The exercise's own flag mistakes (the shared flags are checked by [`run`]).
+    fn check(&self) -> Result<()>;
+    /// Loads the data; `announce`: say what was read (rank 0).
+    fn load(&self, observers: &mut Observers, announce: bool) -> Result<Self::Data>;
+    /// How a job of `world` ranks divides the work.
+    fn layout(&self, world: usize) -> Result<Layout> {
+        Layout::new(world, 1, 1, None)
+    }
+    /// This rank's device for a job (with `--device both` on a job: its GPU where there is one).
+    fn device(&self, groups: &Groups) -> Result<Device> {
+        match self.run_args().device {
+            DeviceChoice::Cpu => Ok(Device::Cpu),
+            DeviceChoice::Cuda if !device::cuda_available() => crate::error::usage(device::no_cuda_message()),
+            DeviceChoice::Cuda | DeviceChoice::Both => Ok(groups.world.device(device::cuda_available())),
+        }
+    }
+    /// The model name in the run's name and results (`cnn`, `transformer`, ...).
+    fn model_name(&self) -> String;
+    fn dataset_name(&self) -> String;
+    fn metric(&self) -> Metric;
+    /// What to train on `device` for `groups`' layout (every rank calls it; rank 0 may say how
+    /// it decided).
+    fn model(&self, data: &Self::Data, groups: &Groups, device: Device, observers: &mut Observers) -> Result<ModelPlan>;
+    /// Says what was built (every rank calls it: a model spread over ranks is described by
+    /// gathering its parts; rank 0 speaks).
+    fn describe(&self, plan: &ModelPlan, step: &dyn train::TrainStep<'_>, groups: &Groups, device: Device, observers: &mut Observers) -> Result<()>;
+    /// What a checkpoint must have been written for to resume this run.
+    fn model_identity(&self, plan: &ModelPlan) -> serde_json::Value;
+    /// Training FLOPs per example.
+    fn flops_per_example(&self, plan: &ModelPlan) -> f64;
+    /// This replica's batches (`shard` = (replica, replicas)) on `device`.
+    fn sources(&self, data: &Self::Data, device: Device, shard: (usize, usize)) -> Result<Sources>;
+    fn data_generated(&self, data: &Self::Data) -> bool;
+    /// Devices whose peak counts for the MFU of one process (a pipeline's stages in one process).
+    fn devices_per_process(&self, _plan: &ModelPlan) -> usize {
+        1
+    }
+    /// Lines to print and fields to add to the results after the test evaluation (rank 0).
+    fn report(&self, data: &Self::Data, plan: &ModelPlan, fit: &FitReport, test: &EvalSums, device: Device) -> (Vec<String>, serde_json::Value);
+}
+
+/// Runs an exercise as the course does: with `--nproc-per-node`, a launcher or a data-parallel
+/// preset as the ranks of one job, otherwise once per `--device` (CPU then GPU) with the
+/// comparison table at the end. `listeners` hear every event of rank 0 (a notebook's
+/// [`train::EventLog`], say) besides the console, progress bars, TensorBoard and profile
+/// sinks the flags ask for. Returns rank 0's records.
+pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
+    let (run, parallel) = (exp.run_args(), exp.parallel_args());
+    run.check()?;
+    exp.recipe_args().check()?;
+    parallel.check()?;
+    exp.check()?;
+    if launch::start_ranks_if_asked(parallel.nproc_per_node)? {
+        return Ok(Vec::new());
+    }
+    let env = LaunchEnv::detect()?;
+    if exp.preset().per_device && !env.is_distributed() && parallel.backend == Backend::Auto {
+        return run_per_device(exp, listeners);
+    }
+    // Errors on one rank abort every rank (MPI_Abort) instead of leaving the others waiting.
+    ProcessGroup::run(parallel.backend, |world| {
+        let layout = exp.layout(world.world_size())?;
+        let groups = Groups::new(world, layout)?;
+        let device = exp.device(&groups)?;
+        run.precision.check(device)?;
+        if run.threads == 0 && world.local_world_size() > 1 && device == Device::Cpu {
+            // Ranks sharing a node share its cores (torchrun sets OMP_NUM_THREADS=1 for the same reason).
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            device::set_threads((cores / world.local_world_size()).max(1))?;
+        } else {
+            device::set_threads(run.threads)?;
+        }
+        let mut session = session_observers(exp, world.is_root(), listeners);
+        let data = exp.load(&mut session, world.is_root())?;
+        let record = train_on(exp, &data, &groups, device, &mut session)?;
+        if let (Some(record), true) = (&record, world.world_size() > 1) {
+            let csv = run.results_dir.join(format!("{}.csv", exp.preset().name));
+            if let Some(efficiency) = report::scaling_efficiency(&csv, record) {
+                session.info(format!("scaling efficiency against the last 1-rank run: {:.1}%", 100.0 * efficiency))?;
+            }
+        }
+        Ok(record.into_iter().collect())
+    })
+}
+
+/// The course's CPU-vs-GPU comparison: one process, one run per device, then the table.
+fn run_per_device<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
+    let run = exp.run_args();
+    // A missing GPU, or a precision a device cannot train in, is reported before any data is read.
+    let devices = device::devices_for(run.device)?;
+    for &device in &devices {
+        run.precision.check(device)?;
+    }
+    device::set_threads(run.threads)?;
+    let world = ProcessGroup::single();
+    let groups = Groups::single(&world);
+    let mut session = session_observers(exp, true, listeners);
+    let data = exp.load(&mut session, true)?;
+    let mut records = Vec::new();
+    for device in devices {
+        records.extend(train_on(exp, &data, &groups, device, &mut session)?);
+    }
+    let missing = (run.device == DeviceChoice::Both && !device::cuda_available()).then_some("no CUDA device on this machine; the run above is CPU only");
+    if run.device == DeviceChoice::Both {
+        // The course slide's bar chart (one bar where only the CPU ran).
+        let path = crate::plots::devices_path(&run.results_dir, &records[0]);
+        match crate::plots::device_comparison(&records, &path) {
+            Ok(()) => session.info(format!("wrote the device comparison {}", path.display()))?,
+            Err(err) => session.warn(format!("warning: {err:#}"))?,
+        }
+    }
+    session.info(report::comparison_table(&records, missing))?;
+    Ok(records)
+}
+
+/// The observers of a process: the console on rank 0, and the caller's listeners.
+fn session_observers<'a, E: Experiment>(exp: &E, root: bool, listeners: &'a mut Observers) -> Observers<'a> {
+    let mut observers = Observers::new().with(Forward(listeners));
+    if root {
+        observers.add(ConsoleLog::new(exp.metric()));
+    }
+    observers
+}
+
+/// Passes events on to another set of observers.
+struct Forward<'a, 'b>(&'a mut Observers<'b>);
+
+impl Observer for Forward<'_, '_> {
+    fn on_event(&mut self, event: &Event) -> Result<train::Control> {
+        self.0.emit(event)
+    }
+}
+
+/// One training run on `device`: the step, the optimizer, the loop, the test, the results
+/// (rank 0's record).
+fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Device, session: &mut Observers) -> Result<Option<RunRecord>> {
+    let (run, preset, root) = (exp.run_args(), exp.preset(), groups.is_root());
+    if device.is_cuda() {
+        tch::Cuda::cudnn_set_benchmark(true);
+    }
+    let plan = exp.model(data, groups, device, session)?;
+    let dp = DataParallelPlan { averager: exp.parallel_args().averager(), sync: preset.sync };
+    let mut step = parallelize(&plan, groups, dp, device, run.seed)?;
+    exp.describe(&plan, step.as_ref(), groups, device, session)?;
+    let replicas = groups.layout.dp;
+    let sources = exp.sources(data, device, (groups.coords.replica, replicas))?;
+    let recipe = Recipe::resolve(preset, exp.recipe_args(), replicas, sources.train.batches_per_epoch(), run.epochs.unwrap_or(preset.epochs));
+    let params: Vec<tch::Tensor> = step.named_parameters().into_iter().map(|(_, t)| t).collect();
+    let optimizer = recipe.optimizer.build(step.named_parameters(), recipe.lr, recipe.momentum, recipe.weight_decay);
+    let mut optimizer = match step.parallel().replicas {
+        Some(replication) => replication.distribute(optimizer, params),
+        None => optimizer,
+    };
+    let name = format!("{}-{}-{}", preset.name, exp.model_name(), device::device_name(device));
+    let config = TrainConfig {
+        run: name.clone(),
+        epochs: recipe.epochs,
+        max_steps: run.max_steps,
+        seed: run.seed,
+        lr_schedule: recipe.schedule,
+        accumulate: recipe.accumulate,
+        clip_grad_norm: (recipe.clip > 0.0).then_some(recipe.clip),
+        checkpoint: run.checkpoint_dir.as_ref().map(|dir| CheckpointConfig {
+            dir: dir.clone(),
+            resume: run.resume,
+            model: exp.model_identity(&plan),
+            config: exp.flags_json(),
+        }),
+        metric: exp.metric(),
+        precision: run.precision,
+        profile: run.profile,
+    };
+    let mut observers = Observers::new().with(Forward(session)).with(CheckpointEveryEpoch);
+    if root && !run.quiet {
+        observers.add(ProgressBars::new());
+    }
+    if let (Some(dir), true) = (&run.tensorboard, root) {
+        observers.add(TensorBoardLog::new(&dir.join(&name), exp.metric())?);
+    }
+    if run.profile {
+        // A model spread over ranks: a trace per rank; otherwise rank 0's.
+        let spread = groups.layout.pp * groups.layout.tp > 1;
+        if spread || root {
+            observers.add(ProfileSink::new(run.trace_path(&name, spread.then_some(groups.world.rank())), groups.world.rank(), root));
+        }
+    }
+    let fit = train::fit(step.as_mut(), optimizer.as_mut(), sources.train.as_ref(), sources.eval.as_ref(), &config, &mut observers)?;
+    drop(observers);
+    let replica_group = step.parallel().replica_group();
+    if let Some(group) = replica_group {
+        train::check_replicas_agree(&step.named_variables(), group)?;
+    }
+    let params = step_parameter_count(groups, step.as_ref())?; // a collective: every rank
+    let mut fit = fit;
+    let test = match &sources.test {
+        Some(test) => {
+            let started = std::time::Instant::now();
+            let sums = step.evaluate(test.as_ref(), run.precision)?.over(replica_group)?;
+            fit.timings.eval_s += started.elapsed().as_secs_f64();
+            sums
+        }
+        None => EvalSums { loss_sum: fit.eval_loss, hits: fit.eval_acc, examples: 1.0 },
+    };
+    if !root {
+        return Ok(None);
+    }
+    if let Some(group) = replica_group {
+        session.info(format!("parameters bit-identical on all {} ranks after training", group.world_size()))?;
+    }
+    let peak = crate::flops::peak_tflops(device, run.precision, run.peak_tflops);
+    if let Some((peak, source)) = &peak {
+        session.info(format!("[{}] peak {peak:.1} TFLOP/s per device ({source})", device::device_name(device)))?;
+    }
+    let info = RunInfo {
+        exercise: preset.name.into(),
+        model: exp.model_name(),
+        params,
+        device,
+        dataset: exp.dataset_name(),
+        data_generated: exp.data_generated(data),
+        epochs: recipe.epochs,
+        batch_size: recipe.batch_size,
+        lr: recipe.lr,
+        optimizer: optimizer.name().into(),
+        seed: run.seed,
+        world_size: groups.world.world_size(),
+        precision: run.precision,
+        flops_per_example: exp.flops_per_example(&plan),
+        peak_tflops: peak.map(|(p, _)| p * exp.devices_per_process(&plan) as f64),
+    };
+    let record = RunRecord::new(info, &fit, (test.mean_loss(), test.accuracy()));
+    let (lines, extra) = exp.report(data, &plan, &fit, &test, device);
+    for line in lines {
+        session.info(line)?;
+    }
+    session.info(report::compute_summary(&record, sources.examples_per_epoch))?;
+    let csv = run.results_dir.join(format!("{}.csv", preset.name));
+    let mut json = serde_json::json!({
+        "history": fit.history,
+        "resumed_epochs": fit.resumed_epochs,
+        "world_size": groups.world.world_size(),
+        "layout": groups.layout,
+        "dp": replicas,
+        "per_rank_batch": recipe.batch_size,
+        "accumulate": recipe.accumulate,
+        "global_batch": recipe.batch_size * recipe.accumulate * replicas,
+        "lr_schedule": recipe.schedule,
+        "allreduce_time_s": fit.timings.allreduce_s,
+        "scaling_efficiency": report::scaling_efficiency(&csv, &record),
+    });
+    if replicas > 1 {
+        let parallel = exp.parallel_args();
+        json["backend"] = groups.world.describe().into();
+        json["gradient_sync"] = serde_json::to_value(preset.sync)?;
+        json["bucket_mb"] = parallel.bucket_mb.into();
+        json["fp16_allreduce"] = parallel.fp16_allreduce.into();
+    }
+    json["scale_lr"] = exp.recipe_args().scale_lr.into();
+    json["warmup_epochs"] = exp.recipe_args().warmup_epochs.into();
+    if let (Some(object), serde_json::Value::Object(extra)) = (json.as_object_mut(), extra) {
+        object.extend(extra);
+    }
+    let saved = report::save(&run.results_dir, &record, json)?;
+    match &saved.curves {
+        Ok(svg) => session.info(format!("wrote the training curves {}", svg.display()))?,
+        Err(err) => session.warn(format!("warning: {err:#}"))?,
+    }
+    session.info(report::time_split(&record))?;
+    session.info(format!("wrote {}", saved.json.display()))?;
+    if !preset.per_device || groups.world.world_size() > 1 {
+        session.info(report::comparison_table(std::slice::from_ref(&record), None))?;
+    }
+    Ok(Some(record))
+}
+
+/// The model's parameters, counted where they live (every stage of a pipeline across ranks).
+fn step_parameter_count(groups: &Groups, step: &dyn train::TrainStep<'_>) -> Result<i64> {
+    let mine: i64 = step.named_parameters().iter().map(|(_, t)| t.numel() as i64).sum();
+    let Some(model) = groups.model() else { return Ok(mine) };
+    let mut total = tch::Tensor::from(mine as f64);
+    model.all_reduce(&mut total, crate::dist::ReduceOp::Sum)?;
+    Ok(total.double_value(&[]) as i64)
+}
+
+/// The recipe a run trains with: the preset's, with the flags given, the learning rate scaled
+/// and its schedule laid out over the run's steps.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Recipe {
+    pub epochs: usize,
+    pub batch_size: usize,
+    pub accumulate: usize,
+    pub optimizer: crate::optim::OptimizerKind,
+    pub lr: f64,
+    pub momentum: f64,
+    pub weight_decay: f64,
+    pub clip: f64,
+    pub schedule: LrSchedule,
+}
+
+impl Recipe {
+    /// `preset`'s recipe with `args` applied, for `replicas` data-parallel replicas whose
+    /// epochs have `batches_per_epoch` batches each.
+    pub fn resolve(preset: &Preset, args: &RecipeArgs, replicas: usize, batches_per_epoch: usize, epochs: usize) -> Recipe {
+        let base = preset.recipe;
+        // Linear scaling: the effective batch grows by --accumulate × replicas.
+        let growth = (args.accumulate * replicas) as f64;
+        let lr = args.lr.unwrap_or(base.lr) * if args.scale_lr { growth } else { 1.0 };
+        let steps_per_epoch = batches_per_epoch.div_ceil(args.accumulate).max(1);
+        let warmup_steps = args.warmup_steps.max(args.warmup_epochs * steps_per_epoch);
+        let mut schedule = LrSchedule::new(args.lr_schedule.unwrap_or(base.schedule), epochs * steps_per_epoch);
+        schedule.gamma = args.gamma.unwrap_or(base.gamma);
+        schedule.warmup = (warmup_steps > 0).then(|| Warmup { steps: warmup_steps, start: args.warmup_start.unwrap_or(1.0 / growth) });
+        Recipe {
+            epochs,
+            batch_size: args.batch_size.unwrap_or(base.batch_size),
+            accumulate: args.accumulate,
+            optimizer: args.optimizer.unwrap_or(base.optimizer),
+            lr,
+            momentum: args.momentum.unwrap_or(base.momentum),
+            weight_decay: args.weight_decay.unwrap_or(base.weight_decay),
+            clip: args.clip.unwrap_or(base.clip),
+            schedule,
+        }
+    }
+}

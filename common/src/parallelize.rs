@@ -1,0 +1,95 @@
+//! From a model and a job's layout to the step the training loop trains (torchtitan's
+//! `parallelize`): the model, this rank's part of it, and who it averages and agrees with.
+//!
+//! | model | layout | step |
+//! |---|---|---|
+//! | an image classifier, the Transformer | dp replicas (dp ≥ 1) | [`LocalStep`]: the whole model, gradients averaged over the replicas |
+//! | the Transformer, stages on this process's devices | one process | [`Pipeline`]: a thread per stage |
+//! | the Transformer, a stage per rank | dp × pp ranks | [`StageProcess`]: this rank's stage, activations to its neighbours, gradients averaged over its replicas |
+//!
+//! A new parallelism (tensor parallelism, sharded data parallelism) is a new row: a
+//! [`TrainStep`] and the [`Groups`] it talks over; the loop does not change.
+use std::path::PathBuf;
+
+use anyhow::Result;
+use tch::{nn, Device};
+
+use crate::dist::data_parallel::GradientAverager;
+use crate::dist::layout::Groups;
+use crate::dist::GradientSync;
+use crate::error::usage;
+use crate::models::{self, ModelSpec, TransformerConfig, TransformerLm};
+use crate::pipeline::process::StageProcess;
+use crate::pipeline::{Partition, Pipeline, PipelineOptions, Stage};
+use crate::train::{LocalStep, Parallel, Replication, TrainStep};
+
+/// What to train.
+#[derive(Debug, Clone)]
+pub enum ModelPlan {
+    /// An image classifier, from `weights` (torchvision names) when given.
+    Image { spec: ModelSpec, weights: Option<PathBuf> },
+    /// The Transformer language model, whole or cut into pipeline stages.
+    Transformer { config: TransformerConfig, pipeline: Option<PipelinePlan> },
+}
+
+/// How the Transformer is cut into stages.
+#[derive(Debug, Clone)]
+pub struct PipelinePlan {
+    pub partition: Partition,
+    pub options: PipelineOptions,
+    /// One device per stage when the stages are threads of this process; empty when each rank
+    /// of the layout's `pp` runs one stage.
+    pub devices: Vec<Device>,
+}
+
+/// How data-parallel replicas keep their gradients equal.
+#[derive(Debug, Clone, Copy)]
+pub struct DataParallelPlan {
+    pub averager: GradientAverager,
+    pub sync: GradientSync,
+}
+
+/// Builds this rank's step: the model (seeded with `seed`, the same on every rank) on `device`,
+/// or this rank's part of it, and its replicas from `groups`.
+pub fn parallelize<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPlan, device: Device, seed: u64) -> Result<Box<dyn TrainStep<'g> + 'g>> {
+    let replicas = groups.dp().map(|group| Replication { group, averager: dp.averager, sync: dp.sync });
+    if let Some(replicas) = &replicas {
+        replicas.averager.check(replicas.group, device)?;
+    }
+    let parallel = Parallel { replicas, model: None, world: Some(groups.world), replica: groups.coords.replica };
+    let whole_model = |build: &dyn Fn(&nn::VarStore) -> Result<Box<dyn nn::ModuleT>>| -> Result<Box<dyn TrainStep<'g> + 'g>> {
+        if groups.layout.pp * groups.layout.tp != 1 {
+            return usage(format!("this model is not split into parts, but the job's layout is {}", groups.layout.describe()));
+        }
+        tch::manual_seed(seed as i64);
+        let vs = nn::VarStore::new(device);
+        let module = build(&vs)?;
+        Ok(Box::new(LocalStep::new(vs, module, parallel)))
+    };
+    match model {
+        ModelPlan::Image { spec, weights } => whole_model(&|vs| {
+            let module = models::build(&vs.root(), spec);
+            if let Some(path) = weights {
+                models::load_weights(vs, path)?;
+            }
+            Ok(module)
+        }),
+        ModelPlan::Transformer { config, pipeline: None } => {
+            whole_model(&|vs| Ok(Box::new(TransformerLm::new(&vs.root(), config)?) as Box<dyn nn::ModuleT>))
+        }
+        ModelPlan::Transformer { config, pipeline: Some(plan) } if !plan.devices.is_empty() => {
+            if groups.world.world_size() > 1 {
+                return usage("--devices puts every stage in this process; a job of several ranks runs one stage per rank: drop --devices or the launcher");
+            }
+            Ok(Box::new(Pipeline::new(config, &plan.partition, &plan.devices, seed, plan.options)?))
+        }
+        ModelPlan::Transformer { config, pipeline: Some(plan) } => {
+            let (stage, stages) = (groups.coords.stage, groups.layout.pp);
+            if plan.partition.stages() != stages {
+                return usage(format!("a partition into {} stages for a layout of {stages}", plan.partition.stages()));
+            }
+            let stage = Stage::new(config, stage, stages, plan.partition.layers[stage].clone(), device, seed)?;
+            Ok(Box::new(StageProcess::new(groups, stage, plan.options, dp.averager)?))
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! The exercises as typed presets: the model, the epochs and the recipe each course exercise
+//! trains with. A binary resolves its optional flags against its preset (a flag given wins);
+//! `--help` lists the preset ([`Preset::describe`]). A new exercise is a new preset and a thin
+//! binary.
+use serde::Serialize;
+
+use crate::dist::GradientSync;
+use crate::models::Arch;
+use crate::optim::OptimizerKind;
+use crate::train::ScheduleKind;
+
+/// How an exercise optimizes, unless its flags say otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Recipe {
+    pub batch_size: usize,
+    pub optimizer: OptimizerKind,
+    pub lr: f64,
+    pub momentum: f64,
+    pub weight_decay: f64,
+    /// Gradient-norm clipping threshold (0: none).
+    pub clip: f64,
+    pub schedule: ScheduleKind,
+    /// StepLR's factor per epoch.
+    pub gamma: f64,
+}
+
+/// The course's Transformer's dimensions and data layout.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TransformerShape {
+    pub emsize: i64,
+    pub d_hid: i64,
+    pub nhead: i64,
+    pub nlayers: i64,
+    pub dropout: f64,
+    /// Tokens per sequence of a batch.
+    pub bptt: i64,
+    /// Token streams per evaluation batch.
+    pub eval_batch_size: i64,
+}
+
+/// What an exercise trains.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub enum ModelPreset {
+    Image(Arch),
+    Transformer(TransformerShape),
+}
+
+/// One course exercise.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Preset {
+    /// Names the results and checkpoint files (`<name>-<model>-<device>`).
+    pub name: &'static str,
+    pub epochs: usize,
+    pub model: ModelPreset,
+    pub recipe: Recipe,
+    /// Where data-parallel replicas average their gradients (Horovod's or DDP's way).
+    pub sync: GradientSync,
+    /// One process per `--device` (the CPU-vs-GPU exercises) rather than one job.
+    pub per_device: bool,
+}
+
+/// The image exercises' recipe: Adam, lr 1e-3, batch 100, as the course's scripts.
+const IMAGE_RECIPE: Recipe = Recipe {
+    batch_size: 100,
+    optimizer: OptimizerKind::Adam,
+    lr: 1e-3,
+    momentum: 0.9,
+    weight_decay: 0.0,
+    clip: 0.0,
+    schedule: ScheduleKind::Constant,
+    gamma: 1.0,
+};
+
+/// The PyTorch Transformer tutorial's recipe: SGD lr 5.0, StepLR γ 0.95, clipping 0.5, batch 20.
+const TUTORIAL_RECIPE: Recipe = Recipe {
+    batch_size: 20,
+    optimizer: OptimizerKind::Sgd,
+    lr: 5.0,
+    momentum: 0.0,
+    weight_decay: 0.0,
+    clip: 0.5,
+    schedule: ScheduleKind::Step,
+    gamma: 0.95,
+};
+
+/// exercise1: the simple CNN on CIFAR-10, CPU vs GPU, 5 epochs.
+pub const EXERCISE1: Preset = Preset {
+    name: "exercise1",
+    epochs: 5,
+    model: ModelPreset::Image(Arch::Cnn),
+    recipe: IMAGE_RECIPE,
+    sync: GradientSync::Ddp,
+    per_device: true,
+};
+
+/// exercise1_nlp: the tutorial's Transformer LM (d 1024, 3 layers) on WikiText-2, 3 epochs.
+pub const EXERCISE1_NLP: Preset = Preset {
+    name: "exercise1_nlp",
+    epochs: 3,
+    model: ModelPreset::Transformer(TransformerShape {
+        emsize: 1024,
+        d_hid: 1024,
+        nhead: 4,
+        nlayers: 3,
+        dropout: 0.2,
+        bptt: 35,
+        eval_batch_size: 10,
+    }),
+    recipe: TUTORIAL_RECIPE,
+    sync: GradientSync::Ddp,
+    per_device: true,
+};
+
+/// exercise2: ResNet34 data-parallel, Horovod style, 10 epochs.
+pub const EXERCISE2: Preset = Preset {
+    name: "exercise2",
+    epochs: 10,
+    model: ModelPreset::Image(Arch::Resnet34),
+    recipe: IMAGE_RECIPE,
+    sync: GradientSync::Horovod,
+    per_device: false,
+};
+
+/// exercise3 ddp: VGG19 data-parallel, PyTorch-DDP style, 10 epochs.
+pub const EXERCISE3_DDP: Preset = Preset {
+    name: "exercise3_ddp",
+    epochs: 10,
+    model: ModelPreset::Image(Arch::Vgg19),
+    recipe: IMAGE_RECIPE,
+    sync: GradientSync::Ddp,
+    per_device: false,
+};
+
+/// exercise3 pipeline: the 1.4B-parameter Transformer (d 4096, 12 layers, 16 heads) over
+/// pipeline stages, 3 epochs, the tutorial's recipe.
+pub const EXERCISE3_PIPELINE: Preset = Preset {
+    name: "exercise3_pipeline",
+    epochs: 3,
+    model: ModelPreset::Transformer(TransformerShape {
+        emsize: 4096,
+        d_hid: 4096,
+        nhead: 16,
+        nlayers: 12,
+        dropout: 0.2,
+        bptt: 35,
+        eval_batch_size: 10,
+    }),
+    recipe: TUTORIAL_RECIPE,
+    sync: GradientSync::Ddp,
+    per_device: false,
+};
+
+impl Preset {
+    /// The preset as `--help` shows it: the defaults of the flags that say "the preset's".
+    pub fn describe(&self) -> String {
+        let r = &self.recipe;
+        let mut out = format!("The course's {} preset (flags given override it):\n", self.name);
+        match self.model {
+            ModelPreset::Image(arch) => out += &format!("  --model {}\n", arch.name()),
+            ModelPreset::Transformer(t) => {
+                out += &format!(
+                    "  --emsize {} --d-hid {} --nhead {} --nlayers {} --dropout {} --bptt {} --eval-batch-size {}\n",
+                    t.emsize, t.d_hid, t.nhead, t.nlayers, t.dropout, t.bptt, t.eval_batch_size
+                )
+            }
+        }
+        out += &format!(
+            "  --epochs {} --batch-size {} --optimizer {} --lr {} --lr-schedule {}",
+            self.epochs,
+            r.batch_size,
+            r.optimizer.name(),
+            r.lr,
+            schedule_name(r.schedule)
+        );
+        if r.schedule == ScheduleKind::Step {
+            out += &format!(" --gamma {}", r.gamma);
+        }
+        if r.clip > 0.0 {
+            out += &format!(" --clip {}", r.clip);
+        }
+        if r.weight_decay > 0.0 {
+            out += &format!(" --weight-decay {}", r.weight_decay);
+        }
+        out
+    }
+}
+
+fn schedule_name(kind: ScheduleKind) -> String {
+    use clap::ValueEnum;
+    kind.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_presets_are_the_course_exercises() {
+        assert_eq!((EXERCISE1.epochs, EXERCISE1.recipe.batch_size, EXERCISE1.recipe.lr), (5, 100, 1e-3));
+        assert_eq!(EXERCISE2.model, ModelPreset::Image(Arch::Resnet34));
+        assert_eq!(EXERCISE3_DDP.model, ModelPreset::Image(Arch::Vgg19));
+        assert_eq!((EXERCISE2.sync, EXERCISE3_DDP.sync), (GradientSync::Horovod, GradientSync::Ddp));
+        let ModelPreset::Transformer(big) = EXERCISE3_PIPELINE.model else { panic!("a Transformer") };
+        assert_eq!((big.emsize, big.d_hid, big.nhead, big.nlayers), (4096, 4096, 16, 12));
+        let text = EXERCISE1_NLP.describe();
+        assert!(text.contains("--emsize 1024") && text.contains("--lr 5 --lr-schedule step --gamma 0.95 --clip 0.5"), "{text}");
+    }
+}

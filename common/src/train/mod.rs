@@ -1,0 +1,481 @@
+//! The one training loop every exercise and every parallelism runs ([`fit`]), and the pieces it
+//! is made of:
+//!
+//! - [`step::TrainStep`]: one optimizer step's work, the seam where the parallelism plugs in
+//!   (a local model, data-parallel or not; a pipeline in threads; one stage per process);
+//! - [`gradients`]: averaging, unscaling and clipping, one implementation for all of them;
+//! - [`schedule`]: the learning rate of every step (StepLR, cosine, one-cycle, warm-up);
+//! - [`state`]: resuming from and writing checkpoints, however the model is spread over ranks;
+//! - [`events`] and [`sinks`]: what the loop reports, and what turns that into console lines,
+//!   progress bars, TensorBoard scalars, profiles and checkpoints. The loop prints nothing.
+//!
+//! Resuming is exact: everything random in an epoch (order, augmentation, dropout) is a
+//! function of (seed, epoch, step), and a checkpoint holds the whole model and optimizer state.
+pub mod events;
+pub mod gradients;
+pub mod schedule;
+pub mod sinks;
+pub mod state;
+pub mod step;
+
+pub use events::{Control, Event, EventLog, Observer, Observers, Record, StepEvent};
+pub use schedule::{LrSchedule, ScheduleKind, Warmup};
+pub use sinks::TENSORBOARD_EVERY;
+pub use step::{EvalSums, LocalStep, Parallel, Replication, StepContext, StepOutput, TrainStep};
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Result;
+use serde::Serialize;
+use tch::{Kind, Tensor};
+
+use crate::checkpoint::{self, CheckpointMeta};
+use crate::device::synchronize;
+use crate::dist::ProcessGroup;
+use crate::models::mix_key;
+use crate::optim::Optimizer;
+use crate::precision::{GradScaler, Precision};
+
+/// One batch on the training device: model inputs and integer class (or next-token) targets.
+#[derive(Debug)]
+pub struct Batch {
+    pub inputs: Tensor,
+    pub targets: Tensor,
+}
+
+impl Batch {
+    /// Examples (images, or tokens for a language model) in the batch.
+    pub fn len(&self) -> usize {
+        self.targets.numel()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Anything that yields an epoch of batches.
+pub trait BatchSource {
+    fn batches_per_epoch(&self) -> usize;
+    /// The batches of epoch `epoch` (0-based), in a deterministic order.
+    fn epoch(&self, epoch: usize) -> Box<dyn Iterator<Item = Batch> + '_>;
+}
+
+/// Where and whether a run checkpoints.
+#[derive(Debug, Clone)]
+pub struct CheckpointConfig {
+    pub dir: PathBuf,
+    /// Continue from the run's checkpoint in `dir` when there is one.
+    pub resume: bool,
+    /// Identity of the model (a resume must build the same one).
+    pub model: serde_json::Value,
+    /// The run's configuration, stored for the record.
+    pub config: serde_json::Value,
+}
+
+/// How to train.
+#[derive(Debug, Clone)]
+pub struct TrainConfig {
+    /// Name of the run, e.g. `exercise1-cnn-cpu` (checkpoint file name).
+    pub run: String,
+    pub epochs: usize,
+    /// Stop after this many optimizer steps in total (smoke runs, benchmarks).
+    pub max_steps: Option<usize>,
+    pub seed: u64,
+    /// The learning rate of every step, relative to the optimizer's initial one.
+    pub lr_schedule: LrSchedule,
+    /// Batches whose gradients are accumulated into one optimizer step (`--accumulate`).
+    pub accumulate: usize,
+    pub clip_grad_norm: Option<f64>,
+    pub checkpoint: Option<CheckpointConfig>,
+    /// What the epoch figures report besides the loss.
+    pub metric: Metric,
+    /// float32, or mixed precision (autocast, and a gradient scaler for float16).
+    pub precision: Precision,
+    /// `--profile`: wait for the device at every phase boundary (the sink records them).
+    pub profile: bool,
+}
+
+impl TrainConfig {
+    fn out_of_steps(&self, step: usize) -> bool {
+        self.max_steps.is_some_and(|max| step >= max)
+    }
+}
+
+/// The figure of merit printed beside the loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Metric {
+    /// Share of arg-max hits (image classification).
+    Accuracy,
+    /// exp(loss) (language modelling).
+    Perplexity,
+}
+
+impl Metric {
+    pub fn describe(self, loss: f64, acc: f64) -> String {
+        match self {
+            Metric::Accuracy => format!("loss {loss:.4} acc {acc:.4}"),
+            Metric::Perplexity => format!("loss {loss:.4} ppl {:.2}", loss.exp()),
+        }
+    }
+}
+
+/// Wall-clock time split of the training steps, and evaluation.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Timings {
+    /// Waiting for the loader's next batch.
+    pub data_wait_s: f64,
+    pub forward_backward_s: f64,
+    /// Averaging gradients over data-parallel replicas (and the rest of finishing them).
+    pub allreduce_s: f64,
+    /// The optimizer step.
+    pub optimizer_s: f64,
+    pub eval_s: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EpochStats {
+    /// 1-based, as printed.
+    pub epoch: usize,
+    /// The learning rate of the epoch's first step.
+    pub lr: f64,
+    pub steps: usize,
+    pub train_loss: f64,
+    pub train_acc: f64,
+    pub eval_loss: f64,
+    pub eval_acc: f64,
+    pub train_time_s: f64,
+    /// Examples trained on, by all replicas.
+    pub examples: usize,
+    /// Optimizer steps done in the run at the epoch's end.
+    pub end_step: usize,
+    #[serde(skip)]
+    pub eval_interval: Option<(Instant, Instant)>,
+}
+
+/// What a call of [`fit`] did.
+#[derive(Debug, Clone, Serialize)]
+pub struct FitReport {
+    pub history: Vec<EpochStats>,
+    /// Epochs completed before this process started (resumed runs).
+    pub resumed_epochs: usize,
+    /// Optimizer steps taken in this process.
+    pub steps: usize,
+    /// Examples trained on in this process, by all replicas together.
+    pub examples: usize,
+    /// Time in training steps (loader wait, forward, backward, optimizer), evaluation excluded.
+    pub train_time_s: f64,
+    pub timings: Timings,
+    pub eval_loss: f64,
+    pub eval_acc: f64,
+    /// A pipeline's measured idle share, its first (warm-up) step left out when there are others.
+    pub bubble_fraction: Option<f64>,
+}
+
+impl FitReport {
+    /// Nothing trained yet, `resumed_epochs` done before this process started.
+    pub fn new(resumed_epochs: usize) -> FitReport {
+        FitReport {
+            history: Vec::new(),
+            resumed_epochs,
+            steps: 0,
+            examples: 0,
+            train_time_s: 0.0,
+            timings: Timings::default(),
+            eval_loss: f64::NAN,
+            eval_acc: f64::NAN,
+            bubble_fraction: None,
+        }
+    }
+
+    /// Examples per second of training.
+    pub fn throughput(&self) -> f64 {
+        if self.train_time_s > 0.0 {
+            self.examples as f64 / self.train_time_s
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The sums of an epoch so far, kept on the device (no host synchronisation per step).
+struct EpochSums {
+    loss: Tensor,
+    hits: Tensor,
+    examples: usize,
+    steps: usize,
+    data_wait_s: f64,
+    start: Instant,
+}
+
+/// A pipeline's busy and elapsed stage-seconds, the first step apart (its warm-up).
+#[derive(Default)]
+struct BubbleMeter {
+    first: Option<(f64, f64)>,
+    warm: (f64, f64),
+}
+
+impl BubbleMeter {
+    fn add(&mut self, sample: Option<(f64, f64)>) {
+        let Some(sample) = sample else { return };
+        match self.first {
+            None => self.first = Some(sample),
+            Some(_) => self.warm = (self.warm.0 + sample.0, self.warm.1 + sample.1),
+        }
+    }
+
+    fn fraction(&self) -> Option<f64> {
+        let (busy, elapsed) = if self.warm.1 > 0.0 { self.warm } else { self.first? };
+        Some(if elapsed > 0.0 { (1.0 - busy / elapsed).max(0.0) } else { 0.0 })
+    }
+}
+
+/// Trains `step` with `optimizer` on `train`, evaluating on `eval` after every epoch (the test
+/// set in the image exercises, the validation split for the language models), from a
+/// checkpoint when asked to resume and one exists; tells `observers` everything that happens.
+/// Every rank of the job runs it with the same configuration.
+pub fn fit(
+    step: &mut dyn TrainStep<'_>,
+    optimizer: &mut dyn Optimizer,
+    train: &dyn BatchSource,
+    eval: &dyn BatchSource,
+    config: &TrainConfig,
+    observers: &mut Observers,
+) -> Result<FitReport> {
+    let device = step.input_device();
+    config.precision.check(device)?;
+    let mut scaler = config.precision.needs_scaler().then(|| GradScaler::new(device));
+    let resume = config.checkpoint.as_ref().filter(|ck| ck.resume).map(|ck| (checkpoint::path_for(&ck.dir, &config.run), &ck.model));
+    let start = state::start(step, optimizer, scaler.as_mut(), resume.as_ref().map(|(p, m)| (p.as_path(), *m)), observers)?;
+    let (base_lr, steps_per_epoch) = (optimizer.lr(), train.batches_per_epoch().div_ceil(config.accumulate));
+    let replicas = step.parallel().replica_count();
+    let mut report = FitReport::new(start.epoch);
+    let (mut global_step, mut bubble) = (start.step, BubbleMeter::default());
+    observers.emit(&Event::Started {
+        run: &config.run,
+        epochs: config.epochs,
+        steps_per_epoch,
+        start_epoch: start.epoch,
+        start_step: start.step,
+    })?;
+
+    for epoch in start.epoch..config.epochs {
+        if config.out_of_steps(global_step) {
+            break;
+        }
+        // Dropout and any other LibTorch randomness: a function of (seed, epoch).
+        tch::manual_seed(config.seed.wrapping_add(epoch as u64) as i64);
+        let epoch_lr = config.lr_schedule.lr(base_lr, global_step, epoch);
+        observers.emit(&Event::EpochStarted { epoch, lr: epoch_lr })?;
+        let mut sums = EpochSums {
+            loss: Tensor::zeros([], (Kind::Double, device)),
+            hits: Tensor::zeros([], (Kind::Int64, device)),
+            examples: 0,
+            steps: 0,
+            data_wait_s: 0.0,
+            start: Instant::now(),
+        };
+        let mut batches = train.epoch(epoch);
+        let completed = loop {
+            if config.out_of_steps(global_step) {
+                break false;
+            }
+            let waiting = Instant::now();
+            let micro: Vec<Batch> = batches.by_ref().take(config.accumulate).collect();
+            if micro.is_empty() {
+                break true;
+            }
+            let fetched = Instant::now();
+            let lr = config.lr_schedule.lr(base_lr, global_step, epoch);
+            optimizer.set_lr(lr);
+            let (out, mut phases) = optimizer_step(step, optimizer, scaler.as_mut(), &micro, config, global_step)?;
+            phases.insert(0, ("data wait", waiting, fetched));
+            global_step += 1;
+            account(&mut report, &mut sums, &out, &phases);
+            bubble.add(out.stage_busy);
+            let loss = out.mean_loss();
+            observers.emit(&Event::Step(&StepEvent {
+                epoch,
+                step: global_step,
+                epoch_step: sums.steps,
+                loss: &loss,
+                lr,
+                epoch_examples: sums.examples * replicas,
+                epoch_start: sums.start,
+                phases: &phases,
+                stage_traces: &out.stage_traces,
+                bubble: out.bubble(),
+            }))?;
+        };
+        drop(batches);
+        let data_wait_s = sums.data_wait_s;
+        let stats = end_epoch(step, eval, config, &mut report, sums, epoch, epoch_lr, global_step)?;
+        let control = observers.emit(&Event::EpochEnded { stats: &stats, completed, data_wait_s })?;
+        report.history.push(stats);
+        if let (Control::Checkpoint, true, Some(ck)) = (control, completed, &config.checkpoint) {
+            let meta = checkpoint_meta(config, ck, optimizer.name(), epoch + 1, global_step, scaler.as_ref());
+            let path = checkpoint::path_for(&ck.dir, &config.run);
+            state::save(step, optimizer, &meta, &path)?;
+            observers.emit(&Event::Checkpointed { path: &path, epoch: epoch + 1 })?;
+        }
+    }
+    if report.history.is_empty() {
+        // Nothing left to train (a finished run resumed): still report where the model stands.
+        let started = Instant::now();
+        let sums = step.evaluate(eval, config.precision)?.over(step.parallel().replica_group())?;
+        (report.eval_loss, report.eval_acc) = (sums.mean_loss(), sums.accuracy());
+        report.timings.eval_s += started.elapsed().as_secs_f64();
+    }
+    report.bubble_fraction = bubble.fraction();
+    observers.emit(&Event::Finished(&report))?;
+    Ok(report)
+}
+
+/// One optimizer step: forward and backward passes of `micro` (one batch, or `--accumulate`
+/// of them, each weighted by its share of the examples), the gradients finished, the update
+/// (skipped by the float16 scaler on inf/NaN). Returns what the passes measured and the phases.
+fn optimizer_step(
+    step: &mut dyn TrainStep<'_>,
+    optimizer: &mut dyn Optimizer,
+    mut scaler: Option<&mut GradScaler>,
+    micro: &[Batch],
+    config: &TrainConfig,
+    global_step: usize,
+) -> Result<(StepOutput, Vec<(&'static str, Instant, Instant)>)> {
+    let device = step.input_device();
+    let examples: usize = micro.iter().map(Batch::len).sum();
+    optimizer.zero_grad();
+    let mut out = StepOutput::default();
+    for (i, batch) in micro.iter().enumerate() {
+        let ctx = StepContext {
+            precision: config.precision,
+            scaler: scaler.as_deref(),
+            dropout_key: mix_key(&[config.seed, global_step as u64, i as u64]),
+            sync_phases: config.profile,
+            count_hits: config.metric == Metric::Accuracy,
+        };
+        let weight = if micro.len() == 1 { 1.0 } else { batch.len() as f64 / examples as f64 };
+        out.absorb(step.forward_backward(batch, weight, &ctx)?);
+    }
+    let finishing = Instant::now();
+    step.finish_gradients(optimizer, scaler.as_deref(), config.clip_grad_norm)?;
+    let stepping = Instant::now();
+    match scaler.as_mut() {
+        Some(scaler) => {
+            let params: Vec<Tensor> = step.named_parameters().into_iter().map(|(_, t)| t).collect();
+            scaler.step(&params, || optimizer.step())?;
+            scaler.update();
+        }
+        None => optimizer.step()?,
+    }
+    synchronize(device);
+    let mut phases = std::mem::take(&mut out.phases);
+    phases.push(("all-reduce", finishing, stepping));
+    phases.push(("optimizer", stepping, Instant::now()));
+    Ok((out, phases))
+}
+
+/// Adds one step to the epoch's sums and the report's times.
+fn account(report: &mut FitReport, sums: &mut EpochSums, out: &StepOutput, phases: &[(&'static str, Instant, Instant)]) {
+    let seconds = |name: &str| events::phase_seconds(phases, name);
+    let wait = seconds("data wait");
+    report.timings.data_wait_s += wait;
+    report.timings.forward_backward_s += seconds("forward") + seconds("backward") + seconds("forward+backward");
+    report.timings.allreduce_s += seconds("all-reduce");
+    report.timings.optimizer_s += seconds("optimizer");
+    sums.data_wait_s += wait;
+    if let Some(loss) = &out.loss_sum {
+        sums.loss += loss;
+    }
+    if let Some(hits) = &out.hits {
+        sums.hits += hits;
+    }
+    sums.examples += out.examples;
+    sums.steps += 1;
+    report.steps += 1;
+}
+
+/// What a checkpoint after `epoch` epochs and `step` steps records besides its tensors.
+fn checkpoint_meta(config: &TrainConfig, ck: &CheckpointConfig, optimizer: &str, epoch: usize, step: usize, scaler: Option<&GradScaler>) -> CheckpointMeta {
+    CheckpointMeta {
+        format: checkpoint::FORMAT_VERSION,
+        run: config.run.clone(),
+        model: ck.model.clone(),
+        optimizer: optimizer.to_string(),
+        epoch,
+        step,
+        seed: config.seed,
+        config: ck.config.clone(),
+        torch_version: crate::torch_version().to_string(),
+        grad_scaler: scaler.map(GradScaler::state),
+    }
+}
+
+/// The epoch's figures: its training sums combined over the replicas, and an evaluation.
+#[allow(clippy::too_many_arguments)]
+fn end_epoch(
+    step: &mut dyn TrainStep<'_>,
+    eval: &dyn BatchSource,
+    config: &TrainConfig,
+    report: &mut FitReport,
+    sums: EpochSums,
+    epoch: usize,
+    lr: f64,
+    global_step: usize,
+) -> Result<EpochStats> {
+    let train_time_s = sums.start.elapsed().as_secs_f64();
+    let replicas = step.parallel().replica_group();
+    let local_hits = if config.metric == Metric::Accuracy { sums.hits.int64_value(&[]) as f64 } else { f64::NAN };
+    let train = EvalSums { loss_sum: sums.loss.double_value(&[]), hits: local_hits, examples: sums.examples as f64 }.over(replicas)?;
+    step.sync_buffers()?;
+    let started = Instant::now();
+    let evaluated = step.evaluate(eval, config.precision)?.over(replicas)?;
+    synchronize(step.input_device());
+    let ended = Instant::now();
+    report.timings.eval_s += (ended - started).as_secs_f64();
+    report.train_time_s += train_time_s;
+    report.examples += train.examples as usize;
+    (report.eval_loss, report.eval_acc) = (evaluated.mean_loss(), evaluated.accuracy());
+    Ok(EpochStats {
+        epoch: epoch + 1,
+        lr,
+        steps: sums.steps,
+        train_loss: train.mean_loss(),
+        // Not counted in language-model training (NaN: null in the JSON).
+        train_acc: train.hits / train.examples.max(1.0),
+        eval_loss: evaluated.mean_loss(),
+        eval_acc: evaluated.accuracy(),
+        train_time_s,
+        examples: train.examples as usize,
+        end_step: global_step,
+        eval_interval: Some((started, ended)),
+    })
+}
+
+/// A bitwise fingerprint of variables (FNV-1a over their bytes, in name order), as two exactly
+/// representable halves so that it travels through f64 collectives unchanged.
+pub fn fingerprint(variables: &[(String, Tensor)]) -> [f64; 2] {
+    let mut vars: Vec<&(String, Tensor)> = variables.iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for (_, var) in vars {
+        let var = var.detach().to_device(tch::Device::Cpu).contiguous();
+        let mut bytes = vec![0u8; var.numel() * var.kind().elt_size_in_bytes()];
+        var.copy_data_u8(&mut bytes, var.numel());
+        for byte in bytes {
+            hash = (hash ^ byte as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    [(hash >> 32) as f64, (hash & 0xffff_ffff) as f64]
+}
+
+/// Checks that every replica in `group` holds bit-identical `variables` (data parallelism's
+/// invariant); an error names the replicas that diverged from replica 0.
+pub fn check_replicas_agree(variables: &[(String, Tensor)], group: &ProcessGroup) -> Result<()> {
+    let mine = Tensor::from_slice(&fingerprint(variables));
+    let all: Vec<Vec<f64>> = group.all_gather(&mine)?.iter().map(Vec::<f64>::try_from).collect::<Result<_, _>>()?;
+    let diverged: Vec<usize> = (1..all.len()).filter(|&r| all[r] != all[0]).collect();
+    anyhow::ensure!(diverged.is_empty(), "data-parallel replicas diverged: ranks {diverged:?} hold other parameters than rank 0");
+    Ok(())
+}

@@ -1,0 +1,258 @@
+//! The observers a run usually has: the console's lines ([`ConsoleLog`]), a progress bar per
+//! epoch ([`ProgressBars`]), TensorBoard scalars ([`TensorBoardLog`]), `--profile`'s table and
+//! Chrome trace ([`ProfileSink`]) and the checkpoint policy ([`CheckpointEveryEpoch`]).
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use super::events::{phase_seconds, Control, Event, Observer};
+use super::Metric;
+use crate::profile::Profiler;
+use crate::tensorboard::SummaryWriter;
+
+/// `--tensorboard` logs the training loss, learning rate and throughput every this many steps
+/// (and every epoch's figures at its end).
+pub const TENSORBOARD_EVERY: usize = 10;
+
+/// What the sinks need to know about the run, from [`Event::Started`].
+#[derive(Default, Clone)]
+struct RunHeader {
+    run: String,
+    epochs: usize,
+    steps_per_epoch: usize,
+}
+
+impl RunHeader {
+    fn update(&mut self, event: &Event) {
+        if let Event::Started { run, epochs, steps_per_epoch, .. } = event {
+            *self = RunHeader { run: run.to_string(), epochs: *epochs, steps_per_epoch: *steps_per_epoch };
+        }
+    }
+}
+
+/// Prints the narrative (stdout), warnings (stderr) and one line per epoch.
+pub struct ConsoleLog {
+    metric: Metric,
+    header: RunHeader,
+}
+
+impl ConsoleLog {
+    pub fn new(metric: Metric) -> ConsoleLog {
+        ConsoleLog { metric, header: RunHeader::default() }
+    }
+}
+
+impl Observer for ConsoleLog {
+    fn on_event(&mut self, event: &Event) -> Result<Control> {
+        self.header.update(event);
+        match event {
+            Event::Info(line) => println!("{line}"),
+            Event::Warning(line) => eprintln!("{line}"),
+            Event::EpochEnded { stats, completed, data_wait_s } => {
+                let rate = stats.examples as f64 / stats.train_time_s.max(f64::EPSILON);
+                println!(
+                    "[{}] epoch {}/{}{}: {} steps in {:.1} s ({rate:.0}/s, data wait {:.1}%), lr {:.4}  train {}  eval {}",
+                    self.header.run,
+                    stats.epoch,
+                    self.header.epochs,
+                    if *completed { "" } else { " (stopped by --max-steps)" },
+                    stats.steps,
+                    stats.train_time_s,
+                    100.0 * data_wait_s / stats.train_time_s.max(f64::EPSILON),
+                    stats.lr,
+                    self.metric.describe(stats.train_loss, stats.train_acc),
+                    self.metric.describe(stats.eval_loss, stats.eval_acc),
+                );
+            }
+            _ => {}
+        }
+        Ok(Control::Continue)
+    }
+}
+
+/// A live progress bar per epoch on stderr (hidden where stderr is not a terminal).
+#[derive(Default)]
+pub struct ProgressBars {
+    header: RunHeader,
+    bar: Option<ProgressBar>,
+}
+
+impl ProgressBars {
+    pub fn new() -> ProgressBars {
+        ProgressBars::default()
+    }
+}
+
+impl Observer for ProgressBars {
+    fn on_event(&mut self, event: &Event) -> Result<Control> {
+        self.header.update(event);
+        match event {
+            Event::EpochStarted { epoch, .. } => {
+                let bar = ProgressBar::new(self.header.steps_per_epoch as u64);
+                let style = ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {elapsed_precise} {msg}")
+                    .expect("valid template")
+                    .progress_chars("=> ");
+                bar.set_style(style);
+                bar.set_prefix(format!("{} epoch {}/{}", self.header.run, epoch + 1, self.header.epochs));
+                bar.enable_steady_tick(Duration::from_millis(500));
+                self.bar = Some(bar);
+            }
+            Event::Step(step) => {
+                if let Some(bar) = self.bar.as_ref().filter(|b| !b.is_hidden()) {
+                    if step.epoch_step % 10 == 0 || step.epoch_step == 1 {
+                        // Reading the loss waits for the device: every few steps only.
+                        let rate = step.epoch_examples as f64 / step.epoch_start.elapsed().as_secs_f64();
+                        bar.set_message(format!("loss {:.4}  {rate:.0}/s", step.loss.double_value(&[])));
+                    }
+                    bar.inc(1);
+                }
+            }
+            Event::EpochEnded { .. } | Event::Finished(_) => {
+                if let Some(bar) = self.bar.take() {
+                    bar.finish_and_clear();
+                }
+            }
+            _ => {}
+        }
+        Ok(Control::Continue)
+    }
+}
+
+/// TensorBoard event files in one log directory: every [`TENSORBOARD_EVERY`] steps the loss,
+/// learning rate, throughput (and a pipeline's bubble); every epoch's losses, accuracy or
+/// perplexity, learning rate and throughput.
+pub struct TensorBoardLog {
+    writer: SummaryWriter,
+    metric: Metric,
+    /// When and at how many examples of the epoch the last step was logged.
+    last: (Instant, usize),
+}
+
+impl TensorBoardLog {
+    pub fn new(dir: &std::path::Path, metric: Metric) -> Result<TensorBoardLog> {
+        Ok(TensorBoardLog { writer: SummaryWriter::new(dir)?, metric, last: (Instant::now(), 0) })
+    }
+}
+
+impl Observer for TensorBoardLog {
+    fn on_event(&mut self, event: &Event) -> Result<Control> {
+        match event {
+            Event::EpochStarted { .. } => self.last = (Instant::now(), 0),
+            Event::Step(step) if step.step % TENSORBOARD_EVERY == 0 => {
+                let rate = step.epoch_examples.saturating_sub(self.last.1) as f64 / self.last.0.elapsed().as_secs_f64();
+                self.writer.add_scalar("train/loss", step.loss.double_value(&[]), step.step)?;
+                self.writer.add_scalar("train/lr", step.lr, step.step)?;
+                self.writer.add_scalar("train/throughput", rate, step.step)?;
+                if let Some(bubble) = step.bubble {
+                    self.writer.add_scalar("train/bubble_fraction", bubble, step.step)?;
+                }
+                self.last = (Instant::now(), step.epoch_examples);
+            }
+            Event::EpochEnded { stats, .. } => {
+                let at = stats.end_step;
+                self.writer.add_scalar("epoch/train_loss", stats.train_loss, at)?;
+                self.writer.add_scalar("epoch/eval_loss", stats.eval_loss, at)?;
+                match self.metric {
+                    Metric::Accuracy => self.writer.add_scalar("epoch/eval_accuracy", stats.eval_acc, at)?,
+                    Metric::Perplexity => self.writer.add_scalar("epoch/eval_perplexity", stats.eval_loss.exp(), at)?,
+                }
+                self.writer.add_scalar("epoch/lr", stats.lr, at)?;
+                self.writer.add_scalar("epoch/throughput", stats.examples as f64 / stats.train_time_s.max(f64::EPSILON), at)?;
+                self.writer.flush()?;
+            }
+            _ => {}
+        }
+        Ok(Control::Continue)
+    }
+}
+
+/// `--profile`: each step's phases and each evaluation into a [`Profiler`]; a pipeline's
+/// passes per stage into the trace, one row per stage. At the end, rank 0 prints the phase
+/// table, and every rank writes its Chrome trace to `trace`.
+pub struct ProfileSink {
+    profiler: Profiler,
+    trace: PathBuf,
+    print: bool,
+    header: RunHeader,
+    /// The steps are a pipeline's: the trace holds the stages' passes only.
+    pipelined: bool,
+}
+
+impl ProfileSink {
+    /// `rank` names the trace's process row; `print`: whether this rank prints the table.
+    pub fn new(trace: PathBuf, rank: usize, print: bool) -> ProfileSink {
+        ProfileSink { profiler: Profiler::new(true, rank), trace, print, header: RunHeader::default(), pipelined: false }
+    }
+}
+
+impl Observer for ProfileSink {
+    fn on_event(&mut self, event: &Event) -> Result<Control> {
+        self.header.update(event);
+        match event {
+            Event::Step(step) => {
+                let index = step.step - 1;
+                if step.stage_traces.is_empty() {
+                    for &(phase, start, end) in step.phases {
+                        self.profiler.record(phase, start, end, index);
+                    }
+                } else {
+                    // A pipeline: its trace shows each stage's passes (F<m>, B<m>) on the stage's
+                    // row; the loop's phases count in the table.
+                    self.pipelined = true;
+                    for &(phase, start, end) in step.phases {
+                        self.profiler.add_to_table(phase, phase_seconds(&[(phase, start, end)], phase));
+                    }
+                    let origin = step.phases.iter().map(|p| p.1).min().unwrap_or_else(Instant::now);
+                    for trace in step.stage_traces {
+                        for interval in &trace.intervals {
+                            let (name, m) = match interval.op {
+                                crate::pipeline::Op::Forward(m) => ("F", m),
+                                crate::pipeline::Op::Backward(m) => ("B", m),
+                            };
+                            let at = |s: f64| origin + Duration::from_secs_f64(s.max(0.0));
+                            self.profiler.record_on(format!("{name}{m}"), trace.stage, at(interval.start_s), at(interval.end_s), index);
+                        }
+                    }
+                }
+            }
+            Event::EpochEnded { stats, .. } => {
+                match (stats.eval_interval, self.pipelined) {
+                    (Some((start, end)), false) => self.profiler.record("evaluation", start, end, stats.end_step),
+                    (Some((start, end)), true) => self.profiler.add_to_table("evaluation", (end - start).as_secs_f64()),
+                    (None, _) => {}
+                }
+            }
+            Event::Finished(report) => {
+                if self.print {
+                    println!(
+                        "--profile: {} (device waited for at every phase boundary)\n{}",
+                        self.header.run,
+                        self.profiler.table(report.steps)
+                    );
+                }
+                self.profiler.write_chrome_trace(&self.trace)?;
+                if self.print {
+                    println!("wrote the Chrome trace {} (open in chrome://tracing or ui.perfetto.dev)", self.trace.display());
+                }
+            }
+            _ => {}
+        }
+        Ok(Control::Continue)
+    }
+}
+
+/// Checkpoints after every completed epoch (a resume then starts at an epoch boundary, where
+/// the data order, augmentation and dropout streams are known). On every rank: the ranks that
+/// hold parts of the model send them to rank 0 for the one file.
+pub struct CheckpointEveryEpoch;
+
+impl Observer for CheckpointEveryEpoch {
+    fn on_event(&mut self, event: &Event) -> Result<Control> {
+        Ok(match event {
+            Event::EpochEnded { completed: true, .. } => Control::Checkpoint,
+            _ => Control::Continue,
+        })
+    }
+}

@@ -1,0 +1,136 @@
+//! Where a run starts and what it leaves behind: the checkpoint it resumes from and the ones it
+//! writes, for a model on one rank or spread over several (pipeline stages), replicated or not.
+//!
+//! A checkpoint is one file with every variable and optimizer state under its whole-model
+//! name, written by the job's rank 0 (with the other stages' parts gathered to it) and read by
+//! it alone (each stage's part sent to the rank that holds it): so a run resumes on another
+//! number of stages, processes or replicas than the one that wrote it. Replicas then start from
+//! replica 0's state, as Horovod broadcasts rank 0's.
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use tch::{Device, Kind, Tensor};
+
+use super::events::Observers;
+use super::step::TrainStep;
+use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
+use crate::dist::data_parallel::{broadcast_named, broadcast_optimizer_state};
+use crate::dist::transfer::{recv_named, recv_tensor, send_named, send_tensor};
+use crate::dist::ProcessGroup;
+use crate::optim::Optimizer;
+use crate::precision::{GradScaler, GradScalerState};
+
+/// Epochs and optimizer steps already done when the loop starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Progress {
+    pub epoch: usize,
+    pub step: usize,
+}
+
+/// Restores the checkpoint at `path` when `resume` asks for it and it exists (rank 0 reads it;
+/// every rank holding a part of replica 0's model gets its part), checking it was written for
+/// `model`; then makes every replica start from replica 0's variables and optimizer state.
+/// Every rank calls it. Returns where the run continues.
+pub fn start(
+    step: &mut dyn TrainStep<'_>,
+    optimizer: &mut dyn Optimizer,
+    scaler: Option<&mut GradScaler>,
+    resume_from: Option<(&Path, &serde_json::Value)>,
+    observers: &mut Observers,
+) -> Result<Progress> {
+    let parallel = step.parallel();
+    let (root, world, model, first_replica) = (parallel.is_root(), parallel.world, parallel.model, parallel.replica == 0);
+    let replicas = parallel.replica_group();
+
+    // Rank 0 reads the file; [resumed, epoch, step, scale, growth tracker] then go to everyone.
+    let mut loaded: Option<Checkpoint> = None;
+    let mut header = [0.0, 0.0, 0.0, f64::NAN, 0.0];
+    if let (Some((path, identity)), true) = (resume_from, root) {
+        if path.exists() {
+            let saved = checkpoint::load(path)?;
+            saved.check_model(path, identity)?;
+            let meta = &saved.meta;
+            observers.info(format!("resumed {} from {} after epoch {} (step {})", meta.run, path.display(), meta.epoch, meta.step))?;
+            let scale = meta.grad_scaler.map_or([f64::NAN, 0.0], |s| [s.scale, s.growth_tracker as f64]);
+            header = [1.0, meta.epoch as f64, meta.step as f64, scale[0], scale[1]];
+            loaded = Some(saved);
+        } else {
+            observers.info(format!("--resume: no checkpoint at {} yet, starting from scratch", path.display()))?;
+        }
+    }
+    if let Some(world) = world {
+        let mut shared = Tensor::from_slice(&header);
+        world.broadcast(&mut shared, 0)?;
+        header.copy_from_slice(&Vec::<f64>::try_from(&shared)?);
+    }
+    if header[0] == 1.0 && first_replica {
+        let what = resume_from.map_or(String::new(), |(p, _)| p.display().to_string());
+        restore_replica_zero(step, optimizer, loaded.as_ref(), &what, model)?;
+    }
+    if let Some(group) = replicas {
+        broadcast_named(group, step.named_variables(), 0)?;
+        broadcast_optimizer_state(group, optimizer, 0)?;
+    }
+    if let (Some(scaler), false) = (scaler, header[3].is_nan()) {
+        scaler.load_state(GradScalerState { scale: header[3], growth_tracker: header[4] as i64 });
+    }
+    Ok(Progress { epoch: header[1] as usize, step: header[2] as usize })
+}
+
+/// Gives every rank of replica 0 its part of `loaded` (which rank 0 holds): rank 0's directly,
+/// the other stages' through `model`. Rank 0 then checks that the parts covered the file.
+fn restore_replica_zero(
+    step: &mut dyn TrainStep<'_>,
+    optimizer: &mut dyn Optimizer,
+    loaded: Option<&Checkpoint>,
+    what: &str,
+    model: Option<&ProcessGroup>,
+) -> Result<()> {
+    let variables = step.named_variables();
+    let names: Vec<String> = variables.iter().map(|(n, _)| n.clone()).collect();
+    let Some(model) = model.filter(|g| !g.is_root()) else {
+        // Rank 0 of replica 0 (the file is here): its own part, then every other stage's.
+        let loaded = loaded.context("rank 0 restores from the checkpoint it read")?;
+        let path = Path::new(what);
+        let mut covered = names.len();
+        if let Some(model) = model {
+            for rank in 1..model.world_size() {
+                let theirs: Vec<String> = serde_json::from_slice(&Vec::<u8>::try_from(&recv_tensor(model, rank, Device::Cpu)?)?)?;
+                covered += theirs.len();
+                send_named(model, &loaded.part(path, &theirs)?, rank)?;
+            }
+        }
+        if covered != loaded.model_variables() {
+            anyhow::bail!(
+                "checkpoint {what} holds {} model variables, but this run's ranks hold {covered}: it was written for another model",
+                loaded.model_variables()
+            );
+        }
+        return checkpoint::restore_part(what, loaded.part(path, &names)?, variables, optimizer);
+    };
+    send_tensor(model, &Tensor::from_slice(&serde_json::to_vec(&names)?).to_kind(Kind::Uint8), 0)?;
+    model.wait_sends()?;
+    let part = recv_named(model, 0)?;
+    checkpoint::restore_part(what, part, variables, optimizer)
+}
+
+/// Writes the checkpoint `meta` describes to `path`: replica 0's ranks send their variables and
+/// optimizer state to rank 0, which writes one file (atomically). Every rank calls it.
+pub fn save(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: &CheckpointMeta, path: &Path) -> Result<()> {
+    let parallel = step.parallel();
+    if parallel.replica != 0 {
+        return Ok(()); // replicas hold what replica 0 holds
+    }
+    let (mut variables, mut state) = (step.named_variables(), optimizer.state_tensors());
+    if let Some(model) = parallel.model {
+        if !model.is_root() {
+            send_named(model, &variables, 0)?;
+            return send_named(model, &state, 0);
+        }
+        for rank in 1..model.world_size() {
+            variables.extend(recv_named(model, rank)?);
+            state.extend(recv_named(model, rank)?);
+        }
+    }
+    checkpoint::save_tensors(path, variables, state, meta).with_context(|| format!("after epoch {}", meta.epoch))
+}

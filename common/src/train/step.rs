@@ -1,0 +1,297 @@
+//! [`TrainStep`]: one optimizer step's work, the seam between the training loop and the
+//! parallelism. The loop ([`super::fit`]) is the same for every exercise; what differs is how a
+//! step's forward and backward passes run (one model, a pipeline of stages in threads, one
+//! stage of a pipeline across processes) and over which ranks its gradients are finished. A new
+//! parallelism is a new implementation of this trait, handed to the loop by
+//! [`crate::parallelize`].
+use std::time::Instant;
+
+use anyhow::Result;
+use tch::{nn, Device, Kind, Tensor};
+
+use super::{gradients, Batch, BatchSource};
+use crate::device::synchronize;
+use crate::dist::data_parallel::{DistributedOptimizer, GradientAverager};
+use crate::dist::{GradientSync, ProcessGroup, ReduceOp};
+use crate::optim::Optimizer;
+use crate::pipeline::executor::StageTrace;
+use crate::precision::{self, GradScaler, Precision};
+
+/// What a step needs besides its batch.
+#[derive(Clone, Copy)]
+pub struct StepContext<'a> {
+    pub precision: Precision,
+    /// float16 training's scaler: the loss is multiplied by its scale before backward.
+    pub scaler: Option<&'a GradScaler>,
+    /// Keys this micro-batch's dropout masks where the step draws keyed masks (a pipeline).
+    pub dropout_key: u64,
+    /// `--profile`: wait for the device at phase boundaries, so phases are the device's work.
+    pub sync_phases: bool,
+    /// Count the arg-max hits (image classification's accuracy).
+    pub count_hits: bool,
+}
+
+/// What one forward and backward pass did on this rank.
+#[derive(Default)]
+pub struct StepOutput {
+    /// The sum of the examples' losses (mean × examples), float64, on the device.
+    pub loss_sum: Option<Tensor>,
+    /// Arg-max hits, when counted.
+    pub hits: Option<Tensor>,
+    /// Examples (images, or tokens) in the batch.
+    pub examples: usize,
+    /// Phases with their times (`"forward"`, `"backward"`, or a pipeline's `"forward+backward"`).
+    pub phases: Vec<(&'static str, Instant, Instant)>,
+    /// A pipeline's passes per stage (empty otherwise).
+    pub stage_traces: Vec<StageTrace>,
+    /// A pipeline's stage-seconds computed and stage-seconds elapsed (the bubble's parts).
+    pub stage_busy: Option<(f64, f64)>,
+}
+
+impl StepOutput {
+    /// Adds `other` (the next micro-batch of an accumulated step) to this one.
+    pub fn absorb(&mut self, other: StepOutput) {
+        let add = |a: Option<Tensor>, b: Option<Tensor>| match (a, b) {
+            (Some(a), Some(b)) => Some(a + b),
+            (a, b) => a.or(b),
+        };
+        self.loss_sum = add(self.loss_sum.take(), other.loss_sum);
+        self.hits = add(self.hits.take(), other.hits);
+        self.examples += other.examples;
+        self.phases.extend(other.phases);
+        self.stage_traces.extend(other.stage_traces);
+        self.stage_busy = match (self.stage_busy, other.stage_busy) {
+            (Some((a, b)), Some((c, d))) => Some((a + c, b + d)),
+            (a, b) => a.or(b),
+        };
+    }
+
+    /// The step's mean loss (on the device).
+    pub fn mean_loss(&self) -> Tensor {
+        match &self.loss_sum {
+            Some(sum) => sum / self.examples.max(1) as f64,
+            None => Tensor::from(f64::NAN),
+        }
+    }
+
+    /// The measured idle share of a pipeline step.
+    pub fn bubble(&self) -> Option<f64> {
+        self.stage_busy.map(|(busy, elapsed)| if elapsed > 0.0 { (1.0 - busy / elapsed).max(0.0) } else { 0.0 })
+    }
+}
+
+/// Sums over a pass of evaluation; replicas combine theirs by adding.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EvalSums {
+    pub loss_sum: f64,
+    pub hits: f64,
+    pub examples: f64,
+}
+
+impl EvalSums {
+    pub fn mean_loss(&self) -> f64 {
+        self.loss_sum / self.examples.max(1.0)
+    }
+
+    pub fn accuracy(&self) -> f64 {
+        self.hits / self.examples.max(1.0)
+    }
+
+    /// The sums of every replica in `group` (unchanged without one).
+    pub fn over(self, group: Option<&ProcessGroup>) -> Result<EvalSums> {
+        let Some(group) = group else { return Ok(self) };
+        let mut all = Tensor::from_slice(&[self.loss_sum, self.hits, self.examples]);
+        group.all_reduce(&mut all, ReduceOp::Sum)?;
+        let all = Vec::<f64>::try_from(&all)?;
+        Ok(EvalSums { loss_sum: all[0], hits: all[1], examples: all[2] })
+    }
+}
+
+/// How the replicas of a data-parallel job keep their gradients equal: the group of ranks
+/// holding the same variables, the bucketed averager (`--bucket-mb`, `--fp16-allreduce`) and
+/// where the averaging runs (DDP: after backward; Horovod: inside the optimizer's step).
+#[derive(Clone, Copy)]
+pub struct Replication<'g> {
+    pub group: &'g ProcessGroup,
+    pub averager: GradientAverager,
+    pub sync: GradientSync,
+}
+
+impl<'g> Replication<'g> {
+    /// The optimizer the loop steps: `optimizer` itself (DDP), or Horovod's wrapper whose step
+    /// averages the gradients of `params` first.
+    pub fn distribute<'o>(&self, optimizer: Box<dyn Optimizer + 'o>, params: Vec<Tensor>) -> Box<dyn Optimizer + 'o>
+    where
+        'g: 'o,
+    {
+        match self.sync {
+            GradientSync::Ddp => optimizer,
+            GradientSync::Horovod => Box::new(DistributedOptimizer::new(optimizer, params, self.group, self.averager)),
+        }
+    }
+}
+
+/// Who a step's rank works with.
+#[derive(Clone, Copy, Default)]
+pub struct Parallel<'g> {
+    /// The data-parallel replicas of this rank's variables.
+    pub replicas: Option<Replication<'g>>,
+    /// The ranks holding the other parts of this replica's model (pipeline stages): gradient
+    /// norms, the scaler's verdict and checkpoints are agreed or gathered over them.
+    pub model: Option<&'g ProcessGroup>,
+    /// The whole job (its rank 0 reads and writes checkpoints).
+    pub world: Option<&'g ProcessGroup>,
+    /// This rank's replica (0 holds the copy a checkpoint is gathered from).
+    pub replica: usize,
+}
+
+impl<'g> Parallel<'g> {
+    pub fn replica_group(self) -> Option<&'g ProcessGroup> {
+        self.replicas.map(|r| r.group)
+    }
+
+    /// Whether this rank is the job's rank 0.
+    pub fn is_root(self) -> bool {
+        self.world.is_none_or(ProcessGroup::is_root)
+    }
+
+    /// The number of data-parallel replicas.
+    pub fn replica_count(self) -> usize {
+        self.replica_group().map_or(1, ProcessGroup::world_size)
+    }
+}
+
+/// One optimizer step's work: forward and backward passes of a batch in the run's precision,
+/// the gradients made final over every rank that holds the model, evaluation; the variables it
+/// trains under their whole-model names.
+pub trait TrainStep<'g> {
+    /// The trainable variables this rank holds, under their whole-model names, in the same
+    /// order on every replica.
+    fn named_parameters(&self) -> Vec<(String, Tensor)>;
+
+    /// Every variable this rank holds (parameters and buffers such as batch-norm statistics),
+    /// under their whole-model names: what a checkpoint keeps of it.
+    fn named_variables(&self) -> Vec<(String, Tensor)>;
+
+    /// Where this rank's batches go.
+    fn input_device(&self) -> Device;
+
+    /// Who this rank works with (groups that outlive the step).
+    fn parallel(&self) -> Parallel<'g>;
+
+    /// Forward and backward passes of `batch` (this rank's share of it), the loss multiplied by
+    /// `weight` (the batch's share of an accumulated step) before backward; gradients add up
+    /// over calls until the optimizer's `zero_grad`.
+    fn forward_backward(&mut self, batch: &Batch, weight: f64, ctx: &StepContext) -> Result<StepOutput>;
+
+    /// Sums over one pass of `source` (this replica's shard), without gradients, in evaluation
+    /// mode; replicas are combined by the caller.
+    fn evaluate(&mut self, source: &dyn BatchSource, precision: Precision) -> Result<EvalSums>;
+
+    /// Makes the gradients final before the optimizer step: averaged over the replicas (DDP
+    /// style; Horovod's optimizer averages in its `synchronize`), unscaled (float16) with one
+    /// inf/NaN verdict for the whole model, clipped to `clip` by the norm over the whole model.
+    /// Returns that norm when clipping.
+    fn finish_gradients(&mut self, optimizer: &mut dyn Optimizer, scaler: Option<&GradScaler>, clip: Option<f64>) -> Result<Option<f64>> {
+        let params: Vec<Tensor> = self.named_parameters().into_iter().map(|(_, t)| t).collect();
+        gradients::finish(self.parallel(), &params, optimizer, scaler, clip)
+    }
+
+    /// Makes every replica's buffers (batch-norm statistics, which each replica updates from
+    /// its own shard) replica 0's, before evaluating and checkpointing.
+    fn sync_buffers(&mut self) -> Result<()> {
+        let Some(group) = self.parallel().replica_group() else { return Ok(()) };
+        let buffers: Vec<(String, Tensor)> = self.named_variables().into_iter().filter(|(_, t)| !t.requires_grad()).collect();
+        crate::dist::data_parallel::broadcast_named(group, buffers, 0)
+    }
+}
+
+/// Mean cross-entropy over the last dimension of `logits` (classes, or vocabulary) and, when
+/// asked, the number of arg-max hits.
+pub fn loss_and_hits(logits: &Tensor, targets: &Tensor, count_hits: bool) -> (Tensor, Option<Tensor>) {
+    let classes = *logits.size().last().expect("logits have a class dimension");
+    let logits = logits.reshape([-1, classes]);
+    let targets = targets.reshape([-1]);
+    let loss = logits.cross_entropy_for_logits(&targets);
+    let hits = count_hits.then(|| logits.argmax(-1, false).eq_tensor(&targets).sum(Kind::Int64));
+    (loss, hits)
+}
+
+/// A whole model on this rank, trained alone or as one data-parallel replica.
+pub struct LocalStep<'g> {
+    pub vs: nn::VarStore,
+    pub model: Box<dyn nn::ModuleT>,
+    parallel: Parallel<'g>,
+}
+
+impl<'g> LocalStep<'g> {
+    pub fn new(vs: nn::VarStore, model: Box<dyn nn::ModuleT>, parallel: Parallel<'g>) -> Self {
+        LocalStep { vs, model, parallel }
+    }
+}
+
+impl<'g> TrainStep<'g> for LocalStep<'g> {
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        crate::models::named_parameters(&self.vs)
+    }
+
+    fn named_variables(&self) -> Vec<(String, Tensor)> {
+        let mut vars: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        vars
+    }
+
+    fn input_device(&self) -> Device {
+        self.vs.device()
+    }
+
+    fn parallel(&self) -> Parallel<'g> {
+        self.parallel
+    }
+
+    fn forward_backward(&mut self, batch: &Batch, weight: f64, ctx: &StepContext) -> Result<StepOutput> {
+        let device = self.vs.device();
+        let t0 = Instant::now();
+        let (loss, hits) = precision::autocast(ctx.precision, device, || {
+            let logits = self.model.forward_t(&batch.inputs, true);
+            loss_and_hits(&logits, &batch.targets, ctx.count_hits)
+        });
+        if ctx.sync_phases {
+            synchronize(device);
+        }
+        let t1 = Instant::now();
+        // An accumulated step weights each batch by its share (no multiplication otherwise: the
+        // plain step stays bitwise torch's).
+        let weighted = if weight == 1.0 { loss.shallow_clone() } else { &loss * weight };
+        match ctx.scaler {
+            Some(scaler) => scaler.scale(&weighted).backward(),
+            None => weighted.backward(),
+        }
+        synchronize(device);
+        let examples = batch.len();
+        Ok(StepOutput {
+            loss_sum: Some(loss.detach().to_kind(Kind::Double) * examples as f64),
+            hits,
+            examples,
+            phases: vec![("forward", t0, t1), ("backward", t1, Instant::now())],
+            ..StepOutput::default()
+        })
+    }
+
+    fn evaluate(&mut self, source: &dyn BatchSource, precision: Precision) -> Result<EvalSums> {
+        Ok(tch::no_grad(|| {
+            let mut sums = EvalSums::default();
+            for batch in source.epoch(0) {
+                let device = batch.inputs.device();
+                let (loss, hits) = precision::autocast(precision, device, || {
+                    let logits = self.model.forward_t(&batch.inputs, false);
+                    loss_and_hits(&logits, &batch.targets, true)
+                });
+                sums.loss_sum += loss.double_value(&[]) * batch.len() as f64;
+                sums.hits += hits.map_or(0, |h| h.int64_value(&[])) as f64;
+                sums.examples += batch.len() as f64;
+            }
+            sums
+        }))
+    }
+}

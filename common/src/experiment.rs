@@ -228,7 +228,9 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
             observers.add(ProfileSink::new(run.trace_path(&name, spread.then_some(groups.world.rank())), groups.world.rank(), root));
         }
     }
+    let before = groups.comm_stats();
     let fit = train::fit(step.as_mut(), optimizer.as_mut(), sources.train.as_ref(), sources.eval.as_ref(), &config, &mut observers)?;
+    let communication = groups.comm_stats().since(before);
     drop(observers);
     let replica_group = step.parallel().replica_group();
     if let Some(group) = replica_group {
@@ -250,6 +252,9 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     }
     if let Some(group) = replica_group {
         session.info(format!("parameters bit-identical on all {} ranks after training", group.world_size()))?;
+    }
+    if groups.world.world_size() > 1 {
+        session.info(format!("rank 0's communication in training and evaluation: {}", communication.describe()))?;
     }
     let peak = crate::flops::peak_tflops(device, run.precision, run.peak_tflops);
     if let Some((peak, source)) = &peak {
@@ -291,6 +296,8 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         "lr_schedule": recipe.schedule,
         "allreduce_time_s": fit.timings.allreduce_s,
         "scaling_efficiency": report::scaling_efficiency(&csv, &record),
+        // Rank 0's collectives and messages during training and its evaluations.
+        "communication": communication,
     });
     if replicas > 1 {
         let parallel = exp.parallel_args();
@@ -365,5 +372,39 @@ impl Recipe {
             clip: args.clip.unwrap_or(base.clip),
             schedule,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::presets::EXERCISE2;
+    use crate::train::ScheduleKind;
+
+    #[test]
+    fn linear_scaling_and_warmup_follow_the_effective_batch() {
+        // 2 replicas × --accumulate 4: an 8 times larger batch, so 8 times the rate, reached
+        // after 2 epochs of 25 steps (100 batches / 4) from the small batch's rate.
+        let args = RecipeArgs { accumulate: 4, scale_lr: true, warmup_epochs: 2, lr: Some(0.1), ..RecipeArgs::default() };
+        let recipe = Recipe::resolve(&EXERCISE2, &args, 2, 100, 10);
+        assert_eq!((recipe.lr, recipe.accumulate, recipe.batch_size), (0.8, 4, 100));
+        assert_eq!(recipe.schedule.warmup, Some(Warmup { steps: 50, start: 0.125 }));
+        assert_eq!(recipe.schedule.total_steps, 250);
+        assert!((recipe.schedule.lr(recipe.lr, 0, 0) - 0.1).abs() < 1e-12, "starts at the unscaled rate");
+        assert!((recipe.schedule.lr(recipe.lr, 50, 2) - 0.8).abs() < 1e-12);
+        // Without --scale-lr nothing is scaled; the preset fills what is not given.
+        let plain = Recipe::resolve(&EXERCISE2, &RecipeArgs::default(), 4, 100, 10);
+        assert_eq!((plain.lr, plain.schedule.kind, plain.schedule.warmup), (1e-3, ScheduleKind::Constant, None));
+    }
+
+    #[test]
+    fn a_warmup_needs_to_know_where_it_starts() {
+        let err = RecipeArgs { warmup_steps: 10, ..RecipeArgs::default() }.check().unwrap_err();
+        assert!(format!("{err}").contains("use it with --scale-lr"), "{err}");
+        assert!(RecipeArgs { warmup_steps: 10, warmup_start: Some(0.0), ..RecipeArgs::default() }.check().is_ok());
+        let err = RecipeArgs { accumulate: 0, ..RecipeArgs::default() }.check().unwrap_err();
+        assert!(format!("{err}").contains("--accumulate must be at least 1"));
+        let one_cycle = RecipeArgs { scale_lr: true, warmup_epochs: 1, lr_schedule: Some(ScheduleKind::OneCycle), ..RecipeArgs::default() };
+        assert!(format!("{}", one_cycle.check().unwrap_err()).contains("warms up by itself"));
     }
 }

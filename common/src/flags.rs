@@ -83,7 +83,7 @@ impl RunArgs {
 
 /// How the model is optimized: every exercise takes these; what is not given comes from the
 /// exercise's preset ([`crate::presets`]), which `--help` lists.
-#[derive(Debug, Clone, Default, clap::Args, Serialize)]
+#[derive(Debug, Clone, clap::Args, Serialize)]
 pub struct RecipeArgs {
     /// Examples (images, or token streams) per batch on each rank [default: the preset's].
     #[arg(long)]
@@ -128,6 +128,27 @@ pub struct RecipeArgs {
     /// ranks) with --scale-lr: from the small batch's rate, as Goyal et al.].
     #[arg(long)]
     pub warmup_start: Option<f64>,
+}
+
+impl Default for RecipeArgs {
+    /// No flags given: the preset's recipe, one batch per step.
+    fn default() -> Self {
+        RecipeArgs {
+            batch_size: None,
+            optimizer: None,
+            lr: None,
+            momentum: None,
+            weight_decay: None,
+            clip: None,
+            lr_schedule: None,
+            gamma: None,
+            accumulate: 1,
+            scale_lr: false,
+            warmup_epochs: 0,
+            warmup_steps: 0,
+            warmup_start: None,
+        }
+    }
 }
 
 impl RecipeArgs {

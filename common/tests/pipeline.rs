@@ -19,7 +19,7 @@ use common::optim::{Optimizer, Sgd, SgdConfig};
 use common::pipeline::executor::StageTrace;
 use common::pipeline::process::StageProcess;
 use common::pipeline::{split_batch, Op, Partition, Pipeline, PipelineOptions, Schedule, Stage};
-use common::precision::Precision;
+use common::precision::{GradScaler, Precision};
 use common::train::{Batch, StepContext, TrainStep};
 use support::ranks::{launch, SCENARIO};
 use tch::nn::{self, ModuleT};
@@ -287,6 +287,63 @@ fn a_seeded_run_with_dropout_trains_the_same_model_whatever_the_stages_partition
     assert!((other - first).abs() > 1e-4, "another seed's masks give another loss: {other} vs {first}");
 }
 
+/// One step of `step` through float16 training's scaler path (in float32 arithmetic: the
+/// scaler's logic is the same on any device), with an inf put into one gradient of the
+/// parameters `poison` selects; returns whether the optimizer stepped.
+fn scaled_step(step: &mut dyn TrainStep<'_>, scaler: &mut GradScaler, poison: &dyn Fn(&str) -> bool) -> bool {
+    let mut optimizer = sgd(step.named_parameters());
+    optimizer.zero_grad();
+    let (src, targets) = private_batch(300, 6, 8);
+    let ctx = StepContext { precision: Precision::Full, scaler: Some(scaler), dropout_key: 0, sync_phases: false, count_hits: false };
+    step.forward_backward(&Batch { inputs: src, targets }, 1.0, &ctx).unwrap();
+    for (name, p) in step.named_parameters() {
+        if poison(&name) {
+            let _ = p.grad().get(0).fill_(f64::INFINITY);
+        }
+    }
+    step.finish_gradients(&mut optimizer, Some(scaler), Some(CLIP)).unwrap();
+    let params: Vec<Tensor> = step.named_parameters().into_iter().map(|(_, t)| t).collect();
+    let stepped = scaler.step(&params, || optimizer.step()).unwrap();
+    scaler.update();
+    stepped
+}
+
+#[test]
+fn the_float16_scaler_path_unscales_once_and_skips_an_inf_step_on_every_stage() {
+    let cfg = config(4, 16);
+    let (weights, _) = reference_model(&cfg);
+    let pipeline = || {
+        let p = Pipeline::new(&cfg, &Partition::even(4, 2).unwrap(), &[Device::Cpu; 2], 1, options(Schedule::OneFOneB, 4, false)).unwrap();
+        for stage in &p.stages {
+            stage.copy_from(&weights).unwrap();
+        }
+        p
+    };
+    // The loss multiplied by 2^16 before backward, the gradients divided by it before clipping:
+    // the same update as without the scaler (powers of two scale exactly).
+    let (mut plain, mut scaled) = (pipeline(), pipeline());
+    let mut optimizer = sgd(plain.named_parameters());
+    optimizer.zero_grad();
+    let (src, targets) = private_batch(300, 6, 8);
+    train_step(&mut plain, &src, &targets, 0);
+    plain.finish_gradients(&mut optimizer, None, Some(CLIP)).unwrap();
+    optimizer.step().unwrap();
+    let mut scaler = GradScaler::new(Device::Cpu);
+    assert!(scaled_step(&mut scaled, &mut scaler, &|_| false), "a finite step is taken");
+    for ((name, a), (_, b)) in plain.named_parameters().iter().zip(scaled.named_parameters()) {
+        let diff = relative_difference(&b, a);
+        assert!(diff <= 1e-6, "{name}: the scaled step differs by {diff:e}");
+    }
+    assert_eq!(scaler.scale_value(), 65536.0);
+    // An inf in one of the last stage's gradients: no stage moves, and the scale halves.
+    let before: Vec<Tensor> = scaled.named_parameters().iter().map(|(_, t)| t.detach().copy()).collect();
+    assert!(!scaled_step(&mut scaled, &mut scaler, &|name| name.starts_with("linear.")), "an inf step is skipped");
+    for ((name, p), b) in scaled.named_parameters().iter().zip(&before) {
+        assert!(p.equal(b), "{name} moved in a skipped step");
+    }
+    assert_eq!(scaler.scale_value(), 32768.0);
+}
+
 #[test]
 fn stages_compute_at_the_same_time() {
     // Two CPU stages, one LibTorch thread each, 8 micro-batches of work large enough to time.
@@ -398,6 +455,18 @@ fn stages_in_processes(world: usize) -> usize {
             optimizer.step().unwrap();
             assert!((got - want).abs() <= 1e-5 * want.abs(), "rank {}: dropout step {step}: loss {got} vs {want} in one process", group.rank());
         }
+        // float16's scaler across processes: an inf on stage 1 alone makes both stages skip
+        // (one verdict for the whole model) and halve their scales alike.
+        let stage = Stage::new(&cfg, coords.stage, 2, partition.layers[coords.stage].clone(), Device::Cpu, 1).unwrap();
+        stage.copy_from(&weights).unwrap();
+        let mut process = StageProcess::new(&groups, stage, options(Schedule::GPipe, 4, false), averager).unwrap();
+        let mut scaler = GradScaler::new(Device::Cpu);
+        assert!(scaled_step(&mut process, &mut scaler, &|_| false), "rank {}: a finite step is taken", group.rank());
+        let before: Vec<Tensor> = process.named_parameters().iter().map(|(_, t)| t.detach().copy()).collect();
+        let poisoned = coords.stage == 1;
+        assert!(!scaled_step(&mut process, &mut scaler, &|_| poisoned), "rank {}: the inf step is skipped on every stage", group.rank());
+        assert!(process.named_parameters().iter().zip(&before).all(|((_, p), b)| p.equal(b)));
+        assert_eq!(scaler.scale_value(), 32768.0);
     }
     group.rank()
 }

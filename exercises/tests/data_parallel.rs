@@ -171,3 +171,91 @@ fn resnet34_replicas_agree_including_batch_norm_statistics() {
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stdout(&out).contains("resnet34") && stdout(&out).contains("parameters bit-identical on all 2 ranks"), "{}", stdout(&out));
 }
+
+/// The first `lines` lines of the real WikiText-2 valid split as train and valid, of test as test.
+fn wikitext(dir: &Path, lines: usize) {
+    let real = support::shared_data("wikitext-2");
+    let take = |name: &str| std::fs::read_to_string(real.join(name)).unwrap().lines().take(lines).collect::<Vec<_>>().join("\n") + "\n";
+    std::fs::write(dir.join("train.txt"), take("valid.txt")).unwrap();
+    std::fs::write(dir.join("valid.txt"), take("valid.txt")).unwrap();
+    std::fs::write(dir.join("test.txt"), take("test.txt")).unwrap();
+}
+
+/// The model tensors of the checkpoint `<dir>/<run>.safetensors`, sorted by name.
+fn checkpoint_model(dir: &Path, run: &str) -> Vec<(String, tch::Tensor)> {
+    let ck = checkpoint::load(&checkpoint::path_for(dir, run)).unwrap();
+    let mut tensors: Vec<_> = ck.tensors.into_iter().filter(|(k, _)| k.starts_with("model.")).collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    tensors
+}
+
+fn worst_relative_difference(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|((name, x), (other, y))| {
+            assert_eq!(name, other);
+            (x - y).abs().max().double_value(&[]) / x.abs().max().double_value(&[]).max(1e-12)
+        })
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn the_language_model_data_parallel_equals_one_rank_with_the_doubled_batch() {
+    let data = tempfile::tempdir().unwrap();
+    wikitext(data.path(), 80);
+    let (one, two) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let run = |ck: &Path, batch: &str, extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_exercise1_nlp"))
+            .args(["--device", "cpu", "--quiet", "--threads", "1", "--emsize", "16", "--d-hid", "32", "--nhead", "2", "--nlayers", "1"])
+            .args(["--dropout", "0", "--epochs", "1", "--batch-size", batch, "--data-dir", data.path().to_str().unwrap()])
+            .args(["--checkpoint-dir", ck.to_str().unwrap(), "--results-dir", ck.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+        (stdout(&out), read_json(&ck.join("exercise1_nlp-transformer-cpu.json")))
+    };
+    // The tutorial's recipe (SGD, clipping 0.5) at lr 1.0 (5.0 magnifies each step's rounding
+    // differences too much to compare tightly): one rank × 8 streams, two ranks × 4.
+    let (_, single) = run(one.path(), "8", &["--lr", "1.0"]);
+    let (out, json) = run(two.path(), "4", &["--lr", "1.0", "--nproc-per-node", "2"]);
+    assert!(out.contains("parameters bit-identical on all 2 ranks"), "{out}");
+    assert_eq!((json["world_size"].as_u64(), json["global_batch"].as_u64()), (Some(2), Some(8)));
+    assert_eq!(json["steps"], single["steps"], "the same optimizer steps");
+    let worst = worst_relative_difference(&checkpoint_model(one.path(), "exercise1_nlp-transformer-cpu"), &checkpoint_model(two.path(), "exercise1_nlp-transformer-cpu"));
+    println!("exercise1_nlp, 2 ranks × 4 streams vs 1 rank × 8, {} SGD steps: max relative parameter difference {worst:e}", json["steps"]);
+    assert!(worst <= 1e-5, "2 ranks × 4 and 1 rank × 8 differ by {worst:e}");
+}
+
+#[test]
+fn pipeline_replicas_average_in_the_buckets_asked_for() {
+    let data = tempfile::tempdir().unwrap();
+    wikitext(data.path(), 40);
+    let run = |bucket_mb: &str| {
+        let results = tempfile::tempdir().unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_exercise3"))
+            .args(["pipeline", "--device", "cpu", "--quiet", "--emsize", "16", "--d-hid", "32", "--nhead", "2", "--nlayers", "2"])
+            .args(["--chunks", "2", "--max-steps", "2", "--epochs", "1", "--nproc-per-node", "4", "--dp", "2", "--bucket-mb", bucket_mb])
+            .args(["--data-dir", data.path().to_str().unwrap(), "--results-dir", results.path().to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "--bucket-mb {bucket_mb}: {}", stderr(&out));
+        let json = read_json(&results.path().join("exercise3_pipeline-transformer-cpu.json"));
+        json["communication"]["all_reduce"]["calls"].as_u64().unwrap()
+    };
+    // Stage 0 of the d-16 model holds 13 parameter tensors (the embedding and one layer):
+    // 25 MB buckets take them in one all-reduce per step, 1 kB buckets (256 floats) in several
+    // (the small ones share a bucket, each larger one has its own).
+    let (tiny, large) = (run("0.001"), run("25"));
+    println!("pipeline replicas, 2 steps: {tiny} all-reduces on rank 0 with 1 kB buckets, {large} with 25 MB");
+    assert!(tiny >= large + 2 * 3, "--bucket-mb must change the replicas' all-reduces: {tiny} vs {large}");
+    // And --fp16-allreduce is honoured too: MPI cannot reduce float16, which is said at once.
+    let out = Command::new(env!("CARGO_BIN_EXE_exercise3"))
+        .args(["pipeline", "--device", "cpu", "--quiet", "--emsize", "16", "--d-hid", "32", "--nhead", "2", "--nlayers", "2"])
+        .args(["--max-steps", "1", "--nproc-per-node", "4", "--dp", "2", "--fp16-allreduce", "--data-dir", data.path().to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--fp16-allreduce needs NCCL"), "{}", stderr(&out));
+}

@@ -162,3 +162,34 @@ fn configuration_mistakes_are_one_clear_line_with_exit_2() {
         assert!(stderr(&out).contains("device `cuda:0`"), "{}", stderr(&out));
     }
 }
+
+#[test]
+fn a_checkpoint_from_stages_in_processes_resumes_in_one_process() {
+    let data = tempfile::tempdir().unwrap();
+    corpus(data.path(), 80);
+    let run = |ck: &Path, epochs: &str, placement: &[&str]| {
+        let mut args = vec![
+            "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--chunks", "2", "--emsize", "16", "--d-hid", "32",
+            "--nhead", "2", "--nlayers", "3", "--dropout", "0", "--epochs", epochs, "--threads", "1", "--quiet",
+            "--checkpoint-dir", ck.to_str().unwrap(), "--resume", "--results-dir", ck.to_str().unwrap(),
+        ];
+        args.extend(placement);
+        let out = exercise3_pipeline(&args);
+        assert!(out.status.success(), "{placement:?}: {}", stderr(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let (straight, resumed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    run(straight.path(), "2", &["--devices", "cpu,cpu"]);
+    // Epoch 1 with one stage per process (2 ranks): the ranks' parts gathered into one file...
+    run(resumed.path(), "1", &["--nproc-per-node", "2"]);
+    // ...and epoch 2 in one process, on one stage.
+    let out = run(resumed.path(), "2", &["--devices", "cpu"]);
+    assert!(out.contains("resumed exercise3_pipeline-transformer-cpu") && out.contains("after epoch 1"), "{out}");
+    let name = "exercise3_pipeline-transformer-cpu.safetensors";
+    let (a, b) = (model_tensors(&straight.path().join(name)), model_tensors(&resumed.path().join(name)));
+    assert_eq!(a.len(), b.len(), "the gathered checkpoint holds every variable");
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        let rel = (x - y).abs().max().double_value(&[]) / x.abs().max().double_value(&[]).max(1e-12);
+        assert!(rel <= 1e-5, "{name}: 2 epochs straight vs 1 epoch in 2 processes + 1 resumed in one differ by {rel:e}");
+    }
+}

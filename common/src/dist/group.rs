@@ -46,6 +46,8 @@ pub struct ProcessGroup {
     /// Whether CUDA tensors go through an NCCL communicator of this group's own, so that its
     /// sub-groups get one too.
     nccl: bool,
+    /// What this group's collectives and messages moved so far.
+    stats: std::cell::RefCell<CommStats>,
     // Fields drop in declaration order: the CUDA engine (NCCL's communicator) goes before the
     // CPU one, and MPI, which the others may have used to start, is finalised last.
     cuda: Rc<dyn Collectives>,
@@ -140,6 +142,7 @@ impl ProcessGroup {
             rank,
             size,
             nccl: want_nccl,
+            stats: Default::default(),
             cuda,
             cpu,
             #[cfg(feature = "mpi")]
@@ -154,6 +157,7 @@ impl ProcessGroup {
             rank: 0,
             size: 1,
             nccl: false,
+            stats: Default::default(),
             cuda: Rc::new(SingleProcess),
             cpu: Rc::new(SingleProcess),
             #[cfg(feature = "mpi")]
@@ -230,6 +234,7 @@ impl ProcessGroup {
             rank,
             size,
             nccl: self.nccl,
+            stats: Default::default(),
             cuda,
             cpu,
             mpi: Some(sub),
@@ -244,6 +249,7 @@ impl ProcessGroup {
             rank: 0,
             size: 1,
             nccl: self.nccl,
+            stats: Default::default(),
             cuda: self.cuda.clone(),
             cpu: self.cpu.clone(),
             #[cfg(feature = "mpi")]
@@ -332,15 +338,31 @@ impl ProcessGroup {
     }
 
     pub fn all_reduce(&self, t: &mut Tensor, op: ReduceOp) -> Result<()> {
+        self.count(Collective::AllReduce, t);
         self.backend_for(t.device())?.all_reduce(t, op)
     }
 
     pub fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<()> {
+        self.count(Collective::Broadcast, t);
         self.backend_for(t.device())?.broadcast(t, root)
     }
 
     pub fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>> {
+        self.count(Collective::AllGather, t);
         self.backend_for(t.device())?.all_gather(t)
+    }
+
+    /// Counts a call of `kind` on `t` (this rank's tensor) in [`ProcessGroup::comm_stats`].
+    fn count(&self, kind: Collective, t: &Tensor) {
+        if self.size > 1 {
+            self.stats.borrow_mut().add(kind, super::byte_size(t));
+        }
+    }
+
+    /// What this group's collectives and messages moved so far, from this rank's side (calls,
+    /// and the bytes of this rank's tensors).
+    pub fn comm_stats(&self) -> CommStats {
+        *self.stats.borrow()
     }
 
     pub fn barrier(&self) -> Result<()> {
@@ -349,12 +371,14 @@ impl ProcessGroup {
 
     /// Hands `t` over for rank `dst` of this group without waiting (see [`Collectives::send`]).
     pub fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
+        self.count(Collective::Send, t);
         self.backend_for(t.device())?.send(t, dst)
     }
 
     /// Receives the next message from rank `src` of this group into `t` (see
     /// [`Collectives::recv`]); the sender's tensor must have been on the same device type.
     pub fn recv(&self, t: &mut Tensor, src: usize) -> Result<()> {
+        self.count(Collective::Recv, t);
         self.backend_for(t.device())?.recv(t, src)
     }
 
@@ -368,6 +392,82 @@ impl ProcessGroup {
     /// Rank `root`'s `bytes` on every rank (what other ranks pass is ignored).
     pub fn broadcast_bytes(&self, bytes: &[u8], root: usize) -> Result<Vec<u8>> {
         super::broadcast_bytes(&*self.cpu, Device::Cpu, bytes, root)
+    }
+}
+
+/// The kinds of communication a group counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Collective {
+    AllReduce,
+    Broadcast,
+    AllGather,
+    Send,
+    Recv,
+}
+
+/// Calls and bytes per kind of communication (this rank's side).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct CommStats {
+    pub all_reduce: Counted,
+    pub broadcast: Counted,
+    pub all_gather: Counted,
+    pub send: Counted,
+    pub recv: Counted,
+}
+
+/// How often, and how many bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Counted {
+    pub calls: u64,
+    pub bytes: u64,
+}
+
+impl CommStats {
+    fn add(&mut self, kind: Collective, bytes: usize) {
+        let counted = match kind {
+            Collective::AllReduce => &mut self.all_reduce,
+            Collective::Broadcast => &mut self.broadcast,
+            Collective::AllGather => &mut self.all_gather,
+            Collective::Send => &mut self.send,
+            Collective::Recv => &mut self.recv,
+        };
+        counted.calls += 1;
+        counted.bytes += bytes as u64;
+    }
+
+    /// Both counts together.
+    pub fn plus(self, other: CommStats) -> CommStats {
+        let sum = |a: Counted, b: Counted| Counted { calls: a.calls + b.calls, bytes: a.bytes + b.bytes };
+        CommStats {
+            all_reduce: sum(self.all_reduce, other.all_reduce),
+            broadcast: sum(self.broadcast, other.broadcast),
+            all_gather: sum(self.all_gather, other.all_gather),
+            send: sum(self.send, other.send),
+            recv: sum(self.recv, other.recv),
+        }
+    }
+
+    /// One line for logs: each kind used, with its calls and MiB.
+    pub fn describe(&self) -> String {
+        let kinds = [("all-reduce", self.all_reduce), ("broadcast", self.broadcast), ("all-gather", self.all_gather), ("send", self.send), ("recv", self.recv)];
+        let used: Vec<String> = kinds
+            .iter()
+            .filter(|(_, c)| c.calls > 0)
+            .map(|(name, c)| format!("{name} {} calls / {:.2} MiB", c.calls, c.bytes as f64 / (1024.0 * 1024.0)))
+            .collect();
+        if used.is_empty() { "none".into() } else { used.join(", ") }
+    }
+
+    /// What happened between `earlier` and now.
+    pub fn since(self, earlier: CommStats) -> CommStats {
+        let less = |a: Counted, b: Counted| Counted { calls: a.calls - b.calls, bytes: a.bytes - b.bytes };
+        CommStats {
+            all_reduce: less(self.all_reduce, earlier.all_reduce),
+            broadcast: less(self.broadcast, earlier.broadcast),
+            all_gather: less(self.all_gather, earlier.all_gather),
+            send: less(self.send, earlier.send),
+            recv: less(self.recv, earlier.recv),
+        }
     }
 }
 

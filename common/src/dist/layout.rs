@@ -154,6 +154,14 @@ impl<'w> Groups<'w> {
         self.pick(&self.model, self.layout.pp * self.layout.tp)
     }
 
+    /// What this rank's groups moved so far (the world's and each split's, counted once).
+    pub fn comm_stats(&self) -> super::group::CommStats {
+        [Some(self.world), self.dp.as_ref(), self.pp.as_ref(), self.model.as_ref()]
+            .into_iter()
+            .flatten()
+            .fold(Default::default(), |sum, group| sum.plus(group.comm_stats()))
+    }
+
     /// Whether this rank prints, writes results and checkpoints (the world's rank 0).
     pub fn is_root(&self) -> bool {
         self.world.is_root()

@@ -118,7 +118,7 @@ pub mod rendezvous;
 pub mod single;
 pub mod transfer;
 
-pub use group::ProcessGroup;
+pub use group::{CommStats, ProcessGroup};
 pub use launch::{LaunchEnv, LaunchSource};
 pub use data_parallel::{DistributedOptimizer, GradientSync};
 pub use layout::{Groups, Layout};

@@ -15,7 +15,7 @@ BIN       := target/release
 ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
-.PHONY: system-deps python-tools report exercise2 exercise3-ddp exercise3-pipeline bench bench-allreduce bench-pipeline setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
+.PHONY: system-deps python-tools report exercise2 exercise3-ddp exercise3-pipeline bench bench-allreduce bench-pipeline bench-largebatch setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
         exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test test-slurm clean-results \
         notebooks notebook-kernel jupyter
 
@@ -88,6 +88,12 @@ bench-allreduce: data-cifar10
 # (see bench/bench.sh).
 bench: data-cifar10 data-wikitext2
 	$(WITH) bench/bench.sh
+
+# Large batches on CPU ranks: effective batches 100, 800, 3,200 (--accumulate), plain vs scaled
+# learning rate with warm-up vs LARS, test accuracy after the same samples (real MNIST sample;
+# NPROC, BATCH, EPOCHS, LR, WARMUP, MODEL); results/bench-largebatch.csv.
+bench-largebatch: build
+	$(WITH) bench/largebatch.sh
 
 # exercise1_nlp alone (ROUNDS, STEPS, THREADS, DEVICE, MODEL_FLAGS); also results/bench-nlp.csv.
 bench-nlp: data-wikitext2

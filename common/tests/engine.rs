@@ -120,8 +120,11 @@ fn one_cycle_is_torchs_one_cycle_lr() {
     }
 }
 
+/// Each parameter's values (or gradient) as plain numbers.
+type Values = [Vec<f64>; 2];
+
 /// Two parameters (a matrix and a bias-like vector) and the gradients of three steps.
-fn problem() -> (Vec<(String, Tensor)>, Vec<[Vec<f64>; 2]>) {
+fn problem() -> (Vec<(String, Tensor)>, Vec<Values>) {
     let w = Tensor::from_slice(&[0.5f64, -1.0, 0.25, 2.0, -0.75, 1.5]).view([2, 3]).to_kind(Kind::Float);
     let b = Tensor::from_slice(&[0.1f64, -0.2, 0.3]).to_kind(Kind::Float);
     let params = vec![("w".to_string(), w.set_requires_grad(true)), ("b".to_string(), b.set_requires_grad(true))];
@@ -134,7 +137,7 @@ fn problem() -> (Vec<(String, Tensor)>, Vec<[Vec<f64>; 2]>) {
 }
 
 /// Sets the parameters' gradients to `grads` (through a backward pass, as training does).
-fn set_grads(params: &[(String, Tensor)], grads: &[Vec<f64>; 2]) {
+fn set_grads(params: &[(String, Tensor)], grads: &Values) {
     let loss = params
         .iter()
         .zip(grads)
@@ -155,7 +158,7 @@ fn norm(v: &[f64]) -> f64 {
 /// Runs `optimizer` over `problem()`'s three steps, checking the parameters against `expected`
 /// (an independent f64 computation of the same formula) after each, and that its state, saved
 /// after step 2 and loaded into a fresh optimizer, gives the same step 3.
-fn check_against_formula(name: &str, make: &dyn Fn(Vec<(String, Tensor)>) -> Box<dyn Optimizer>, expected: &mut dyn FnMut(&mut [Vec<f64>; 2], &[Vec<f64>; 2])) {
+fn check_against_formula(name: &str, make: &dyn Fn(Vec<(String, Tensor)>) -> Box<dyn Optimizer>, expected: &mut dyn FnMut(&mut Values, &Values)) {
     let (params, grads) = problem();
     let mut ours = make(params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect());
     let mut reference = [values(&params[0].1), values(&params[1].1)];

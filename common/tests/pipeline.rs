@@ -230,7 +230,7 @@ fn five_step_losses(pipeline: &mut Pipeline, weights: &nn::VarStore) -> Vec<f64>
         .map(|step| {
             let (src, targets) = private_batch(200 + step, 6, 8);
             optimizer.zero_grad();
-            let loss = train_step(pipeline, &src, &targets, models::mix_key(&[42, step as u64]));
+            let loss = train_step(pipeline, &src, &targets, models::mix_key(&[42, step]));
             pipeline.finish_gradients(&mut optimizer, None, Some(CLIP)).unwrap();
             optimizer.step().unwrap();
             loss

@@ -6,7 +6,7 @@
 //! Every rank emits the same events; which observers listen differs: the experiments attach the
 //! ones that print or write files to rank 0 only, and the checkpoint policy to every rank (a
 //! checkpoint of a model spread over ranks is gathered from all of them).
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Result;
 use tch::Tensor;
@@ -45,14 +45,14 @@ pub struct StepEvent<'a> {
     pub epoch_step: usize,
     /// The step's mean loss on this replica, on the device (reading it waits for the device:
     /// observers read it every few steps only).
-    pub loss: &'a Tensor,
+    pub loss: Tensor,
     pub lr: f64,
     /// Examples trained on in this epoch so far, by all replicas together.
     pub epoch_examples: usize,
     /// When the epoch started.
     pub epoch_start: Instant,
     /// The step's phases (`"data wait"`, `"forward"`, ...) with their times.
-    pub phases: &'a [(&'static str, Instant, Instant)],
+    pub phases: &'a [super::Phase],
     /// A pipeline's passes per stage this process ran (empty otherwise).
     pub stage_traces: &'a [StageTrace],
     /// A pipeline's measured idle share this step (the bubble).
@@ -181,11 +181,7 @@ pub fn seconds(start: Instant, end: Instant) -> f64 {
 }
 
 /// How long the phase named `name` took in `phases` (0 if absent).
-pub fn phase_seconds(phases: &[(&'static str, Instant, Instant)], name: &str) -> f64 {
+pub fn phase_seconds(phases: &[super::Phase], name: &str) -> f64 {
     phases.iter().filter(|(n, _, _)| *n == name).map(|&(_, a, b)| seconds(a, b)).sum()
 }
 
-/// A duration as seconds, for the lines the sinks print.
-pub fn secs(d: Duration) -> f64 {
-    d.as_secs_f64()
-}

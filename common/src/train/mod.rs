@@ -21,7 +21,7 @@ pub mod step;
 pub use events::{Control, Event, EventLog, Observer, Observers, Record, StepEvent};
 pub use schedule::{LrSchedule, ScheduleKind, Warmup};
 pub use sinks::TENSORBOARD_EVERY;
-pub use step::{EvalSums, LocalStep, Parallel, Replication, StepContext, StepOutput, TrainStep};
+pub use step::{EvalSums, LocalStep, Parallel, Phase, Replication, StepContext, StepOutput, TrainStep};
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -207,6 +207,57 @@ struct EpochSums {
     steps: usize,
     data_wait_s: f64,
     start: Instant,
+    /// Data-parallel replicas (each trains as many examples as this one).
+    replicas: usize,
+}
+
+impl EpochSums {
+    fn new(device: tch::Device, replicas: usize) -> EpochSums {
+        EpochSums {
+            loss: Tensor::zeros([], (Kind::Double, device)),
+            hits: Tensor::zeros([], (Kind::Int64, device)),
+            examples: 0,
+            steps: 0,
+            data_wait_s: 0.0,
+            start: Instant::now(),
+            replicas,
+        }
+    }
+
+    /// Adds one step to the epoch's sums and the report's times.
+    fn add(&mut self, report: &mut FitReport, out: &StepOutput, phases: &[Phase]) {
+        let seconds = |name: &str| events::phase_seconds(phases, name);
+        report.timings.data_wait_s += seconds("data wait");
+        report.timings.forward_backward_s += seconds("forward") + seconds("backward") + seconds("forward+backward");
+        report.timings.allreduce_s += seconds("all-reduce");
+        report.timings.optimizer_s += seconds("optimizer");
+        report.steps += 1;
+        self.data_wait_s += seconds("data wait");
+        if let Some(loss) = &out.loss_sum {
+            self.loss += loss;
+        }
+        if let Some(hits) = &out.hits {
+            self.hits += hits;
+        }
+        self.examples += out.examples;
+        self.steps += 1;
+    }
+
+    /// The event of the step just added.
+    fn event<'a>(&self, epoch: usize, step: usize, lr: f64, out: &'a StepOutput, phases: &'a [Phase]) -> StepEvent<'a> {
+        StepEvent {
+            epoch,
+            step,
+            epoch_step: self.steps,
+            loss: out.mean_loss(),
+            lr,
+            epoch_examples: self.examples * self.replicas,
+            epoch_start: self.start,
+            phases,
+            stage_traces: &out.stage_traces,
+            bubble: out.bubble(),
+        }
+    }
 }
 
 /// A pipeline's busy and elapsed stage-seconds, the first step apart (its warm-up).
@@ -249,16 +300,9 @@ pub fn fit(
     let resume = config.checkpoint.as_ref().filter(|ck| ck.resume).map(|ck| (checkpoint::path_for(&ck.dir, &config.run), &ck.model));
     let start = state::start(step, optimizer, scaler.as_mut(), resume.as_ref().map(|(p, m)| (p.as_path(), *m)), observers)?;
     let (base_lr, steps_per_epoch) = (optimizer.lr(), train.batches_per_epoch().div_ceil(config.accumulate));
-    let replicas = step.parallel().replica_count();
-    let mut report = FitReport::new(start.epoch);
-    let (mut global_step, mut bubble) = (start.step, BubbleMeter::default());
-    observers.emit(&Event::Started {
-        run: &config.run,
-        epochs: config.epochs,
-        steps_per_epoch,
-        start_epoch: start.epoch,
-        start_step: start.step,
-    })?;
+    let (mut report, mut global_step, mut bubble) = (FitReport::new(start.epoch), start.step, BubbleMeter::default());
+    let (run, epochs, start_epoch, start_step) = (config.run.as_str(), config.epochs, start.epoch, start.step);
+    observers.emit(&Event::Started { run, epochs, steps_per_epoch, start_epoch, start_step })?;
 
     for epoch in start.epoch..config.epochs {
         if config.out_of_steps(global_step) {
@@ -268,14 +312,7 @@ pub fn fit(
         tch::manual_seed(config.seed.wrapping_add(epoch as u64) as i64);
         let epoch_lr = config.lr_schedule.lr(base_lr, global_step, epoch);
         observers.emit(&Event::EpochStarted { epoch, lr: epoch_lr })?;
-        let mut sums = EpochSums {
-            loss: Tensor::zeros([], (Kind::Double, device)),
-            hits: Tensor::zeros([], (Kind::Int64, device)),
-            examples: 0,
-            steps: 0,
-            data_wait_s: 0.0,
-            start: Instant::now(),
-        };
+        let mut sums = EpochSums::new(device, step.parallel().replica_count());
         let mut batches = train.epoch(epoch);
         let completed = loop {
             if config.out_of_steps(global_step) {
@@ -292,21 +329,9 @@ pub fn fit(
             let (out, mut phases) = optimizer_step(step, optimizer, scaler.as_mut(), &micro, config, global_step)?;
             phases.insert(0, ("data wait", waiting, fetched));
             global_step += 1;
-            account(&mut report, &mut sums, &out, &phases);
             bubble.add(out.stage_busy);
-            let loss = out.mean_loss();
-            observers.emit(&Event::Step(&StepEvent {
-                epoch,
-                step: global_step,
-                epoch_step: sums.steps,
-                loss: &loss,
-                lr,
-                epoch_examples: sums.examples * replicas,
-                epoch_start: sums.start,
-                phases: &phases,
-                stage_traces: &out.stage_traces,
-                bubble: out.bubble(),
-            }))?;
+            sums.add(&mut report, &out, &phases);
+            observers.emit(&Event::Step(&sums.event(epoch, global_step, lr, &out, &phases)))?;
         };
         drop(batches);
         let data_wait_s = sums.data_wait_s;
@@ -322,14 +347,22 @@ pub fn fit(
     }
     if report.history.is_empty() {
         // Nothing left to train (a finished run resumed): still report where the model stands.
-        let started = Instant::now();
-        let sums = step.evaluate(eval, config.precision)?.over(step.parallel().replica_group())?;
-        (report.eval_loss, report.eval_acc) = (sums.mean_loss(), sums.accuracy());
-        report.timings.eval_s += started.elapsed().as_secs_f64();
+        evaluate_into(step, eval, config, &mut report)?;
     }
     report.bubble_fraction = bubble.fraction();
     observers.emit(&Event::Finished(&report))?;
     Ok(report)
+}
+
+/// Evaluates on `eval` (over all replicas) into the report's figures and times.
+fn evaluate_into(step: &mut dyn TrainStep<'_>, eval: &dyn BatchSource, config: &TrainConfig, report: &mut FitReport) -> Result<(Instant, Instant)> {
+    let started = Instant::now();
+    let sums = step.evaluate(eval, config.precision)?.over(step.parallel().replica_group())?;
+    synchronize(step.input_device());
+    let ended = Instant::now();
+    (report.eval_loss, report.eval_acc) = (sums.mean_loss(), sums.accuracy());
+    report.timings.eval_s += (ended - started).as_secs_f64();
+    Ok((started, ended))
 }
 
 /// One optimizer step: forward and backward passes of `micro` (one batch, or `--accumulate`
@@ -342,7 +375,7 @@ fn optimizer_step(
     micro: &[Batch],
     config: &TrainConfig,
     global_step: usize,
-) -> Result<(StepOutput, Vec<(&'static str, Instant, Instant)>)> {
+) -> Result<(StepOutput, Vec<Phase>)> {
     let device = step.input_device();
     let examples: usize = micro.iter().map(Batch::len).sum();
     optimizer.zero_grad();
@@ -374,26 +407,6 @@ fn optimizer_step(
     phases.push(("all-reduce", finishing, stepping));
     phases.push(("optimizer", stepping, Instant::now()));
     Ok((out, phases))
-}
-
-/// Adds one step to the epoch's sums and the report's times.
-fn account(report: &mut FitReport, sums: &mut EpochSums, out: &StepOutput, phases: &[(&'static str, Instant, Instant)]) {
-    let seconds = |name: &str| events::phase_seconds(phases, name);
-    let wait = seconds("data wait");
-    report.timings.data_wait_s += wait;
-    report.timings.forward_backward_s += seconds("forward") + seconds("backward") + seconds("forward+backward");
-    report.timings.allreduce_s += seconds("all-reduce");
-    report.timings.optimizer_s += seconds("optimizer");
-    sums.data_wait_s += wait;
-    if let Some(loss) = &out.loss_sum {
-        sums.loss += loss;
-    }
-    if let Some(hits) = &out.hits {
-        sums.hits += hits;
-    }
-    sums.examples += out.examples;
-    sums.steps += 1;
-    report.steps += 1;
 }
 
 /// What a checkpoint after `epoch` epochs and `step` steps records besides its tensors.
@@ -429,14 +442,9 @@ fn end_epoch(
     let local_hits = if config.metric == Metric::Accuracy { sums.hits.int64_value(&[]) as f64 } else { f64::NAN };
     let train = EvalSums { loss_sum: sums.loss.double_value(&[]), hits: local_hits, examples: sums.examples as f64 }.over(replicas)?;
     step.sync_buffers()?;
-    let started = Instant::now();
-    let evaluated = step.evaluate(eval, config.precision)?.over(replicas)?;
-    synchronize(step.input_device());
-    let ended = Instant::now();
-    report.timings.eval_s += (ended - started).as_secs_f64();
+    let eval_interval = evaluate_into(step, eval, config, report)?;
     report.train_time_s += train_time_s;
     report.examples += train.examples as usize;
-    (report.eval_loss, report.eval_acc) = (evaluated.mean_loss(), evaluated.accuracy());
     Ok(EpochStats {
         epoch: epoch + 1,
         lr,
@@ -444,12 +452,12 @@ fn end_epoch(
         train_loss: train.mean_loss(),
         // Not counted in language-model training (NaN: null in the JSON).
         train_acc: train.hits / train.examples.max(1.0),
-        eval_loss: evaluated.mean_loss(),
-        eval_acc: evaluated.accuracy(),
+        eval_loss: report.eval_loss,
+        eval_acc: report.eval_acc,
         train_time_s,
         examples: train.examples as usize,
         end_step: global_step,
-        eval_interval: Some((started, ended)),
+        eval_interval: Some(eval_interval),
     })
 }
 

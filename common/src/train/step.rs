@@ -17,6 +17,9 @@ use crate::optim::Optimizer;
 use crate::pipeline::executor::StageTrace;
 use crate::precision::{self, GradScaler, Precision};
 
+/// A named phase of a step (`"forward"`, `"all-reduce"`, ...) with its start and end.
+pub type Phase = (&'static str, Instant, Instant);
+
 /// What a step needs besides its batch.
 #[derive(Clone, Copy)]
 pub struct StepContext<'a> {
@@ -41,7 +44,7 @@ pub struct StepOutput {
     /// Examples (images, or tokens) in the batch.
     pub examples: usize,
     /// Phases with their times (`"forward"`, `"backward"`, or a pipeline's `"forward+backward"`).
-    pub phases: Vec<(&'static str, Instant, Instant)>,
+    pub phases: Vec<Phase>,
     /// A pipeline's passes per stage (empty otherwise).
     pub stage_traces: Vec<StageTrace>,
     /// A pipeline's stage-seconds computed and stage-seconds elapsed (the bubble's parts).

@@ -33,6 +33,29 @@ at::Device device_of(int device_type, int device_index) {
   return device_type == 1 ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index)) : at::Device(at::kCPU);
 }
 
+// A list of tensors from `n` pointers (reference-counted copies: the same storage).
+std::vector<at::Tensor> tensors_of(at::Tensor** tensors, size_t n) {
+  std::vector<at::Tensor> out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; i++) {
+    out.push_back(*tensors[i]);
+  }
+  return out;
+}
+
+template <typename F>
+int protect_status(F&& f) {
+  try {
+    f();
+    return 0;
+  } catch (const std::exception& e) {
+    last_error = e.what();
+  } catch (...) {
+    last_error = "unknown C++ exception";
+  }
+  return -1;
+}
+
 }  // namespace
 
 extern "C" {
@@ -108,6 +131,73 @@ at::Tensor* torch_ext_dropout(const at::Tensor* input, double p, at::Generator* 
     noise.div_(1.0 - p);
     return *input * noise;
   });
+}
+
+// torch.optim.Adam(fused=True)'s kernel over `n` parameters (same device and kind): one launch
+// (per chunk of tensors) instead of several per parameter. `steps` are float32 tensors on the
+// parameters' device holding each parameter's step count after this update (torch increments
+// them before the call). 0, or -1 on error.
+int torch_ext_fused_adam(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_avgs, at::Tensor** exp_avg_sqs,
+                         at::Tensor** steps, size_t n, double lr, double beta1, double beta2, double weight_decay,
+                         double eps) {
+  return protect_status([&] {
+    auto ps = tensors_of(params, n);
+    at::_fused_adam_(ps, tensors_of(grads, n), tensors_of(exp_avgs, n), tensors_of(exp_avg_sqs, n), {},
+                     tensors_of(steps, n), lr, beta1, beta2, weight_decay, eps, /*amsgrad=*/false,
+                     /*maximize=*/false);
+  });
+}
+
+// torch.optim.SGD(fused=True)'s kernel: `first_step` when the momentum buffers are new (the
+// kernel then starts them at the gradient, as torch does); no buffers without momentum.
+int torch_ext_fused_sgd(at::Tensor** params, at::Tensor** grads, at::Tensor** momentum_buffers, size_t n,
+                        double weight_decay, double momentum, double lr, double dampening, bool nesterov,
+                        bool first_step) {
+  return protect_status([&] {
+    std::vector<at::Tensor> buffers = momentum == 0.0 ? std::vector<at::Tensor>{} : tensors_of(momentum_buffers, n);
+    at::_fused_sgd_(tensors_of(params, n), tensors_of(grads, n), buffers, weight_decay, momentum, lr, dampening,
+                    nesterov, /*maximize=*/false, first_step);
+  });
+}
+
+// `tensor += value` for every tensor of the list, in one multi-tensor launch.
+int torch_ext_foreach_add_scalar_(at::Tensor** tensors, size_t n, double value) {
+  return protect_status([&] { at::_foreach_add_(tensors_of(tensors, n), value); });
+}
+
+// `tensor *= scalar` (a 0-dim tensor) for every tensor of the list, in one multi-tensor launch.
+int torch_ext_foreach_mul_tensor_(at::Tensor** tensors, size_t n, const at::Tensor* scalar) {
+  return protect_status([&] { at::_foreach_mul_(tensors_of(tensors, n), *scalar); });
+}
+
+// The 2-norm of all `n` tensors together, as torch.nn.utils.clip_grad_norm_ computes it:
+// `_foreach_norm` per tensor (one multi-tensor launch), then the norm of those norms.
+at::Tensor* torch_ext_foreach_total_norm(at::Tensor** tensors, size_t n) {
+  return protect([&] {
+    auto norms = at::_foreach_norm(tensors_of(tensors, n), 2);
+    return at::linalg_vector_norm(at::stack(norms), 2);
+  });
+}
+
+// torch.set_float32_matmul_precision: "highest" (float32 everywhere), "high" (TF32 tensor cores
+// for float32 matrix products), "medium" (bfloat16 inner products allowed). 0, or -1 on error.
+int torch_ext_set_float32_matmul_precision(const char* precision) {
+  return protect_status([&] { at::globalContext().setFloat32MatmulPrecision(std::string(precision)); });
+}
+
+// The current setting, as one of the three names (copied into `buffer`).
+void torch_ext_float32_matmul_precision(char* buffer, size_t size) {
+  std::string name;
+  switch (at::globalContext().float32MatmulPrecision()) {
+    case at::Float32MatmulPrecision::HIGHEST: name = "highest"; break;
+    case at::Float32MatmulPrecision::HIGH: name = "high"; break;
+    case at::Float32MatmulPrecision::MEDIUM: name = "medium"; break;
+  }
+  if (size > 0) {
+    size_t n = name.size() < size - 1 ? name.size() : size - 1;
+    std::memcpy(buffer, name.data(), n);
+    buffer[n] = '\0';
+  }
 }
 
 }  // extern "C"

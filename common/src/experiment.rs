@@ -91,6 +91,7 @@ pub trait Experiment {
 pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
     let (run, parallel) = (exp.run_args(), exp.parallel_args());
     run.check()?;
+    run.matmul_precision.apply()?;
     exp.recipe_args().check()?;
     parallel.check()?;
     exp.check()?;
@@ -182,6 +183,18 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     if device.is_cuda() {
         tch::Cuda::cudnn_set_benchmark(true);
     }
+    if root && run.precision == crate::precision::Precision::Full && run.matmul_precision != Default::default() {
+        let what = match run.matmul_precision {
+            crate::precision::MatmulPrecision::Medium => "bfloat16 inner products allowed",
+            _ => "TF32 tensor cores where the GPU has them",
+        };
+        session.info(format!(
+            "[{}] --matmul-precision {}: float32 matrix products with {what} (LibTorch's setting: {})",
+            device::device_name(device),
+            run.matmul_precision.name(),
+            crate::torch_ext::float32_matmul_precision()
+        ))?;
+    }
     let plan = exp.model(data, groups, device, session)?;
     let dp = DataParallelPlan { averager: exp.parallel_args().averager(), sync: preset.sync };
     let mut step = parallelize(&plan, groups, dp, device, run.seed)?;
@@ -256,7 +269,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     if groups.world.world_size() > 1 {
         session.info(format!("rank 0's communication in training and evaluation: {}", communication.describe()))?;
     }
-    let peak = crate::flops::peak_tflops(device, run.precision, run.peak_tflops);
+    let peak = crate::flops::peak_tflops(device, run.precision, run.matmul_precision, run.peak_tflops);
     if let Some((peak, source)) = &peak {
         session.info(format!("[{}] peak {peak:.1} TFLOP/s per device ({source})", device::device_name(device)))?;
     }
@@ -306,6 +319,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         json["bucket_mb"] = parallel.bucket_mb.into();
         json["fp16_allreduce"] = parallel.fp16_allreduce.into();
     }
+    json["matmul_precision"] = run.matmul_precision.name().into();
     json["scale_lr"] = exp.recipe_args().scale_lr.into();
     json["warmup_epochs"] = exp.recipe_args().warmup_epochs.into();
     if let (Some(object), serde_json::Value::Object(extra)) = (json.as_object_mut(), extra) {

@@ -42,6 +42,10 @@ pub struct RunArgs {
     /// bfloat16 autocast (GPU or CPU).
     #[arg(long, value_enum, default_value = "32")]
     pub precision: crate::precision::Precision,
+    /// float32 matrix products: highest (float32), high (TF32 tensor cores), medium (bfloat16
+    /// allowed), as torch.set_float32_matmul_precision; mixed precision is unaffected.
+    #[arg(long, value_enum, default_value = "highest")]
+    pub matmul_precision: crate::precision::MatmulPrecision,
     /// Peak TFLOP/s of one device in this precision, for the model-FLOPs utilisation (MFU)
     /// [default: from the data sheet of a known GPU; none on a CPU].
     #[arg(long)]

@@ -10,7 +10,7 @@
 use tch::Device;
 
 use crate::models::{Arch, ModelSpec, TransformerConfig};
-use crate::precision::Precision;
+use crate::precision::{MatmulPrecision, Precision};
 
 /// Multiply-adds of one forward pass of one image through `spec`'s model.
 pub fn forward_macs(spec: &ModelSpec) -> f64 {
@@ -91,20 +91,22 @@ fn vgg19_macs(spec: &ModelSpec) -> f64 {
     macs + (512 * 49 * 4096 + 4096 * 4096 + 4096 * spec.num_classes) as f64
 }
 
-/// Dense peak TFLOP/s of the GPUs the project knows, for a precision: (name fragment, float32,
-/// bfloat16/float16 tensor cores). From NVIDIA's data sheets; float32 is the non-tensor-core
-/// rate (LibTorch does not use TF32 for matrix products by default).
-const GPU_PEAKS: [(&str, f64, f64); 5] = [
-    ("H100 PCIe", 51.0, 756.0),
-    ("H100", 67.0, 989.4),
-    ("H200", 67.0, 989.4),
-    ("A100", 19.5, 312.0),
-    ("V100", 15.7, 125.0),
+/// Dense peak TFLOP/s of the GPUs the project knows: (name fragment, float32 on the CUDA cores,
+/// TF32 tensor cores, bfloat16/float16 tensor cores). From NVIDIA's data sheets; the V100 has no
+/// TF32 (its float32 matrix products stay on the CUDA cores).
+const GPU_PEAKS: [(&str, f64, f64, f64); 5] = [
+    ("H100 PCIe", 51.0, 378.0, 756.0),
+    ("H100", 67.0, 494.7, 989.4),
+    ("H200", 67.0, 494.7, 989.4),
+    ("A100", 19.5, 156.0, 312.0),
+    ("V100", 15.7, 15.7, 125.0),
 ];
 
-/// The peak TFLOP/s of `device` in `precision`: `--peak-tflops` when given, else from the GPU's
-/// name (`nvidia-smi`) when it is one the project knows; None on a CPU without the flag.
-pub fn peak_tflops(device: Device, precision: Precision, given: Option<f64>) -> Option<(f64, String)> {
+/// The peak TFLOP/s of `device` in `precision` with float32 matrix products at `matmul`:
+/// `--peak-tflops` when given, else from the GPU's name (`nvidia-smi`) when it is one the
+/// project knows (float32 at `high` counts TF32's peak, at `medium` bfloat16's); None on a
+/// CPU without the flag.
+pub fn peak_tflops(device: Device, precision: Precision, matmul: MatmulPrecision, given: Option<f64>) -> Option<(f64, String)> {
     if let Some(peak) = given {
         return Some((peak, "--peak-tflops".into()));
     }
@@ -114,9 +116,13 @@ pub fn peak_tflops(device: Device, precision: Precision, given: Option<f64>) -> 
         .output()
         .ok()?;
     let name = String::from_utf8_lossy(&output.stdout).trim().to_string();
-    let (_, fp32, half) = GPU_PEAKS.iter().find(|(fragment, _, _)| name.contains(fragment))?;
-    let peak = if precision == Precision::Full { *fp32 } else { *half };
-    Some((peak, format!("{name}, {} data sheet", precision.name())))
+    let &(_, fp32, tf32, half) = GPU_PEAKS.iter().find(|(fragment, ..)| name.contains(fragment))?;
+    let (peak, kind) = match (precision, matmul) {
+        (Precision::Full, MatmulPrecision::Highest) => (fp32, "float32"),
+        (Precision::Full, MatmulPrecision::High) => (tf32, "TF32"),
+        _ => (half, "16-bit tensor-core"),
+    };
+    Some((peak, format!("{name}, {kind} data sheet")))
 }
 
 #[cfg(test)]
@@ -158,7 +164,7 @@ mod tests {
 
     #[test]
     fn peak_from_the_flag_or_unknown_on_a_cpu() {
-        assert_eq!(peak_tflops(Device::Cpu, Precision::Full, Some(1.5)).map(|p| p.0), Some(1.5));
-        assert_eq!(peak_tflops(Device::Cpu, Precision::Full, None), None);
+        assert_eq!(peak_tflops(Device::Cpu, Precision::Full, MatmulPrecision::Highest, Some(1.5)).map(|p| p.0), Some(1.5));
+        assert_eq!(peak_tflops(Device::Cpu, Precision::Full, MatmulPrecision::High, None), None);
     }
 }

@@ -82,6 +82,35 @@ impl Precision {
     }
 }
 
+/// The `--matmul-precision` flag: PyTorch's `torch.set_float32_matmul_precision`, for float32
+/// matrix products and convolutions outside autocast.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MatmulPrecision {
+    /// float32 arithmetic throughout (PyTorch's default).
+    #[default]
+    Highest,
+    /// TF32 tensor cores for float32 matrix products (10-bit mantissa inputs, float32 sums).
+    High,
+    /// bfloat16 inner products allowed too.
+    Medium,
+}
+
+impl MatmulPrecision {
+    pub fn name(self) -> &'static str {
+        match self {
+            MatmulPrecision::Highest => "highest",
+            MatmulPrecision::High => "high",
+            MatmulPrecision::Medium => "medium",
+        }
+    }
+
+    /// Sets it for the process (LibTorch's global context, as torch does).
+    pub fn apply(self) -> Result<()> {
+        crate::torch_ext::set_float32_matmul_precision(self.name())
+    }
+}
+
 /// LibTorch's autocast state, by the C++ names `libtorch_cpu.so` exports (see the module docs).
 /// `c10::DeviceType` and `c10::ScalarType` are `int8_t` enums, passed as such.
 mod ffi {

@@ -6,6 +6,9 @@
 //! - [`Generator`]: a random generator of one's own (tch has only the global default one), and
 //!   [`dropout`] drawing its mask from it: masks keyed to what they belong to (a layer, a
 //!   micro-batch) instead of to the order in which threads reach the shared generator.
+//! - [`fused_adam`], [`fused_sgd`], the `foreach_*` functions: `torch.optim`'s multi-tensor
+//!   kernels (a few launches per step for all parameters instead of several per parameter).
+//! - [`set_float32_matmul_precision`]: TF32 for float32 matrix products, as torch's.
 use anyhow::{bail, Result};
 use std::ffi::c_void;
 use tch::{Device, Tensor};
@@ -21,7 +24,50 @@ mod ffi {
         pub fn torch_ext_generator_free(generator: *mut c_void);
         pub fn torch_ext_generator_set_seed(generator: *mut c_void, seed: u64);
         pub fn torch_ext_dropout(input: *const C_tensor, p: f64, generator: *mut c_void) -> *mut C_tensor;
+        pub fn torch_ext_fused_adam(
+            params: *const *const C_tensor,
+            grads: *const *const C_tensor,
+            exp_avgs: *const *const C_tensor,
+            exp_avg_sqs: *const *const C_tensor,
+            steps: *const *const C_tensor,
+            n: usize,
+            lr: f64,
+            beta1: f64,
+            beta2: f64,
+            weight_decay: f64,
+            eps: f64,
+        ) -> i32;
+        pub fn torch_ext_fused_sgd(
+            params: *const *const C_tensor,
+            grads: *const *const C_tensor,
+            momentum_buffers: *const *const C_tensor,
+            n: usize,
+            weight_decay: f64,
+            momentum: f64,
+            lr: f64,
+            dampening: f64,
+            nesterov: bool,
+            first_step: bool,
+        ) -> i32;
+        pub fn torch_ext_foreach_add_scalar_(tensors: *const *const C_tensor, n: usize, value: f64) -> i32;
+        pub fn torch_ext_foreach_mul_tensor_(tensors: *const *const C_tensor, n: usize, scalar: *const C_tensor) -> i32;
+        pub fn torch_ext_foreach_total_norm(tensors: *const *const C_tensor, n: usize) -> *mut C_tensor;
+        pub fn torch_ext_set_float32_matmul_precision(precision: *const std::ffi::c_char) -> i32;
+        pub fn torch_ext_float32_matmul_precision(buffer: *mut u8, size: usize);
     }
+}
+
+/// The pointers of `tensors`, for a list argument of the shim.
+fn pointers(tensors: &[&Tensor]) -> Vec<*const C_tensor> {
+    tensors.iter().map(|t| t.as_ptr()).collect()
+}
+
+/// Ok, or the shim's error for `what`.
+fn status(code: i32, what: &str) -> Result<()> {
+    if code != 0 {
+        bail!("{what}: {}", last_error());
+    }
+    Ok(())
 }
 
 /// The message the shim left on this thread for its last failure.
@@ -112,6 +158,94 @@ pub fn dropout(input: &Tensor, p: f64, generator: &mut Generator) -> Result<Tens
     tensor(unsafe { ffi::torch_ext_dropout(input.as_ptr(), p, generator.ptr) }, "dropout")
 }
 
+/// `torch.optim.Adam(fused=True)`'s kernel (`_fused_adam_`) over parameters of one device and
+/// kind: `steps` are float32 tensors on that device holding each parameter's step count after
+/// this update (increment them first, as torch does).
+#[allow(clippy::too_many_arguments)]
+pub fn fused_adam(
+    params: &[&Tensor],
+    grads: &[&Tensor],
+    exp_avgs: &[&Tensor],
+    exp_avg_sqs: &[&Tensor],
+    steps: &[&Tensor],
+    lr: f64,
+    (beta1, beta2): (f64, f64),
+    weight_decay: f64,
+    eps: f64,
+) -> Result<()> {
+    let n = params.len();
+    anyhow::ensure!([grads.len(), exp_avgs.len(), exp_avg_sqs.len(), steps.len()].iter().all(|&l| l == n), "fused Adam: lists of different lengths");
+    let (p, g, m, v, s) = (pointers(params), pointers(grads), pointers(exp_avgs), pointers(exp_avg_sqs), pointers(steps));
+    // SAFETY: `n` valid tensor pointers in each list for the duration of the call.
+    let code = unsafe { ffi::torch_ext_fused_adam(p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr(), s.as_ptr(), n, lr, beta1, beta2, weight_decay, eps) };
+    status(code, "fused Adam")
+}
+
+/// `torch.optim.SGD(fused=True)`'s kernel (`_fused_sgd_`): `first_step` when the momentum
+/// buffers are new (the kernel starts them at the gradient); no buffers without momentum.
+#[allow(clippy::too_many_arguments)]
+pub fn fused_sgd(
+    params: &[&Tensor],
+    grads: &[&Tensor],
+    momentum_buffers: &[&Tensor],
+    weight_decay: f64,
+    momentum: f64,
+    lr: f64,
+    dampening: f64,
+    nesterov: bool,
+    first_step: bool,
+) -> Result<()> {
+    let n = params.len();
+    anyhow::ensure!(grads.len() == n && (momentum == 0.0 || momentum_buffers.len() == n), "fused SGD: lists of different lengths");
+    let (p, g, b) = (pointers(params), pointers(grads), pointers(momentum_buffers));
+    // SAFETY: as above (the buffers' list is not read without momentum).
+    let code = unsafe { ffi::torch_ext_fused_sgd(p.as_ptr(), g.as_ptr(), b.as_ptr(), n, weight_decay, momentum, lr, dampening, nesterov, first_step) };
+    status(code, "fused SGD")
+}
+
+/// `tensor += value` for every tensor, in one multi-tensor launch (`_foreach_add_`).
+pub fn foreach_add_scalar_(tensors: &[&Tensor], value: f64) -> Result<()> {
+    let t = pointers(tensors);
+    // SAFETY: valid tensor pointers for the duration of the call.
+    status(unsafe { ffi::torch_ext_foreach_add_scalar_(t.as_ptr(), t.len(), value) }, "_foreach_add_")
+}
+
+/// `tensor *= scalar` (a 0-dim tensor on their device) for every tensor, in one multi-tensor
+/// launch (`_foreach_mul_`).
+pub fn foreach_mul_tensor_(tensors: &[&Tensor], scalar: &Tensor) -> Result<()> {
+    let t = pointers(tensors);
+    // SAFETY: as above.
+    status(unsafe { ffi::torch_ext_foreach_mul_tensor_(t.as_ptr(), t.len(), scalar.as_ptr()) }, "_foreach_mul_")
+}
+
+/// The 2-norm of all `tensors` together, as `clip_grad_norm_` computes it: `_foreach_norm`, then
+/// the norm of the norms (a 0-dim tensor on their device).
+pub fn foreach_total_norm(tensors: &[&Tensor]) -> Result<Tensor> {
+    let t = pointers(tensors);
+    // SAFETY: as above.
+    tensor(unsafe { ffi::torch_ext_foreach_total_norm(t.as_ptr(), t.len()) }, "_foreach_norm")
+}
+
+/// `torch.set_float32_matmul_precision(name)`: `highest`, `high` (TF32 tensor cores for float32
+/// matrix products) or `medium` (bfloat16 ones allowed).
+pub fn set_float32_matmul_precision(name: &str) -> Result<()> {
+    // LibTorch only warns about another name (and keeps its setting): refuse it here.
+    if !["highest", "high", "medium"].contains(&name) {
+        bail!("set_float32_matmul_precision: `{name}` is not highest, high or medium");
+    }
+    let name = std::ffi::CString::new(name)?;
+    // SAFETY: a NUL-terminated string for the duration of the call.
+    status(unsafe { ffi::torch_ext_set_float32_matmul_precision(name.as_ptr()) }, "set_float32_matmul_precision")
+}
+
+/// The current float32 matrix-product precision, as [`set_float32_matmul_precision`] names it.
+pub fn float32_matmul_precision() -> String {
+    let mut buffer = [0u8; 16];
+    // SAFETY: the buffer is valid for its length.
+    unsafe { ffi::torch_ext_float32_matmul_precision(buffer.as_mut_ptr(), buffer.len()) };
+    String::from_utf8_lossy(buffer.split(|&b| b == 0).next().unwrap_or_default()).into_owned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,6 +284,17 @@ mod tests {
         y.sum(Kind::Float).backward();
         assert!(x.grad().equal(&y.detach()), "d(sum y)/dx is the scaled mask itself (x = 1)");
         assert!(dropout(&x, 0.0, &mut generator).unwrap().equal(&x));
+    }
+
+    #[test]
+    fn the_float32_matmul_precision_is_libtorchs_own_setting() {
+        assert_eq!(float32_matmul_precision(), "highest", "PyTorch's default");
+        set_float32_matmul_precision("high").unwrap();
+        assert_eq!(float32_matmul_precision(), "high");
+        let err = set_float32_matmul_precision("fastest").unwrap_err();
+        assert!(format!("{err}").contains("set_float32_matmul_precision"), "{err}");
+        set_float32_matmul_precision("highest").unwrap();
+        assert_eq!(float32_matmul_precision(), "highest");
     }
 
     #[test]

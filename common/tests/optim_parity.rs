@@ -78,6 +78,7 @@ fn configs() -> Vec<(&'static str, Spec, Option<f64>)> {
                 dampening: 0.0,
                 weight_decay: 5e-4,
                 nesterov: true,
+                ..sgd
             }),
             None,
         ),
@@ -89,9 +90,26 @@ fn configs() -> Vec<(&'static str, Spec, Option<f64>)> {
                 dampening: 0.1,
                 weight_decay: 1e-3,
                 nesterov: false,
+                ..sgd
             }),
             None,
         ),
+        // LibTorch's fused kernels (what runs on a GPU), against torch's fused and foreach paths.
+        ("adam_fused", Spec::Adam(AdamConfig { fused: Some(true), ..adam }), None),
+        ("adam_foreach_wd", Spec::Adam(AdamConfig { weight_decay: 0.01, fused: Some(true), ..adam }), None),
+        ("adam_fused_clip", Spec::Adam(AdamConfig { lr: 0.01, fused: Some(true), ..adam }), Some(0.5)),
+        ("sgd_fused_momentum", Spec::Sgd(SgdConfig { lr: 0.05, momentum: 0.9, fused: Some(true), ..sgd }), None),
+        (
+            "sgd_fused_nesterov_wd",
+            Spec::Sgd(SgdConfig { lr: 0.05, momentum: 0.9, nesterov: true, weight_decay: 5e-4, fused: Some(true), ..sgd }),
+            None,
+        ),
+        (
+            "sgd_foreach_dampening_wd",
+            Spec::Sgd(SgdConfig { lr: 0.05, momentum: 0.8, dampening: 0.1, weight_decay: 1e-3, fused: Some(true), ..sgd }),
+            None,
+        ),
+        ("sgd_fused_plain", Spec::Sgd(SgdConfig { lr: 0.05, fused: Some(true), ..sgd }), None),
     ]
 }
 
@@ -218,6 +236,10 @@ fn optimizers_match_torch_optim() {
                 max_abs_diff(ours, theirs)
             );
             param_diff = param_diff.max(max_abs_diff(ours, theirs));
+        }
+        if config.contains("fused") || config.contains("foreach") {
+            // The multi-tensor paths: within 1e-6 of torch's after 20 steps.
+            assert!(param_diff <= 1e-6, "{config}: weights differ from torch's multi-tensor path by {param_diff:e}");
         }
         eprintln!("{config:>18}: max relative loss difference {loss_diff:e}, max absolute weight difference {param_diff:e}");
         worst_loss = worst_loss.max(loss_diff);
@@ -382,6 +404,48 @@ fn restore_configs() -> Vec<(&'static str, Spec)> {
             }),
         ),
     ]
+}
+
+#[test]
+fn the_fused_kernels_state_is_the_per_parameter_paths_and_back() {
+    // A checkpoint does not say which path wrote it: 10 steps with LibTorch's fused kernel,
+    // then 10 more with the per-parameter path from the saved state (and the other way round),
+    // land where 20 steps of either land.
+    for (config, fused_then_not, not_then_fused) in [
+        (
+            "adam",
+            (Spec::Adam(AdamConfig { lr: 0.05, weight_decay: 0.01, fused: Some(true), ..Default::default() }), Spec::Adam(AdamConfig { lr: 0.05, weight_decay: 0.01, fused: Some(false), ..Default::default() })),
+            (Spec::Adam(AdamConfig { lr: 0.05, weight_decay: 0.01, fused: Some(false), ..Default::default() }), Spec::Adam(AdamConfig { lr: 0.05, weight_decay: 0.01, fused: Some(true), ..Default::default() })),
+        ),
+        (
+            "sgd_momentum",
+            (Spec::Sgd(SgdConfig { lr: 0.05, momentum: 0.9, fused: Some(true), ..Default::default() }), Spec::Sgd(SgdConfig { lr: 0.05, momentum: 0.9, fused: Some(false), ..Default::default() })),
+            (Spec::Sgd(SgdConfig { lr: 0.05, momentum: 0.9, fused: Some(false), ..Default::default() }), Spec::Sgd(SgdConfig { lr: 0.05, momentum: 0.9, fused: Some(true), ..Default::default() })),
+        ),
+    ] {
+        let reference = Toy::new(7);
+        let mut opt = fused_then_not.0.build(reference.named());
+        for i in 0..20 {
+            reference.train_step(opt.as_mut(), i);
+        }
+        for (first, second) in [fused_then_not, not_then_fused] {
+            let toy = Toy::new(7);
+            let mut opt = first.build(toy.named());
+            for i in 0..10 {
+                toy.train_step(opt.as_mut(), i);
+            }
+            let state = save(opt.as_ref());
+            let mut switched = second.build(toy.named());
+            switched.load_state_tensors(&state).unwrap_or_else(|e| panic!("{config}: {e:#}"));
+            for i in 10..20 {
+                toy.train_step(switched.as_mut(), i);
+            }
+            for ((name, a), (_, b)) in reference.params.iter().zip(&toy.params) {
+                let diff = max_abs_diff(a, b);
+                assert!(diff <= 1e-6, "{config}: `{name}` differs by {diff:e} after switching paths");
+            }
+        }
+    }
 }
 
 #[test]

@@ -203,3 +203,22 @@ fn weights_that_do_not_fit_are_listed() {
     let err = stderr(&out);
     assert!(err.contains("wrong.safetensors") && err.contains("conv1.weight") && err.contains("fc2.weight"), "{err}");
 }
+
+#[test]
+fn matmul_precision_reaches_libtorch_and_the_results() {
+    let d = tempfile::tempdir().unwrap();
+    generated_cifar(d.path(), 20);
+    let results = tempfile::tempdir().unwrap();
+    let out = exercise1(&[
+        "--device", "cpu", "--data-dir", d.path().to_str().unwrap(), "--batch-size", "10", "--max-steps", "1",
+        "--quiet", "--matmul-precision", "high", "--results-dir", results.path().to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("--matmul-precision high") && stdout.contains("LibTorch's setting: high"), "{stdout}");
+    let json = read_json(&results.path().join("exercise1-cnn-cpu.json"));
+    assert_eq!(json["matmul_precision"], "high");
+    let out = exercise1(&["--matmul-precision", "fastest"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("highest, high, medium"), "{}", stderr(&out));
+}

@@ -19,6 +19,12 @@ pub struct AdamConfig {
     pub eps: f64,
     /// L2 penalty added to the gradient (`grad + weight_decay * param`, not AdamW's decay).
     pub weight_decay: f64,
+    /// LibTorch's multi-tensor kernel (`torch.optim.Adam(fused=True)`, `_fused_adam_`): one
+    /// launch for all parameters of a device instead of several per parameter. `None`: on CUDA
+    /// parameters (where launches cost), not on the CPU, where the one-pass update below is
+    /// faster.
+    #[serde(default)]
+    pub fused: Option<bool>,
 }
 
 impl Default for AdamConfig {
@@ -28,6 +34,7 @@ impl Default for AdamConfig {
             betas: (0.9, 0.999),
             eps: 1e-8,
             weight_decay: 0.0,
+            fused: None,
         }
     }
 }
@@ -46,6 +53,9 @@ struct AdamState {
     exp_avg: Tensor,
     /// Second (uncentred) moment estimate.
     exp_avg_sq: Tensor,
+    /// `step` as a float32 tensor on the parameter's device, for the fused kernel (made when
+    /// first needed; checkpoints keep the integer).
+    step_tensor: Option<Tensor>,
 }
 
 impl ParamState for AdamState {
@@ -70,6 +80,7 @@ impl ParamState for AdamState {
             step: step.int64_value(&[]),
             exp_avg,
             exp_avg_sq,
+            step_tensor: None,
         }
     }
 }
@@ -87,6 +98,7 @@ impl Adam {
             betas: (beta1, beta2),
             eps,
             weight_decay,
+            ..
         } = config;
         assert!(lr >= 0.0, "Adam: invalid learning rate {lr}");
         assert!(eps >= 0.0, "Adam: invalid epsilon {eps}");
@@ -106,6 +118,13 @@ impl Adam {
     pub fn config(&self) -> &AdamConfig {
         &self.config
     }
+}
+
+/// Parameters of one device and kind for LibTorch's fused kernel: parameters, gradients, first
+/// and second moments, step tensors.
+struct FusedGroup {
+    key: (tch::Device, tch::Kind),
+    tensors: [Vec<Tensor>; 5],
 }
 
 /// The scalars of one parameter's update: `[1 − β₁, β₂, 1 − β₂, √(bias correction 2), ε,
@@ -155,14 +174,38 @@ impl Optimizer for Adam {
             betas: (beta1, beta2),
             eps,
             weight_decay,
+            fused,
         } = self.config;
         let mut jobs = Vec::new();
+        // Parameters for LibTorch's fused kernel, by device and kind (one call per group).
+        let mut groups: Vec<FusedGroup> = Vec::new();
         self.slots.update_each(|param, grad, state| {
             let state = state.get_or_insert_with(|| AdamState {
                 step: 0,
                 exp_avg: param.zeros_like(),
                 exp_avg_sq: param.zeros_like(),
+                step_tensor: None,
             });
+            if fused.unwrap_or(param.device().is_cuda()) {
+                let step = state.step;
+                let step_tensor = state
+                    .step_tensor
+                    .get_or_insert_with(|| Tensor::full([], step as f64, (tch::Kind::Float, param.device())));
+                state.step += 1;
+                let key = (param.device(), param.kind());
+                let index = match groups.iter().position(|g| g.key == key) {
+                    Some(i) => i,
+                    None => {
+                        groups.push(FusedGroup { key, tensors: Default::default() });
+                        groups.len() - 1
+                    }
+                };
+                let tensors = [&*param, grad, &state.exp_avg, &state.exp_avg_sq, &*step_tensor].map(|t| t.shallow_clone());
+                for (list, t) in groups[index].tensors.iter_mut().zip(tensors) {
+                    list.push(t);
+                }
+                return;
+            }
             state.step += 1;
             // The bias corrections are Python floats in torch (`beta ** step` with a float
             // step); `powf` is the same C `pow`, and `** 0.5` is `pow` too, not `sqrt`.
@@ -177,7 +220,15 @@ impl Optimizer for Adam {
             }
         });
         fused::run(&jobs, tch::get_num_threads().max(1) as usize);
-        Ok(())
+        tch::no_grad(|| {
+            for group in &groups {
+                let [params, grads, exp_avgs, exp_avg_sqs, steps] = group.tensors.each_ref().map(|l| l.iter().collect::<Vec<&Tensor>>());
+                // torch increments the step tensors (one launch), then the kernel reads them.
+                crate::torch_ext::foreach_add_scalar_(&steps, 1.0)?;
+                crate::torch_ext::fused_adam(&params, &grads, &exp_avgs, &exp_avg_sqs, &steps, lr, (beta1, beta2), weight_decay, eps)?;
+            }
+            Ok(())
+        })
     }
 
     fn zero_grad(&mut self) {

@@ -135,16 +135,28 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
             return 0.0;
         };
         let device = first.device();
-        // `Tensor::norm` is `at::norm(g, 2)`, which torch computes with `linalg_vector_norm`,
-        // the kernel `clip_grad_norm_` uses (through `_foreach_norm` on CPU).
-        let norms: Vec<Tensor> = grads.iter().map(|g| g.norm().to_device(device)).collect();
-        let total = Tensor::stack(&norms, 0).norm();
+        let total = if grads.iter().all(|g| g.device() == device) {
+            // torch's way on one device: `_foreach_norm` (one multi-tensor launch), then the
+            // norm of the norms.
+            let refs: Vec<&Tensor> = grads.iter().collect();
+            crate::torch_ext::foreach_total_norm(&refs).unwrap_or_else(|err| panic!("{err:#}"))
+        } else {
+            // A model spread over devices (pipeline stages in one process): each gradient's norm
+            // (`at::norm(g, 2)`, the same `linalg_vector_norm`), gathered on the first device.
+            let norms: Vec<Tensor> = grads.iter().map(|g| g.norm().to_device(device)).collect();
+            Tensor::stack(&norms, 0).norm()
+        };
         // torch evaluates `max_norm / (total + 1e-6)` as `reciprocal(total + 1e-6) * max_norm`
         // in the gradients' precision; doing the same keeps the clipped gradients bitwise equal.
         let coef = ((&total + 1e-6).reciprocal() * max_norm).clamp_max(1.0);
-        for g in &mut grads {
-            // torch multiplies even when the coefficient is 1 (exact), so no branch is needed.
-            let _ = g.g_mul_(&coef.to_device(g.device()));
+        // torch multiplies even when the coefficient is 1 (exact), so no branch is needed.
+        if grads.iter().all(|g| g.device() == device) {
+            let refs: Vec<&Tensor> = grads.iter().collect();
+            crate::torch_ext::foreach_mul_tensor_(&refs, &coef).unwrap_or_else(|err| panic!("{err:#}"));
+        } else {
+            for g in &mut grads {
+                let _ = g.g_mul_(&coef.to_device(g.device()));
+            }
         }
         total.double_value(&[])
     })

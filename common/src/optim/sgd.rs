@@ -23,6 +23,10 @@ pub struct SgdConfig {
     pub weight_decay: f64,
     /// Nesterov momentum (needs `momentum > 0` and `dampening == 0`).
     pub nesterov: bool,
+    /// LibTorch's multi-tensor kernel (`torch.optim.SGD(fused=True)`, `_fused_sgd_`). `None`:
+    /// on CUDA parameters.
+    #[serde(default)]
+    pub fused: Option<bool>,
 }
 
 impl Default for SgdConfig {
@@ -33,6 +37,7 @@ impl Default for SgdConfig {
             dampening: 0.0,
             weight_decay: 0.0,
             nesterov: false,
+            fused: None,
         }
     }
 }
@@ -76,6 +81,7 @@ impl Sgd {
             dampening,
             weight_decay,
             nesterov,
+            ..
         } = config;
         assert!(lr >= 0.0, "SGD: invalid learning rate {lr}");
         assert!(momentum >= 0.0, "SGD: invalid momentum {momentum}");
@@ -107,8 +113,29 @@ impl Optimizer for Sgd {
             dampening,
             weight_decay,
             nesterov,
+            fused,
         } = self.config;
+        // Parameters for LibTorch's fused kernel, by device, kind and whether their momentum
+        // buffers are new (the kernel then starts them at the gradient, as torch does).
+        let mut groups: Vec<((tch::Device, tch::Kind, bool), [Vec<Tensor>; 3])> = Vec::new();
         self.slots.update_each(|param, grad, state| {
+            if fused.unwrap_or(param.device().is_cuda()) {
+                let first = momentum != 0.0 && state.is_none();
+                let buffer = match (momentum, state) {
+                    (0.0, _) => param.shallow_clone(), // unused: no momentum, no buffers
+                    (_, Some(SgdState { momentum_buffer })) => momentum_buffer.shallow_clone(),
+                    (_, state) => state.insert(SgdState { momentum_buffer: param.empty_like() }).momentum_buffer.shallow_clone(),
+                };
+                let key = (param.device(), param.kind(), first);
+                let index = groups.iter().position(|g| g.0 == key).unwrap_or_else(|| {
+                    groups.push((key, Default::default()));
+                    groups.len() - 1
+                });
+                for (list, t) in groups[index].1.iter_mut().zip([param.shallow_clone(), grad.shallow_clone(), buffer]) {
+                    list.push(t);
+                }
+                return;
+            }
             let mut grad = if weight_decay != 0.0 {
                 add_scaled(grad, param, weight_decay)
             } else {
@@ -140,7 +167,13 @@ impl Optimizer for Sgd {
             }
             add_scaled_(param, &grad, -lr);
         });
-        Ok(())
+        tch::no_grad(|| {
+            for ((_, _, first), lists) in &groups {
+                let [params, grads, buffers] = lists.each_ref().map(|l| l.iter().collect::<Vec<&Tensor>>());
+                crate::torch_ext::fused_sgd(&params, &grads, &buffers, weight_decay, momentum, lr, dampening, nesterov, *first)?;
+            }
+            Ok(())
+        })
     }
 
     fn zero_grad(&mut self) {

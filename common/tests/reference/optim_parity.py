@@ -45,6 +45,21 @@ CONFIGS = {
         ),
         None,
     ),
+    # torch's multi-tensor paths (the ones it takes on a GPU), on the CPU: the fused kernels
+    # and the foreach ones, against the Rust optimizers' LibTorch fused path.
+    "adam_fused": (lambda ps: torch.optim.Adam(ps, fused=True), None),
+    "adam_foreach_wd": (lambda ps: torch.optim.Adam(ps, weight_decay=0.01, foreach=True), None),
+    "adam_fused_clip": (lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True), 0.5),
+    "sgd_fused_momentum": (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, fused=True), None),
+    "sgd_fused_nesterov_wd": (
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=True),
+        None,
+    ),
+    "sgd_foreach_dampening_wd": (
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.8, dampening=0.1, weight_decay=1e-3, foreach=True),
+        None,
+    ),
+    "sgd_fused_plain": (lambda ps: torch.optim.SGD(ps, lr=0.05, fused=True), None),
 }
 
 

@@ -402,10 +402,14 @@ impl Experiment for LmExperiment<'_> {
     fn sources(&self, data: &LmData, device: Device, shard: (usize, usize)) -> Result<Sources> {
         let (shape, corpus) = (self.shape(), &data.corpus);
         let batches = |tokens: &tch::Tensor, batch: i64| TokenBatches::sharded(tokens, batch, shape.bptt, device, shard);
+        // Evaluation windows go side by side, about four training batches' worth of streams per
+        // pass (a pipeline's micro-batches then carry whole streams): the same losses in far
+        // fewer, larger passes.
+        let group = (4 * self.batch_size()).div_ceil(shape.eval_batch_size as usize);
         Ok(Sources {
             train: Box::new(batches(&corpus.train, self.batch_size() as i64)),
-            eval: Box::new(batches(&corpus.valid, shape.eval_batch_size)),
-            test: Some(Box::new(batches(&corpus.test, shape.eval_batch_size))),
+            eval: Box::new(batches(&corpus.valid, shape.eval_batch_size).grouped(group)),
+            test: Some(Box::new(batches(&corpus.test, shape.eval_batch_size).grouped(group))),
             examples_per_epoch: corpus.train.numel(),
         })
     }

@@ -303,3 +303,40 @@ fn generated_wikitext_reads_back_in_wikitext_format_with_learnable_structure() {
     let corpus = load_corpus(dir.path(), Tokenizer::BasicEnglish).unwrap();
     assert!(corpus.generated && corpus.vocab.id(UNK) == Some(0) && corpus.vocab.len() > 5_000);
 }
+
+#[test]
+fn grouped_evaluation_windows_give_the_same_losses_in_fewer_passes() {
+    use common::data::text::TokenBatches;
+    use common::models::{TransformerConfig, TransformerLm};
+    use common::train::{BatchSource, LocalStep, Parallel, TrainStep};
+    // 1,003 tokens in 10 streams of 100 rows, windows of 7: 14 full windows and a last one of 1.
+    let tokens = Tensor::arange(1003, (tch::Kind::Int64, tch::Device::Cpu)).remainder(37);
+    let plain = TokenBatches::new(&tokens, 10, 7, tch::Device::Cpu);
+    let grouped = TokenBatches::new(&tokens, 10, 7, tch::Device::Cpu).grouped(4);
+    assert_eq!((plain.batches_per_epoch(), grouped.batches_per_epoch()), (15, 5), "4 + 4 + 4 + 2 full, then the short one");
+    let shapes: Vec<Vec<i64>> = grouped.epoch(0).map(|b| b.inputs.size()).collect();
+    assert_eq!(shapes, [vec![7, 40], vec![7, 40], vec![7, 40], vec![7, 20], vec![1, 10]]);
+    // Every (input, target) pair of the plain windows is in the grouped batches, once.
+    let pairs = |source: &TokenBatches| {
+        let mut pairs: Vec<(i64, i64)> = source
+            .epoch(0)
+            .flat_map(|b| {
+                let inputs = ids(&b.inputs);
+                inputs.into_iter().zip(ids(&b.targets)).collect::<Vec<_>>()
+            })
+            .collect();
+        pairs.sort();
+        pairs
+    };
+    assert_eq!(pairs(&plain), pairs(&grouped));
+    // A model evaluates both to the same loss (each column is its own window either way).
+    tch::manual_seed(3);
+    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    let cfg = TransformerConfig { ntoken: 37, d_model: 16, nhead: 2, d_hid: 32, nlayers: 1, dropout: 0.0 };
+    let model = TransformerLm::new(&vs.root(), &cfg).unwrap();
+    let mut step = LocalStep::new(vs, Box::new(model), Parallel::default());
+    let (a, b) = (step.evaluate(&plain, Default::default()).unwrap(), step.evaluate(&grouped, Default::default()).unwrap());
+    assert_eq!((a.examples, b.examples), (990.0, 990.0), "99 rows with a next token × 10 streams");
+    assert!((a.mean_loss() - b.mean_loss()).abs() < 1e-6 * a.mean_loss(), "{} vs {}", a.mean_loss(), b.mean_loss());
+    assert_eq!(a.hits, b.hits);
+}

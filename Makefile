@@ -104,7 +104,7 @@ python-tools: setup
 	$(WITH) scripts/python-tools
 
 test: build python-tools
-	$(CARGO) test --release --workspace
+	$(CARGO) test --release --workspace --no-fail-fast
 
 # The sbatch/ scripts through a real one-node Slurm on this machine (root; installs Debian's
 # slurm-wlm and munge when missing): every script submitted with CPU overrides and tiny data,

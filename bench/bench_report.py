@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The table and CSV rows of `make bench` (bench/bench.sh) from its runs, one JSON line each:
-{"entry", "impl": "rust"|"pytorch", "round", "throughput", "steps", "params", "train_time_s",
+{"entry", "impl": "rust"|"pytorch"|"pytorch-channels-last"|"pytorch-compile", "round" (0: the
+untimed warm-up, left out), "throughput" (steady state), "steps", "params", "train_time_s",
 "data_wait_s", "forward_backward_s", "optimizer_s", ...}. Medians over the rounds."""
 import argparse, csv, json, os, statistics, time
 
@@ -10,8 +11,10 @@ ENTRIES = {  # entry: (exercise, model, unit)
     "vgg19": ("exercise1", "vgg19", "images/s"),
     "nlp": ("exercise1_nlp", "transformer", "tokens/s"),
 }
-COLUMNS = ["finished_at", "exercise", "model", "device", "threads", "steps", "rounds", "unit",
-           "rust_throughput", "pytorch_throughput", "ratio", "ratio_rounds_median", "params_rust", "params_pytorch",
+PEERS = {"pytorch-channels-last": "channels_last", "pytorch-compile": "compile"}
+COLUMNS = ["finished_at", "exercise", "model", "device", "gpu", "precision", "rust_layout", "threads", "steps", "rounds", "unit",
+           "throughput_measure", "rust_throughput", "pytorch_throughput", "ratio", "ratio_rounds_median",
+           "pytorch_channels_last_throughput", "ratio_channels_last", "pytorch_compile_throughput", "ratio_compile", "params_rust", "params_pytorch",
            "rust_data_ms", "rust_fwd_bwd_ms", "rust_optim_ms", "pytorch_data_ms", "pytorch_fwd_bwd_ms",
            "pytorch_optim_ms", "other_cores_median", "other_cores_max", "rust_workers", "pytorch_loader", "model_flags",
            "omp_wait_policy", "generated_data",
@@ -37,11 +40,14 @@ def main():
     p.add_argument("--loader", default="memory")
     p.add_argument("--workers", default="2")
     p.add_argument("--nlp-model-flags", default="")
+    p.add_argument("--precision", default="32")
+    p.add_argument("--steady-after", default="")
+    p.add_argument("--rust-layout", default="nchw", help="the Rust image runs' memory format (nchw or channels-last)")
     p.add_argument("--note", default="", help="free text for the CSV's note column (BENCH_NOTE)")
     p.add_argument("--nlp-csv", default=None, help="also append the nlp entry to this CSV in bench/nlp.sh's old format")
     a = p.parse_args()
     with open(a.runs) as f:
-        runs = [json.loads(line) for line in f if line.strip()]
+        runs = [r for r in (json.loads(line) for line in f if line.strip()) if r["round"] > 0]
     rows = []
     for entry, (exercise, model, unit) in ENTRIES.items():
         rust = [r for r in runs if r["entry"] == entry and r["impl"] == "rust"]
@@ -55,9 +61,21 @@ def main():
         paired = statistics.median(r["throughput"] / by_round[r["round"]] for r in rust if r["round"] in by_round)
         ms = lambda runs, key: None if median(runs, key, True) is None else 1000 * median(runs, key, True)
         generated = any(r.get("generated") for r in rust + torch_)
+        steady = all(r.get("steady") for r in rust + torch_)
+        peers = {}
+        for impl, name in PEERS.items():
+            runs_ = [r for r in runs if r["entry"] == entry and r["impl"] == impl]
+            if runs_:
+                peer = median(runs_, "throughput")
+                peers[f"pytorch_{name}_throughput"] = f"{peer:.2f}"
+                peers[f"ratio_{name}"] = f"{rt / peer:.4f}"
         rows.append({
             "finished_at": int(time.time()), "exercise": exercise, "model": model, "device": a.device,
+            "gpu": next((r["gpu"] for r in torch_ if r.get("gpu")), ""), "precision": a.precision,
+            "rust_layout": a.rust_layout if exercise == "exercise1" else "",
             "threads": a.threads, "steps": rust[0]["steps"], "rounds": len(rust), "unit": unit,
+            "throughput_measure": f"steady state after {a.steady_after} steps" if steady else "whole run",
+            **peers,
             "rust_throughput": f"{rt:.2f}", "pytorch_throughput": f"{pt:.2f}", "ratio": f"{rt / pt:.4f}", "ratio_rounds_median": f"{paired:.4f}",
             "params_rust": rust[0]["params"], "params_pytorch": torch_[0]["params"],
             "rust_data_ms": fmt(ms(rust, "data_wait_s"), ".2f"), "rust_fwd_bwd_ms": fmt(ms(rust, "forward_backward_s"), ".2f"),
@@ -82,16 +100,20 @@ def main():
 
     generated = any(r["generated_data"] == "yes" for r in rows)
     omp = os.environ.get("OMP_WAIT_POLICY")
-    print(f"\nTraining throughput, Rust (tch) vs PyTorch eager: {a.device}, {a.threads} threads, "
-          f"{a.rounds} rounds A B A B, medians{f'; OMP_WAIT_POLICY={omp}' if omp else ''}"
-          f"{'; GENERATED data' if generated else ''}")
-    print("| exercise | model | steps | unit | Rust | PyTorch | Rust/PyTorch | per-round ratios, median | Rust data / fwd+bwd / optim (ms/step) | PyTorch data / fwd+bwd / optim (ms/step) |")
-    print("|---|---|---:|---|---:|---:|---:|---:|---|---|")
+    gpu = next((r["gpu"] for r in rows if r["gpu"]), "")
+    print(f"\nTraining throughput, Rust (tch) vs PyTorch eager: {gpu or a.device}, precision {a.precision}, "
+          f"{a.threads} threads, {a.rounds} rounds A B A B, medians, {rows[0]['throughput_measure']}"
+          f"{f'; OMP_WAIT_POLICY={omp}' if omp else ''}{'; GENERATED data' if generated else ''}")
+    print("| exercise | model | steps | unit | Rust | PyTorch | Rust/PyTorch | per-round ratios, median | "
+          "PyTorch channels-last (ratio) | torch.compile (ratio) | Rust data / fwd+bwd / optim (ms/step) | PyTorch data / fwd+bwd / optim (ms/step) |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|")
     for r in rows:
         split = lambda side: " / ".join(r[f"{side}_{k}_ms"] or "–" for k in ("data", "fwd_bwd", "optim"))
+        peer = lambda name: (f"{float(r[f'pytorch_{name}_throughput']):.1f} ({float(r[f'ratio_{name}']):.3f})"
+                             if r.get(f"pytorch_{name}_throughput") else "–")
         print(f"| {r['exercise']} | {r['model']} | {r['steps']} | {r['unit']} | {float(r['rust_throughput']):.1f} | "
               f"{float(r['pytorch_throughput']):.1f} | {float(r['ratio']):.3f} | {float(r['ratio_rounds_median']):.3f} | "
-              f"{split('rust')} | {split('pytorch')} |")
+              f"{peer('channels_last')} | {peer('compile')} | {split('rust')} | {split('pytorch')} |")
 
     busy = [r for r in rows if r["other_cores_max"] and float(r["other_cores_max"]) >= 0.25]
     if busy:

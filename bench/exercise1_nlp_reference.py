@@ -64,6 +64,8 @@ def main():
     p.add_argument("--lr", type=float, default=5.0)
     p.add_argument("--max-steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=0, help="untimed first steps (the Rust loop times every step)")
+    p.add_argument("--precision", default="32", choices=["32", "bf16-mixed"],
+                   help="bf16-mixed: the forward pass and loss under torch.autocast(bfloat16), as the Rust binary")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=42)
@@ -112,8 +114,9 @@ def main():
         src, tgt = data[i : i + a.bptt], data[i + 1 : i + 1 + a.bptt].reshape(-1)
         i += a.bptt
         t1 = time.perf_counter()
-        output = model(src, mask)
-        loss = criterion(output.view(-1, len(vocab)), tgt)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.precision == "bf16-mixed"):
+            output = model(src, mask)
+            loss = criterion(output.view(-1, len(vocab)), tgt)
         optimizer.zero_grad()
         loss.backward()
         sync()
@@ -135,7 +138,9 @@ def main():
     print(json.dumps({"impl": "pytorch", "tokens_per_s": tokens_timed / timed, "steps": steps,
                       "train_time_s": timed, "data_wait_s": data_wait, "forward_backward_s": forward_backward,
                       "optimizer_s": optimizer_time, "generated_data": generated,
-                      "timed_steps": steps - a.warmup, "params": params, "vocab": len(vocab),
+                      "timed_steps": steps - a.warmup,
+                      "steady_throughput": tokens_timed / timed if steps > a.warmup else None, "precision": a.precision,
+                      "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "params": params, "vocab": len(vocab),
                       "last_loss": loss_value, "threads": torch.get_num_threads(),
                       "torch_version": torch.__version__, "device": a.device}))
 

@@ -160,6 +160,12 @@ def main():
     p.add_argument("--prefetch", type=int, default=4, help="batches each worker prepares ahead")
     p.add_argument("--layouts", default="auto", choices=["auto", "torchvision", "builtin"],
                    help="where ResNet34/VGG19 come from: torchvision when installed (auto), or bench/vision_models.py")
+    p.add_argument("--steady-after", type=int, default=2,
+                   help="steps left out of the steady-state throughput (as the Rust binaries' --steady-after)")
+    p.add_argument("--precision", default="32", choices=["32", "bf16-mixed"],
+                   help="bf16-mixed: the forward pass and loss under torch.autocast(bfloat16), as the Rust binaries")
+    p.add_argument("--channels-last", action="store_true", help="model and inputs in channels-last memory format")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (default mode)")
     p.add_argument("--describe", action="store_true",
                    help="print the model's parameter count and state_dict shapes as JSON, and exit (no data, no training)")
     a = p.parse_args()
@@ -179,8 +185,14 @@ def main():
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # as the Rust binary sets it
     model = model.to(device)
+    fmt = torch.channels_last if a.channels_last else torch.contiguous_format
+    model = model.to(memory_format=fmt)
     model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=a.lr)
+    optimizer_model = model
+    if a.compile:
+        model = torch.compile(model)
+    optimizer = torch.optim.Adam(optimizer_model.parameters(), lr=a.lr)
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.precision == "bf16-mixed")
     if a.loader == "memory":
         loader = MemoryLoader(images, labels, a.batch_size, a.seed, device)
     else:
@@ -194,19 +206,25 @@ def main():
     hits_sum = torch.zeros((), dtype=torch.int64, device=device)
     data_wait = forward_backward = optimizer_time = train_time = 0.0
     step, seen, epoch = 0, 0, 0
+    # Steady state as the Rust loop measures it: from one step's end to the next one's within
+    # an epoch, after the first --steady-after steps.
+    steady_s, steady_images, steady_steps = 0.0, 0, 0
     while step < a.max_steps:
         torch.manual_seed(a.seed + epoch)  # dropout stream per epoch, as the Rust loop seeds it
         epoch_start = time.perf_counter()
         batches = loader.epoch(epoch)
+        last_end = None
         while step < a.max_steps:
             t0 = time.perf_counter()
             batch = next(batches, None)
             if batch is None:
                 break
             inputs, targets = batch
+            inputs = inputs.contiguous(memory_format=fmt)
             t1 = time.perf_counter()
-            logits = model(inputs)
-            loss = F.cross_entropy(logits, targets)
+            with autocast():
+                logits = model(inputs)
+                loss = F.cross_entropy(logits, targets)
             hits = logits.argmax(-1).eq(targets).sum()
             optimizer.zero_grad()
             loss.backward()
@@ -222,6 +240,11 @@ def main():
             hits_sum += hits
             seen += len(targets)
             step += 1
+            if step > a.steady_after and last_end is not None:
+                steady_s += t3 - last_end
+                steady_images += len(targets)
+                steady_steps += 1
+            last_end = t3
         batches.close()  # shuts a DataLoader's workers down, as the Rust loop drops its loader
         train_time += time.perf_counter() - epoch_start
         epoch += 1
@@ -231,6 +254,9 @@ def main():
         "device": a.device, "threads": torch.get_num_threads(), "loader": a.loader,
         "workers": a.workers if a.loader == "dataloader" else 0, "batch_size": a.batch_size,
         "steps": step, "images": seen, "train_time_s": train_time, "images_per_s": seen / train_time,
+        "steady_throughput": steady_images / steady_s if steady_steps else None, "steady_steps": steady_steps,
+        "precision": a.precision, "channels_last": a.channels_last, "compile": a.compile,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "data_wait_s": data_wait, "forward_backward_s": forward_backward, "optimizer_s": optimizer_time,
         "train_loss": loss_sum.item() / max(seen, 1), "train_acc": hits_sum.item() / max(seen, 1),
         "generated_data": generated, "torch_version": torch.__version__,

@@ -6,6 +6,7 @@
 // at::Tensor (tch's C_tensor); a function that fails returns null (or -1) and leaves the
 // exception's message for torch_ext_last_error() on this thread. No exception crosses into Rust.
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <ATen/Context.h>
 #include <ATen/core/Generator.h>
 
@@ -198,6 +199,29 @@ void torch_ext_float32_matmul_precision(char* buffer, size_t size) {
     std::memcpy(buffer, name.data(), n);
     buffer[n] = '\0';
   }
+}
+
+// `tensor` in the channels-last memory format (NHWC order in memory, the same NCHW shape) for a
+// 4-D tensor; other tensors unchanged. What `tensor.contiguous(memory_format=torch.channels_last)` does.
+at::Tensor* torch_ext_channels_last(const at::Tensor* tensor) {
+  return protect([&] { return tensor->dim() == 4 ? tensor->contiguous(at::MemoryFormat::ChannelsLast) : *tensor; });
+}
+
+// A 4-D parameter's data moved to the channels-last format in place (`param.data = ...`, as
+// `nn.Module.to(memory_format=...)` does): the variable, its gradient and the optimizer state
+// made from it follow; other tensors are left alone. 0, or -1 on error.
+int torch_ext_make_channels_last_(at::Tensor* tensor) {
+  return protect_status([&] {
+    if (tensor->dim() == 4) {
+      c10::NoGradGuard no_grad;
+      tensor->set_data(tensor->detach().contiguous(at::MemoryFormat::ChannelsLast));
+    }
+  });
+}
+
+// 1 when `tensor` is laid out channels-last, 0 when not.
+int torch_ext_is_channels_last(const at::Tensor* tensor) {
+  return tensor->dim() == 4 && tensor->is_contiguous(at::MemoryFormat::ChannelsLast) ? 1 : 0;
 }
 
 }  // extern "C"

@@ -226,6 +226,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         metric: exp.metric(),
         precision: run.precision,
         profile: run.profile,
+        steady_after: run.steady_after,
     };
     let mut observers = Observers::new().with(Forward(session)).with(CheckpointEveryEpoch);
     if root && !run.quiet {

@@ -55,6 +55,10 @@ pub struct RunArgs {
     /// device between phases: costs some speed.
     #[arg(long)]
     pub profile: bool,
+    /// Optimizer steps left out of the steady-state throughput (results: steady_throughput):
+    /// the warm-up, where kernels are chosen and caches filled.
+    #[arg(long, default_value_t = 2)]
+    pub steady_after: usize,
     /// Write TensorBoard event files (loss, learning rate, throughput every 10 steps; each
     /// epoch's losses, accuracy or perplexity) to DIR/<run>.
     #[arg(long)]

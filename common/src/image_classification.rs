@@ -53,6 +53,11 @@ pub struct ImageArgs {
     /// there (no loader threads, no copies per step); the same batches as without.
     #[arg(long)]
     pub data_on_device: bool,
+    /// Weights and inputs in the channels-last memory format (NHWC in memory), as
+    /// `model.to(memory_format=torch.channels_last)`: cuDNN's tensor-core convolutions on a GPU
+    /// read it directly. The same model and results (to float rounding).
+    #[arg(long)]
+    pub channels_last: bool,
 }
 
 /// An image exercise: its preset and flags.
@@ -170,7 +175,7 @@ impl Experiment for ImageExperiment<'_> {
     fn model(&self, _data: &ImageData, _groups: &Groups, _device: Device, _observers: &mut Observers) -> Result<ModelPlan> {
         // Every rank loads the weights (rank 0's win: they are broadcast at the start), so that a
         // bad file fails everywhere with the same message.
-        Ok(ModelPlan::Image { spec: self.model_spec(), weights: self.args.weights.clone() })
+        Ok(ModelPlan::Image { spec: self.model_spec(), weights: self.args.weights.clone(), channels_last: self.args.channels_last })
     }
 
     fn describe(&self, _plan: &ModelPlan, step: &dyn TrainStep<'_>, groups: &Groups, device: Device, observers: &mut Observers) -> Result<()> {
@@ -225,6 +230,7 @@ impl Experiment for ImageExperiment<'_> {
     }
 
     fn report(&self, _data: &ImageData, _plan: &ModelPlan, _fit: &FitReport, _test: &EvalSums, _device: Device) -> (Vec<String>, serde_json::Value) {
-        (Vec::new(), serde_json::json!({}))
+        let memory_format = if self.args.channels_last { "channels-last" } else { "nchw" };
+        (Vec::new(), serde_json::json!({ "memory_format": memory_format }))
     }
 }

@@ -26,8 +26,9 @@ use crate::train::{LocalStep, Parallel, Replication, TrainStep};
 /// What to train.
 #[derive(Debug, Clone)]
 pub enum ModelPlan {
-    /// An image classifier, from `weights` (torchvision names) when given.
-    Image { spec: ModelSpec, weights: Option<PathBuf> },
+    /// An image classifier, from `weights` (torchvision names) when given, in the channels-last
+    /// memory format when asked.
+    Image { spec: ModelSpec, weights: Option<PathBuf>, channels_last: bool },
     /// The Transformer language model, whole or cut into pipeline stages.
     Transformer { config: TransformerConfig, pipeline: Option<PipelinePlan> },
 }
@@ -67,12 +68,15 @@ pub fn parallelize<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParall
         Ok(Box::new(LocalStep::new(vs, module, parallel)))
     };
     match model {
-        ModelPlan::Image { spec, weights } => whole_model(&|vs| {
+        ModelPlan::Image { spec, weights, channels_last } => whole_model(&|vs| {
             let module = models::build(&vs.root(), spec);
             if let Some(path) = weights {
                 models::load_weights(vs, path)?;
             }
-            Ok(module)
+            Ok(match channels_last {
+                true => Box::new(models::ChannelsLast::new(vs, module)?),
+                false => module,
+            })
         }),
         ModelPlan::Transformer { config, pipeline: None } => {
             whole_model(&|vs| Ok(Box::new(TransformerLm::new(&vs.root(), config)?) as Box<dyn nn::ModuleT>))

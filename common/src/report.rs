@@ -28,6 +28,9 @@ pub struct RunRecord {
     /// Training examples per second (images/s, or tokens/s for a language model), all
     /// data-parallel replicas together.
     pub throughput: f64,
+    /// Training examples per second after the warm-up (`--steady-after` steps), epoch ends and
+    /// evaluation left out: what benchmarks compare. Empty when too few steps ran.
+    pub steady_throughput: Option<f64>,
     /// Data-parallel replicas (1 for a single process).
     pub world_size: usize,
     /// `32`, `16-mixed` or `bf16-mixed`.
@@ -95,6 +98,7 @@ impl RunRecord {
             optimizer: info.optimizer,
             train_time_s: fit.train_time_s,
             throughput: fit.throughput(),
+            steady_throughput: fit.steady.map(|s| s.throughput()),
             world_size: info.world_size,
             precision: info.precision.name().into(),
             flops_per_example: info.flops_per_example,
@@ -302,6 +306,7 @@ mod tests {
             optimizer: "adam".into(),
             train_time_s: 1000.0 / throughput,
             throughput,
+            steady_throughput: Some(throughput),
             world_size: 1,
             precision: "32".into(),
             flops_per_example: 1.0,

@@ -54,6 +54,9 @@ mod ffi {
         pub fn torch_ext_foreach_total_norm(tensors: *const *const C_tensor, n: usize) -> *mut C_tensor;
         pub fn torch_ext_set_float32_matmul_precision(precision: *const std::ffi::c_char) -> i32;
         pub fn torch_ext_float32_matmul_precision(buffer: *mut u8, size: usize);
+        pub fn torch_ext_channels_last(tensor: *const C_tensor) -> *mut C_tensor;
+        pub fn torch_ext_make_channels_last_(tensor: *mut C_tensor) -> i32;
+        pub fn torch_ext_is_channels_last(tensor: *const C_tensor) -> i32;
     }
 }
 
@@ -307,4 +310,25 @@ mod tests {
             assert!(pin_memory(&x).is_err());
         }
     }
+}
+
+/// A 4-D `tensor` in the channels-last memory format (NHWC in memory, the same NCHW shape, as
+/// `tensor.contiguous(memory_format=torch.channels_last)`); any other tensor as it is.
+pub fn channels_last(tensor_: &Tensor) -> Result<Tensor> {
+    // SAFETY: a valid tensor pointer for the duration of the call.
+    tensor(unsafe { ffi::torch_ext_channels_last(tensor_.as_ptr()) }, "channels_last")
+}
+
+/// Moves a 4-D variable's data to the channels-last format in place (`param.data = …`, as
+/// `nn.Module.to(memory_format=torch.channels_last)`): its gradients and the optimizer state
+/// made from it follow. Other tensors are left alone.
+pub fn make_channels_last_(variable: &Tensor) -> Result<()> {
+    // SAFETY: a valid tensor pointer; the shim swaps the variable's data, not the handle.
+    status(unsafe { ffi::torch_ext_make_channels_last_(variable.as_ptr() as *mut C_tensor) }, "channels_last")
+}
+
+/// Whether `tensor` is a 4-D tensor laid out channels-last.
+pub fn is_channels_last(tensor: &Tensor) -> bool {
+    // SAFETY: as above.
+    unsafe { ffi::torch_ext_is_channels_last(tensor.as_ptr()) == 1 }
 }

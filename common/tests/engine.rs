@@ -1,7 +1,9 @@
 //! The training engine's large-batch pieces and its events: accumulating K batches into one
 //! step equals one step on the K-times larger batch; a notebook's EventLog receives every step;
 //! one-cycle equals torch's OneCycleLR; LARS and LAMB equal their papers' formulas, computed
-//! here independently, and keep their state through a save and load.
+//! here independently, and keep their state through a save and load; the steady-state speed
+//! leaves out the warm-up and the epoch ends; channels-last is the same model in another memory
+//! order.
 mod support;
 
 use std::sync::Mutex;
@@ -31,24 +33,42 @@ fn config(epochs: usize, accumulate: usize) -> TrainConfig {
         metric: Metric::Accuracy,
         precision: Precision::Full,
         profile: false,
+        steady_after: 2,
     }
 }
 
 /// Trains the course CNN (no batch norm) for one epoch on `images` generated images in batches of
 /// `batch`, accumulating `accumulate` of them per step; returns the variables and the report.
 fn train_cnn(dir: &std::path::Path, batch: usize, accumulate: usize, observers: &mut Observers) -> (Vec<(String, Tensor)>, train::FitReport) {
+    train_model(dir, Arch::Cnn, false, batch, accumulate, 1, 0.05, observers)
+}
+
+/// Trains `arch` (in the channels-last format when asked) for `epochs` with SGD and momentum.
+fn train_model(
+    dir: &std::path::Path,
+    arch: Arch,
+    channels_last: bool,
+    batch: usize,
+    accumulate: usize,
+    epochs: usize,
+    lr: f64,
+    observers: &mut Observers,
+) -> (Vec<(String, Tensor)>, train::FitReport) {
     tch::manual_seed(11);
     let vs = nn::VarStore::new(Device::Cpu);
-    let spec = ModelSpec { arch: Arch::Cnn, in_channels: 3, image_size: 32, num_classes: 10 };
-    let model = models::build(&vs.root(), &spec);
-    let mut optimizer = Sgd::new(models::named_parameters(&vs), SgdConfig { lr: 0.05, momentum: 0.9, ..SgdConfig::default() });
+    let spec = ModelSpec { arch, in_channels: 3, image_size: 32, num_classes: 10 };
+    let mut model = models::build(&vs.root(), &spec);
+    if channels_last {
+        model = Box::new(models::ChannelsLast::new(&vs, model).unwrap());
+    }
+    let mut optimizer = Sgd::new(models::named_parameters(&vs), SgdConfig { lr, momentum: 0.9, ..SgdConfig::default() });
     let train_set = data::load(DatasetKind::Cifar10, dir, Split::Train).unwrap();
     let test_set = data::load(DatasetKind::Cifar10, dir, Split::Test).unwrap();
     // No augmentation: its draws are per batch, and the batches differ in size here.
     let train_loader = Loader::new(train_set, LoaderConfig::train(batch, 3, Device::Cpu));
     let test_loader = Loader::new(test_set, LoaderConfig::eval(16, Device::Cpu));
     let mut step = LocalStep::new(vs, model, Parallel::default());
-    let report = train::fit(&mut step, &mut optimizer, &train_loader, &test_loader, &config(1, accumulate), observers).unwrap();
+    let report = train::fit(&mut step, &mut optimizer, &train_loader, &test_loader, &config(epochs, accumulate), observers).unwrap();
     let mut vars: Vec<(String, Tensor)> = step.vs.variables().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     (vars, report)
@@ -104,6 +124,66 @@ fn an_event_log_receives_the_runs_events_as_data() {
     assert!((stats.train_loss - mean).abs() < 1e-6 * mean, "{} vs {mean}", stats.train_loss);
     assert!(matches!(records.last(), Some(Record::Finished { steps: 4, .. })));
     assert_eq!(report.history.len(), 1);
+    // Steady state: steps 3 and 4 (the first 2 are warm-up), 8 images each.
+    let steady = report.steady.expect("a steady-state window");
+    assert_eq!((steady.steps, steady.examples), (2, 16), "{steady:?}");
+    assert!(steady.seconds > 0.0 && steady.throughput() > 0.0);
+}
+
+#[test]
+fn the_steady_state_leaves_out_the_warm_up_and_every_epoch_end() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    generate::generate(DatasetKind::Cifar10, dir.path(), GenerateConfig { train: 32, test: 16, seed: 2 }).unwrap();
+    let (_, report) = train_model(dir.path(), Arch::Cnn, false, 8, 1, 3, 0.05, &mut Observers::new());
+    // 3 epochs of 4 steps: epoch 1 times steps 3-4 (after the warm-up of 2); epochs 2 and 3 time
+    // their steps 2-4 (the interval across the evaluation is left out): 2 + 3 + 3.
+    let steady = report.steady.expect("a steady-state window");
+    assert_eq!((report.steps, steady.steps, steady.examples), (12, 8, 64), "{steady:?}");
+    // Evaluation is not in the window: the window is shorter than the training time.
+    assert!(steady.seconds < report.train_time_s, "{steady:?} vs {} s", report.train_time_s);
+}
+
+#[test]
+fn channels_last_is_the_same_model_in_another_memory_order() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    generate::generate(DatasetKind::Cifar10, dir.path(), GenerateConfig { train: 12, test: 4, seed: 3 }).unwrap();
+    // Training: the course CNN (convolutions, pooling, ReLU, the flattening into the linear
+    // layers) for 3 SGD steps lands on the same weights, which stay channels-last.
+    let (nchw, nchw_report) = train_model(dir.path(), Arch::Cnn, false, 4, 1, 1, 0.05, &mut Observers::new());
+    let (nhwc, nhwc_report) = train_model(dir.path(), Arch::Cnn, true, 4, 1, 1, 0.05, &mut Observers::new());
+    let diff = max_relative_difference(&nhwc, &nchw);
+    let (a, b) = (nhwc_report.history[0].train_loss, nchw_report.history[0].train_loss);
+    println!("CNN, 3 SGD steps: channels-last vs NCHW parameters differ by {diff:.1e}, losses {a} vs {b}");
+    assert!(diff <= 1e-5 && (a - b).abs() <= 1e-6 * b, "channels-last trains another model: {diff:e}, {a} vs {b}");
+    let conv = |vars: &[(String, Tensor)]| vars.iter().find(|(n, _)| n == "conv1.weight").unwrap().1.shallow_clone();
+    assert!(common::torch_ext::is_channels_last(&conv(&nhwc)), "the weights stay channels-last through the updates");
+    assert!(!common::torch_ext::is_channels_last(&conv(&nchw)));
+    let (untrained, _) = train_model(dir.path(), Arch::Cnn, false, 4, 1, 0, 0.05, &mut Observers::new());
+    assert!(max_relative_difference(&untrained, &nchw) > 1e-3, "the weights moved: not two untrained models");
+
+    // ResNet34 (batch norm, residual adds, adaptive pooling), evaluated: the same logits. (Its
+    // training at a batch of 4 is not compared: batch norm over 4 values per channel in the last
+    // stages amplifies the layouts' different summation orders to 1e-3 in the gradients, in
+    // PyTorch as here.)
+    use tch::nn::ModuleT;
+    let spec = ModelSpec { arch: Arch::Resnet34, in_channels: 3, image_size: 32, num_classes: 10 };
+    let images = Tensor::randn([4, 3, 32, 32], (Kind::Float, Device::Cpu));
+    let logits: Vec<Tensor> = [false, true]
+        .into_iter()
+        .map(|channels_last| {
+            tch::manual_seed(11);
+            let vs = nn::VarStore::new(Device::Cpu);
+            let mut model = models::build(&vs.root(), &spec);
+            if channels_last {
+                model = Box::new(models::ChannelsLast::new(&vs, model).unwrap());
+            }
+            model.forward_t(&images, false)
+        })
+        .collect();
+    let diff = (&logits[0] - &logits[1]).abs().max().double_value(&[]) / logits[0].abs().max().double_value(&[]);
+    assert!(diff <= 1e-5, "ResNet34's logits differ by {diff:e} in channels-last");
 }
 
 #[test]

@@ -440,11 +440,26 @@ fn the_fused_kernels_state_is_the_per_parameter_paths_and_back() {
             for i in 10..20 {
                 toy.train_step(switched.as_mut(), i);
             }
+            // The two paths round differently (each is bitwise or 3e-8 close to its torch
+            // counterpart, not to the other): 1e-6 apart after 20 steps on one CPU, 1.03e-6 on
+            // another. A lost or misread state is 1e-3 off (checked below).
             for ((name, a), (_, b)) in reference.params.iter().zip(&toy.params) {
                 let diff = max_abs_diff(a, b);
-                assert!(diff <= 1e-6, "{config}: `{name}` differs by {diff:e} after switching paths");
+                assert!(diff <= 1e-5, "{config}: `{name}` differs by {diff:e} after switching paths");
             }
         }
+        // The control: the second half from a fresh state (no moments, no momentum) lands elsewhere.
+        let toy = Toy::new(7);
+        let mut opt = not_then_fused.0.build(toy.named());
+        for i in 0..10 {
+            toy.train_step(opt.as_mut(), i);
+        }
+        let mut fresh = not_then_fused.1.build(toy.named());
+        for i in 10..20 {
+            toy.train_step(fresh.as_mut(), i);
+        }
+        let lost = reference.params.iter().zip(&toy.params).map(|((_, a), (_, b))| max_abs_diff(a, b)).fold(0.0, f64::max);
+        assert!(lost > 1e-3, "{config}: without the state the run lands only {lost:e} away: the check is vacuous");
     }
 }
 

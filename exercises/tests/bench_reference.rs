@@ -37,8 +37,12 @@ fn describe(model: &str) -> serde_json::Value {
 }
 
 fn generated_cifar(dir: &Path) {
+    generated_cifar_of(dir, 10);
+}
+
+fn generated_cifar_of(dir: &Path, train: usize) {
     let status = Command::new(env!("CARGO_BIN_EXE_prepare_data"))
-        .args(["generate", "--dataset", "cifar10", "--train", "10", "--test", "2", "--out"])
+        .args(["generate", "--dataset", "cifar10", "--train", &train.to_string(), "--test", "2", "--out"])
         .arg(dir)
         .stdout(std::process::Stdio::null())
         .status()
@@ -111,4 +115,40 @@ fn the_exercise1_reference_trains_the_same_models() {
             }
         }
     });
+}
+
+/// `make bench`'s harness itself, on the CPU with the CNN: an untimed warm-up run per side, then
+/// A B rounds timed in the steady state (after --steady-after steps, on both sides), the
+/// channels-last peer, and a CSV row that says how it measured.
+#[test]
+fn the_bench_harness_times_the_steady_state_of_both_sides_and_their_peers() {
+    let data = tempfile::tempdir().unwrap();
+    generated_cifar_of(data.path(), 500); // 5 batches of 100: the 5 steps in one epoch
+    let out_dir = tempfile::tempdir().unwrap();
+    let csv = out_dir.path().join("bench.csv");
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_exercise1")).parent().unwrap().to_path_buf();
+    let out = Command::new("bash")
+        .arg(root.join("bench/bench.sh"))
+        .envs([("BENCH", "cnn"), ("ROUNDS", "1"), ("CNN_STEPS", "5"), ("THREADS", "1"), ("MIN_SECONDS", "0"), ("STEADY_AFTER", "2")])
+        .env("TORCH_PYTHON", python())
+        .env("CIFAR_DIR", data.path())
+        .env("BENCH_CSV", &csv)
+        .env("BIN", &bin)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "bench.sh failed:\n{stdout}\n{}", stderr(&out));
+    assert!(stdout.contains("exercise1 cnn warm-up (5 steps)") && stdout.contains("round 1/1 (5 steps)"), "{stdout}");
+    let text = std::fs::read_to_string(&csv).unwrap();
+    let mut rows = text.lines().map(|l| l.split(',').map(str::to_string).collect::<Vec<_>>());
+    let header = rows.next().unwrap();
+    let row: BTreeMap<String, String> = header.into_iter().zip(rows.next().expect("one row")).collect();
+    assert_eq!(row["throughput_measure"], "steady state after 2 steps", "{row:?}");
+    assert_eq!((row["rounds"].as_str(), row["steps"].as_str(), row["precision"].as_str()), ("1", "5", "32"), "{row:?}");
+    for column in ["rust_throughput", "pytorch_throughput", "pytorch_channels_last_throughput", "ratio", "ratio_channels_last"] {
+        let value: f64 = row[column].parse().unwrap_or_else(|_| panic!("{column}: {:?}", row[column]));
+        assert!(value > 0.0, "{column} = {value}");
+    }
+    assert!(row["pytorch_compile_throughput"].is_empty(), "torch.compile only with COMPILE=1");
 }

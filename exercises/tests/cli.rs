@@ -205,6 +205,30 @@ fn weights_that_do_not_fit_are_listed() {
 }
 
 #[test]
+fn channels_last_runs_and_its_checkpoint_resumes_in_the_usual_layout() {
+    let d = tempfile::tempdir().unwrap();
+    generated_cifar(d.path(), 20);
+    let (results, checkpoints) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "--device", "cpu", "--data-dir", d.path().to_str().unwrap(), "--batch-size", "10", "--quiet",
+            "--results-dir", results.path().to_str().unwrap(), "--checkpoint-dir", checkpoints.path().to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let out = exercise1(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        read_json(&results.path().join("exercise1-cnn-cpu.json"))
+    };
+    let first = run(&["--channels-last", "--epochs", "1"]);
+    assert_eq!(first["memory_format"], "channels-last");
+    assert!(first["steady_throughput"].as_f64().is_none(), "2 steps are all warm-up: {}", first["steady_throughput"]);
+    // The checkpoint holds the weights in the usual order: the next epoch resumes without the flag.
+    let second = run(&["--resume", "--epochs", "2", "--steady-after", "0"]);
+    assert_eq!((second["memory_format"].as_str(), second["resumed_epochs"].as_u64()), (Some("nchw"), Some(1)));
+    assert!(second["steady_throughput"].as_f64().is_some_and(|t| t > 0.0), "{}", second["steady_throughput"]);
+}
+
+#[test]
 fn matmul_precision_reaches_libtorch_and_the_results() {
     let d = tempfile::tempdir().unwrap();
     generated_cifar(d.path(), 20);

@@ -66,6 +66,32 @@ pub fn build(root: &nn::Path, spec: &ModelSpec) -> Box<dyn nn::ModuleT> {
     }
 }
 
+/// A convolutional network run in the channels-last memory format (NHWC in memory, the same
+/// NCHW shapes), as `model.to(memory_format=torch.channels_last)` with channels-last inputs:
+/// cuDNN's tensor-core convolutions read that layout without transposing. [`ChannelsLast::new`]
+/// moves the 4-D weights in `vs`; `forward_t` lays each input out so. Results are the same
+/// computation in another memory order (equal to float rounding).
+#[derive(Debug)]
+pub struct ChannelsLast {
+    inner: Box<dyn nn::ModuleT>,
+}
+
+impl ChannelsLast {
+    pub fn new(vs: &nn::VarStore, inner: Box<dyn nn::ModuleT>) -> anyhow::Result<Self> {
+        for variable in vs.variables().values() {
+            crate::torch_ext::make_channels_last_(variable)?;
+        }
+        Ok(ChannelsLast { inner })
+    }
+}
+
+impl nn::ModuleT for ChannelsLast {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        let xs = crate::torch_ext::channels_last(xs).unwrap_or_else(|err| panic!("{err:#}"));
+        self.inner.forward_t(&xs, train)
+    }
+}
+
 /// Number of trainable parameters (buffers such as batch-norm running statistics excluded).
 pub fn param_count(vs: &nn::VarStore) -> i64 {
     vs.trainable_variables()

@@ -95,6 +95,8 @@ pub struct TrainConfig {
     pub precision: Precision,
     /// `--profile`: wait for the device at every phase boundary (the sink records them).
     pub profile: bool,
+    /// Steps of the run left out of the steady-state speed ([`FitReport::steady`]): warm-up.
+    pub steady_after: usize,
 }
 
 impl TrainConfig {
@@ -171,6 +173,25 @@ pub struct FitReport {
     pub eval_acc: f64,
     /// A pipeline's measured idle share, its first (warm-up) step left out when there are others.
     pub bubble_fraction: Option<f64>,
+    /// The speed of the steps after the warm-up ([`TrainConfig::steady_after`]), epoch ends and
+    /// evaluation left out; none when fewer than two steps followed the warm-up in an epoch.
+    pub steady: Option<Steady>,
+}
+
+/// A window of steady-state training: consecutive steps' ends within an epoch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Steady {
+    /// Steps timed (each from the previous step's end to its own).
+    pub steps: usize,
+    pub seconds: f64,
+    /// Examples trained on in those steps, by all replicas together.
+    pub examples: usize,
+}
+
+impl Steady {
+    pub fn throughput(&self) -> f64 {
+        self.examples as f64 / self.seconds.max(f64::MIN_POSITIVE)
+    }
 }
 
 impl FitReport {
@@ -186,6 +207,7 @@ impl FitReport {
             eval_loss: f64::NAN,
             eval_acc: f64::NAN,
             bubble_fraction: None,
+            steady: None,
         }
     }
 
@@ -282,6 +304,44 @@ impl BubbleMeter {
     }
 }
 
+/// Measures [`Steady`]: the time from one step's end to the next one's, within an epoch, after
+/// the run's first `skip` steps. Every step's end has waited for the device (see
+/// [`optimizer_step`]), so the interval is the device's time too, loader and observers included,
+/// as a user's epoch sees them; kernel selection, caches and evaluation are left out.
+struct SteadyMeter {
+    skip: usize,
+    seen: usize,
+    last: Option<Instant>,
+    window: Steady,
+}
+
+impl SteadyMeter {
+    fn new(skip: usize) -> Self {
+        SteadyMeter { skip, seen: 0, last: None, window: Steady::default() }
+    }
+
+    /// A step of `examples` (all replicas) ended now.
+    fn step_ended(&mut self, examples: usize) {
+        let now = Instant::now();
+        self.seen += 1;
+        if let (true, Some(last)) = (self.seen > self.skip, self.last) {
+            self.window.steps += 1;
+            self.window.seconds += events::seconds(last, now);
+            self.window.examples += examples;
+        }
+        self.last = Some(now);
+    }
+
+    /// An epoch ends: its evaluation and the next epoch's start do not count.
+    fn pause(&mut self) {
+        self.last = None;
+    }
+
+    fn steady(&self) -> Option<Steady> {
+        (self.window.steps > 0).then_some(self.window)
+    }
+}
+
 /// Trains `step` with `optimizer` on `train`, evaluating on `eval` after every epoch (the test
 /// set in the image exercises, the validation split for the language models), from a
 /// checkpoint when asked to resume and one exists; tells `observers` everything that happens.
@@ -301,6 +361,7 @@ pub fn fit(
     let start = state::start(step, optimizer, scaler.as_mut(), resume.as_ref().map(|(p, m)| (p.as_path(), *m)), observers)?;
     let (base_lr, steps_per_epoch) = (optimizer.lr(), train.batches_per_epoch().div_ceil(config.accumulate));
     let (mut report, mut global_step, mut bubble) = (FitReport::new(start.epoch), start.step, BubbleMeter::default());
+    let mut steady = SteadyMeter::new(config.steady_after);
     let (run, epochs, start_epoch, start_step) = (config.run.as_str(), config.epochs, start.epoch, start.step);
     observers.emit(&Event::Started { run, epochs, steps_per_epoch, start_epoch, start_step })?;
 
@@ -332,7 +393,9 @@ pub fn fit(
             bubble.add(out.stage_busy);
             sums.add(&mut report, &out, &phases);
             observers.emit(&Event::Step(&sums.event(epoch, global_step, lr, &out, &phases)))?;
+            steady.step_ended(out.examples * sums.replicas);
         };
+        steady.pause();
         drop(batches);
         let data_wait_s = sums.data_wait_s;
         let stats = end_epoch(step, eval, config, &mut report, sums, epoch, epoch_lr, global_step)?;
@@ -350,6 +413,7 @@ pub fn fit(
         evaluate_into(step, eval, config, &mut report)?;
     }
     report.bubble_fraction = bubble.fraction();
+    report.steady = steady.steady();
     observers.emit(&Event::Finished(&report))?;
     Ok(report)
 }

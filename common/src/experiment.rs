@@ -367,7 +367,7 @@ impl Recipe {
     /// `preset`'s recipe with `args` applied, for `replicas` data-parallel replicas whose
     /// epochs have `batches_per_epoch` batches each.
     pub fn resolve(preset: &Preset, args: &RecipeArgs, replicas: usize, batches_per_epoch: usize, epochs: usize) -> Recipe {
-        let base = preset.recipe;
+        let base = preset.recipe_for(args);
         // Linear scaling: the effective batch grows by --accumulate × replicas.
         let growth = (args.accumulate * replicas) as f64;
         let lr = args.lr.unwrap_or(base.lr) * if args.scale_lr { growth } else { 1.0 };
@@ -375,7 +375,11 @@ impl Recipe {
         let warmup_steps = args.warmup_steps.max(args.warmup_epochs * steps_per_epoch);
         let mut schedule = LrSchedule::new(args.lr_schedule.unwrap_or(base.schedule), epochs * steps_per_epoch);
         schedule.gamma = args.gamma.unwrap_or(base.gamma);
-        schedule.warmup = (warmup_steps > 0).then(|| Warmup { steps: warmup_steps, start: args.warmup_start.unwrap_or(1.0 / growth) });
+        schedule.warmup = match (warmup_steps, base.warmup_steps) {
+            (0, 0) => None,
+            (0, steps) => Some(Warmup { steps, start: args.warmup_start.unwrap_or(crate::presets::WARMUP_START) }),
+            (steps, _) => Some(Warmup { steps, start: args.warmup_start.unwrap_or(1.0 / growth) }),
+        };
         Recipe {
             epochs,
             batch_size: args.batch_size.unwrap_or(base.batch_size),

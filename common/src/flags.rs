@@ -93,6 +93,10 @@ impl RunArgs {
 /// exercise's preset ([`crate::presets`]), which `--help` lists.
 #[derive(Debug, Clone, clap::Args, Serialize)]
 pub struct RecipeArgs {
+    /// default: the project's recipe for the exercise, which learns; course: the course's own
+    /// settings, to reproduce its slides (they differ for exercise3: see --help's preset).
+    #[arg(long, value_enum, default_value = "default")]
+    pub recipe: crate::presets::RecipeSource,
     /// Examples (images, or token streams) per batch on each rank [default: the preset's].
     #[arg(long)]
     pub batch_size: Option<usize>,
@@ -142,6 +146,7 @@ impl Default for RecipeArgs {
     /// No flags given: the preset's recipe, one batch per step.
     fn default() -> Self {
         RecipeArgs {
+            recipe: crate::presets::RecipeSource::Default,
             batch_size: None,
             optimizer: None,
             lr: None,

@@ -90,7 +90,7 @@ impl ImageExperiment<'_> {
     }
 
     fn batch_size(&self) -> usize {
-        self.args.recipe.batch_size.unwrap_or(self.preset.recipe.batch_size)
+        self.args.recipe.batch_size.unwrap_or(self.preset.recipe_for(&self.args.recipe).batch_size)
     }
 }
 

@@ -145,7 +145,7 @@ impl LmExperiment<'_> {
     }
 
     fn batch_size(&self) -> usize {
-        self.args.recipe.batch_size.unwrap_or(self.preset.recipe.batch_size)
+        self.args.recipe.batch_size.unwrap_or(self.preset.recipe_for(&self.args.recipe).batch_size)
     }
 
     /// The stages' devices in one process: `--devices`, or two stages on what `--device` and
@@ -322,7 +322,8 @@ impl Experiment for LmExperiment<'_> {
 
     fn model(&self, data: &LmData, groups: &Groups, device: Device, observers: &mut Observers) -> Result<ModelPlan> {
         let config = self.config(data.corpus.vocab.len() as i64);
-        let Some(pipeline) = self.pipeline else { return Ok(ModelPlan::Transformer { config, pipeline: None }) };
+        let init = self.preset.recipe_for(&self.args.recipe).output_init;
+        let Some(pipeline) = self.pipeline else { return Ok(ModelPlan::Transformer { config, pipeline: None, init }) };
         let in_process = groups.world.world_size() == 1;
         let devices = if in_process { self.stage_devices(pipeline)? } else { Vec::new() };
         let stages = if in_process { devices.len() } else { groups.layout.pp };
@@ -330,11 +331,11 @@ impl Experiment for LmExperiment<'_> {
         // CPU stages in one process share the cores: each stage thread gets its share.
         let threads_per_stage = (in_process && devices.iter().all(|d| *d == Device::Cpu)).then(|| (tch::get_num_threads() as usize / devices.len()).max(1));
         let options = PipelineOptions { schedule: pipeline.schedule, chunks: pipeline.chunks, checkpoint_activations: pipeline.checkpoint_activations, threads_per_stage };
-        Ok(ModelPlan::Transformer { config, pipeline: Some(PipelinePlan { partition, options, devices }) })
+        Ok(ModelPlan::Transformer { config, pipeline: Some(PipelinePlan { partition, options, devices }), init })
     }
 
     fn describe(&self, plan: &ModelPlan, step: &dyn TrainStep<'_>, groups: &Groups, device: Device, observers: &mut Observers) -> Result<()> {
-        let ModelPlan::Transformer { config: cfg, pipeline } = plan else { unreachable!("a Transformer plan") };
+        let ModelPlan::Transformer { config: cfg, pipeline, .. } = plan else { unreachable!("a Transformer plan") };
         let Some(pipeline_plan) = pipeline else {
             if groups.is_root() {
                 let params: i64 = step.named_parameters().iter().map(|(_, t)| t.numel() as i64).sum();
@@ -426,7 +427,7 @@ impl Experiment for LmExperiment<'_> {
     }
 
     fn report(&self, data: &LmData, plan: &ModelPlan, fit: &FitReport, test: &EvalSums, device: Device) -> (Vec<String>, serde_json::Value) {
-        let ModelPlan::Transformer { config, pipeline } = plan else { unreachable!("a Transformer plan") };
+        let ModelPlan::Transformer { config, pipeline, .. } = plan else { unreachable!("a Transformer plan") };
         let test_loss = test.mean_loss();
         let mut lines = vec![format!(
             "[{}] end of training: test loss {test_loss:.4}, test perplexity {:.2}",

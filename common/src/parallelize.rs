@@ -18,7 +18,7 @@ use crate::dist::data_parallel::GradientAverager;
 use crate::dist::layout::Groups;
 use crate::dist::GradientSync;
 use crate::error::usage;
-use crate::models::{self, ModelSpec, TransformerConfig, TransformerLm};
+use crate::models::{self, ModelSpec, OutputInit, TransformerConfig, TransformerLm};
 use crate::pipeline::process::StageProcess;
 use crate::pipeline::{Partition, Pipeline, PipelineOptions, Stage};
 use crate::train::{LocalStep, Parallel, Replication, TrainStep};
@@ -29,8 +29,9 @@ pub enum ModelPlan {
     /// An image classifier, from `weights` (torchvision names) when given, in the channels-last
     /// memory format when asked.
     Image { spec: ModelSpec, weights: Option<PathBuf>, channels_last: bool },
-    /// The Transformer language model, whole or cut into pipeline stages.
-    Transformer { config: TransformerConfig, pipeline: Option<PipelinePlan> },
+    /// The Transformer language model, whole or cut into pipeline stages, its output layer
+    /// initialised as `init` says.
+    Transformer { config: TransformerConfig, pipeline: Option<PipelinePlan>, init: OutputInit },
 }
 
 /// How the Transformer is cut into stages.
@@ -53,6 +54,14 @@ pub struct DataParallelPlan {
 /// Builds this rank's step: the model (seeded with `seed`, the same on every rank) on `device`,
 /// or this rank's part of it, and its replicas from `groups`.
 pub fn parallelize<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPlan, device: Device, seed: u64) -> Result<Box<dyn TrainStep<'g> + 'g>> {
+    let step = build_step(model, groups, dp, device, seed)?;
+    if let ModelPlan::Transformer { config, init, .. } = model {
+        init.apply(&step.named_parameters(), config, seed);
+    }
+    Ok(step)
+}
+
+fn build_step<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPlan, device: Device, seed: u64) -> Result<Box<dyn TrainStep<'g> + 'g>> {
     let replicas = groups.dp().map(|group| Replication { group, averager: dp.averager, sync: dp.sync });
     if let Some(replicas) = &replicas {
         replicas.averager.check(replicas.group, device)?;
@@ -78,16 +87,16 @@ pub fn parallelize<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParall
                 false => module,
             })
         }),
-        ModelPlan::Transformer { config, pipeline: None } => {
+        ModelPlan::Transformer { config, pipeline: None, .. } => {
             whole_model(&|vs| Ok(Box::new(TransformerLm::new(&vs.root(), config)?) as Box<dyn nn::ModuleT>))
         }
-        ModelPlan::Transformer { config, pipeline: Some(plan) } if !plan.devices.is_empty() => {
+        ModelPlan::Transformer { config, pipeline: Some(plan), .. } if !plan.devices.is_empty() => {
             if groups.world.world_size() > 1 {
                 return usage("--devices puts every stage in this process; a job of several ranks runs one stage per rank: drop --devices or the launcher");
             }
             Ok(Box::new(Pipeline::new(config, &plan.partition, &plan.devices, seed, plan.options)?))
         }
-        ModelPlan::Transformer { config, pipeline: Some(plan) } => {
+        ModelPlan::Transformer { config, pipeline: Some(plan), .. } => {
             let (stage, stages) = (groups.coords.stage, groups.layout.pp);
             if plan.partition.stages() != stages {
                 return usage(format!("a partition into {} stages for a layout of {stages}", plan.partition.stages()));

@@ -118,6 +118,11 @@ impl RunRecord {
         }
     }
 
+    /// Whether its examples are tokens (the Transformer language models) rather than images.
+    pub fn is_language_model(&self) -> bool {
+        self.model == "transformer"
+    }
+
     /// `<exercise>-<model>-<device>`, the stem of its files.
     pub fn name(&self) -> String {
         format!("{}-{}-{}", self.exercise, self.model, self.device)
@@ -201,7 +206,7 @@ pub fn read_csv(path: &Path) -> anyhow::Result<Vec<RunRecord>> {
 pub fn comparison_table(records: &[RunRecord], missing: Option<&str>) -> String {
     let mut out = String::new();
     let first = &records[0];
-    let unit = if first.exercise.contains("nlp") { "tok/s" } else { "img/s" };
+    let unit = if first.is_language_model() { "tok/s" } else { "img/s" };
     let _ = writeln!(
         out,
         "\n{} · {} · {} parameters · {}{}",
@@ -253,7 +258,7 @@ pub fn time_split(record: &RunRecord) -> String {
 /// the course's machine-time estimate for a whole run of `examples_per_epoch` × the configured
 /// epochs: time = FLOPs / (devices × peak × utilisation).
 pub fn compute_summary(record: &RunRecord, examples_per_epoch: usize) -> String {
-    let unit = if record.exercise.contains("nlp") || record.exercise.contains("pipeline") { "token" } else { "image" };
+    let unit = if record.is_language_model() { "token" } else { "image" };
     let mut line = format!(
         "[{}] compute: {:.3} TFLOP/s achieved ({:.3} GFLOP per {unit} for forward + backward)",
         record.device,
@@ -342,6 +347,10 @@ mod tests {
         let cpu_only = comparison_table(&[record("cpu", 100.0)], Some("no CUDA device"));
         assert!(cpu_only.contains("GPU column missing: no CUDA device"), "{cpu_only}");
         assert!(!cpu_only.contains("speed-up"));
+        assert!(cpu_only.contains("throughput (img/s)"), "{cpu_only}");
+        // The pipeline exercise trains the language model: tokens, whatever the exercise's name.
+        let pipeline = RunRecord { exercise: "exercise3_pipeline".into(), model: "transformer".into(), ..record("cpu", 100.0) };
+        assert!(comparison_table(&[pipeline], None).contains("throughput (tok/s)"));
     }
 
     #[test]

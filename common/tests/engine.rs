@@ -167,7 +167,6 @@ fn channels_last_is_the_same_model_in_another_memory_order() {
     // training at a batch of 4 is not compared: batch norm over 4 values per channel in the last
     // stages amplifies the layouts' different summation orders to 1e-3 in the gradients, in
     // PyTorch as here.)
-    use tch::nn::ModuleT;
     let spec = ModelSpec { arch: Arch::Resnet34, in_channels: 3, image_size: 32, num_classes: 10 };
     let images = Tensor::randn([4, 3, 32, 32], (Kind::Float, Device::Cpu));
     let logits: Vec<Tensor> = [false, true]

@@ -491,3 +491,34 @@ fn a_job_that_does_not_split_into_pipelines_is_refused() {
     let layout = Layout::new(6, 2, 1, None).unwrap();
     assert_eq!((layout.coords(5), layout.dp, layout.pp), (Coords { stage: 1, replica: 2, shard: 0 }, 3, 2));
 }
+
+/// `--recipe default`'s output layer for wide models, U(±1/√d_model), is drawn once from the
+/// seed: the whole model and a 2-stage pipeline start from the same weights, and only the output
+/// layer differs from the tutorial's initialisation.
+#[test]
+fn a_scaled_output_layer_starts_alike_on_every_layout() {
+    use common::dist::GradientSync;
+    use common::models::OutputInit;
+    use common::parallelize::{parallelize, DataParallelPlan, ModelPlan, PipelinePlan};
+    let world = ProcessGroup::single();
+    let groups = Groups::single(&world);
+    let dp = DataParallelPlan { averager: GradientAverager::new(25 << 20, false), sync: GradientSync::Ddp };
+    let cfg = config(2, 256);
+    let weights = |pipeline: Option<PipelinePlan>, init: OutputInit| -> HashMap<String, Tensor> {
+        let step = parallelize(&ModelPlan::Transformer { config: cfg, pipeline, init }, &groups, dp, Device::Cpu, 7).unwrap();
+        step.named_parameters().into_iter().map(|(n, t)| (n, t.detach().copy())).collect()
+    };
+    let two_stages = || Some(PipelinePlan { partition: Partition::even(2, 2).unwrap(), options: options(Schedule::GPipe, 1, false), devices: vec![Device::Cpu; 2] });
+    let (whole, piped, tutorial) = (weights(None, OutputInit::Scaled), weights(two_stages(), OutputInit::Scaled), weights(None, OutputInit::Tutorial));
+    let out = |w: &HashMap<String, Tensor>| w["linear.weight"].shallow_clone();
+    assert!(out(&whole).equal(&out(&piped)), "the pipeline's last stage drew another output layer");
+    let bound = 1.0 / 16.0; // 1/√256, narrower than the tutorial's 0.1
+    let (scaled_max, tutorial_max) = (out(&whole).abs().max().double_value(&[]), out(&tutorial).abs().max().double_value(&[]));
+    assert!(scaled_max <= bound && scaled_max > 0.9 * bound, "scaled: max |w| {scaled_max} for the bound {bound}");
+    assert!(tutorial_max > bound && tutorial_max <= 0.1 + 1e-7, "tutorial: max |w| {tutorial_max}");
+    for (name, t) in &tutorial {
+        if name != "linear.weight" {
+            assert!(t.equal(&whole[name]), "{name} changed with the output layer's initialisation");
+        }
+    }
+}

@@ -14,7 +14,7 @@ mod vgg;
 mod weights;
 
 pub use transformer::{
-    encoder_layers, mix_key, output_layer, param_count_formula, EncoderLayer, Masks, TokenEmbedding, TransformerConfig,
+    encoder_layers, mix_key, output_layer, param_count_formula, OutputInit, EncoderLayer, Masks, TokenEmbedding, TransformerConfig,
     TransformerLm,
 };
 pub use weights::load_weights;

@@ -418,6 +418,7 @@ fn rank_entry() {
         "mpi_singleton" => mpi_singleton(),
         "p2p" => p2p(),
         "split" => split(),
+        "shards" => shards(),
         other => panic!("unknown scenario {other}"),
     };
     println!("scenario {scenario} passed on rank {rank}");
@@ -975,6 +976,55 @@ fn split() -> usize {
     assert_eq!(got.int64_value(&[0]), ((rank + 3) % 4) as i64);
     world.wait_sends().unwrap();
     rank
+}
+
+/// ZeRO's collectives on any number of ranks, checked against the reduction computed here from
+/// every rank's tensor: reduce-scatter (sum and average, float and integer, a 2-D tensor read
+/// flat) hands rank r block r; all-gathering the blocks gives back the whole reduction.
+fn shards() -> usize {
+    let group = ProcessGroup::init(Backend::Auto).unwrap();
+    let (rank, n) = (group.rank(), group.world_size());
+    let of_rank = |r: usize| Tensor::arange((6 * n) as i64, (Kind::Double, Device::Cpu)).view([2, 3 * n as i64]) * (r as f64 + 1.5) + r as f64;
+    let total = (1..n).fold(of_rank(0), |sum, r| sum + of_rank(r)).reshape([-1]);
+    let before = group.comm_stats();
+    for (op, expected) in [(ReduceOp::Sum, total.shallow_clone()), (ReduceOp::Average, &total / n as f64)] {
+        for kind in [Kind::Double, Kind::Float] {
+            let block = group.reduce_scatter(&of_rank(rank).to_kind(kind), op).unwrap();
+            assert_eq!((block.size(), block.kind()), (vec![6], kind), "rank {rank}: a 1-D block of 6 in the tensor's kind");
+            let want = expected.narrow(0, 6 * rank as i64, 6).to_kind(kind);
+            assert!(block.allclose(&want, 1e-6, 1e-6, false), "rank {rank} {op:?} {kind:?}: {block:?} vs {want:?}");
+            let whole = Tensor::cat(&group.all_gather(&block).unwrap(), 0);
+            assert!(whole.allclose(&expected.to_kind(kind), 1e-6, 1e-6, false), "the gathered blocks are the whole reduction");
+        }
+    }
+    let ints = group.reduce_scatter(&Tensor::ones([2 * n as i64], (Kind::Int64, Device::Cpu)), ReduceOp::Sum).unwrap();
+    assert_eq!(Vec::<i64>::try_from(&ints).unwrap(), vec![n as i64; 2]);
+    let counted = group.comm_stats().since(before);
+    assert_eq!((counted.reduce_scatter.calls, counted.reduce_scatter.bytes), (5, 2 * (6 * n as u64) * 8 + 2 * (6 * n as u64) * 4 + 2 * n as u64 * 8));
+    if n > 1 {
+        let err = group.reduce_scatter(&Tensor::ones([2 * n as i64 + 1], (Kind::Float, Device::Cpu)), ReduceOp::Sum).unwrap_err();
+        assert!(format!("{err}").contains("must divide by the ranks"), "{err}");
+    }
+    let err = group.reduce_scatter(&Tensor::ones([2 * n as i64], (Kind::Int64, Device::Cpu)), ReduceOp::Average).unwrap_err();
+    assert!(format!("{err}").contains("floating-point"), "{err}");
+    rank
+}
+
+#[test]
+#[cfg_attr(not(feature = "mpi"), ignore = "needs the `mpi` feature")]
+fn reduce_scatter_and_all_gather_on_two_and_four_ranks() {
+    for ranks in [2, 4] {
+        launch(Some(ranks), "shards", &[], Duration::from_secs(60)).assert_passed("shards", ranks);
+    }
+}
+
+#[test]
+fn a_single_process_reduce_scatter_is_the_flat_tensor() {
+    let group = ProcessGroup::single();
+    let t = Tensor::arange(6, (Kind::Float, Device::Cpu)).view([2, 3]);
+    let block = group.reduce_scatter(&t, ReduceOp::Average).unwrap();
+    assert!(block.equal(&t.reshape([-1])));
+    assert!(group.reduce_scatter(&t.to_kind(Kind::Int64), ReduceOp::Average).is_err(), "an integer average is refused");
 }
 
 #[test]

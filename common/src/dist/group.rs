@@ -352,6 +352,12 @@ impl ProcessGroup {
         self.backend_for(t.device())?.all_gather(t)
     }
 
+    /// This rank's block of the reduction of `t` over the ranks (see [`Collectives::reduce_scatter`]).
+    pub fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.count(Collective::ReduceScatter, t);
+        self.backend_for(t.device())?.reduce_scatter(t, op)
+    }
+
     /// Counts a call of `kind` on `t` (this rank's tensor) in [`ProcessGroup::comm_stats`].
     fn count(&self, kind: Collective, t: &Tensor) {
         if self.size > 1 {
@@ -401,6 +407,7 @@ pub enum Collective {
     AllReduce,
     Broadcast,
     AllGather,
+    ReduceScatter,
     Send,
     Recv,
 }
@@ -411,6 +418,7 @@ pub struct CommStats {
     pub all_reduce: Counted,
     pub broadcast: Counted,
     pub all_gather: Counted,
+    pub reduce_scatter: Counted,
     pub send: Counted,
     pub recv: Counted,
 }
@@ -428,6 +436,7 @@ impl CommStats {
             Collective::AllReduce => &mut self.all_reduce,
             Collective::Broadcast => &mut self.broadcast,
             Collective::AllGather => &mut self.all_gather,
+            Collective::ReduceScatter => &mut self.reduce_scatter,
             Collective::Send => &mut self.send,
             Collective::Recv => &mut self.recv,
         };
@@ -442,6 +451,7 @@ impl CommStats {
             all_reduce: sum(self.all_reduce, other.all_reduce),
             broadcast: sum(self.broadcast, other.broadcast),
             all_gather: sum(self.all_gather, other.all_gather),
+            reduce_scatter: sum(self.reduce_scatter, other.reduce_scatter),
             send: sum(self.send, other.send),
             recv: sum(self.recv, other.recv),
         }
@@ -449,7 +459,7 @@ impl CommStats {
 
     /// One line for logs: each kind used, with its calls and MiB.
     pub fn describe(&self) -> String {
-        let kinds = [("all-reduce", self.all_reduce), ("broadcast", self.broadcast), ("all-gather", self.all_gather), ("send", self.send), ("recv", self.recv)];
+        let kinds = [("all-reduce", self.all_reduce), ("broadcast", self.broadcast), ("all-gather", self.all_gather), ("reduce-scatter", self.reduce_scatter), ("send", self.send), ("recv", self.recv)];
         let used: Vec<String> = kinds
             .iter()
             .filter(|(_, c)| c.calls > 0)
@@ -465,6 +475,7 @@ impl CommStats {
             all_reduce: less(self.all_reduce, earlier.all_reduce),
             broadcast: less(self.broadcast, earlier.broadcast),
             all_gather: less(self.all_gather, earlier.all_gather),
+            reduce_scatter: less(self.reduce_scatter, earlier.reduce_scatter),
             send: less(self.send, earlier.send),
             recv: less(self.recv, earlier.recv),
         }
@@ -656,6 +667,10 @@ impl Collectives for Staged {
             .iter()
             .map(|t| t.to_device(tensor.device()))
             .collect())
+    }
+
+    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        Ok(self.engine.reduce_scatter(&self.stage(tensor), op)?.to_device(tensor.device()))
     }
 
     fn barrier(&self) -> Result<()> {

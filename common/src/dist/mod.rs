@@ -176,6 +176,12 @@ pub trait Collectives {
     /// Every rank's `tensor`, in rank order (same shape and kind on all ranks).
     fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>>;
 
+    /// Combines `tensor` across the ranks and returns this rank's block of the result: the
+    /// tensor read flat and cut into world-size equal blocks, rank r getting block r, 1-D
+    /// (`MPI_Reduce_scatter_block`, `ncclReduceScatter`; ZeRO's gradient reduction). Its element
+    /// count must divide by the world size.
+    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor>;
+
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()>;
 
@@ -211,6 +217,17 @@ pub(crate) fn check_reduce(kind: Kind, op: ReduceOp) -> Result<()> {
         bail!("an average all-reduce needs a floating-point tensor, not {kind:?} (use Sum)");
     }
     Ok(())
+}
+
+/// Rejects a reduce-scatter whose tensor does not cut into `world_size` equal blocks; returns
+/// the block's element count.
+pub(crate) fn check_scatter(tensor: &Tensor, op: ReduceOp, world_size: usize) -> Result<usize> {
+    check_reduce(tensor.kind(), op)?;
+    let numel = tensor.numel();
+    if numel % world_size != 0 {
+        bail!("reduce_scatter of {numel} elements over {world_size} ranks: the count must divide by the ranks (pad it)");
+    }
+    Ok(numel / world_size)
 }
 
 /// Rejects a broadcast root outside the world.

@@ -28,7 +28,7 @@ use ::mpi::Threading;
 use anyhow::{anyhow, bail, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::{byte_size, check_peer, check_reduce, check_root, Collectives, ReduceOp};
+use super::{byte_size, check_peer, check_reduce, check_root, check_scatter, Collectives, ReduceOp};
 
 /// MPI counts elements in a C `int`: longer buffers are sent in pieces of at most this many.
 const MAX_COUNT: usize = i32::MAX as usize;
@@ -330,6 +330,26 @@ impl Collectives for MpiCollectives {
             }
         });
         Ok(gathered.unbind(0))
+    }
+
+    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let block = check_scatter(tensor, op, self.size())?;
+        if block > MAX_COUNT {
+            bail!("reduce_scatter blocks of {block} elements exceed MPI's count limit");
+        }
+        let send = host(tensor)?;
+        let mut mine = Tensor::empty([block as i64], (send.kind(), Device::Cpu));
+        with_element_type!(send.kind(), T => {
+            // SAFETY: both are contiguous CPU tensors of kind T; `mine` is a fresh allocation.
+            let (src, dst) = unsafe { (elements::<T>(&send), elements_mut::<T>(&mut mine)) };
+            if !dst.is_empty() {
+                self.comm.reduce_scatter_block_into(src, dst, SystemOperation::sum());
+            }
+        });
+        if op == ReduceOp::Average {
+            let _ = mine.g_div_scalar_(self.size() as f64);
+        }
+        Ok(mine)
     }
 
     fn barrier(&self) -> Result<()> {

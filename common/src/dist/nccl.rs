@@ -128,6 +128,8 @@ struct NcclApi {
     broadcast:
         unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, NcclComm, CudaStream) -> NcclResult,
     all_gather: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, NcclComm, CudaStream) -> NcclResult,
+    // ncclReduceScatter(sendbuff, recvbuff, recvcount, datatype, op, comm, stream)
+    reduce_scatter: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, NcclComm, CudaStream) -> NcclResult,
     /// `ncclSend(sendbuff, count, datatype, peer, comm, stream)`, NCCL ≥ 2.7.
     send: unsafe extern "C" fn(*const c_void, usize, c_int, c_int, NcclComm, CudaStream) -> NcclResult,
     /// `ncclRecv(recvbuff, count, datatype, peer, comm, stream)`, NCCL ≥ 2.7.
@@ -216,6 +218,7 @@ fn load_nccl() -> anyhow::Result<NcclApi> {
             all_reduce: symbol(&lib, "ncclAllReduce", o)?,
             broadcast: symbol(&lib, "ncclBroadcast", o)?,
             all_gather: symbol(&lib, "ncclAllGather", o)?,
+            reduce_scatter: symbol(&lib, "ncclReduceScatter", o)?,
             send: symbol(&lib, "ncclSend", o)?,
             recv: symbol(&lib, "ncclRecv", o)?,
             group_start: symbol(&lib, "ncclGroupStart", o)?,
@@ -676,6 +679,26 @@ impl Collectives for NcclCollectives {
         }
         // Rank r's tensor is row r (a view of the one receive buffer).
         Ok(gathered.f_unbind(0)?)
+    }
+
+    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> anyhow::Result<Tensor> {
+        let data_type = self.data_type(tensor, "reduce_scatter", true)?;
+        let block = super::check_scatter(tensor, op, self.world_size).with_context(|| format!("NCCL reduce_scatter on rank {}", self.rank))?;
+        let send = if tensor.is_contiguous() { tensor.shallow_clone() } else { tensor.f_contiguous()? };
+        let mine = Tensor::f_empty([block as i64], (tensor.kind(), self.device()))?;
+        let nccl_op = match op {
+            ReduceOp::Sum => NCCL_SUM,
+            ReduceOp::Average => NCCL_AVG,
+        };
+        if block > 0 {
+            let (send_ptr, recv_ptr) = (send.data_ptr(), mine.data_ptr());
+            // SAFETY: `send_ptr` holds world_size * block elements, `recv_ptr` block, both on
+            // this device and alive until the call has completed.
+            self.launch("reduce_scatter", |api, comm| unsafe {
+                (api.reduce_scatter)(send_ptr, recv_ptr, block, data_type, nccl_op, comm, std::ptr::null_mut())
+            })?;
+        }
+        Ok(mine)
     }
 
     fn supports_kind(&self, kind: Kind) -> bool {

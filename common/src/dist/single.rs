@@ -3,7 +3,7 @@
 use anyhow::{bail, Result};
 use tch::Tensor;
 
-use super::{check_reduce, check_root, Collectives, ReduceOp};
+use super::{check_reduce, check_root, check_scatter, Collectives, ReduceOp};
 
 /// Collectives for world size 1, on any device.
 #[derive(Debug, Default, Clone, Copy)]
@@ -26,6 +26,11 @@ impl Collectives for SingleProcess {
     fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>> {
         // A copy, as the real engines return: later in-place changes to `tensor` must not show.
         Ok(vec![tensor.detach().copy()])
+    }
+
+    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        check_scatter(tensor, op, 1)?;
+        Ok(tensor.detach().reshape([-1]).copy())
     }
 
     fn barrier(&self) -> Result<()> {

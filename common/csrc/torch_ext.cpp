@@ -224,4 +224,9 @@ int torch_ext_is_channels_last(const at::Tensor* tensor) {
   return tensor->dim() == 4 && tensor->is_contiguous(at::MemoryFormat::ChannelsLast) ? 1 : 0;
 }
 
+// `param.grad = grad` (the same storage, as torch's `p.grad = g`). 0, or -1 on error.
+int torch_ext_set_grad(at::Tensor* param, const at::Tensor* grad) {
+  return protect_status([&] { param->mutable_grad() = *grad; });
+}
+
 }  // extern "C"

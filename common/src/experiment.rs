@@ -10,6 +10,7 @@ use tch::Device;
 use crate::device::{self, DeviceChoice};
 use crate::dist::layout::{Groups, Layout};
 use crate::dist::{launch, Backend, LaunchEnv, ProcessGroup};
+use crate::error::usage;
 use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
 use crate::parallelize::{parallelize, DataParallelPlan, ModelPlan};
 use crate::presets::Preset;
@@ -176,6 +177,26 @@ impl Observer for Forward<'_, '_> {
     }
 }
 
+/// What ZeRO stage 1 does not cover yet, refused before anything trains.
+fn check_zero<E: Experiment>(exp: &E, groups: &Groups) -> Result<()> {
+    use crate::optim::OptimizerKind;
+    let (run, recipe) = (exp.run_args(), exp.recipe_args());
+    let optimizer = recipe.optimizer.unwrap_or(exp.preset().recipe_for(recipe).optimizer);
+    if matches!(optimizer, OptimizerKind::Lars | OptimizerKind::Lamb) {
+        return usage(format!("--zero 1 shards element-wise optimizers (adam, sgd); {} needs whole layers", optimizer.name()));
+    }
+    if groups.layout.pp * groups.layout.tp != 1 {
+        return usage("--zero 1 is for data parallelism over whole models, not pipeline stages (yet)");
+    }
+    if run.precision == crate::precision::Precision::Half {
+        return usage("--zero 1 with --precision 16-mixed (a gradient scaler over the shards) is not built yet: use bf16-mixed or 32");
+    }
+    if run.checkpoint_dir.is_some() {
+        return usage("--zero 1 cannot write checkpoints yet (the optimizer state is sharded over the ranks): drop --checkpoint-dir");
+    }
+    Ok(())
+}
+
 /// One training run on `device`: the step, the optimizer, the loop, the test, the results
 /// (rank 0's record).
 fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Device, session: &mut Observers) -> Result<Option<RunRecord>> {
@@ -196,17 +217,21 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         ))?;
     }
     let plan = exp.model(data, groups, device, session)?;
-    let dp = DataParallelPlan { averager: exp.parallel_args().averager(), sync: preset.sync };
+    let zero = exp.parallel_args().zero == 1;
+    if zero {
+        check_zero(exp, groups)?;
+    }
+    let sync = if zero { crate::dist::GradientSync::Zero } else { preset.sync };
+    let dp = DataParallelPlan { averager: exp.parallel_args().averager(), sync };
     let mut step = parallelize(&plan, groups, dp, device, run.seed)?;
     exp.describe(&plan, step.as_ref(), groups, device, session)?;
     let replicas = groups.layout.dp;
     let sources = exp.sources(data, device, (groups.coords.replica, replicas))?;
     let recipe = Recipe::resolve(preset, exp.recipe_args(), replicas, sources.train.batches_per_epoch(), run.epochs.unwrap_or(preset.epochs));
-    let params: Vec<tch::Tensor> = step.named_parameters().into_iter().map(|(_, t)| t).collect();
-    let optimizer = recipe.optimizer.build(step.named_parameters(), recipe.lr, recipe.momentum, recipe.weight_decay);
+    let build = |named| recipe.optimizer.build(named, recipe.lr, recipe.momentum, recipe.weight_decay);
     let mut optimizer = match step.parallel().replicas {
-        Some(replication) => replication.distribute(optimizer, params),
-        None => optimizer,
+        Some(replication) => replication.distribute(step.named_parameters(), build)?,
+        None => build(step.named_parameters()),
     };
     let name = format!("{}-{}-{}", preset.name, exp.model_name(), device::device_name(device));
     let config = TrainConfig {
@@ -250,6 +275,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     if let Some(group) = replica_group {
         train::check_replicas_agree(&step.named_variables(), group)?;
     }
+    let memory = ModelStateMemory::measure(&step.named_parameters(), optimizer.as_ref(), replicas, zero);
     let params = step_parameter_count(groups, step.as_ref())?; // a collective: every rank
     let mut fit = fit;
     let test = match &sources.test {
@@ -270,6 +296,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     if groups.world.world_size() > 1 {
         session.info(format!("rank 0's communication in training and evaluation: {}", communication.describe()))?;
     }
+    session.info(memory.describe(device))?;
     let peak = crate::flops::peak_tflops(device, run.precision, run.matmul_precision, run.peak_tflops);
     if let Some((peak, source)) = &peak {
         session.info(format!("[{}] peak {peak:.1} TFLOP/s per device ({source})", device::device_name(device)))?;
@@ -312,6 +339,8 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         "scaling_efficiency": report::scaling_efficiency(&csv, &record),
         // Rank 0's collectives and messages during training and its evaluations.
         "communication": communication,
+        "zero": exp.parallel_args().zero,
+        "model_state_memory": memory,
     });
     if replicas > 1 {
         let parallel = exp.parallel_args();
@@ -425,5 +454,54 @@ mod tests {
         assert!(format!("{err}").contains("--accumulate must be at least 1"));
         let one_cycle = RecipeArgs { scale_lr: true, warmup_epochs: 1, lr_schedule: Some(ScheduleKind::OneCycle), ..RecipeArgs::default() };
         assert!(format!("{}", one_cycle.check().unwrap_err()).contains("warms up by itself"));
+    }
+}
+
+/// What one rank holds for the model after training, measured, beside ZeRO's formula (Rajbhandari
+/// et al.: Ψ parameters, K bytes of optimizer state per parameter, N replicas; float32 here, so
+/// 4 bytes each for parameters and gradients, and ZeRO-1's block of float32 parameters counted
+/// with the state: plain replicas (8 + K)Ψ, ZeRO-1 8Ψ + (4 + K)Ψ/N).
+#[derive(Debug, Clone, Copy, Serialize)]
+struct ModelStateMemory {
+    params_bytes: usize,
+    grads_bytes: usize,
+    optimizer_bytes: usize,
+    total_bytes: usize,
+    formula_bytes: f64,
+    formula: &'static str,
+}
+
+impl ModelStateMemory {
+    fn measure(named: &[(String, tch::Tensor)], optimizer: &dyn crate::optim::Optimizer, replicas: usize, zero: bool) -> Self {
+        let bytes = |t: &tch::Tensor| t.numel() * t.kind().elt_size_in_bytes();
+        let params_bytes: usize = named.iter().map(|(_, t)| bytes(t)).sum();
+        let grads_bytes: usize = named.iter().map(|(_, t)| t.grad()).filter(tch::Tensor::defined).map(|g| bytes(&g)).sum();
+        let optimizer_bytes = optimizer.state_bytes();
+        let psi = named.iter().map(|(_, t)| t.numel()).sum::<usize>() as f64;
+        // K from what the optimizer keeps for an unsharded parameter (Adam 8, SGD momentum 4).
+        let k = match (zero, optimizer.name()) {
+            (_, "adam" | "lamb") => 8.0,
+            (_, "sgd" | "lars") if optimizer_bytes > 0 => 4.0,
+            _ => 0.0,
+        };
+        let (formula_bytes, formula) = match zero {
+            true => (8.0 * psi + (4.0 + k) * psi / replicas as f64, "ZeRO-1: 8Ψ + (4 + K)Ψ/N"),
+            false => ((8.0 + k) * psi, "(8 + K)Ψ"),
+        };
+        ModelStateMemory { params_bytes, grads_bytes, optimizer_bytes, total_bytes: params_bytes + grads_bytes + optimizer_bytes, formula_bytes, formula }
+    }
+
+    fn describe(&self, device: Device) -> String {
+        let mib = |b: f64| b / (1024.0 * 1024.0);
+        format!(
+            "[{}] model state per rank: {:.2} MiB (parameters {:.2} + gradients {:.2} + optimizer {:.2}); formula {} = {:.2} MiB",
+            device::device_name(device),
+            mib(self.total_bytes as f64),
+            mib(self.params_bytes as f64),
+            mib(self.grads_bytes as f64),
+            mib(self.optimizer_bytes as f64),
+            self.formula,
+            mib(self.formula_bytes)
+        )
     }
 }

@@ -214,6 +214,11 @@ pub struct ParallelArgs {
     /// Send gradients as fp16 (NCCL only).
     #[arg(long)]
     pub fp16_allreduce: bool,
+    /// ZeRO stage: 0 keeps everything on every replica; 1 shards the optimizer state over the
+    /// data-parallel replicas (reduce-scatter the gradients, update one's block, all-gather the
+    /// parameters). Stages 2 and 3 are not built yet.
+    #[arg(long, default_value_t = 0)]
+    pub zero: u8,
 }
 
 impl ParallelArgs {
@@ -224,7 +229,11 @@ impl ParallelArgs {
         if !(self.bucket_mb > 0.0 && self.bucket_mb.is_finite()) {
             return usage(format!("--bucket-mb must be positive, got {}", self.bucket_mb));
         }
-        Ok(())
+        match self.zero {
+            0 | 1 => Ok(()),
+            2 | 3 => usage(format!("--zero {}: only ZeRO stage 1 (sharded optimizer state) is built so far", self.zero)),
+            other => usage(format!("--zero {other}: ZeRO has stages 0 to 3")),
+        }
     }
 
     /// The bucketed gradient averager these flags describe.

@@ -110,8 +110,9 @@ const TUTORIAL_RECIPE: Recipe = Recipe {
 };
 
 /// VGG19 (no batch normalisation) from scratch: the course's Adam at lr 1e-3 leaves it at
-/// chance (test accuracy 0.100, as on the course's slide, measured on an H100 with CIFAR-10);
-/// VGG_RECIPE_NOTE.
+/// chance (test accuracy 0.100, as on the course's slide; measured on an H100 with CIFAR-10),
+/// Adam at lr 1e-4 learns. Measured on the CPU with the real MNIST sample, batch 32, 200 steps:
+/// test accuracy 0.100 (loss 2.3026) at 1e-3, 0.558 (loss 1.098) at 1e-4.
 const VGG_RECIPE: Recipe = Recipe { lr: 1e-4, ..IMAGE_RECIPE };
 
 /// The 1.4B-parameter Transformer (d 4096): the tutorial's recipe diverges at this width (its
@@ -278,7 +279,7 @@ mod tests {
         // exercise3: the course's recipes stay one flag away.
         let course = RecipeArgs { recipe: RecipeSource::Course, ..RecipeArgs::default() };
         assert_eq!(EXERCISE3_PIPELINE.recipe_for(&course), TUTORIAL_RECIPE);
-        assert_eq!(EXERCISE3_DDP.recipe_for(&course).lr, 1e-3);
+        assert_eq!((EXERCISE3_DDP.recipe_for(&course).lr, EXERCISE3_DDP.recipe_for(&RecipeArgs::default()).lr), (1e-3, 1e-4));
         assert_eq!(EXERCISE3_PIPELINE.recipe_for(&RecipeArgs::default()).output_init, OutputInit::Scaled);
         let text = EXERCISE3_PIPELINE.describe();
         assert!(text.contains("--recipe course") && text.contains("--optimizer sgd --lr 5"), "{text}");

@@ -57,6 +57,7 @@ mod ffi {
         pub fn torch_ext_channels_last(tensor: *const C_tensor) -> *mut C_tensor;
         pub fn torch_ext_make_channels_last_(tensor: *mut C_tensor) -> i32;
         pub fn torch_ext_is_channels_last(tensor: *const C_tensor) -> i32;
+        pub fn torch_ext_set_grad(param: *mut C_tensor, grad: *const C_tensor) -> i32;
     }
 }
 
@@ -331,4 +332,11 @@ pub fn make_channels_last_(variable: &Tensor) -> Result<()> {
 pub fn is_channels_last(tensor: &Tensor) -> bool {
     // SAFETY: as above.
     unsafe { ffi::torch_ext_is_channels_last(tensor.as_ptr()) == 1 }
+}
+
+/// `param.grad = grad`: the gradient an optimizer reads next, without a backward pass (what
+/// torch code does by assigning `p.grad`). `grad` must match the parameter's shape and kind.
+pub fn set_grad(param: &Tensor, grad: &Tensor) -> Result<()> {
+    // SAFETY: valid tensor pointers; the shim stores a reference-counted handle to `grad`.
+    status(unsafe { ffi::torch_ext_set_grad(param.as_ptr() as *mut C_tensor, grad.as_ptr()) }, "set_grad")
 }

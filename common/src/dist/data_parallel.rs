@@ -22,6 +22,9 @@ pub enum GradientSync {
     Ddp,
     /// Inside the optimizer's step, through a [`DistributedOptimizer`] (Horovod).
     Horovod,
+    /// ZeRO stage 1: a reduce-scatter in the optimizer's `synchronize`, each rank updating its
+    /// block of the parameters ([`super::zero::ZeroOptimizer`]).
+    Zero,
 }
 
 /// Overwrites every variable of `vs` (trainable or not, so buffers such as batch-norm

@@ -117,6 +117,7 @@ pub mod nccl;
 pub mod rendezvous;
 pub mod single;
 pub mod transfer;
+pub mod zero;
 
 pub use group::{CommStats, ProcessGroup};
 pub use launch::{LaunchEnv, LaunchSource};

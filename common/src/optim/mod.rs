@@ -44,6 +44,19 @@ pub trait Optimizer {
         Ok(())
     }
 
+    /// Clips the gradients this optimizer will apply to a total 2-norm of at most `max_norm`
+    /// (the norm over `model`'s ranks too, where the model is spread over them) and returns the
+    /// norm before clipping. By default the parameters' own gradients; a sharded optimizer
+    /// clips the block it updates.
+    fn clip_grad_norm(&mut self, params: &[Tensor], max_norm: f64, model: Option<&crate::dist::ProcessGroup>) -> Result<f64> {
+        clip_grad_norm_over(params, max_norm, model)
+    }
+
+    /// Bytes of optimizer state this rank holds (a sharded optimizer: its block's, and the block).
+    fn state_bytes(&self) -> usize {
+        self.state_tensors().iter().map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes()).sum()
+    }
+
     /// Drops the gradients (resets them to "none"), as torch's default
     /// `zero_grad(set_to_none=True)` does: the next backward writes fresh gradients instead of
     /// adding to zeroed ones, and a parameter that gets no gradient is skipped by the next step.

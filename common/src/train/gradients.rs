@@ -6,7 +6,7 @@ use tch::Tensor;
 
 use super::step::Parallel;
 use crate::dist::GradientSync;
-use crate::optim::{self, Optimizer};
+use crate::optim::Optimizer;
 use crate::precision::GradScaler;
 
 /// See the module docs; returns the total gradient norm when clipping (before clipping, as
@@ -34,7 +34,7 @@ pub fn finish(
         }
     }
     match clip {
-        Some(max_norm) => Ok(Some(optim::clip_grad_norm_over(params, max_norm, parallel.model)?)),
+        Some(max_norm) => Ok(Some(optimizer.clip_grad_norm(params, max_norm, parallel.model)?)),
         None => Ok(None),
     }
 }

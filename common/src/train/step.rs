@@ -121,16 +121,22 @@ pub struct Replication<'g> {
 }
 
 impl<'g> Replication<'g> {
-    /// The optimizer the loop steps: `optimizer` itself (DDP), or Horovod's wrapper whose step
-    /// averages the gradients of `params` first.
-    pub fn distribute<'o>(&self, optimizer: Box<dyn Optimizer + 'o>, params: Vec<Tensor>) -> Box<dyn Optimizer + 'o>
+    /// The optimizer the loop steps, `build` making the optimizer of some named parameters:
+    /// over all of `params` (DDP), wrapped by Horovod's optimizer whose step averages their
+    /// gradients first, or over this rank's block of them (ZeRO-1).
+    pub fn distribute<'o>(&self, params: Vec<(String, Tensor)>, build: impl FnOnce(Vec<(String, Tensor)>) -> Box<dyn Optimizer + 'o>) -> Result<Box<dyn Optimizer + 'o>>
     where
         'g: 'o,
     {
-        match self.sync {
-            GradientSync::Ddp => optimizer,
-            GradientSync::Horovod => Box::new(DistributedOptimizer::new(optimizer, params, self.group, self.averager)),
-        }
+        let tensors = || params.iter().map(|(_, t)| t.shallow_clone()).collect::<Vec<_>>();
+        Ok(match self.sync {
+            GradientSync::Ddp => build(params),
+            GradientSync::Horovod => {
+                let averaged = tensors();
+                Box::new(DistributedOptimizer::new(build(params), averaged, self.group, self.averager))
+            }
+            GradientSync::Zero => Box::new(crate::dist::zero::ZeroOptimizer::new(self.group, tensors(), build)?),
+        })
     }
 }
 

@@ -1,0 +1,143 @@
+//! ZeRO stage 1 (Rajbhandari et al. 2019): data-parallel replicas that keep only their share of
+//! the optimizer state. Every rank holds the whole model and computes whole gradients; then
+//!
+//! 1. the gradients, read as one flat vector (padded to a multiple of the ranks), are
+//!    reduce-scattered (averaged): rank r gets block r of the averaged gradient;
+//! 2. rank r updates block r of the parameters (a flat float32 copy it owns) with its optimizer,
+//!    whose state therefore covers 1/N of the model;
+//! 3. the updated blocks are all-gathered back into every rank's parameters.
+//!
+//! The same bytes cross the network as with an all-reduce (a reduce-scatter and an all-gather
+//! are its two halves); the optimizer state per rank drops from 8Ψ bytes (Adam, float32) to
+//! 8Ψ/N. The update is element-wise (Adam, SGD), so it is the unsharded update computed in
+//! pieces; layer-wise optimizers (LARS, LAMB) need whole layers and are refused.
+use std::collections::HashMap;
+
+use anyhow::{ensure, Result};
+use tch::{Device, Kind, Tensor};
+
+use super::{ProcessGroup, ReduceOp};
+use crate::optim::Optimizer;
+
+/// An optimizer over this rank's block of the flattened parameters (see the module docs).
+pub struct ZeroOptimizer<'g> {
+    group: &'g ProcessGroup,
+    params: Vec<Tensor>,
+    /// This rank's block of the parameters, float32, a leaf whose `.grad` the inner optimizer reads.
+    block: Tensor,
+    /// Elements per block: the parameters' total, padded to a multiple of the ranks, over the ranks.
+    block_len: i64,
+    inner: Box<dyn Optimizer + 'g>,
+    /// Resets the whole parameters' gradients to none (LibTorch's `zero_grad(set_to_none)`).
+    grad_reset: tch::COptimizer,
+}
+
+impl<'g> ZeroOptimizer<'g> {
+    /// Shards `params` (in the same order on every rank, with the same values: after the
+    /// replicas' initial broadcast) over `group`; `build` makes the optimizer of one block.
+    pub fn new(group: &'g ProcessGroup, params: Vec<Tensor>, build: impl FnOnce(Vec<(String, Tensor)>) -> Box<dyn Optimizer + 'g>) -> Result<Self> {
+        ensure!(!params.is_empty(), "ZeRO: no parameters to shard");
+        let device = params[0].device();
+        ensure!(params.iter().all(|p| p.device() == device && p.kind() == Kind::Float), "ZeRO shards float32 parameters on one device");
+        let total: i64 = params.iter().map(|p| p.numel() as i64).sum();
+        let ranks = group.world_size() as i64;
+        let block_len = (total + ranks - 1) / ranks;
+        let flat = flatten(&params, block_len * ranks, |p| p.detach());
+        let block = flat.narrow(0, block_len * group.rank() as i64, block_len).copy().set_requires_grad(true);
+        let inner = build(vec![("zero_block".to_string(), block.shallow_clone())]);
+        let mut grad_reset = tch::COptimizer::sgd(0.0, 0.0, 0.0, 0.0, false)?;
+        for p in &params {
+            grad_reset.add_parameters(p, 0)?;
+        }
+        Ok(ZeroOptimizer { group, params, block, block_len, inner, grad_reset })
+    }
+
+}
+
+/// The tensors `of(param)` side by side in one flat float32 vector of `len` elements (zeros
+/// after them).
+fn flatten(params: &[Tensor], len: i64, of: impl Fn(&Tensor) -> Tensor) -> Tensor {
+    let device: Device = params[0].device();
+    let mut parts: Vec<Tensor> = params.iter().map(|p| of(p).reshape([-1])).collect();
+    let used: i64 = parts.iter().map(|t| t.numel() as i64).sum();
+    if len > used {
+        parts.push(Tensor::zeros([len - used], (Kind::Float, device)));
+    }
+    Tensor::cat(&parts, 0)
+}
+
+impl Optimizer for ZeroOptimizer<'_> {
+    /// Reduce-scatters the gradients (averaging them): this rank's block of the average becomes
+    /// its block's gradient. A parameter without a gradient counts as zeros.
+    fn synchronize(&mut self) -> Result<()> {
+        let grads = flatten(&self.params, self.block_len * self.group.world_size() as i64, |p| {
+            let g = p.grad();
+            if g.defined() { g.detach() } else { p.zeros_like() }
+        });
+        let mine = self.group.reduce_scatter(&grads, ReduceOp::Average)?;
+        crate::torch_ext::set_grad(&self.block, &mine)
+    }
+
+    /// Updates this rank's block, then all-gathers the blocks into every rank's parameters.
+    fn step(&mut self) -> Result<()> {
+        self.inner.step()?;
+        let blocks = self.group.all_gather(&self.block.detach())?;
+        let flat = Tensor::cat(&blocks, 0);
+        tch::no_grad(|| {
+            let mut offset = 0;
+            for p in &self.params {
+                let n = p.numel() as i64;
+                p.shallow_clone().copy_(&flat.narrow(0, offset, n).view_as(p));
+                offset += n;
+            }
+        });
+        Ok(())
+    }
+
+    /// The norm of the averaged gradient from the blocks (disjoint pieces of it: the squares
+    /// add up over the ranks), and this rank's block scaled as the whole would be.
+    fn clip_grad_norm(&mut self, _params: &[Tensor], max_norm: f64, model: Option<&ProcessGroup>) -> Result<f64> {
+        ensure!(model.is_none(), "ZeRO with a model split over ranks (pipeline stages) is not supported");
+        let grad = self.block.grad();
+        let mut total = Tensor::from(grad.norm().double_value(&[]).powi(2));
+        self.group.all_reduce(&mut total, ReduceOp::Sum)?;
+        let total = total.double_value(&[]).sqrt();
+        let coef = (max_norm / (total + 1e-6)).min(1.0);
+        tch::no_grad(|| {
+            let _ = grad.shallow_clone().g_mul_scalar_(coef);
+        });
+        Ok(total)
+    }
+
+    fn zero_grad(&mut self) {
+        self.grad_reset.zero_grad().expect("LibTorch resets the gradients");
+        self.inner.zero_grad();
+    }
+
+    /// The block's optimizer state and the block itself (ZeRO's float32 copy of its share).
+    fn state_bytes(&self) -> usize {
+        self.inner.state_bytes() + self.block.numel() * 4
+    }
+
+    fn lr(&self) -> f64 {
+        self.inner.lr()
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.inner.set_lr(lr)
+    }
+
+    /// This rank's block's state (checkpoints of a sharded run are not written yet: the
+    /// experiments refuse `--checkpoint-dir` with ZeRO).
+    fn state_tensors(&self) -> Vec<(String, Tensor)> {
+        self.inner.state_tensors()
+    }
+
+    fn load_state_tensors(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
+        self.inner.load_state_tensors(state)
+    }
+
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+}

@@ -220,6 +220,14 @@ impl Checkpoint {
         Ok(part)
     }
 
+    /// The optimizer's state in the file, by the names [`Optimizer::state_tensors`] gives.
+    pub fn optimizer_state(&self) -> Vec<(String, Tensor)> {
+        let mut state: Vec<(String, Tensor)> =
+            self.tensors.iter().filter_map(|(k, t)| k.strip_prefix(OPTIM_PREFIX).map(|name| (name.to_string(), t.shallow_clone()))).collect();
+        state.sort_by(|a, b| a.0.cmp(&b.0));
+        state
+    }
+
     /// How many model variables the file holds (to check that the ranks' parts cover it).
     pub fn model_variables(&self) -> usize {
         self.tensors.keys().filter(|k| k.starts_with(MODEL_PREFIX)).count()

@@ -191,9 +191,6 @@ fn check_zero<E: Experiment>(exp: &E, groups: &Groups) -> Result<()> {
     if run.precision == crate::precision::Precision::Half {
         return usage("--zero 1 with --precision 16-mixed (a gradient scaler over the shards) is not built yet: use bf16-mixed or 32");
     }
-    if run.checkpoint_dir.is_some() {
-        return usage("--zero 1 cannot write checkpoints yet (the optimizer state is sharded over the ranks): drop --checkpoint-dir");
-    }
     Ok(())
 }
 

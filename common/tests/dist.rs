@@ -1105,3 +1105,51 @@ fn nproc_per_node_without_mpirun_is_a_usage_error() {
 fn backend_mpi_works_with_one_process() {
     launch(None, "mpi_singleton", &[], Duration::from_secs(30)).assert_passed("mpi_singleton", 1);
 }
+
+/// ZeRO-1's optimizer in a world of one rank: its block is the whole model, so it trains as the
+/// optimizer it wraps, and its gathered state has the wrapped optimizer's names and values; a
+/// fresh one loads that state and gives it back.
+#[test]
+fn a_zero_optimizer_alone_is_the_optimizer_it_wraps_with_the_same_named_state() {
+    use common::dist::zero::ZeroOptimizer;
+    let group = ProcessGroup::single();
+    let config = AdamConfig { lr: 0.1, ..AdamConfig::default() };
+    let make = || -> Vec<(String, Tensor)> {
+        tch::manual_seed(3);
+        vec![("a".into(), Tensor::randn([3, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true)), ("b".into(), Tensor::randn([5], (Kind::Float, Device::Cpu)).set_requires_grad(true))]
+    };
+    let shallow = |named: &[(String, Tensor)]| named.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect::<Vec<_>>();
+    let (plain_params, zero_params) = (make(), make());
+    let mut plain: Box<dyn Optimizer + '_> = Box::new(Adam::new(shallow(&plain_params), config));
+    let mut zero: Box<dyn Optimizer + '_> = Box::new(ZeroOptimizer::new(&group, shallow(&zero_params), |named| Box::new(Adam::new(named, config))).unwrap());
+    for step in 0..3 {
+        for (params, opt) in [(&plain_params, &mut plain), (&zero_params, &mut zero)] {
+            opt.zero_grad();
+            let loss = params.iter().map(|(_, p)| (p * p).sum(Kind::Float) * (step + 1) as f64).reduce(|a, b| a + b).unwrap();
+            loss.backward();
+            opt.synchronize().unwrap();
+            opt.step().unwrap();
+        }
+    }
+    for ((name, a), (_, b)) in plain_params.iter().zip(&zero_params) {
+        assert!(a.allclose(b, 1e-6, 1e-7, false), "{name} differs");
+    }
+    assert!(zero.is_sharded() && !plain.is_sharded());
+    let sorted = |mut v: Vec<(String, Tensor)>| {
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    let (plain_state, zero_state) = (sorted(plain.state_tensors()), sorted(zero.gathered_state().unwrap()));
+    assert_eq!(plain_state.iter().map(|t| &t.0).collect::<Vec<_>>(), zero_state.iter().map(|t| &t.0).collect::<Vec<_>>());
+    for ((name, a), (_, b)) in plain_state.iter().zip(&zero_state) {
+        assert!(a.to_kind(Kind::Double).allclose(&b.to_kind(Kind::Double), 1e-6, 1e-9, false), "{name}: {a:?} vs {b:?}");
+    }
+    let fresh_params = make();
+    let mut fresh = ZeroOptimizer::new(&group, shallow(&fresh_params), |named| Box::new(Adam::new(named, config))).unwrap();
+    fresh.load_state_tensors(&plain_state.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()).unwrap();
+    let reloaded = sorted(fresh.gathered_state().unwrap());
+    assert!(reloaded.iter().zip(&plain_state).all(|((n, a), (m, b))| n == m && a.to_kind(Kind::Double).allclose(&b.to_kind(Kind::Double), 1e-6, 1e-9, false)));
+    let mut stray = HashMap::new();
+    stray.insert("exp_avg.nope".to_string(), Tensor::zeros([2], (Kind::Float, Device::Cpu)));
+    assert!(fresh.load_state_tensors(&stray).is_err(), "state of another model is refused");
+}

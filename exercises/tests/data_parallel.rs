@@ -303,7 +303,6 @@ fn zero_stage_1_trains_the_data_parallel_model_with_half_the_optimizer_state() {
     for (flags, expected) in [
         (&["--zero", "2"][..], "only ZeRO stage 1"),
         (&["--zero", "1", "--optimizer", "lars"][..], "needs whole layers"),
-        (&["--zero", "1", "--checkpoint-dir", "ck"][..], "cannot write checkpoints yet"),
     ] {
         let mut args = vec!["--data-dir", dir.path().to_str().unwrap(), "--max-steps", "1"];
         args.extend_from_slice(flags);
@@ -311,4 +310,63 @@ fn zero_stage_1_trains_the_data_parallel_model_with_half_the_optimizer_state() {
         assert_eq!(out.status.code(), Some(2), "{flags:?}: {}", stderr(&out));
         assert!(stderr(&out).contains(expected), "{flags:?}: {}", stderr(&out));
     }
+}
+
+/// A ZeRO-1 checkpoint holds the whole optimizer state under the parameters' names, as a plain
+/// data-parallel run writes it (gathered from the ranks' blocks): it resumes with ZeRO on 2
+/// ranks and without it on 1 rank (at the same global batch), both landing where 2 epochs
+/// straight land; and a plain checkpoint resumes with ZeRO.
+#[test]
+fn a_zero_checkpoint_holds_the_whole_state_and_resumes_on_other_layouts() {
+    let d = tempfile::tempdir().unwrap();
+    data(d.path(), 96);
+    let run = |ck: &Path, epochs: &str, nproc: &str, batch: &str, zero: &str| {
+        let out = exercise2(
+            &[
+                "--model", "cnn", "--num-classes", "10", "--batch-size", batch, "--epochs", epochs, "--resume", "--zero", zero,
+                "--data-dir", d.path().to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap(),
+                "--results-dir", ck.to_str().unwrap(), "--nproc-per-node", nproc,
+            ],
+            &[],
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out)
+    };
+    let name = "exercise2-cnn-cpu.safetensors";
+    let copy = |from: &Path| {
+        let to = tempfile::tempdir().unwrap();
+        std::fs::copy(from.join(name), to.path().join(name)).unwrap();
+        to
+    };
+    let close = |what: &str, a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]| {
+        assert_eq!(a.iter().map(|t| &t.0).collect::<Vec<_>>(), b.iter().map(|t| &t.0).collect::<Vec<_>>(), "{what}: other tensors");
+        let worst = worst_relative_difference(a, b);
+        assert!(worst <= 1e-5, "{what}: {worst:e}");
+    };
+    let state = |dir: &Path| {
+        let ck = checkpoint::load(&checkpoint::path_for(dir, "exercise2-cnn-cpu")).unwrap();
+        let mut tensors: Vec<_> = ck.tensors.into_iter().filter(|(k, _)| !k.starts_with("model.")).collect();
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        tensors
+    };
+
+    let straight = tempfile::tempdir().unwrap();
+    run(straight.path(), "2", "2", "16", "0");
+    let (plain_first, zero_first) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    run(plain_first.path(), "1", "2", "16", "0");
+    run(zero_first.path(), "1", "2", "16", "1");
+    // After one epoch the ZeRO checkpoint is the plain one: Adam's moments and steps of every
+    // parameter, under its name.
+    let (plain_state, zero_state) = (state(plain_first.path()), state(zero_first.path()));
+    assert!(zero_state.iter().any(|(k, _)| k.contains("exp_avg_sq.conv1.weight")), "{:?}", zero_state.iter().map(|t| &t.0).collect::<Vec<_>>());
+    close("the optimizer state after 1 epoch, ZeRO-1 vs plain", &plain_state, &zero_state);
+
+    let (on_one, plain_to_zero) = (copy(zero_first.path()), copy(plain_first.path()));
+    let out = run(zero_first.path(), "2", "2", "16", "1");
+    assert!(out.contains("after epoch 1"), "{out}");
+    close("ZeRO-1 resumed on 2 ranks vs 2 epochs straight", &model_tensors(straight.path()), &model_tensors(zero_first.path()));
+    run(on_one.path(), "2", "1", "32", "0");
+    close("ZeRO-1's checkpoint resumed on 1 rank", &model_tensors(straight.path()), &model_tensors(on_one.path()));
+    run(plain_to_zero.path(), "2", "2", "16", "1");
+    close("a plain checkpoint resumed with ZeRO-1", &model_tensors(straight.path()), &model_tensors(plain_to_zero.path()));
 }

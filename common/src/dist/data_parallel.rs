@@ -81,12 +81,21 @@ pub fn broadcast_optimizer_state(
     opt: &mut dyn Optimizer,
     root: usize,
 ) -> Result<()> {
+    let mine = if group.rank() == root { opt.state_tensors() } else { Vec::new() };
+    broadcast_state(group, opt, root, mine, false)
+}
+
+/// Gives every rank of a sharded optimizer (ZeRO) the whole state `root_state` that rank `root`
+/// holds (read from a checkpoint; nothing on a fresh start): each rank, root included, loads it
+/// and keeps its share.
+pub fn broadcast_sharded_state(group: &ProcessGroup, opt: &mut dyn Optimizer, root: usize, root_state: Vec<(String, Tensor)>) -> Result<()> {
+    broadcast_state(group, opt, root, root_state, true)
+}
+
+/// Broadcasts `mine` (rank `root`'s list; ignored elsewhere) and loads it on the other ranks,
+/// and on the root too when `load_on_root`.
+fn broadcast_state(group: &ProcessGroup, opt: &mut dyn Optimizer, root: usize, mine: Vec<(String, Tensor)>, load_on_root: bool) -> Result<()> {
     let is_root = group.rank() == root;
-    let mine = if is_root {
-        opt.state_tensors()
-    } else {
-        Vec::new()
-    };
     let manifest: Vec<StateEntry> = mine
         .iter()
         .map(|(name, t)| StateEntry {
@@ -115,7 +124,7 @@ pub fn broadcast_optimizer_state(
             .with_context(|| format!("broadcasting optimizer state `{}`", entry.name))?;
         received.insert(entry.name, tensor);
     }
-    if !is_root {
+    if !is_root || load_on_root {
         opt.load_state_tensors(&received)
             .context("loading rank 0's optimizer state")?;
     }

@@ -11,6 +11,11 @@
 //! are its two halves); the optimizer state per rank drops from 8Ψ bytes (Adam, float32) to
 //! 8Ψ/N. The update is element-wise (Adam, SGD), so it is the unsharded update computed in
 //! pieces; layer-wise optimizers (LARS, LAMB) need whole layers and are refused.
+//!
+//! Checkpoints do not see the sharding: [`Optimizer::gathered_state`] all-gathers each state
+//! entry and names it per parameter, as an unsharded optimizer does, and
+//! [`Optimizer::load_state_tensors`] takes such a whole state and keeps its block. A run
+//! resumes on any number of ranks, with or without ZeRO.
 use std::collections::HashMap;
 
 use anyhow::{ensure, Result};
@@ -22,6 +27,8 @@ use crate::optim::Optimizer;
 /// An optimizer over this rank's block of the flattened parameters (see the module docs).
 pub struct ZeroOptimizer<'g> {
     group: &'g ProcessGroup,
+    /// The parameters' names (the whole state is saved under them).
+    names: Vec<String>,
     params: Vec<Tensor>,
     /// This rank's block of the parameters, float32, a leaf whose `.grad` the inner optimizer reads.
     block: Tensor,
@@ -35,8 +42,9 @@ pub struct ZeroOptimizer<'g> {
 impl<'g> ZeroOptimizer<'g> {
     /// Shards `params` (in the same order on every rank, with the same values: after the
     /// replicas' initial broadcast) over `group`; `build` makes the optimizer of one block.
-    pub fn new(group: &'g ProcessGroup, params: Vec<Tensor>, build: impl FnOnce(Vec<(String, Tensor)>) -> Box<dyn Optimizer + 'g>) -> Result<Self> {
-        ensure!(!params.is_empty(), "ZeRO: no parameters to shard");
+    pub fn new(group: &'g ProcessGroup, named: Vec<(String, Tensor)>, build: impl FnOnce(Vec<(String, Tensor)>) -> Box<dyn Optimizer + 'g>) -> Result<Self> {
+        ensure!(!named.is_empty(), "ZeRO: no parameters to shard");
+        let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
         let device = params[0].device();
         ensure!(params.iter().all(|p| p.device() == device && p.kind() == Kind::Float), "ZeRO shards float32 parameters on one device");
         let total: i64 = params.iter().map(|p| p.numel() as i64).sum();
@@ -49,9 +57,26 @@ impl<'g> ZeroOptimizer<'g> {
         for p in &params {
             grad_reset.add_parameters(p, 0)?;
         }
-        Ok(ZeroOptimizer { group, params, block, block_len, inner, grad_reset })
+        Ok(ZeroOptimizer { group, names, params, block, block_len, inner, grad_reset })
     }
 
+
+    /// Where this rank's block starts in the flat vector.
+    fn block_start(&self) -> i64 {
+        self.block_len * self.group.rank() as i64
+    }
+
+    /// The flat vector's length: the parameters' total, padded to a multiple of the ranks.
+    fn padded_len(&self) -> i64 {
+        self.block_len * self.group.world_size() as i64
+    }
+
+    /// Copies this rank's share of the parameters into its block (after they were restored or
+    /// broadcast: the block must start from the replicas' common parameters).
+    fn refresh_block(&self) {
+        let flat = flatten(&self.params, self.padded_len(), |p| p.detach());
+        tch::no_grad(|| self.block.shallow_clone().copy_(&flat.narrow(0, self.block_start(), self.block_len)));
+    }
 }
 
 /// The tensors `of(param)` side by side in one flat float32 vector of `len` elements (zeros
@@ -127,14 +152,70 @@ impl Optimizer for ZeroOptimizer<'_> {
         self.inner.set_lr(lr)
     }
 
-    /// This rank's block's state (checkpoints of a sharded run are not written yet: the
-    /// experiments refuse `--checkpoint-dir` with ZeRO).
+    /// This rank's block's state, as `<entry>.zero_block` ([`Optimizer::gathered_state`] gives
+    /// the whole state under the parameters' names).
     fn state_tensors(&self) -> Vec<(String, Tensor)> {
         self.inner.state_tensors()
     }
 
+    /// All-gathers each entry's blocks and cuts the result into the parameters' shapes, named
+    /// `<entry>.<parameter>` as an unsharded optimizer names them; a count (Adam's `step`) is
+    /// the same on every rank and given to every parameter.
+    fn gathered_state(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut whole = Vec::new();
+        for (name, block) in self.inner.state_tensors() {
+            let entry = name.strip_suffix(".zero_block").unwrap_or(&name).to_string();
+            if block.dim() == 0 {
+                whole.extend(self.names.iter().map(|p| (format!("{entry}.{p}"), block.copy())));
+                continue;
+            }
+            let flat = Tensor::cat(&self.group.all_gather(&block.detach())?, 0);
+            let mut offset = 0;
+            for (p, param) in self.names.iter().zip(&self.params) {
+                let n = param.numel() as i64;
+                whole.push((format!("{entry}.{p}"), flat.narrow(0, offset, n).view_as(param).copy()));
+                offset += n;
+            }
+        }
+        Ok(whole)
+    }
+
+    fn is_sharded(&self) -> bool {
+        true
+    }
+
+    /// Takes the whole state (by the parameters' names, as [`Optimizer::gathered_state`] and
+    /// an unsharded optimizer write it) and keeps this rank's block of each entry; refreshes the
+    /// block of parameters from the (restored) parameters first.
     fn load_state_tensors(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
-        self.inner.load_state_tensors(state)
+        self.refresh_block();
+        let mut entries: Vec<&str> = state.keys().filter_map(|k| k.split_once('.').map(|(e, _)| e)).collect();
+        entries.sort_unstable();
+        entries.dedup();
+        let mut blocks = HashMap::new();
+        let mut used = 0;
+        for entry in entries {
+            let per_param: Vec<Option<&Tensor>> = self.names.iter().map(|p| state.get(&format!("{entry}.{p}"))).collect();
+            let present: Vec<&Tensor> = per_param.iter().flatten().copied().collect();
+            if present.is_empty() {
+                continue;
+            }
+            ensure!(present.len() == self.names.len(), "ZeRO: the state's `{entry}` covers {} of the {} parameters", present.len(), self.names.len());
+            used += present.len();
+            let block = if present[0].dim() == 0 {
+                present[0].copy()
+            } else {
+                for (p, (t, param)) in self.names.iter().zip(present.iter().zip(&self.params)) {
+                    ensure!(t.size() == param.size(), "ZeRO: `{entry}.{p}` is {:?}, the parameter {:?}", t.size(), param.size());
+                }
+                let device = self.block.device();
+                let moved: Vec<Tensor> = present.iter().map(|t| t.to_device(device).to_kind(Kind::Float)).collect();
+                flatten(&moved, self.padded_len(), |t| t.shallow_clone()).narrow(0, self.block_start(), self.block_len).copy()
+            };
+            blocks.insert(format!("{entry}.zero_block"), block);
+        }
+        ensure!(used == state.len(), "ZeRO: {} state tensors belong to no parameter of this model", state.len() - used);
+        self.inner.load_state_tensors(&blocks)
     }
 
     fn name(&self) -> &'static str {

@@ -52,6 +52,19 @@ pub trait Optimizer {
         clip_grad_norm_over(params, max_norm, model)
     }
 
+    /// The state under every parameter's name, as [`Optimizer::state_tensors`] names it, gathered
+    /// from the ranks that share it: a collective for a sharded optimizer (every rank sharing it
+    /// calls it), the state itself otherwise. What checkpoints hold, whatever the sharding.
+    fn gathered_state(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(self.state_tensors())
+    }
+
+    /// Whether each rank holds only a share of the state ([`Optimizer::load_state_tensors`] then
+    /// takes the whole state and keeps its share).
+    fn is_sharded(&self) -> bool {
+        false
+    }
+
     /// Bytes of optimizer state this rank holds (a sharded optimizer: its block's, and the block).
     fn state_bytes(&self) -> usize {
         self.state_tensors().iter().map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes()).sum()

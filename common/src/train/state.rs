@@ -14,7 +14,7 @@ use tch::{Device, Kind, Tensor};
 use super::events::Observers;
 use super::step::TrainStep;
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
-use crate::dist::data_parallel::{broadcast_named, broadcast_optimizer_state};
+use crate::dist::data_parallel::{broadcast_named, broadcast_optimizer_state, broadcast_sharded_state};
 use crate::dist::transfer::{recv_named, recv_tensor, send_named, send_tensor};
 use crate::dist::ProcessGroup;
 use crate::optim::Optimizer;
@@ -69,7 +69,13 @@ pub fn start(
     }
     if let Some(group) = replicas {
         broadcast_named(group, step.named_variables(), 0)?;
-        broadcast_optimizer_state(group, optimizer, 0)?;
+        if optimizer.is_sharded() {
+            // Each replica keeps its own share: the file's whole state goes to all of them.
+            let whole = loaded.as_ref().map(Checkpoint::optimizer_state).unwrap_or_default();
+            broadcast_sharded_state(group, optimizer, 0, whole)?;
+        } else {
+            broadcast_optimizer_state(group, optimizer, 0)?;
+        }
     }
     if let (Some(scaler), false) = (scaler, header[3].is_nan()) {
         scaler.load_state(GradScalerState { scale: header[3], growth_tracker: header[4] as i64 });
@@ -118,10 +124,12 @@ fn restore_replica_zero(
 /// optimizer state to rank 0, which writes one file (atomically). Every rank calls it.
 pub fn save(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: &CheckpointMeta, path: &Path) -> Result<()> {
     let parallel = step.parallel();
+    // Every replica takes part where the optimizer state is sharded over them.
+    let mut state = optimizer.gathered_state()?;
     if parallel.replica != 0 {
         return Ok(()); // replicas hold what replica 0 holds
     }
-    let (mut variables, mut state) = (step.named_variables(), optimizer.state_tensors());
+    let mut variables = step.named_variables();
     if let Some(model) = parallel.model {
         if !model.is_root() {
             send_named(model, &variables, 0)?;

@@ -135,7 +135,7 @@ impl<'g> Replication<'g> {
                 let averaged = tensors();
                 Box::new(DistributedOptimizer::new(build(params), averaged, self.group, self.averager))
             }
-            GradientSync::Zero => Box::new(crate::dist::zero::ZeroOptimizer::new(self.group, tensors(), build)?),
+            GradientSync::Zero => Box::new(crate::dist::zero::ZeroOptimizer::new(self.group, params, build)?),
         })
     }
 }

@@ -103,8 +103,16 @@ bench-nlp: data-wikitext2
 python-tools: setup
 	$(WITH) scripts/python-tools
 
+# Every test in a process of its own (cargo-nextest): LibTorch's random generator, thread counts
+# and autocast state are process-wide, so tests run side by side as threads of one process could
+# draw from each other's random streams. Without nextest: one test at a time (slower).
 test: build python-tools
-	$(CARGO) test --release --workspace --no-fail-fast
+	@if cargo nextest --version >/dev/null 2>&1; then \
+	    $(CARGO) nextest run --release --workspace --no-fail-fast; \
+	else \
+	    echo ">> cargo-nextest not found: running the tests one at a time (cargo install cargo-nextest for a faster make test)"; \
+	    $(CARGO) test --release --workspace --no-fail-fast -- --test-threads 1; \
+	fi
 
 # The sbatch/ scripts through a real one-node Slurm on this machine (root; installs Debian's
 # slurm-wlm and munge when missing): every script submitted with CPU overrides and tiny data,

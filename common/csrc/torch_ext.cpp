@@ -9,6 +9,7 @@
 #include <c10/core/GradMode.h>
 #include <ATen/Context.h>
 #include <ATen/core/Generator.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <cstdint>
 #include <cstring>
@@ -57,9 +58,73 @@ int protect_status(F&& f) {
   return -1;
 }
 
+// A collective the Rust side runs in place on a tensor (an all-reduce over the tensor-parallel
+// group that `context` names): 0, or non-zero with a message in `message` (NUL-terminated, at
+// most `size` bytes).
+typedef int (*torch_ext_collective)(void* context, at::Tensor* tensor, char* message, size_t size);
+
+void run_collective(int64_t collective, int64_t context, at::Tensor& tensor) {
+  char message[2048] = {0};
+  auto run = reinterpret_cast<torch_ext_collective>(collective);
+  if (run(reinterpret_cast<void*>(context), &tensor, message, sizeof message) != 0) {
+    throw std::runtime_error(message[0] ? message : "tensor-parallel collective failed");
+  }
+}
+
+// Megatron-LM's f (`copy_to_tensor_model_parallel_region`): the identity in the forward pass,
+// the collective (an all-reduce sum over the shards) on the gradient in the backward pass.
+struct CollectiveInBackward : public torch::autograd::Function<CollectiveInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, int64_t collective,
+                            int64_t context) {
+    ctx->saved_data["collective"] = collective;
+    ctx->saved_data["context"] = context;
+    return input;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    // Our own copy: the incoming gradient may be shared with another branch of the graph.
+    at::Tensor grad = grads[0].contiguous().clone();
+    run_collective(ctx->saved_data["collective"].toInt(), ctx->saved_data["context"].toInt(), grad);
+    return {grad, at::Tensor(), at::Tensor()};
+  }
+};
+
+// Megatron-LM's g (`reduce_from_tensor_model_parallel_region`): the collective in the forward
+// pass, the identity on the gradient in the backward pass.
+struct CollectiveInForward : public torch::autograd::Function<CollectiveInForward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, int64_t collective,
+                            int64_t context) {
+    at::Tensor output = input.contiguous().clone();
+    run_collective(collective, context, output);
+    return output;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {grads[0], at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 extern "C" {
+
+// `input` through Megatron's f: the same values, and a backward pass that runs `collective` on
+// the gradient (in place, on a copy). `context` must stay valid until that backward pass ran.
+at::Tensor* torch_ext_collective_in_backward(const at::Tensor* input, torch_ext_collective collective, void* context) {
+  return protect([&] {
+    return CollectiveInBackward::apply(*input, reinterpret_cast<int64_t>(collective), reinterpret_cast<int64_t>(context));
+  });
+}
+
+// `input` through Megatron's g: `collective` run on a copy of it now; the gradient passes back
+// unchanged.
+at::Tensor* torch_ext_collective_in_forward(const at::Tensor* input, torch_ext_collective collective, void* context) {
+  return protect([&] {
+    return CollectiveInForward::apply(*input, reinterpret_cast<int64_t>(collective), reinterpret_cast<int64_t>(context));
+  });
+}
 
 // The message of the last failure on this thread (empty if none), copied into `buffer`
 // (NUL-terminated, truncated to `size`); returns the message's full length and clears it.

@@ -220,14 +220,6 @@ impl Checkpoint {
         Ok(part)
     }
 
-    /// The optimizer's state in the file, by the names [`Optimizer::state_tensors`] gives.
-    pub fn optimizer_state(&self) -> Vec<(String, Tensor)> {
-        let mut state: Vec<(String, Tensor)> =
-            self.tensors.iter().filter_map(|(k, t)| k.strip_prefix(OPTIM_PREFIX).map(|name| (name.to_string(), t.shallow_clone()))).collect();
-        state.sort_by(|a, b| a.0.cmp(&b.0));
-        state
-    }
-
     /// How many model variables the file holds (to check that the ranks' parts cover it).
     pub fn model_variables(&self) -> usize {
         self.tensors.keys().filter(|k| k.starts_with(MODEL_PREFIX)).count()
@@ -236,6 +228,24 @@ impl Checkpoint {
 
 /// Copies one rank's part of a checkpoint (from [`Checkpoint::part`]) into its `variables` and
 /// optimizer; `what` names the file in errors.
+/// `part` (as [`Checkpoint::part`] gives it: variables and optimizer state by their keys in the
+/// file) with each tensor replaced by `map(name, tensor)`, `name` the variable's or the state
+/// entry's own name (a tensor-parallel shard's cut of the whole tensors).
+pub fn map_part(part: Vec<(String, Tensor)>, map: impl Fn(&str, Tensor) -> Tensor) -> Vec<(String, Tensor)> {
+    part.into_iter()
+        .map(|(key, t)| {
+            let name = key.strip_prefix(MODEL_PREFIX).or_else(|| key.strip_prefix(OPTIM_PREFIX)).unwrap_or(&key);
+            let mapped = map(name, t);
+            (key, mapped)
+        })
+        .collect()
+}
+
+/// The optimizer state of `part` (as [`Checkpoint::part`] gives it), by its entries' names.
+pub fn part_state(part: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+    part.iter().filter_map(|(k, t)| k.strip_prefix(OPTIM_PREFIX).map(|name| (name.to_string(), t.shallow_clone()))).collect()
+}
+
 pub fn restore_part(what: &str, part: Vec<(String, Tensor)>, variables: Vec<(String, Tensor)>, optimizer: &mut dyn Optimizer) -> anyhow::Result<()> {
     let mut model = HashMap::new();
     let mut state = HashMap::new();

@@ -66,7 +66,7 @@ fn build_step<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPla
     if let Some(replicas) = &replicas {
         replicas.averager.check(replicas.group, device)?;
     }
-    let parallel = Parallel { replicas, model: None, world: Some(groups.world), replica: groups.coords.replica };
+    let parallel = Parallel { replicas, model: None, world: Some(groups.world), replica: groups.coords.replica, tp: None };
     let whole_model = |build: &dyn Fn(&nn::VarStore) -> Result<Box<dyn nn::ModuleT>>| -> Result<Box<dyn TrainStep<'g> + 'g>> {
         if groups.layout.pp * groups.layout.tp != 1 {
             return usage(format!("this model is not split into parts, but the job's layout is {}", groups.layout.describe()));
@@ -101,8 +101,8 @@ fn build_step<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPla
             if plan.partition.stages() != stages {
                 return usage(format!("a partition into {} stages for a layout of {stages}", plan.partition.stages()));
             }
-            let stage = Stage::new(config, stage, stages, plan.partition.layers[stage].clone(), device, seed)?;
-            Ok(Box::new(StageProcess::new(groups, stage, plan.options, dp.averager)?))
+            let stage = Stage::new_sharded(config, stage, stages, plan.partition.layers[stage].clone(), device, seed, groups.shard())?;
+            Ok(Box::new(StageProcess::new(groups, stage, plan.options, dp)?))
         }
     }
 }

@@ -58,7 +58,13 @@ mod ffi {
         pub fn torch_ext_make_channels_last_(tensor: *mut C_tensor) -> i32;
         pub fn torch_ext_is_channels_last(tensor: *const C_tensor) -> i32;
         pub fn torch_ext_set_grad(param: *mut C_tensor, grad: *const C_tensor) -> i32;
+        pub fn torch_ext_collective_in_backward(input: *const C_tensor, collective: Collective, context: *mut c_void) -> *mut C_tensor;
+        pub fn torch_ext_collective_in_forward(input: *const C_tensor, collective: Collective, context: *mut c_void) -> *mut C_tensor;
     }
+
+    /// A collective run in place on `tensor` for [`super::collective_in_backward`]: 0, or
+    /// non-zero with a message written into `message` (at most `size` bytes, NUL-terminated).
+    pub type Collective = unsafe extern "C" fn(context: *mut c_void, tensor: *mut C_tensor, message: *mut u8, size: usize) -> i32;
 }
 
 /// The pointers of `tensors`, for a list argument of the shim.
@@ -339,4 +345,23 @@ pub fn is_channels_last(tensor: &Tensor) -> bool {
 pub fn set_grad(param: &Tensor, grad: &Tensor) -> Result<()> {
     // SAFETY: valid tensor pointers; the shim stores a reference-counted handle to `grad`.
     status(unsafe { ffi::torch_ext_set_grad(param.as_ptr() as *mut C_tensor, grad.as_ptr()) }, "set_grad")
+}
+
+/// `input` unchanged, with a backward pass that runs `collective` on its gradient (Megatron's
+/// f, a custom autograd function of the shim: tch cannot define one).
+///
+/// # Safety
+/// `context` is handed to `collective` when the backward pass reaches this node: it must stay
+/// valid until then (or until the graph is dropped without a backward pass).
+pub unsafe fn collective_in_backward(input: &Tensor, collective: ffi::Collective, context: *mut c_void) -> Result<Tensor> {
+    tensor(ffi::torch_ext_collective_in_backward(input.as_ptr(), collective, context), "f (identity forward, collective backward)")
+}
+
+/// `collective` run on a copy of `input`, with a backward pass that passes the gradient through
+/// unchanged (Megatron's g).
+///
+/// # Safety
+/// `context` must be valid for `collective` during the call.
+pub unsafe fn collective_in_forward(input: &Tensor, collective: ffi::Collective, context: *mut c_void) -> Result<Tensor> {
+    tensor(ffi::torch_ext_collective_in_forward(input.as_ptr(), collective, context), "g (collective forward, identity backward)")
 }

@@ -15,105 +15,18 @@ use common::dist::data_parallel::GradientAverager;
 use common::dist::layout::{Coords, Groups, Layout};
 use common::dist::{Backend, ProcessGroup};
 use common::models::{self, TransformerConfig, TransformerLm};
-use common::optim::{Optimizer, Sgd, SgdConfig};
+use common::optim::Optimizer;
 use common::pipeline::executor::StageTrace;
 use common::pipeline::process::StageProcess;
-use common::pipeline::{split_batch, Op, Partition, Pipeline, PipelineOptions, Schedule, Stage};
+use common::parallelize::DataParallelPlan;
+use common::pipeline::{split_batch, Op, Partition, Pipeline, Schedule, Stage};
 use common::precision::{GradScaler, Precision};
 use common::train::{Batch, StepContext, TrainStep};
+use support::lm::*;
 use support::ranks::{launch, SCENARIO};
 use tch::nn::{self, ModuleT};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
-fn config(nlayers: i64, d_model: i64) -> TransformerConfig {
-    TransformerConfig { ntoken: 50, d_model, nhead: 2, d_hid: 2 * d_model, nlayers, dropout: 0.0 }
-}
-
-/// Token ids `[seq_len, batch]` and their next-token targets.
-fn batch(seed: i64, seq_len: i64, batch: i64) -> (Tensor, Tensor) {
-    tch::manual_seed(seed);
-    let ids = Tensor::randint(50, [seq_len + 1, batch], (Kind::Int64, Device::Cpu));
-    (ids.narrow(0, 0, seq_len), ids.narrow(0, 1, seq_len))
-}
-
-fn options(schedule: Schedule, chunks: usize, checkpoint_activations: bool) -> PipelineOptions {
-    PipelineOptions { schedule, chunks, checkpoint_activations, threads_per_stage: Some(1) }
-}
-
-/// One mini-batch's forward and backward passes through `trainer` as the training loop runs
-/// them (float32, dropout keyed by `dropout_key`); returns the mean loss.
-fn train_step(trainer: &mut dyn TrainStep<'_>, src: &Tensor, targets: &Tensor, dropout_key: u64) -> f64 {
-    let ctx = StepContext { precision: Precision::Full, scaler: None, dropout_key, sync_phases: false, count_hits: false };
-    let batch = Batch { inputs: src.shallow_clone(), targets: targets.shallow_clone() };
-    let out = trainer.forward_backward(&batch, 1.0, &ctx).unwrap();
-    out.mean_loss().double_value(&[])
-}
-
-fn sgd(params: Vec<(String, Tensor)>) -> Sgd {
-    Sgd::new(params, SgdConfig { lr: 0.5, momentum: 0.9, ..SgdConfig::default() })
-}
-
-/// max |a − b| / max |b| (b the reference).
-fn relative_difference(a: &Tensor, b: &Tensor) -> f64 {
-    let scale = b.abs().max().double_value(&[]).max(1e-12);
-    (a - b).abs().max().double_value(&[]) / scale
-}
-
-fn by_name(params: Vec<(String, Tensor)>) -> HashMap<String, Tensor> {
-    params.into_iter().collect()
-}
-
-/// The gradient-norm bound of the tests (the tutorial's): small enough to clip these gradients.
-const CLIP: f64 = 0.5;
-
-/// Checks that `trainer` (replica `replica.0` of `replica.1`, each training on its share of
-/// every batch) matches the unpartitioned `reference` trained on whole batches: the loss, every
-/// clipped gradient of the first step, and the parameters after five SGD-momentum steps.
-fn assert_trains_like_unpartitioned(
-    trainer: &mut dyn TrainStep<'_>,
-    reference: &TransformerLm,
-    reference_vs: &nn::VarStore,
-    replica: (usize, usize),
-    what: &str,
-) {
-    let mut reference_opt = sgd(models::named_parameters(reference_vs));
-    let mut trainer_opt = sgd(trainer.named_parameters());
-    let per_replica = 8;
-    for step in 0..5 {
-        let (src, targets) = batch(100 + step, 6, per_replica * replica.1 as i64);
-        reference_opt.zero_grad();
-        let loss = Stage::loss(&reference.forward_t(&src, true), &targets);
-        loss.backward();
-        common::optim::clip_grad_norm(&reference_vs.trainable_variables(), CLIP);
-        let mine = |t: &Tensor| t.narrow(1, per_replica * replica.0 as i64, per_replica);
-        trainer_opt.zero_grad();
-        let mut got = train_step(trainer, &mine(&src), &mine(&targets), step as u64);
-        if let Some(replicas) = trainer.parallel().replica_group() {
-            // Each replica saw its half of the batch: their losses average to the whole batch's.
-            let mut mean = Tensor::from(got);
-            replicas.all_reduce(&mut mean, common::dist::ReduceOp::Average).unwrap();
-            got = mean.double_value(&[]);
-        }
-        trainer.finish_gradients(&mut trainer_opt, None, Some(CLIP)).unwrap();
-
-        let expected = loss.double_value(&[]);
-        assert!((got - expected).abs() <= 1e-5 * expected.abs(), "{what}: loss {got} vs {expected}");
-        if step == 0 {
-            let grads = by_name(models::named_parameters(reference_vs));
-            for (name, p) in trainer.named_parameters() {
-                let diff = relative_difference(&p.grad(), &grads[&name].grad());
-                assert!(diff <= 1e-5, "{what}: gradient of {name} differs by {diff:e}");
-            }
-        }
-        reference_opt.step().unwrap();
-        trainer_opt.step().unwrap();
-    }
-    let reference_params = by_name(models::named_parameters(reference_vs));
-    for (name, p) in trainer.named_parameters() {
-        let diff = relative_difference(&p, &reference_params[&name]);
-        assert!(diff <= 1e-5, "{what}: after 5 steps, {name} differs by {diff:e}");
-    }
-}
 
 /// [`assert_trains_like_unpartitioned`] for a pipeline in this process, which also holds every
 /// variable once and gives the reference's logits.
@@ -129,13 +42,6 @@ fn assert_matches_unpartitioned(mut pipeline: Pipeline, reference: &TransformerL
     assert_trains_like_unpartitioned(&mut pipeline, reference, reference_vs, (0, 1), what);
 }
 
-/// The unpartitioned model every comparison starts from.
-fn reference_model(cfg: &TransformerConfig) -> (nn::VarStore, TransformerLm) {
-    tch::manual_seed(7);
-    let vs = nn::VarStore::new(Device::Cpu);
-    let model = TransformerLm::new(&vs.root(), cfg).unwrap();
-    (vs, model)
-}
 
 #[test]
 fn every_partition_and_schedule_trains_the_unpartitioned_model() {
@@ -205,19 +111,6 @@ fn overlap_s(a: &StageTrace, b: &StageTrace) -> f64 {
     total
 }
 
-/// Token ids `[seq_len, batch]` and their targets drawn without LibTorch's shared generator
-/// (other tests of this binary seed and draw from it on other threads at the same time).
-fn private_batch(seed: u64, seq_len: i64, batch: i64) -> (Tensor, Tensor) {
-    let mut state = models::mix_key(&[seed]);
-    let ids: Vec<i64> = (0..(seq_len + 1) * batch)
-        .map(|_| {
-            state = models::mix_key(&[state]);
-            (state % 50) as i64
-        })
-        .collect();
-    let ids = Tensor::from_slice(&ids).view([seq_len + 1, batch]);
-    (ids.narrow(0, 0, seq_len), ids.narrow(0, 1, seq_len))
-}
 
 /// The losses of five SGD steps of `pipeline`, started from `weights`' variables, on fixed
 /// batches, every step's dropout keyed to (seed 42, step) as exercise3 pipeline keys them.
@@ -425,7 +318,7 @@ fn stages_in_processes(world: usize) -> usize {
     let groups = Groups::new(&group, Layout::new(world, 2, 1, Some(world / 2)).unwrap()).unwrap();
     let coords = groups.coords;
     let partition = Partition::even(cfg.nlayers, 2).unwrap();
-    let averager = GradientAverager::new(25 << 20, false);
+    let averager = DataParallelPlan { averager: GradientAverager::new(25 << 20, false), sync: common::dist::GradientSync::Ddp };
     for chunks in [1, 4] {
         for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
             let (reference_vs, reference) = reference_model(&cfg);

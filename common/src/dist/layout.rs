@@ -21,7 +21,7 @@ pub struct Layout {
     pub dp: usize,
     /// Pipeline stages: consecutive layers per rank; activations passed along.
     pub pp: usize,
-    /// Tensor-parallel shards of every layer (1 until tensor parallelism exists).
+    /// Tensor-parallel shards of every layer (Megatron's), on neighbouring ranks.
     pub tp: usize,
 }
 
@@ -97,6 +97,8 @@ pub struct Groups<'w> {
     dp: Option<ProcessGroup>,
     /// The stages of this rank's replica, in order (activations flow along it).
     pp: Option<ProcessGroup>,
+    /// The tensor-parallel shards of this rank's layers (Megatron's f and g all-reduce over it).
+    tp: Option<ProcessGroup>,
     /// All ranks holding a part of this rank's replica (stages × shards): the gradient norm and
     /// the scaler's inf/NaN verdict are agreed over them.
     model: Option<ProcessGroup>,
@@ -121,13 +123,14 @@ impl<'w> Groups<'w> {
         // The same splits in the same order on every rank.
         let dp = make(layout.dp, model_index, coords.replica)?;
         let pp = make(layout.pp, coords.replica * layout.tp + coords.shard, coords.stage)?;
+        let tp = make(layout.tp, coords.replica * layout.pp + coords.stage, coords.shard)?;
         let model = make(layout.pp * layout.tp, coords.replica, model_index)?;
-        Ok(Groups { world, layout, coords, dp, pp, model })
+        Ok(Groups { world, layout, coords, dp, pp, tp, model })
     }
 
     /// The groups of a job of one rank.
     pub fn single(world: &'w ProcessGroup) -> Groups<'w> {
-        Groups { world, layout: Layout::SINGLE, coords: Coords { replica: 0, stage: 0, shard: 0 }, dp: None, pp: None, model: None }
+        Groups { world, layout: Layout::SINGLE, coords: Coords { replica: 0, stage: 0, shard: 0 }, dp: None, pp: None, tp: None, model: None }
     }
 
     /// The group whose dimension has `size` ranks: a split, the world, or this rank alone.
@@ -154,9 +157,19 @@ impl<'w> Groups<'w> {
         self.pick(&self.model, self.layout.pp * self.layout.tp)
     }
 
+    /// The tensor-parallel shards of this rank's layers, in shard order (None: whole layers).
+    pub fn tp(&self) -> Option<&ProcessGroup> {
+        self.pick(&self.tp, self.layout.tp)
+    }
+
+    /// This rank's tensor-parallel shard of every layer.
+    pub fn shard(&self) -> crate::dist::tensor_parallel::Shard {
+        crate::dist::tensor_parallel::Shard { index: self.coords.shard, count: self.layout.tp }
+    }
+
     /// What this rank's groups moved so far (the world's and each split's, counted once).
     pub fn comm_stats(&self) -> super::group::CommStats {
-        [Some(self.world), self.dp.as_ref(), self.pp.as_ref(), self.model.as_ref()]
+        [Some(self.world), self.dp.as_ref(), self.pp.as_ref(), self.tp.as_ref(), self.model.as_ref()]
             .into_iter()
             .flatten()
             .fold(Default::default(), |sum, group| sum.plus(group.comm_stats()))

@@ -117,6 +117,7 @@ pub mod nccl;
 pub mod rendezvous;
 pub mod single;
 pub mod transfer;
+pub mod tensor_parallel;
 pub mod zero;
 
 pub use group::{CommStats, ProcessGroup};
@@ -159,6 +160,8 @@ pub enum ReduceOp {
     Sum,
     /// The sum divided by the world size, in the tensor's kind (floating-point kinds only).
     Average,
+    /// The element-wise maximum (a vocabulary-parallel softmax's shift).
+    Max,
 }
 
 /// One engine's collectives on tensors of one device type. Every rank must call the same

@@ -271,6 +271,14 @@ unsafe fn elements_mut<T>(tensor: &mut Tensor) -> &mut [T] {
     }
 }
 
+/// MPI's operation for `op` (an average is a sum, divided afterwards).
+fn mpi_op(op: ReduceOp) -> SystemOperation {
+    match op {
+        ReduceOp::Sum | ReduceOp::Average => SystemOperation::sum(),
+        ReduceOp::Max => SystemOperation::max(),
+    }
+}
+
 impl Collectives for MpiCollectives {
     fn name(&self) -> &'static str {
         "mpi"
@@ -284,7 +292,7 @@ impl Collectives for MpiCollectives {
             // SAFETY: both are fresh contiguous CPU tensors of kind T; `sum` is a separate allocation.
             let (src, dst) = unsafe { (elements::<T>(&send), elements_mut::<T>(&mut sum)) };
             for (src, dst) in src.chunks(MAX_COUNT).zip(dst.chunks_mut(MAX_COUNT)) {
-                self.comm.all_reduce_into(src, dst, SystemOperation::sum());
+                self.comm.all_reduce_into(src, dst, mpi_op(op));
             }
         });
         if op == ReduceOp::Average {
@@ -343,7 +351,7 @@ impl Collectives for MpiCollectives {
             // SAFETY: both are contiguous CPU tensors of kind T; `mine` is a fresh allocation.
             let (src, dst) = unsafe { (elements::<T>(&send), elements_mut::<T>(&mut mine)) };
             if !dst.is_empty() {
-                self.comm.reduce_scatter_block_into(src, dst, SystemOperation::sum());
+                self.comm.reduce_scatter_block_into(src, dst, mpi_op(op));
             }
         });
         if op == ReduceOp::Average {

@@ -107,6 +107,7 @@ mod dtype {
 /// `ncclRedOp_t`.
 const NCCL_SUM: c_int = 0;
 const NCCL_AVG: c_int = 4;
+const NCCL_MAX: c_int = 2;
 
 /// `ncclUniqueId`: passed by value to `ncclCommInitRank`.
 #[repr(C)]
@@ -632,6 +633,7 @@ impl Collectives for NcclCollectives {
         let nccl_op = match op {
             ReduceOp::Sum => NCCL_SUM,
             ReduceOp::Average => NCCL_AVG,
+            ReduceOp::Max => NCCL_MAX,
         };
         Self::in_place(tensor, |ptr| {
             // SAFETY: `ptr` is `count` elements of `data_type` on this communicator's device,
@@ -689,6 +691,7 @@ impl Collectives for NcclCollectives {
         let nccl_op = match op {
             ReduceOp::Sum => NCCL_SUM,
             ReduceOp::Average => NCCL_AVG,
+            ReduceOp::Max => NCCL_MAX,
         };
         if block > 0 {
             let (send_ptr, recv_ptr) = (send.data_ptr(), mine.data_ptr());

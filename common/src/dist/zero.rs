@@ -120,13 +120,30 @@ impl Optimizer for ZeroOptimizer<'_> {
     }
 
     /// The norm of the averaged gradient from the blocks (disjoint pieces of it: the squares
-    /// add up over the ranks), and this rank's block scaled as the whole would be.
-    fn clip_grad_norm(&mut self, _params: &[Tensor], max_norm: f64, model: Option<&ProcessGroup>) -> Result<f64> {
-        ensure!(model.is_none(), "ZeRO with a model split over ranks (pipeline stages) is not supported");
+    /// add up over the replicas, then over the ranks holding the model's other parts), and this
+    /// rank's block scaled as the whole would be. Elements of parameters this rank does not count
+    /// (a tensor-parallel shard's copy of what shard 0 holds) are left out of its squares.
+    fn clip_grad_norm(&mut self, _params: &[Tensor], max_norm: f64, scope: crate::optim::NormScope<'_>) -> Result<f64> {
         let grad = self.block.grad();
-        let mut total = Tensor::from(grad.norm().double_value(&[]).powi(2));
+        let squares = match scope.counted.iter().any(|counted| !counted) {
+            false => grad.square().sum(Kind::Double),
+            true => {
+                let weights: Vec<Tensor> = self
+                    .params
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| Tensor::full([p.numel() as i64], f64::from(u8::from(scope.counted.get(i).copied().unwrap_or(true))), (Kind::Float, p.device())))
+                    .collect();
+                let mask = flatten(&weights, self.padded_len(), |w| w.shallow_clone());
+                (grad.square() * mask.narrow(0, self.block_start(), self.block_len)).sum(Kind::Double)
+            }
+        };
+        let mut total = squares.to_device(Device::Cpu).reshape([1]);
         self.group.all_reduce(&mut total, ReduceOp::Sum)?;
-        let total = total.double_value(&[]).sqrt();
+        if let Some(model) = scope.model {
+            model.all_reduce(&mut total, ReduceOp::Sum)?;
+        }
+        let total = total.double_value(&[0]).sqrt();
         let coef = (max_norm / (total + 1e-6)).min(1.0);
         tch::no_grad(|| {
             let _ = grad.shallow_clone().g_mul_scalar_(coef);

@@ -14,7 +14,7 @@ mod vgg;
 mod weights;
 
 pub use transformer::{
-    encoder_layers, mix_key, output_layer, param_count_formula, OutputInit, EncoderLayer, Masks, TokenEmbedding, TransformerConfig,
+    encoder_layers, encoder_layers_sharded, mix_key, output_layer, output_layer_sharded, param_count_formula, OutputInit, EncoderLayer, Masks, TokenEmbedding, TransformerConfig,
     TransformerLm,
 };
 pub use weights::load_weights;

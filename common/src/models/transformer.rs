@@ -19,6 +19,8 @@
 //! [`TransformerLm::layers`], [`TransformerLm::decode`]) so that a pipeline can run the encoder
 //! layers on different devices.
 use super::TORCH_DEFAULT_WEIGHT;
+use crate::dist::tensor_parallel::{self as tp, Shard};
+use crate::dist::ProcessGroup;
 use crate::error::UsageError;
 use crate::torch_ext::{self, Generator};
 use std::cell::RefCell;
@@ -73,9 +75,25 @@ pub fn mix_key(parts: &[u64]) -> u64 {
     })
 }
 
+/// A tensor that is one tensor-parallel shard's part of a larger one: along `dim`, whose whole
+/// length is `whole`, the part `shard` holds.
+#[derive(Debug, Clone, Copy)]
+struct Part {
+    dim: i64,
+    whole: i64,
+    shard: Shard,
+}
+
 impl Masks<'_> {
     /// `xs` with dropout `p` applied in training mode (unchanged otherwise).
     fn dropout(&self, xs: &Tensor, p: f64, train: bool, site: Site) -> Tensor {
+        self.dropout_part(xs, p, train, site, None)
+    }
+
+    /// [`Masks::dropout`] of `xs`, which is `part` of a larger tensor (a tensor-parallel shard's
+    /// heads or hidden units): keyed masks are drawn for the whole tensor and cut to the part,
+    /// so every layout drops the same units as the unpartitioned model.
+    fn dropout_part(&self, xs: &Tensor, p: f64, train: bool, site: Site, part: Option<Part>) -> Tensor {
         match self {
             _ if !train || p == 0.0 => xs.shallow_clone(),
             Masks::Shared => xs.dropout(p, train),
@@ -83,9 +101,42 @@ impl Masks<'_> {
                 let mut generator = generator.borrow_mut();
                 let [layer, place] = site.id();
                 generator.set_seed(mix_key(&[*key, layer, place]));
-                torch_ext::dropout(xs, p, &mut generator).unwrap_or_else(|err| panic!("{err:#}"))
+                let dropped = match part.filter(|part| !part.shard.is_whole()) {
+                    None => torch_ext::dropout(xs, p, &mut generator),
+                    Some(Part { dim, whole, shard }) => {
+                        let mut shape = xs.size();
+                        shape[dim as usize] = whole;
+                        let (start, len) = shard.range(whole);
+                        torch_ext::dropout(&Tensor::ones(shape, (xs.kind(), xs.device())), p, &mut generator).map(|mask| xs * mask.narrow(dim, start, len))
+                    }
+                };
+                dropped.unwrap_or_else(|err| panic!("{err:#}"))
             }
         }
+    }
+}
+
+/// Megatron's f on `xs` where the layer is sharded over `group` (identity otherwise).
+fn f(xs: &Tensor, group: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
+    group.map_or_else(|| Ok(xs.shallow_clone()), |group| tp::copy_to_shards(xs, group))
+}
+
+/// A row-parallel linear layer's output: `xs · weightᵀ` summed over the shards (Megatron's g),
+/// then the bias, which every shard holds whole. Unsharded: the one fused `linear`, as torch.
+fn row_parallel(xs: &Tensor, weight: &Tensor, bias: &Tensor, group: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
+    match group {
+        None => Ok(xs.linear(weight, Some(bias))),
+        Some(group) => Ok(tp::reduce_from_shards(&xs.linear(weight, None::<&Tensor>), group)? + bias),
+    }
+}
+
+/// The group a layer of `shard` talks over: `group` when the layer is sharded (which must then
+/// be the shards'), none when it is whole.
+fn shard_group<'a>(shard: Shard, group: Option<&'a ProcessGroup>) -> anyhow::Result<Option<&'a ProcessGroup>> {
+    match (shard.is_whole(), group) {
+        (true, _) => Ok(None),
+        (false, Some(group)) if group.world_size() == shard.count && group.rank() == shard.index => Ok(Some(group)),
+        (false, _) => anyhow::bail!("shard {} of {} of a layer run without its tensor-parallel group of {} ranks", shard.index, shard.count, shard.count),
     }
 }
 
@@ -188,6 +239,13 @@ impl TransformerConfig {
         }
         Ok(())
     }
+
+    /// [`TransformerConfig::validate`], and that `shards` tensor-parallel ranks can cut every
+    /// layer: the heads, the widths and the vocabulary divide by it.
+    pub fn validate_shards(&self, shards: usize) -> Result<(), UsageError> {
+        self.validate()?;
+        Shard::check_divides(shards, &[("--emsize", self.d_model), ("--nhead", self.nhead), ("--d-hid", self.d_hid), ("the vocabulary", self.ntoken)])
+    }
 }
 
 /// The number of trainable parameters of the model `cfg` describes, by formula:
@@ -217,19 +275,26 @@ struct SelfAttention {
     in_proj_weight: Tensor,
     in_proj_bias: Tensor,
     out_proj: nn::Linear,
+    /// All heads of the layer.
     nhead: i64,
     dropout: f64,
+    /// This rank's heads: `shard`'s share of them (all without tensor parallelism).
+    shard: Shard,
 }
 
 impl SelfAttention {
     /// `MultiheadAttention._reset_parameters`: Xavier-uniform packed projection over its whole
     /// `[3d, d]` shape, zero biases; the output projection keeps `nn.Linear`'s default weight.
-    fn new(vs: &nn::Path, cfg: &TransformerConfig) -> Self {
+    /// A tensor-parallel `shard` holds its heads' rows of the q, k and v projections (column
+    /// parallel) and their columns of the output projection (row parallel), whose bias it holds
+    /// whole; its starting values are the whole layer's, copied in by the caller.
+    fn new(vs: &nn::Path, cfg: &TransformerConfig, shard: Shard) -> Self {
         let d = cfg.d_model;
+        let local = d / shard.count as i64;
         let xavier = (6.0 / (d + 3 * d) as f64).sqrt();
         let out_proj = nn::linear(
             vs / "out_proj",
-            d,
+            local,
             d,
             nn::LinearConfig {
                 ws_init: TORCH_DEFAULT_WEIGHT,
@@ -240,28 +305,31 @@ impl SelfAttention {
         SelfAttention {
             in_proj_weight: vs.var(
                 "in_proj_weight",
-                &[3 * d, d],
+                &[3 * local, d],
                 Init::Uniform {
                     lo: -xavier,
                     up: xavier,
                 },
             ),
-            in_proj_bias: vs.var("in_proj_bias", &[3 * d], Init::Const(0.)),
+            in_proj_bias: vs.var("in_proj_bias", &[3 * local], Init::Const(0.)),
             out_proj,
             nhead: cfg.nhead,
             dropout: cfg.dropout,
+            shard,
         }
     }
 
     /// `[seq, batch, d]` → `[seq, batch, d]`: position `t` attends to positions `≤ t`; layer
-    /// `layer`'s attention weights dropped in training as `masks` says.
-    fn forward_t(&self, xs: &Tensor, train: bool, masks: Masks, layer: i64) -> Tensor {
+    /// `layer`'s attention weights dropped in training as `masks` says. A shard computes its
+    /// heads and sums its part of the output projection with the others' over `group`.
+    fn forward_t(&self, xs: &Tensor, train: bool, masks: Masks, layer: i64, group: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
         let (seq, batch, d) = xs.size3().expect("attention input must be [seq, batch, d]");
         let head_dim = d / self.nhead;
+        let (nhead, local) = (self.nhead / self.shard.count as i64, d / self.shard.count as i64);
         // `_in_projection_packed`: one projection, split into q, k and v by a contiguous copy.
-        let qkv = xs
+        let qkv = f(xs, group)?
             .linear(&self.in_proj_weight, Some(&self.in_proj_bias))
-            .unflatten(-1, [3, d])
+            .unflatten(-1, [3, local])
             .unsqueeze(0)
             .transpose(0, -2)
             .squeeze_dim(-2)
@@ -269,9 +337,9 @@ impl SelfAttention {
         // [seq, batch, d] → [batch, nhead, seq, head_dim] through the same (strided) views as
         // `multi_head_attention_forward`; the strides decide which attention kernel runs.
         let heads = |t: Tensor| {
-            t.view([seq, batch * self.nhead, head_dim])
+            t.view([seq, batch * nhead, head_dim])
                 .transpose(0, 1)
-                .view([batch, self.nhead, seq, head_dim])
+                .view([batch, nhead, seq, head_dim])
         };
         let (q, k, v) = (heads(qkv.get(0)), heads(qkv.get(1)), heads(qkv.get(2)));
         // The fused kernel with `is_causal` builds the causal mask itself (no mask tensor to
@@ -286,16 +354,14 @@ impl SelfAttention {
                 let scores = q.matmul(&k.transpose(-2, -1)) / (head_dim as f64).sqrt();
                 let causal = Tensor::ones([seq_q, seq_k], (Kind::Bool, scores.device())).tril(0);
                 let weights = scores.masked_fill(&causal.logical_not(), f64::NEG_INFINITY).softmax(-1, scores.kind());
-                masks.dropout(&weights, dropout_p, train, Site::AttentionWeights(layer)).matmul(&v)
+                let heads = Part { dim: 1, whole: self.nhead, shard: self.shard };
+                masks.dropout_part(&weights, dropout_p, train, Site::AttentionWeights(layer), Some(heads)).matmul(&v)
             }
             _ => Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, dropout_p, true, None, false),
         };
-        attended
-            .permute([2, 0, 1, 3])
-            .contiguous()
-            .view([seq * batch, d])
-            .apply(&self.out_proj)
-            .view([seq, batch, d])
+        let attended = attended.permute([2, 0, 1, 3]).contiguous().view([seq * batch, local]);
+        let bias = self.out_proj.bs.as_ref().expect("out_proj has a bias");
+        Ok(row_parallel(&attended, &self.out_proj.ws, bias, group)?.view([seq, batch, d]))
     }
 
     fn parameters(&self) -> [&Tensor; 4] {
@@ -322,13 +388,25 @@ pub struct EncoderLayer {
     norm1: nn::LayerNorm,
     norm2: nn::LayerNorm,
     dropout: f64,
+    d_hid: i64,
+    shard: Shard,
 }
 
 impl EncoderLayer {
     /// A layer with torch's initialisation, its variables under `vs` with torch's names
     /// (`self_attn.in_proj_weight`, `linear1.weight`, `norm2.bias`, ...).
     pub fn new(vs: &nn::Path, cfg: &TransformerConfig) -> Result<Self, UsageError> {
-        cfg.validate()?;
+        Self::new_sharded(vs, cfg, Shard::WHOLE)
+    }
+
+    /// Tensor-parallel `shard` of a layer (Megatron's): its heads of the attention, its rows of
+    /// `linear1` (column parallel) and columns of `linear2` (row parallel, bias whole), the
+    /// layer norms whole. The variables have the whole layer's names and the shard's shapes
+    /// (see [`crate::dist::tensor_parallel::split_of`]); the caller copies the whole layer's
+    /// starting values in.
+    pub fn new_sharded(vs: &nn::Path, cfg: &TransformerConfig, shard: Shard) -> Result<Self, UsageError> {
+        cfg.validate_shards(shard.count)?;
+        let hidden = cfg.d_hid / shard.count as i64;
         let layer_norm = |name: &str| {
             let config = nn::LayerNormConfig {
                 eps: LAYER_NORM_EPS,
@@ -337,12 +415,14 @@ impl EncoderLayer {
             nn::layer_norm(vs / name, vec![cfg.d_model], config)
         };
         Ok(EncoderLayer {
-            self_attn: SelfAttention::new(&(vs / "self_attn"), cfg),
-            linear1: super::torch_linear(vs / "linear1", cfg.d_model, cfg.d_hid),
-            linear2: super::torch_linear(vs / "linear2", cfg.d_hid, cfg.d_model),
+            self_attn: SelfAttention::new(&(vs / "self_attn"), cfg, shard),
+            linear1: super::torch_linear(vs / "linear1", cfg.d_model, hidden),
+            linear2: super::torch_linear(vs / "linear2", hidden, cfg.d_model),
             norm1: layer_norm("norm1"),
             norm2: layer_norm("norm2"),
             dropout: cfg.dropout,
+            d_hid: cfg.d_hid,
+            shard,
         })
     }
 
@@ -368,12 +448,21 @@ impl EncoderLayer {
     /// The layer as layer `layer` of the model (which names its dropout sites for keyed
     /// masks), its masks drawn as `masks` says.
     pub fn forward_masked(&self, xs: &Tensor, train: bool, masks: Masks, layer: i64) -> Tensor {
+        self.forward_sharded(xs, train, masks, layer, None).unwrap_or_else(|err| panic!("{err:#}"))
+    }
+
+    /// [`EncoderLayer::forward_masked`] of a tensor-parallel shard, whose partial results are
+    /// summed over `group` (two all-reduces forward, two backward); a whole layer needs none.
+    pub fn forward_sharded(&self, xs: &Tensor, train: bool, masks: Masks, layer: i64, group: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
+        let group = shard_group(self.shard, group)?;
         let p = self.dropout;
-        let attended = self.self_attn.forward_t(xs, train, masks, layer);
+        let attended = self.self_attn.forward_t(xs, train, masks, layer, group)?;
         let xs = (xs + masks.dropout(&attended, p, train, Site::AfterAttention(layer))).apply(&self.norm1);
-        let inner = masks.dropout(&xs.apply(&self.linear1).relu(), p, train, Site::FeedForwardInner(layer));
-        let feed_forward = masks.dropout(&inner.apply(&self.linear2), p, train, Site::FeedForwardOut(layer));
-        (xs + feed_forward).apply(&self.norm2)
+        let hidden = Part { dim: 2, whole: self.d_hid, shard: self.shard };
+        let inner = masks.dropout_part(&f(&xs, group)?.apply(&self.linear1).relu(), p, train, Site::FeedForwardInner(layer), Some(hidden));
+        let bias = self.linear2.bs.as_ref().expect("linear2 has a bias");
+        let feed_forward = masks.dropout(&row_parallel(&inner, &self.linear2.ws, bias, group)?, p, train, Site::FeedForwardOut(layer));
+        Ok((xs + feed_forward).apply(&self.norm2))
     }
 }
 
@@ -411,16 +500,25 @@ pub struct TokenEmbedding {
     pos_encoding: Tensor,
     d_model: i64,
     dropout: f64,
+    /// The words whose rows this rank holds: `shard`'s share of the vocabulary.
+    shard: Shard,
+    ntoken: i64,
 }
 
 impl TokenEmbedding {
     /// The tutorial's embedding (U(−0.1, 0.1)) as `root / "embedding"`; the positional encoding
     /// is made on `root`'s device (and follows the input to another device if need be).
     pub fn new(root: &nn::Path, cfg: &TransformerConfig) -> Result<Self, UsageError> {
-        cfg.validate()?;
+        Self::new_sharded(root, cfg, Shard::WHOLE)
+    }
+
+    /// The rows of `shard`'s words (vocabulary parallel); the caller copies the whole
+    /// embedding's starting values in.
+    pub fn new_sharded(root: &nn::Path, cfg: &TransformerConfig, shard: Shard) -> Result<Self, UsageError> {
+        cfg.validate_shards(shard.count)?;
         let embedding = nn::embedding(
             root / "embedding",
-            cfg.ntoken,
+            cfg.ntoken / shard.count as i64,
             cfg.d_model,
             nn::EmbeddingConfig {
                 ws_init: Init::Uniform {
@@ -435,6 +533,8 @@ impl TokenEmbedding {
             pos_encoding: positional_encoding(cfg.d_model, root.device()),
             d_model: cfg.d_model,
             dropout: cfg.dropout,
+            shard,
+            ntoken: cfg.ntoken,
         })
     }
 }
@@ -448,19 +548,35 @@ impl ModuleT for TokenEmbedding {
 impl TokenEmbedding {
     /// [`ModuleT::forward_t`] with the positional dropout's mask drawn as `masks` says.
     pub fn forward_masked(&self, src: &Tensor, train: bool, masks: Masks) -> Tensor {
+        self.forward_sharded(src, train, masks, None).unwrap_or_else(|err| panic!("{err:#}"))
+    }
+
+    /// [`TokenEmbedding::forward_masked`] of a vocabulary-parallel shard: its words' rows, zeros
+    /// for the others' words, summed over `group` (Megatron's g; one all-reduce).
+    pub fn forward_sharded(&self, src: &Tensor, train: bool, masks: Masks, group: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
         let seq_len = src.size().first().copied().unwrap_or(0);
         assert!(
             src.dim() == 2 && seq_len <= MAX_LEN,
             "input must be token ids [seq_len ≤ {MAX_LEN}, batch], got shape {:?}",
             src.size()
         );
-        let xs = src.apply(&self.embedding) * (self.d_model as f64).sqrt();
+        let embedded = match shard_group(self.shard, group)? {
+            None => src.apply(&self.embedding),
+            Some(group) => {
+                let (start, len) = self.shard.range(self.ntoken);
+                let local = src - start;
+                let outside = local.lt(0).logical_or(&local.ge(len));
+                let rows = local.masked_fill(&outside, 0).apply(&self.embedding).masked_fill(&outside.unsqueeze(-1), 0.0);
+                tp::reduce_from_shards(&rows, group)?
+            }
+        };
+        let xs = embedded * (self.d_model as f64).sqrt();
         let positions = self
             .pos_encoding
             .narrow(0, 0, seq_len)
             .to_device(xs.device())
             .to_kind(xs.kind());
-        masks.dropout(&(xs + positions), self.dropout, train, Site::Embedding)
+        Ok(masks.dropout(&(xs + positions), self.dropout, train, Site::Embedding))
     }
 }
 
@@ -468,10 +584,15 @@ impl TokenEmbedding {
 /// logits `[seq_len, batch, ntoken]`, weights U(−0.1, 0.1) and zero bias as the tutorial's
 /// `init_weights`.
 pub fn output_layer(root: &nn::Path, cfg: &TransformerConfig) -> nn::Linear {
+    output_layer_sharded(root, cfg, Shard::WHOLE)
+}
+
+/// The output layer's rows for `shard`'s words (vocabulary parallel: its slice of the logits).
+pub fn output_layer_sharded(root: &nn::Path, cfg: &TransformerConfig, shard: Shard) -> nn::Linear {
     nn::linear(
         root / "linear",
         cfg.d_model,
-        cfg.ntoken,
+        cfg.ntoken / shard.count as i64,
         nn::LinearConfig {
             ws_init: Init::Uniform {
                 lo: -INIT_RANGE,
@@ -488,8 +609,13 @@ pub fn output_layer(root: &nn::Path, cfg: &TransformerConfig) -> nn::Linear {
 /// initialised layer. (A pipeline stage builds its own range of layers; every stage seeds
 /// LibTorch's generator alike first, so all layers of all stages start equal too.)
 pub fn encoder_layers(root: &nn::Path, cfg: &TransformerConfig, range: std::ops::Range<i64>) -> Result<Vec<EncoderLayer>, UsageError> {
+    encoder_layers_sharded(root, cfg, range, Shard::WHOLE)
+}
+
+/// [`encoder_layers`], each layer tensor-parallel `shard` of it.
+pub fn encoder_layers_sharded(root: &nn::Path, cfg: &TransformerConfig, range: std::ops::Range<i64>, shard: Shard) -> Result<Vec<EncoderLayer>, UsageError> {
     let layers_path = root / "transformer_encoder" / "layers";
-    let layers: Vec<EncoderLayer> = range.map(|i| EncoderLayer::new(&(&layers_path / i), cfg)).collect::<Result<_, _>>()?;
+    let layers: Vec<EncoderLayer> = range.map(|i| EncoderLayer::new_sharded(&(&layers_path / i), cfg, shard)).collect::<Result<_, _>>()?;
     if let Some((first, rest)) = layers.split_first() {
         tch::no_grad(|| {
             let first = first.parameters();

@@ -45,11 +45,11 @@ pub trait Optimizer {
     }
 
     /// Clips the gradients this optimizer will apply to a total 2-norm of at most `max_norm`
-    /// (the norm over `model`'s ranks too, where the model is spread over them) and returns the
+    /// (the norm over the model however `scope` says it is spread over ranks) and returns the
     /// norm before clipping. By default the parameters' own gradients; a sharded optimizer
     /// clips the block it updates.
-    fn clip_grad_norm(&mut self, params: &[Tensor], max_norm: f64, model: Option<&crate::dist::ProcessGroup>) -> Result<f64> {
-        clip_grad_norm_over(params, max_norm, model)
+    fn clip_grad_norm(&mut self, params: &[Tensor], max_norm: f64, scope: NormScope<'_>) -> Result<f64> {
+        clip_grad_norm_over(params, max_norm, scope)
     }
 
     /// The state under every parameter's name, as [`Optimizer::state_tensors`] names it, gathered
@@ -188,16 +188,35 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
     })
 }
 
-/// [`clip_grad_norm`] for a model whose parameters are spread over the ranks of `group` (the
-/// stages of a pipeline): every rank passes its own parameters, and the total norm is that of
-/// all of them, `sqrt(Σ_ranks Σ_params ‖g‖²)`, so every rank scales by the same coefficient as
-/// the unpartitioned model would. Without a group it is [`clip_grad_norm`] itself (bitwise
-/// torch's). Every rank of `group` must call it.
-pub fn clip_grad_norm_over(params: &[Tensor], max_norm: f64, group: Option<&crate::dist::ProcessGroup>) -> Result<f64> {
-    let Some(group) = group else { return Ok(clip_grad_norm(params, max_norm)) };
+/// Where a model's parameters live, for the norm of its gradient: the ranks holding its other
+/// parts, and which of this rank's parameters count in the norm.
+#[derive(Clone, Copy, Default)]
+pub struct NormScope<'a> {
+    /// The ranks holding the other parts of the model (pipeline stages, tensor-parallel
+    /// shards), whose squares add up with this rank's; none: this rank holds it all.
+    pub model: Option<&'a crate::dist::ProcessGroup>,
+    /// Per parameter (in the order given), whether this rank counts it: a parameter that every
+    /// tensor-parallel shard holds whole (a layer norm) is counted by shard 0 only. Empty: all.
+    pub counted: &'a [bool],
+}
+
+impl NormScope<'_> {
+    fn counts(&self, i: usize) -> bool {
+        self.counted.get(i).copied().unwrap_or(true)
+    }
+}
+
+/// [`clip_grad_norm`] for a model whose parameters are spread over the ranks of `scope.model`
+/// (the stages of a pipeline, the shards of its layers): every rank passes its own parameters,
+/// and the total norm is that of the whole model, `sqrt(Σ_ranks Σ_counted params ‖g‖²)`, so
+/// every rank scales by the same coefficient as the unpartitioned model would. Without a group
+/// it is [`clip_grad_norm`] itself (bitwise torch's). Every rank of the group must call it.
+pub fn clip_grad_norm_over(params: &[Tensor], max_norm: f64, scope: NormScope<'_>) -> Result<f64> {
+    let Some(group) = scope.model else { return Ok(clip_grad_norm(params, max_norm)) };
     tch::no_grad(|| {
-        let grads: Vec<Tensor> = params.iter().map(Tensor::grad).filter(Tensor::defined).collect();
-        let local: f64 = grads.iter().map(|g| g.norm().double_value(&[]).powi(2)).sum();
+        let grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();
+        let local: f64 = grads.iter().enumerate().filter(|(i, g)| g.defined() && scope.counts(*i)).map(|(_, g)| g.norm().double_value(&[]).powi(2)).sum();
+        let grads: Vec<Tensor> = grads.into_iter().filter(Tensor::defined).collect();
         let mut total = Tensor::from(local);
         group.all_reduce(&mut total, crate::dist::ReduceOp::Sum)?;
         let total = total.double_value(&[]).sqrt();

@@ -11,6 +11,7 @@ use serde::Serialize;
 use tch::{Kind, Tensor};
 
 use super::link::Link;
+use crate::dist::ProcessGroup;
 use crate::models::{mix_key, Masks};
 use crate::torch_ext::Generator;
 use super::schedule::Op;
@@ -89,7 +90,9 @@ pub struct StageOutcome {
 
 /// Runs `ops` on `stage`. Training (`options.train`), gradients accumulate into the stage's
 /// parameters; otherwise `ops` must be forward passes only, run without gradients, and the last
-/// stage counts the arg-max hits as well.
+/// stage counts the arg-max hits as well. A tensor-parallel shard of a stage runs its passes
+/// with the other shards of its group `tp` (which see the same micro-batches).
+#[allow(clippy::too_many_arguments)]
 pub fn run_stage(
     stage: &Stage,
     ops: &[Op],
@@ -97,6 +100,7 @@ pub fn run_stage(
     mut prev: Option<&mut dyn Link>,
     mut next: Option<&mut dyn Link>,
     options: StageOptions,
+    tp: Option<&ProcessGroup>,
     clock: Instant,
 ) -> Result<StageOutcome> {
     let device = stage.device();
@@ -108,19 +112,21 @@ pub fn run_stage(
     // thread: this one's), its dropout masks keyed to the micro-batch (a recomputation redraws
     // the same ones).
     let generator = RefCell::new(Generator::new(device)?);
-    let forward = |m: usize, input: &Tensor, train: bool| {
+    let forward = |m: usize, input: &Tensor, train: bool| -> Result<Tensor> {
         let masks = Masks::Keyed { generator: &generator, key: mix_key(&[options.dropout_key, m as u64]) };
-        crate::precision::autocast(options.precision, device, || stage.forward_masked(input, train, masks))
+        crate::precision::autocast(options.precision, device, || stage.forward_masked(input, train, masks, tp))
     };
-    // The last stage's output for micro-batch m: its weighted loss.
-    let finish = |m: usize, output: Tensor| -> Tensor {
-        match stage.is_last() {
-            true => Stage::loss(&output, &batches.targets[m]) * batches.weights[m],
-            false => output,
+    // The last stage's output for micro-batch m: its weighted loss (and, evaluating, its hits
+    // added to the count).
+    let finish = |m: usize, output: Tensor, hits: Option<&mut Tensor>| -> Result<Tensor> {
+        if !stage.is_last() {
+            return Ok(output);
         }
-    };
-    let count_hits = |m: usize, logits: &Tensor| -> Tensor {
-        logits.argmax(-1, false).eq_tensor(&batches.targets[m]).sum(Kind::Int64)
+        let (loss, counted) = stage.loss_and_hits(&output, &batches.targets[m], tp, hits.is_some())?;
+        if let (Some(hits), Some(counted)) = (hits, counted) {
+            *hits += counted;
+        }
+        Ok(loss * batches.weights[m])
     };
     for &op in ops {
         // The interval starts once the neighbour's tensor is here: waiting is idle time.
@@ -133,17 +139,11 @@ pub fn run_stage(
                 };
                 start_s = clock.elapsed().as_secs_f64();
                 let output = if !options.train {
-                    tch::no_grad(|| {
-                        let output = forward(m, &input, false);
-                        if stage.is_last() {
-                            hits += count_hits(m, &output);
-                        }
-                        finish(m, output)
-                    })
+                    tch::no_grad(|| finish(m, forward(m, &input, false)?, Some(&mut hits)))?
                 } else if options.recompute {
-                    tch::no_grad(|| finish(m, forward(m, &input, true)))
+                    tch::no_grad(|| finish(m, forward(m, &input, true)?, None))?
                 } else {
-                    finish(m, forward(m, &input, true))
+                    finish(m, forward(m, &input, true)?, None)?
                 };
                 if let Some(link) = next.as_deref_mut() {
                     link.send(&output)?;
@@ -171,15 +171,16 @@ pub fn run_stage(
                     .with_context(|| format!("stage {}: backward of micro-batch {m} before its forward", stage.index))?;
                 let output = match output {
                     Some(output) => output,
-                    None => finish(m, forward(m, &input, options.train)),
+                    None => finish(m, forward(m, &input, options.train)?, None)?,
                 };
+                // (A tensor-parallel collective can fail inside LibTorch's backward: f_backward.)
                 match grad {
-                    None if options.loss_scale == 1.0 => output.backward(),
-                    None => (&output * options.loss_scale).backward(),
+                    None if options.loss_scale == 1.0 => output.f_backward()?,
+                    None => (&output * options.loss_scale).f_backward()?,
                     // Backward from a non-scalar output with upstream gradient `grad`: the
                     // gradient of sum(output · grad) with respect to output is exactly `grad`
                     // (tch's backward takes no gradient argument).
-                    Some(grad) => (&output * &grad).sum(output.kind()).backward(),
+                    Some(grad) => (&output * &grad).sum(output.kind()).f_backward()?,
                 }
                 if let Some(link) = prev.as_deref_mut() {
                     link.send(&input.grad())?;

@@ -107,6 +107,7 @@ impl Pipeline {
                             prev.as_mut().map(|l| l as &mut dyn Link),
                             next.as_mut().map(|l| l as &mut dyn Link),
                             options,
+                            None,
                             clock,
                         )
                     })

@@ -16,8 +16,9 @@ use tch::{Device, Tensor};
 use super::executor::{self, MicroBatches, StageOptions};
 use super::link::Link;
 use super::{chunks_for, schedule, split_batch, Op, PipelineOptions, Stage, StepReport};
-use crate::dist::data_parallel::GradientAverager;
 use crate::dist::layout::Groups;
+use crate::dist::tensor_parallel::{split_of, Split};
+use crate::parallelize::DataParallelPlan;
 use crate::dist::transfer::{recv_tensor, send_tensor};
 use crate::dist::{GradientSync, ProcessGroup};
 use crate::precision::Precision;
@@ -42,31 +43,39 @@ impl Link for PeerLink<'_> {
     }
 }
 
-/// This process's stage of a pipeline whose other stages run in other processes.
+/// This process's stage of a pipeline whose other stages run in other processes (or this
+/// process's tensor-parallel shard of it, the other shards in other processes).
 pub struct StageProcess<'g> {
     pub stage: Stage,
     pub options: PipelineOptions,
     /// This replica's stages, in order (activations and gradients pass along it); none with
     /// one stage per replica.
     pipe: Option<&'g ProcessGroup>,
+    /// The other shards of this stage's layers (none: whole layers).
+    tp: Option<&'g ProcessGroup>,
     parallel: Parallel<'g>,
 }
 
 impl<'g> StageProcess<'g> {
-    /// This rank's stage (built by the caller for its place in `groups`' layout), its
-    /// replicas' gradients averaged by `averager` (`--bucket-mb`, `--fp16-allreduce`).
-    pub fn new(groups: &'g Groups<'g>, stage: Stage, options: PipelineOptions, averager: GradientAverager) -> Result<Self> {
+    /// This rank's stage (built by the caller for its place in `groups`' layout, a shard of it
+    /// with tensor parallelism), its replicas' gradients averaged as `dp` says (`--bucket-mb`,
+    /// `--fp16-allreduce`, or ZeRO-1's reduce-scatter).
+    pub fn new(groups: &'g Groups<'g>, stage: Stage, options: PipelineOptions, dp: DataParallelPlan) -> Result<Self> {
         let pipe = groups.pp();
+        let tp = groups.tp();
+        anyhow::ensure!(stage.shard == groups.shard(), "stage {} is shard {:?}, but this rank's place is shard {:?}", stage.index, stage.shard, groups.shard());
+        let sync = if dp.sync == GradientSync::Zero { GradientSync::Zero } else { GradientSync::Ddp };
         let parallel = Parallel {
-            replicas: groups.dp().map(|group| Replication { group, averager, sync: GradientSync::Ddp }),
+            replicas: groups.dp().map(|group| Replication { group, averager: dp.averager, sync }),
             model: groups.model(),
             world: Some(groups.world),
             replica: groups.coords.replica,
+            tp: tp.map(|group| (group, stage.shard)),
         };
         if let Some(replicas) = &parallel.replicas {
-            averager.check(replicas.group, stage.device())?;
+            dp.averager.check(replicas.group, stage.device())?;
         }
-        Ok(StageProcess { stage, options, pipe, parallel })
+        Ok(StageProcess { stage, options, pipe, tp, parallel })
     }
 
     /// This stage's passes of one mini-batch, exchanging with the neighbouring stages' processes.
@@ -97,6 +106,7 @@ impl<'g> StageProcess<'g> {
             prev.as_mut().map(|l| l as &mut dyn Link),
             next.as_mut().map(|l| l as &mut dyn Link),
             options,
+            self.tp,
             clock,
         )?;
         let wall_s = clock.elapsed().as_secs_f64();
@@ -140,6 +150,13 @@ impl<'g> TrainStep<'g> for StageProcess<'g> {
 
     fn parallel(&self) -> Parallel<'g> {
         self.parallel
+    }
+
+    /// A tensor-parallel shard other than the first does not count the variables every shard
+    /// holds whole (their gradients are the same on every shard).
+    fn norm_counted(&self) -> Vec<bool> {
+        let first = self.stage.shard.index == 0;
+        self.named_parameters().iter().map(|(name, _)| first || split_of(name) != Split::Replicated).collect()
     }
 
     fn forward_backward(&mut self, batch: &Batch, weight: f64, ctx: &StepContext) -> Result<StepOutput> {

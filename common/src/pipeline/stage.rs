@@ -6,6 +6,8 @@ use anyhow::{Context, Result};
 use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
 
+use crate::dist::tensor_parallel::{self as tp, Shard};
+use crate::dist::ProcessGroup;
 use crate::error::UsageError;
 use crate::models::{self, EncoderLayer, Masks, TokenEmbedding, TransformerConfig};
 use super::LayerCosts;
@@ -13,14 +15,20 @@ use super::LayerCosts;
 /// Stage `index` of a pipeline: the token embedding (first stage), encoder layers
 /// `layer_range`, the output layer (last stage). Its variables carry the names they have in the
 /// whole model ([`crate::models::TransformerLm`]), so the stages' variables together are
-/// exactly the unpartitioned model's state dict.
+/// exactly the unpartitioned model's state dict. With tensor parallelism the stage is one
+/// shard of those layers (Megatron's: vocabulary-parallel embedding and output layer,
+/// column- and row-parallel layers), the variables under the same names with the shard's
+/// shapes.
 pub struct Stage {
     pub index: usize,
     pub layer_range: Range<i64>,
     pub vs: nn::VarStore,
+    /// This rank's tensor-parallel shard of every layer ([`Shard::WHOLE`] without).
+    pub shard: Shard,
     embedding: Option<TokenEmbedding>,
     layers: Vec<EncoderLayer>,
     head: Option<nn::Linear>,
+    ntoken: i64,
 }
 
 impl Stage {
@@ -28,16 +36,47 @@ impl Stage {
     /// generator seeded with `seed` per part (embedding, layers, output layer), so that the
     /// layers of all stages start from the same weights, as `nn.TransformerEncoder`'s do.
     pub fn new(cfg: &TransformerConfig, index: usize, stages: usize, layer_range: Range<i64>, device: Device, seed: u64) -> Result<Stage, UsageError> {
+        Self::build(cfg, index, stages, layer_range, device, seed, Shard::WHOLE)
+    }
+
+    /// Tensor-parallel `shard` of stage `index`: the whole stage's starting values (those of
+    /// [`Stage::new`], drawn on the CPU from the same seeds), cut as Megatron cuts them, so that
+    /// every number of shards starts from the same model. Only one whole layer is drawn: all
+    /// layers start equal.
+    pub fn new_sharded(cfg: &TransformerConfig, index: usize, stages: usize, layer_range: Range<i64>, device: Device, seed: u64, shard: Shard) -> Result<Stage, UsageError> {
+        cfg.validate_shards(shard.count)?;
+        if shard.is_whole() {
+            return Self::new(cfg, index, stages, layer_range, device, seed);
+        }
+        let first = layer_range.start..(layer_range.start + 1).min(layer_range.end);
+        let whole = Self::build(cfg, index, stages, first.clone(), Device::Cpu, seed, Shard::WHOLE)?.vs.variables();
+        let stage = Self::build(cfg, index, stages, layer_range, device, seed, shard)?;
+        let layer_prefix = |name: &str| -> Option<String> {
+            let rest = name.strip_prefix("transformer_encoder.layers.")?;
+            let (_, tail) = rest.split_once('.')?;
+            Some(format!("transformer_encoder.layers.{}.{tail}", first.start))
+        };
+        tch::no_grad(|| {
+            for (name, mut var) in stage.vs.variables() {
+                let source = layer_prefix(&name).unwrap_or_else(|| name.clone());
+                let full = whole.get(&source).unwrap_or_else(|| panic!("the whole stage has `{source}`"));
+                var.copy_(&tp::shard_tensor(full, tp::split_of(&name), shard));
+            }
+        });
+        Ok(stage)
+    }
+
+    fn build(cfg: &TransformerConfig, index: usize, stages: usize, layer_range: Range<i64>, device: Device, seed: u64, shard: Shard) -> Result<Stage, UsageError> {
         let vs = nn::VarStore::new(device);
         let root = vs.root();
         let seeded = |part: u64| tch::manual_seed(seed.wrapping_add(part) as i64);
         seeded(0);
-        let embedding = (index == 0).then(|| TokenEmbedding::new(&root, cfg)).transpose()?;
+        let embedding = (index == 0).then(|| TokenEmbedding::new_sharded(&root, cfg, shard)).transpose()?;
         seeded(1);
-        let layers = models::encoder_layers(&root, cfg, layer_range.clone())?;
+        let layers = models::encoder_layers_sharded(&root, cfg, layer_range.clone(), shard)?;
         seeded(2);
-        let head = (index + 1 == stages).then(|| models::output_layer(&root, cfg));
-        Ok(Stage { index, layer_range, vs, embedding, layers, head })
+        let head = (index + 1 == stages).then(|| models::output_layer_sharded(&root, cfg, shard));
+        Ok(Stage { index, layer_range, vs, shard, embedding, layers, head, ntoken: cfg.ntoken })
     }
 
     pub fn device(&self) -> Device {
@@ -55,25 +94,48 @@ impl Stage {
     /// Stage 0: token ids `[seq_len, batch]` → hidden states; other stages: hidden states →
     /// hidden states, or logits `[seq_len, batch, ntoken]` on the last stage.
     pub fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        self.forward_masked(xs, train, Masks::Shared)
+        self.forward_masked(xs, train, Masks::Shared, None).unwrap_or_else(|err| panic!("{err:#}"))
     }
 
     /// [`Stage::forward_t`] with the dropout masks drawn as `masks` says; keyed masks are
-    /// named by the layers' whole-model indices, so they do not depend on the partition.
-    pub fn forward_masked(&self, xs: &Tensor, train: bool, masks: Masks) -> Tensor {
-        let xs = match &self.embedding {
-            Some(embedding) => embedding.forward_masked(xs, train, masks),
+    /// named by the layers' whole-model indices, so they do not depend on the partition. A
+    /// tensor-parallel shard talks to the other shards over `tp` (its logits are then its
+    /// words' slice).
+    pub fn forward_masked(&self, xs: &Tensor, train: bool, masks: Masks, tp: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
+        let mut xs = match &self.embedding {
+            Some(embedding) => embedding.forward_sharded(xs, train, masks, tp)?,
             None => xs.shallow_clone(),
         };
-        let xs = self
-            .layers
-            .iter()
-            .zip(self.layer_range.clone())
-            .fold(xs, |h, (layer, index)| layer.forward_masked(&h, train, masks, index));
-        match &self.head {
-            Some(head) => head.forward(&xs),
-            None => xs,
+        for (layer, index) in self.layers.iter().zip(self.layer_range.clone()) {
+            xs = layer.forward_sharded(&xs, train, masks, index, tp)?;
         }
+        Ok(match (&self.head, self.tp_group(tp)) {
+            (Some(head), None) => head.forward(&xs),
+            (Some(head), Some(group)) => tp::copy_to_shards(&xs, group)?.apply(head),
+            (None, _) => xs,
+        })
+    }
+
+    /// `tp` when this stage is a shard of more than one.
+    fn tp_group<'a>(&self, tp: Option<&'a ProcessGroup>) -> Option<&'a ProcessGroup> {
+        tp.filter(|_| !self.shard.is_whole())
+    }
+
+    /// The last stage's mean cross-entropy of its `logits` against `targets`, and, when asked,
+    /// its arg-max hits: [`Stage::loss`], or the vocabulary-parallel loss of a shard (over `tp`).
+    pub fn loss_and_hits(&self, logits: &Tensor, targets: &Tensor, tp: Option<&ProcessGroup>, count_hits: bool) -> anyhow::Result<(Tensor, Option<Tensor>)> {
+        match self.tp_group(tp) {
+            None => Ok((Stage::loss(logits, targets), count_hits.then(|| logits.argmax(-1, false).eq_tensor(targets).sum(Kind::Int64)))),
+            Some(group) => {
+                let (loss, hits) = tp::vocab_parallel_cross_entropy(logits, targets, self.shard, group)?;
+                Ok((loss, count_hits.then_some(hits)))
+            }
+        }
+    }
+
+    /// The vocabulary size of the whole model.
+    pub fn ntoken(&self) -> i64 {
+        self.ntoken
     }
 
     /// The stage's trainable variables with their whole-model names, sorted by name.
@@ -91,7 +153,8 @@ impl Stage {
     }
 
     /// Overwrites the stage's variables with the same-named ones of `whole` (an unpartitioned
-    /// model's var store, e.g. to start a pipeline from exercise1_nlp weights).
+    /// model's var store, e.g. to start a pipeline from exercise1_nlp weights); a
+    /// tensor-parallel shard takes its part of each.
     pub fn copy_from(&self, whole: &nn::VarStore) -> Result<()> {
         let source = whole.variables();
         tch::no_grad(|| {
@@ -99,6 +162,7 @@ impl Stage {
                 let value = source
                     .get(&name)
                     .with_context(|| format!("the whole model has no variable `{name}`"))?;
+                let value = tp::shard_tensor(value, tp::split_of(&name), self.shard);
                 anyhow::ensure!(
                     value.size() == var.size(),
                     "`{name}`: shape {:?} in the whole model, {:?} in stage {}",
@@ -106,7 +170,7 @@ impl Stage {
                     var.size(),
                     self.index
                 );
-                var.copy_(value);
+                var.copy_(&value);
             }
             Ok(())
         })

@@ -6,14 +6,16 @@ use tch::Tensor;
 
 use super::step::Parallel;
 use crate::dist::GradientSync;
-use crate::optim::Optimizer;
+use crate::optim::{NormScope, Optimizer};
 use crate::precision::GradScaler;
 
 /// See the module docs; returns the total gradient norm when clipping (before clipping, as
-/// `torch.nn.utils.clip_grad_norm_` returns it).
+/// `torch.nn.utils.clip_grad_norm_` returns it). `counted`: which of `params` this rank counts
+/// in the norm (see [`NormScope`]; empty: all).
 pub fn finish(
     parallel: Parallel,
     params: &[Tensor],
+    counted: &[bool],
     optimizer: &mut dyn Optimizer,
     scaler: Option<&GradScaler>,
     clip: Option<f64>,
@@ -34,7 +36,7 @@ pub fn finish(
         }
     }
     match clip {
-        Some(max_norm) => Ok(Some(optimizer.clip_grad_norm(params, max_norm, parallel.model)?)),
+        Some(max_norm) => Ok(Some(optimizer.clip_grad_norm(params, max_norm, NormScope { model: parallel.model, counted })?)),
         None => Ok(None),
     }
 }

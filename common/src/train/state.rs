@@ -16,7 +16,7 @@ use super::step::TrainStep;
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
 use crate::dist::data_parallel::{broadcast_named, broadcast_optimizer_state, broadcast_sharded_state};
 use crate::dist::transfer::{recv_named, recv_tensor, send_named, send_tensor};
-use crate::dist::ProcessGroup;
+use crate::dist::{tensor_parallel, ProcessGroup};
 use crate::optim::Optimizer;
 use crate::precision::{GradScaler, GradScalerState};
 
@@ -63,16 +63,17 @@ pub fn start(
         world.broadcast(&mut shared, 0)?;
         header.copy_from_slice(&Vec::<f64>::try_from(&shared)?);
     }
+    let mut restored_state = Vec::new();
     if header[0] == 1.0 && first_replica {
         let what = resume_from.map_or(String::new(), |(p, _)| p.display().to_string());
-        restore_replica_zero(step, optimizer, loaded.as_ref(), &what, model)?;
+        restored_state = restore_replica_zero(step, optimizer, loaded.as_ref(), &what, model)?;
     }
     if let Some(group) = replicas {
         broadcast_named(group, step.named_variables(), 0)?;
         if optimizer.is_sharded() {
-            // Each replica keeps its own share: the file's whole state goes to all of them.
-            let whole = loaded.as_ref().map(Checkpoint::optimizer_state).unwrap_or_default();
-            broadcast_sharded_state(group, optimizer, 0, whole)?;
+            // Each replica keeps its own share: the whole state replica 0's rank restored
+            // (nothing on a fresh start) goes to all of them.
+            broadcast_sharded_state(group, optimizer, 0, restored_state)?;
         } else {
             broadcast_optimizer_state(group, optimizer, 0)?;
         }
@@ -84,40 +85,54 @@ pub fn start(
 }
 
 /// Gives every rank of replica 0 its part of `loaded` (which rank 0 holds): rank 0's directly,
-/// the other stages' through `model`. Rank 0 then checks that the parts covered the file.
+/// the other stages' and shards' through `model` (whole tensors, which a tensor-parallel shard
+/// cuts to its part). Rank 0 then checks that the parts covered the file. Returns the optimizer
+/// state this rank restored (for the replicas of a sharded optimizer).
 fn restore_replica_zero(
     step: &mut dyn TrainStep<'_>,
     optimizer: &mut dyn Optimizer,
     loaded: Option<&Checkpoint>,
     what: &str,
     model: Option<&ProcessGroup>,
-) -> Result<()> {
+) -> Result<Vec<(String, Tensor)>> {
     let variables = step.named_variables();
     let names: Vec<String> = variables.iter().map(|(n, _)| n.clone()).collect();
-    let Some(model) = model.filter(|g| !g.is_root()) else {
-        // Rank 0 of replica 0 (the file is here): its own part, then every other stage's.
-        let loaded = loaded.context("rank 0 restores from the checkpoint it read")?;
-        let path = Path::new(what);
-        let mut covered = names.len();
-        if let Some(model) = model {
-            for rank in 1..model.world_size() {
-                let theirs: Vec<String> = serde_json::from_slice(&Vec::<u8>::try_from(&recv_tensor(model, rank, Device::Cpu)?)?)?;
-                covered += theirs.len();
-                send_named(model, &loaded.part(path, &theirs)?, rank)?;
+    let shard = step.parallel().tp.map(|(_, shard)| shard);
+    let part = match model.filter(|g| !g.is_root()) {
+        None => {
+            // Rank 0 of replica 0 (the file is here): its own part, then every other rank's.
+            let loaded = loaded.context("rank 0 restores from the checkpoint it read")?;
+            let path = Path::new(what);
+            let mut covered: std::collections::HashSet<String> = names.iter().cloned().collect();
+            if let Some(model) = model {
+                for rank in 1..model.world_size() {
+                    let theirs: Vec<String> = serde_json::from_slice(&Vec::<u8>::try_from(&recv_tensor(model, rank, Device::Cpu)?)?)?;
+                    send_named(model, &loaded.part(path, &theirs)?, rank)?;
+                    covered.extend(theirs);
+                }
             }
+            if covered.len() != loaded.model_variables() {
+                anyhow::bail!(
+                    "checkpoint {what} holds {} model variables, but this run's ranks hold {}: it was written for another model",
+                    loaded.model_variables(),
+                    covered.len()
+                );
+            }
+            loaded.part(path, &names)?
         }
-        if covered != loaded.model_variables() {
-            anyhow::bail!(
-                "checkpoint {what} holds {} model variables, but this run's ranks hold {covered}: it was written for another model",
-                loaded.model_variables()
-            );
+        Some(model) => {
+            send_tensor(model, &Tensor::from_slice(&serde_json::to_vec(&names)?).to_kind(Kind::Uint8), 0)?;
+            model.wait_sends()?;
+            recv_named(model, 0)?
         }
-        return checkpoint::restore_part(what, loaded.part(path, &names)?, variables, optimizer);
     };
-    send_tensor(model, &Tensor::from_slice(&serde_json::to_vec(&names)?).to_kind(Kind::Uint8), 0)?;
-    model.wait_sends()?;
-    let part = recv_named(model, 0)?;
-    checkpoint::restore_part(what, part, variables, optimizer)
+    let part = match shard {
+        Some(shard) => checkpoint::map_part(part, |name, whole| tensor_parallel::shard_named(vec![(name.to_string(), whole)], shard).remove(0).1),
+        None => part,
+    };
+    let state = checkpoint::part_state(&part);
+    checkpoint::restore_part(what, part, variables, optimizer)?;
+    Ok(state)
 }
 
 /// Writes the checkpoint `meta` describes to `path`: replica 0's ranks send their variables and
@@ -130,12 +145,23 @@ pub fn save(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: &Checkpoi
         return Ok(()); // replicas hold what replica 0 holds
     }
     let mut variables = step.named_variables();
+    // Tensor-parallel shards put their parts together (every shard takes part); the first
+    // shard then stands for them all.
+    let shards = parallel.tp.map_or(1, |(_, shard)| shard.count);
+    if let Some((group, shard)) = parallel.tp {
+        variables = tensor_parallel::unshard_named(group, variables)?;
+        state = tensor_parallel::unshard_named(group, state)?;
+        if shard.index != 0 {
+            return Ok(());
+        }
+    }
     if let Some(model) = parallel.model {
         if !model.is_root() {
             send_named(model, &variables, 0)?;
             return send_named(model, &state, 0);
         }
-        for rank in 1..model.world_size() {
+        // The model's ranks are numbered stage × shards + shard: the first shards send.
+        for rank in (1..model.world_size()).filter(|rank| rank % shards == 0) {
             variables.extend(recv_named(model, rank)?);
             state.extend(recv_named(model, rank)?);
         }

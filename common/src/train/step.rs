@@ -152,6 +152,9 @@ pub struct Parallel<'g> {
     pub world: Option<&'g ProcessGroup>,
     /// This rank's replica (0 holds the copy a checkpoint is gathered from).
     pub replica: usize,
+    /// The tensor-parallel shards of this rank's layers and which one it is: checkpoints hold
+    /// the whole tensors, put together from the shards and cut again on resume.
+    pub tp: Option<(&'g ProcessGroup, crate::dist::tensor_parallel::Shard)>,
 }
 
 impl<'g> Parallel<'g> {
@@ -203,7 +206,14 @@ pub trait TrainStep<'g> {
     /// Returns that norm when clipping.
     fn finish_gradients(&mut self, optimizer: &mut dyn Optimizer, scaler: Option<&GradScaler>, clip: Option<f64>) -> Result<Option<f64>> {
         let params: Vec<Tensor> = self.named_parameters().into_iter().map(|(_, t)| t).collect();
-        gradients::finish(self.parallel(), &params, optimizer, scaler, clip)
+        gradients::finish(self.parallel(), &params, &self.norm_counted(), optimizer, scaler, clip)
+    }
+
+    /// Per parameter of [`TrainStep::named_parameters`], whether this rank counts it in the
+    /// gradient norm over the model (a tensor-parallel shard does not count what shard 0
+    /// holds too); empty: all.
+    fn norm_counted(&self) -> Vec<bool> {
+        Vec::new()
     }
 
     /// Makes every replica's buffers (batch-norm statistics, which each replica updates from

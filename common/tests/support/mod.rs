@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 use std::path::PathBuf;
 
+pub mod lm;
 pub mod ranks;
 
 /// The real data samples beside the checkout (`../shared/data`), or `$SHARED_DATA`.

@@ -1,0 +1,310 @@
+//! Megatron-LM's tensor parallelism (Shoeybi et al. 2019, `megatron/core/tensor_parallel`): every
+//! layer of the Transformer cut over the `k` ranks of a tensor-parallel group, each rank
+//! holding `1/k` of its weights and doing `1/k` of its arithmetic.
+//!
+//! - The conjugate operators: [`copy_to_shards`] is Megatron's **f** (identity forward,
+//!   all-reduce of the gradient backward), [`reduce_from_shards`] its **g** (all-reduce
+//!   forward, identity backward). tch cannot define autograd functions, so both are custom
+//!   autograd functions of the C++ shim (`torch::autograd::Function`, as Megatron's
+//!   `torch.autograd.Function`s) whose collective calls back into [`ProcessGroup::all_reduce`]:
+//!   the gradients are the exact ones, computed by LibTorch's own backward pass.
+//! - A column-parallel linear layer (Q/K/V split by heads, the first feed-forward layer) takes
+//!   f of its input and gives each rank its slice of the outputs; the row-parallel layer after
+//!   it (attention output, second feed-forward layer) multiplies its slice of the inputs and
+//!   sums the partial products with g, adding its bias after the sum. So a layer costs two
+//!   all-reduces forward (the two g) and two backward (the two f), Megatron's figure.
+//! - The vocabulary is split too: the embedding's rows ([`Shard::range`] of the words; g sums
+//!   the one rank's row with the others' zeros) and the output layer's, with a
+//!   [`vocab_parallel_cross_entropy`] that never assembles the logits of the whole vocabulary.
+//! - [`Split`] says how each of the model's variables is cut, so checkpoints hold whole tensors
+//!   under whole-model names ([`unshard`], [`shard_tensor`]) and resume on any `k`.
+//!
+//! Which ranks form a group is the job's [`super::layout::Layout`] (shards of one layer are
+//! neighbouring ranks, inside a node). A group of one rank is no group: the layers then run
+//! the unpartitioned code, bit for bit.
+use std::ffi::c_void;
+
+use anyhow::Result;
+use serde::Serialize;
+use tch::{Kind, Tensor};
+use torch_sys::C_tensor;
+
+use super::{ProcessGroup, ReduceOp};
+use crate::error::UsageError;
+use crate::torch_ext;
+
+/// This rank's share of every tensor-parallel layer: shard `index` of `count`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Shard {
+    pub index: usize,
+    pub count: usize,
+}
+
+impl Shard {
+    /// The whole layer (no tensor parallelism).
+    pub const WHOLE: Shard = Shard { index: 0, count: 1 };
+
+    pub fn is_whole(self) -> bool {
+        self.count == 1
+    }
+
+    /// Where this shard's part of `n` items starts, and its length (`n` divides by `count`).
+    pub fn range(self, n: i64) -> (i64, i64) {
+        let len = n / self.count as i64;
+        (self.index as i64 * len, len)
+    }
+
+    /// Whether `count` shards can cut a model with these dimensions (every width a layer splits
+    /// must divide by it), as a usage error naming the flag.
+    pub fn check_divides(count: usize, dims: &[(&str, i64)]) -> Result<(), UsageError> {
+        let k = count as i64;
+        for (what, value) in dims {
+            if value % k != 0 {
+                return Err(UsageError(format!(
+                    "tensor parallelism over {count} ranks cuts {what} into {count} equal parts, but it is {value}: choose a --tp that divides it{}",
+                    if what.starts_with("the vocabulary") { " (or --pad-vocab)" } else { "" }
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How one of the Transformer's variables is cut over the shards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// The same on every shard (layer norms, the biases added after a row-parallel sum).
+    Replicated,
+    /// Rows (dimension 0): column-parallel weights and biases, the vocabulary's rows.
+    Rows,
+    /// Columns (dimension 1): row-parallel weights.
+    Columns,
+    /// `parts` blocks stacked along dimension 0, each cut by rows: the packed Q/K/V projection
+    /// (`[q; k; v]`), so that a shard holds the same heads of all three.
+    PackedRows(i64),
+}
+
+/// How the variable `name` of the Transformer language model (torch's names) is cut.
+pub fn split_of(name: &str) -> Split {
+    let ends = |suffix: &str| name.ends_with(suffix);
+    if ends("self_attn.in_proj_weight") || ends("self_attn.in_proj_bias") {
+        Split::PackedRows(3)
+    } else if ends("self_attn.out_proj.weight") || ends("linear2.weight") {
+        Split::Columns
+    } else if ends("linear1.weight") || ends("linear1.bias") || name == "embedding.weight" || name == "linear.weight" || name == "linear.bias" {
+        Split::Rows
+    } else {
+        Split::Replicated
+    }
+}
+
+/// `shard`'s part of the whole tensor `full` cut as `split` says (a copy).
+pub fn shard_tensor(full: &Tensor, split: Split, shard: Shard) -> Tensor {
+    let cut = |t: &Tensor, dim: i64| {
+        let (start, len) = shard.range(t.size()[dim as usize]);
+        t.narrow(dim, start, len)
+    };
+    match split {
+        _ if shard.is_whole() => full.copy(),
+        Split::Replicated => full.copy(),
+        Split::Rows => cut(full, 0).copy(),
+        Split::Columns => cut(full, 1).copy(),
+        Split::PackedRows(parts) => Tensor::cat(&full.chunk(parts, 0).iter().map(|block| cut(block, 0)).collect::<Vec<_>>(), 0),
+    }
+}
+
+/// The whole tensor from every shard's part, in shard order (the inverse of [`shard_tensor`]).
+pub fn unshard(parts: &[Tensor], split: Split) -> Tensor {
+    match split {
+        _ if parts.len() == 1 => parts[0].shallow_clone(),
+        Split::Replicated => parts[0].shallow_clone(),
+        Split::Rows => Tensor::cat(parts, 0),
+        Split::Columns => Tensor::cat(parts, 1),
+        Split::PackedRows(n) => {
+            let blocks: Vec<Vec<Tensor>> = parts.iter().map(|p| p.chunk(n, 0)).collect();
+            let stacked: Vec<Tensor> = (0..n as usize).map(|b| Tensor::cat(&blocks.iter().map(|bs| bs[b].shallow_clone()).collect::<Vec<_>>(), 0)).collect();
+            Tensor::cat(&stacked, 0)
+        }
+    }
+}
+
+/// The whole tensors of `named` (this shard's variables or optimizer state, by whole-model
+/// names; a state entry `<entry>.<variable>` is cut as its variable): all-gathered over `group`
+/// and put together. Every shard calls it with the same names in the same order.
+pub fn unshard_named(group: &ProcessGroup, named: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
+    named
+        .into_iter()
+        .map(|(name, t)| {
+            let split = split_of(variable_of(&name));
+            if split == Split::Replicated || t.dim() == 0 {
+                return Ok((name, t));
+            }
+            let parts = group.all_gather(&t.detach().contiguous())?;
+            Ok((name, unshard(&parts, split)))
+        })
+        .collect()
+}
+
+/// `shard`'s parts of the whole tensors `named` (variables or optimizer state, as
+/// [`unshard_named`] names them).
+pub fn shard_named(named: Vec<(String, Tensor)>, shard: Shard) -> Vec<(String, Tensor)> {
+    named
+        .into_iter()
+        .map(|(name, t)| {
+            let split = if t.dim() == 0 { Split::Replicated } else { split_of(variable_of(&name)) };
+            let part = shard_tensor(&t, split, shard);
+            (name, part)
+        })
+        .collect()
+}
+
+/// The variable an optimizer-state name `<entry>.<variable>` belongs to (a variable's own name
+/// is returned as it is: variables start with `embedding`, `linear` or `transformer_encoder`).
+fn variable_of(name: &str) -> &str {
+    const ROOTS: [&str; 3] = ["embedding.", "linear.", "transformer_encoder."];
+    if ROOTS.iter().any(|root| name.starts_with(root)) {
+        return name;
+    }
+    name.split_once('.').map_or(name, |(_, rest)| rest)
+}
+
+/// The shim's callback: an in-place all-reduce (sum) of `tensor` over the group `context`
+/// points to. Errors and panics become a message for the C++ side, which throws it into
+/// LibTorch's autograd (and so out of `backward`).
+unsafe extern "C" fn all_reduce_sum(context: *mut c_void, tensor: *mut C_tensor, message: *mut u8, size: usize) -> i32 {
+    let outcome = std::panic::catch_unwind(|| {
+        // SAFETY: `context` is the `&ProcessGroup` given to f or g, alive until the pass that
+        // uses it (see `copy_to_shards`); `tensor` is a live at::Tensor for this call, and a
+        // shallow clone shares its storage, which the all-reduce overwrites in place.
+        let group = unsafe { &*(context as *const ProcessGroup) };
+        let mut t = unsafe { Tensor::clone_from_ptr(tensor) };
+        group.all_reduce(&mut t, ReduceOp::Sum)
+    });
+    let error = match outcome {
+        Ok(Ok(())) => return 0,
+        Ok(Err(err)) => format!("tensor-parallel all-reduce: {err:#}"),
+        Err(_) => "tensor-parallel all-reduce panicked".to_string(),
+    };
+    if size > 0 {
+        let n = error.len().min(size - 1);
+        // SAFETY: the C++ side passes a buffer of `size` bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(error.as_ptr(), message, n);
+            *message.add(n) = 0;
+        }
+    }
+    1
+}
+
+/// Megatron's f on `x` over `group`: the same values; in the backward pass the gradient of
+/// every shard's use of `x` is summed over the shards (each column-parallel slice contributes
+/// its part of the input's gradient). A group of one rank: `x` itself.
+///
+/// The autograd graph keeps a pointer to `group` until its backward pass: the group must
+/// outlive the graphs made with it (groups live for the whole run; a step's graphs end with
+/// the step).
+pub fn copy_to_shards(x: &Tensor, group: &ProcessGroup) -> Result<Tensor> {
+    if group.world_size() == 1 {
+        return Ok(x.shallow_clone());
+    }
+    // SAFETY: see above; `all_reduce_sum` reads `group` only while it is alive.
+    unsafe { torch_ext::collective_in_backward(x, all_reduce_sum, group as *const ProcessGroup as *mut c_void) }
+}
+
+/// Megatron's g on `x` over `group`: the sum of every shard's `x` (partial products of a
+/// row-parallel layer); the gradient passes back unchanged to each shard.
+pub fn reduce_from_shards(x: &Tensor, group: &ProcessGroup) -> Result<Tensor> {
+    if group.world_size() == 1 {
+        return Ok(x.shallow_clone());
+    }
+    // SAFETY: the group is alive during the call, the only time the forward collective runs.
+    unsafe { torch_ext::collective_in_forward(x, all_reduce_sum, group as *const ProcessGroup as *mut c_void) }
+}
+
+/// The mean cross-entropy of logits whose vocabulary is cut over `group` (`logits`: this
+/// shard's `[.., V/k]`, words `shard.range(V)`) against `targets` (whole-vocabulary ids), and
+/// the number of targets that are the arg-max, without any rank holding the whole logits
+/// (Megatron's `vocab_parallel_cross_entropy`): the maximum over the shards (an all-reduce max,
+/// outside the graph: a constant shift), then one all-reduce (g) of each token's sum of
+/// exponentials and its target's shifted logit (held by one shard, zero elsewhere). The
+/// gradient on each shard is its slice of softmax − one-hot, exactly the unpartitioned one.
+/// (A tie for the maximum counts as a hit.)
+pub fn vocab_parallel_cross_entropy(logits: &Tensor, targets: &Tensor, shard: Shard, group: &ProcessGroup) -> Result<(Tensor, Tensor)> {
+    let local_vocab = *logits.size().last().expect("logits have a vocabulary dimension");
+    let logits = logits.reshape([-1, local_vocab]).to_kind(Kind::Float);
+    let targets = targets.reshape([-1]).to_kind(Kind::Int64);
+    let mut max = logits.detach().amax(-1, false);
+    group.all_reduce(&mut max, ReduceOp::Max)?;
+    let shifted = &logits - max.unsqueeze(-1);
+    let sum_exp = shifted.exp().sum_dim_intlist(-1, false, Kind::Float);
+    let start = shard.index as i64 * local_vocab;
+    let local = &targets - start;
+    let outside = local.lt(0).logical_or(&local.ge(local_vocab));
+    let picked = shifted.gather(-1, &local.masked_fill(&outside, 0).unsqueeze(-1), false).squeeze_dim(-1).masked_fill(&outside, 0.0);
+    let both = reduce_from_shards(&Tensor::stack(&[sum_exp, picked], 0), group)?;
+    let (sum_exp, picked) = (both.get(0), both.get(1));
+    let loss = (sum_exp.log() - &picked).mean(Kind::Float);
+    let hits = picked.detach().ge(0.0).sum(Kind::Int64);
+    Ok((loss, hits))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    #[test]
+    fn every_variable_is_cut_as_megatron_cuts_it_and_put_back_whole() {
+        assert_eq!(split_of("transformer_encoder.layers.3.self_attn.in_proj_weight"), Split::PackedRows(3));
+        assert_eq!(split_of("transformer_encoder.layers.0.self_attn.out_proj.weight"), Split::Columns);
+        assert_eq!(split_of("transformer_encoder.layers.0.self_attn.out_proj.bias"), Split::Replicated);
+        assert_eq!(split_of("transformer_encoder.layers.0.linear1.bias"), Split::Rows);
+        assert_eq!(split_of("transformer_encoder.layers.0.linear2.bias"), Split::Replicated);
+        assert_eq!(split_of("transformer_encoder.layers.0.norm2.weight"), Split::Replicated);
+        assert_eq!((split_of("embedding.weight"), split_of("linear.weight"), split_of("linear.bias")), (Split::Rows, Split::Rows, Split::Rows));
+        assert_eq!(variable_of("exp_avg.transformer_encoder.layers.0.linear1.bias"), "transformer_encoder.layers.0.linear1.bias");
+        assert_eq!(variable_of("momentum_buffer.linear.weight"), "linear.weight");
+        assert_eq!(variable_of("linear.weight"), "linear.weight");
+
+        // [q; k; v] of 4 heads of width 1 over 2 shards: shard 1 holds heads 2 and 3 of each.
+        let packed = Tensor::arange(12, (Kind::Float, Device::Cpu)).view([12, 1]);
+        let part = shard_tensor(&packed, Split::PackedRows(3), Shard { index: 1, count: 2 });
+        assert_eq!(Vec::<f32>::try_from(part.view([-1])).unwrap(), vec![2.0, 3.0, 6.0, 7.0, 10.0, 11.0]);
+        for split in [Split::Rows, Split::Columns, Split::PackedRows(3), Split::Replicated] {
+            let whole = Tensor::randn([12, 6], (Kind::Float, Device::Cpu));
+            for count in [1, 2, 3] {
+                let parts: Vec<Tensor> = (0..count).map(|index| shard_tensor(&whole, split, Shard { index, count })).collect();
+                assert!(unshard(&parts, split).equal(&whole), "{split:?} over {count}");
+            }
+        }
+        let state = vec![("step.linear.bias".to_string(), Tensor::from(3i64)), ("exp_avg.linear.bias".to_string(), Tensor::arange(4, (Kind::Float, Device::Cpu)))];
+        let mine = shard_named(state, Shard { index: 1, count: 2 });
+        assert_eq!(mine[0].1.int64_value(&[]), 3);
+        assert_eq!(Vec::<f32>::try_from(&mine[1].1).unwrap(), vec![2.0, 3.0]);
+    }
+
+    #[test]
+    fn the_vocabulary_parallel_loss_of_one_shard_is_the_cross_entropy() {
+        let group = ProcessGroup::single();
+        let logits = Tensor::randn([5, 3, 11], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let targets = Tensor::randint(11, [5, 3], (Kind::Int64, Device::Cpu));
+        let (loss, hits) = vocab_parallel_cross_entropy(&logits, &targets, Shard::WHOLE, &group).unwrap();
+        let flat = logits.reshape([-1, 11]);
+        let expected = flat.cross_entropy_for_logits(&targets.reshape([-1]));
+        assert!((loss.double_value(&[]) - expected.double_value(&[])).abs() < 1e-6);
+        let expected_hits = flat.argmax(-1, false).eq_tensor(&targets.reshape([-1])).sum(Kind::Int64);
+        assert_eq!(hits.int64_value(&[]), expected_hits.int64_value(&[]));
+        loss.backward();
+        let grad = logits.grad();
+        let reference = logits.detach().set_requires_grad(true);
+        reference.reshape([-1, 11]).cross_entropy_for_logits(&targets.reshape([-1])).backward();
+        assert!(grad.allclose(&reference.grad(), 1e-6, 1e-7, false));
+    }
+
+    #[test]
+    fn dimensions_that_do_not_divide_are_usage_errors() {
+        let err = Shard::check_divides(4, &[("--nhead", 16), ("the vocabulary", 28_782)]).unwrap_err();
+        assert!(err.0.contains("the vocabulary into 4 equal parts, but it is 28782") && err.0.contains("--pad-vocab"), "{}", err.0);
+        assert!(Shard::check_divides(2, &[("--emsize", 4096), ("the vocabulary", 28_782)]).is_ok());
+    }
+}

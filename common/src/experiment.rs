@@ -9,7 +9,7 @@ use tch::Device;
 
 use crate::device::{self, DeviceChoice};
 use crate::dist::layout::{Groups, Layout};
-use crate::dist::{launch, Backend, LaunchEnv, ProcessGroup};
+use crate::dist::{launch, Backend, CommStats, LaunchEnv, ProcessGroup};
 use crate::error::usage;
 use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
 use crate::parallelize::{parallelize, DataParallelPlan, ModelPlan};
@@ -177,16 +177,40 @@ impl Observer for Forward<'_, '_> {
     }
 }
 
+/// Measures what one training step moves: the collectives of all of this rank's groups between
+/// the first and the last step's end of the first epoch (no evaluation or checkpoint between).
+struct StepTraffic<'g> {
+    groups: &'g Groups<'g>,
+    /// The first step's number and the counts at its end.
+    first: Option<(usize, CommStats)>,
+    /// The first epoch has ended.
+    done: bool,
+    per_step: std::rc::Rc<std::cell::Cell<Option<CommStats>>>,
+}
+
+impl Observer for StepTraffic<'_> {
+    fn on_event(&mut self, event: &Event) -> Result<train::Control> {
+        match (event, self.first) {
+            (Event::Step(_), _) if self.done => {}
+            (Event::Step(step), None) => self.first = Some((step.step, self.groups.comm_stats())),
+            (Event::Step(step), Some((first, at_first))) if step.step > first => {
+                let steps = (step.step - first) as u64;
+                self.per_step.set(Some(self.groups.comm_stats().since(at_first).per(steps)));
+            }
+            (Event::EpochEnded { .. }, Some(_)) => self.done = true,
+            _ => {}
+        }
+        Ok(train::Control::Continue)
+    }
+}
+
 /// What ZeRO stage 1 does not cover yet, refused before anything trains.
-fn check_zero<E: Experiment>(exp: &E, groups: &Groups) -> Result<()> {
+fn check_zero<E: Experiment>(exp: &E) -> Result<()> {
     use crate::optim::OptimizerKind;
     let (run, recipe) = (exp.run_args(), exp.recipe_args());
     let optimizer = recipe.optimizer.unwrap_or(exp.preset().recipe_for(recipe).optimizer);
     if matches!(optimizer, OptimizerKind::Lars | OptimizerKind::Lamb) {
         return usage(format!("--zero 1 shards element-wise optimizers (adam, sgd); {} needs whole layers", optimizer.name()));
-    }
-    if groups.layout.pp * groups.layout.tp != 1 {
-        return usage("--zero 1 is for data parallelism over whole models, not pipeline stages (yet)");
     }
     if run.precision == crate::precision::Precision::Half {
         return usage("--zero 1 with --precision 16-mixed (a gradient scaler over the shards) is not built yet: use bf16-mixed or 32");
@@ -216,7 +240,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     let plan = exp.model(data, groups, device, session)?;
     let zero = exp.parallel_args().zero == 1;
     if zero {
-        check_zero(exp, groups)?;
+        check_zero(exp)?;
     }
     let sync = if zero { crate::dist::GradientSync::Zero } else { preset.sync };
     let dp = DataParallelPlan { averager: exp.parallel_args().averager(), sync };
@@ -264,10 +288,13 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
             observers.add(ProfileSink::new(run.trace_path(&name, spread.then_some(groups.world.rank())), groups.world.rank(), root));
         }
     }
+    let per_step = std::rc::Rc::new(std::cell::Cell::new(None));
+    observers.add(StepTraffic { groups, first: None, done: false, per_step: per_step.clone() });
     let before = groups.comm_stats();
     let fit = train::fit(step.as_mut(), optimizer.as_mut(), sources.train.as_ref(), sources.eval.as_ref(), &config, &mut observers)?;
     let communication = groups.comm_stats().since(before);
     drop(observers);
+    let per_step: Option<CommStats> = per_step.get();
     let replica_group = step.parallel().replica_group();
     if let Some(group) = replica_group {
         train::check_replicas_agree(&step.named_variables(), group)?;
@@ -292,6 +319,9 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     }
     if groups.world.world_size() > 1 {
         session.info(format!("rank 0's communication in training and evaluation: {}", communication.describe()))?;
+        if let Some(per_step) = per_step {
+            session.info(format!("rank 0's communication per training step: {}", per_step.describe()))?;
+        }
     }
     session.info(memory.describe(device))?;
     let peak = crate::flops::peak_tflops(device, run.precision, run.matmul_precision, run.peak_tflops);
@@ -334,8 +364,10 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         "lr_schedule": recipe.schedule,
         "allreduce_time_s": fit.timings.allreduce_s,
         "scaling_efficiency": report::scaling_efficiency(&csv, &record),
-        // Rank 0's collectives and messages during training and its evaluations.
+        // Rank 0's collectives and messages during training and its evaluations, and in one
+        // training step (between two steps' ends; none after fewer than two steps).
         "communication": communication,
+        "communication_per_step": per_step,
         "zero": exp.parallel_args().zero,
         "model_state_memory": memory,
     });
@@ -365,9 +397,10 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     Ok(Some(record))
 }
 
-/// The model's parameters, counted where they live (every stage of a pipeline across ranks).
+/// The model's parameters, counted where they live (every stage of a pipeline and every
+/// tensor-parallel shard across ranks; what all shards hold whole, once).
 fn step_parameter_count(groups: &Groups, step: &dyn train::TrainStep<'_>) -> Result<i64> {
-    let mine: i64 = step.named_parameters().iter().map(|(_, t)| t.numel() as i64).sum();
+    let mine = train::counted_parameters(step);
     let Some(model) = groups.model() else { return Ok(mine) };
     let mut total = tch::Tensor::from(mine as f64);
     model.all_reduce(&mut total, crate::dist::ReduceOp::Sum)?;

@@ -9,15 +9,16 @@ use tch::Device;
 use crate::data::text::{self, Corpus, TokenBatches, Tokenizer};
 use crate::data::GENERATED_MARKER;
 use crate::device::{self, DeviceChoice};
-use crate::dist::layout::{Groups, Layout};
+use crate::dist::layout::{Coords, Groups, Layout};
 use crate::error::usage;
 use crate::experiment::{self, Experiment, Sources};
 use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
 use crate::flops;
 use crate::models::TransformerConfig;
+use crate::optim::OptimizerKind;
 use crate::parallelize::{ModelPlan, PipelinePlan};
 use crate::pipeline::{self, LayerCosts, Partition, PipelineOptions, Schedule, Stage};
-use crate::presets::{ModelPreset, Preset, TransformerShape};
+use crate::presets::{ModelParallelism, ModelPreset, Preset, TransformerShape};
 use crate::report::{self, RunRecord};
 use crate::train::{EvalSums, FitReport, Metric, Observers, TrainStep};
 
@@ -60,7 +61,7 @@ pub struct LmArgs {
     pub tokenizer: Tokenizer,
 }
 
-/// exercise3 pipeline's flags: exercise1_nlp's, plus the pipeline's own.
+/// exercise3 pipeline's and exercise3 tp's flags: exercise1_nlp's, plus the model-parallel ones.
 #[derive(Debug, Clone, clap::Args, Serialize)]
 pub struct PipelineArgs {
     #[command(flatten)]
@@ -71,9 +72,21 @@ pub struct PipelineArgs {
     /// --device cpu].
     #[arg(long, value_delimiter = ',')]
     pub devices: Vec<String>,
-    /// Micro-batches per mini-batch (GPipe's `chunks`).
-    #[arg(long, default_value_t = 8)]
-    pub chunks: usize,
+    /// Pipeline stages when they run as separate ranks [default: exercise3 pipeline: the ranks
+    /// left by --tp and --dp; exercise3 tp: 1].
+    #[arg(long)]
+    pub pp: Option<usize>,
+    /// Tensor-parallel shards of every layer, one per rank (Megatron-LM's; keep them inside a
+    /// node) [default: exercise3 tp: the ranks left by --pp and --dp; exercise3 pipeline: 1].
+    #[arg(long)]
+    pub tp: Option<usize>,
+    /// Round the vocabulary up to a multiple of N (Megatron's --make-vocab-size-divisible-by):
+    /// tensor parallelism cuts it into equal parts. The extra words never occur in the data.
+    #[arg(long)]
+    pub pad_vocab: Option<i64>,
+    /// Micro-batches per mini-batch (GPipe's `chunks`) [default: 8 with pipeline stages, else 1].
+    #[arg(long)]
+    pub chunks: Option<usize>,
     /// gpipe: all forwards, then all backwards; 1f1b: alternate, holding fewer activations.
     #[arg(long, value_enum, default_value = "gpipe")]
     pub schedule: Schedule,
@@ -85,10 +98,18 @@ pub struct PipelineArgs {
     /// (less memory, about one more forward pass of time).
     #[arg(long)]
     pub checkpoint_activations: bool,
-    /// Data-parallel replicas of the pipeline when the stages run in separate processes (the
-    /// job then has stages × dp ranks) [default: ranks / stages].
+    /// Data-parallel replicas of the model when its parts run in separate processes (the job
+    /// then has stages × shards × dp ranks) [default: the ranks left by the stages and shards].
     #[arg(long)]
     pub dp: Option<usize>,
+}
+
+impl PipelineArgs {
+    /// Micro-batches per mini-batch: `--chunks`, or 8 where there are pipeline stages.
+    pub fn chunks(&self, preset: &Preset) -> usize {
+        let staged = preset.parallelism == ModelParallelism::Pipeline || self.pp.is_some_and(|pp| pp > 1);
+        self.chunks.unwrap_or(if staged { 8 } else { 1 })
+    }
 }
 
 /// A language-model exercise: its preset, flags, and the pipeline's flags if it is one.
@@ -111,7 +132,7 @@ pub fn run(preset: &Preset, args: &LmArgs, listeners: &mut Observers) -> Result<
     experiment::run(&LmExperiment::new(preset, args, None), listeners)
 }
 
-/// Runs exercise3 pipeline-style `preset` with `args`.
+/// Runs exercise3 pipeline-style or tp-style `preset` with `args`.
 pub fn run_pipeline(preset: &Preset, args: &PipelineArgs, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
     experiment::run(&LmExperiment::new(preset, &args.lm, Some(args)), listeners)
 }
@@ -164,14 +185,24 @@ impl LmExperiment<'_> {
         })
     }
 
-    /// The number of stages the flags ask for in a job of `world` ranks.
-    fn stages(&self, pipeline: &PipelineArgs, world: usize) -> usize {
-        match (pipeline.devices.len(), pipeline.dp) {
-            (0, _) if world == 1 => 2,
-            (0, Some(dp)) => world / dp.max(1),
-            (0, None) => world,
-            (n, _) => n,
+    /// How a job of `world` ranks (more than one) divides the model: the flags given, the rest
+    /// from the preset (exercise3 pipeline: stages fill the ranks; exercise3 tp: shards do).
+    fn model_layout(&self, pipeline: &PipelineArgs, world: usize) -> Result<Layout> {
+        let tensor = self.preset.parallelism == ModelParallelism::Tensor;
+        let dp = pipeline.dp.unwrap_or(1).max(1);
+        let pp = pipeline.pp.or((!pipeline.devices.is_empty()).then_some(pipeline.devices.len()));
+        let rest = |other: usize| (world / (dp * other.max(1))).max(1);
+        let (pp, tp) = match (pp, pipeline.tp) {
+            (Some(pp), Some(tp)) => (pp, tp),
+            (Some(pp), None) => (pp, if tensor { rest(pp) } else { 1 }),
+            (None, Some(tp)) => (if tensor { 1 } else { rest(tp) }, tp),
+            (None, None) if tensor => (1, rest(1)),
+            (None, None) => (rest(1), 1),
+        };
+        if !pipeline.devices.is_empty() && pipeline.devices.len() != pp {
+            return usage(format!("--devices names {} devices for {pp} stages (--pp)", pipeline.devices.len()));
         }
+        Layout::new(world, pp, tp, pipeline.dp)
     }
 
     /// The partition the flags ask for; with `--balance`, measured on `probe` by rank 0 and the
@@ -182,7 +213,7 @@ impl LmExperiment<'_> {
             return Ok(even);
         }
         let mine = if groups.is_root() {
-            let micro_batch = (self.batch_size()).div_ceil(pipeline.chunks) as i64;
+            let micro_batch = (self.batch_size()).div_ceil(pipeline.chunks(self.preset)) as i64;
             let costs: LayerCosts = Stage::measure_costs(cfg, probe, self.shape().bptt, micro_batch);
             observers.info(format!(
                 "--balance: forward + backward of one micro-batch on {}: embedding {:.2} ms, each layer {:.2} ms, output layer {:.2} ms",
@@ -236,16 +267,18 @@ impl Experiment for LmExperiment<'_> {
         // The model's own checks, on the flags, before any data is read.
         self.config(1).validate()?;
         if let Some(pipeline) = self.pipeline {
-            if pipeline.dp == Some(0) {
-                return usage("--dp must be at least 1");
+            for (flag, value) in [("--dp", pipeline.dp), ("--pp", pipeline.pp), ("--tp", pipeline.tp), ("--chunks", pipeline.chunks)] {
+                if value == Some(0) {
+                    return usage(format!("{flag} must be at least 1"));
+                }
             }
-            if pipeline.chunks == 0 {
-                return usage("--chunks must be at least 1");
+            if pipeline.pad_vocab.is_some_and(|n| n < 1) {
+                return usage("--pad-vocab must be at least 1");
             }
-            if pipeline.chunks > self.batch_size() {
+            let chunks = pipeline.chunks(self.preset);
+            if chunks > self.batch_size() {
                 return usage(format!(
-                    "--chunks {} is more than --batch-size {}: every micro-batch needs at least one sequence",
-                    pipeline.chunks,
+                    "--chunks {chunks} is more than --batch-size {}: every micro-batch needs at least one sequence",
                     self.batch_size()
                 ));
             }
@@ -284,14 +317,20 @@ impl Experiment for LmExperiment<'_> {
 
     fn layout(&self, world: usize) -> Result<Layout> {
         match self.pipeline {
-            // Stages as threads of one process, or one stage per rank.
+            // Stages as threads of one process (or the whole model), or parts of it on ranks.
             Some(pipeline) if world == 1 => {
                 if pipeline.dp.is_some_and(|dp| dp > 1) {
-                    return usage("--dp replicates a pipeline whose stages run in separate processes: start them with --nproc-per-node (stages × dp) or a launcher");
+                    return usage("--dp replicates a model whose parts run in separate processes: start them with --nproc-per-node (stages × shards × dp) or a launcher");
+                }
+                if let Some(tp) = pipeline.tp.filter(|&tp| tp > 1) {
+                    return usage(format!("--tp {tp} runs each shard of a layer in a process of its own: start {tp} ranks (--nproc-per-node {tp}, or a launcher)"));
+                }
+                if self.preset.parallelism == ModelParallelism::Tensor && pipeline.pp.is_some_and(|pp| pp > 1) {
+                    return usage("--pp runs each stage in a process of its own here: start stages × shards ranks (--nproc-per-node, or a launcher)");
                 }
                 Ok(Layout::SINGLE)
             }
-            Some(pipeline) => Layout::new(world, self.stages(pipeline, world), 1, pipeline.dp),
+            Some(pipeline) => self.model_layout(pipeline, world),
             None => Layout::new(world, 1, 1, None),
         }
     }
@@ -321,16 +360,28 @@ impl Experiment for LmExperiment<'_> {
     }
 
     fn model(&self, data: &LmData, groups: &Groups, device: Device, observers: &mut Observers) -> Result<ModelPlan> {
-        let config = self.config(data.corpus.vocab.len() as i64);
+        let vocab = data.corpus.vocab.len() as i64;
+        let multiple = self.pipeline.and_then(|p| p.pad_vocab).unwrap_or(1);
+        let ntoken = (vocab + multiple - 1) / multiple * multiple;
+        let config = self.config(ntoken);
+        config.validate_shards(groups.layout.tp)?;
+        let optimizer = self.args.recipe.optimizer.unwrap_or(self.preset.recipe_for(&self.args.recipe).optimizer);
+        if groups.layout.tp > 1 && matches!(optimizer, OptimizerKind::Lars | OptimizerKind::Lamb) {
+            return usage(format!("--optimizer {} scales each weight by its whole norm, which no tensor-parallel shard holds: use adam or sgd with tensor parallelism", optimizer.name()));
+        }
+        if ntoken != vocab && groups.is_root() {
+            observers.info(format!("--pad-vocab {multiple}: the vocabulary of {vocab} words padded to {ntoken}"))?;
+        }
         let init = self.preset.recipe_for(&self.args.recipe).output_init;
         let Some(pipeline) = self.pipeline else { return Ok(ModelPlan::Transformer { config, pipeline: None, init }) };
-        let in_process = groups.world.world_size() == 1;
+        // Stages as threads of this process: exercise3 pipeline started alone.
+        let in_process = groups.world.world_size() == 1 && self.preset.parallelism == ModelParallelism::Pipeline;
         let devices = if in_process { self.stage_devices(pipeline)? } else { Vec::new() };
         let stages = if in_process { devices.len() } else { groups.layout.pp };
         let partition = self.partition(pipeline, &config, stages, device, groups, observers)?;
         // CPU stages in one process share the cores: each stage thread gets its share.
         let threads_per_stage = (in_process && devices.iter().all(|d| *d == Device::Cpu)).then(|| (tch::get_num_threads() as usize / devices.len()).max(1));
-        let options = PipelineOptions { schedule: pipeline.schedule, chunks: pipeline.chunks, checkpoint_activations: pipeline.checkpoint_activations, threads_per_stage };
+        let options = PipelineOptions { schedule: pipeline.schedule, chunks: pipeline.chunks(self.preset), checkpoint_activations: pipeline.checkpoint_activations, threads_per_stage };
         Ok(ModelPlan::Transformer { config, pipeline: Some(PipelinePlan { partition, options, devices }), init })
     }
 
@@ -359,18 +410,25 @@ impl Experiment for LmExperiment<'_> {
         if !groups.is_root() {
             return Ok(());
         }
+        let layout = groups.layout;
         if groups.world.world_size() > 1 {
-            let (stages, replicas) = (groups.layout.pp, groups.layout.dp);
+            let placement = match layout.tp {
+                1 => format!("rank r runs stage r mod {}", layout.pp),
+                tp => format!("each stage's layers cut over {tp} tensor-parallel shards on neighbouring ranks (rank = (replica × {} + stage) × {tp} + shard)", layout.pp),
+            };
             observers.info(format!(
-                "{} ranks: {replicas} replica(s) of a {stages}-stage pipeline, rank r runs stage r mod {stages}; {}",
+                "{} ranks: {} replica(s) of a {}-stage pipeline, {placement}; {}",
                 groups.world.world_size(),
+                layout.dp,
+                layout.pp,
                 groups.world.describe()
             ))?;
         }
         let params: i64 = summaries.iter().map(|s| s.parameters).sum();
+        let shards = if layout.tp > 1 { format!(", every layer cut over {} tensor-parallel shards (Megatron-LM)", layout.tp) } else { String::new() };
         observers.info(format!(
             "Transformer LM: {} layers, d_model {}, d_hid {}, {} heads, vocabulary {}: {} parameters; \
-             {} stages, {} micro-batches per batch of {}, {} schedule{}",
+             {} stage(s), {} micro-batches per batch of {}, {} schedule{}{shards}",
             cfg.nlayers,
             cfg.d_model,
             cfg.d_hid,
@@ -378,13 +436,13 @@ impl Experiment for LmExperiment<'_> {
             cfg.ntoken,
             report::group_thousands(params),
             summaries.len(),
-            pipeline.chunks,
+            pipeline_plan.options.chunks,
             self.batch_size(),
             pipeline.schedule.name(),
             if pipeline.checkpoint_activations { ", activations recomputed" } else { "" }
         ))?;
         for summary in &summaries {
-            observers.info(summary.line(summaries.len()))?;
+            observers.info(summary.line(summaries.len(), layout.tp))?;
         }
         Ok(())
     }
@@ -446,17 +504,20 @@ impl Experiment for LmExperiment<'_> {
         });
         if let (Some(plan), Some(flags)) = (pipeline, self.pipeline) {
             let stages = plan.partition.stages();
-            let theory = pipeline::schedule::theoretical_bubble(stages, flags.chunks);
+            let chunks = plan.options.chunks;
+            let theory = pipeline::schedule::theoretical_bubble(stages, chunks);
             let bubble = fit.bubble_fraction.unwrap_or(f64::NAN);
-            lines.push(format!(
+            if stages > 1 {
+                lines.push(format!(
                 "pipeline bubble: measured {:.1}% of the stages' time idle, theory (p−1)/(m+p−1) = {:.1}% for p = {stages}, m = {}",
                 100.0 * bubble,
                 100.0 * theory,
-                flags.chunks
+                chunks
             ));
+            }
             extra["stages"] = stages.into();
             extra["partition"] = plan.partition.layers.iter().map(|r| [r.start, r.end]).collect::<Vec<_>>().into();
-            extra["chunks"] = flags.chunks.into();
+            extra["chunks"] = chunks.into();
             extra["schedule"] = serde_json::to_value(flags.schedule).expect("a schedule serialises");
             extra["checkpoint_activations"] = flags.checkpoint_activations.into();
             extra["bubble_fraction"] = bubble.into();
@@ -475,12 +536,14 @@ struct StageSummary {
     stage: usize,
     device: String,
     layers: [i64; 2],
+    /// The stage's parameters (all its shards together).
     parameters: i64,
+    /// Bytes of parameters one rank of it holds (one shard's).
     parameter_bytes: usize,
 }
 
 impl StageSummary {
-    fn line(&self, stages: usize) -> String {
+    fn line(&self, stages: usize, shards: usize) -> String {
         let mut pieces = Vec::new();
         if self.stage == 0 {
             pieces.push("embedding".to_string());
@@ -490,12 +553,13 @@ impl StageSummary {
             pieces.push("output layer".to_string());
         }
         format!(
-            "  stage {} on {}: {}; {} parameters, {:.1} MiB (and as much again for their gradients)",
+            "  stage {} on {}: {}; {} parameters, {:.1} MiB{} (and as much again for their gradients)",
             self.stage,
             self.device,
             pieces.join(" + "),
             report::group_thousands(self.parameters),
-            self.parameter_bytes as f64 / (1024.0 * 1024.0)
+            self.parameter_bytes as f64 / (1024.0 * 1024.0),
+            if shards > 1 { format!(" per shard on each of {shards} ranks") } else { String::new() }
         )
     }
 }
@@ -520,27 +584,28 @@ fn stage_summaries(step: &dyn TrainStep<'_>, plan: &PipelinePlan, groups: &Group
             .collect());
     }
     let params = step.named_parameters();
-    let count: i64 = params.iter().map(|(_, t)| t.numel() as i64).sum();
+    let count = crate::train::counted_parameters(step);
     let bytes: usize = params.iter().map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes()).sum();
     let code = match step.input_device() {
         Device::Cuda(i) => i as f64,
         _ => -1.0,
     };
     let all = groups.world.all_gather(&tch::Tensor::from_slice(&[count as f64, bytes as f64, code]))?;
-    all[..groups.layout.pp]
-        .iter()
-        .enumerate()
-        .map(|(s, t)| {
-            let v = Vec::<f64>::try_from(t)?;
-            Ok(StageSummary {
+    let all: Vec<Vec<f64>> = all.iter().map(Vec::<f64>::try_from).collect::<Result<_, _>>()?;
+    let layout = groups.layout;
+    Ok((0..layout.pp)
+        .map(|s| {
+            let ranks: Vec<usize> = (0..layout.tp).map(|shard| layout.rank(Coords { replica: 0, stage: s, shard })).collect();
+            let first = &all[ranks[0]];
+            StageSummary {
                 stage: s,
-                device: if v[2] < 0.0 { "cpu".into() } else { format!("cuda:{} (rank {s})", v[2]) },
+                device: if first[2] < 0.0 { "cpu".into() } else { format!("cuda:{} (rank {})", first[2], ranks[0]) },
                 layers: layers(s),
-                parameters: v[0] as i64,
-                parameter_bytes: v[1] as usize,
-            })
+                parameters: ranks.iter().map(|&r| all[r][0] as i64).sum(),
+                parameter_bytes: first[1] as usize,
+            }
         })
-        .collect()
+        .collect())
 }
 
 /// The stage holding the variable `name` of the whole model.

@@ -56,7 +56,8 @@ pub struct DataParallelPlan {
 pub fn parallelize<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPlan, device: Device, seed: u64) -> Result<Box<dyn TrainStep<'g> + 'g>> {
     let step = build_step(model, groups, dp, device, seed)?;
     if let ModelPlan::Transformer { config, init, .. } = model {
-        init.apply(&step.named_parameters(), config, seed);
+        let shard = step.parallel().tp.map_or(crate::dist::tensor_parallel::Shard::WHOLE, |(_, shard)| shard);
+        init.apply(&step.named_parameters(), config, seed, shard);
     }
     Ok(step)
 }

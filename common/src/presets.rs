@@ -64,6 +64,20 @@ pub enum ModelPreset {
     Transformer(TransformerShape),
 }
 
+/// How an exercise spreads one model over the ranks of a job (besides data parallelism, which
+/// every exercise can add).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelParallelism {
+    /// Every rank holds the whole model.
+    None,
+    /// Pipeline stages (over the devices of one process, or a stage per rank); `--tp` adds
+    /// tensor-parallel shards inside each stage.
+    Pipeline,
+    /// Tensor-parallel shards of every layer, a shard per rank; `--pp` adds pipeline stages.
+    Tensor,
+}
+
 /// One course exercise.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Preset {
@@ -79,6 +93,8 @@ pub struct Preset {
     pub sync: GradientSync,
     /// One process per `--device` (the CPU-vs-GPU exercises) rather than one job.
     pub per_device: bool,
+    /// How the model is spread over ranks by default.
+    pub parallelism: ModelParallelism,
 }
 
 /// The image exercises' recipe: Adam, lr 1e-3, batch 100, as the course's scripts.
@@ -142,6 +158,7 @@ pub const EXERCISE1: Preset = Preset {
     course: IMAGE_RECIPE,
     sync: GradientSync::Ddp,
     per_device: true,
+    parallelism: ModelParallelism::None,
 };
 
 /// exercise1_nlp: the tutorial's Transformer LM (d 1024, 3 layers) on WikiText-2, 3 epochs.
@@ -161,6 +178,7 @@ pub const EXERCISE1_NLP: Preset = Preset {
     course: TUTORIAL_RECIPE,
     sync: GradientSync::Ddp,
     per_device: true,
+    parallelism: ModelParallelism::None,
 };
 
 /// exercise2: ResNet34 data-parallel, Horovod style, 10 epochs.
@@ -172,6 +190,7 @@ pub const EXERCISE2: Preset = Preset {
     course: IMAGE_RECIPE,
     sync: GradientSync::Horovod,
     per_device: false,
+    parallelism: ModelParallelism::None,
 };
 
 /// exercise3 ddp: VGG19 data-parallel, PyTorch-DDP style, 10 epochs.
@@ -183,6 +202,7 @@ pub const EXERCISE3_DDP: Preset = Preset {
     course: IMAGE_RECIPE,
     sync: GradientSync::Ddp,
     per_device: false,
+    parallelism: ModelParallelism::None,
 };
 
 /// exercise3 pipeline: the 1.4B-parameter Transformer (d 4096, 12 layers, 16 heads) over
@@ -203,7 +223,12 @@ pub const EXERCISE3_PIPELINE: Preset = Preset {
     course: TUTORIAL_RECIPE,
     sync: GradientSync::Ddp,
     per_device: false,
+    parallelism: ModelParallelism::Pipeline,
 };
+
+/// exercise3 tp: the same 1.4B-parameter Transformer with every layer cut over the ranks
+/// (Megatron-LM's tensor parallelism: the course's "TP for intranode parallelism"), 3 epochs.
+pub const EXERCISE3_TP: Preset = Preset { name: "exercise3_tp", parallelism: ModelParallelism::Tensor, ..EXERCISE3_PIPELINE };
 
 impl Preset {
     /// The recipe `args` pick (`--recipe`); its flags apply on top ([`crate::experiment::Recipe`]).

@@ -149,7 +149,8 @@ fn dropout_masks_do_not_depend_on_the_shards() -> usize {
 }
 
 /// 8 ranks as 2 replicas × 2 stages × 2 shards, each rank checking its part against the
-/// unpartitioned model trained on whole batches (both schedules).
+/// unpartitioned model trained on whole batches: both schedules with the replicas' gradients
+/// all-reduced, and 1F1B with ZeRO-1 over the replicas (each updates half of its part).
 fn three_d_layout_trains_the_unpartitioned_model() -> usize {
     let world = ProcessGroup::init(Backend::Auto).unwrap();
     let layout = Layout::new(8, 2, 2, Some(2)).unwrap();
@@ -157,13 +158,16 @@ fn three_d_layout_trains_the_unpartitioned_model() -> usize {
     let coords = groups.coords;
     let cfg = tp_config(4, 0.0);
     let partition = Partition::even(cfg.nlayers, 2).unwrap();
-    for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+    let zero = DataParallelPlan { sync: GradientSync::Zero, ..ddp() };
+    for (schedule, plan) in [(Schedule::GPipe, ddp()), (Schedule::OneFOneB, ddp()), (Schedule::OneFOneB, zero)] {
         let (reference_vs, reference) = reference_model(&cfg);
         let stage = Stage::new_sharded(&cfg, coords.stage, 2, partition.layers[coords.stage].clone(), Device::Cpu, 1, groups.shard()).unwrap();
         stage.copy_from(&reference_vs).unwrap();
-        let mut process = StageProcess::new(&groups, stage, options(schedule, 2, false), ddp()).unwrap();
-        let what = format!("rank {} (replica {}, stage {}, shard {}), {}", world.rank(), coords.replica, coords.stage, coords.shard, schedule.name());
-        assert_trains_like_unpartitioned(&mut process, &reference, &reference_vs, (coords.replica, 2), &what);
+        let mut process = StageProcess::new(&groups, stage, options(schedule, 2, false), plan).unwrap();
+        let replicas = process.parallel().replicas.expect("2 replicas");
+        let mut optimizer = replicas.distribute(process.named_parameters(), |named| Box::new(sgd(named))).unwrap();
+        let what = format!("rank {} (replica {}, stage {}, shard {}), {}, {:?}", world.rank(), coords.replica, coords.stage, coords.shard, schedule.name(), plan.sync);
+        assert_trains_like_unpartitioned_with(&mut process, optimizer.as_mut(), &reference, &reference_vs, (coords.replica, 2), &what);
     }
     world.rank()
 }

@@ -468,6 +468,19 @@ impl CommStats {
         if used.is_empty() { "none".into() } else { used.join(", ") }
     }
 
+    /// An `n`-th of every count (what one of `n` alike steps moved).
+    pub fn per(self, n: u64) -> CommStats {
+        let part = |c: Counted| Counted { calls: c.calls / n.max(1), bytes: c.bytes / n.max(1) };
+        CommStats {
+            all_reduce: part(self.all_reduce),
+            broadcast: part(self.broadcast),
+            all_gather: part(self.all_gather),
+            reduce_scatter: part(self.reduce_scatter),
+            send: part(self.send),
+            recv: part(self.recv),
+        }
+    }
+
     /// What happened between `earlier` and now.
     pub fn since(self, earlier: CommStats) -> CommStats {
         let less = |a: Counted, b: Counted| Counted { calls: a.calls - b.calls, bytes: a.bytes - b.bytes };

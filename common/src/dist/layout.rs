@@ -45,15 +45,15 @@ impl Layout {
         }
         let model = pp * tp;
         if !world.is_multiple_of(model) {
-            return usage(format!(
-                "{world} ranks cannot run pipelines of {pp} stages{}: the number of ranks must be stages × --dp{}",
-                if tp > 1 { format!(" × {tp} shards") } else { String::new() },
-                if tp > 1 { " × shards" } else { "" }
-            ));
+            return usage(match tp {
+                1 => format!("{world} ranks cannot run pipelines of {pp} stages: the number of ranks must be stages × --dp"),
+                _ => format!("{world} ranks cannot hold replicas of {pp} stage(s) × {tp} tensor-parallel shards: the number of ranks must be stages × shards × --dp"),
+            });
         }
         let replicas = world / model;
         if let Some(dp) = dp.filter(|&dp| dp != replicas) {
-            return usage(format!("--dp {dp} with {pp} stages needs {} ranks, but the job has {world}", dp * model));
+            let parts = if tp > 1 { format!("{pp} stage(s) × {tp} shards") } else { format!("{pp} stages") };
+            return usage(format!("--dp {dp} with {parts} needs {} ranks, but the job has {world}", dp * model));
         }
         Ok(Layout { dp: replicas, pp, tp })
     }

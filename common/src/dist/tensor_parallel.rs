@@ -62,7 +62,7 @@ impl Shard {
             if value % k != 0 {
                 return Err(UsageError(format!(
                     "tensor parallelism over {count} ranks cuts {what} into {count} equal parts, but it is {value}: choose a --tp that divides it{}",
-                    if what.starts_with("the vocabulary") { " (or --pad-vocab)" } else { "" }
+                    if what.starts_with("the vocabulary") { " (or round it up: --pad-vocab 128)" } else { "" }
                 )));
             }
         }

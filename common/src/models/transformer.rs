@@ -166,17 +166,18 @@ pub enum OutputInit {
 
 impl OutputInit {
     /// Redraws the output layer's weight (`linear.weight`, on whichever stage holds it) when
-    /// scaled: from a generator seeded by `seed` alone, on the CPU, so that every layout and
-    /// device starts from the same weights.
-    pub fn apply(self, named_parameters: &[(String, Tensor)], cfg: &TransformerConfig, seed: u64) {
+    /// scaled: from a generator seeded by `seed` alone, on the CPU, whole (a tensor-parallel
+    /// `shard` keeps its rows), so that every layout and device starts from the same weights.
+    pub fn apply(self, named_parameters: &[(String, Tensor)], cfg: &TransformerConfig, seed: u64, shard: Shard) {
         if self == OutputInit::Tutorial {
             return;
         }
         let bound = 1.0 / (cfg.d_model as f64).sqrt();
-        for (_, weight) in named_parameters.iter().filter(|(name, _)| name == "linear.weight") {
+        for (name, weight) in named_parameters.iter().filter(|(name, _)| name == "linear.weight") {
             tch::manual_seed(mix_key(&[seed, 0x6f75_7470_7574]) as i64);
-            let drawn = Tensor::empty(weight.size(), (weight.kind(), tch::Device::Cpu)).uniform_(-bound, bound);
-            tch::no_grad(|| weight.shallow_clone().copy_(&drawn));
+            let drawn = Tensor::empty([cfg.ntoken, cfg.d_model], (weight.kind(), tch::Device::Cpu)).uniform_(-bound, bound);
+            let mine = tp::shard_tensor(&drawn, tp::split_of(name), shard);
+            tch::no_grad(|| weight.shallow_clone().copy_(&mine));
         }
     }
 }

@@ -21,7 +21,7 @@ pub mod step;
 pub use events::{Control, Event, EventLog, Observer, Observers, Record, StepEvent};
 pub use schedule::{LrSchedule, ScheduleKind, Warmup};
 pub use sinks::TENSORBOARD_EVERY;
-pub use step::{EvalSums, LocalStep, Parallel, Phase, Replication, StepContext, StepOutput, TrainStep};
+pub use step::{counted_parameters, EvalSums, LocalStep, Parallel, Phase, Replication, StepContext, StepOutput, TrainStep};
 
 use std::path::PathBuf;
 use std::time::Instant;

@@ -225,6 +225,13 @@ pub trait TrainStep<'g> {
     }
 }
 
+/// The parameters `step`'s rank holds, counting what every tensor-parallel shard holds whole
+/// on the first shard only: summed over the ranks holding a model's parts, the model's count.
+pub fn counted_parameters(step: &dyn TrainStep<'_>) -> i64 {
+    let counted = step.norm_counted();
+    step.named_parameters().iter().enumerate().filter(|(i, _)| counted.get(*i).copied().unwrap_or(true)).map(|(_, (_, t))| t.numel() as i64).sum()
+}
+
 /// Mean cross-entropy over the last dimension of `logits` (classes, or vocabulary) and, when
 /// asked, the number of arg-max hits.
 pub fn loss_and_hits(logits: &Tensor, targets: &Tensor, count_hits: bool) -> (Tensor, Option<Tensor>) {

@@ -12,12 +12,17 @@
 //!
 //!     exercise3 pipeline --devices cuda:0,cuda:1
 //!     exercise3 pipeline --devices cpu,cpu --emsize 256 --d-hid 256 --nlayers 4 --max-steps 20
+//!
+//! `exercise3 tp`: the same model with every layer cut over the ranks (Megatron-LM's tensor
+//! parallelism); `--pp` and `--dp` add pipeline stages and replicas (3D parallelism).
+//!
+//!     exercise3 tp --nproc-per-node 2 --device cpu --emsize 256 --d-hid 256 --nlayers 2 --max-steps 20
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use common::image_classification::{self, ImageArgs};
 use common::language_model::{self, PipelineArgs};
-use common::presets::{EXERCISE3_DDP, EXERCISE3_PIPELINE};
+use common::presets::{EXERCISE3_DDP, EXERCISE3_PIPELINE, EXERCISE3_TP};
 
-/// Exercise 3: VGG19 data-parallel (DDP style), or the Transformer pipeline-parallel.
+/// Exercise 3: VGG19 data-parallel (DDP style), or the Transformer pipeline- or tensor-parallel.
 #[derive(Parser)]
 #[command(version, about)]
 struct Cli {
@@ -37,17 +42,24 @@ enum Command {
         #[command(flatten)]
         args: PipelineArgs,
     },
+    /// The 1.4B-parameter Transformer LM on WikiText-2, tensor-parallel over the ranks (Megatron-LM).
+    Tp {
+        #[command(flatten)]
+        args: PipelineArgs,
+    },
 }
 
 fn main() -> std::process::ExitCode {
     let matches = Cli::command()
         .mut_subcommand("ddp", |ddp| ddp.after_help(EXERCISE3_DDP.describe()))
         .mut_subcommand("pipeline", |pipeline| pipeline.after_help(EXERCISE3_PIPELINE.describe()))
+        .mut_subcommand("tp", |tp| tp.after_help(EXERCISE3_TP.describe()))
         .get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let mut listeners = Default::default();
     common::error::run_main(|| match &cli.command {
         Command::Ddp { args } => image_classification::run(&EXERCISE3_DDP, args, &mut listeners).map(drop),
         Command::Pipeline { args } => language_model::run_pipeline(&EXERCISE3_PIPELINE, args, &mut listeners).map(drop),
+        Command::Tp { args } => language_model::run_pipeline(&EXERCISE3_TP, args, &mut listeners).map(drop),
     })
 }

@@ -1,0 +1,111 @@
+//! exercise3 tp as a user runs it on CPU ranks: the model cut over 2 ranks trains the model one
+//! rank trains (dropout on), its checkpoint holds whole tensors and resumes on one rank, the
+//! results carry the layout and the traffic of a step, and mistakes are one clear line.
+mod support;
+
+use std::path::Path;
+use std::process::{Command, Output};
+use support::{read_json, shared_data, stderr};
+
+fn exercise3(command: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_exercise3")).arg(command).args(args).output().expect("exercise3 runs")
+}
+
+/// train and valid: the first `lines` lines of the real valid split; test: of the real test split.
+fn corpus(dir: &Path, lines: usize) {
+    let real = shared_data("wikitext-2");
+    let read = |name: &str| std::fs::read_to_string(real.join(name)).unwrap();
+    let take = |text: &str| text.lines().take(lines).collect::<Vec<_>>().join("\n") + "\n";
+    let (valid, test) = (take(&read("valid.txt")), take(&read("test.txt")));
+    std::fs::write(dir.join("train.txt"), &valid).unwrap();
+    std::fs::write(dir.join("valid.txt"), &valid).unwrap();
+    std::fs::write(dir.join("test.txt"), &test).unwrap();
+}
+
+/// The model tensors of the checkpoint in `dir`, sorted by name.
+fn model_tensors(dir: &Path) -> Vec<(String, tch::Tensor)> {
+    let path = dir.join("exercise3_tp-transformer-cpu.safetensors");
+    let mut tensors: Vec<_> = common::checkpoint::load(&path).unwrap().tensors.into_iter().filter(|(k, _)| k.starts_with("model.")).collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    tensors
+}
+
+/// Small enough for a test; 4 heads and widths that 2 shards divide; dropout on (the masks are
+/// keyed, so the shards drop what one rank drops). SGD: Adam divides each gradient by its own
+/// running size, so the attention's key bias, whose gradient is rounding noise (softmax ignores
+/// a shift of all keys), moves by amounts that differ with the order of any sum.
+const SMALL: [&str; 20] = [
+    "--device", "cpu", "--emsize", "32", "--d-hid", "64", "--nhead", "4", "--nlayers", "2", "--batch-size", "8", "--threads", "1", "--pad-vocab", "8",
+    "--optimizer", "sgd", "--lr", "0.5",
+];
+
+#[test]
+fn two_shards_train_the_model_of_one_rank_and_their_checkpoint_resumes_on_one() {
+    let data = tempfile::tempdir().unwrap();
+    corpus(data.path(), 60);
+    let run = |ck: &Path, epochs: &str, placement: &[&str]| {
+        let mut args = vec!["--data-dir", data.path().to_str().unwrap(), "--epochs", epochs, "--quiet", "--resume"];
+        // (A constant rate: a cosine over --epochs would differ between 1 and 2 epochs.)
+        args.extend(["--checkpoint-dir", ck.to_str().unwrap(), "--results-dir", ck.to_str().unwrap(), "--lr-schedule", "constant"]);
+        args.extend(SMALL);
+        args.extend(placement);
+        let out = exercise3("tp", &args);
+        assert!(out.status.success(), "{placement:?}: {}", stderr(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let (one, two, resumed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    run(one.path(), "2", &[]);
+    let stdout = run(two.path(), "2", &["--nproc-per-node", "2"]);
+    assert!(stdout.contains("every layer cut over 2 tensor-parallel shards") && stdout.contains("per shard on each of 2 ranks"), "{stdout}");
+    assert!(stdout.contains("rank 0's communication per training step: all-reduce"), "{stdout}");
+    // Epoch 1 on 2 shards, epoch 2 on one rank from the checkpoint the shards wrote together.
+    run(resumed.path(), "1", &["--nproc-per-node", "2"]);
+    let out = run(resumed.path(), "2", &[]);
+    assert!(out.contains("resumed exercise3_tp-transformer-cpu") && out.contains("after epoch 1"), "{out}");
+
+    let whole = model_tensors(one.path());
+    for (what, dir) in [("2 epochs on 2 shards", two.path()), ("1 epoch on 2 shards + 1 resumed on one rank", resumed.path())] {
+        let other = model_tensors(dir);
+        assert_eq!(whole.iter().map(|t| (&t.0, t.1.size())).collect::<Vec<_>>(), other.iter().map(|t| (&t.0, t.1.size())).collect::<Vec<_>>(), "{what}: whole tensors under whole-model names");
+        for ((name, x), (_, y)) in whole.iter().zip(&other) {
+            let rel = (x - y).abs().max().double_value(&[]) / x.abs().max().double_value(&[]).max(1e-12);
+            assert!(rel <= 1e-5, "{name}: 2 epochs on one rank vs {what} differ by {rel:e}");
+        }
+    }
+
+    let json = read_json(&two.path().join("exercise3_tp-transformer-cpu.json"));
+    assert_eq!(json["layout"], serde_json::json!({ "dp": 1, "pp": 1, "tp": 2 }));
+    assert_eq!(json["world_size"], 2);
+    // Per step, rank 0 all-reduces 2 per layer forward and 2 backward, plus the embedding's sum
+    // and the loss's maximum and sum forward, the output layer's gradient backward, and the
+    // gradient norm (clipping): 4 · 2 layers + 5.
+    assert_eq!(json["communication_per_step"]["all_reduce"]["calls"], 4 * 2 + 5, "{}", json["communication_per_step"]);
+    let (whole_json, params) = (read_json(&one.path().join("exercise3_tp-transformer-cpu.json")), json["params"].as_i64().unwrap());
+    assert_eq!(whole_json["params"].as_i64(), Some(params), "the shards hold the whole model's parameters between them");
+    let memory = json["model_state_memory"]["params_bytes"].as_i64().unwrap();
+    assert!(memory < 4 * params * 6 / 10, "a shard holds about half the parameters ({memory} bytes of {params} parameters)");
+}
+
+#[test]
+fn tensor_parallel_mistakes_are_one_clear_line_with_exit_2() {
+    let data = tempfile::tempdir().unwrap();
+    corpus(data.path(), 40);
+    let dir = data.path().to_str().unwrap();
+    let small = ["--device", "cpu", "--d-hid", "64", "--nlayers", "2", "--max-steps", "1", "--quiet"];
+    let heads = ["--emsize", "32", "--nhead", "4"];
+    for (command, flags, message) in [
+        ("pipeline", [&heads[..], &["--tp", "2"]].concat(), "--tp 2 runs each shard of a layer in a process of its own"),
+        ("tp", vec!["--nproc-per-node", "2", "--nhead", "3", "--emsize", "24"], "cuts --nhead into 2 equal parts, but it is 3"),
+        // 40 lines of WikiText-2's valid split: 461 words.
+        ("tp", [&heads[..], &["--nproc-per-node", "2"]].concat(), "cuts the vocabulary into 2 equal parts, but it is 461: choose a --tp that divides it (or round it up: --pad-vocab 128)"),
+        ("tp", [&heads[..], &["--nproc-per-node", "2", "--pad-vocab", "8", "--optimizer", "lamb"]].concat(), "--optimizer lamb scales each weight by its whole norm"),
+        ("tp", [&heads[..], &["--nproc-per-node", "3", "--tp", "2"]].concat(), "3 ranks cannot hold replicas of 1 stage(s) × 2 tensor-parallel shards"),
+    ] {
+        let mut args = vec!["--data-dir", dir];
+        args.extend(small);
+        args.extend(&flags);
+        let out = exercise3(command, &args);
+        assert_eq!(out.status.code(), Some(2), "{command} {flags:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains(message), "{command} {flags:?}: {}", stderr(&out));
+    }
+}

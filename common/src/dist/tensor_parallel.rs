@@ -271,7 +271,7 @@ mod tests {
         let part = shard_tensor(&packed, Split::PackedRows(3), Shard { index: 1, count: 2 });
         assert_eq!(Vec::<f32>::try_from(part.view([-1])).unwrap(), vec![2.0, 3.0, 6.0, 7.0, 10.0, 11.0]);
         for split in [Split::Rows, Split::Columns, Split::PackedRows(3), Split::Replicated] {
-            let whole = Tensor::randn([12, 6], (Kind::Float, Device::Cpu));
+            let whole = Tensor::randn([36, 6], (Kind::Float, Device::Cpu));
             for count in [1, 2, 3] {
                 let parts: Vec<Tensor> = (0..count).map(|index| shard_tensor(&whole, split, Shard { index, count })).collect();
                 assert!(unshard(&parts, split).equal(&whole), "{split:?} over {count}");

@@ -10,6 +10,9 @@
 #include <ATen/Context.h>
 #include <ATen/core/Generator.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <c10/core/DeviceGuard.h>
 
 #include <cstdint>
 #include <cstring>
@@ -106,9 +109,111 @@ struct CollectiveInForward : public torch::autograd::Function<CollectiveInForwar
   }
 };
 
+// A callback the Rust side runs for item `index` of what `context` names (a parameter whose
+// gradient is ready, a layer whose backward pass starts): 0, or non-zero with a message.
+typedef int (*torch_ext_notify)(void* context, int64_t index, char* message, size_t size);
+
+void run_notify(torch_ext_notify notify, void* context, int64_t index) {
+  char message[2048] = {0};
+  if (notify(context, index, message, sizeof message) != 0) {
+    throw std::runtime_error(message[0] ? message : "callback failed");
+  }
+}
+
+// Runs the callback once the gradient of a parameter has been accumulated into its `.grad`
+// (PyTorch's `register_post_accumulate_grad_hook`): where ZeRO-2 reduce-scatters a bucket of
+// gradients as soon as it is complete, during the backward pass.
+struct NotifyAfterAccumulate : public torch::autograd::PostAccumulateGradHook {
+  torch_ext_notify notify;
+  void* context;
+  int64_t index;
+  NotifyAfterAccumulate(torch_ext_notify n, void* c, int64_t i) : notify(n), context(c), index(i) {}
+  void operator()(const torch::autograd::Variable& /*param*/) override { run_notify(notify, context, index); }
+};
+
+// The identity both ways, running the callback when the gradient arrives in the backward pass,
+// before the operations that made the input run theirs: where ZeRO-3 gathers a layer's
+// parameters again for its backward pass.
+struct NotifyInBackward : public torch::autograd::Function<NotifyInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, int64_t notify,
+                            int64_t context, int64_t index) {
+    ctx->saved_data["notify"] = notify;
+    ctx->saved_data["context"] = context;
+    ctx->saved_data["index"] = index;
+    return input;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    run_notify(reinterpret_cast<torch_ext_notify>(ctx->saved_data["notify"].toInt()),
+               reinterpret_cast<void*>(ctx->saved_data["context"].toInt()), ctx->saved_data["index"].toInt());
+    return {grads[0], at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 extern "C" {
+
+// Registers (replacing any earlier one) the post-accumulate-grad hook of `param` (a leaf):
+// `notify(context, index)` after each backward pass accumulated into its gradient. `context`
+// must stay valid until the hook is cleared. 0, or -1 on error.
+int torch_ext_set_grad_ready_hook(const at::Tensor* param, torch_ext_notify notify, void* context, int64_t index) {
+  return protect_status([&] {
+    TORCH_CHECK(param->is_leaf() && param->requires_grad(), "a post-accumulate-grad hook needs a leaf that requires grad");
+    torch::autograd::impl::set_post_acc_grad_hooks(*param, std::make_unique<NotifyAfterAccumulate>(notify, context, index));
+  });
+}
+
+// Removes the post-accumulate-grad hook of `param`. 0, or -1 on error.
+int torch_ext_clear_grad_ready_hook(const at::Tensor* param) {
+  return protect_status([&] { torch::autograd::impl::set_post_acc_grad_hooks(*param, nullptr); });
+}
+
+// `param.grad = None`: the gradient's memory goes back. 0, or -1 on error.
+int torch_ext_clear_grad(at::Tensor* param) {
+  return protect_status([&] { param->mutable_grad().reset(); });
+}
+
+// `input` unchanged; `notify(context, index)` runs when its gradient arrives in the backward pass.
+at::Tensor* torch_ext_notify_in_backward(const at::Tensor* input, torch_ext_notify notify, void* context, int64_t index) {
+  return protect([&] {
+    return NotifyInBackward::apply(*input, reinterpret_cast<int64_t>(notify), reinterpret_cast<int64_t>(context), index);
+  });
+}
+
+// Bytes the tensor's storage holds now (0 once freed by torch_ext_free_storage).
+int64_t torch_ext_storage_nbytes(const at::Tensor* tensor) {
+  return tensor->has_storage() ? static_cast<int64_t>(tensor->storage().nbytes()) : 0;
+}
+
+// Frees the memory of the tensor's storage and keeps its shape (FSDP's `_free_storage`): every
+// view of the storage, the autograd graph's saved references included, sees an empty storage
+// until torch_ext_fill_storage gives it memory again. 0, or -1 on error.
+int torch_ext_free_storage(at::Tensor* tensor) {
+  return protect_status([&] {
+    auto* storage = tensor->storage().unsafeGetStorageImpl();
+    storage->set_data_ptr_noswap(at::DataPtr(nullptr, tensor->device()));
+    storage->set_nbytes(0);
+  });
+}
+
+// Gives the tensor's storage memory for its elements again and copies `values` (the same
+// shape) into it, without counting an in-place change (the autograd graph saved the tensor
+// and will read these values). 0, or -1 on error.
+int torch_ext_fill_storage(at::Tensor* tensor, const at::Tensor* values) {
+  return protect_status([&] {
+    auto* storage = tensor->storage().unsafeGetStorageImpl();
+    size_t needed = (tensor->storage_offset() + tensor->numel()) * tensor->element_size();
+    if (storage->nbytes() < needed) {
+      c10::DeviceGuard guard(tensor->device());
+      TORCH_CHECK(storage->allocator() != nullptr, "a storage without an allocator cannot be refilled");
+      storage->set_data_ptr_noswap(storage->allocator()->allocate(needed));
+      storage->set_nbytes(needed);
+    }
+    tensor->variable_data().copy_(*values);
+  });
+}
 
 // `input` through Megatron's f: the same values, and a backward pass that runs `collective` on
 // the gradient (in place, on a copy). `context` must stay valid until that backward pass ran.

@@ -9,6 +9,7 @@ use tch::Device;
 
 use crate::device::{self, DeviceChoice};
 use crate::dist::layout::{Groups, Layout};
+use crate::dist::zero::ZeroStage;
 use crate::dist::{launch, Backend, CommStats, LaunchEnv, ProcessGroup};
 use crate::error::usage;
 use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
@@ -204,16 +205,20 @@ impl Observer for StepTraffic<'_> {
     }
 }
 
-/// What ZeRO stage 1 does not cover yet, refused before anything trains.
-fn check_zero<E: Experiment>(exp: &E) -> Result<()> {
+/// What ZeRO does not cover (yet), refused before anything trains.
+fn check_zero<E: Experiment>(exp: &E, stage: ZeroStage, groups: &Groups) -> Result<()> {
     use crate::optim::OptimizerKind;
     let (run, recipe) = (exp.run_args(), exp.recipe_args());
+    let n = stage.number();
     let optimizer = recipe.optimizer.unwrap_or(exp.preset().recipe_for(recipe).optimizer);
     if matches!(optimizer, OptimizerKind::Lars | OptimizerKind::Lamb) {
-        return usage(format!("--zero 1 shards element-wise optimizers (adam, sgd); {} needs whole layers", optimizer.name()));
+        return usage(format!("--zero {n} shards element-wise optimizers (adam, sgd); {} needs whole layers", optimizer.name()));
     }
     if run.precision == crate::precision::Precision::Half {
-        return usage("--zero 1 with --precision 16-mixed (a gradient scaler over the shards) is not built yet: use bf16-mixed or 32");
+        return usage(format!("--zero {n} with --precision 16-mixed (a gradient scaler over the shards) is not built yet: use bf16-mixed or 32"));
+    }
+    if stage != ZeroStage::OptimizerState && groups.layout.pp * groups.layout.tp > 1 {
+        return usage(format!("--zero {n} is for whole models on each replica; with pipeline stages or tensor-parallel shards use --zero 1"));
     }
     Ok(())
 }
@@ -238,11 +243,11 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         ))?;
     }
     let plan = exp.model(data, groups, device, session)?;
-    let zero = exp.parallel_args().zero == 1;
-    if zero {
-        check_zero(exp)?;
+    let zero = exp.parallel_args().zero_stage();
+    if let Some(stage) = zero {
+        check_zero(exp, stage, groups)?;
     }
-    let sync = if zero { crate::dist::GradientSync::Zero } else { preset.sync };
+    let sync = zero.map_or(preset.sync, crate::dist::GradientSync::Zero);
     let dp = DataParallelPlan { averager: exp.parallel_args().averager(), sync };
     let mut step = parallelize(&plan, groups, dp, device, run.seed)?;
     exp.describe(&plan, step.as_ref(), groups, device, session)?;
@@ -251,7 +256,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     let recipe = Recipe::resolve(preset, exp.recipe_args(), replicas, sources.train.batches_per_epoch(), run.epochs.unwrap_or(preset.epochs));
     let build = |named| recipe.optimizer.build(named, recipe.lr, recipe.momentum, recipe.weight_decay);
     let mut optimizer = match step.parallel().replicas {
-        Some(replication) => replication.distribute(step.named_parameters(), build)?,
+        Some(replication) => replication.distribute(step.as_ref(), build)?,
         None => build(step.named_parameters()),
     };
     let name = format!("{}-{}-{}", preset.name, exp.model_name(), device::device_name(device));
@@ -297,7 +302,9 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     let per_step: Option<CommStats> = per_step.get();
     let replica_group = step.parallel().replica_group();
     if let Some(group) = replica_group {
+        step.materialize()?;
         train::check_replicas_agree(&step.named_variables(), group)?;
+        step.release(false)?;
     }
     let memory = ModelStateMemory::measure(&step.named_parameters(), optimizer.as_ref(), replicas, zero);
     let params = step_parameter_count(groups, step.as_ref())?; // a collective: every rank
@@ -487,10 +494,14 @@ mod tests {
     }
 }
 
-/// What one rank holds for the model after training, measured, beside ZeRO's formula (Rajbhandari
-/// et al.: Ψ parameters, K bytes of optimizer state per parameter, N replicas; float32 here, so
-/// 4 bytes each for parameters and gradients, and ZeRO-1's block of float32 parameters counted
-/// with the state: plain replicas (8 + K)Ψ, ZeRO-1 8Ψ + (4 + K)Ψ/N).
+/// What one rank holds for the model after training, measured (the bytes its tensors' storages
+/// hold), beside ZeRO's formula (Rajbhandari et al.: Ψ parameters, K bytes of optimizer state
+/// per parameter, N replicas). The paper counts 2-byte parameters and gradients and K = 12 for
+/// mixed-precision Adam (its float32 copy of the parameters, two moments); here parameters and
+/// gradients are float32, so 4 bytes each, Adam's K is 8, and ZeRO's float32 block (the rank's
+/// copy of its share, the paper's master weights) adds 4 bytes per sharded parameter:
+/// plain replicas (8 + K)Ψ, ZeRO-1 8Ψ + (4 + K)Ψ/N, ZeRO-2 4Ψ + (8 + K)Ψ/N, ZeRO-3
+/// (8 + K)Ψ/N, where the block is the parameters themselves.
 #[derive(Debug, Clone, Copy, Serialize)]
 struct ModelStateMemory {
     params_bytes: usize,
@@ -502,25 +513,27 @@ struct ModelStateMemory {
 }
 
 impl ModelStateMemory {
-    fn measure(named: &[(String, tch::Tensor)], optimizer: &dyn crate::optim::Optimizer, replicas: usize, zero: bool) -> Self {
-        let bytes = |t: &tch::Tensor| t.numel() * t.kind().elt_size_in_bytes();
-        let params_bytes: usize = named.iter().map(|(_, t)| bytes(t)).sum();
-        let grads_bytes: usize = named.iter().map(|(_, t)| t.grad()).filter(tch::Tensor::defined).map(|g| bytes(&g)).sum();
+    fn measure(named: &[(String, tch::Tensor)], optimizer: &dyn crate::optim::Optimizer, replicas: usize, zero: Option<ZeroStage>) -> Self {
+        let held = crate::torch_ext::storage_nbytes;
+        let params_bytes: usize = named.iter().map(|(_, t)| held(t)).sum();
+        let grads_bytes: usize = named.iter().map(|(_, t)| t.grad()).filter(tch::Tensor::defined).map(|g| held(&g)).sum::<usize>() + optimizer.sharded_gradient_bytes();
         let optimizer_bytes = optimizer.state_bytes();
         let psi = named.iter().map(|(_, t)| t.numel()).sum::<usize>() as f64;
         // K from what the optimizer keeps for an unsharded parameter (Adam 8, SGD momentum 4).
-        let k = match (zero, optimizer.name()) {
-            (_, "adam" | "lamb") => 8.0,
-            (_, "sgd" | "lars") if optimizer_bytes > 0 => 4.0,
+        let k = match optimizer.name() {
+            "adam" | "lamb" => 8.0,
+            "sgd" | "lars" if optimizer_bytes > 0 => 4.0,
             _ => 0.0,
         };
+        let n = replicas as f64;
         let (formula_bytes, formula) = match zero {
-            true => (8.0 * psi + (4.0 + k) * psi / replicas as f64, "ZeRO-1: 8Ψ + (4 + K)Ψ/N"),
-            false => ((8.0 + k) * psi, "(8 + K)Ψ"),
+            None => ((8.0 + k) * psi, "(8 + K)Ψ"),
+            Some(ZeroStage::OptimizerState) => (8.0 * psi + (4.0 + k) * psi / n, "ZeRO-1: 8Ψ + (4 + K)Ψ/N"),
+            Some(ZeroStage::Gradients) => (4.0 * psi + (8.0 + k) * psi / n, "ZeRO-2: 4Ψ + (8 + K)Ψ/N"),
+            Some(ZeroStage::Parameters) => ((8.0 + k) * psi / n, "ZeRO-3: (8 + K)Ψ/N"),
         };
         ModelStateMemory { params_bytes, grads_bytes, optimizer_bytes, total_bytes: params_bytes + grads_bytes + optimizer_bytes, formula_bytes, formula }
     }
-
     fn describe(&self, device: Device) -> String {
         let mib = |b: f64| b / (1024.0 * 1024.0);
         format!(

@@ -216,7 +216,8 @@ pub struct ParallelArgs {
     pub fp16_allreduce: bool,
     /// ZeRO stage: 0 keeps everything on every replica; 1 shards the optimizer state over the
     /// data-parallel replicas (reduce-scatter the gradients, update one's block, all-gather the
-    /// parameters). Stages 2 and 3 are not built yet.
+    /// parameters); 2 also the gradients (reduce-scattered in buckets during the backward
+    /// pass); 3 also the parameters (FSDP: gathered layer by layer when needed).
     #[arg(long, default_value_t = 0)]
     pub zero: u8,
 }
@@ -230,10 +231,14 @@ impl ParallelArgs {
             return usage(format!("--bucket-mb must be positive, got {}", self.bucket_mb));
         }
         match self.zero {
-            0 | 1 => Ok(()),
-            2 | 3 => usage(format!("--zero {}: only ZeRO stage 1 (sharded optimizer state) is built so far", self.zero)),
+            0..=3 => Ok(()),
             other => usage(format!("--zero {other}: ZeRO has stages 0 to 3")),
         }
+    }
+
+    /// The ZeRO stage `--zero` asks for (none for 0).
+    pub fn zero_stage(&self) -> Option<crate::dist::zero::ZeroStage> {
+        crate::dist::zero::ZeroStage::from_flag(self.zero)
     }
 
     /// The bucketed gradient averager these flags describe.

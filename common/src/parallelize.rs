@@ -18,7 +18,8 @@ use crate::dist::data_parallel::GradientAverager;
 use crate::dist::layout::Groups;
 use crate::dist::GradientSync;
 use crate::error::usage;
-use crate::models::{self, ModelSpec, OutputInit, TransformerConfig, TransformerLm};
+use crate::dist::zero::ZeroStage;
+use crate::models::{self, ModelSpec, OnePart, OutputInit, PartedModule, TransformerConfig, TransformerLm};
 use crate::pipeline::process::StageProcess;
 use crate::pipeline::{Partition, Pipeline, PipelineOptions, Stage};
 use crate::train::{LocalStep, Parallel, Replication, TrainStep};
@@ -68,14 +69,18 @@ fn build_step<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPla
         replicas.averager.check(replicas.group, device)?;
     }
     let parallel = Parallel { replicas, model: None, world: Some(groups.world), replica: groups.coords.replica, tp: None };
-    let whole_model = |build: &dyn Fn(&nn::VarStore) -> Result<Box<dyn nn::ModuleT>>| -> Result<Box<dyn TrainStep<'g> + 'g>> {
+    let whole_model = |build: &dyn Fn(&nn::VarStore) -> Result<Box<dyn PartedModule>>| -> Result<Box<dyn TrainStep<'g> + 'g>> {
         if groups.layout.pp * groups.layout.tp != 1 {
             return usage(format!("this model is not split into parts, but the job's layout is {}", groups.layout.describe()));
         }
         tch::manual_seed(seed as i64);
         let vs = nn::VarStore::new(device);
         let module = build(&vs)?;
-        Ok(Box::new(LocalStep::new(vs, module, parallel)))
+        Ok(match dp.sync {
+            // FSDP: the parameters sharded over the replicas from the start.
+            GradientSync::Zero(ZeroStage::Parameters) if parallel.replicas.is_some() => Box::new(LocalStep::sharded(vs, module, parallel)?),
+            _ => Box::new(LocalStep::parted(vs, module, parallel)),
+        })
     };
     match model {
         ModelPlan::Image { spec, weights, channels_last } => whole_model(&|vs| {
@@ -83,13 +88,13 @@ fn build_step<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPla
             if let Some(path) = weights {
                 models::load_weights(vs, path)?;
             }
-            Ok(match channels_last {
+            Ok(Box::new(OnePart(match channels_last {
                 true => Box::new(models::ChannelsLast::new(vs, module)?),
                 false => module,
-            })
+            })))
         }),
         ModelPlan::Transformer { config, pipeline: None, .. } => {
-            whole_model(&|vs| Ok(Box::new(TransformerLm::new(&vs.root(), config)?) as Box<dyn nn::ModuleT>))
+            whole_model(&|vs| Ok(Box::new(TransformerLm::new(&vs.root(), config)?) as Box<dyn PartedModule>))
         }
         ModelPlan::Transformer { config, pipeline: Some(plan), .. } if !plan.devices.is_empty() => {
             if groups.world.world_size() > 1 {

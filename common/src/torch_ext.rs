@@ -60,7 +60,18 @@ mod ffi {
         pub fn torch_ext_set_grad(param: *mut C_tensor, grad: *const C_tensor) -> i32;
         pub fn torch_ext_collective_in_backward(input: *const C_tensor, collective: Collective, context: *mut c_void) -> *mut C_tensor;
         pub fn torch_ext_collective_in_forward(input: *const C_tensor, collective: Collective, context: *mut c_void) -> *mut C_tensor;
+        pub fn torch_ext_set_grad_ready_hook(param: *const C_tensor, notify: Notify, context: *mut c_void, index: i64) -> i32;
+        pub fn torch_ext_clear_grad_ready_hook(param: *const C_tensor) -> i32;
+        pub fn torch_ext_clear_grad(param: *mut C_tensor) -> i32;
+        pub fn torch_ext_notify_in_backward(input: *const C_tensor, notify: Notify, context: *mut c_void, index: i64) -> *mut C_tensor;
+        pub fn torch_ext_storage_nbytes(tensor: *const C_tensor) -> i64;
+        pub fn torch_ext_free_storage(tensor: *mut C_tensor) -> i32;
+        pub fn torch_ext_fill_storage(tensor: *mut C_tensor, values: *const C_tensor) -> i32;
     }
+
+    /// A callback for item `index` of what `context` names: 0, or non-zero with a message
+    /// written into `message` (at most `size` bytes, NUL-terminated).
+    pub type Notify = unsafe extern "C" fn(context: *mut c_void, index: i64, message: *mut u8, size: usize) -> i32;
 
     /// A collective run in place on `tensor` for [`super::collective_in_backward`]: 0, or
     /// non-zero with a message written into `message` (at most `size` bytes, NUL-terminated).
@@ -364,4 +375,74 @@ pub unsafe fn collective_in_backward(input: &Tensor, collective: ffi::Collective
 /// `context` must be valid for `collective` during the call.
 pub unsafe fn collective_in_forward(input: &Tensor, collective: ffi::Collective, context: *mut c_void) -> Result<Tensor> {
     tensor(ffi::torch_ext_collective_in_forward(input.as_ptr(), collective, context), "g (collective forward, identity backward)")
+}
+
+pub use ffi::{Collective, Notify};
+
+/// Writes `error` into a callback's message buffer of `size` bytes (NUL-terminated, cut short
+/// where it does not fit) and returns the failure code the shim expects.
+///
+/// # Safety
+/// `message` must be valid for `size` bytes.
+pub unsafe fn report_callback_error(error: &str, message: *mut u8, size: usize) -> i32 {
+    if size > 0 {
+        let n = error.len().min(size - 1);
+        std::ptr::copy_nonoverlapping(error.as_ptr(), message, n);
+        *message.add(n) = 0;
+    }
+    1
+}
+
+/// Registers `notify(context, index)` to run after each backward pass has accumulated into
+/// `param`'s gradient (PyTorch's `register_post_accumulate_grad_hook`; one hook per parameter,
+/// replacing an earlier one).
+///
+/// # Safety
+/// `context` must stay valid until [`clear_grad_ready_hook`] removed the hook.
+pub unsafe fn set_grad_ready_hook(param: &Tensor, notify: Notify, context: *mut c_void, index: i64) -> Result<()> {
+    status(ffi::torch_ext_set_grad_ready_hook(param.as_ptr(), notify, context, index), "post-accumulate-grad hook")
+}
+
+/// Removes `param`'s post-accumulate-grad hook.
+pub fn clear_grad_ready_hook(param: &Tensor) -> Result<()> {
+    // SAFETY: a valid tensor for the duration of the call.
+    status(unsafe { ffi::torch_ext_clear_grad_ready_hook(param.as_ptr()) }, "post-accumulate-grad hook")
+}
+
+/// `param.grad = None` for one parameter (its memory goes back).
+pub fn clear_grad(param: &Tensor) -> Result<()> {
+    let mut param = param.shallow_clone();
+    // SAFETY: a valid tensor for the duration of the call.
+    status(unsafe { ffi::torch_ext_clear_grad(param.as_mut_ptr()) }, "clearing a gradient")
+}
+
+/// `input` unchanged, with `notify(context, index)` run when its gradient arrives in the
+/// backward pass (before the passes of what computed `input`).
+///
+/// # Safety
+/// `context` must stay valid until the graph's backward pass ran or the graph was dropped.
+pub unsafe fn notify_in_backward(input: &Tensor, notify: Notify, context: *mut c_void, index: i64) -> Result<Tensor> {
+    tensor(ffi::torch_ext_notify_in_backward(input.as_ptr(), notify, context, index), "a backward-pass notification")
+}
+
+/// Bytes `tensor`'s storage holds now (0 after [`free_storage`]).
+pub fn storage_nbytes(tensor: &Tensor) -> usize {
+    // SAFETY: a valid tensor for the duration of the call.
+    unsafe { ffi::torch_ext_storage_nbytes(tensor.as_ptr()) }.max(0) as usize
+}
+
+/// Frees `tensor`'s memory, keeping its shape (FSDP's storage resize to 0): all views of its
+/// storage see no elements until [`fill_storage`].
+pub fn free_storage(tensor: &Tensor) -> Result<()> {
+    let mut t = tensor.shallow_clone();
+    // SAFETY: a valid tensor for the duration of the call.
+    status(unsafe { ffi::torch_ext_free_storage(t.as_mut_ptr()) }, "freeing a storage")
+}
+
+/// Gives `tensor`'s storage memory again and copies `values` (its shape) in, without an
+/// in-place version change (the autograd graph may hold `tensor` for its backward pass).
+pub fn fill_storage(tensor: &Tensor, values: &Tensor) -> Result<()> {
+    let mut t = tensor.shallow_clone();
+    // SAFETY: valid tensors for the duration of the call.
+    status(unsafe { ffi::torch_ext_fill_storage(t.as_mut_ptr(), values.as_ptr()) }, "refilling a storage")
 }

@@ -158,14 +158,14 @@ fn three_d_layout_trains_the_unpartitioned_model() -> usize {
     let coords = groups.coords;
     let cfg = tp_config(4, 0.0);
     let partition = Partition::even(cfg.nlayers, 2).unwrap();
-    let zero = DataParallelPlan { sync: GradientSync::Zero, ..ddp() };
+    let zero = DataParallelPlan { sync: GradientSync::Zero(common::dist::zero::ZeroStage::OptimizerState), ..ddp() };
     for (schedule, plan) in [(Schedule::GPipe, ddp()), (Schedule::OneFOneB, ddp()), (Schedule::OneFOneB, zero)] {
         let (reference_vs, reference) = reference_model(&cfg);
         let stage = Stage::new_sharded(&cfg, coords.stage, 2, partition.layers[coords.stage].clone(), Device::Cpu, 1, groups.shard()).unwrap();
         stage.copy_from(&reference_vs).unwrap();
         let mut process = StageProcess::new(&groups, stage, options(schedule, 2, false), plan).unwrap();
         let replicas = process.parallel().replicas.expect("2 replicas");
-        let mut optimizer = replicas.distribute(process.named_parameters(), |named| Box::new(sgd(named))).unwrap();
+        let mut optimizer = replicas.distribute(&process, |named| Box::new(sgd(named))).unwrap();
         let what = format!("rank {} (replica {}, stage {}, shard {}), {}, {:?}", world.rank(), coords.replica, coords.stage, coords.shard, schedule.name(), plan.sync);
         assert_trains_like_unpartitioned_with(&mut process, optimizer.as_mut(), &reference, &reference_vs, (coords.replica, 2), &what);
     }

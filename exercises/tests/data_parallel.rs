@@ -226,6 +226,17 @@ fn the_language_model_data_parallel_equals_one_rank_with_the_doubled_batch() {
     let worst = worst_relative_difference(&checkpoint_model(one.path(), "exercise1_nlp-transformer-cpu"), &checkpoint_model(two.path(), "exercise1_nlp-transformer-cpu"));
     println!("exercise1_nlp, 2 ranks × 4 streams vs 1 rank × 8, {} SGD steps: max relative parameter difference {worst:e}", json["steps"]);
     assert!(worst <= 1e-5, "2 ranks × 4 and 1 rank × 8 differ by {worst:e}");
+
+    // ZeRO-3 (FSDP) on the language model: its parts are the embedding, the layer and the output
+    // layer, each gathered for its forward and again for its backward pass and reduce-scattered
+    // once; the same model as above.
+    let sharded = tempfile::tempdir().unwrap();
+    let (out, json) = run(sharded.path(), "4", &["--lr", "1.0", "--nproc-per-node", "2", "--zero", "3"]);
+    assert!(out.contains("parameters bit-identical on all 2 ranks"), "{out}");
+    let per_step = &json["communication_per_step"];
+    assert_eq!((per_step["all_gather"]["calls"].as_u64(), per_step["reduce_scatter"]["calls"].as_u64()), (Some(2 * 3), Some(3)), "{per_step}");
+    let worst = worst_relative_difference(&checkpoint_model(one.path(), "exercise1_nlp-transformer-cpu"), &checkpoint_model(sharded.path(), "exercise1_nlp-transformer-cpu"));
+    assert!(worst <= 1e-5, "ZeRO-3 on 2 ranks × 4 and 1 rank × 8 differ by {worst:e}");
 }
 
 #[test]
@@ -260,49 +271,71 @@ fn pipeline_replicas_average_in_the_buckets_asked_for() {
     assert!(stderr(&out).contains("--fp16-allreduce needs NCCL"), "{}", stderr(&out));
 }
 
-/// ZeRO stage 1 on 2 ranks (exercise2's Horovod-style job with `--zero 1`): the same losses as
-/// plain data parallelism at the same seed and global batch, with gradient clipping; the
-/// replicas end bit-identical; the optimizer state per rank is halved and the measured model
-/// state is the formula's; the gradients travel as a reduce-scatter and the parameters as an
-/// all-gather, once per step each. What stage 1 does not cover yet is a usage error.
+/// ZeRO stages 1, 2 and 3 on 2 ranks (exercise2's Horovod-style job with `--zero N`): the same
+/// losses and the same final parameters as plain data parallelism at the same seed and global
+/// batch, with gradient clipping; the replicas end bit-identical; the measured model state per
+/// rank is the formula's (within 10%) and shrinks stage by stage; stage 1 sends the gradients as
+/// one reduce-scatter and the parameters as one all-gather per step, stage 2 reduce-scatters
+/// buckets of --bucket-mb during the backward pass, stage 3 gathers the parameters for the
+/// forward and again for the backward pass. What ZeRO does not cover is a usage error.
 #[test]
-fn zero_stage_1_trains_the_data_parallel_model_with_half_the_optimizer_state() {
+fn zero_stages_train_the_data_parallel_model_with_less_state_per_rank() {
     let dir = tempfile::tempdir().unwrap();
     data(dir.path(), 200);
     let run = |zero: &str| {
         let results = tempfile::tempdir().unwrap();
         let out = exercise2(
             &[
-                "--model", "cnn", "--nproc-per-node", "2", "--batch-size", "20", "--max-steps", "5", "--epochs", "1", "--clip", "0.5",
+                "--model", "cnn", "--nproc-per-node", "2", "--batch-size", "20", "--epochs", "1", "--clip", "0.5",
+                // Buckets of 0.1 MiB: the CNN's 0.73 MiB of gradients in several of them.
+                "--bucket-mb", "0.1",
                 "--zero", zero, "--data-dir", dir.path().to_str().unwrap(), "--results-dir", results.path().to_str().unwrap(),
+                "--checkpoint-dir", results.path().to_str().unwrap(),
             ],
             &[],
         );
         assert!(out.status.success(), "--zero {zero}: {}", stderr(&out));
         assert!(stdout(&out).contains("parameters bit-identical on all 2 ranks"), "{}", stdout(&out));
-        read_json(&results.path().join("exercise2-cnn-cpu.json"))
+        (read_json(&results.path().join("exercise2-cnn-cpu.json")), model_tensors(results.path()))
     };
-    let (plain, sharded) = (run("0"), run("1"));
+    let (plain, plain_params) = run("0");
+    let stages: Vec<(serde_json::Value, Vec<(String, tch::Tensor)>)> = ["1", "2", "3"].iter().map(|z| run(z)).collect();
     let loss = |r: &serde_json::Value, key: &str| r["history"][0][key].as_f64().unwrap();
-    for key in ["train_loss", "eval_loss"] {
-        let (a, b) = (loss(&plain, key), loss(&sharded, key));
-        assert!((a - b).abs() <= 1e-5 * a.abs(), "{key}: ZeRO-1 {b} vs plain {a}");
-    }
     let memory = |r: &serde_json::Value, key: &str| r["model_state_memory"][key].as_f64().unwrap();
-    for r in [&plain, &sharded] {
-        let (measured, formula) = (memory(r, "total_bytes"), memory(r, "formula_bytes"));
-        assert!((measured - formula).abs() <= 0.1 * formula, "{measured} bytes vs the formula's {formula}");
+    let calls = |r: &serde_json::Value, kind: &str| r["communication_per_step"][kind]["calls"].as_u64().unwrap();
+    for (stage, (sharded, params)) in stages.iter().enumerate().map(|(i, s)| (i + 1, s)) {
+        for key in ["train_loss", "eval_loss"] {
+            let (a, b) = (loss(&plain, key), loss(sharded, key));
+            assert!((a - b).abs() <= 1e-5 * a.abs(), "{key}: ZeRO-{stage} {b} vs plain {a}");
+        }
+        let worst = worst_relative_difference(&plain_params, params);
+        assert!(worst <= 1e-5, "ZeRO-{stage}: parameters after an epoch differ from plain data parallelism by {worst:e}");
+        let (measured, formula) = (memory(sharded, "total_bytes"), memory(sharded, "formula_bytes"));
+        assert!((measured - formula).abs() <= 0.1 * formula, "ZeRO-{stage}: {measured} bytes vs the formula's {formula}");
     }
-    let halved = memory(&sharded, "optimizer_bytes") / memory(&plain, "optimizer_bytes");
+    let (measured, formula) = (memory(&plain, "total_bytes"), memory(&plain, "formula_bytes"));
+    assert!((measured - formula).abs() <= 0.1 * formula, "{measured} bytes vs the formula's {formula}");
+    let totals: Vec<f64> = std::iter::once(&plain).chain(stages.iter().map(|s| &s.0)).map(|r| memory(r, "total_bytes")).collect();
+    assert!(totals.windows(2).all(|w| w[1] < w[0]), "model state per rank: {totals:?}");
+
+    let (one, two, three) = (&stages[0].0, &stages[1].0, &stages[2].0);
+    let halved = memory(one, "optimizer_bytes") / memory(&plain, "optimizer_bytes");
     // Adam's 8 bytes per parameter over 2 ranks, plus ZeRO's float32 block: (4 + 8) / 2 / 8.
     assert!((halved - 0.75).abs() < 0.01, "optimizer bytes ratio {halved}");
-    let comm = &sharded["communication"];
-    assert_eq!((comm["reduce_scatter"]["calls"].as_u64(), comm["all_gather"]["calls"].as_u64()), (Some(5), Some(5)), "{comm}");
+    assert_eq!((calls(one, "reduce_scatter"), calls(one, "all_gather")), (1, 1), "{}", one["communication_per_step"]);
     assert_eq!(plain["communication"]["reduce_scatter"]["calls"].as_u64(), Some(0));
+    // Stage 2: the gradients in buckets (more than one), the whole gradients gone after the step.
+    assert!(calls(two, "reduce_scatter") > 1 && calls(two, "all_gather") == 1, "{}", two["communication_per_step"]);
+    assert!((memory(two, "grads_bytes") - memory(&plain, "grads_bytes") / 2.0).abs() <= 0.01 * memory(&plain, "grads_bytes"), "ZeRO-2 keeps half the gradients");
+    // Stage 3: the CNN is one part: gathered for its forward and its backward pass, its
+    // gradients reduce-scattered once; between steps no whole parameter is held.
+    assert_eq!((calls(three, "all_gather"), calls(three, "reduce_scatter")), (2, 1), "{}", three["communication_per_step"]);
+    assert_eq!(memory(three, "params_bytes"), 0.0);
 
     for (flags, expected) in [
-        (&["--zero", "2"][..], "only ZeRO stage 1"),
+        (&["--zero", "4"][..], "ZeRO has stages 0 to 3"),
         (&["--zero", "1", "--optimizer", "lars"][..], "needs whole layers"),
+        (&["--zero", "3", "--optimizer", "lamb"][..], "needs whole layers"),
     ] {
         let mut args = vec!["--data-dir", dir.path().to_str().unwrap(), "--max-steps", "1"];
         args.extend_from_slice(flags);
@@ -312,10 +345,11 @@ fn zero_stage_1_trains_the_data_parallel_model_with_half_the_optimizer_state() {
     }
 }
 
-/// A ZeRO-1 checkpoint holds the whole optimizer state under the parameters' names, as a plain
-/// data-parallel run writes it (gathered from the ranks' blocks): it resumes with ZeRO on 2
-/// ranks and without it on 1 rank (at the same global batch), both landing where 2 epochs
-/// straight land; and a plain checkpoint resumes with ZeRO.
+/// A ZeRO checkpoint holds the whole optimizer state under the parameters' names, as a plain
+/// data-parallel run writes it (gathered from the ranks' blocks): a ZeRO-1 one resumes with
+/// ZeRO on 2 ranks and without it on 1 rank (at the same global batch), a ZeRO-3 one written by
+/// 2 ranks resumes on 4 ranks with ZeRO-2 and on 1 rank, all landing where 2 epochs straight
+/// land; and a plain checkpoint resumes with ZeRO.
 #[test]
 fn a_zero_checkpoint_holds_the_whole_state_and_resumes_on_other_layouts() {
     let d = tempfile::tempdir().unwrap();
@@ -369,4 +403,13 @@ fn a_zero_checkpoint_holds_the_whole_state_and_resumes_on_other_layouts() {
     close("ZeRO-1's checkpoint resumed on 1 rank", &model_tensors(straight.path()), &model_tensors(on_one.path()));
     run(plain_to_zero.path(), "2", "2", "16", "1");
     close("a plain checkpoint resumed with ZeRO-1", &model_tensors(straight.path()), &model_tensors(plain_to_zero.path()));
+
+    let stage_3 = tempfile::tempdir().unwrap();
+    run(stage_3.path(), "1", "2", "16", "3");
+    close("the optimizer state after 1 epoch, ZeRO-3 vs plain", &plain_state, &state(stage_3.path()));
+    let on_one = copy(stage_3.path());
+    run(stage_3.path(), "2", "4", "8", "2");
+    close("ZeRO-3 on 2 ranks resumed with ZeRO-2 on 4 ranks", &model_tensors(straight.path()), &model_tensors(stage_3.path()));
+    run(on_one.path(), "2", "1", "32", "0");
+    close("ZeRO-3's checkpoint resumed on 1 rank", &model_tensors(straight.path()), &model_tensors(on_one.path()));
 }

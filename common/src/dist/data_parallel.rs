@@ -22,9 +22,10 @@ pub enum GradientSync {
     Ddp,
     /// Inside the optimizer's step, through a [`DistributedOptimizer`] (Horovod).
     Horovod,
-    /// ZeRO stage 1: a reduce-scatter in the optimizer's `synchronize`, each rank updating its
-    /// block of the parameters ([`super::zero::ZeroOptimizer`]).
-    Zero,
+    /// ZeRO: gradients reduce-scattered (in the optimizer's `synchronize`, or from stage 2
+    /// during the backward pass), each rank updating its block of the parameters
+    /// ([`super::zero::ZeroOptimizer`]).
+    Zero(super::zero::ZeroStage),
 }
 
 /// Overwrites every variable of `vs` (trainable or not, so buffers such as batch-norm

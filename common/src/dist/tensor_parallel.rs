@@ -185,15 +185,8 @@ unsafe extern "C" fn all_reduce_sum(context: *mut c_void, tensor: *mut C_tensor,
         Ok(Err(err)) => format!("tensor-parallel all-reduce: {err:#}"),
         Err(_) => "tensor-parallel all-reduce panicked".to_string(),
     };
-    if size > 0 {
-        let n = error.len().min(size - 1);
-        // SAFETY: the C++ side passes a buffer of `size` bytes.
-        unsafe {
-            std::ptr::copy_nonoverlapping(error.as_ptr(), message, n);
-            *message.add(n) = 0;
-        }
-    }
-    1
+    // SAFETY: the C++ side passes a buffer of `size` bytes.
+    unsafe { torch_ext::report_callback_error(&error, message, size) }
 }
 
 /// Megatron's f on `x` over `group`: the same values; in the backward pass the gradient of

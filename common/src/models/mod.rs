@@ -19,6 +19,7 @@ pub use transformer::{
 };
 pub use weights::load_weights;
 
+
 /// Which network to build.
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
@@ -91,6 +92,33 @@ impl nn::ModuleT for ChannelsLast {
         self.inner.forward_t(&xs, train)
     }
 }
+
+/// A model that can run part by part (FSDP's units): ZeRO-3 gathers a part's parameters just
+/// before the part runs and frees them after. A model that does not say otherwise is one part.
+pub trait PartedModule: nn::ModuleT {
+    /// The part the variable `name` belongs to (0, 1, ...: in the order the parts run).
+    fn part_of(&self, _name: &str) -> usize {
+        0
+    }
+
+    /// [`nn::ModuleT::forward_t`], each part's computation handed to `around(part, run)`, which
+    /// runs it (with its parameters in place) and returns its output.
+    fn forward_parts(&self, xs: &Tensor, train: bool, around: &mut dyn FnMut(usize, &dyn Fn() -> Tensor) -> anyhow::Result<Tensor>) -> anyhow::Result<Tensor> {
+        around(0, &|| self.forward_t(xs, train))
+    }
+}
+
+/// Any model as one part.
+#[derive(Debug)]
+pub struct OnePart(pub Box<dyn nn::ModuleT>);
+
+impl nn::ModuleT for OnePart {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        self.0.forward_t(xs, train)
+    }
+}
+
+impl PartedModule for OnePart {}
 
 /// Number of trainable parameters (buffers such as batch-norm running statistics excluded).
 pub fn param_count(vs: &nn::VarStore) -> i64 {

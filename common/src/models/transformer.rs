@@ -672,6 +672,29 @@ impl TransformerLm {
     }
 }
 
+/// ZeRO-3's units: the embedding (part 0), each encoder layer (parts 1 to `nlayers`), the output
+/// layer (the last part).
+impl super::PartedModule for TransformerLm {
+    fn part_of(&self, name: &str) -> usize {
+        if name.starts_with("embedding.") {
+            return 0;
+        }
+        match name.strip_prefix("transformer_encoder.layers.").and_then(|rest| rest.split('.').next()).and_then(|i| i.parse::<usize>().ok()) {
+            Some(layer) => layer + 1,
+            None => self.layers.len() + 1,
+        }
+    }
+
+    fn forward_parts(&self, src: &Tensor, train: bool, around: &mut dyn FnMut(usize, &dyn Fn() -> Tensor) -> anyhow::Result<Tensor>) -> anyhow::Result<Tensor> {
+        let mut hidden = around(0, &|| self.embed(src, train))?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let input = hidden;
+            hidden = around(i + 1, &|| layer.forward_t(&input, train))?;
+        }
+        around(self.layers.len() + 1, &|| self.decode(&hidden))
+    }
+}
+
 impl ModuleT for TransformerLm {
     fn forward_t(&self, src: &Tensor, train: bool) -> Tensor {
         let hidden = self.layers.iter().fold(self.embed(src, train), |h, layer| {

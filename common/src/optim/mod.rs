@@ -65,6 +65,12 @@ pub trait Optimizer {
         false
     }
 
+    /// Bytes of gradient this rank holds for a sharded optimizer that freed the whole
+    /// gradients (ZeRO-2 and -3: its block's gradient); 0 otherwise.
+    fn sharded_gradient_bytes(&self) -> usize {
+        0
+    }
+
     /// Bytes of optimizer state this rank holds (a sharded optimizer: its block's, and the block).
     fn state_bytes(&self) -> usize {
         self.state_tensors().iter().map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes()).sum()

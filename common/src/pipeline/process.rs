@@ -64,7 +64,7 @@ impl<'g> StageProcess<'g> {
         let pipe = groups.pp();
         let tp = groups.tp();
         anyhow::ensure!(stage.shard == groups.shard(), "stage {} is shard {:?}, but this rank's place is shard {:?}", stage.index, stage.shard, groups.shard());
-        let sync = if dp.sync == GradientSync::Zero { GradientSync::Zero } else { GradientSync::Ddp };
+        let sync = if matches!(dp.sync, GradientSync::Zero(_)) { dp.sync } else { GradientSync::Ddp };
         let parallel = Parallel {
             replicas: groups.dp().map(|group| Replication { group, averager: dp.averager, sync }),
             model: groups.model(),

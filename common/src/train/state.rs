@@ -41,6 +41,8 @@ pub fn start(
     let parallel = step.parallel();
     let (root, world, model, first_replica) = (parallel.is_root(), parallel.world, parallel.model, parallel.replica == 0);
     let replicas = parallel.replica_group();
+    // ZeRO-3's parameters whole while they are restored and made the replicas' common ones.
+    step.materialize()?;
 
     // Rank 0 reads the file; [resumed, epoch, step, scale, growth tracker] then go to everyone.
     let mut loaded: Option<Checkpoint> = None;
@@ -78,6 +80,7 @@ pub fn start(
             broadcast_optimizer_state(group, optimizer, 0)?;
         }
     }
+    step.release(true)?;
     if let (Some(scaler), false) = (scaler, header[3].is_nan()) {
         scaler.load_state(GradScalerState { scale: header[3], growth_tracker: header[4] as i64 });
     }
@@ -138,6 +141,14 @@ fn restore_replica_zero(
 /// Writes the checkpoint `meta` describes to `path`: replica 0's ranks send their variables and
 /// optimizer state to rank 0, which writes one file (atomically). Every rank calls it.
 pub fn save(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: &CheckpointMeta, path: &Path) -> Result<()> {
+    // ZeRO-3's parameters whole while they are read.
+    step.materialize()?;
+    let saved = save_whole(step, optimizer, meta, path);
+    step.release(false)?;
+    saved
+}
+
+fn save_whole(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: &CheckpointMeta, path: &Path) -> Result<()> {
     let parallel = step.parallel();
     // Every replica takes part where the optimizer state is sharded over them.
     let mut state = optimizer.gathered_state()?;

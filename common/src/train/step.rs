@@ -11,7 +11,13 @@ use tch::{nn, Device, Kind, Tensor};
 
 use super::{gradients, Batch, BatchSource};
 use crate::device::synchronize;
+use std::rc::Rc;
+
+use anyhow::Context;
+
 use crate::dist::data_parallel::{DistributedOptimizer, GradientAverager};
+use crate::dist::zero::{Shards, ZeroOptimizer, ZeroStage};
+use crate::models::PartedModule;
 use crate::dist::{GradientSync, ProcessGroup, ReduceOp};
 use crate::optim::Optimizer;
 use crate::pipeline::executor::StageTrace;
@@ -121,21 +127,26 @@ pub struct Replication<'g> {
 }
 
 impl<'g> Replication<'g> {
-    /// The optimizer the loop steps, `build` making the optimizer of some named parameters:
-    /// over all of `params` (DDP), wrapped by Horovod's optimizer whose step averages their
-    /// gradients first, or over this rank's block of them (ZeRO-1).
-    pub fn distribute<'o>(&self, params: Vec<(String, Tensor)>, build: impl FnOnce(Vec<(String, Tensor)>) -> Box<dyn Optimizer + 'o>) -> Result<Box<dyn Optimizer + 'o>>
+    /// The optimizer the loop steps for `step`'s parameters, `build` making the optimizer of
+    /// some named parameters: over all of them (DDP), wrapped by Horovod's optimizer whose step
+    /// averages their gradients first, or over this rank's block of them (ZeRO; at stage 3 the
+    /// block the step's sharded parameters already are).
+    pub fn distribute<'o>(&self, step: &dyn TrainStep<'g>, build: impl FnOnce(Vec<(String, Tensor)>) -> Box<dyn Optimizer + 'o>) -> Result<Box<dyn Optimizer + 'o>>
     where
         'g: 'o,
     {
-        let tensors = || params.iter().map(|(_, t)| t.shallow_clone()).collect::<Vec<_>>();
+        let params = step.named_parameters();
         Ok(match self.sync {
             GradientSync::Ddp => build(params),
             GradientSync::Horovod => {
-                let averaged = tensors();
+                let averaged = params.iter().map(|(_, t)| t.shallow_clone()).collect();
                 Box::new(DistributedOptimizer::new(build(params), averaged, self.group, self.averager))
             }
-            GradientSync::Zero => Box::new(crate::dist::zero::ZeroOptimizer::new(self.group, params, build)?),
+            GradientSync::Zero(ZeroStage::Parameters) => {
+                let shards = step.zero_shards().context("ZeRO-3 shards the parameters when the step is built, and this step was built without")?;
+                Box::new(ZeroOptimizer::over(shards, build))
+            }
+            GradientSync::Zero(stage) => Box::new(ZeroOptimizer::over(Shards::new(stage, self.group, params, None, self.averager.bucket_bytes)?, build)),
         })
     }
 }
@@ -216,6 +227,27 @@ pub trait TrainStep<'g> {
         Vec::new()
     }
 
+    /// ZeRO-3's sharded parameters, where this step was built with them.
+    fn zero_shards(&self) -> Option<Rc<Shards<'g>>> {
+        None
+    }
+
+    /// Makes every parameter whole in memory, to read or write it (checkpoints, the replicas'
+    /// agreement): ZeRO-3 gathers them; nothing to do otherwise.
+    fn materialize(&self) -> Result<()> {
+        self.zero_shards().map_or(Ok(()), |shards| shards.gather_all())
+    }
+
+    /// Undoes [`TrainStep::materialize`]; `changed`: the parameters were written (restored or
+    /// broadcast), so ZeRO-3 takes its block from them again.
+    fn release(&self, changed: bool) -> Result<()> {
+        let Some(shards) = self.zero_shards() else { return Ok(()) };
+        if changed {
+            shards.refresh_block();
+        }
+        shards.free_all()
+    }
+
     /// Makes every replica's buffers (batch-norm statistics, which each replica updates from
     /// its own shard) replica 0's, before evaluating and checkpointing.
     fn sync_buffers(&mut self) -> Result<()> {
@@ -243,16 +275,43 @@ pub fn loss_and_hits(logits: &Tensor, targets: &Tensor, count_hits: bool) -> (Te
     (loss, hits)
 }
 
-/// A whole model on this rank, trained alone or as one data-parallel replica.
+/// A whole model on this rank, trained alone or as one data-parallel replica (its parameters
+/// sharded over the replicas with ZeRO-3).
 pub struct LocalStep<'g> {
     pub vs: nn::VarStore,
-    pub model: Box<dyn nn::ModuleT>,
+    pub model: Box<dyn PartedModule>,
     parallel: Parallel<'g>,
+    /// ZeRO-3: the parameters live in these shards and are gathered part by part as the model runs.
+    zero3: Option<Rc<Shards<'g>>>,
 }
 
 impl<'g> LocalStep<'g> {
+    /// A model run as one piece.
     pub fn new(vs: nn::VarStore, model: Box<dyn nn::ModuleT>, parallel: Parallel<'g>) -> Self {
-        LocalStep { vs, model, parallel }
+        Self::parted(vs, Box::new(crate::models::OnePart(model)), parallel)
+    }
+
+    /// A model that knows its parts (only ZeRO-3 runs them one by one).
+    pub fn parted(vs: nn::VarStore, model: Box<dyn PartedModule>, parallel: Parallel<'g>) -> Self {
+        LocalStep { vs, model, parallel, zero3: None }
+    }
+
+    /// The step with its parameters sharded over its replicas (ZeRO-3, FSDP): each part of the
+    /// model ([`PartedModule`]) is a unit, gathered before it runs and freed after.
+    pub fn sharded(vs: nn::VarStore, model: Box<dyn PartedModule>, parallel: Parallel<'g>) -> Result<Self> {
+        let replicas = parallel.replicas.context("ZeRO-3 shards the parameters over data-parallel replicas")?;
+        let named = crate::models::named_parameters(&vs);
+        let parts = named.iter().map(|(name, _)| model.part_of(name)).collect();
+        let shards = Shards::new(ZeroStage::Parameters, replicas.group, named, Some(parts), replicas.averager.bucket_bytes)?;
+        Ok(LocalStep { vs, model, parallel, zero3: Some(shards) })
+    }
+
+    /// The model's output for `xs`: at once, or part by part through ZeRO-3's shards.
+    fn run(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        match &self.zero3 {
+            None => Ok(self.model.forward_t(xs, train)),
+            Some(shards) => self.model.forward_parts(xs, train, &mut |part, run| shards.around(part, run)),
+        }
     }
 }
 
@@ -275,13 +334,17 @@ impl<'g> TrainStep<'g> for LocalStep<'g> {
         self.parallel
     }
 
+    fn zero_shards(&self) -> Option<Rc<Shards<'g>>> {
+        self.zero3.clone()
+    }
+
     fn forward_backward(&mut self, batch: &Batch, weight: f64, ctx: &StepContext) -> Result<StepOutput> {
         let device = self.vs.device();
         let t0 = Instant::now();
-        let (loss, hits) = precision::autocast(ctx.precision, device, || {
-            let logits = self.model.forward_t(&batch.inputs, true);
-            loss_and_hits(&logits, &batch.targets, ctx.count_hits)
-        });
+        let (loss, hits) = precision::autocast(ctx.precision, device, || -> Result<_> {
+            let logits = self.run(&batch.inputs, true)?;
+            Ok(loss_and_hits(&logits, &batch.targets, ctx.count_hits))
+        })?;
         if ctx.sync_phases {
             synchronize(device);
         }
@@ -289,9 +352,10 @@ impl<'g> TrainStep<'g> for LocalStep<'g> {
         // An accumulated step weights each batch by its share (no multiplication otherwise: the
         // plain step stays bitwise torch's).
         let weighted = if weight == 1.0 { loss.shallow_clone() } else { &loss * weight };
+        // (ZeRO's hooks communicate inside LibTorch's backward and can fail: f_backward.)
         match ctx.scaler {
-            Some(scaler) => scaler.scale(&weighted).backward(),
-            None => weighted.backward(),
+            Some(scaler) => scaler.scale(&weighted).f_backward()?,
+            None => weighted.f_backward()?,
         }
         synchronize(device);
         let examples = batch.len();
@@ -305,19 +369,19 @@ impl<'g> TrainStep<'g> for LocalStep<'g> {
     }
 
     fn evaluate(&mut self, source: &dyn BatchSource, precision: Precision) -> Result<EvalSums> {
-        Ok(tch::no_grad(|| {
+        tch::no_grad(|| {
             let mut sums = EvalSums::default();
             for batch in source.epoch(0) {
                 let device = batch.inputs.device();
-                let (loss, hits) = precision::autocast(precision, device, || {
-                    let logits = self.model.forward_t(&batch.inputs, false);
-                    loss_and_hits(&logits, &batch.targets, true)
-                });
+                let (loss, hits) = precision::autocast(precision, device, || -> Result<_> {
+                    let logits = self.run(&batch.inputs, false)?;
+                    Ok(loss_and_hits(&logits, &batch.targets, true))
+                })?;
                 sums.loss_sum += loss.double_value(&[]) * batch.len() as f64;
                 sums.hits += hits.map_or(0, |h| h.int64_value(&[])) as f64;
                 sums.examples += batch.len() as f64;
             }
-            sums
-        }))
+            Ok(sums)
+        })
     }
 }

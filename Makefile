@@ -15,7 +15,7 @@ BIN       := target/release
 ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
-.PHONY: system-deps python-tools report exercise2 exercise3-ddp exercise3-pipeline bench bench-allreduce bench-pipeline bench-largebatch setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
+.PHONY: system-deps python-tools report exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
         exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test test-slurm clean-results \
         notebooks notebook-kernel jupyter
 
@@ -74,6 +74,12 @@ exercise3-ddp: data-cifar10
 exercise3-pipeline: data-wikitext2
 	$(WITH) $(BIN)/exercise3 pipeline $(ARGS)
 
+# Tensor parallelism (Megatron-LM): every layer of the Transformer cut over NPROC ranks (the
+# GPUs where there are enough, else CPU ranks); --pp and --dp add stages and replicas. On a CPU:
+#   make exercise3-tp ARGS="--device cpu --emsize 256 --d-hid 256 --nlayers 2 --max-steps 20 --pad-vocab 128"
+exercise3-tp: data-wikitext2
+	$(WITH) $(BIN)/exercise3 tp --nproc-per-node $(NPROC) $(ARGS)
+
 # Sequential vs 2-stage pipeline time per mini-batch over chunks 1…16, bubble vs theory.
 bench-pipeline: build
 	$(WITH) $(BIN)/bench_pipeline $(ARGS)
@@ -94,6 +100,12 @@ bench: data-cifar10 data-wikitext2
 # NPROC, BATCH, EPOCHS, LR, WARMUP, MODEL); results/bench-largebatch.csv.
 bench-largebatch: build
 	$(WITH) bench/largebatch.sh
+
+# DP, ZeRO-1/2/3, TP, PP and two 2-D layouts on NPROC=4 CPU ranks at one global batch: time per
+# step, bytes handed to each kind of collective, model state per rank beside ZeRO's formulas;
+# results/bench-parallel.csv (NPROC, GLOBAL, STEPS, THREADS, DATA).
+bench-parallel: build
+	$(WITH) bench/parallel.sh
 
 # exercise1_nlp alone (ROUNDS, STEPS, THREADS, DEVICE, MODEL_FLAGS); also results/bench-nlp.csv.
 bench-nlp: data-wikitext2

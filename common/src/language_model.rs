@@ -59,6 +59,10 @@ pub struct LmArgs {
     /// basic_english: the course tutorial's torchtext tokenizer; whitespace: word_language_model's.
     #[arg(long, value_enum, default_value = "basic_english")]
     pub tokenizer: Tokenizer,
+    /// Round the vocabulary up to a multiple of N (Megatron's --make-vocab-size-divisible-by):
+    /// tensor parallelism cuts it into equal parts. The extra words never occur in the data.
+    #[arg(long)]
+    pub pad_vocab: Option<i64>,
 }
 
 /// exercise3 pipeline's and exercise3 tp's flags: exercise1_nlp's, plus the model-parallel ones.
@@ -80,10 +84,6 @@ pub struct PipelineArgs {
     /// node) [default: exercise3 tp: the ranks left by --pp and --dp; exercise3 pipeline: 1].
     #[arg(long)]
     pub tp: Option<usize>,
-    /// Round the vocabulary up to a multiple of N (Megatron's --make-vocab-size-divisible-by):
-    /// tensor parallelism cuts it into equal parts. The extra words never occur in the data.
-    #[arg(long)]
-    pub pad_vocab: Option<i64>,
     /// Micro-batches per mini-batch (GPipe's `chunks`) [default: 8 with pipeline stages, else 1].
     #[arg(long)]
     pub chunks: Option<usize>,
@@ -266,14 +266,14 @@ impl Experiment for LmExperiment<'_> {
         }
         // The model's own checks, on the flags, before any data is read.
         self.config(1).validate()?;
+        if self.args.pad_vocab.is_some_and(|n| n < 1) {
+            return usage("--pad-vocab must be at least 1");
+        }
         if let Some(pipeline) = self.pipeline {
             for (flag, value) in [("--dp", pipeline.dp), ("--pp", pipeline.pp), ("--tp", pipeline.tp), ("--chunks", pipeline.chunks)] {
                 if value == Some(0) {
                     return usage(format!("{flag} must be at least 1"));
                 }
-            }
-            if pipeline.pad_vocab.is_some_and(|n| n < 1) {
-                return usage("--pad-vocab must be at least 1");
             }
             let chunks = pipeline.chunks(self.preset);
             if chunks > self.batch_size() {
@@ -361,7 +361,7 @@ impl Experiment for LmExperiment<'_> {
 
     fn model(&self, data: &LmData, groups: &Groups, device: Device, observers: &mut Observers) -> Result<ModelPlan> {
         let vocab = data.corpus.vocab.len() as i64;
-        let multiple = self.pipeline.and_then(|p| p.pad_vocab).unwrap_or(1);
+        let multiple = self.args.pad_vocab.unwrap_or(1);
         let ntoken = (vocab + multiple - 1) / multiple * multiple;
         let config = self.config(ntoken);
         config.validate_shards(groups.layout.tp)?;

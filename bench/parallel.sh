@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# `make bench-parallel`: the course's "parallelisms for huge models" side by side on CPU ranks.
+# One Transformer (d 256, d_hid 1024, 8 heads, 4 layers; the real WikiText-2 valid split as
+# training text, 200 lines of each split to evaluate on, the vocabulary padded to a multiple of 128), NPROC=4 ranks, the same global
+# batch (GLOBAL=16 streams of 35 tokens), Adam, trained STEPS steps each way:
+#   dp       4 data-parallel replicas (exercise1_nlp), gradients all-reduced
+#   zero1-3  the same replicas with ZeRO stages 1, 2, 3 (--zero N)
+#   tp       every layer cut over 4 ranks (exercise3 tp, Megatron-LM)
+#   pp       4 pipeline stages, 8 micro-batches, 1F1B (exercise3 pipeline)
+#   tp2xdp2  2 replicas of a model cut over 2 ranks; pp2xtp2: 2 stages of 2 shards
+# and for each: time per step (steady state, after 2 warm-up steps), what rank 0 hands to the
+# collectives per step (bytes of its tensors, by kind), rank 0's model state (parameters,
+# gradients, optimizer) measured from its tensors and ZeRO's formula for it. Rows go to
+# results/bench-parallel.csv; a table is printed. Not a test: the ranks share this machine's
+# cores, so the times compare the configurations here, not a cluster's.
+#
+#   make bench-parallel                          NPROC=4 GLOBAL=16 STEPS=12 THREADS=1
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+NPROC="${NPROC:-4}"; GLOBAL="${GLOBAL:-16}"; STEPS="${STEPS:-12}"; THREADS="${THREADS:-1}"
+DATA="${DATA:-$root/../shared/data/wikitext-2}"
+bin="${BIN:-target/release}"
+csv="results/bench-parallel.csv"
+[[ -f "$DATA/valid.txt" && -f "$DATA/test.txt" ]] || { echo "error: no WikiText-2 valid/test sample in $DATA (set DATA=...)" >&2; exit 2; }
+((GLOBAL % NPROC == 0)) || { echo "error: GLOBAL=$GLOBAL streams do not divide over NPROC=$NPROC ranks" >&2; exit 2; }
+work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
+# The real valid split as training text; 200 lines of each split to evaluate on (the bench
+# times training steps, and a whole split's evaluation would dwarf them).
+mkdir -p "$work/data"
+cp "$DATA/valid.txt" "$work/data/train.txt"
+head -n 200 "$DATA/valid.txt" > "$work/data/valid.txt"; head -n 200 "$DATA/test.txt" > "$work/data/test.txt"
+model=(--emsize 256 --d-hid 1024 --nhead 8 --nlayers 4 --dropout 0 --bptt 35)
+common=(--device cpu --threads "$THREADS" --quiet --data-dir "$work/data" --optimizer adam --lr 1e-4 --epochs 1
+        --max-steps "$STEPS" --steady-after 2 --eval-batch-size 16 "${model[@]}")
+
+[[ -f "$csv" ]] || echo "finished_at,layout,ranks,dp,pp,tp,zero,global_batch,params,step_ms,all_reduce_bytes,reduce_scatter_bytes,all_gather_bytes,send_bytes,model_state_bytes,formula_bytes,formula" > "$csv"
+echo "Transformer d 256, 4 layers, $NPROC ranks, global batch $GLOBAL × 35 tokens, Adam; per step and per rank (rank 0):"
+echo "| layout | step (ms) | all-reduce MiB | reduce-scatter MiB | all-gather MiB | send MiB | model state MiB | formula |"
+echo "|---|---:|---:|---:|---:|---:|---:|---|"
+# run NAME COMMAND...: one configuration (the common flags appended), its row and table line.
+run() {
+    local name="$1"; shift
+    rm -rf "$work/results"
+    "$@" "${common[@]}" --nproc-per-node "$NPROC" --results-dir "$work/results" > "$work/log" 2>&1 \
+        || { echo "error: $name failed:" >&2; tail -n 20 "$work/log" >&2; exit 1; }
+    python3 - "$work/results"/*.json "$csv" "$name" <<'PY'
+import json, sys, time
+d = json.load(open(sys.argv[1]))
+csv, name = sys.argv[2], sys.argv[3]
+layout, comm, mem = d["layout"], d["communication_per_step"] or {}, d["model_state_memory"]
+tokens = d["global_batch"] * d["bptt"]
+step_ms = 1e3 * tokens / d["steady_throughput"] if d.get("steady_throughput") else float("nan")
+b = lambda kind: comm.get(kind, {}).get("bytes", 0)
+mib = lambda x: x / 2**20
+row = [int(time.time()), name, d["world_size"], layout["dp"], layout["pp"], layout["tp"], d["zero"], d["global_batch"], d["params"],
+       round(step_ms, 1), b("all_reduce"), b("reduce_scatter"), b("all_gather"), b("send"), mem["total_bytes"], int(mem["formula_bytes"]), mem["formula"]]
+open(csv, "a").write(",".join(map(str, row)) + "\n")
+print(f"| {name} | {step_ms:.0f} | {mib(b('all_reduce')):.2f} | {mib(b('reduce_scatter')):.2f} | {mib(b('all_gather')):.2f} | "
+      f"{mib(b('send')):.2f} | {mib(mem['total_bytes']):.2f} | {mem['formula']} = {mib(mem['formula_bytes']):.2f} |")
+PY
+}
+per_rank=$((GLOBAL / NPROC))
+for zero in 0 1 2 3; do
+    name="dp"; ((zero > 0)) && name="zero$zero"
+    run "$name" "$bin/exercise1_nlp" --batch-size "$per_rank" --zero "$zero" --pad-vocab 128
+done
+run tp "$bin/exercise3" tp --tp "$NPROC" --batch-size "$GLOBAL" --pad-vocab 128
+run pp "$bin/exercise3" pipeline --pp "$NPROC" --batch-size "$GLOBAL" --chunks 8 --schedule 1f1b --pad-vocab 128
+if ((NPROC == 4)); then
+    run tp2xdp2 "$bin/exercise3" tp --tp 2 --dp 2 --batch-size $((GLOBAL / 2)) --pad-vocab 128
+    run pp2xtp2 "$bin/exercise3" pipeline --pp 2 --tp 2 --batch-size "$GLOBAL" --chunks 8 --schedule 1f1b --pad-vocab 128
+fi
+echo "appended to $csv"

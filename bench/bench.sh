@@ -36,6 +36,7 @@
 #   PEERS          PyTorch peers for image entries besides eager: "channels-last" (default) or ""
 #   COMPILE        1: also torch.compile as a peer for image entries (0)
 #   CHANNELS_LAST  1: the Rust image runs with --channels-last (0)
+#   CUDA_GRAPH     1: the Rust runs record their step in a CUDA graph (--cuda-graph; GPU only) (0)
 #   WORKERS        Rust loader threads, exercise1's --workers (2)
 #   LOADER         the reference's data path: memory (default) or dataloader (see the script)
 #   PY_WORKERS     DataLoader worker processes for LOADER=dataloader (WORKERS)
@@ -64,6 +65,8 @@ WARM="${WARM:-1}"
 PEERS="${PEERS-channels-last}"
 COMPILE="${COMPILE:-0}"
 CHANNELS_LAST="${CHANNELS_LAST:-0}"
+CUDA_GRAPH="${CUDA_GRAPH:-0}"
+rust_graph=(); [[ "$CUDA_GRAPH" == 1 ]] && rust_graph=(--cuda-graph)
 WORKERS="${WORKERS:-2}"
 LOADER="${LOADER:-memory}"
 PY_WORKERS="${PY_WORKERS:-$WORKERS}"
@@ -137,7 +140,7 @@ run_rust() {
     local out="$work/rust-$entry-$round" others
     others_start
     "$bin/$binary" "$@" --device "$DEVICE" --threads "$THREADS" --precision "$PRECISION" \
-        --steady-after "$STEADY_AFTER" --quiet --results-dir "$out" \
+        --steady-after "$STEADY_AFTER" --quiet --results-dir "$out" "${rust_graph[@]}" \
         >"$out.log" 2>&1 || { cat "$out.log" >&2; die "$binary failed"; }
     others_stop
     local json=("$out"/*.json)
@@ -252,6 +255,6 @@ for entry in $BENCH; do
 done
 
 "$python" bench/bench_report.py --runs "$runs" --csv "$BENCH_CSV" --device "$DEVICE" --threads "$THREADS" \
-    --rounds "$ROUNDS" --loader "$LOADER" --workers "$WORKERS" --nlp-model-flags "$NLP_MODEL_FLAGS" --note "${BENCH_NOTE:-}" \
+    --rounds "$ROUNDS" --loader "$LOADER" --workers "$WORKERS" --nlp-model-flags "$NLP_MODEL_FLAGS" --note "${BENCH_NOTE:-}${rust_graph[*]:+ rust --cuda-graph}" \
     --precision "$PRECISION" --steady-after "$STEADY_AFTER" --rust-layout "$([[ "$CHANNELS_LAST" == 1 ]] && echo channels-last || echo nchw)" \
     ${NLP_CSV:+--nlp-csv "$NLP_CSV"}

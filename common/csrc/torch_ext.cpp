@@ -308,26 +308,40 @@ at::Tensor* torch_ext_dropout(const at::Tensor* input, double p, at::Generator* 
 // (per chunk of tensors) instead of several per parameter. `steps` are float32 tensors on the
 // parameters' device holding each parameter's step count after this update (torch increments
 // them before the call). 0, or -1 on error.
+// `lr_tensor`, when not null, is the learning rate as a tensor on the parameters' device (read
+// by the kernel when it runs: what a CUDA graph replays with a changing rate), else `lr`.
 int torch_ext_fused_adam(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_avgs, at::Tensor** exp_avg_sqs,
-                         at::Tensor** steps, size_t n, double lr, double beta1, double beta2, double weight_decay,
-                         double eps) {
+                         at::Tensor** steps, size_t n, double lr, const at::Tensor* lr_tensor, double beta1, double beta2,
+                         double weight_decay, double eps) {
   return protect_status([&] {
     auto ps = tensors_of(params, n);
-    at::_fused_adam_(ps, tensors_of(grads, n), tensors_of(exp_avgs, n), tensors_of(exp_avg_sqs, n), {},
-                     tensors_of(steps, n), lr, beta1, beta2, weight_decay, eps, /*amsgrad=*/false,
-                     /*maximize=*/false);
+    if (lr_tensor != nullptr) {
+      at::_fused_adam_(ps, tensors_of(grads, n), tensors_of(exp_avgs, n), tensors_of(exp_avg_sqs, n), {},
+                       tensors_of(steps, n), *lr_tensor, beta1, beta2, weight_decay, eps, /*amsgrad=*/false,
+                       /*maximize=*/false);
+    } else {
+      at::_fused_adam_(ps, tensors_of(grads, n), tensors_of(exp_avgs, n), tensors_of(exp_avg_sqs, n), {},
+                       tensors_of(steps, n), lr, beta1, beta2, weight_decay, eps, /*amsgrad=*/false,
+                       /*maximize=*/false);
+    }
   });
 }
 
 // torch.optim.SGD(fused=True)'s kernel: `first_step` when the momentum buffers are new (the
 // kernel then starts them at the gradient, as torch does); no buffers without momentum.
+// `lr_tensor` as in torch_ext_fused_adam.
 int torch_ext_fused_sgd(at::Tensor** params, at::Tensor** grads, at::Tensor** momentum_buffers, size_t n,
-                        double weight_decay, double momentum, double lr, double dampening, bool nesterov,
-                        bool first_step) {
+                        double weight_decay, double momentum, double lr, const at::Tensor* lr_tensor, double dampening,
+                        bool nesterov, bool first_step) {
   return protect_status([&] {
     std::vector<at::Tensor> buffers = momentum == 0.0 ? std::vector<at::Tensor>{} : tensors_of(momentum_buffers, n);
-    at::_fused_sgd_(tensors_of(params, n), tensors_of(grads, n), buffers, weight_decay, momentum, lr, dampening,
-                    nesterov, /*maximize=*/false, first_step);
+    if (lr_tensor != nullptr) {
+      at::_fused_sgd_(tensors_of(params, n), tensors_of(grads, n), buffers, weight_decay, momentum, *lr_tensor,
+                      dampening, nesterov, /*maximize=*/false, first_step);
+    } else {
+      at::_fused_sgd_(tensors_of(params, n), tensors_of(grads, n), buffers, weight_decay, momentum, lr, dampening,
+                      nesterov, /*maximize=*/false, first_step);
+    }
   });
 }
 

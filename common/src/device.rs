@@ -73,6 +73,11 @@ pub fn device_name(device: Device) -> &'static str {
 
 /// Blocks until queued GPU work is done, so that host timers measure it (no-op on CPU).
 pub fn synchronize(device: Device) {
+    // Recording a CUDA graph runs nothing on the device: there is nothing to wait for, and
+    // waiting would end the recording with an error.
+    if crate::cuda_graph::capturing() {
+        return;
+    }
     if let Device::Cuda(index) = device {
         tch::Cuda::synchronize(index as i64);
     }

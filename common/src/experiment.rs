@@ -205,6 +205,28 @@ impl Observer for StepTraffic<'_> {
     }
 }
 
+/// What `--cuda-graph` cannot record, refused before anything trains: a step that communicates
+/// (ranks), waits for the host (float16's scaler, `--profile`) or runs several batches.
+fn check_cuda_graph<E: Experiment>(exp: &E, groups: &Groups, device: Device, recipe: &Recipe) -> Result<()> {
+    let run = exp.run_args();
+    if !device.is_cuda() {
+        return usage(format!("--cuda-graph records GPU work, but this run trains on {}: drop it, or train on a GPU", device::device_name(device)));
+    }
+    if groups.world.world_size() > 1 {
+        return usage("--cuda-graph records one process's step; with several ranks (their collectives) it is not supported yet");
+    }
+    if recipe.accumulate > 1 {
+        return usage("--cuda-graph records a step of one batch: drop --accumulate (or use a larger --batch-size)");
+    }
+    if run.precision == crate::precision::Precision::Half {
+        return usage("--cuda-graph with --precision 16-mixed (its scaler decides on the host) is not supported: use bf16-mixed or 32");
+    }
+    if run.profile {
+        return usage("--cuda-graph replays the whole step at once: --profile cannot time its phases");
+    }
+    Ok(())
+}
+
 /// What ZeRO does not cover (yet), refused before anything trains.
 fn check_zero<E: Experiment>(exp: &E, stage: ZeroStage, groups: &Groups) -> Result<()> {
     use crate::optim::OptimizerKind;
@@ -259,6 +281,12 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         Some(replication) => replication.distribute(step.as_ref(), build)?,
         None => build(step.named_parameters()),
     };
+    // --cuda-graph records GPU steps; the CPU leg of a CPU-vs-GPU comparison trains as usual.
+    let cuda_graph = run.cuda_graph && (device.is_cuda() || run.device == DeviceChoice::Cpu);
+    if cuda_graph {
+        check_cuda_graph(exp, groups, device, &recipe)?;
+        optimizer.make_capturable()?;
+    }
     let name = format!("{}-{}-{}", preset.name, exp.model_name(), device::device_name(device));
     let config = TrainConfig {
         run: name.clone(),
@@ -278,6 +306,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         precision: run.precision,
         profile: run.profile,
         steady_after: run.steady_after,
+        cuda_graph,
     };
     let mut observers = Observers::new().with(Forward(session)).with(CheckpointEveryEpoch);
     if root && !run.quiet {

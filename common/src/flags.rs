@@ -55,6 +55,11 @@ pub struct RunArgs {
     /// device between phases: costs some speed.
     #[arg(long)]
     pub profile: bool,
+    /// Record the training step once in a CUDA graph and replay it for every batch (one launch
+    /// instead of hundreds: for small, launch-bound steps). GPU, one process, adam or sgd,
+    /// no --accumulate, no 16-mixed.
+    #[arg(long)]
+    pub cuda_graph: bool,
     /// Optimizer steps left out of the steady-state throughput (results: steady_throughput):
     /// the warm-up, where kernels are chosen and caches filled.
     #[arg(long, default_value_t = 2)]
@@ -69,6 +74,9 @@ impl RunArgs {
     pub fn check(&self) -> anyhow::Result<()> {
         if self.epochs == Some(0) || self.max_steps == Some(0) {
             return usage("--epochs and --max-steps must be at least 1");
+        }
+        if self.cuda_graph && self.device == DeviceChoice::Cpu {
+            return usage("--cuda-graph records GPU work, but --device cpu trains on the CPU: drop one of them");
         }
         Ok(())
     }

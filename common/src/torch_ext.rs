@@ -32,6 +32,7 @@ mod ffi {
             steps: *const *const C_tensor,
             n: usize,
             lr: f64,
+            lr_tensor: *const C_tensor,
             beta1: f64,
             beta2: f64,
             weight_decay: f64,
@@ -45,6 +46,7 @@ mod ffi {
             weight_decay: f64,
             momentum: f64,
             lr: f64,
+            lr_tensor: *const C_tensor,
             dampening: f64,
             nesterov: bool,
             first_step: bool,
@@ -179,6 +181,24 @@ pub fn dropout(input: &Tensor, p: f64, generator: &mut Generator) -> Result<Tens
     tensor(unsafe { ffi::torch_ext_dropout(input.as_ptr(), p, generator.ptr) }, "dropout")
 }
 
+/// A fused optimizer kernel's learning rate: a number, or a 0-dim float32 tensor on the
+/// parameters' device that the kernel reads when it runs (a CUDA graph replays the kernel, and
+/// the rate changes between replays: torch's `capturable` optimizers).
+#[derive(Clone, Copy)]
+pub enum Lr<'a> {
+    Value(f64),
+    Tensor(&'a Tensor),
+}
+
+impl Lr<'_> {
+    fn parts(self) -> (f64, *const C_tensor) {
+        match self {
+            Lr::Value(lr) => (lr, std::ptr::null()),
+            Lr::Tensor(t) => (f64::NAN, t.as_ptr()),
+        }
+    }
+}
+
 /// `torch.optim.Adam(fused=True)`'s kernel (`_fused_adam_`) over parameters of one device and
 /// kind: `steps` are float32 tensors on that device holding each parameter's step count after
 /// this update (increment them first, as torch does).
@@ -189,7 +209,7 @@ pub fn fused_adam(
     exp_avgs: &[&Tensor],
     exp_avg_sqs: &[&Tensor],
     steps: &[&Tensor],
-    lr: f64,
+    lr: Lr,
     (beta1, beta2): (f64, f64),
     weight_decay: f64,
     eps: f64,
@@ -198,7 +218,8 @@ pub fn fused_adam(
     anyhow::ensure!([grads.len(), exp_avgs.len(), exp_avg_sqs.len(), steps.len()].iter().all(|&l| l == n), "fused Adam: lists of different lengths");
     let (p, g, m, v, s) = (pointers(params), pointers(grads), pointers(exp_avgs), pointers(exp_avg_sqs), pointers(steps));
     // SAFETY: `n` valid tensor pointers in each list for the duration of the call.
-    let code = unsafe { ffi::torch_ext_fused_adam(p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr(), s.as_ptr(), n, lr, beta1, beta2, weight_decay, eps) };
+    let (lr, lr_tensor) = lr.parts();
+    let code = unsafe { ffi::torch_ext_fused_adam(p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr(), s.as_ptr(), n, lr, lr_tensor, beta1, beta2, weight_decay, eps) };
     status(code, "fused Adam")
 }
 
@@ -211,7 +232,7 @@ pub fn fused_sgd(
     momentum_buffers: &[&Tensor],
     weight_decay: f64,
     momentum: f64,
-    lr: f64,
+    lr: Lr,
     dampening: f64,
     nesterov: bool,
     first_step: bool,
@@ -220,7 +241,8 @@ pub fn fused_sgd(
     anyhow::ensure!(grads.len() == n && (momentum == 0.0 || momentum_buffers.len() == n), "fused SGD: lists of different lengths");
     let (p, g, b) = (pointers(params), pointers(grads), pointers(momentum_buffers));
     // SAFETY: as above (the buffers' list is not read without momentum).
-    let code = unsafe { ffi::torch_ext_fused_sgd(p.as_ptr(), g.as_ptr(), b.as_ptr(), n, weight_decay, momentum, lr, dampening, nesterov, first_step) };
+    let (lr, lr_tensor) = lr.parts();
+    let code = unsafe { ffi::torch_ext_fused_sgd(p.as_ptr(), g.as_ptr(), b.as_ptr(), n, weight_decay, momentum, lr, lr_tensor, dampening, nesterov, first_step) };
     status(code, "fused SGD")
 }
 

@@ -34,6 +34,7 @@ fn config(epochs: usize, accumulate: usize) -> TrainConfig {
         precision: Precision::Full,
         profile: false,
         steady_after: 2,
+        cuda_graph: false,
     }
 }
 

@@ -71,6 +71,7 @@ fn train(setup: &Setup, epochs: usize, init_seed: i64) -> Vec<(String, tch::Tens
         precision: common::precision::Precision::Full,
         profile: false,
         steady_after: 2,
+        cuda_graph: false,
     };
     let mut step = LocalStep::new(vs, model, Parallel::default());
     let mut observers = Observers::new().with(train::sinks::CheckpointEveryEpoch);

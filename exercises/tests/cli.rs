@@ -170,6 +170,29 @@ fn flag_mistakes_are_usage_errors() {
     let out = exercise1(&["--precision", "fp8"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("32, 16-mixed, bf16-mixed"), "{}", stderr(&out));
+    // CUDA graphs record GPU work: on the CPU, one line before any data is read.
+    let out = exercise1(&["--cuda-graph", "--device", "cpu", "--data-dir", "/nonexistent"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--cuda-graph records GPU work"), "{}", stderr(&out));
+}
+
+/// `--device both --cuda-graph` on a machine without a GPU: the CPU run trains as usual (the
+/// graph is for the GPU's), the GPU column says it is missing.
+#[test]
+fn a_cuda_graph_leaves_the_cpu_half_of_the_comparison_alone() {
+    if tch::Cuda::is_available() {
+        println!("a GPU is here: this test is about machines without one");
+        return;
+    }
+    let data = tempfile::tempdir().unwrap();
+    generated_cifar(data.path(), 20);
+    let results = tempfile::tempdir().unwrap();
+    let out = exercise1(&[
+        "--cuda-graph", "--model", "cnn", "--epochs", "1", "--max-steps", "2", "--data-dir", data.path().to_str().unwrap(),
+        "--results-dir", results.path().to_str().unwrap(), "--quiet",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("GPU column missing"));
 }
 
 #[test]

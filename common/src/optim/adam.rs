@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use anyhow::Result;
 use tch::Tensor;
 
-use super::{add_scaled, EntryKind, Optimizer, ParamState, Slots};
+use super::{add_scaled, DeviceLr, EntryKind, Optimizer, ParamState, Slots};
 
 /// Adam's hyper-parameters; [`Default`] gives torch's defaults.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -43,6 +43,8 @@ impl Default for AdamConfig {
 pub struct Adam {
     slots: Slots<AdamState>,
     config: AdamConfig,
+    /// The fused kernels' learning rate (a device tensor once capturable).
+    lr_device: DeviceLr,
 }
 
 /// What Adam keeps per parameter; torch's `state[p]` with `step`, `exp_avg`, `exp_avg_sq`.
@@ -66,8 +68,11 @@ impl ParamState for AdamState {
     ];
 
     fn to_tensors(&self) -> Vec<Tensor> {
+        // The fused kernel's count is the true one: a CUDA graph replays its increments without
+        // the host's `step` seeing them.
+        let step = self.step_tensor.as_ref().map_or(self.step, |t| t.double_value(&[]) as i64);
         vec![
-            Tensor::from(self.step),
+            Tensor::from(step),
             self.exp_avg.shallow_clone(),
             self.exp_avg_sq.shallow_clone(),
         ]
@@ -111,6 +116,7 @@ impl Adam {
         Adam {
             slots: Slots::new(params),
             config,
+            lr_device: DeviceLr::default(),
         }
     }
 
@@ -225,6 +231,7 @@ impl Optimizer for Adam {
                 let [params, grads, exp_avgs, exp_avg_sqs, steps] = group.tensors.each_ref().map(|l| l.iter().collect::<Vec<&Tensor>>());
                 // torch increments the step tensors (one launch), then the kernel reads them.
                 crate::torch_ext::foreach_add_scalar_(&steps, 1.0)?;
+                let lr = self.lr_device.for_device(group.key.0, lr);
                 crate::torch_ext::fused_adam(&params, &grads, &exp_avgs, &exp_avg_sqs, &steps, lr, (beta1, beta2), weight_decay, eps)?;
             }
             Ok(())
@@ -241,6 +248,7 @@ impl Optimizer for Adam {
 
     fn set_lr(&mut self, lr: f64) {
         self.config.lr = lr;
+        self.lr_device.set(lr);
     }
 
     fn state_tensors(&self) -> Vec<(String, Tensor)> {
@@ -253,6 +261,12 @@ impl Optimizer for Adam {
 
     fn name(&self) -> &'static str {
         "adam"
+    }
+
+    fn make_capturable(&mut self) -> Result<()> {
+        anyhow::ensure!(self.config.fused != Some(false), "--cuda-graph needs Adam's fused kernel (its per-parameter path bakes the learning rate into each launch)");
+        self.lr_device.capturable = true;
+        Ok(())
     }
 }
 

@@ -103,6 +103,47 @@ pub trait Optimizer {
 
     /// `"adam"` or `"sgd"`, as [`OptimizerKind`] spells it.
     fn name(&self) -> &'static str;
+
+    /// Makes the steps replayable from a CUDA graph (torch's `capturable`): the fused kernels
+    /// read the learning rate from a device tensor that [`Optimizer::set_lr`] updates, so a
+    /// recorded step follows the schedule. Optimizers that cannot are refused, naming themselves.
+    fn make_capturable(&mut self) -> Result<()> {
+        bail!("--cuda-graph: the {} optimizer cannot run inside a CUDA graph (use adam or sgd)", self.name())
+    }
+}
+
+/// The learning rate as the fused kernels read it: a number, or (capturable) 0-dim tensors, one
+/// per device, that [`DeviceLr::set`] overwrites in place. float32 on a GPU (what the CUDA
+/// kernels read, and what they round a number to); float64 on the CPU, whose kernels read the
+/// tensor as a double.
+#[derive(Default)]
+struct DeviceLr {
+    capturable: bool,
+    tensors: Vec<Tensor>,
+}
+
+impl DeviceLr {
+    /// The rate for a kernel on `device`.
+    fn for_device(&mut self, device: tch::Device, lr: f64) -> crate::torch_ext::Lr<'_> {
+        if !self.capturable {
+            return crate::torch_ext::Lr::Value(lr);
+        }
+        let index = match self.tensors.iter().position(|t| t.device() == device) {
+            Some(i) => i,
+            None => {
+                let kind = if device.is_cuda() { Kind::Float } else { Kind::Double };
+                self.tensors.push(Tensor::full([], lr, (kind, device)));
+                self.tensors.len() - 1
+            }
+        };
+        crate::torch_ext::Lr::Tensor(&self.tensors[index])
+    }
+
+    fn set(&mut self, lr: f64) {
+        for t in &mut self.tensors {
+            let _ = tch::no_grad(|| t.fill_(lr));
+        }
+    }
 }
 
 /// Which optimizer to train with (a command-line choice).
@@ -189,6 +230,10 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
             for g in &mut grads {
                 let _ = g.g_mul_(&coef.to_device(g.device()));
             }
+        }
+        // Recording a CUDA graph, the norm is not computed yet: nothing to read.
+        if crate::cuda_graph::capturing() {
+            return f64::NAN;
         }
         total.double_value(&[])
     })
@@ -460,4 +505,53 @@ fn scalar_like(t: &Tensor, value: f64) -> Tensor {
         kind => kind,
     };
     Tensor::scalar_tensor(value, (kind, t.device()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    /// `--cuda-graph`'s optimizers: with the learning rate read from a device tensor (LibTorch's
+    /// tensor-rate fused kernels, run here on the CPU), the fused Adam and SGD take the same
+    /// steps as with the rate passed as a number, through a changing schedule, and count their
+    /// steps alike; what cannot be captured says so.
+    #[test]
+    fn a_capturable_optimizer_reads_its_rate_from_a_tensor_and_steps_as_before() {
+        let make = || -> Vec<(String, Tensor)> {
+            let g = |seed: i64| {
+                tch::manual_seed(seed);
+                Tensor::randn([7, 5], (Kind::Float, Device::Cpu)).set_requires_grad(true)
+            };
+            vec![("w".to_string(), g(1)), ("b".to_string(), g(2))]
+        };
+        let builds: [fn(Vec<(String, Tensor)>) -> Box<dyn Optimizer>; 2] = [
+            |p| Box::new(Adam::new(p, AdamConfig { fused: Some(true), weight_decay: 0.01, ..AdamConfig::default() })),
+            |p| Box::new(Sgd::new(p, SgdConfig { lr: 0.1, momentum: 0.9, fused: Some(true), ..SgdConfig::default() })),
+        ];
+        for build in builds {
+            let (plain_params, graph_params) = (make(), make());
+            let mut plain = build(plain_params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect());
+            let mut capturable = build(graph_params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect());
+            capturable.make_capturable().unwrap();
+            for step in 0..20 {
+                for (params, opt) in [(&plain_params, &mut plain), (&graph_params, &mut capturable)] {
+                    opt.set_lr(0.01 * (1 + step % 3) as f64);
+                    opt.zero_grad();
+                    let loss = params.iter().map(|(_, p)| (p * p).sum(Kind::Float) * (step + 1) as f64).reduce(|a, b| a + b).unwrap();
+                    loss.backward();
+                    opt.step().unwrap();
+                }
+            }
+            for ((name, a), (_, b)) in plain_params.iter().zip(&graph_params) {
+                assert!(a.equal(b), "{}: {name} differs with the rate as a tensor", plain.name());
+            }
+            let (a, b) = (plain.state_tensors(), capturable.state_tensors());
+            assert!(a.iter().zip(&b).all(|((n, x), (m, y))| n == m && x.equal(y)), "{}: state differs", plain.name());
+        }
+        let mut lars = Lars::new(make(), LarsConfig::default());
+        assert!(format!("{}", lars.make_capturable().unwrap_err()).contains("lars optimizer cannot run inside a CUDA graph"));
+        let mut unfused = Adam::new(make(), AdamConfig { fused: Some(false), ..AdamConfig::default() });
+        assert!(unfused.make_capturable().is_err());
+    }
 }

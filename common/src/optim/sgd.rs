@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use anyhow::Result;
 use tch::Tensor;
 
-use super::{add_scaled, add_scaled_, EntryKind, Optimizer, ParamState, Slots};
+use super::{add_scaled, add_scaled_, DeviceLr, EntryKind, Optimizer, ParamState, Slots};
 
 /// SGD's hyper-parameters. torch has no default learning rate; [`Default`] picks 0.01 and
 /// otherwise torch's defaults (no momentum, dampening or weight decay), so momentum must be
@@ -46,6 +46,8 @@ impl Default for SgdConfig {
 pub struct Sgd {
     slots: Slots<SgdState>,
     config: SgdConfig,
+    /// The fused kernel's learning rate (a device tensor once capturable).
+    lr_device: DeviceLr,
 }
 
 /// What SGD keeps per parameter: torch's `state[p]["momentum_buffer"]` (only with momentum).
@@ -96,6 +98,7 @@ impl Sgd {
         Sgd {
             slots: Slots::new(params),
             config,
+            lr_device: DeviceLr::default(),
         }
     }
 
@@ -170,6 +173,7 @@ impl Optimizer for Sgd {
         tch::no_grad(|| {
             for ((_, _, first), lists) in &groups {
                 let [params, grads, buffers] = lists.each_ref().map(|l| l.iter().collect::<Vec<&Tensor>>());
+                let lr = self.lr_device.for_device(params[0].device(), lr);
                 crate::torch_ext::fused_sgd(&params, &grads, &buffers, weight_decay, momentum, lr, dampening, nesterov, *first)?;
             }
             Ok(())
@@ -186,6 +190,7 @@ impl Optimizer for Sgd {
 
     fn set_lr(&mut self, lr: f64) {
         self.config.lr = lr;
+        self.lr_device.set(lr);
     }
 
     fn state_tensors(&self) -> Vec<(String, Tensor)> {
@@ -194,6 +199,12 @@ impl Optimizer for Sgd {
 
     fn load_state_tensors(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
         self.slots.load_state_tensors(state)
+    }
+
+    fn make_capturable(&mut self) -> Result<()> {
+        anyhow::ensure!(self.config.fused != Some(false), "--cuda-graph needs SGD's fused kernel (its per-parameter path bakes the learning rate into each launch)");
+        self.lr_device.capturable = true;
+        Ok(())
     }
 
     fn name(&self) -> &'static str {

@@ -13,6 +13,7 @@
 //! function of (seed, epoch, step), and a checkpoint holds the whole model and optimizer state.
 pub mod events;
 pub mod gradients;
+pub mod graph;
 pub mod schedule;
 pub mod sinks;
 pub mod state;
@@ -97,6 +98,8 @@ pub struct TrainConfig {
     pub profile: bool,
     /// Steps of the run left out of the steady-state speed ([`FitReport::steady`]): warm-up.
     pub steady_after: usize,
+    /// `--cuda-graph`: record the training step once in a CUDA graph and replay it ([`graph`]).
+    pub cuda_graph: bool,
 }
 
 impl TrainConfig {
@@ -362,6 +365,7 @@ pub fn fit(
     let (base_lr, steps_per_epoch) = (optimizer.lr(), train.batches_per_epoch().div_ceil(config.accumulate));
     let (mut report, mut global_step, mut bubble) = (FitReport::new(start.epoch), start.step, BubbleMeter::default());
     let mut steady = SteadyMeter::new(config.steady_after);
+    let mut graphed = config.cuda_graph.then(graph::GraphedStep::default);
     let (run, epochs, start_epoch, start_step) = (config.run.as_str(), config.epochs, start.epoch, start.step);
     observers.emit(&Event::Started { run, epochs, steps_per_epoch, start_epoch, start_step })?;
 
@@ -387,7 +391,10 @@ pub fn fit(
             let fetched = Instant::now();
             let lr = config.lr_schedule.lr(base_lr, global_step, epoch);
             optimizer.set_lr(lr);
-            let (out, mut phases) = optimizer_step(step, optimizer, scaler.as_mut(), &micro, config, global_step)?;
+            let (out, mut phases) = match graphed.as_mut() {
+                Some(graphed) if graphed.takes(&micro) => graphed.step(step, optimizer, &micro[0], config, global_step)?,
+                _ => optimizer_step(step, optimizer, scaler.as_mut(), &micro, config, global_step)?,
+            };
             phases.insert(0, ("data wait", waiting, fetched));
             global_step += 1;
             bubble.add(out.stage_busy);

@@ -6,6 +6,7 @@ include!("../build-support/link_libtorch.rs");
 fn main() {
     link_libtorch();
     println!("cargo:rerun-if-changed=csrc/torch_ext.cpp");
+    println!("cargo:rerun-if-changed=csrc/errors.h");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     let lib = libtorch_lib_dir().expect("torch-sys tells where LibTorch is (DEP_TCH_LIBTORCH_LIB)");
     let root = lib.parent().expect("LibTorch's lib folder has a parent");

@@ -4,33 +4,20 @@
 // LibTorch has its CUDA headers and the CUDA runtime's headers are found) and loaded at run time
 // when a run asks for CUDA graphs, so that the binaries still work with a CPU-only LibTorch.
 //
-// Conventions as csrc/torch_ext.cpp: a function that fails returns -1 (or null) and leaves the
+// Errors as csrc/errors.h says: a function that fails returns -1 (or null) and leaves the
 // exception's message for cuda_graph_last_error() on this thread.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <cstring>
 #include <optional>
-#include <string>
+
+#include "errors.h"
 
 namespace {
 
-thread_local std::string last_error;
-
-template <typename F>
-int protect(F&& f) {
-  try {
-    f();
-    return 0;
-  } catch (const std::exception& e) {
-    last_error = e.what();
-  } catch (...) {
-    last_error = "unknown C++ exception";
-  }
-  return -1;
-}
+using shim::protect_status;
 
 // A graph and the side stream it is captured on (capture needs a stream other than the
 // default one); while capturing, the side stream is the current stream of the device.
@@ -50,20 +37,13 @@ extern "C" {
 // The message of the last failure on this thread, copied into `buffer` (NUL-terminated);
 // returns its full length and clears it.
 size_t cuda_graph_last_error(char* buffer, size_t size) {
-  size_t length = last_error.size();
-  if (size > 0) {
-    size_t n = length < size - 1 ? length : size - 1;
-    std::memcpy(buffer, last_error.data(), n);
-    buffer[n] = '\0';
-  }
-  last_error.clear();
-  return length;
+  return shim::take_last_error(buffer, size);
 }
 
 // A new, empty graph for CUDA device `device`.
 void* cuda_graph_new(int device) {
   Captured* captured = nullptr;
-  int status = protect([&] { captured = new Captured(static_cast<c10::DeviceIndex>(device)); });
+  int status = protect_status([&] { captured = new Captured(static_cast<c10::DeviceIndex>(device)); });
   return status == 0 ? captured : nullptr;
 }
 
@@ -75,7 +55,7 @@ void cuda_graph_free(void* graph) {
 // and everything launched on it until cuda_graph_end is recorded instead of run. The default CUDA
 // generator is registered with the graph (dropout stays random from replay to replay).
 int cuda_graph_begin(void* graph) {
-  return protect([&] {
+  return protect_status([&] {
     auto* captured = static_cast<Captured*>(graph);
     c10::cuda::CUDAGuard device_guard(captured->device);
     c10::cuda::getCurrentCUDAStream(captured->device).synchronize();
@@ -88,15 +68,15 @@ int cuda_graph_begin(void* graph) {
 // default one again) and makes the graph ready to replay.
 int cuda_graph_end(void* graph) {
   auto* captured = static_cast<Captured*>(graph);
-  int status = protect([&] { captured->graph.capture_end(); });
+  int status = protect_status([&] { captured->graph.capture_end(); });
   captured->guard.reset();
-  int synced = protect([&] { captured->stream.synchronize(); });
+  int synced = protect_status([&] { captured->stream.synchronize(); });
   return status != 0 ? status : synced;
 }
 
 // Launches the recorded work once, on the current stream's device.
 int cuda_graph_replay(void* graph) {
-  return protect([&] {
+  return protect_status([&] {
     auto* captured = static_cast<Captured*>(graph);
     c10::cuda::CUDAGuard device_guard(captured->device);
     captured->graph.replay();

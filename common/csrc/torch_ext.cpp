@@ -18,20 +18,19 @@
 #include <cstring>
 #include <string>
 
+#include "errors.h"
+
 namespace {
 
-thread_local std::string last_error;
+using shim::last_error;
+using shim::protect_status;
 
+// Runs `f`: a heap-allocated copy of the tensor it returns, or null with the message kept.
 template <typename F>
 at::Tensor* protect(F&& f) {
-  try {
-    return new at::Tensor(f());
-  } catch (const std::exception& e) {
-    last_error = e.what();
-  } catch (...) {
-    last_error = "unknown C++ exception";
-  }
-  return nullptr;
+  at::Tensor* result = nullptr;
+  protect_status([&] { result = new at::Tensor(f()); });
+  return result;
 }
 
 at::Device device_of(int device_type, int device_index) {
@@ -46,19 +45,6 @@ std::vector<at::Tensor> tensors_of(at::Tensor** tensors, size_t n) {
     out.push_back(*tensors[i]);
   }
   return out;
-}
-
-template <typename F>
-int protect_status(F&& f) {
-  try {
-    f();
-    return 0;
-  } catch (const std::exception& e) {
-    last_error = e.what();
-  } catch (...) {
-    last_error = "unknown C++ exception";
-  }
-  return -1;
 }
 
 // A collective the Rust side runs in place on a tensor (an all-reduce over the tensor-parallel
@@ -234,14 +220,7 @@ at::Tensor* torch_ext_collective_in_forward(const at::Tensor* input, torch_ext_c
 // The message of the last failure on this thread (empty if none), copied into `buffer`
 // (NUL-terminated, truncated to `size`); returns the message's full length and clears it.
 size_t torch_ext_last_error(char* buffer, size_t size) {
-  size_t length = last_error.size();
-  if (size > 0) {
-    size_t n = length < size - 1 ? length : size - 1;
-    std::memcpy(buffer, last_error.data(), n);
-    buffer[n] = '\0';
-  }
-  last_error.clear();
-  return length;
+  return shim::take_last_error(buffer, size);
 }
 
 // `tensor.pin_memory()` without the device argument that tch always passes (deprecated since

@@ -172,14 +172,6 @@ fn resnet34_replicas_agree_including_batch_norm_statistics() {
     assert!(stdout(&out).contains("resnet34") && stdout(&out).contains("parameters bit-identical on all 2 ranks"), "{}", stdout(&out));
 }
 
-/// The first `lines` lines of the real WikiText-2 valid split as train and valid, of test as test.
-fn wikitext(dir: &Path, lines: usize) {
-    let real = support::shared_data("wikitext-2");
-    let take = |name: &str| std::fs::read_to_string(real.join(name)).unwrap().lines().take(lines).collect::<Vec<_>>().join("\n") + "\n";
-    std::fs::write(dir.join("train.txt"), take("valid.txt")).unwrap();
-    std::fs::write(dir.join("valid.txt"), take("valid.txt")).unwrap();
-    std::fs::write(dir.join("test.txt"), take("test.txt")).unwrap();
-}
 
 /// The model tensors of the checkpoint `<dir>/<run>.safetensors`, sorted by name.
 fn checkpoint_model(dir: &Path, run: &str) -> Vec<(String, tch::Tensor)> {
@@ -203,7 +195,7 @@ fn worst_relative_difference(a: &[(String, tch::Tensor)], b: &[(String, tch::Ten
 #[test]
 fn the_language_model_data_parallel_equals_one_rank_with_the_doubled_batch() {
     let data = tempfile::tempdir().unwrap();
-    wikitext(data.path(), 80);
+    support::wikitext_sample(data.path(), [80; 3]);
     let (one, two) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let run = |ck: &Path, batch: &str, extra: &[&str]| {
         let out = Command::new(env!("CARGO_BIN_EXE_exercise1_nlp"))
@@ -242,7 +234,7 @@ fn the_language_model_data_parallel_equals_one_rank_with_the_doubled_batch() {
 #[test]
 fn pipeline_replicas_average_in_the_buckets_asked_for() {
     let data = tempfile::tempdir().unwrap();
-    wikitext(data.path(), 40);
+    support::wikitext_sample(data.path(), [40; 3]);
     let run = |bucket_mb: &str| {
         let results = tempfile::tempdir().unwrap();
         let out = Command::new(env!("CARGO_BIN_EXE_exercise3"))

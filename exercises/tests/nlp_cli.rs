@@ -3,30 +3,18 @@
 mod support;
 
 use std::path::Path;
-use support::{read_json, shared_data, stderr};
+use support::{read_json, stderr, wikitext_sample};
 use std::process::{Command, Output};
 
 fn exercise1_nlp(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_exercise1_nlp")).args(args).output().expect("exercise1_nlp runs")
 }
 
-/// A corpus folder in the `{train,valid,test}.txt` layout, each split the first `lines` lines
-/// of a real split (train and valid from WikiText-2 valid, test from WikiText-2 test: the real
-/// train split is not available offline).
-fn corpus(dir: &Path, lines: [usize; 3]) {
-    let real = shared_data("wikitext-2");
-    let read = |name: &str| std::fs::read_to_string(real.join(name)).unwrap();
-    let (valid, test) = (read("valid.txt"), read("test.txt"));
-    let take = |text: &str, n: usize| text.lines().take(n).collect::<Vec<_>>().join("\n") + "\n";
-    std::fs::write(dir.join("train.txt"), take(&valid, lines[0])).unwrap();
-    std::fs::write(dir.join("valid.txt"), take(&valid, lines[1])).unwrap();
-    std::fs::write(dir.join("test.txt"), take(&test, lines[2])).unwrap();
-}
 
 #[test]
 fn a_small_transformer_learns_real_wikitext() {
     let data = tempfile::tempdir().unwrap();
-    corpus(data.path(), [usize::MAX, 400, usize::MAX]);
+    wikitext_sample(data.path(), [usize::MAX, 400, usize::MAX]);
     let results = tempfile::tempdir().unwrap();
     let out = exercise1_nlp(&[
         "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--quiet",
@@ -53,7 +41,7 @@ fn a_small_transformer_learns_real_wikitext() {
 #[test]
 fn resume_through_the_flags_matches_a_straight_run() {
     let data = tempfile::tempdir().unwrap();
-    corpus(data.path(), [300, 60, 60]);
+    wikitext_sample(data.path(), [300, 60, 60]);
     let run = |epochs: &str, ck: &Path| {
         let out = exercise1_nlp(&[
             "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--quiet",
@@ -83,7 +71,7 @@ fn bf16_mixed_precision_trains_on_the_cpu_close_to_float32() {
     // below the uniform model's ln V), and the bfloat16 run's test loss stays within 10% of the
     // float32 one (SGD at lr 5 on a small corpus amplifies rounding differences).
     let data = tempfile::tempdir().unwrap();
-    corpus(data.path(), [200, 40, 40]);
+    wikitext_sample(data.path(), [200, 40, 40]);
     let run = |precision: &str| {
         let results = tempfile::tempdir().unwrap();
         let out = exercise1_nlp(&[

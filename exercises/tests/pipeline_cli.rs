@@ -5,22 +5,12 @@ mod support;
 
 use std::path::Path;
 use std::process::{Command, Output};
-use support::{read_json, shared_data, stderr};
+use support::{read_json, shared_data, stderr, wikitext_sample};
 
 fn exercise3_pipeline(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_exercise3")).arg("pipeline").args(args).output().expect("exercise3 runs")
 }
 
-/// train and valid: the first `lines` lines of the real valid split; test: of the real test split.
-fn corpus(dir: &Path, lines: usize) {
-    let real = shared_data("wikitext-2");
-    let read = |name: &str| std::fs::read_to_string(real.join(name)).unwrap();
-    let take = |text: &str| text.lines().take(lines).collect::<Vec<_>>().join("\n") + "\n";
-    let (valid, test) = (take(&read("valid.txt")), take(&read("test.txt")));
-    std::fs::write(dir.join("train.txt"), &valid).unwrap();
-    std::fs::write(dir.join("valid.txt"), &valid).unwrap();
-    std::fs::write(dir.join("test.txt"), &test).unwrap();
-}
 
 /// The 1.4B model's width, d 4096 (one layer, so that it runs in a test): the default recipe
 /// learns where the course's (`--recipe course`, the tutorial's SGD at lr 5 with its output
@@ -64,7 +54,7 @@ fn at_d_4096_the_default_recipe_learns_where_the_courses_does_not() {
 #[test]
 fn a_two_stage_pipeline_learns_real_wikitext_and_reports_its_bubble() {
     let data = tempfile::tempdir().unwrap();
-    corpus(data.path(), 1200);
+    wikitext_sample(data.path(), [1200; 3]);
     let results = tempfile::tempdir().unwrap();
     let out = exercise3_pipeline(&[
         "--data-dir", data.path().to_str().unwrap(), "--devices", "cpu,cpu", "--chunks", "4", "--schedule", "1f1b", "--balance",
@@ -109,7 +99,7 @@ fn model_tensors(path: &Path) -> Vec<(String, tch::Tensor)> {
 #[test]
 fn a_checkpoint_resumes_on_another_number_of_stages() {
     let data = tempfile::tempdir().unwrap();
-    corpus(data.path(), 80);
+    wikitext_sample(data.path(), [80; 3]);
     let run = |devices: &str, epochs: &str, ck: &Path| {
         let out = exercise3_pipeline(&[
             "--data-dir", data.path().to_str().unwrap(), "--devices", devices, "--chunks", "2",
@@ -136,7 +126,7 @@ fn a_checkpoint_resumes_on_another_number_of_stages() {
 #[test]
 fn stages_in_separate_processes_and_replicas_of_them() {
     let data = tempfile::tempdir().unwrap();
-    corpus(data.path(), 60);
+    wikitext_sample(data.path(), [60; 3]);
     let results = tempfile::tempdir().unwrap();
     let run = |extra: &[&str]| {
         let mut args = vec![
@@ -181,7 +171,7 @@ fn stages_in_separate_processes_and_replicas_of_them() {
 #[test]
 fn configuration_mistakes_are_one_clear_line_with_exit_2() {
     let data = tempfile::tempdir().unwrap();
-    corpus(data.path(), 50);
+    wikitext_sample(data.path(), [50; 3]);
     let small = ["--emsize", "16", "--d-hid", "16", "--nhead", "2", "--nlayers", "2", "--max-steps", "1", "--quiet"];
     let dir = data.path().to_str().unwrap();
     for (flags, message) in [
@@ -206,7 +196,7 @@ fn configuration_mistakes_are_one_clear_line_with_exit_2() {
 #[test]
 fn a_checkpoint_from_stages_in_processes_resumes_in_one_process() {
     let data = tempfile::tempdir().unwrap();
-    corpus(data.path(), 80);
+    wikitext_sample(data.path(), [80; 3]);
     let run = |ck: &Path, epochs: &str, placement: &[&str]| {
         let mut args = vec![
             "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--chunks", "2", "--emsize", "16", "--d-hid", "32",

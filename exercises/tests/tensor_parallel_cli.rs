@@ -5,22 +5,12 @@ mod support;
 
 use std::path::Path;
 use std::process::{Command, Output};
-use support::{read_json, shared_data, stderr};
+use support::{read_json, stderr, wikitext_sample};
 
 fn exercise3(command: &str, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_exercise3")).arg(command).args(args).output().expect("exercise3 runs")
 }
 
-/// train and valid: the first `lines` lines of the real valid split; test: of the real test split.
-fn corpus(dir: &Path, lines: usize) {
-    let real = shared_data("wikitext-2");
-    let read = |name: &str| std::fs::read_to_string(real.join(name)).unwrap();
-    let take = |text: &str| text.lines().take(lines).collect::<Vec<_>>().join("\n") + "\n";
-    let (valid, test) = (take(&read("valid.txt")), take(&read("test.txt")));
-    std::fs::write(dir.join("train.txt"), &valid).unwrap();
-    std::fs::write(dir.join("valid.txt"), &valid).unwrap();
-    std::fs::write(dir.join("test.txt"), &test).unwrap();
-}
 
 /// The model tensors of the checkpoint in `dir`, sorted by name.
 fn model_tensors(dir: &Path) -> Vec<(String, tch::Tensor)> {
@@ -42,7 +32,7 @@ const SMALL: [&str; 20] = [
 #[test]
 fn two_shards_train_the_model_of_one_rank_and_their_checkpoint_resumes_on_one() {
     let data = tempfile::tempdir().unwrap();
-    corpus(data.path(), 60);
+    wikitext_sample(data.path(), [60; 3]);
     let run = |ck: &Path, epochs: &str, placement: &[&str]| {
         let mut args = vec!["--data-dir", data.path().to_str().unwrap(), "--epochs", epochs, "--quiet", "--resume"];
         // (A constant rate: a cosine over --epochs would differ between 1 and 2 epochs.)
@@ -89,7 +79,7 @@ fn two_shards_train_the_model_of_one_rank_and_their_checkpoint_resumes_on_one() 
 #[test]
 fn tensor_parallel_mistakes_are_one_clear_line_with_exit_2() {
     let data = tempfile::tempdir().unwrap();
-    corpus(data.path(), 40);
+    wikitext_sample(data.path(), [40; 3]);
     let dir = data.path().to_str().unwrap();
     let small = ["--device", "cpu", "--d-hid", "64", "--nlayers", "2", "--max-steps", "1", "--quiet"];
     let heads = ["--emsize", "32", "--nhead", "4"];

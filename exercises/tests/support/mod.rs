@@ -22,3 +22,15 @@ pub fn read_json(path: &Path) -> serde_json::Value {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).unwrap()
 }
+
+/// A WikiText-2 folder from the real sample: train and valid are the first `lines[0]` and
+/// `lines[1]` lines of the real valid split, test the first `lines[2]` of the real test split.
+pub fn wikitext_sample(dir: &Path, lines: [usize; 3]) {
+    let real = shared_data("wikitext-2");
+    let read = |name: &str| std::fs::read_to_string(real.join(name)).unwrap();
+    let (valid, test) = (read("valid.txt"), read("test.txt"));
+    let take = |text: &str, n: usize| text.lines().take(n).collect::<Vec<_>>().join("\n") + "\n";
+    std::fs::write(dir.join("train.txt"), take(&valid, lines[0])).unwrap();
+    std::fs::write(dir.join("valid.txt"), take(&valid, lines[1])).unwrap();
+    std::fs::write(dir.join("test.txt"), take(&test, lines[2])).unwrap();
+}

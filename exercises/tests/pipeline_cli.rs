@@ -107,31 +107,45 @@ fn model_tensors(path: &Path) -> Vec<(String, tch::Tensor)> {
     tensors
 }
 
+/// The checkpoints `exercise3 pipeline` wrote in `straight` and in `resumed` hold the same
+/// model variables, each within `tolerance` of its largest value; `what` says how the runs went.
+fn assert_same_model(straight: &Path, resumed: &Path, tolerance: f64, what: &str) {
+    let name = "exercise3_pipeline-transformer-cpu.safetensors";
+    let (a, b) = (model_tensors(&straight.join(name)), model_tensors(&resumed.join(name)));
+    assert_eq!(a.len(), b.len(), "the gathered checkpoint holds every variable");
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        let rel = (x - y).abs().max().double_value(&[]) / x.abs().max().double_value(&[]).max(1e-12);
+        assert!(rel <= tolerance, "{name}: {what} differ by {rel:e}");
+    }
+}
+
+/// The small model of the checkpoint tests, of `nlayers` layers, without dropout, one thread.
+fn small(nlayers: &'static str) -> [&'static str; 12] {
+    ["--emsize", "16", "--d-hid", "32", "--nhead", "2", "--nlayers", nlayers, "--dropout", "0", "--threads", "1"]
+}
+
+/// `exercise3 pipeline` for `epochs` on `data`, 2 micro-batches, with `flags`, checkpointing to
+/// and resuming from `ck` (its results there too); returns what it printed.
+fn run_resumable(data: &Path, ck: &Path, epochs: &str, flags: &[&str]) -> String {
+    let ck = ck.to_str().unwrap();
+    let mut args = vec!["--data-dir", data.to_str().unwrap(), "--chunks", "2", "--epochs", epochs, "--quiet", "--checkpoint-dir", ck, "--resume", "--results-dir", ck];
+    args.extend(flags);
+    let out = exercise3_pipeline(&args);
+    assert!(out.status.success(), "{flags:?}: {}", stderr(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 #[test]
 fn a_checkpoint_resumes_on_another_number_of_stages() {
     let data = tempfile::tempdir().unwrap();
     corpus(data.path(), 80);
-    let run = |devices: &str, epochs: &str, ck: &Path| {
-        let out = exercise3_pipeline(&[
-            "--data-dir", data.path().to_str().unwrap(), "--devices", devices, "--chunks", "2",
-            "--emsize", "16", "--d-hid", "32", "--nhead", "2", "--nlayers", "3", "--dropout", "0", "--epochs", epochs,
-            "--threads", "1", "--quiet", "--checkpoint-dir", ck.to_str().unwrap(), "--resume", "--results-dir", ck.to_str().unwrap(),
-        ]);
-        assert!(out.status.success(), "{}", stderr(&out));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let run = |devices: &str, epochs: &str, ck: &Path| run_resumable(data.path(), ck, epochs, &[&small("3")[..], &["--devices", devices]].concat());
     let (straight, resumed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     run("cpu,cpu", "2", straight.path());
     run("cpu,cpu,cpu", "1", resumed.path()); // epoch 1 on 3 stages
     let out = run("cpu,cpu", "2", resumed.path()); // epoch 2 on 2 stages
     assert!(out.contains("resumed exercise3_pipeline-transformer-cpu") && out.contains("after epoch 1"), "{out}");
-    let name = "exercise3_pipeline-transformer-cpu.safetensors";
-    let (a, b) = (model_tensors(&straight.path().join(name)), model_tensors(&resumed.path().join(name)));
-    assert_eq!(a.len(), b.len());
-    for ((name, x), (_, y)) in a.iter().zip(&b) {
-        let rel = (x - y).abs().max().double_value(&[]) / x.abs().max().double_value(&[]).max(1e-12);
-        assert!(rel <= 1e-6, "{name}: 2 epochs straight vs 1 epoch on 3 stages + 1 resumed on 2 differ by {rel:e}");
-    }
+    assert_same_model(straight.path(), resumed.path(), 1e-6, "2 epochs straight vs 1 epoch on 3 stages + 1 resumed on 2");
 }
 
 #[test]
@@ -179,9 +193,6 @@ fn stages_in_separate_processes_and_replicas_of_them() {
     assert!(stderr(&out).contains("3 ranks cannot run pipelines of 2 stages"), "{}", stderr(&out));
 }
 
-/// The small model of the interleaved tests: 4 layers, for 2 devices × 2 virtual stages.
-const SMALL_4_LAYERS: [&str; 12] = ["--emsize", "16", "--d-hid", "32", "--nhead", "2", "--nlayers", "4", "--dropout", "0", "--threads", "1"];
-
 #[test]
 fn an_interleaved_pipeline_reports_its_virtual_stages_and_bubble() {
     let data = tempfile::tempdir().unwrap();
@@ -192,7 +203,7 @@ fn an_interleaved_pipeline_reports_its_virtual_stages_and_bubble() {
             "--data-dir", data.path().to_str().unwrap(), "--schedule", "interleaved", "--virtual-stages", "2", "--max-steps", "3", "--epochs", "1",
             "--quiet", "--results-dir", results.path().to_str().unwrap(),
         ];
-        args.extend(SMALL_4_LAYERS);
+        args.extend(small("4"));
         args.extend(placement);
         let out = exercise3_pipeline(&args);
         assert!(out.status.success(), "{placement:?}: {}", stderr(&out));
@@ -237,17 +248,7 @@ fn a_checkpoint_of_an_interleaved_pipeline_resumes_on_other_layouts() {
     // each), epoch 2 interleaved on one device (4 stages, one thread), epoch 3 1F1B on 2 devices.
     let data = tempfile::tempdir().unwrap();
     corpus(data.path(), 80);
-    let run = |ck: &Path, epochs: &str, layout: &[&str]| {
-        let mut args = vec![
-            "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--chunks", "2", "--epochs", epochs, "--quiet",
-            "--checkpoint-dir", ck.to_str().unwrap(), "--resume", "--results-dir", ck.to_str().unwrap(),
-        ];
-        args.extend(SMALL_4_LAYERS);
-        args.extend(layout);
-        let out = exercise3_pipeline(&args);
-        assert!(out.status.success(), "{layout:?}: {}", stderr(&out));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let run = |ck: &Path, epochs: &str, layout: &[&str]| run_resumable(data.path(), ck, epochs, &[&small("4")[..], &["--device", "cpu"], layout].concat());
     let (straight, resumed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     run(straight.path(), "3", &["--devices", "cpu,cpu"]);
     run(resumed.path(), "1", &["--nproc-per-node", "2", "--schedule", "interleaved"]);
@@ -255,13 +256,7 @@ fn a_checkpoint_of_an_interleaved_pipeline_resumes_on_other_layouts() {
     assert!(out.contains("after epoch 1") && out.contains("device 0 on cpu: stage 0 (embedding + layers 0..1), stage 1 (layers 1..2)"), "{out}");
     let out = run(resumed.path(), "3", &["--devices", "cpu,cpu", "--schedule", "1f1b"]);
     assert!(out.contains("resumed exercise3_pipeline-transformer-cpu") && out.contains("after epoch 2"), "{out}");
-    let name = "exercise3_pipeline-transformer-cpu.safetensors";
-    let (a, b) = (model_tensors(&straight.path().join(name)), model_tensors(&resumed.path().join(name)));
-    assert_eq!(a.len(), b.len(), "the gathered checkpoints hold every variable");
-    for ((name, x), (_, y)) in a.iter().zip(&b) {
-        let rel = (x - y).abs().max().double_value(&[]) / x.abs().max().double_value(&[]).max(1e-12);
-        assert!(rel <= 1e-5, "{name}: 3 epochs straight vs interleaved on 2 ranks, on 1 device, then 1F1B differ by {rel:e}");
-    }
+    assert_same_model(straight.path(), resumed.path(), 1e-5, "3 epochs straight vs interleaved on 2 ranks, on 1 device, then 1F1B");
 }
 
 #[test]
@@ -304,17 +299,7 @@ fn configuration_mistakes_are_one_clear_line_with_exit_2() {
 fn a_checkpoint_from_stages_in_processes_resumes_in_one_process() {
     let data = tempfile::tempdir().unwrap();
     corpus(data.path(), 80);
-    let run = |ck: &Path, epochs: &str, placement: &[&str]| {
-        let mut args = vec![
-            "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--chunks", "2", "--emsize", "16", "--d-hid", "32",
-            "--nhead", "2", "--nlayers", "3", "--dropout", "0", "--epochs", epochs, "--threads", "1", "--quiet",
-            "--checkpoint-dir", ck.to_str().unwrap(), "--resume", "--results-dir", ck.to_str().unwrap(),
-        ];
-        args.extend(placement);
-        let out = exercise3_pipeline(&args);
-        assert!(out.status.success(), "{placement:?}: {}", stderr(&out));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let run = |ck: &Path, epochs: &str, placement: &[&str]| run_resumable(data.path(), ck, epochs, &[&small("3")[..], &["--device", "cpu"], placement].concat());
     let (straight, resumed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     run(straight.path(), "2", &["--devices", "cpu,cpu"]);
     // Epoch 1 with one stage per process (2 ranks): the ranks' parts gathered into one file...
@@ -322,11 +307,5 @@ fn a_checkpoint_from_stages_in_processes_resumes_in_one_process() {
     // ...and epoch 2 in one process, on one stage.
     let out = run(resumed.path(), "2", &["--devices", "cpu"]);
     assert!(out.contains("resumed exercise3_pipeline-transformer-cpu") && out.contains("after epoch 1"), "{out}");
-    let name = "exercise3_pipeline-transformer-cpu.safetensors";
-    let (a, b) = (model_tensors(&straight.path().join(name)), model_tensors(&resumed.path().join(name)));
-    assert_eq!(a.len(), b.len(), "the gathered checkpoint holds every variable");
-    for ((name, x), (_, y)) in a.iter().zip(&b) {
-        let rel = (x - y).abs().max().double_value(&[]) / x.abs().max().double_value(&[]).max(1e-12);
-        assert!(rel <= 1e-5, "{name}: 2 epochs straight vs 1 epoch in 2 processes + 1 resumed in one differ by {rel:e}");
-    }
+    assert_same_model(straight.path(), resumed.path(), 1e-5, "2 epochs straight vs 1 epoch in 2 processes + 1 resumed in one");
 }

@@ -17,7 +17,7 @@ use crate::flops;
 use crate::models::TransformerConfig;
 use crate::optim::OptimizerKind;
 use crate::parallelize::{ModelPlan, PipelinePlan};
-use crate::pipeline::{self, LayerCosts, Partition, PipelineOptions, Schedule, Stage};
+use crate::pipeline::{self, LayerCosts, Partition, PipelineOptions, Placement, Schedule, Stage};
 use crate::presets::{ModelParallelism, ModelPreset, Preset, TransformerShape};
 use crate::report::{self, RunRecord};
 use crate::train::{EvalSums, FitReport, Metric, Observers, TrainStep};
@@ -87,9 +87,14 @@ pub struct PipelineArgs {
     /// Micro-batches per mini-batch (GPipe's `chunks`) [default: 8 with pipeline stages, else 1].
     #[arg(long)]
     pub chunks: Option<usize>,
-    /// gpipe: all forwards, then all backwards; 1f1b: alternate, holding fewer activations.
+    /// gpipe: all forwards, then all backwards; 1f1b: alternate, holding fewer activations;
+    /// interleaved: 1F1B over several stages per device (Megatron-LM's), a smaller bubble.
     #[arg(long, value_enum, default_value = "gpipe")]
     pub schedule: Schedule,
+    /// Stages per device with --schedule interleaved: the layers cut into devices × V stages,
+    /// stage s on device s mod devices [default: 2 with interleaved, else 1].
+    #[arg(long)]
+    pub virtual_stages: Option<usize>,
     /// Split the layers by their measured time (embedding and output layer included) instead
     /// of their number.
     #[arg(long)]
@@ -109,6 +114,11 @@ impl PipelineArgs {
     pub fn chunks(&self, preset: &Preset) -> usize {
         let staged = preset.parallelism == ModelParallelism::Pipeline || self.pp.is_some_and(|pp| pp > 1);
         self.chunks.unwrap_or(if staged { 8 } else { 1 })
+    }
+
+    /// Stages per device: `--virtual-stages`, or the schedule's default.
+    pub fn virtual_stages(&self) -> Result<usize> {
+        Placement::virtual_stages(self.schedule, self.virtual_stages)
     }
 }
 
@@ -275,6 +285,7 @@ impl Experiment for LmExperiment<'_> {
                     return usage(format!("{flag} must be at least 1"));
                 }
             }
+            pipeline.virtual_stages()?;
             let chunks = pipeline.chunks(self.preset);
             if chunks > self.batch_size() {
                 return usage(format!(
@@ -377,11 +388,20 @@ impl Experiment for LmExperiment<'_> {
         // Stages as threads of this process: exercise3 pipeline started alone.
         let in_process = groups.world.world_size() == 1 && self.preset.parallelism == ModelParallelism::Pipeline;
         let devices = if in_process { self.stage_devices(pipeline)? } else { Vec::new() };
-        let stages = if in_process { devices.len() } else { groups.layout.pp };
-        let partition = self.partition(pipeline, &config, stages, device, groups, observers)?;
+        let placement = Placement { devices: if in_process { devices.len() } else { groups.layout.pp }, virtual_stages: pipeline.virtual_stages()? };
+        let chunks = pipeline.chunks(self.preset);
+        placement.check(pipeline.schedule, chunks)?;
+        placement.check_layers(config.nlayers)?;
+        let partition = self.partition(pipeline, &config, placement.stages(), device, groups, observers)?;
         // CPU stages in one process share the cores: each stage thread gets its share.
         let threads_per_stage = (in_process && devices.iter().all(|d| *d == Device::Cpu)).then(|| (tch::get_num_threads() as usize / devices.len()).max(1));
-        let options = PipelineOptions { schedule: pipeline.schedule, chunks: pipeline.chunks(self.preset), checkpoint_activations: pipeline.checkpoint_activations, threads_per_stage };
+        let options = PipelineOptions {
+            schedule: pipeline.schedule,
+            virtual_stages: placement.virtual_stages,
+            chunks,
+            checkpoint_activations: pipeline.checkpoint_activations,
+            threads_per_stage,
+        };
         Ok(ModelPlan::Transformer { config, pipeline: Some(PipelinePlan { partition, options, devices }), init })
     }
 
@@ -411,10 +431,12 @@ impl Experiment for LmExperiment<'_> {
             return Ok(());
         }
         let layout = groups.layout;
+        let virtual_stages = pipeline_plan.options.virtual_stages;
         if groups.world.world_size() > 1 {
-            let placement = match layout.tp {
-                1 => format!("rank r runs stage r mod {}", layout.pp),
-                tp => format!("each stage's layers cut over {tp} tensor-parallel shards on neighbouring ranks (rank = (replica × {} + stage) × {tp} + shard)", layout.pp),
+            let placement = match (layout.tp, virtual_stages) {
+                (1, 1) => format!("rank r runs stage r mod {}", layout.pp),
+                (1, v) => format!("rank r runs stages r mod {pp}, r mod {pp} + {pp}, … ({v} of them)", pp = layout.pp),
+                (tp, _) => format!("each stage's layers cut over {tp} tensor-parallel shards on neighbouring ranks (rank = (replica × {} + stage) × {tp} + shard)", layout.pp),
             };
             observers.info(format!(
                 "{} ranks: {} replica(s) of a {}-stage pipeline, {placement}; {}",
@@ -426,23 +448,26 @@ impl Experiment for LmExperiment<'_> {
         }
         let params: i64 = summaries.iter().map(|s| s.parameters).sum();
         let shards = if layout.tp > 1 { format!(", every layer cut over {} tensor-parallel shards (Megatron-LM)", layout.tp) } else { String::new() };
+        let stages = match virtual_stages {
+            1 => format!("{} stage(s)", summaries.len()),
+            v => format!("{} devices × {v} virtual stages", summaries.len()),
+        };
         observers.info(format!(
             "Transformer LM: {} layers, d_model {}, d_hid {}, {} heads, vocabulary {}: {} parameters; \
-             {} stage(s), {} micro-batches per batch of {}, {} schedule{}{shards}",
+             {stages}, {} micro-batches per batch of {}, {} schedule{}{shards}",
             cfg.nlayers,
             cfg.d_model,
             cfg.d_hid,
             cfg.nhead,
             cfg.ntoken,
             report::group_thousands(params),
-            summaries.len(),
             pipeline_plan.options.chunks,
             self.batch_size(),
             pipeline.schedule.name(),
             if pipeline.checkpoint_activations { ", activations recomputed" } else { "" }
         ))?;
         for summary in &summaries {
-            observers.info(summary.line(summaries.len(), layout.tp))?;
+            observers.info(summary.line(pipeline_plan.partition.stages(), layout.tp))?;
         }
         Ok(())
     }
@@ -503,25 +528,38 @@ impl Experiment for LmExperiment<'_> {
             "model_config": config,
         });
         if let (Some(plan), Some(flags)) = (pipeline, self.pipeline) {
-            let stages = plan.partition.stages();
-            let chunks = plan.options.chunks;
-            let theory = pipeline::schedule::theoretical_bubble(stages, chunks);
+            let (chunks, virtual_stages) = (plan.options.chunks, plan.options.virtual_stages);
+            let stages = plan.partition.stages() / virtual_stages;
+            let theory = pipeline::schedule::theoretical_bubble(stages, chunks, virtual_stages);
+            let ratio_theory = pipeline::schedule::theoretical_bubble_ratio(stages, chunks, virtual_stages);
             let bubble = fit.bubble_fraction.unwrap_or(f64::NAN);
+            // Idle over busy time: Narayanan et al.'s measure, (p−1)/(V·m) in theory.
+            let ratio = bubble / (1.0 - bubble);
             if stages > 1 {
-                lines.push(format!(
-                "pipeline bubble: measured {:.1}% of the stages' time idle, theory (p−1)/(m+p−1) = {:.1}% for p = {stages}, m = {}",
-                100.0 * bubble,
-                100.0 * theory,
-                chunks
-            ));
+                lines.push(match virtual_stages {
+                    1 => format!(
+                        "pipeline bubble: measured {:.1}% of the stages' time idle, theory (p−1)/(m+p−1) = {:.1}% for p = {stages}, m = {chunks}",
+                        100.0 * bubble,
+                        100.0 * theory,
+                    ),
+                    v => format!(
+                        "pipeline bubble: measured {:.1}% of the devices' time idle ({ratio:.3} of their compute), theory {:.1}% \
+                         ((p−1)/(V·m) = {ratio_theory:.3} of the compute) for p = {stages}, m = {chunks}, V = {v}",
+                        100.0 * bubble,
+                        100.0 * theory,
+                    ),
+                });
             }
             extra["stages"] = stages.into();
+            extra["virtual_stages"] = virtual_stages.into();
             extra["partition"] = plan.partition.layers.iter().map(|r| [r.start, r.end]).collect::<Vec<_>>().into();
             extra["chunks"] = chunks.into();
             extra["schedule"] = serde_json::to_value(flags.schedule).expect("a schedule serialises");
             extra["checkpoint_activations"] = flags.checkpoint_activations.into();
             extra["bubble_fraction"] = bubble.into();
             extra["bubble_fraction_theory"] = theory.into();
+            extra["bubble_ratio"] = ratio.into();
+            extra["bubble_ratio_theory"] = ratio_theory.into();
             let summaries = self.stages.borrow();
             extra["devices"] = summaries.iter().map(|s| s.device.clone()).collect::<Vec<_>>().into();
             extra["stage_parameter_bytes"] = summaries.iter().map(|s| s.parameter_bytes).collect::<Vec<_>>().into();
@@ -530,33 +568,54 @@ impl Experiment for LmExperiment<'_> {
     }
 }
 
-/// One stage as the run reports it.
+/// One device of the pipeline (a stage thread or a rank) as the run reports it: its stage, or
+/// with interleaving its stages.
 #[derive(Debug, Clone, Serialize)]
 struct StageSummary {
-    stage: usize,
+    /// Its place in the pipeline.
+    index: usize,
     device: String,
-    layers: [i64; 2],
-    /// The stage's parameters (all its shards together).
+    /// The stages it holds, in model order, and their encoder layers.
+    stages: Vec<usize>,
+    layers: Vec<[i64; 2]>,
+    /// The device's parameters (all its shards together).
     parameters: i64,
     /// Bytes of parameters one rank of it holds (one shard's).
     parameter_bytes: usize,
 }
 
 impl StageSummary {
+    fn new(index: usize, device: String, plan: &PipelinePlan, parameters: i64, parameter_bytes: usize) -> StageSummary {
+        let placement = Placement { devices: plan.partition.stages() / plan.options.virtual_stages, virtual_stages: plan.options.virtual_stages };
+        let stages: Vec<usize> = placement.stages_of(index).collect();
+        let layers = stages.iter().map(|&s| [plan.partition.layers[s].start, plan.partition.layers[s].end]).collect();
+        StageSummary { index, device, stages, layers, parameters, parameter_bytes }
+    }
+
+    /// `stage 0 on cpu: embedding + layers 0..6; …`, or with interleaving `device 0 on cpu:
+    /// stage 0 (embedding + layers 0..3), stage 2 (layers 6..9); …`, of a model of `stages`.
     fn line(&self, stages: usize, shards: usize) -> String {
-        let mut pieces = Vec::new();
-        if self.stage == 0 {
-            pieces.push("embedding".to_string());
-        }
-        pieces.push(format!("layers {}..{}", self.layers[0], self.layers[1]));
-        if self.stage + 1 == stages {
-            pieces.push("output layer".to_string());
-        }
+        let holds = |(stage, [start, end]): (&usize, &[i64; 2])| {
+            let mut pieces = Vec::new();
+            if *stage == 0 {
+                pieces.push("embedding".to_string());
+            }
+            pieces.push(format!("layers {start}..{end}"));
+            if stage + 1 == stages {
+                pieces.push("output layer".to_string());
+            }
+            pieces.join(" + ")
+        };
+        let held: Vec<String> = self.stages.iter().zip(&self.layers).map(holds).collect();
+        let what = match &held[..] {
+            [one] => format!("stage {} on {}: {one}", self.index, self.device),
+            several => {
+                let named: Vec<String> = self.stages.iter().zip(several).map(|(s, pieces)| format!("stage {s} ({pieces})")).collect();
+                format!("device {} on {}: {}", self.index, self.device, named.join(", "))
+            }
+        };
         format!(
-            "  stage {} on {}: {}; {} parameters, {:.1} MiB{} (and as much again for their gradients)",
-            self.stage,
-            self.device,
-            pieces.join(" + "),
+            "  {what}; {} parameters, {:.1} MiB{} (and as much again for their gradients)",
             report::group_thousands(self.parameters),
             self.parameter_bytes as f64 / (1024.0 * 1024.0),
             if shards > 1 { format!(" per shard on each of {shards} ranks") } else { String::new() }
@@ -564,22 +623,18 @@ impl StageSummary {
     }
 }
 
-/// Every stage of replica 0: read off the stages in this process, or gathered from the ranks.
+/// Every device of replica 0: read off the stages in this process, or gathered from the ranks.
 fn stage_summaries(step: &dyn TrainStep<'_>, plan: &PipelinePlan, groups: &Groups) -> Result<Vec<StageSummary>> {
-    let layers = |s: usize| [plan.partition.layers[s].start, plan.partition.layers[s].end];
     if !plan.devices.is_empty() {
-        // In this process: group the parameters by stage through their layer names.
+        // In this process: group the parameters by device through their stages' layer names.
         let params = step.named_parameters();
-        return Ok((0..plan.devices.len())
-            .map(|s| {
-                let mine: Vec<&tch::Tensor> = params.iter().filter(|(name, _)| stage_of(name, &plan.partition) == s).map(|(_, t)| t).collect();
-                StageSummary {
-                    stage: s,
-                    device: device::device_label(plan.devices[s]),
-                    layers: layers(s),
-                    parameters: mine.iter().map(|t| t.numel() as i64).sum(),
-                    parameter_bytes: mine.iter().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum(),
-                }
+        let devices = plan.devices.len();
+        return Ok((0..devices)
+            .map(|d| {
+                let mine: Vec<&tch::Tensor> = params.iter().filter(|(name, _)| stage_of(name, &plan.partition) % devices == d).map(|(_, t)| t).collect();
+                let parameters = mine.iter().map(|t| t.numel() as i64).sum();
+                let bytes = mine.iter().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum();
+                StageSummary::new(d, device::device_label(plan.devices[d]), plan, parameters, bytes)
             })
             .collect());
     }
@@ -597,13 +652,8 @@ fn stage_summaries(step: &dyn TrainStep<'_>, plan: &PipelinePlan, groups: &Group
         .map(|s| {
             let ranks: Vec<usize> = (0..layout.tp).map(|shard| layout.rank(Coords { replica: 0, stage: s, shard })).collect();
             let first = &all[ranks[0]];
-            StageSummary {
-                stage: s,
-                device: if first[2] < 0.0 { "cpu".into() } else { format!("cuda:{} (rank {})", first[2], ranks[0]) },
-                layers: layers(s),
-                parameters: ranks.iter().map(|&r| all[r][0] as i64).sum(),
-                parameter_bytes: first[1] as usize,
-            }
+            let device = if first[2] < 0.0 { "cpu".into() } else { format!("cuda:{} (rank {})", first[2], ranks[0]) };
+            StageSummary::new(s, device, plan, ranks.iter().map(|&r| all[r][0] as i64).sum(), first[1] as usize)
         })
         .collect())
 }

@@ -5,7 +5,7 @@
 //! |---|---|---|
 //! | an image classifier, the Transformer | dp replicas (dp ≥ 1) | [`LocalStep`]: the whole model, gradients averaged over the replicas |
 //! | the Transformer, stages on this process's devices | one process | [`Pipeline`]: a thread per stage |
-//! | the Transformer, a stage per rank | dp × pp ranks | [`StageProcess`]: this rank's stage, activations to its neighbours, gradients averaged over its replicas |
+//! | the Transformer, a stage per rank (or several, interleaved) | dp × pp ranks | [`StageProcess`]: this rank's stages, activations to its neighbours, gradients averaged over its replicas |
 //!
 //! A new parallelism (tensor parallelism, sharded data parallelism) is a new row: a
 //! [`TrainStep`] and the [`Groups`] it talks over; the loop does not change.
@@ -21,7 +21,7 @@ use crate::error::usage;
 use crate::dist::zero::ZeroStage;
 use crate::models::{self, ModelSpec, OnePart, OutputInit, PartedModule, TransformerConfig, TransformerLm};
 use crate::pipeline::process::StageProcess;
-use crate::pipeline::{Partition, Pipeline, PipelineOptions, Stage};
+use crate::pipeline::{Partition, Pipeline, PipelineOptions, Placement, Stage};
 use crate::train::{LocalStep, Parallel, Replication, TrainStep};
 
 /// What to train.
@@ -40,8 +40,8 @@ pub enum ModelPlan {
 pub struct PipelinePlan {
     pub partition: Partition,
     pub options: PipelineOptions,
-    /// One device per stage when the stages are threads of this process; empty when each rank
-    /// of the layout's `pp` runs one stage.
+    /// One device per stage thread (each holding `options.virtual_stages` stages) when they are
+    /// threads of this process; empty when each rank of the layout's `pp` runs its stages.
     pub devices: Vec<Device>,
 }
 
@@ -103,12 +103,17 @@ fn build_step<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPla
             Ok(Box::new(Pipeline::new(config, &plan.partition, &plan.devices, seed, plan.options)?))
         }
         ModelPlan::Transformer { config, pipeline: Some(plan), .. } => {
-            let (stage, stages) = (groups.coords.stage, groups.layout.pp);
+            let placement = Placement { devices: groups.layout.pp, virtual_stages: plan.options.virtual_stages };
+            let stages = placement.stages();
             if plan.partition.stages() != stages {
                 return usage(format!("a partition into {} stages for a layout of {stages}", plan.partition.stages()));
             }
-            let stage = Stage::new_sharded(config, stage, stages, plan.partition.layers[stage].clone(), device, seed, groups.shard())?;
-            Ok(Box::new(StageProcess::new(groups, stage, plan.options, dp)?))
+            placement.check_layers(config.nlayers)?;
+            let mine = placement
+                .stages_of(groups.coords.stage)
+                .map(|s| Stage::new_sharded(config, s, stages, plan.partition.layers[s].clone(), device, seed, groups.shard()))
+                .collect::<Result<_, _>>()?;
+            Ok(Box::new(StageProcess::new(groups, mine, plan.options, dp)?))
         }
     }
 }

@@ -1,8 +1,9 @@
 //! Pipeline parallelism: a model cut into 1, 2 or 3 stages in one process, or into 2 stages in
 //! 2 processes (and 2 replicas of them in 4 processes), run with GPipe or 1F1B over 1 or 4
-//! micro-batches, computes the unpartitioned model's loss, gradients (clipped) and, after five
-//! optimizer steps, parameters; its stages really run at the same time; 1F1B bounds the
-//! activations a stage holds; bad configurations are refused clearly.
+//! micro-batches, or with interleaved 1F1B over 2 or 3 stages per device, computes the
+//! unpartitioned model's loss, gradients (clipped) and, after five optimizer steps, parameters;
+//! its stages really run at the same time; 1F1B and interleaved 1F1B bound the activations a
+//! device holds; bad configurations are refused clearly.
 //!
 //! The multi-process cases run this test binary's `rank_entry` under mpirun (see
 //! `support::ranks`).
@@ -19,7 +20,7 @@ use common::optim::Optimizer;
 use common::pipeline::executor::StageTrace;
 use common::pipeline::process::StageProcess;
 use common::parallelize::DataParallelPlan;
-use common::pipeline::{split_batch, Op, Partition, Pipeline, Schedule, Stage};
+use common::pipeline::{schedule, split_batch, Op, Partition, Pipeline, PipelineOptions, Placement, Schedule, Stage};
 use common::precision::{GradScaler, Precision};
 use common::train::{Batch, StepContext, TrainStep};
 use support::lm::*;
@@ -63,6 +64,32 @@ fn every_partition_and_schedule_trains_the_unpartitioned_model() {
                     let what = format!("{stages} stages, {chunks} chunks, {}{}", schedule.name(), if recompute { ", recomputed" } else { "" });
                     assert_matches_unpartitioned(pipeline, &reference, &reference_vs, &what);
                 }
+            }
+        }
+    }
+}
+
+#[test]
+fn an_interleaved_pipeline_trains_the_unpartitioned_model() {
+    // 6 layers cut into devices × virtual stages (uneven where they do not divide: 2 × 2 gives
+    // stages of 2, 2, 1, 1 layers), stage s on device s mod devices; one device runs its stages
+    // one after the other through a channel to itself.
+    let cfg = config(6, 16);
+    let (reference_vs, reference) = reference_model(&cfg);
+    let initial: Vec<(String, Tensor)> = models::named_parameters(&reference_vs).into_iter().map(|(n, t)| (n, t.detach().copy())).collect();
+    for (devices, virtual_stages) in [(2, 2), (2, 3), (3, 2), (1, 2), (1, 3)] {
+        for chunks in [devices, 2 * devices] {
+            for recompute in [false, true] {
+                tch::no_grad(|| {
+                    for (name, value) in &initial {
+                        reference_vs.variables()[name].shallow_clone().copy_(value);
+                    }
+                });
+                let partition = Partition::even(cfg.nlayers, devices * virtual_stages).unwrap();
+                let options = interleaved(virtual_stages, chunks, recompute);
+                let pipeline = Pipeline::new(&cfg, &partition, &vec![Device::Cpu; devices], 1, options).unwrap();
+                let what = format!("{devices} devices × {virtual_stages} virtual stages, {chunks} chunks{}", if recompute { ", recomputed" } else { "" });
+                assert_matches_unpartitioned(pipeline, &reference, &reference_vs, &what);
             }
         }
     }
@@ -168,6 +195,19 @@ fn a_seeded_run_with_dropout_trains_the_same_model_whatever_the_stages_partition
             }
         }
     }
+    // Interleaved: 4 stages on 2 devices, 2 on 1 device, recomputed or not.
+    let expected = reference.as_ref().unwrap();
+    for (devices, layers) in [(2, vec![0..1, 1..2, 2..3, 3..4]), (1, vec![0..2, 2..4])] {
+        for recompute in [false, true] {
+            let virtual_stages = layers.len() / devices;
+            let partition = Partition { layers: layers.clone() };
+            let mut pipeline = Pipeline::new(&cfg, &partition, &vec![Device::Cpu; devices], 1, interleaved(virtual_stages, 4, recompute)).unwrap();
+            let losses = five_step_losses(&mut pipeline, &weights);
+            for (step, (got, want)) in losses.iter().zip(expected).enumerate() {
+                assert!((got - want).abs() <= 1e-5 * want.abs(), "interleaved {layers:?} on {devices} device(s), recompute {recompute}: step {step} loss {got} vs {want} on one stage");
+            }
+        }
+    }
     // The masks do depend on the seed: another key trains another model.
     let pipeline = Pipeline::new(&cfg, &Partition::even(4, 2).unwrap(), &[Device::Cpu; 2], 1, options(Schedule::GPipe, 4, false));
     let mut pipeline = pipeline.unwrap();
@@ -262,8 +302,8 @@ fn stages_compute_at_the_same_time() {
     // The recorded passes are the schedule's, in order, each stage its own.
     for (stage, trace) in report.traces.iter().enumerate() {
         let ops: Vec<Op> = trace.intervals.iter().map(|i| i.op).collect();
-        assert_eq!(trace.stage, stage);
-        assert_eq!(ops, common::pipeline::schedule::stage_ops(Schedule::GPipe, stage, 2, 8), "stage {stage}");
+        assert_eq!(trace.device, stage);
+        assert_eq!(ops, common::pipeline::schedule::device_ops(Schedule::GPipe, Placement::one_stage_each(2), stage, 8), "stage {stage}");
     }
     assert!(report.stage_busy_s.iter().all(|&busy| busy > 0.0) && report.wall_s > 0.0);
 }
@@ -281,6 +321,30 @@ fn one_f_one_b_holds_at_most_as_many_micro_batches_as_stages() {
 }
 
 #[test]
+fn interleaved_devices_run_their_schedule_and_hold_at_most_its_bound() {
+    // 3 devices × 2 virtual stages, 6 micro-batches: device d warms up by 2·(3 − d − 1) + 3
+    // forwards, so it holds at most 8, 6 and 4 (stage, micro-batch) activations, of 12 passes
+    // through its stages — against 6 (all of them) under GPipe. Measured by the executor.
+    let cfg = config(6, 16);
+    let (src, targets) = batch(9, 5, 12);
+    let placement = Placement { devices: 3, virtual_stages: 2 };
+    let mut pipeline = Pipeline::new(&cfg, &Partition::even(6, 6).unwrap(), &[Device::Cpu; 3], 1, interleaved(2, 6, false)).unwrap();
+    let report = pipeline.train_step(&src, &targets, 0).unwrap();
+    let peaks: Vec<usize> = report.traces.iter().map(|t| t.peak_live).collect();
+    assert_eq!(peaks, [8, 6, 4], "live (stage, micro-batch) activations per device");
+    for (device, trace) in report.traces.iter().enumerate() {
+        let ops: Vec<Op> = trace.intervals.iter().map(|i| i.op).collect();
+        let expected = schedule::device_ops(Schedule::Interleaved, placement, device, 6);
+        assert_eq!((trace.device, &trace.stages), (device, &placement.stages_of(device).collect::<Vec<_>>()));
+        assert_eq!(ops, expected, "device {device} ran its schedule's passes in order");
+        assert_eq!(trace.peak_live, schedule::peak_live(&expected));
+        assert_eq!(trace.peak_live, schedule::peak_live_bound(Schedule::Interleaved, placement, device, 6));
+    }
+    assert_eq!(report.traces[0].label(&report.traces[0].intervals[2]), "F2@0");
+    assert_eq!(report.traces[0].label(&report.traces[0].intervals[3]), "F0@3", "a device holding several stages names them");
+}
+
+#[test]
 fn bad_configurations_are_refused_clearly() {
     let cfg = config(2, 16);
     let err = Partition::even(cfg.nlayers, 3).unwrap_err();
@@ -292,6 +356,20 @@ fn bad_configurations_are_refused_clearly() {
     assert_eq!(common::error::exit_code(&err), 2);
     let err = Pipeline::new(&cfg, &Partition::even(2, 2).unwrap(), &[Device::Cpu], 1, options(Schedule::GPipe, 1, false)).err().unwrap();
     assert!(format!("{err}").contains("1 devices for 2 stages"), "{err}");
+    // Interleaved: too few layers for the virtual stages, micro-batches not in groups of the
+    // devices, a partition that does not match, virtual stages without interleaving.
+    let cfg = config(4, 16);
+    let four = Partition::even(4, 4).unwrap();
+    for (devices, partition, options, message) in [
+        (2, Partition::even(4, 2).unwrap(), interleaved(3, 2, false), "2 devices × 3 virtual stages need 6 stages of at least one encoder layer each, but the model has 4"),
+        (2, four.clone(), interleaved(2, 3, false), "--chunks to be a multiple of the 2 pipeline devices, got 3"),
+        (2, Partition::even(4, 2).unwrap(), interleaved(2, 2, false), "2 devices × 2 virtual stages for 2 stages"),
+        (2, four, PipelineOptions { virtual_stages: 2, ..options(Schedule::OneFOneB, 2, false) }, "--virtual-stages 2 needs --schedule interleaved"),
+    ] {
+        let err = Pipeline::new(&cfg, &partition, &vec![Device::Cpu; devices], 1, options).err().unwrap();
+        assert!(format!("{err}").contains(message), "{err}");
+        assert_eq!(common::error::exit_code(&err), 2);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -324,35 +402,71 @@ fn stages_in_processes(world: usize) -> usize {
             let (reference_vs, reference) = reference_model(&cfg);
             let stage = Stage::new(&cfg, coords.stage, 2, partition.layers[coords.stage].clone(), Device::Cpu, 1).unwrap();
             stage.copy_from(&reference_vs).unwrap();
-            let mut process = StageProcess::new(&groups, stage, options(schedule, chunks, false), averager).unwrap();
+            let mut process = StageProcess::new(&groups, vec![stage], options(schedule, chunks, false), averager).unwrap();
             let what = format!("rank {} (stage {}, replica {}): {chunks} chunks, {}", group.rank(), coords.stage, coords.replica, schedule.name());
             assert_trains_like_unpartitioned(&mut process, &reference, &reference_vs, (coords.replica, world / 2), &what);
         }
     }
+    // Interleaved: 4 stages, this rank holding stages d and d + 2 (the last rank's stage 1
+    // feeding the first rank's stage 2, and with 2 ranks one neighbour on both sides).
+    let cfg4 = config(4, 16);
+    let placement = Placement { devices: 2, virtual_stages: 2 };
+    let four = Partition::even(4, 4).unwrap();
+    let my_stages = |cfg: &TransformerConfig, weights: &nn::VarStore| -> Vec<Stage> {
+        let stages: Vec<Stage> = placement.stages_of(coords.stage).map(|s| Stage::new(cfg, s, 4, four.layers[s].clone(), Device::Cpu, 1).unwrap()).collect();
+        stages.iter().for_each(|stage| stage.copy_from(weights).unwrap());
+        stages
+    };
+    for chunks in [2, 4] {
+        let (reference_vs, reference) = reference_model(&cfg4);
+        let mut process = StageProcess::new(&groups, my_stages(&cfg4, &reference_vs), interleaved(2, chunks, false), averager).unwrap();
+        let what = format!("rank {} (device {}, replica {}): {chunks} chunks, interleaved", group.rank(), coords.stage, coords.replica);
+        assert_trains_like_unpartitioned(&mut process, &reference, &reference_vs, (coords.replica, world / 2), &what);
+    }
     if world == 2 {
-        // With dropout, stages in two processes draw the masks one stage in this process draws.
+        // With dropout, stages in two processes draw the masks one stage in this process draws,
+        // with 1F1B and interleaved.
         let cfg = TransformerConfig { dropout: 0.2, ..config(4, 16) };
         let (weights, _) = reference_model(&cfg);
         let one_stage = Pipeline::new(&cfg, &Partition::even(4, 1).unwrap(), &[Device::Cpu], 1, options(Schedule::GPipe, 4, false));
         let expected = five_step_losses(&mut one_stage.unwrap(), &weights);
         let partition = Partition::even(4, 2).unwrap();
-        let stage = Stage::new(&cfg, coords.stage, 2, partition.layers[coords.stage].clone(), Device::Cpu, 1).unwrap();
-        stage.copy_from(&weights).unwrap();
-        let mut process = StageProcess::new(&groups, stage, options(Schedule::OneFOneB, 4, false), averager).unwrap();
-        let mut optimizer = sgd(process.named_parameters());
-        for (step, want) in expected.iter().enumerate() {
-            let (src, targets) = private_batch(200 + step as u64, 6, 8);
-            optimizer.zero_grad();
-            let got = train_step(&mut process, &src, &targets, models::mix_key(&[42, step as u64]));
-            process.finish_gradients(&mut optimizer, None, Some(CLIP)).unwrap();
-            optimizer.step().unwrap();
-            assert!((got - want).abs() <= 1e-5 * want.abs(), "rank {}: dropout step {step}: loss {got} vs {want} in one process", group.rank());
+        for schedule in [Schedule::OneFOneB, Schedule::Interleaved] {
+            let stages = match schedule {
+                Schedule::Interleaved => my_stages(&cfg, &weights),
+                _ => {
+                    let stage = Stage::new(&cfg, coords.stage, 2, partition.layers[coords.stage].clone(), Device::Cpu, 1).unwrap();
+                    stage.copy_from(&weights).unwrap();
+                    vec![stage]
+                }
+            };
+            let mut process = StageProcess::new(&groups, stages, options(schedule, 4, false), averager).unwrap();
+            let mut optimizer = sgd(process.named_parameters());
+            for (step, want) in expected.iter().enumerate() {
+                let (src, targets) = private_batch(200 + step as u64, 6, 8);
+                optimizer.zero_grad();
+                let got = train_step(&mut process, &src, &targets, models::mix_key(&[42, step as u64]));
+                process.finish_gradients(&mut optimizer, None, Some(CLIP)).unwrap();
+                optimizer.step().unwrap();
+                let rank = group.rank();
+                assert!((got - want).abs() <= 1e-5 * want.abs(), "rank {rank}, {}: dropout step {step}: loss {got} vs {want} in one process", schedule.name());
+            }
         }
+        // Two replicas of a one-device pipeline, interleaved: each rank runs its 2 stages one
+        // after the other through a channel to itself.
+        let replicas = Groups::new(&group, Layout::new(2, 1, 1, Some(2)).unwrap()).unwrap();
+        let (reference_vs, reference) = reference_model(&cfg4);
+        let halves = Partition::even(4, 2).unwrap();
+        let stages: Vec<Stage> = (0..2).map(|s| Stage::new(&cfg4, s, 2, halves.layers[s].clone(), Device::Cpu, 1).unwrap()).collect();
+        stages.iter().for_each(|stage| stage.copy_from(&reference_vs).unwrap());
+        let mut process = StageProcess::new(&replicas, stages, interleaved(2, 2, false), averager).unwrap();
+        let what = format!("rank {}: replica of a one-device interleaved pipeline", group.rank());
+        assert_trains_like_unpartitioned(&mut process, &reference, &reference_vs, (group.rank(), 2), &what);
         // float16's scaler across processes: an inf on stage 1 alone makes both stages skip
         // (one verdict for the whole model) and halve their scales alike.
         let stage = Stage::new(&cfg, coords.stage, 2, partition.layers[coords.stage].clone(), Device::Cpu, 1).unwrap();
         stage.copy_from(&weights).unwrap();
-        let mut process = StageProcess::new(&groups, stage, options(Schedule::GPipe, 4, false), averager).unwrap();
+        let mut process = StageProcess::new(&groups, vec![stage], options(Schedule::GPipe, 4, false), averager).unwrap();
         let mut scaler = GradScaler::new(Device::Cpu);
         assert!(scaled_step(&mut process, &mut scaler, &|_| false), "rank {}: a finite step is taken", group.rank());
         let before: Vec<Tensor> = process.named_parameters().iter().map(|(_, t)| t.detach().copy()).collect();

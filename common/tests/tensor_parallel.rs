@@ -65,7 +65,7 @@ fn shards_train_the_unpartitioned_model() -> usize {
         let (start, len) = groups.shard().range(cfg.ntoken);
         let diff = relative_difference(&logits, &expected.narrow(2, start, len));
         assert!(diff <= 1e-5, "rank {}: logits differ by {diff:e}", world.rank());
-        let mut process = StageProcess::new(&groups, stage, options(Schedule::GPipe, chunks, false), ddp()).unwrap();
+        let mut process = StageProcess::new(&groups, vec![stage], options(Schedule::GPipe, chunks, false), ddp()).unwrap();
         let what = format!("shard {} of {k}, {chunks} micro-batches", world.rank());
         assert_trains_like_unpartitioned(&mut process, &reference, &reference_vs, (0, 1), &what);
     }
@@ -118,7 +118,7 @@ fn dropout_masks_do_not_depend_on_the_shards() -> usize {
     let one = Pipeline::new(&cfg, &Partition::even(2, 1).unwrap(), &[Device::Cpu], 1, options(Schedule::GPipe, 2, false)).unwrap();
     let mut one: Box<dyn TrainStep<'_>> = Box::new(one);
     let stage = Stage::new_sharded(&cfg, 0, 1, 0..2, Device::Cpu, 1, groups.shard()).unwrap();
-    let mut sharded: Box<dyn TrainStep<'_>> = Box::new(StageProcess::new(&groups, stage, options(Schedule::GPipe, 2, false), ddp()).unwrap());
+    let mut sharded: Box<dyn TrainStep<'_>> = Box::new(StageProcess::new(&groups, vec![stage], options(Schedule::GPipe, 2, false), ddp()).unwrap());
     let mut losses = Vec::new();
     for trainer in [&mut one, &mut sharded] {
         let params = trainer.named_parameters();
@@ -163,7 +163,7 @@ fn three_d_layout_trains_the_unpartitioned_model() -> usize {
         let (reference_vs, reference) = reference_model(&cfg);
         let stage = Stage::new_sharded(&cfg, coords.stage, 2, partition.layers[coords.stage].clone(), Device::Cpu, 1, groups.shard()).unwrap();
         stage.copy_from(&reference_vs).unwrap();
-        let mut process = StageProcess::new(&groups, stage, options(schedule, 2, false), plan).unwrap();
+        let mut process = StageProcess::new(&groups, vec![stage], options(schedule, 2, false), plan).unwrap();
         let replicas = process.parallel().replicas.expect("2 replicas");
         let mut optimizer = replicas.distribute(&process, |named| Box::new(sgd(named))).unwrap();
         let what = format!("rank {} (replica {}, stage {}, shard {}), {}, {:?}", world.rank(), coords.replica, coords.stage, coords.shard, schedule.name(), plan.sync);

@@ -1,6 +1,7 @@
 //! exercise3 pipeline as a user runs it: a pipelined Transformer learns real WikiText-2 text,
-//! the results file carries the pipeline's figures, and configuration mistakes are one clear
-//! line with exit code 2.
+//! the results file carries the pipeline's figures (the interleaved schedule's too),
+//! checkpoints resume on other layouts, and configuration mistakes are one clear line with exit
+//! code 2.
 mod support;
 
 use std::path::Path;
@@ -96,31 +97,45 @@ fn model_tensors(path: &Path) -> Vec<(String, tch::Tensor)> {
     tensors
 }
 
+/// The checkpoints `exercise3 pipeline` wrote in `straight` and in `resumed` hold the same
+/// model variables, each within `tolerance` of its largest value; `what` says how the runs went.
+fn assert_same_model(straight: &Path, resumed: &Path, tolerance: f64, what: &str) {
+    let name = "exercise3_pipeline-transformer-cpu.safetensors";
+    let (a, b) = (model_tensors(&straight.join(name)), model_tensors(&resumed.join(name)));
+    assert_eq!(a.len(), b.len(), "the gathered checkpoint holds every variable");
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        let rel = (x - y).abs().max().double_value(&[]) / x.abs().max().double_value(&[]).max(1e-12);
+        assert!(rel <= tolerance, "{name}: {what} differ by {rel:e}");
+    }
+}
+
+/// The small model of the checkpoint tests, of `nlayers` layers, without dropout, one thread.
+fn small(nlayers: &'static str) -> [&'static str; 12] {
+    ["--emsize", "16", "--d-hid", "32", "--nhead", "2", "--nlayers", nlayers, "--dropout", "0", "--threads", "1"]
+}
+
+/// `exercise3 pipeline` for `epochs` on `data`, 2 micro-batches, with `flags`, checkpointing to
+/// and resuming from `ck` (its results there too); returns what it printed.
+fn run_resumable(data: &Path, ck: &Path, epochs: &str, flags: &[&str]) -> String {
+    let ck = ck.to_str().unwrap();
+    let mut args = vec!["--data-dir", data.to_str().unwrap(), "--chunks", "2", "--epochs", epochs, "--quiet", "--checkpoint-dir", ck, "--resume", "--results-dir", ck];
+    args.extend(flags);
+    let out = exercise3_pipeline(&args);
+    assert!(out.status.success(), "{flags:?}: {}", stderr(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 #[test]
 fn a_checkpoint_resumes_on_another_number_of_stages() {
     let data = tempfile::tempdir().unwrap();
     wikitext_sample(data.path(), [80; 3]);
-    let run = |devices: &str, epochs: &str, ck: &Path| {
-        let out = exercise3_pipeline(&[
-            "--data-dir", data.path().to_str().unwrap(), "--devices", devices, "--chunks", "2",
-            "--emsize", "16", "--d-hid", "32", "--nhead", "2", "--nlayers", "3", "--dropout", "0", "--epochs", epochs,
-            "--threads", "1", "--quiet", "--checkpoint-dir", ck.to_str().unwrap(), "--resume", "--results-dir", ck.to_str().unwrap(),
-        ]);
-        assert!(out.status.success(), "{}", stderr(&out));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let run = |devices: &str, epochs: &str, ck: &Path| run_resumable(data.path(), ck, epochs, &[&small("3")[..], &["--devices", devices]].concat());
     let (straight, resumed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     run("cpu,cpu", "2", straight.path());
     run("cpu,cpu,cpu", "1", resumed.path()); // epoch 1 on 3 stages
     let out = run("cpu,cpu", "2", resumed.path()); // epoch 2 on 2 stages
     assert!(out.contains("resumed exercise3_pipeline-transformer-cpu") && out.contains("after epoch 1"), "{out}");
-    let name = "exercise3_pipeline-transformer-cpu.safetensors";
-    let (a, b) = (model_tensors(&straight.path().join(name)), model_tensors(&resumed.path().join(name)));
-    assert_eq!(a.len(), b.len());
-    for ((name, x), (_, y)) in a.iter().zip(&b) {
-        let rel = (x - y).abs().max().double_value(&[]) / x.abs().max().double_value(&[]).max(1e-12);
-        assert!(rel <= 1e-6, "{name}: 2 epochs straight vs 1 epoch on 3 stages + 1 resumed on 2 differ by {rel:e}");
-    }
+    assert_same_model(straight.path(), resumed.path(), 1e-6, "2 epochs straight vs 1 epoch on 3 stages + 1 resumed on 2");
 }
 
 #[test]
@@ -169,6 +184,72 @@ fn stages_in_separate_processes_and_replicas_of_them() {
 }
 
 #[test]
+fn an_interleaved_pipeline_reports_its_virtual_stages_and_bubble() {
+    let data = tempfile::tempdir().unwrap();
+    wikitext_sample(data.path(), [60; 3]);
+    let results = tempfile::tempdir().unwrap();
+    let run = |placement: &[&str]| {
+        let mut args = vec![
+            "--data-dir", data.path().to_str().unwrap(), "--schedule", "interleaved", "--virtual-stages", "2", "--max-steps", "3", "--epochs", "1",
+            "--quiet", "--results-dir", results.path().to_str().unwrap(),
+        ];
+        args.extend(small("4"));
+        args.extend(placement);
+        let out = exercise3_pipeline(&args);
+        assert!(out.status.success(), "{placement:?}: {}", stderr(&out));
+        (String::from_utf8_lossy(&out.stdout).into_owned(), read_json(&results.path().join("exercise3_pipeline-transformer-cpu.json")))
+    };
+    // Threads in one process: device d holds stages d and d + 2.
+    let (stdout, json) = run(&["--devices", "cpu,cpu", "--chunks", "4"]);
+    assert!(stdout.contains("2 devices × 2 virtual stages, 4 micro-batches"), "{stdout}");
+    assert!(stdout.contains("device 0 on cpu: stage 0 (embedding + layers 0..1), stage 2 (layers 2..3);"), "{stdout}");
+    assert!(stdout.contains("device 1 on cpu: stage 1 (layers 1..2), stage 3 (layers 3..4 + output layer);"), "{stdout}");
+    assert!(stdout.contains("pipeline bubble: measured") && stdout.contains("(p−1)/(V·m) = 0.125 of the compute) for p = 2, m = 4, V = 2"), "{stdout}");
+    assert_eq!(json["schedule"], "interleaved");
+    assert_eq!((json["stages"].as_u64(), json["virtual_stages"].as_u64(), json["chunks"].as_u64()), (Some(2), Some(2), Some(4)));
+    assert_eq!(json["partition"], serde_json::json!([[0, 1], [1, 2], [2, 3], [3, 4]]));
+    let bubble = json["bubble_fraction"].as_f64().unwrap();
+    assert!((0.0..1.0).contains(&bubble), "bubble {bubble}");
+    assert!((json["bubble_ratio"].as_f64().unwrap() - bubble / (1.0 - bubble)).abs() < 1e-9);
+    assert!((json["bubble_fraction_theory"].as_f64().unwrap() - 1.0 / 9.0).abs() < 1e-12, "(2−1)/(2·4+2−1)");
+    assert!((json["bubble_ratio_theory"].as_f64().unwrap() - 1.0 / 8.0).abs() < 1e-12, "(2−1)/(2·4)");
+    assert_eq!(json["devices"].as_array().unwrap().len(), 2, "one entry per device");
+    assert!(json["test_loss"].as_f64().unwrap().is_finite());
+    println!("2 devices × 2 virtual stages, 4 micro-batches, 3 steps: bubble {bubble:.3} measured, {:.3} in theory", 1.0 / 9.0);
+
+    // One rank per device: each rank's trace holds its stages' passes in the interleaved
+    // order (2 micro-batches: device 0 runs every forward first, 2·1 + 2 ≥ 4).
+    let (stdout, json) = run(&["--device", "cpu", "--nproc-per-node", "2", "--chunks", "2", "--profile"]);
+    assert!(stdout.contains("2 ranks: 1 replica(s) of a 2-stage pipeline, rank r runs stages r mod 2, r mod 2 + 2, … (2 of them)"), "{stdout}");
+    assert_eq!((json["stages"].as_u64(), json["virtual_stages"].as_u64(), json["world_size"].as_u64()), (Some(2), Some(2), Some(2)));
+    for (rank, expected) in [(0u64, ["F0@0", "F1@0", "F0@2", "F1@2", "B0@2", "B1@2"]), (1, ["F0@1", "F1@1", "F0@3", "B0@3", "F1@3", "B1@3"])] {
+        let path = results.path().join(format!("exercise3_pipeline-transformer-cpu-rank{rank}.trace.json"));
+        let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let events = trace["traceEvents"].as_array().unwrap();
+        assert_eq!(events.len(), 3 * 2 * 2 * 2, "{path:?}: 3 steps × 2 micro-batches × 2 stages × forward and backward");
+        let names: Vec<&str> = events[..6].iter().map(|e| e["name"].as_str().unwrap()).collect();
+        assert_eq!(names, expected, "rank {rank}: the interleaved order of device {rank}");
+    }
+}
+
+#[test]
+fn a_checkpoint_of_an_interleaved_pipeline_resumes_on_other_layouts() {
+    // 3 epochs straight (GPipe on 2 devices) against epoch 1 interleaved on 2 ranks (2 stages
+    // each), epoch 2 interleaved on one device (4 stages, one thread), epoch 3 1F1B on 2 devices.
+    let data = tempfile::tempdir().unwrap();
+    wikitext_sample(data.path(), [80; 3]);
+    let run = |ck: &Path, epochs: &str, layout: &[&str]| run_resumable(data.path(), ck, epochs, &[&small("4")[..], &["--device", "cpu"], layout].concat());
+    let (straight, resumed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    run(straight.path(), "3", &["--devices", "cpu,cpu"]);
+    run(resumed.path(), "1", &["--nproc-per-node", "2", "--schedule", "interleaved"]);
+    let out = run(resumed.path(), "2", &["--devices", "cpu", "--schedule", "interleaved", "--virtual-stages", "4"]);
+    assert!(out.contains("after epoch 1") && out.contains("device 0 on cpu: stage 0 (embedding + layers 0..1), stage 1 (layers 1..2)"), "{out}");
+    let out = run(resumed.path(), "3", &["--devices", "cpu,cpu", "--schedule", "1f1b"]);
+    assert!(out.contains("resumed exercise3_pipeline-transformer-cpu") && out.contains("after epoch 2"), "{out}");
+    assert_same_model(straight.path(), resumed.path(), 1e-5, "3 epochs straight vs interleaved on 2 ranks, on 1 device, then 1F1B");
+}
+
+#[test]
 fn configuration_mistakes_are_one_clear_line_with_exit_2() {
     let data = tempfile::tempdir().unwrap();
     wikitext_sample(data.path(), [50; 3]);
@@ -178,6 +259,16 @@ fn configuration_mistakes_are_one_clear_line_with_exit_2() {
         (vec!["--devices", "gpu0,cpu"], "unknown device `gpu0`: use cpu, cuda or cuda:N"),
         (vec!["--devices", "cpu,cpu,cpu"], "3 pipeline stages but only 2 encoder layers"),
         (vec!["--devices", "cpu,cpu", "--chunks", "21"], "--chunks 21 is more than --batch-size 20"),
+        (vec!["--devices", "cpu,cpu", "--schedule", "interleaved", "--virtual-stages", "0"], "--virtual-stages must be at least 1"),
+        (
+            vec!["--devices", "cpu,cpu", "--schedule", "interleaved", "--virtual-stages", "2"],
+            "2 devices × 2 virtual stages need 4 stages of at least one encoder layer each, but the model has 2",
+        ),
+        (
+            vec!["--devices", "cpu,cpu", "--schedule", "interleaved", "--virtual-stages", "1", "--chunks", "3"],
+            "--schedule interleaved needs --chunks to be a multiple of the 2 pipeline devices, got 3",
+        ),
+        (vec!["--devices", "cpu,cpu", "--virtual-stages", "2"], "--virtual-stages 2 needs --schedule interleaved"),
     ] {
         let mut args = vec!["--data-dir", dir];
         args.extend(small);
@@ -185,6 +276,7 @@ fn configuration_mistakes_are_one_clear_line_with_exit_2() {
         let out = exercise3_pipeline(&args);
         assert_eq!(out.status.code(), Some(2), "{flags:?}: {}", stderr(&out));
         assert!(stderr(&out).contains(message), "{flags:?}: {}", stderr(&out));
+        assert_eq!(stderr(&out).trim().lines().count(), 1, "{flags:?}: one line: {}", stderr(&out));
     }
     if !tch::Cuda::is_available() {
         let out = exercise3_pipeline(&["--data-dir", dir, "--devices", "cuda:0,cuda:0"]);
@@ -197,17 +289,7 @@ fn configuration_mistakes_are_one_clear_line_with_exit_2() {
 fn a_checkpoint_from_stages_in_processes_resumes_in_one_process() {
     let data = tempfile::tempdir().unwrap();
     wikitext_sample(data.path(), [80; 3]);
-    let run = |ck: &Path, epochs: &str, placement: &[&str]| {
-        let mut args = vec![
-            "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--chunks", "2", "--emsize", "16", "--d-hid", "32",
-            "--nhead", "2", "--nlayers", "3", "--dropout", "0", "--epochs", epochs, "--threads", "1", "--quiet",
-            "--checkpoint-dir", ck.to_str().unwrap(), "--resume", "--results-dir", ck.to_str().unwrap(),
-        ];
-        args.extend(placement);
-        let out = exercise3_pipeline(&args);
-        assert!(out.status.success(), "{placement:?}: {}", stderr(&out));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let run = |ck: &Path, epochs: &str, placement: &[&str]| run_resumable(data.path(), ck, epochs, &[&small("3")[..], &["--device", "cpu"], placement].concat());
     let (straight, resumed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     run(straight.path(), "2", &["--devices", "cpu,cpu"]);
     // Epoch 1 with one stage per process (2 ranks): the ranks' parts gathered into one file...
@@ -215,11 +297,5 @@ fn a_checkpoint_from_stages_in_processes_resumes_in_one_process() {
     // ...and epoch 2 in one process, on one stage.
     let out = run(resumed.path(), "2", &["--devices", "cpu"]);
     assert!(out.contains("resumed exercise3_pipeline-transformer-cpu") && out.contains("after epoch 1"), "{out}");
-    let name = "exercise3_pipeline-transformer-cpu.safetensors";
-    let (a, b) = (model_tensors(&straight.path().join(name)), model_tensors(&resumed.path().join(name)));
-    assert_eq!(a.len(), b.len(), "the gathered checkpoint holds every variable");
-    for ((name, x), (_, y)) in a.iter().zip(&b) {
-        let rel = (x - y).abs().max().double_value(&[]) / x.abs().max().double_value(&[]).max(1e-12);
-        assert!(rel <= 1e-5, "{name}: 2 epochs straight vs 1 epoch in 2 processes + 1 resumed in one differ by {rel:e}");
-    }
+    assert_same_model(straight.path(), resumed.path(), 1e-5, "2 epochs straight vs 1 epoch in 2 processes + 1 resumed in one");
 }

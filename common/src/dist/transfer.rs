@@ -11,17 +11,28 @@ use super::ProcessGroup;
 const MAX_DIMS: usize = 6;
 /// Kinds a tensor may have, by their index in the header.
 const KINDS: [Kind; 7] = [Kind::Float, Kind::Half, Kind::BFloat16, Kind::Double, Kind::Int64, Kind::Int, Kind::Uint8];
+/// The integers a message carries beside its tensor: what the receiver needs to know of it
+/// (a pipeline's tag: which pass the tensor feeds).
+pub type Label = [i64; 3];
+/// Header words: kind, number of dimensions, the label, the dimensions.
+const HEADER: usize = 2 + 3 + MAX_DIMS;
 
 /// Hands `tensor` to rank `dst` of `group` (without waiting for it to be received).
 pub fn send_tensor(group: &ProcessGroup, tensor: &Tensor, dst: usize) -> Result<()> {
+    send_labelled(group, tensor, [0; 3], dst)
+}
+
+/// [`send_tensor`] with `label` in the header.
+pub fn send_labelled(group: &ProcessGroup, tensor: &Tensor, label: Label, dst: usize) -> Result<()> {
     let dims = tensor.size();
     let kind = KINDS.iter().position(|&k| k == tensor.kind());
     let (Some(kind), true) = (kind, dims.len() <= MAX_DIMS) else {
         bail!("cannot send a {:?} tensor of shape {dims:?} to rank {dst}", tensor.kind());
     };
     let mut header = vec![kind as i64, dims.len() as i64];
+    header.extend(label);
     header.extend(&dims);
-    header.resize(2 + MAX_DIMS, 0);
+    header.resize(HEADER, 0);
     let header = Tensor::from_slice(&header).to_device(tensor.device());
     group.send(&header, dst)?;
     group.send(&tensor.detach().contiguous(), dst)
@@ -29,14 +40,20 @@ pub fn send_tensor(group: &ProcessGroup, tensor: &Tensor, dst: usize) -> Result<
 
 /// The next tensor rank `src` sent with [`send_tensor`], on `device` (of the sender's device type).
 pub fn recv_tensor(group: &ProcessGroup, src: usize, device: Device) -> Result<Tensor> {
-    let mut header = Tensor::zeros([2 + MAX_DIMS as i64], (Kind::Int64, device));
+    Ok(recv_labelled(group, src, device)?.1)
+}
+
+/// The next tensor rank `src` sent with [`send_labelled`] (or [`send_tensor`]), with its label.
+pub fn recv_labelled(group: &ProcessGroup, src: usize, device: Device) -> Result<(Label, Tensor)> {
+    let mut header = Tensor::zeros([HEADER as i64], (Kind::Int64, device));
     group.recv(&mut header, src)?;
     let header = Vec::<i64>::try_from(header.to_device(Device::Cpu))?;
     let kind = *KINDS.get(header[0] as usize).context("a message header names an unknown kind")?;
-    let dims = &header[2..2 + (header[1] as usize).min(MAX_DIMS)];
+    let label = [header[2], header[3], header[4]];
+    let dims = &header[5..5 + (header[1] as usize).min(MAX_DIMS)];
     let mut tensor = Tensor::empty(dims, (kind, device));
     group.recv(&mut tensor, src)?;
-    Ok(tensor)
+    Ok((label, tensor))
 }
 
 /// Sends `tensors` with their names to rank `dst` (CPU copies: through the CPU engine).

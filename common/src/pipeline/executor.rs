@@ -1,7 +1,8 @@
-//! Runs one stage's share of a mini-batch: its forward and backward passes in the order of its
-//! schedule, activations in from the previous stage and out to the next, gradients the other
-//! way. The same function runs a stage thread in one process and a stage process across
-//! processes; only the [`Link`]s differ.
+//! Runs one device's share of a mini-batch: the forward and backward passes through its stages
+//! (one, or several with interleaving) in the order of its schedule, activations in from the
+//! previous device and out to the next, gradients the other way. The same function runs a
+//! device thread in one process and a stage process across processes; only the [`Link`]s
+//! differ.
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::time::Instant;
@@ -10,25 +11,25 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 use tch::{Kind, Tensor};
 
-use super::link::Link;
+use super::link::{Link, Stash};
+use super::schedule::{Direction, Op};
+use super::stage::Stage;
 use crate::dist::ProcessGroup;
 use crate::models::{mix_key, Masks};
 use crate::torch_ext::Generator;
-use super::schedule::Op;
-use super::stage::Stage;
 
 /// The micro-batches as the first and last stage see them.
 pub struct MicroBatches {
-    /// Token ids per micro-batch, on the first stage's device (empty on other stages).
+    /// Token ids per micro-batch, on the first stage's device (empty on other devices).
     pub inputs: Vec<Tensor>,
-    /// Target ids per micro-batch, on the last stage's device (empty on other stages).
+    /// Target ids per micro-batch, on the last stage's device (empty on other devices).
     pub targets: Vec<Tensor>,
     /// Each micro-batch's share of the mini-batch (its sequences / all sequences): the
     /// weighted micro-batch losses sum to the mini-batch's mean loss.
     pub weights: Vec<f64>,
 }
 
-/// When a stage ran which pass, in seconds since the mini-batch started.
+/// When a device ran which pass, in seconds since the mini-batch started.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct OpInterval {
     pub op: Op,
@@ -36,33 +37,41 @@ pub struct OpInterval {
     pub end_s: f64,
 }
 
-/// What one stage did during a mini-batch.
+/// What one device (a pipeline stage, or with interleaving several) did during a mini-batch.
 #[derive(Debug, Clone, Serialize)]
 pub struct StageTrace {
-    pub stage: usize,
+    /// The device's place in the pipeline (its stage's index without interleaving).
+    pub device: usize,
+    /// The stages it holds, in model order.
+    pub stages: Vec<usize>,
     pub intervals: Vec<OpInterval>,
-    /// The most micro-batches whose activations the stage held at once.
+    /// The most (stage, micro-batch) activations the device held at once.
     pub peak_live: usize,
 }
 
 impl StageTrace {
-    /// Seconds the stage spent computing (its intervals' total length).
+    /// Seconds the device spent computing (its intervals' total length).
     pub fn busy_s(&self) -> f64 {
         self.intervals.iter().map(|i| i.end_s - i.start_s).sum()
+    }
+
+    /// `interval`'s name in a trace (the stage named where the device holds several).
+    pub fn label(&self, interval: &OpInterval) -> String {
+        interval.op.label(self.stages.len() > 1)
     }
 }
 
 /// What a forward pass leaves for its backward pass.
 struct Saved {
     /// The stage's input: token ids on the first stage, else a leaf requiring grad whose
-    /// gradient goes back to the previous stage.
+    /// gradient goes back to the previous stage's device.
     input: Tensor,
     /// The output with its autograd graph (the weighted loss on the last stage); `None` with
     /// activation recomputation, where only the input is kept.
     output: Option<Tensor>,
 }
 
-/// Options of [`run_stage`].
+/// Options of [`run_device`].
 #[derive(Debug, Clone, Copy)]
 pub struct StageOptions {
     /// The mini-batch's dropout key: micro-batch `m`'s masks are keyed by (key, m) and by the
@@ -80,21 +89,24 @@ pub struct StageOptions {
     pub precision: crate::precision::Precision,
 }
 
-/// What [`run_stage`] returns: the trace, and on the last stage the mini-batch's mean loss and,
-/// without training, its number of correctly predicted tokens.
+/// What [`run_device`] returns: the trace, and on the last stage's device the mini-batch's mean
+/// loss and, without training, its number of correctly predicted tokens.
 pub struct StageOutcome {
     pub trace: StageTrace,
     pub loss: Option<f64>,
     pub hits: Option<i64>,
 }
 
-/// Runs `ops` on `stage`. Training (`options.train`), gradients accumulate into the stage's
-/// parameters; otherwise `ops` must be forward passes only, run without gradients, and the last
-/// stage counts the arg-max hits as well. A tensor-parallel shard of a stage runs its passes
-/// with the other shards of its group `tp` (which see the same micro-batches).
+/// Runs `ops` on device `device`, which holds `stages`. Training (`options.train`), gradients
+/// accumulate into the stages' parameters; otherwise `ops` must be forward passes only, run
+/// without gradients, and the last stage counts the arg-max hits as well. `prev` leads to the
+/// device of the stages before this device's (after the first stage), `next` to that of the
+/// stages after them (before the last). A tensor-parallel shard of a stage runs its passes with
+/// the other shards of its group `tp` (which see the same micro-batches).
 #[allow(clippy::too_many_arguments)]
-pub fn run_stage(
-    stage: &Stage,
+pub fn run_device(
+    device: usize,
+    stages: &[&Stage],
     ops: &[Op],
     batches: &MicroBatches,
     mut prev: Option<&mut dyn Link>,
@@ -103,22 +115,27 @@ pub fn run_stage(
     tp: Option<&ProcessGroup>,
     clock: Instant,
 ) -> Result<StageOutcome> {
-    let device = stage.device();
-    let mut saved: HashMap<usize, Saved> = HashMap::new();
-    let mut loss_sum: Option<Tensor> = None;
-    let mut hits = Tensor::zeros([], (Kind::Int64, device));
-    let mut trace = StageTrace { stage: stage.index, intervals: Vec::with_capacity(ops.len()), peak_live: 0 };
-    // The stage's forward pass of micro-batch m, in the run's precision (autocast is per
-    // thread: this one's), its dropout masks keyed to the micro-batch (a recomputation redraws
-    // the same ones).
-    let generator = RefCell::new(Generator::new(device)?);
-    let forward = |m: usize, input: &Tensor, train: bool| -> Result<Tensor> {
-        let masks = Masks::Keyed { generator: &generator, key: mix_key(&[options.dropout_key, m as u64]) };
-        crate::precision::autocast(options.precision, device, || stage.forward_masked(input, train, masks, tp))
+    let on = stages.first().context("a pipeline device holds at least one stage")?.device();
+    let stage_of = |index: usize| {
+        stages.iter().copied().find(|s| s.index == index).with_context(|| format!("device {device} runs a pass of stage {index}, which it does not hold"))
     };
-    // The last stage's output for micro-batch m: its weighted loss (and, evaluating, its hits
-    // added to the count).
-    let finish = |m: usize, output: Tensor, hits: Option<&mut Tensor>| -> Result<Tensor> {
+    let mut saved: HashMap<(usize, usize), Saved> = HashMap::new();
+    let mut stash = Stash::default();
+    let mut loss_sum: Option<Tensor> = None;
+    let mut hits = Tensor::zeros([], (Kind::Int64, on));
+    let stage_indices = stages.iter().map(|s| s.index).collect();
+    let mut trace = StageTrace { device, stages: stage_indices, intervals: Vec::with_capacity(ops.len()), peak_live: 0 };
+    // A stage's forward pass of micro-batch m, in the run's precision (autocast is per thread:
+    // this one's), its dropout masks keyed to the micro-batch (a recomputation redraws the same
+    // ones; the layers' whole-model indices key them further, whatever stage holds them).
+    let generator = RefCell::new(Generator::new(on)?);
+    let forward = |stage: &Stage, m: usize, input: &Tensor, train: bool| -> Result<Tensor> {
+        let masks = Masks::Keyed { generator: &generator, key: mix_key(&[options.dropout_key, m as u64]) };
+        crate::precision::autocast(options.precision, on, || stage.forward_masked(input, train, masks, tp))
+    };
+    // A stage's output for micro-batch m: the last stage's is its weighted loss (and,
+    // evaluating, its hits added to the count).
+    let finish = |stage: &Stage, m: usize, output: Tensor, hits: Option<&mut Tensor>| -> Result<Tensor> {
         if !stage.is_last() {
             return Ok(output);
         }
@@ -128,50 +145,57 @@ pub fn run_stage(
         }
         Ok(loss * batches.weights[m])
     };
+    let missing = |side: &str, op: Op| anyhow::anyhow!("device {device}: {op:?} needs a link to the {side} device, and has none");
     for &op in ops {
+        let stage = stage_of(op.stage)?;
+        let m = op.micro_batch;
         // The interval starts once the neighbour's tensor is here: waiting is idle time.
         let start_s;
-        match op {
-            Op::Forward(m) => {
-                let input = match prev.as_deref_mut() {
-                    None => batches.inputs[m].shallow_clone(),
-                    Some(link) => link.recv(device)?.detach().set_requires_grad(options.train),
+        match op.direction {
+            Direction::Forward => {
+                let input = match stage.is_first() {
+                    true => batches.inputs[m].shallow_clone(),
+                    false => {
+                        let link = prev.as_deref_mut().ok_or_else(|| missing("previous", op))?;
+                        stash.take(link, op, on)?.detach().set_requires_grad(options.train)
+                    }
                 };
                 start_s = clock.elapsed().as_secs_f64();
                 let output = if !options.train {
-                    tch::no_grad(|| finish(m, forward(m, &input, false)?, Some(&mut hits)))?
+                    tch::no_grad(|| finish(stage, m, forward(stage, m, &input, false)?, Some(&mut hits)))?
                 } else if options.recompute {
-                    tch::no_grad(|| finish(m, forward(m, &input, true)?, None))?
+                    tch::no_grad(|| finish(stage, m, forward(stage, m, &input, true)?, None))?
                 } else {
-                    finish(m, forward(m, &input, true)?, None)?
+                    finish(stage, m, forward(stage, m, &input, true)?, None)?
                 };
-                if let Some(link) = next.as_deref_mut() {
-                    link.send(&output)?;
-                } else {
+                if stage.is_last() {
                     let loss = output.detach();
                     loss_sum = Some(match loss_sum {
                         Some(sum) => sum + loss,
                         None => loss,
                     });
+                } else {
+                    let link = next.as_deref_mut().ok_or_else(|| missing("next", op))?;
+                    link.send(Op::forward(op.stage + 1, m), &output)?;
                 }
                 if options.train {
                     let output = (!options.recompute).then_some(output);
-                    saved.insert(m, Saved { input, output });
+                    saved.insert((op.stage, m), Saved { input, output });
                     trace.peak_live = trace.peak_live.max(saved.len());
                 }
             }
-            Op::Backward(m) => {
-                let grad = match next.as_deref_mut() {
-                    None => None,
-                    Some(link) => Some(link.recv(device)?),
+            Direction::Backward => {
+                let grad = match stage.is_last() {
+                    true => None,
+                    false => Some(stash.take(next.as_deref_mut().ok_or_else(|| missing("next", op))?, op, on)?),
                 };
                 start_s = clock.elapsed().as_secs_f64();
                 let Saved { input, output } = saved
-                    .remove(&m)
-                    .with_context(|| format!("stage {}: backward of micro-batch {m} before its forward", stage.index))?;
+                    .remove(&(op.stage, m))
+                    .with_context(|| format!("stage {}: backward of micro-batch {m} before its forward", op.stage))?;
                 let output = match output {
                     Some(output) => output,
-                    None => finish(m, forward(m, &input, options.train)?, None)?,
+                    None => finish(stage, m, forward(stage, m, &input, options.train)?, None)?,
                 };
                 // (A tensor-parallel collective can fail inside LibTorch's backward: f_backward.)
                 match grad {
@@ -182,16 +206,18 @@ pub fn run_stage(
                     // (tch's backward takes no gradient argument).
                     Some(grad) => (&output * &grad).sum(output.kind()).f_backward()?,
                 }
-                if let Some(link) = prev.as_deref_mut() {
-                    link.send(&input.grad())?;
+                if !stage.is_first() {
+                    let link = prev.as_deref_mut().ok_or_else(|| missing("previous", op))?;
+                    link.send(Op::backward(op.stage - 1, m), &input.grad())?;
                 }
             }
         }
         // Kernels run asynchronously: wait for them so the interval is the stage's real work.
-        crate::device::synchronize(device);
+        crate::device::synchronize(on);
         trace.intervals.push(OpInterval { op, start_s, end_s: clock.elapsed().as_secs_f64() });
     }
-    let last = stage.is_last();
+    stash.check_empty()?;
+    let last = stages.iter().any(|s| s.is_last());
     Ok(StageOutcome {
         trace,
         loss: loss_sum.map(|l| l.double_value(&[])),

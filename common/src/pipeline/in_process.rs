@@ -1,5 +1,6 @@
-//! All stages of a pipeline in one process (the course's `Pipe`): one thread per stage, the
-//! threads joined by channels, the stages' var stores on their own devices.
+//! All stages of a pipeline in one process (the course's `Pipe`): one thread per device (each
+//! running its stage, or with interleaving its stages), the threads joined by channels, the
+//! stages' var stores on their devices.
 use std::time::Instant;
 
 use anyhow::{anyhow, Result};
@@ -7,7 +8,7 @@ use tch::{Device, Tensor};
 
 use super::executor::{self, MicroBatches, StageOptions, StageOutcome};
 use super::link::{ChannelLink, Link, NeighbourGone};
-use super::{schedule, split_batch, Op, Partition, PipelineOptions, Stage, StepReport};
+use super::{schedule, split_batch, Partition, PipelineOptions, Placement, Stage, StepReport};
 use crate::error::usage;
 use crate::models::TransformerConfig;
 use crate::precision::Precision;
@@ -17,26 +18,35 @@ use crate::train::{Batch, BatchSource, EvalSums, Parallel, StepContext, StepOutp
 pub struct Pipeline {
     /// The whole model's configuration.
     pub config: TransformerConfig,
+    /// Every stage, in model order; stage `s` on device `placement.device_of(s)`.
     pub stages: Vec<Stage>,
+    pub placement: Placement,
     pub options: PipelineOptions,
 }
 
 impl Pipeline {
-    /// Builds one stage per device with `partition`'s layers (see [`Stage::new`] for `seed`).
+    /// Builds `partition`'s stages on `devices` (one device thread each, holding
+    /// `options.virtual_stages` stages; see [`Stage::new`] for `seed`).
     pub fn new(cfg: &TransformerConfig, partition: &Partition, devices: &[Device], seed: u64, options: PipelineOptions) -> Result<Pipeline> {
-        if devices.len() != partition.stages() {
-            return usage(format!("{} devices for {} stages", devices.len(), partition.stages()));
+        let placement = Placement { devices: devices.len(), virtual_stages: options.virtual_stages };
+        placement.check(options.schedule, options.chunks)?;
+        placement.check_layers(cfg.nlayers)?;
+        if placement.stages() != partition.stages() {
+            return match placement.virtual_stages {
+                1 => usage(format!("{} devices for {} stages", devices.len(), partition.stages())),
+                v => usage(format!("{} devices × {v} virtual stages for {} stages", devices.len(), partition.stages())),
+            };
         }
         if options.chunks == 0 {
             return usage("--chunks must be at least 1");
         }
-        let stages = devices
+        let stages = partition
+            .layers
             .iter()
-            .zip(&partition.layers)
             .enumerate()
-            .map(|(i, (&device, layers))| Stage::new(cfg, i, devices.len(), layers.clone(), device, seed))
+            .map(|(s, layers)| Stage::new(cfg, s, partition.stages(), layers.clone(), devices[placement.device_of(s)], seed))
             .collect::<Result<_, _>>()?;
-        Ok(Pipeline { config: *cfg, stages, options })
+        Ok(Pipeline { config: *cfg, stages, placement, options })
     }
 
     /// Logits `[seq_len, batch, ntoken]` for token ids `src` (on the last stage's device),
@@ -45,7 +55,7 @@ impl Pipeline {
         self.stages.iter().fold(src.shallow_clone(), |xs, stage| stage.forward_t(&xs.to_device(stage.device()), train))
     }
 
-    /// One mini-batch through the pipeline, the stages running concurrently in threads: with
+    /// One mini-batch through the pipeline, the devices running concurrently in threads: with
     /// `train`, forward and backward passes in the schedule's order (gradients accumulate);
     /// without, forward passes only.
     pub fn run_batch(&mut self, src: &Tensor, targets: &Tensor, options: StageOptions) -> Result<StepReport> {
@@ -53,55 +63,72 @@ impl Pipeline {
         let chunks = if train { self.options.chunks } else { super::chunks_for(self.options.chunks, src.size()[1]) };
         let (inputs, weights) = split_batch(src, chunks)?;
         let (targets, _) = split_batch(targets, chunks)?;
-        let count = self.stages.len();
-        // What each stage needs of the batch: the inputs on the first stage's device, the
+        let placement = self.placement;
+        let count = placement.devices;
+        // Each device's stages, in model order.
+        let mut held: Vec<Vec<&mut Stage>> = (0..count).map(|_| Vec::new()).collect();
+        for stage in self.stages.iter_mut() {
+            held[placement.device_of(stage.index)].push(stage);
+        }
+        // What each device needs of the batch: the inputs on the first stage's device, the
         // targets on the last's.
-        let batches: Vec<MicroBatches> = self
-            .stages
+        let batches: Vec<MicroBatches> = held
             .iter()
-            .map(|stage| MicroBatches {
-                inputs: match stage.is_first() {
-                    true => inputs.iter().map(|t| t.to_device(stage.device())).collect(),
-                    false => Vec::new(),
-                },
-                targets: match stage.is_last() {
-                    true => targets.iter().map(|t| t.to_device(stage.device())).collect(),
-                    false => Vec::new(),
-                },
-                weights: weights.clone(),
+            .map(|stages| {
+                let on = stages[0].device();
+                MicroBatches {
+                    inputs: match stages.iter().any(|s| s.is_first()) {
+                        true => inputs.iter().map(|t| t.to_device(on)).collect(),
+                        false => Vec::new(),
+                    },
+                    targets: match stages.iter().any(|s| s.is_last()) {
+                        true => targets.iter().map(|t| t.to_device(on)).collect(),
+                        false => Vec::new(),
+                    },
+                    weights: weights.clone(),
+                }
             })
             .collect();
 
-        // Links between stage s and s + 1: s holds `.0` as its next, s + 1 holds `.1` as its prev.
-        let (mut nexts, mut prevs): (Vec<Option<ChannelLink>>, Vec<Option<ChannelLink>>) = (vec![], vec![None]);
-        for _ in 1..count {
-            let (earlier, later) = ChannelLink::pair();
+        // Link d joins device d to device d + 1 (d holds `.0` as its next, d + 1 holds `.1` as
+        // its prev); with interleaving the last device's next leads back to device 0, which
+        // runs the following stages.
+        let cyclic = placement.virtual_stages > 1;
+        let (mut nexts, mut prevs): (Vec<Option<ChannelLink>>, Vec<Option<ChannelLink>>) = (Vec::new(), (0..count).map(|_| None).collect());
+        for d in 0..count {
+            let (earlier, later) = match d + 1 < count || cyclic {
+                true => ChannelLink::pair(),
+                false => {
+                    nexts.push(None);
+                    continue;
+                }
+            };
             nexts.push(Some(earlier));
-            prevs.push(Some(later));
+            prevs[(d + 1) % count] = Some(later);
         }
-        nexts.push(None);
 
         let schedule = self.options.schedule;
         let threads = self.options.threads_per_stage;
         let clock = Instant::now();
         let results: Vec<Result<StageOutcome>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = self
-                .stages
-                .iter_mut()
+            let handles: Vec<_> = held
+                .into_iter()
                 .zip(batches)
                 .zip(prevs.into_iter().zip(nexts))
-                .map(|((stage, batches), (mut prev, mut next))| {
+                .enumerate()
+                .map(|(device, ((stages, batches), (mut prev, mut next)))| {
                     scope.spawn(move || {
-                        let stage: &Stage = stage;
+                        let stages: Vec<&Stage> = stages.into_iter().map(|s| &*s).collect();
                         if let Some(n) = threads {
                             tch::set_num_threads(n as i32);
                         }
                         let ops = match train {
-                            true => schedule::stage_ops(schedule, stage.index, count, chunks),
-                            false => (0..chunks).map(Op::Forward).collect(),
+                            true => schedule::device_ops(schedule, placement, device, chunks),
+                            false => schedule::forward_ops(placement, device, chunks),
                         };
-                        executor::run_stage(
-                            stage,
+                        executor::run_device(
+                            device,
+                            &stages,
                             &ops,
                             &batches,
                             prev.as_mut().map(|l| l as &mut dyn Link),

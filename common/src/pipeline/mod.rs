@@ -5,12 +5,15 @@
 //!
 //! - [`Partition`]: which encoder layers each stage runs (by count, or balanced by measured
 //!   cost); the embedding is on the first stage, the output layer on the last.
+//! - [`Placement`]: which device runs each stage: one stage per device, or with the interleaved
+//!   schedule `virtual_stages` per device (stage `s` on device `s mod devices`).
 //! - [`Stage`]: a piece of the model with its own var store on its own device, variables named
 //!   as in the whole model.
-//! - [`schedule`]: GPipe's fill-drain or 1F1B, as a list of passes per stage.
-//! - [`executor::run_stage`]: one stage's passes, exchanging activations and gradients with its
-//!   neighbours over a [`link::Link`].
-//! - [`Pipeline`]: all stages in one process, one thread per stage, joined by channels.
+//! - [`schedule`]: GPipe's fill-drain, 1F1B or interleaved 1F1B, as a list of passes per
+//!   device.
+//! - [`executor::run_device`]: one device's passes, exchanging activations and gradients with
+//!   its neighbours over a [`link::Link`], tagged with the pass they feed.
+//! - [`Pipeline`]: all stages in one process, one thread per device, joined by channels.
 //! - [`process::StageProcess`]: one stage per process (`torch.distributed.pipelining`'s way),
 //!   activations and gradients sent point-to-point through the process group (MPI for CPU
 //!   tensors, NCCL for CUDA tensors), replicated `--dp` times for data parallelism.
@@ -33,13 +36,15 @@ pub mod executor;
 pub mod in_process;
 pub mod link;
 pub mod partition;
+pub mod placement;
 pub mod process;
 pub mod schedule;
 pub mod stage;
 
 pub use in_process::Pipeline;
 pub use partition::{LayerCosts, Partition};
-pub use schedule::{Op, Schedule};
+pub use placement::Placement;
+pub use schedule::{Direction, Op, Schedule};
 pub use stage::Stage;
 
 use anyhow::Result;
@@ -54,6 +59,8 @@ use executor::StageTrace;
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct PipelineOptions {
     pub schedule: Schedule,
+    /// Stages per device: 1, or more with the interleaved schedule ([`Placement`]).
+    pub virtual_stages: usize,
     /// Micro-batches per mini-batch.
     pub chunks: usize,
     /// Keep only each stage's input in the forward pass and recompute in the backward.
@@ -70,14 +77,14 @@ pub struct StepReport {
     /// Correctly predicted tokens (evaluation only; 0 in training).
     pub hits: i64,
     pub wall_s: f64,
-    /// Seconds each stage computed (its own waits excluded), in stage order.
+    /// Seconds each device computed (its own waits excluded), in pipeline order.
     pub stage_busy_s: Vec<f64>,
-    /// The passes of the stages this process ran, with their times.
+    /// The passes of the devices this process ran, with their times.
     pub traces: Vec<StageTrace>,
 }
 
 impl StepReport {
-    /// The measured idle share: 1 − (time the stages computed) / (stages × wall time).
+    /// The measured idle share: 1 − (time the devices computed) / (devices × wall time).
     pub fn bubble_fraction(&self) -> f64 {
         if self.stage_busy_s.is_empty() || self.wall_s <= 0.0 {
             return 0.0;

@@ -7,26 +7,28 @@
 //! ranks runs stage `r % stages` of replica `r / stages`, so the stages of one replica are
 //! consecutive ranks (on one node where they fit) and the activations cross the fastest links;
 //! the gradients of a stage are averaged over the `dp` ranks that hold it, with the run's
-//! buckets (`--bucket-mb`, `--fp16-allreduce`).
+//! buckets (`--bucket-mb`, `--fp16-allreduce`). With the interleaved schedule a rank holds
+//! `virtual_stages` stages ([`Placement`]), and the last rank sends activations on to the first.
 use std::time::Instant;
 
 use anyhow::Result;
 use tch::{Device, Tensor};
 
 use super::executor::{self, MicroBatches, StageOptions};
-use super::link::Link;
-use super::{chunks_for, schedule, split_batch, Op, PipelineOptions, Stage, StepReport};
+use super::link::{ChannelLink, Link};
+use super::{chunks_for, schedule, split_batch, Op, PipelineOptions, Placement, Schedule, Stage, StepReport};
 use crate::dist::layout::Groups;
 use crate::dist::tensor_parallel::{split_of, Split};
 use crate::parallelize::DataParallelPlan;
-use crate::dist::transfer::{recv_tensor, send_tensor};
+use crate::dist::transfer::{recv_labelled, send_labelled};
 use crate::dist::{GradientSync, ProcessGroup};
+use crate::error::usage;
 use crate::precision::Precision;
 use crate::train::{Batch, BatchSource, EvalSums, Parallel, Replication, StepContext, StepOutput, TrainStep};
 
-/// A neighbouring stage in another process: tensors travel point-to-point through the
-/// process group with their kind and shape ([`crate::dist::transfer`]: the last batch of a
-/// split is shorter). Sends do not wait for the receiver, so two neighbours may send to each
+/// A neighbouring device in another process: tensors travel point-to-point through the
+/// process group with their kind, shape ([`crate::dist::transfer`]: the last batch of a split
+/// is shorter) and tag. Sends do not wait for the receiver, so two neighbours may send to each
 /// other at once (1F1B does).
 pub struct PeerLink<'g> {
     group: &'g ProcessGroup,
@@ -34,19 +36,30 @@ pub struct PeerLink<'g> {
 }
 
 impl Link for PeerLink<'_> {
-    fn send(&mut self, tensor: &Tensor) -> Result<()> {
-        send_tensor(self.group, tensor, self.peer)
+    fn send(&mut self, tag: Op, tensor: &Tensor) -> Result<()> {
+        let direction = if tag.is_forward() { 0 } else { 1 };
+        send_labelled(self.group, tensor, [direction, tag.stage as i64, tag.micro_batch as i64], self.peer)
     }
 
-    fn recv(&mut self, device: Device) -> Result<Tensor> {
-        recv_tensor(self.group, self.peer, device)
+    fn recv(&mut self, device: Device) -> Result<(Op, Tensor)> {
+        let ([direction, stage, micro_batch], tensor) = recv_labelled(self.group, self.peer, device)?;
+        let tag = match direction {
+            0 => Op::forward(stage as usize, micro_batch as usize),
+            _ => Op::backward(stage as usize, micro_batch as usize),
+        };
+        Ok((tag, tensor))
     }
 }
 
 /// This process's stage of a pipeline whose other stages run in other processes (or this
-/// process's tensor-parallel shard of it, the other shards in other processes).
+/// process's tensor-parallel shard of it, the other shards in other processes); with
+/// interleaving, its stages.
 pub struct StageProcess<'g> {
-    pub stage: Stage,
+    /// The stages this rank holds, in model order.
+    pub stages: Vec<Stage>,
+    /// This rank's place in its replica's pipeline.
+    pub device: usize,
+    pub placement: Placement,
     pub options: PipelineOptions,
     /// This replica's stages, in order (activations and gradients pass along it); none with
     /// one stage per replica.
@@ -57,60 +70,77 @@ pub struct StageProcess<'g> {
 }
 
 impl<'g> StageProcess<'g> {
-    /// This rank's stage (built by the caller for its place in `groups`' layout, a shard of it
-    /// with tensor parallelism), its replicas' gradients averaged as `dp` says (`--bucket-mb`,
-    /// `--fp16-allreduce`, or ZeRO-1's reduce-scatter).
-    pub fn new(groups: &'g Groups<'g>, stage: Stage, options: PipelineOptions, dp: DataParallelPlan) -> Result<Self> {
+    /// This rank's stages (built by the caller for its place in `groups`' layout, shards of them
+    /// with tensor parallelism: those [`Placement::stages_of`] names), its replicas' gradients
+    /// averaged as `dp` says (`--bucket-mb`, `--fp16-allreduce`, or ZeRO-1's reduce-scatter).
+    pub fn new(groups: &'g Groups<'g>, stages: Vec<Stage>, options: PipelineOptions, dp: DataParallelPlan) -> Result<Self> {
         let pipe = groups.pp();
         let tp = groups.tp();
-        anyhow::ensure!(stage.shard == groups.shard(), "stage {} is shard {:?}, but this rank's place is shard {:?}", stage.index, stage.shard, groups.shard());
+        let (device, placement) = (groups.coords.stage, Placement { devices: groups.layout.pp, virtual_stages: options.virtual_stages });
+        let expected: Vec<usize> = placement.stages_of(device).collect();
+        let indices: Vec<usize> = stages.iter().map(|s| s.index).collect();
+        anyhow::ensure!(indices == expected, "rank {} holds stages {indices:?}, but its place in the pipeline is stages {expected:?}", groups.world.rank());
+        for stage in &stages {
+            anyhow::ensure!(stage.shard == groups.shard(), "stage {} is shard {:?}, but this rank's place is shard {:?}", stage.index, stage.shard, groups.shard());
+        }
+        placement.check(options.schedule, options.chunks)?;
+        let on = stages[0].device();
+        if let (Schedule::Interleaved, Some(pipe)) = (options.schedule, pipe) {
+            // NCCL's sends complete only once received and go out with the sender's next
+            // receive: the interleaved order then deadlocks (see the schedule's tests).
+            if pipe.backend_for(on)?.name() == "nccl" {
+                return usage(
+                    "--schedule interleaved across processes needs point-to-point sends that do not wait for the receiver, \
+                     and NCCL's do: use --backend mpi (MPI's isend), or run the stages as threads of one process (--devices)",
+                );
+            }
+        }
         let sync = if matches!(dp.sync, GradientSync::Zero(_)) { dp.sync } else { GradientSync::Ddp };
         let parallel = Parallel {
             replicas: groups.dp().map(|group| Replication { group, averager: dp.averager, sync }),
             model: groups.model(),
             world: Some(groups.world),
             replica: groups.coords.replica,
-            tp: tp.map(|group| (group, stage.shard)),
+            tp: tp.map(|group| (group, groups.shard())),
         };
         if let Some(replicas) = &parallel.replicas {
-            dp.averager.check(replicas.group, stage.device())?;
+            dp.averager.check(replicas.group, on)?;
         }
-        Ok(StageProcess { stage, options, pipe, tp, parallel })
+        Ok(StageProcess { stages, device, placement, options, pipe, tp, parallel })
     }
 
-    /// This stage's passes of one mini-batch, exchanging with the neighbouring stages' processes.
+    /// This rank's passes of one mini-batch, exchanging with the neighbouring ranks.
     fn run_batch(&mut self, src: &Tensor, targets: &Tensor, options: StageOptions) -> Result<StepReport> {
         let train = options.train;
         let chunks = if train { self.options.chunks } else { chunks_for(self.options.chunks, src.size()[1]) };
         let (inputs, weights) = split_batch(src, chunks)?;
         let (targets, _) = split_batch(targets, chunks)?;
-        let stage = &self.stage;
-        let device = stage.device();
+        let stages: Vec<&Stage> = self.stages.iter().collect();
+        let on = stages[0].device();
         let batches = MicroBatches {
-            inputs: if stage.is_first() { inputs.iter().map(|t| t.to_device(device)).collect() } else { Vec::new() },
-            targets: if stage.is_last() { targets.iter().map(|t| t.to_device(device)).collect() } else { Vec::new() },
+            inputs: if stages.iter().any(|s| s.is_first()) { inputs.iter().map(|t| t.to_device(on)).collect() } else { Vec::new() },
+            targets: if stages.iter().any(|s| s.is_last()) { targets.iter().map(|t| t.to_device(on)).collect() } else { Vec::new() },
             weights,
         };
-        let (s, stages) = (stage.index, self.pipe.map_or(1, ProcessGroup::world_size));
+        let (d, placement) = (self.device, self.placement);
         let ops = match train {
-            true => schedule::stage_ops(self.options.schedule, s, stages, chunks),
-            false => (0..chunks).map(Op::Forward).collect(),
+            true => schedule::device_ops(self.options.schedule, placement, d, chunks),
+            false => schedule::forward_ops(placement, d, chunks),
         };
-        let mut prev = self.pipe.filter(|_| s > 0).map(|group| PeerLink { group, peer: s - 1 });
-        let mut next = self.pipe.filter(|_| s + 1 < stages).map(|group| PeerLink { group, peer: s + 1 });
+        // The neighbouring ranks; with interleaving the last rank's stages feed the first's.
+        let (p, cyclic) = (placement.devices, placement.virtual_stages > 1);
+        let mut prev = self.pipe.filter(|_| d > 0 || cyclic).map(|group| PeerLink { group, peer: (d + p - 1) % p });
+        let mut next = self.pipe.filter(|_| d + 1 < p || cyclic).map(|group| PeerLink { group, peer: (d + 1) % p });
+        // Interleaved on one rank per pipeline: its stages follow each other through a channel.
+        let mut looped = (cyclic && self.pipe.is_none()).then(ChannelLink::pair);
+        let (prev, next): (Option<&mut dyn Link>, Option<&mut dyn Link>) = match &mut looped {
+            Some((earlier, later)) => (Some(later), Some(earlier)),
+            None => (prev.as_mut().map(|l| l as &mut dyn Link), next.as_mut().map(|l| l as &mut dyn Link)),
+        };
         let clock = Instant::now();
-        let outcome = executor::run_stage(
-            stage,
-            &ops,
-            &batches,
-            prev.as_mut().map(|l| l as &mut dyn Link),
-            next.as_mut().map(|l| l as &mut dyn Link),
-            options,
-            self.tp,
-            clock,
-        )?;
+        let outcome = executor::run_device(d, &stages, &ops, &batches, prev, next, options, self.tp, clock)?;
         let wall_s = clock.elapsed().as_secs_f64();
-        // Every stage learns every stage's busy time, and the last stage's loss and hits.
+        // Every rank learns every rank's busy time, and the last stage's loss and hits.
         let mine = [outcome.trace.busy_s(), outcome.loss.unwrap_or(0.0), outcome.hits.unwrap_or(0) as f64];
         let all: Vec<Vec<f64>> = match self.pipe {
             Some(pipe) => {
@@ -137,15 +167,15 @@ impl<'g> StageProcess<'g> {
 
 impl<'g> TrainStep<'g> for StageProcess<'g> {
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        self.stage.named_parameters()
+        self.stages.iter().flat_map(Stage::named_parameters).collect()
     }
 
     fn named_variables(&self) -> Vec<(String, Tensor)> {
-        self.stage.named_parameters()
+        self.named_parameters()
     }
 
     fn input_device(&self) -> Device {
-        self.stage.device()
+        self.stages[0].device()
     }
 
     fn parallel(&self) -> Parallel<'g> {
@@ -155,7 +185,7 @@ impl<'g> TrainStep<'g> for StageProcess<'g> {
     /// A tensor-parallel shard other than the first does not count the variables every shard
     /// holds whole (their gradients are the same on every shard).
     fn norm_counted(&self) -> Vec<bool> {
-        let first = self.stage.shard.index == 0;
+        let first = self.stages[0].shard.index == 0;
         self.named_parameters().iter().map(|(name, _)| first || split_of(name) != Split::Replicated).collect()
     }
 

@@ -198,8 +198,9 @@ impl Observer for ProfileSink {
                         self.profiler.record(phase, start, end, index);
                     }
                 } else {
-                    // A pipeline: its trace shows each stage's passes (F<m>, B<m>) on the stage's
-                    // row; the loop's phases count in the table.
+                    // A pipeline: its trace shows each device's passes (F<m>, B<m>, with the
+                    // stage where a device holds several) on the device's row; the loop's phases
+                    // count in the table.
                     self.pipelined = true;
                     for &(phase, start, end) in step.phases {
                         self.profiler.add_to_table(phase, phase_seconds(&[(phase, start, end)], phase));
@@ -207,12 +208,8 @@ impl Observer for ProfileSink {
                     let origin = step.phases.iter().map(|p| p.1).min().unwrap_or_else(Instant::now);
                     for trace in step.stage_traces {
                         for interval in &trace.intervals {
-                            let (name, m) = match interval.op {
-                                crate::pipeline::Op::Forward(m) => ("F", m),
-                                crate::pipeline::Op::Backward(m) => ("B", m),
-                            };
                             let at = |s: f64| origin + Duration::from_secs_f64(s.max(0.0));
-                            self.profiler.record_on(format!("{name}{m}"), trace.stage, at(interval.start_s), at(interval.end_s), index);
+                            self.profiler.record_on(trace.label(interval), trace.device, at(interval.start_s), at(interval.end_s), index);
                         }
                     }
                 }

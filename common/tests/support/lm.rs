@@ -23,8 +23,15 @@ pub fn batch(seed: i64, seq_len: i64, batch: i64) -> (Tensor, Tensor) {
     (ids.narrow(0, 0, seq_len), ids.narrow(0, 1, seq_len))
 }
 
+/// One stage per device (GPipe, 1F1B), or 2 per device with the interleaved schedule.
 pub fn options(schedule: Schedule, chunks: usize, checkpoint_activations: bool) -> PipelineOptions {
-    PipelineOptions { schedule, chunks, checkpoint_activations, threads_per_stage: Some(1) }
+    let virtual_stages = if schedule == Schedule::Interleaved { 2 } else { 1 };
+    PipelineOptions { schedule, virtual_stages, chunks, checkpoint_activations, threads_per_stage: Some(1) }
+}
+
+/// The interleaved schedule with `virtual_stages` stages per device.
+pub fn interleaved(virtual_stages: usize, chunks: usize, checkpoint_activations: bool) -> PipelineOptions {
+    PipelineOptions { virtual_stages, ..options(Schedule::Interleaved, chunks, checkpoint_activations) }
 }
 
 /// One mini-batch's forward and backward passes through `trainer` as the training loop runs

@@ -1,18 +1,19 @@
 //! Time per training mini-batch of the unpartitioned Transformer against a pipeline of its
-//! stages, over numbers of micro-batches, with the measured bubble beside GPipe's theory
-//! (p−1)/(m+p−1). On a CPU, each stage gets its share of the cores (`--threads` / stages) and
+//! stages, over numbers of micro-batches, with the measured bubble beside the theory
+//! (p−1)/(V·m+p−1) (GPipe's (p−1)/(m+p−1) at one stage per device). On a CPU, each stage gets its share of the cores (`--threads` / stages) and
 //! the unpartitioned model all of them, so the comparison is at equal hardware; the
 //! unpartitioned model is also timed on one stage's share, which shows what the stages'
 //! concurrency buys (ideally × stages × (1 − bubble)).
 //!
 //!     bench_pipeline --devices cpu,cpu --threads 2 --chunks 1,2,4,8,16
+//!     bench_pipeline --devices cpu,cpu --threads 2 --chunks 2,4,8,16 --schedule interleaved --virtual-stages 2
 use std::io::Write;
 use std::time::Instant;
 
 use clap::Parser;
 use common::device;
 use common::models::{self, TransformerConfig, TransformerLm};
-use common::pipeline::{Partition, Pipeline, PipelineOptions, Schedule, Stage};
+use common::pipeline::{Partition, Pipeline, PipelineOptions, Placement, Schedule, Stage};
 use common::train::TrainStep;
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Tensor};
@@ -29,6 +30,9 @@ struct Cli {
     chunks: Vec<usize>,
     #[arg(long, value_enum, default_value = "gpipe")]
     schedule: Schedule,
+    /// Stages per device with --schedule interleaved [default: 2 with interleaved, else 1].
+    #[arg(long)]
+    virtual_stages: Option<usize>,
     #[arg(long, default_value_t = 256)]
     emsize: i64,
     #[arg(long, default_value_t = 512)]
@@ -72,7 +76,10 @@ fn bench(cli: &Cli) -> anyhow::Result<()> {
     device::set_threads(cli.threads)?;
     let threads = tch::get_num_threads() as usize;
     let cfg = TransformerConfig { ntoken: cli.ntoken, d_model: cli.emsize, nhead: cli.nhead, d_hid: cli.d_hid, nlayers: cli.nlayers, dropout: 0.0 };
-    let partition = Partition::even(cfg.nlayers, devices.len())?;
+    let virtual_stages = Placement::virtual_stages(cli.schedule, cli.virtual_stages)?;
+    let placement = Placement { devices: devices.len(), virtual_stages };
+    placement.check_layers(cfg.nlayers)?;
+    let partition = Partition::even(cfg.nlayers, placement.stages())?;
     tch::manual_seed(0);
     let ids = Tensor::randint(cfg.ntoken, [cli.bptt + 1, cli.batch_size], (Kind::Int64, Device::Cpu));
     let (src, targets) = (ids.narrow(0, 0, cli.bptt), ids.narrow(0, 1, cli.bptt));
@@ -99,7 +106,7 @@ fn bench(cli: &Cli) -> anyhow::Result<()> {
         false => None,
     };
     println!(
-        "Transformer {} layers, d_model {}, vocabulary {}, {} parameters; batch {} × {} tokens; {} stages on {:?}, {} schedule; {} LibTorch threads ({} per stage)",
+        "Transformer {} layers, d_model {}, vocabulary {}, {} parameters; batch {} × {} tokens; {} stages on {:?} ({virtual_stages} per device), {} schedule; {} LibTorch threads ({} per device)",
         cfg.nlayers,
         cfg.d_model,
         cfg.ntoken,
@@ -118,7 +125,7 @@ fn bench(cli: &Cli) -> anyhow::Result<()> {
     );
     let mut rows = Vec::new();
     for &chunks in &cli.chunks {
-        let options = PipelineOptions { schedule: cli.schedule, chunks, checkpoint_activations: false, threads_per_stage: stage_threads };
+        let options = PipelineOptions { schedule: cli.schedule, virtual_stages, chunks, checkpoint_activations: false, threads_per_stage: stage_threads };
         let mut pipeline = Pipeline::new(&cfg, &partition, &devices, 0, options)?;
         let params: Vec<Tensor> = pipeline.named_parameters().into_iter().map(|(_, t)| t).collect();
         let (mut sequential, mut one_share, mut piped, mut bubbles) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -141,7 +148,7 @@ fn bench(cli: &Cli) -> anyhow::Result<()> {
             bubbles.push(median(round_bubbles));
         }
         let (sequential, one_share, piped, bubble) = (median(sequential), median(one_share), median(piped), median(bubbles));
-        let theory = common::pipeline::schedule::theoretical_bubble(devices.len(), chunks);
+        let theory = common::pipeline::schedule::theoretical_bubble(devices.len(), chunks, virtual_stages);
         println!(
             "| {chunks} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.3} | {:.3} |",
             1e3 * sequential,

@@ -980,7 +980,8 @@ fn split() -> usize {
 
 /// ZeRO's collectives on any number of ranks, checked against the reduction computed here from
 /// every rank's tensor: reduce-scatter (sum and average, float and integer, a 2-D tensor read
-/// flat) hands rank r block r; all-gathering the blocks gives back the whole reduction.
+/// flat) hands rank r block r; all-gathering the blocks gives back the whole reduction; an
+/// all-reduce max is the element-wise maximum (tensor parallelism's loss takes it).
 fn shards() -> usize {
     let group = ProcessGroup::init(Backend::Auto).unwrap();
     let (rank, n) = (group.rank(), group.world_size());
@@ -997,6 +998,11 @@ fn shards() -> usize {
             assert!(whole.allclose(&expected.to_kind(kind), 1e-6, 1e-6, false), "the gathered blocks are the whole reduction");
         }
     }
+    // The maximum (the vocabulary-parallel loss's shift): element-wise over every rank's tensor.
+    let mut mine = of_rank(rank) * if rank % 2 == 0 { 1.0 } else { -1.0 };
+    let expected = (0..n).map(|r| of_rank(r) * if r % 2 == 0 { 1.0 } else { -1.0 }).reduce(|a, b| a.maximum(&b)).unwrap();
+    group.all_reduce(&mut mine, ReduceOp::Max).unwrap();
+    assert!(mine.equal(&expected), "rank {rank}: all-reduce max {mine:?} vs {expected:?}");
     let ints = group.reduce_scatter(&Tensor::ones([2 * n as i64], (Kind::Int64, Device::Cpu)), ReduceOp::Sum).unwrap();
     assert_eq!(Vec::<i64>::try_from(&ints).unwrap(), vec![n as i64; 2]);
     let counted = group.comm_stats().since(before);

@@ -253,7 +253,7 @@ impl Preset {
         }
         out += &format!("  --epochs {}{}", self.epochs, describe_recipe(&self.recipe));
         if self.course != self.recipe {
-            out += &format!("\n--recipe course, the course's own settings:\n ");
+            out += "\n--recipe course, the course's own settings:\n ";
             out += &describe_recipe(&self.course);
         }
         out

@@ -289,68 +289,6 @@ pub fn float32_matmul_precision() -> String {
     String::from_utf8_lossy(buffer.split(|&b| b == 0).next().unwrap_or_default()).into_owned()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use tch::Kind;
-
-    #[test]
-    fn a_seeded_generator_repeats_its_masks_and_leaves_the_default_one_alone() {
-        let x = Tensor::ones([1000], (Kind::Float, Device::Cpu));
-        let mut generator = Generator::new(Device::Cpu).unwrap();
-        tch::manual_seed(7);
-        let before = Tensor::rand([4], (Kind::Float, Device::Cpu));
-        generator.set_seed(11);
-        let a = dropout(&x, 0.25, &mut generator).unwrap();
-        let b = dropout(&x, 0.25, &mut generator).unwrap();
-        generator.set_seed(11);
-        let a_again = dropout(&x, 0.25, &mut generator).unwrap();
-        assert!(a.equal(&a_again), "the same seed gives the same mask");
-        assert!(!a.equal(&b), "the stream moves on between draws");
-        // Kept elements are scaled by 1/(1 − p), the rest are zero; about p of them dropped.
-        let kept = a.ne(0.0).sum(Kind::Int64).int64_value(&[]);
-        assert!((650..850).contains(&kept), "kept {kept} of 1000 at p = 0.25");
-        let scale = a.max().double_value(&[]);
-        assert!((scale - 1.0 / 0.75).abs() < 1e-6, "scale {scale}");
-        // The default generator did not move: the same draws as without the keyed dropouts.
-        tch::manual_seed(7);
-        let unchanged = Tensor::rand([4], (Kind::Float, Device::Cpu));
-        assert!(before.equal(&unchanged));
-    }
-
-    #[test]
-    fn keyed_dropout_is_differentiable_with_the_mask_it_drew() {
-        let x = Tensor::ones([64], (Kind::Float, Device::Cpu)).set_requires_grad(true);
-        let mut generator = Generator::new(Device::Cpu).unwrap();
-        generator.set_seed(3);
-        let y = dropout(&x, 0.5, &mut generator).unwrap();
-        y.sum(Kind::Float).backward();
-        assert!(x.grad().equal(&y.detach()), "d(sum y)/dx is the scaled mask itself (x = 1)");
-        assert!(dropout(&x, 0.0, &mut generator).unwrap().equal(&x));
-    }
-
-    #[test]
-    fn the_float32_matmul_precision_is_libtorchs_own_setting() {
-        assert_eq!(float32_matmul_precision(), "highest", "PyTorch's default");
-        set_float32_matmul_precision("high").unwrap();
-        assert_eq!(float32_matmul_precision(), "high");
-        let err = set_float32_matmul_precision("fastest").unwrap_err();
-        assert!(format!("{err}").contains("set_float32_matmul_precision"), "{err}");
-        set_float32_matmul_precision("highest").unwrap();
-        assert_eq!(float32_matmul_precision(), "highest");
-    }
-
-    #[test]
-    fn pinning_without_cuda_is_an_error_not_a_crash() {
-        let x = Tensor::ones([4], (Kind::Float, Device::Cpu));
-        if tch::Cuda::is_available() {
-            assert!(is_pinned(&pin_memory(&x).unwrap()).unwrap());
-        } else {
-            assert!(!is_pinned(&x).unwrap());
-            assert!(pin_memory(&x).is_err());
-        }
-    }
-}
 
 /// A 4-D `tensor` in the channels-last memory format (NHWC in memory, the same NCHW shape, as
 /// `tensor.contiguous(memory_format=torch.channels_last)`); any other tensor as it is.
@@ -467,4 +405,67 @@ pub fn fill_storage(tensor: &Tensor, values: &Tensor) -> Result<()> {
     let mut t = tensor.shallow_clone();
     // SAFETY: valid tensors for the duration of the call.
     status(unsafe { ffi::torch_ext_fill_storage(t.as_mut_ptr(), values.as_ptr()) }, "refilling a storage")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Kind;
+
+    #[test]
+    fn a_seeded_generator_repeats_its_masks_and_leaves_the_default_one_alone() {
+        let x = Tensor::ones([1000], (Kind::Float, Device::Cpu));
+        let mut generator = Generator::new(Device::Cpu).unwrap();
+        tch::manual_seed(7);
+        let before = Tensor::rand([4], (Kind::Float, Device::Cpu));
+        generator.set_seed(11);
+        let a = dropout(&x, 0.25, &mut generator).unwrap();
+        let b = dropout(&x, 0.25, &mut generator).unwrap();
+        generator.set_seed(11);
+        let a_again = dropout(&x, 0.25, &mut generator).unwrap();
+        assert!(a.equal(&a_again), "the same seed gives the same mask");
+        assert!(!a.equal(&b), "the stream moves on between draws");
+        // Kept elements are scaled by 1/(1 − p), the rest are zero; about p of them dropped.
+        let kept = a.ne(0.0).sum(Kind::Int64).int64_value(&[]);
+        assert!((650..850).contains(&kept), "kept {kept} of 1000 at p = 0.25");
+        let scale = a.max().double_value(&[]);
+        assert!((scale - 1.0 / 0.75).abs() < 1e-6, "scale {scale}");
+        // The default generator did not move: the same draws as without the keyed dropouts.
+        tch::manual_seed(7);
+        let unchanged = Tensor::rand([4], (Kind::Float, Device::Cpu));
+        assert!(before.equal(&unchanged));
+    }
+
+    #[test]
+    fn keyed_dropout_is_differentiable_with_the_mask_it_drew() {
+        let x = Tensor::ones([64], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let mut generator = Generator::new(Device::Cpu).unwrap();
+        generator.set_seed(3);
+        let y = dropout(&x, 0.5, &mut generator).unwrap();
+        y.sum(Kind::Float).backward();
+        assert!(x.grad().equal(&y.detach()), "d(sum y)/dx is the scaled mask itself (x = 1)");
+        assert!(dropout(&x, 0.0, &mut generator).unwrap().equal(&x));
+    }
+
+    #[test]
+    fn the_float32_matmul_precision_is_libtorchs_own_setting() {
+        assert_eq!(float32_matmul_precision(), "highest", "PyTorch's default");
+        set_float32_matmul_precision("high").unwrap();
+        assert_eq!(float32_matmul_precision(), "high");
+        let err = set_float32_matmul_precision("fastest").unwrap_err();
+        assert!(format!("{err}").contains("set_float32_matmul_precision"), "{err}");
+        set_float32_matmul_precision("highest").unwrap();
+        assert_eq!(float32_matmul_precision(), "highest");
+    }
+
+    #[test]
+    fn pinning_without_cuda_is_an_error_not_a_crash() {
+        let x = Tensor::ones([4], (Kind::Float, Device::Cpu));
+        if tch::Cuda::is_available() {
+            assert!(is_pinned(&pin_memory(&x).unwrap()).unwrap());
+        } else {
+            assert!(!is_pinned(&x).unwrap());
+            assert!(pin_memory(&x).is_err());
+        }
+    }
 }

@@ -228,7 +228,7 @@ pub(crate) fn check_reduce(kind: Kind, op: ReduceOp) -> Result<()> {
 pub(crate) fn check_scatter(tensor: &Tensor, op: ReduceOp, world_size: usize) -> Result<usize> {
     check_reduce(tensor.kind(), op)?;
     let numel = tensor.numel();
-    if numel % world_size != 0 {
+    if !numel.is_multiple_of(world_size) {
         bail!("reduce_scatter of {numel} elements over {world_size} ranks: the count must divide by the ranks (pad it)");
     }
     Ok(numel / world_size)

@@ -145,14 +145,19 @@ pub fn unshard_named(group: &ProcessGroup, named: Vec<(String, Tensor)>) -> Resu
         .collect()
 }
 
-/// `shard`'s parts of the whole tensors `named` (variables or optimizer state, as
-/// [`unshard_named`] names them).
+/// `shard`'s part of the whole tensor `whole` named `name` (a variable, or an optimizer-state
+/// entry `<entry>.<variable>`, as [`unshard_named`] names them; a count is whole everywhere).
+pub fn shard_of_named(name: &str, whole: &Tensor, shard: Shard) -> Tensor {
+    let split = if whole.dim() == 0 { Split::Replicated } else { split_of(variable_of(name)) };
+    shard_tensor(whole, split, shard)
+}
+
+/// [`shard_of_named`] of every tensor of `named`.
 pub fn shard_named(named: Vec<(String, Tensor)>, shard: Shard) -> Vec<(String, Tensor)> {
     named
         .into_iter()
         .map(|(name, t)| {
-            let split = if t.dim() == 0 { Split::Replicated } else { split_of(variable_of(&name)) };
-            let part = shard_tensor(&t, split, shard);
+            let part = shard_of_named(&name, &t, shard);
             (name, part)
         })
         .collect()

@@ -93,6 +93,10 @@ impl nn::ModuleT for ChannelsLast {
     }
 }
 
+/// What [`PartedModule::forward_parts`] hands each part to: `around(part, run)` runs the part's
+/// computation `run` (with its parameters in place) and returns its output.
+pub type AroundPart<'a> = dyn FnMut(usize, &dyn Fn() -> Tensor) -> anyhow::Result<Tensor> + 'a;
+
 /// A model that can run part by part (FSDP's units): ZeRO-3 gathers a part's parameters just
 /// before the part runs and frees them after. A model that does not say otherwise is one part.
 pub trait PartedModule: nn::ModuleT {
@@ -101,9 +105,8 @@ pub trait PartedModule: nn::ModuleT {
         0
     }
 
-    /// [`nn::ModuleT::forward_t`], each part's computation handed to `around(part, run)`, which
-    /// runs it (with its parameters in place) and returns its output.
-    fn forward_parts(&self, xs: &Tensor, train: bool, around: &mut dyn FnMut(usize, &dyn Fn() -> Tensor) -> anyhow::Result<Tensor>) -> anyhow::Result<Tensor> {
+    /// [`nn::ModuleT::forward_t`], each part's computation handed to `around`.
+    fn forward_parts(&self, xs: &Tensor, train: bool, around: &mut AroundPart) -> anyhow::Result<Tensor> {
         around(0, &|| self.forward_t(xs, train))
     }
 }

@@ -132,7 +132,7 @@ fn row_parallel(xs: &Tensor, weight: &Tensor, bias: &Tensor, group: Option<&Proc
 
 /// The group a layer of `shard` talks over: `group` when the layer is sharded (which must then
 /// be the shards'), none when it is whole.
-fn shard_group<'a>(shard: Shard, group: Option<&'a ProcessGroup>) -> anyhow::Result<Option<&'a ProcessGroup>> {
+fn shard_group(shard: Shard, group: Option<&ProcessGroup>) -> anyhow::Result<Option<&ProcessGroup>> {
     match (shard.is_whole(), group) {
         (true, _) => Ok(None),
         (false, Some(group)) if group.world_size() == shard.count && group.rank() == shard.index => Ok(Some(group)),
@@ -685,7 +685,7 @@ impl super::PartedModule for TransformerLm {
         }
     }
 
-    fn forward_parts(&self, src: &Tensor, train: bool, around: &mut dyn FnMut(usize, &dyn Fn() -> Tensor) -> anyhow::Result<Tensor>) -> anyhow::Result<Tensor> {
+    fn forward_parts(&self, src: &Tensor, train: bool, around: &mut super::AroundPart) -> anyhow::Result<Tensor> {
         let mut hidden = around(0, &|| self.embed(src, train))?;
         for (i, layer) in self.layers.iter().enumerate() {
             let input = hidden;

@@ -56,7 +56,7 @@ impl Placement {
         if self.virtual_stages != 1 {
             Placement::virtual_stages(schedule, Some(self.virtual_stages))?;
         }
-        if schedule == Schedule::Interleaved && micro_batches % self.devices != 0 {
+        if schedule == Schedule::Interleaved && !micro_batches.is_multiple_of(self.devices) {
             return usage(format!(
                 "--schedule interleaved needs --chunks to be a multiple of the {} pipeline devices, got {micro_batches} \
                  (the micro-batches go through each device's stages in groups of {})",

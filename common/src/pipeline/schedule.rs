@@ -94,7 +94,7 @@ pub fn device_ops(schedule: Schedule, placement: Placement, device: usize, micro
         schedule.name()
     );
     assert!(
-        schedule != Schedule::Interleaved || micro_batches % placement.devices == 0,
+        schedule != Schedule::Interleaved || micro_batches.is_multiple_of(placement.devices),
         "interleaving {micro_batches} micro-batches over {} devices",
         placement.devices
     );

@@ -130,7 +130,7 @@ fn restore_replica_zero(
         }
     };
     let part = match shard {
-        Some(shard) => checkpoint::map_part(part, |name, whole| tensor_parallel::shard_named(vec![(name.to_string(), whole)], shard).remove(0).1),
+        Some(shard) => checkpoint::map_part(part, |name, whole| tensor_parallel::shard_of_named(name, &whole, shard)),
         None => part,
     };
     let state = checkpoint::part_state(&part);

@@ -13,8 +13,19 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <c10/core/DeviceGuard.h>
+#include <ATen/record_function.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
+
+#include <atomic>
+#include <memory>
+#include <set>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -135,6 +146,99 @@ struct NotifyInBackward : public torch::autograd::Function<NotifyInBackward> {
                reinterpret_cast<void*>(ctx->saved_data["context"].toInt()), ctx->saved_data["index"].toInt());
     return {grads[0], at::Tensor(), at::Tensor(), at::Tensor()};
   }
+};
+
+// The CPU allocator every CPU tensor comes from, wrapped to count the bytes it hands out (the
+// CPU's counterpart of the CUDA caching allocator's "allocated" statistics; LibTorch keeps
+// none for the CPU). Each block carries a 64-byte header (the default alignment, so the data
+// stay aligned) with its size and the inner allocator's deleter: the data pointer is its own
+// context, as raw_allocate requires.
+// Whether torch_ext_profiler_start started the profiler (one at a time per process).
+std::atomic<bool> profiler_running{false};
+
+// What makes a thread record into the profiler: the profiler's state (thread-local debug info)
+// and its RecordFunction callbacks, as at::ThreadLocalStateGuard carries them to autograd's
+// threads.
+struct ProfilerThreadState {
+  std::shared_ptr<c10::ThreadLocalDebugInfo> debug_info;
+  at::RecordFunctionTLS record_functions;
+
+  static ProfilerThreadState current() {
+    return {c10::ThreadLocalDebugInfo::current(), at::get_record_function_tls_()};
+  }
+
+  void apply() const {
+    c10::ThreadLocalDebugInfo::_forceCurrentDebugInfo(debug_info);
+    at::set_record_function_tls_(record_functions);
+  }
+};
+
+class CountingCpuAllocator final : public c10::Allocator {
+ public:
+  explicit CountingCpuAllocator(c10::Allocator* inner) : inner_(inner) {}
+
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr block = inner_->allocate(n + kHeader);
+    auto* base = static_cast<char*>(block.get());
+    auto* header = reinterpret_cast<Header*>(base);
+    header->bytes = n;
+    header->deleter = block.get_deleter();
+    header->context = block.release_context();
+    add(static_cast<int64_t>(n));
+    void* data = base + kHeader;
+    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+
+  static void release(void* data) {
+    if (data == nullptr) {
+      return;
+    }
+    auto* header = reinterpret_cast<Header*>(static_cast<char*>(data) - kHeader);
+    instance()->current_.fetch_sub(static_cast<int64_t>(header->bytes), std::memory_order_relaxed);
+    c10::DeleterFnPtr deleter = header->deleter;
+    void* context = header->context;
+    if (deleter != nullptr) {
+      deleter(context);
+    }
+  }
+
+  int64_t current() const { return current_.load(std::memory_order_relaxed); }
+  int64_t peak() const { return peak_.load(std::memory_order_relaxed); }
+  void reset_peak() { peak_.store(current(), std::memory_order_relaxed); }
+
+  // The one instance, installed as LibTorch's CPU allocator on first use.
+  static CountingCpuAllocator* instance() {
+    static CountingCpuAllocator* counting = [] {
+      auto* allocator = new CountingCpuAllocator(c10::GetCPUAllocator());
+      c10::SetCPUAllocator(allocator, /*priority=*/1);
+      return allocator;
+    }();
+    return counting;
+  }
+
+ private:
+  struct Header {
+    size_t bytes;
+    c10::DeleterFnPtr deleter;
+    void* context;
+  };
+  static constexpr size_t kHeader = 64;
+  static_assert(sizeof(Header) <= kHeader, "the header fits in front of the data");
+
+  void add(int64_t n) {
+    int64_t now = current_.fetch_add(n, std::memory_order_relaxed) + n;
+    int64_t peak = peak_.load(std::memory_order_relaxed);
+    while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+    }
+  }
+
+  c10::Allocator* inner_;
+  std::atomic<int64_t> current_{0};
+  std::atomic<int64_t> peak_{0};
 };
 
 }  // namespace
@@ -390,6 +494,143 @@ int torch_ext_is_channels_last(const at::Tensor* tensor) {
 // `param.grad = grad` (the same storage, as torch's `p.grad = g`). 0, or -1 on error.
 int torch_ext_set_grad(at::Tensor* param, const at::Tensor* grad) {
   return protect_status([&] { param->mutable_grad() = *grad; });
+}
+
+// LibTorch's profiler (Kineto, as torch.profiler.profile), on this thread and the autograd
+// threads its work starts: CPU operators, and with `cuda` the CUDA kernels, copies and runtime
+// calls they launch; `record_shapes`: each operator's input shapes. 0, or -1 on error (one
+// already running, say).
+int torch_ext_profiler_start(int cuda, int record_shapes) {
+  return protect_status([&] {
+    // LibTorch does not refuse a second thread-local profiler; replacing the first one's
+    // callbacks corrupts both.
+    TORCH_CHECK(!profiler_running.load(), "LibTorch's profiler is already running in this process");
+    using torch::profiler::impl::ActivityType;
+    using torch::profiler::impl::ProfilerConfig;
+    using torch::profiler::impl::ProfilerState;
+    std::set<ActivityType> activities{ActivityType::CPU};
+    if (cuda != 0) {
+      activities.insert(ActivityType::CUDA);
+    } else {
+      // Kineto asks a CUDA build's driver for GPUs even when only CPU operators are recorded,
+      // and logs an ERROR line on a machine without one (as torch.profiler does there). Its
+      // own errors are read back from the trace instead (torch_ext_profiler_stop). The
+      // user's setting wins.
+      setenv("KINETO_LOG_LEVEL", "5", /*overwrite=*/0);
+    }
+    ProfilerConfig config(ProfilerState::KINETO, record_shapes != 0);
+    torch::autograd::profiler::prepareProfiler(config, activities);
+    torch::autograd::profiler::enableProfiler(config, activities);
+    profiler_running.store(true);
+  });
+}
+
+// Stops the profiler and writes its Chrome trace (Kineto's JSON, as torch.profiler's
+// export_chrome_trace) to `path`. 0, or -1 on error.
+int torch_ext_profiler_stop(const char* path) {
+  return protect_status([&] {
+    TORCH_CHECK(profiler_running.load(), "LibTorch's profiler is not running");
+    auto result = torch::autograd::profiler::disableProfiler();
+    profiler_running.store(false);
+    TORCH_CHECK(result != nullptr, "LibTorch's profiler returned no result");
+    // Kineto reports a failed write in its log only: look for the file.
+    std::remove(path);
+    result->save(std::string(path));
+    FILE* written = std::fopen(path, "r");
+    TORCH_CHECK(written != nullptr, "the trace could not be written to ", path);
+    std::fclose(written);
+  });
+}
+
+// A named range in the profiler's trace (torch.profiler.record_function), from here until
+// torch_ext_record_function_exit on the same thread. Null on error.
+void* torch_ext_record_function_enter(const char* name) {
+  at::RecordFunction* range = nullptr;
+  protect_status([&] {
+    auto record = std::make_unique<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+    if (record->isActive()) {
+      record->before(std::string_view(name));
+    }
+    range = record.release();
+  });
+  return range;
+}
+
+void torch_ext_record_function_exit(void* range) {
+  auto* record = static_cast<at::RecordFunction*>(range);
+  if (record != nullptr) {
+    record->end();
+    delete record;
+  }
+}
+
+// This thread's profiler state, for threads it starts (null when the profiler is not running).
+void* torch_ext_profiler_thread_state() {
+  ProfilerThreadState* state = nullptr;
+  if (profiler_running.load()) {
+    protect_status([&] { state = new ProfilerThreadState(ProfilerThreadState::current()); });
+  }
+  return state;
+}
+
+// Makes this thread record into the profiler whose `state` another thread took; returns this
+// thread's own state, for torch_ext_profiler_thread_leave.
+void* torch_ext_profiler_thread_join(const void* state) {
+  ProfilerThreadState* own = nullptr;
+  protect_status([&] {
+    own = new ProfilerThreadState(ProfilerThreadState::current());
+    static_cast<const ProfilerThreadState*>(state)->apply();
+  });
+  return own;
+}
+
+// Restores the state torch_ext_profiler_thread_join returned, and frees it.
+void torch_ext_profiler_thread_leave(void* own) {
+  auto* state = static_cast<ProfilerThreadState*>(own);
+  if (state != nullptr) {
+    protect_status([&] { state->apply(); });
+    delete state;
+  }
+}
+
+void torch_ext_profiler_thread_state_free(void* state) {
+  delete static_cast<ProfilerThreadState*>(state);
+}
+
+// Counts the bytes of every CPU tensor allocated from now on (installs the counting allocator;
+// idempotent). `out` gets {bytes held now, peak since the last reset}.
+int torch_ext_cpu_memory_stats(int64_t* out) {
+  return protect_status([&] {
+    auto* counting = CountingCpuAllocator::instance();
+    out[0] = counting->current();
+    out[1] = counting->peak();
+  });
+}
+
+// The peak becomes what is held now.
+int torch_ext_cpu_memory_reset_peak() {
+  return protect_status([&] { CountingCpuAllocator::instance()->reset_peak(); });
+}
+
+// The CUDA caching allocator's statistics for `device` (torch.cuda.memory_stats): `out` gets
+// {allocated now, allocated peak, reserved now, reserved peak} in bytes. 0, or -1 on error
+// (no CUDA in this LibTorch, say).
+int torch_ext_cuda_memory_stats(int device, int64_t* out) {
+  return protect_status([&] {
+    using c10::CachingAllocator::StatType;
+    auto stats = c10::getDeviceAllocator(c10::DeviceType::CUDA)->getDeviceStats(static_cast<c10::DeviceIndex>(device));
+    auto aggregate = static_cast<size_t>(StatType::AGGREGATE);
+    out[0] = stats.allocated_bytes[aggregate].current;
+    out[1] = stats.allocated_bytes[aggregate].peak;
+    out[2] = stats.reserved_bytes[aggregate].current;
+    out[3] = stats.reserved_bytes[aggregate].peak;
+  });
+}
+
+// torch.cuda.reset_peak_memory_stats(device). 0, or -1 on error.
+int torch_ext_cuda_memory_reset_peak(int device) {
+  return protect_status(
+      [&] { c10::getDeviceAllocator(c10::DeviceType::CUDA)->resetPeakStats(static_cast<c10::DeviceIndex>(device)); });
 }
 
 }  // extern "C"

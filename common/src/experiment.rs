@@ -15,6 +15,7 @@ use crate::error::usage;
 use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
 use crate::parallelize::{parallelize, DataParallelPlan, ModelPlan};
 use crate::presets::Preset;
+use crate::profile::libtorch::TorchProfiler;
 use crate::report::{self, RunInfo, RunRecord};
 use crate::train::sinks::{CheckpointEveryEpoch, ConsoleLog, ProfileSink, ProgressBars, TensorBoardLog};
 use crate::train::{
@@ -221,7 +222,7 @@ fn check_cuda_graph<E: Experiment>(exp: &E, groups: &Groups, device: Device, rec
     if run.precision == crate::precision::Precision::Half {
         return usage("--cuda-graph with --precision 16-mixed (its scaler decides on the host) is not supported: use bf16-mixed or 32");
     }
-    if run.profile {
+    if run.profiling().is_some() {
         return usage("--cuda-graph replays the whole step at once: --profile cannot time its phases");
     }
     Ok(())
@@ -304,7 +305,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         }),
         metric: exp.metric(),
         precision: run.precision,
-        profile: run.profile,
+        profile: run.profiling().is_some(),
         steady_after: run.steady_after,
         cuda_graph,
     };
@@ -315,11 +316,13 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     if let (Some(dir), true) = (&run.tensorboard, root) {
         observers.add(TensorBoardLog::new(&dir.join(&name), exp.metric())?);
     }
-    if run.profile {
-        // A model spread over ranks: a trace per rank; otherwise rank 0's.
+    if let Some(window) = run.profiling() {
+        // A model spread over ranks: traces per rank; otherwise rank 0's.
         let spread = groups.layout.pp * groups.layout.tp > 1;
         if spread || root {
-            observers.add(ProfileSink::new(run.trace_path(&name, spread.then_some(groups.world.rank())), groups.world.rank(), root));
+            let rank = spread.then_some(groups.world.rank());
+            let torch = TorchProfiler::new(window, device.is_cuda(), run.trace_path(&name, "torch-trace", rank));
+            observers.add(ProfileSink::new(run.trace_path(&name, "trace", rank), torch, groups.world.rank(), root));
         }
     }
     let per_step = std::rc::Rc::new(std::cell::Cell::new(None));

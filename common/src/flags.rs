@@ -50,11 +50,18 @@ pub struct RunArgs {
     /// [default: from the data sheet of a known GPU; none on a CPU].
     #[arg(long)]
     pub peak_tflops: Option<f64>,
-    /// Print where the step time goes (data wait, forward, backward, all-reduce, optimizer,
-    /// evaluation) and write a Chrome trace `<run>.trace.json` to --results-dir. Waits for the
-    /// device between phases: costs some speed.
+    /// Print where the step time goes: the phases of every step (data wait, forward, backward,
+    /// the gradients' all-reduce and clipping, optimizer, evaluation), as a table and a Chrome
+    /// trace `<run>.trace.json`; and LibTorch's profiler over --profile-steps: the operators and
+    /// CUDA kernels by self time (torch.profiler's table) and their trace
+    /// `<run>.torch-trace.json`, in --results-dir. Waits for the device between phases: costs
+    /// some speed.
     #[arg(long)]
     pub profile: bool,
+    /// The training steps LibTorch's profiler records, A..B (steps A to B, counted from 1);
+    /// implies --profile [default: the five steps after --steady-after].
+    #[arg(long, value_name = "A..B")]
+    pub profile_steps: Option<crate::profile::libtorch::StepWindow>,
     /// Record the training step once in a CUDA graph and replay it for every batch (one launch
     /// instead of hundreds: for small, launch-bound steps). GPU, one process, adam or sgd,
     /// no --accumulate, no 16-mixed.
@@ -81,13 +88,22 @@ impl RunArgs {
         Ok(())
     }
 
-    /// The results file of the run named `run` is `<results dir>/<run>.json`; its Chrome trace
-    /// (with `--profile`) `<run>.trace.json` beside it, or `<run>-rank<r>.trace.json` for the
+    /// `--profile` or `--profile-steps`: the window of steps LibTorch's profiler records.
+    pub fn profiling(&self) -> Option<crate::profile::libtorch::StepWindow> {
+        match self.profile_steps {
+            Some(window) => Some(window),
+            None => self.profile.then(|| crate::profile::libtorch::StepWindow::after_warmup(self.steady_after)),
+        }
+    }
+
+    /// The results file of the run named `run` is `<results dir>/<run>.json`; with `--profile`,
+    /// beside it the phases' Chrome trace `<run>.trace.json` and LibTorch's
+    /// `<run>.torch-trace.json` (`kind` "trace" or "torch-trace"), or `<run>-rank<r>.…` for the
     /// ranks of a model spread over several.
-    pub fn trace_path(&self, run: &str, rank: Option<usize>) -> PathBuf {
+    pub fn trace_path(&self, run: &str, kind: &str, rank: Option<usize>) -> PathBuf {
         match rank {
-            Some(rank) => self.results_dir.join(format!("{run}-rank{rank}.trace.json")),
-            None => self.results_dir.join(format!("{run}.trace.json")),
+            Some(rank) => self.results_dir.join(format!("{run}-rank{rank}.{kind}.json")),
+            None => self.results_dir.join(format!("{run}.{kind}.json")),
         }
     }
 

@@ -9,6 +9,10 @@
 //! - [`fused_adam`], [`fused_sgd`], the `foreach_*` functions: `torch.optim`'s multi-tensor
 //!   kernels (a few launches per step for all parameters instead of several per parameter).
 //! - [`set_float32_matmul_precision`]: TF32 for float32 matrix products, as torch's.
+//! - [`profiler_start`], [`profiler_stop`], [`RecordRange`]: LibTorch's own profiler (Kineto),
+//!   as `torch.profiler.profile` and `record_function`.
+//! - [`cpu_memory`], [`cuda_memory`]: bytes held by tensors now and at their peak, from the CUDA
+//!   caching allocator's statistics and from a counting wrapper around the CPU allocator.
 use anyhow::{bail, Result};
 use std::ffi::c_void;
 use tch::{Device, Tensor};
@@ -69,6 +73,18 @@ mod ffi {
         pub fn torch_ext_storage_nbytes(tensor: *const C_tensor) -> i64;
         pub fn torch_ext_free_storage(tensor: *mut C_tensor) -> i32;
         pub fn torch_ext_fill_storage(tensor: *mut C_tensor, values: *const C_tensor) -> i32;
+        pub fn torch_ext_profiler_start(cuda: i32, record_shapes: i32) -> i32;
+        pub fn torch_ext_profiler_stop(path: *const std::ffi::c_char) -> i32;
+        pub fn torch_ext_profiler_thread_state() -> *mut c_void;
+        pub fn torch_ext_profiler_thread_join(state: *const c_void) -> *mut c_void;
+        pub fn torch_ext_profiler_thread_leave(own: *mut c_void);
+        pub fn torch_ext_profiler_thread_state_free(state: *mut c_void);
+        pub fn torch_ext_record_function_enter(name: *const std::ffi::c_char) -> *mut c_void;
+        pub fn torch_ext_record_function_exit(range: *mut c_void);
+        pub fn torch_ext_cpu_memory_stats(out: *mut i64) -> i32;
+        pub fn torch_ext_cpu_memory_reset_peak() -> i32;
+        pub fn torch_ext_cuda_memory_stats(device: i32, out: *mut i64) -> i32;
+        pub fn torch_ext_cuda_memory_reset_peak(device: i32) -> i32;
     }
 
     /// A callback for item `index` of what `context` names: 0, or non-zero with a message
@@ -407,6 +423,122 @@ pub fn fill_storage(tensor: &Tensor, values: &Tensor) -> Result<()> {
     status(unsafe { ffi::torch_ext_fill_storage(t.as_mut_ptr(), values.as_ptr()) }, "refilling a storage")
 }
 
+/// Starts LibTorch's profiler on this thread (and the autograd threads its work starts): CPU
+/// operators, and with `cuda` the kernels, copies and runtime calls they launch.
+pub fn profiler_start(cuda: bool, record_shapes: bool) -> Result<()> {
+    // SAFETY: no pointers cross.
+    status(unsafe { ffi::torch_ext_profiler_start(cuda as i32, record_shapes as i32) }, "starting LibTorch's profiler")
+}
+
+/// Stops the profiler and writes its Chrome trace (Kineto's JSON) to `path`.
+pub fn profiler_stop(path: &std::path::Path) -> Result<()> {
+    let c_path = std::ffi::CString::new(path.to_string_lossy().as_bytes())?;
+    // SAFETY: a NUL-terminated string valid for the call.
+    status(unsafe { ffi::torch_ext_profiler_stop(c_path.as_ptr()) }, &format!("writing LibTorch's profiler trace {}", path.display()))
+}
+
+/// The running profiler as a thread sees it, taken where it was started, for threads that thread
+/// starts (a pipeline's stages): [`ProfilerThreadState::join`] makes them record into it too.
+pub struct ProfilerThreadState {
+    state: *mut c_void,
+}
+
+// SAFETY: plain data (a shared pointer and a list of callbacks), read-only once taken.
+unsafe impl Send for ProfilerThreadState {}
+unsafe impl Sync for ProfilerThreadState {}
+
+impl ProfilerThreadState {
+    /// This thread's profiler, if [`profiler_start`] started one.
+    pub fn current() -> Option<ProfilerThreadState> {
+        // SAFETY: no pointers cross in.
+        let state = unsafe { ffi::torch_ext_profiler_thread_state() };
+        (!state.is_null()).then_some(ProfilerThreadState { state })
+    }
+
+    /// Records this thread's work into the profiler until the guard drops.
+    pub fn join(&self) -> ProfiledThread {
+        // SAFETY: a state the shim made, alive while `self` is.
+        ProfiledThread { own: unsafe { ffi::torch_ext_profiler_thread_join(self.state) } }
+    }
+}
+
+impl Drop for ProfilerThreadState {
+    fn drop(&mut self) {
+        // SAFETY: the shim's own allocation, freed once.
+        unsafe { ffi::torch_ext_profiler_thread_state_free(self.state) }
+    }
+}
+
+/// A thread recording into the profiler ([`ProfilerThreadState::join`]); dropped, it records no more.
+pub struct ProfiledThread {
+    own: *mut c_void,
+}
+
+impl Drop for ProfiledThread {
+    fn drop(&mut self) {
+        // SAFETY: the state torch_ext_profiler_thread_join returned, restored and freed once.
+        unsafe { ffi::torch_ext_profiler_thread_leave(self.own) }
+    }
+}
+
+/// A named range in the profiler's trace while it lives (`torch.profiler.record_function`);
+/// nothing when the profiler is off. Ends on the thread that began it (not `Send`).
+pub struct RecordRange {
+    range: *mut c_void,
+}
+
+impl RecordRange {
+    pub fn enter(name: &str) -> RecordRange {
+        let name = std::ffi::CString::new(name.replace('\0', " ")).expect("no NUL left");
+        // SAFETY: a NUL-terminated string valid for the call; the shim copies it.
+        RecordRange { range: unsafe { ffi::torch_ext_record_function_enter(name.as_ptr()) } }
+    }
+}
+
+impl Drop for RecordRange {
+    fn drop(&mut self) {
+        // SAFETY: the handle torch_ext_record_function_enter returned (or null), ended once.
+        unsafe { ffi::torch_ext_record_function_exit(self.range) }
+    }
+}
+
+/// Bytes held by tensors on a device: now, and at the peak since the last reset.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HeldBytes {
+    pub current: i64,
+    pub peak: i64,
+}
+
+/// The bytes of CPU tensors held now and at their peak. The first call installs a counting
+/// wrapper around LibTorch's CPU allocator: tensors allocated before it are not counted.
+pub fn cpu_memory() -> Result<HeldBytes> {
+    let mut out = [0i64; 2];
+    // SAFETY: `out` holds the two values the shim writes.
+    status(unsafe { ffi::torch_ext_cpu_memory_stats(out.as_mut_ptr()) }, "reading CPU memory statistics")?;
+    Ok(HeldBytes { current: out[0], peak: out[1] })
+}
+
+/// The CPU peak becomes what is held now.
+pub fn reset_cpu_memory_peak() -> Result<()> {
+    // SAFETY: no pointers cross.
+    status(unsafe { ffi::torch_ext_cpu_memory_reset_peak() }, "resetting CPU memory statistics")
+}
+
+/// The CUDA caching allocator's bytes on GPU `device` (`torch.cuda.memory_stats`): allocated to
+/// tensors, and reserved from the driver (allocated plus the allocator's cache).
+pub fn cuda_memory(device: usize) -> Result<(HeldBytes, HeldBytes)> {
+    let mut out = [0i64; 4];
+    // SAFETY: `out` holds the four values the shim writes.
+    status(unsafe { ffi::torch_ext_cuda_memory_stats(device as i32, out.as_mut_ptr()) }, "reading CUDA memory statistics")?;
+    Ok((HeldBytes { current: out[0], peak: out[1] }, HeldBytes { current: out[2], peak: out[3] }))
+}
+
+/// `torch.cuda.reset_peak_memory_stats(device)`.
+pub fn reset_cuda_memory_peak(device: usize) -> Result<()> {
+    // SAFETY: no pointers cross.
+    status(unsafe { ffi::torch_ext_cuda_memory_reset_peak(device as i32) }, "resetting CUDA memory statistics")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -466,6 +598,69 @@ mod tests {
         } else {
             assert!(!is_pinned(&x).unwrap());
             assert!(pin_memory(&x).is_err());
+        }
+    }
+
+    #[test]
+    fn the_cpu_allocator_counts_what_tensors_hold() {
+        let before = cpu_memory().unwrap();
+        reset_cpu_memory_peak().unwrap();
+        let a = Tensor::zeros([1000, 1000], (Kind::Float, Device::Cpu));
+        let held = cpu_memory().unwrap();
+        assert!(held.current - before.current >= 4_000_000, "{before:?} -> {held:?}");
+        let b = Tensor::zeros([500, 1000], (Kind::Double, Device::Cpu));
+        drop(a);
+        drop(b);
+        let after = cpu_memory().unwrap();
+        assert!(after.current - before.current < 100_000, "freed: {before:?} -> {after:?}");
+        assert!(after.peak - before.current >= 8_000_000, "both held at once: {after:?}");
+        reset_cpu_memory_peak().unwrap();
+        assert_eq!(cpu_memory().unwrap().peak, cpu_memory().unwrap().current);
+    }
+
+    #[test]
+    fn the_profiler_writes_a_trace_with_operators_and_named_ranges() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("trace.json");
+        profiler_start(false, false).unwrap();
+        {
+            let _step = RecordRange::enter("ProfilerStep#1");
+            let x = Tensor::ones([64, 64], (Kind::Float, Device::Cpu));
+            let _ = x.matmul(&x).relu();
+        }
+        let state = ProfilerThreadState::current().expect("a profiler runs");
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let _joined = state.join();
+                let _ = Tensor::ones([8], (Kind::Float, Device::Cpu)).sigmoid();
+            });
+            scope.spawn(|| {
+                let _ = Tensor::ones([8], (Kind::Float, Device::Cpu)).tanh();
+            });
+        });
+        drop(state);
+        assert!(profiler_start(false, false).is_err(), "a second profiler while one runs");
+        profiler_stop(&path).unwrap();
+        let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let names: Vec<&str> = trace["traceEvents"].as_array().unwrap().iter().filter_map(|e| e["name"].as_str()).collect();
+        for expected in ["aten::matmul", "aten::relu", "ProfilerStep#1", "aten::sigmoid"] {
+            assert!(names.contains(&expected), "{expected} missing from {names:?}");
+        }
+        assert!(!names.contains(&"aten::tanh"), "a thread that did not join is not recorded");
+        assert!(ProfilerThreadState::current().is_none(), "no profiler after the stop");
+        assert!(profiler_stop(&path).is_err(), "stopping a profiler that is not running");
+    }
+
+    #[test]
+    fn cuda_memory_statistics_need_a_gpu() {
+        if tch::Cuda::is_available() {
+            let before = cuda_memory(0).unwrap().0;
+            let x = Tensor::zeros([1 << 20], (Kind::Float, Device::Cuda(0)));
+            assert!(cuda_memory(0).unwrap().0.current >= before.current + 4 << 20);
+            drop(x);
+            reset_cuda_memory_peak(0).unwrap();
+        } else {
+            assert!(cuda_memory(0).is_err());
         }
     }
 }

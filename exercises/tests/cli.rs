@@ -98,19 +98,32 @@ fn resume_through_the_flags_matches_a_straight_run() {
 }
 
 #[test]
-fn profile_prints_the_phases_and_writes_a_chrome_trace() {
+fn profile_prints_the_phases_and_the_operators_and_writes_both_traces() {
     let d = tempfile::tempdir().unwrap();
     generated_cifar(d.path(), 40);
     let results = tempfile::tempdir().unwrap();
     let out = exercise1(&[
         "--device", "cpu", "--data-dir", d.path().to_str().unwrap(), "--batch-size", "10", "--max-steps", "3",
-        "--quiet", "--profile", "--peak-tflops", "1", "--results-dir", results.path().to_str().unwrap(),
+        "--quiet", "--profile-steps", "2..3", "--clip", "1", "--peak-tflops", "1", "--results-dir", results.path().to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).lines().all(|l| l.starts_with("WARNING: cifar10")), "nothing on stderr but our own lines: {}", stderr(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    for phase in ["| data wait |", "| forward |", "| backward |", "| all-reduce |", "| optimizer |", "| evaluation |"] {
+    // One process clips the gradients between backward and optimizer: the phase says so.
+    for phase in ["| data wait |", "| forward |", "| backward |", "| clip |", "| optimizer |", "| evaluation |"] {
         assert!(stdout.contains(phase), "no {phase} row: {stdout}");
     }
+    assert!(!stdout.contains("all-reduce |"), "no replicas, no all-reduce: {stdout}");
+    // LibTorch's profiler over steps 2 and 3: the course CNN's convolutions by self CPU time.
+    assert!(stdout.contains("LibTorch's profiler, steps 2..3 (2 recorded), operators and kernels by self CPU time"), "{stdout}");
+    assert!(stdout.contains("| aten::mkldnn_convolution | 4 |") || stdout.contains("| aten::convolution | 4 |"), "two convolutions a step: {stdout}");
+    let torch_trace: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(results.path().join("exercise1-cnn-cpu.torch-trace.json")).unwrap()).unwrap();
+    let torch_events = torch_trace["traceEvents"].as_array().unwrap();
+    let named = |name: &str| torch_events.iter().filter(|e| e["name"] == name && e["ph"] == "X").count();
+    assert_eq!((named("aten::convolution"), named("ProfilerStep#2"), named("ProfilerStep#3"), named("ProfilerStep#1")), (4, 1, 1, 0));
+    let tables = std::fs::read_to_string(results.path().join("exercise1-cnn-cpu.profile.md")).unwrap();
+    assert!(tables.contains("| clip |") && tables.contains("aten::convolution"), "{tables}");
     assert!(stdout.contains("compute: ") && stdout.contains("MFU "), "{stdout}");
     let trace: serde_json::Value =
         serde_json::from_slice(&std::fs::read(results.path().join("exercise1-cnn-cpu.trace.json")).unwrap()).unwrap();

@@ -110,6 +110,9 @@ impl Pipeline {
         let schedule = self.options.schedule;
         let threads = self.options.threads_per_stage;
         let clock = Instant::now();
+        // `--profile`: the stages' threads record into LibTorch's profiler as this one does.
+        let profiler = crate::torch_ext::ProfilerThreadState::current();
+        let profiler = &profiler;
         let results: Vec<Result<StageOutcome>> = std::thread::scope(|scope| {
             let handles: Vec<_> = held
                 .into_iter()
@@ -118,6 +121,7 @@ impl Pipeline {
                 .enumerate()
                 .map(|(device, ((stages, batches), (mut prev, mut next)))| {
                     scope.spawn(move || {
+                        let _recorded = profiler.as_ref().map(|p| p.join());
                         let stages: Vec<&Stage> = stages.into_iter().map(|s| &*s).collect();
                         if let Some(n) = threads {
                             tch::set_num_threads(n as i32);

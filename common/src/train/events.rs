@@ -25,6 +25,8 @@ pub enum Event<'a> {
     Started { run: &'a str, epochs: usize, steps_per_epoch: usize, start_epoch: usize, start_step: usize },
     /// Epoch `epoch` (0-based) starts at learning rate `lr`.
     EpochStarted { epoch: usize, lr: f64 },
+    /// Optimizer step `step` (counted from 1 over the run) starts: its batches are at hand.
+    StepStarting { step: usize },
     /// An optimizer step finished.
     Step(&'a StepEvent<'a>),
     /// Epoch `stats.epoch` ended (`completed`: all its batches ran; false when `--max-steps`
@@ -159,6 +161,7 @@ impl Observer for EventLog {
                 Record::Started { run: run.to_string(), epochs: *epochs, steps_per_epoch: *steps_per_epoch, start_epoch: *start_epoch }
             }
             Event::EpochStarted { epoch, lr } => Record::EpochStarted { epoch: *epoch, lr: *lr },
+            Event::StepStarting { .. } => return Ok(Control::Continue),
             Event::Step(step) => Record::Step {
                 epoch: step.epoch,
                 step: step.step,

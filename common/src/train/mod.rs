@@ -132,7 +132,8 @@ pub struct Timings {
     /// Waiting for the loader's next batch.
     pub data_wait_s: f64,
     pub forward_backward_s: f64,
-    /// Averaging gradients over data-parallel replicas (and the rest of finishing them).
+    /// Finishing the gradients: averaging them over data-parallel replicas, unscaling and
+    /// clipping them ([`GRADIENT_PHASES`]).
     pub allreduce_s: f64,
     /// The optimizer step.
     pub optimizer_s: f64,
@@ -254,7 +255,7 @@ impl EpochSums {
         let seconds = |name: &str| events::phase_seconds(phases, name);
         report.timings.data_wait_s += seconds("data wait");
         report.timings.forward_backward_s += seconds("forward") + seconds("backward") + seconds("forward+backward");
-        report.timings.allreduce_s += seconds("all-reduce");
+        report.timings.allreduce_s += GRADIENT_PHASES.iter().map(|name| seconds(name)).sum::<f64>();
         report.timings.optimizer_s += seconds("optimizer");
         report.steps += 1;
         self.data_wait_s += seconds("data wait");
@@ -389,6 +390,7 @@ pub fn fit(
                 break true;
             }
             let fetched = Instant::now();
+            observers.emit(&Event::StepStarting { step: global_step + 1 })?;
             let lr = config.lr_schedule.lr(base_lr, global_step, epoch);
             optimizer.set_lr(lr);
             let (out, mut phases) = match graphed.as_mut() {
@@ -463,6 +465,7 @@ fn optimizer_step(
         out.absorb(step.forward_backward(batch, weight, &ctx)?);
     }
     let finishing = Instant::now();
+    let finish_name = gradient_phase(step.parallel().replicas.map(|r| r.sync), scaler.is_some(), config.clip_grad_norm.is_some());
     step.finish_gradients(optimizer, scaler.as_deref(), config.clip_grad_norm)?;
     let stepping = Instant::now();
     match scaler.as_mut() {
@@ -475,9 +478,41 @@ fn optimizer_step(
     }
     synchronize(device);
     let mut phases = std::mem::take(&mut out.phases);
-    phases.push(("all-reduce", finishing, stepping));
+    phases.push((finish_name, finishing, stepping));
     phases.push(("optimizer", stepping, Instant::now()));
     Ok((out, phases))
+}
+
+/// The names of the phase between the backward pass and the optimizer's update, by what it does
+/// ([`gradient_phase`]).
+pub const GRADIENT_PHASES: [&str; 12] = [
+    "gradients",
+    "clip",
+    "unscale",
+    "unscale + clip",
+    "all-reduce",
+    "all-reduce + clip",
+    "all-reduce + unscale",
+    "all-reduce + unscale + clip",
+    "reduce-scatter",
+    "reduce-scatter + clip",
+    "reduce-scatter + unscale",
+    "reduce-scatter + unscale + clip",
+];
+
+/// What finishing the gradients does on this rank: average them over the replicas (an
+/// all-reduce; a reduce-scatter under ZeRO; under Horovod inside the optimizer's step unless
+/// clipping needs them first), unscale them (float16's scaler), clip their norm; "gradients"
+/// when there is nothing to do.
+fn gradient_phase(sync: Option<crate::dist::GradientSync>, unscale: bool, clip: bool) -> &'static str {
+    use crate::dist::GradientSync;
+    let collective = match sync {
+        None => 0,
+        Some(GradientSync::Horovod) if !clip => 0,
+        Some(GradientSync::Ddp | GradientSync::Horovod) => 1,
+        Some(GradientSync::Zero(_)) => 2,
+    };
+    GRADIENT_PHASES[4 * collective + 2 * unscale as usize + clip as usize]
 }
 
 /// What a checkpoint after `epoch` epochs and `step` steps records besides its tensors.

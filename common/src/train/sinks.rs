@@ -4,11 +4,12 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::events::{phase_seconds, Control, Event, Observer};
 use super::Metric;
+use crate::profile::libtorch::{Recorded, TorchProfiler};
 use crate::profile::Profiler;
 use crate::tensorboard::SummaryWriter;
 
@@ -169,21 +170,65 @@ impl Observer for TensorBoardLog {
 }
 
 /// `--profile`: each step's phases and each evaluation into a [`Profiler`]; a pipeline's
-/// passes per stage into the trace, one row per stage. At the end, rank 0 prints the phase
-/// table, and every rank writes its Chrome trace to `trace`.
+/// passes per stage into the trace, one row per stage; LibTorch's profiler over its window of
+/// steps. At the end, rank 0 prints the phase table and the operator table, and every rank
+/// writes its traces and `<run>.profile.md` (both tables) beside them.
 pub struct ProfileSink {
     profiler: Profiler,
     trace: PathBuf,
+    torch: TorchProfiler,
+    /// What LibTorch's profiler recorded, once its window closed.
+    recorded: Option<Recorded>,
     print: bool,
     header: RunHeader,
     /// The steps are a pipeline's: the trace holds the stages' passes only.
     pipelined: bool,
 }
 
+/// Operators and kernels the profile shows (torch's `row_limit`).
+const OPERATOR_ROWS: usize = 20;
+
 impl ProfileSink {
-    /// `rank` names the trace's process row; `print`: whether this rank prints the table.
-    pub fn new(trace: PathBuf, rank: usize, print: bool) -> ProfileSink {
-        ProfileSink { profiler: Profiler::new(true, rank), trace, print, header: RunHeader::default(), pipelined: false }
+    /// `trace`: the phases' Chrome trace; `torch`: LibTorch's profiler and its window; `rank`
+    /// names the trace's process row; `print`: whether this rank prints the tables.
+    pub fn new(trace: PathBuf, torch: TorchProfiler, rank: usize, print: bool) -> ProfileSink {
+        ProfileSink { profiler: Profiler::new(true, rank), trace, torch, recorded: None, print, header: RunHeader::default(), pipelined: false }
+    }
+
+    /// The tables and the files written, at the run's end.
+    fn finish(&mut self, steps: usize) -> Result<()> {
+        let phases = self.profiler.table(steps);
+        self.profiler.write_chrome_trace(&self.trace)?;
+        if let Some(recorded) = self.torch.finish()? {
+            self.recorded = Some(recorded);
+        }
+        let window = self.torch.window();
+        let operators = match &self.recorded {
+            Some(recorded) => format!(
+                "LibTorch's profiler, steps {}..{} ({} recorded), operators and kernels by self {} time:\n\n{}",
+                window.first,
+                window.last.min(window.first + recorded.steps.max(1) - 1),
+                recorded.steps,
+                if recorded.table.device { "CUDA" } else { "CPU" },
+                recorded.table.markdown(OPERATOR_ROWS)
+            ),
+            None => format!(
+                "LibTorch's profiler recorded nothing: the run ended before step {} (--profile-steps {}..{})\n",
+                window.first, window.first, window.last
+            ),
+        };
+        let markdown = self.trace.with_file_name(self.trace.file_name().and_then(|n| n.to_str()).unwrap_or("profile").replace(".trace.json", ".profile.md"));
+        std::fs::write(&markdown, format!("# {}\n\nPhases (the device waited for at every phase boundary):\n\n{phases}\n{operators}", self.header.run))
+            .with_context(|| format!("cannot write {}", markdown.display()))?;
+        if self.print {
+            println!("--profile: {} (device waited for at every phase boundary)\n{phases}", self.header.run);
+            println!("{operators}");
+            println!("wrote the Chrome trace {} (open in chrome://tracing or ui.perfetto.dev)", self.trace.display());
+            if let Some(recorded) = &self.recorded {
+                println!("wrote LibTorch's trace {} and the tables {}", recorded.trace.display(), markdown.display());
+            }
+        }
+        Ok(())
     }
 }
 
@@ -191,7 +236,11 @@ impl Observer for ProfileSink {
     fn on_event(&mut self, event: &Event) -> Result<Control> {
         self.header.update(event);
         match event {
+            Event::StepStarting { step } => self.torch.step_starts(*step)?,
             Event::Step(step) => {
+                if let Some(recorded) = self.torch.step_ended(step.step)? {
+                    self.recorded = Some(recorded);
+                }
                 let index = step.step - 1;
                 if step.stage_traces.is_empty() {
                     for &(phase, start, end) in step.phases {
@@ -221,19 +270,7 @@ impl Observer for ProfileSink {
                     (None, _) => {}
                 }
             }
-            Event::Finished(report) => {
-                if self.print {
-                    println!(
-                        "--profile: {} (device waited for at every phase boundary)\n{}",
-                        self.header.run,
-                        self.profiler.table(report.steps)
-                    );
-                }
-                self.profiler.write_chrome_trace(&self.trace)?;
-                if self.print {
-                    println!("wrote the Chrome trace {} (open in chrome://tracing or ui.perfetto.dev)", self.trace.display());
-                }
-            }
+            Event::Finished(report) => self.finish(report.steps)?,
             _ => {}
         }
         Ok(Control::Continue)

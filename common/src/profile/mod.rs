@@ -1,9 +1,15 @@
-//! `--profile`: where the step time goes. The training loop records each phase of each step
-//! (data wait, forward, backward, all-reduce, optimizer) and each evaluation as intervals, from
-//! its own timers, waiting for the device at every phase boundary so that the intervals are the
-//! device's work (which costs some throughput: profile separately from timing runs). The result
-//! is a table and a Chrome trace (`chrome://tracing`, <https://ui.perfetto.dev>): tch does not
-//! expose LibTorch's profiler, so the trace has our phases, not LibTorch's kernels.
+//! `--profile`: where the step time goes, seen twice.
+//!
+//! - The phases ([`Profiler`], this module): the training loop records each phase of each step
+//!   (data wait, forward, backward, gradients, optimizer) and each evaluation as intervals, from
+//!   its own timers, waiting for the device at every phase boundary so that the intervals are
+//!   the device's work (which costs some throughput: profile separately from timing runs). The
+//!   result is a table and a Chrome trace (`chrome://tracing`, <https://ui.perfetto.dev>).
+//! - The operators and kernels ([`libtorch`], [`operators`]): LibTorch's own profiler over a
+//!   window of steps, its trace, and the table `torch.profiler` prints.
+pub mod libtorch;
+pub mod operators;
+
 use std::path::Path;
 use std::time::Instant;
 
@@ -42,7 +48,9 @@ pub struct Profiler {
 }
 
 /// The phases in the order the table lists them.
-pub const PHASES: [&str; 6] = ["data wait", "forward", "backward", "all-reduce", "optimizer", "evaluation"];
+/// (The phase between backward and optimizer is named for what it does: see
+/// [`crate::train::GRADIENT_PHASES`]; it follows the backward pass in the table.)
+pub const PHASES: [&str; 5] = ["data wait", "forward", "backward", "optimizer", "evaluation"];
 
 impl Profiler {
     pub fn new(enabled: bool, rank: usize) -> Profiler {
@@ -82,17 +90,22 @@ impl Profiler {
         }
     }
 
-    /// Seconds spent in each phase, in [`PHASES`] order, then any other phase recorded (a
-    /// pipeline's `forward+backward`).
+    /// Seconds spent in each phase: those of [`PHASES`] and any other recorded (a pipeline's
+    /// `forward+backward`, the gradients' phase), in the order a step runs them.
     pub fn totals(&self) -> Vec<(&'static str, f64)> {
+        // (An empty f64 sum is −0.0; adding 0.0 keeps "-0.000" out of the table.)
         let total = |phase: &str| -> f64 {
             self.events.iter().filter(|e| e.name == phase).map(|e| e.dur / 1e6).sum::<f64>()
                 + self.table_only.iter().filter(|(p, _)| *p == phase).map(|(_, s)| s).sum::<f64>()
+                + 0.0
         };
         let mut phases: Vec<&'static str> = PHASES.to_vec();
-        for (phase, _) in &self.table_only {
-            if !phases.contains(phase) {
-                phases.push(phase);
+        let recorded = self.events.iter().filter_map(|e| crate::train::GRADIENT_PHASES.iter().chain(&["forward+backward"]).find(|p| **p == e.name));
+        for phase in recorded.copied().chain(self.table_only.iter().map(|(p, _)| *p)) {
+            if !phases.contains(&phase) {
+                // Where a step runs it: after the passes, before the update.
+                let at = phases.iter().position(|p| *p == "optimizer").unwrap_or(phases.len());
+                phases.insert(at, phase);
             }
         }
         phases.into_iter().map(|phase| (phase, total(phase))).collect()
@@ -139,6 +152,7 @@ mod tests {
         let totals: std::collections::HashMap<_, _> = profiler.totals().into_iter().collect();
         assert!((totals["forward"] - 0.06).abs() < 1e-9 && (totals["backward"] - 0.12).abs() < 1e-9);
         assert_eq!(totals["data wait"], 0.0);
+        assert!(totals["data wait"].is_sign_positive(), "no -0.000 in the table");
         let table = profiler.table(2);
         assert!(table.contains("| forward | 0.060 | 21.4% | 30.00 |"), "{table}");
         assert!(table.contains("| evaluation | 0.100 | 35.7% | - |"), "{table}");

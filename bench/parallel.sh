@@ -10,7 +10,9 @@
 #   tp2xdp2  2 replicas of a model cut over 2 ranks; pp2xtp2: 2 stages of 2 shards
 # and for each: time per step (steady state, after 2 warm-up steps), what rank 0 hands to the
 # collectives per step (bytes of its tensors, by kind), rank 0's model state (parameters,
-# gradients, optimizer) measured from its tensors and ZeRO's formula for it. Rows go to
+# gradients, optimizer) measured from its tensors and ZeRO's formula for it, and the peak
+# memory of training on the rank that held the most (bytes held by tensors at the peak over
+# those held before) beside what --estimate-memory predicted for that rank. Rows go to
 # results/bench-parallel.csv; a table is printed. Not a test: the ranks share this machine's
 # cores, so the times compare the configurations here, not a cluster's.
 #
@@ -34,30 +36,44 @@ model=(--emsize 256 --d-hid 1024 --nhead 8 --nlayers 4 --dropout 0 --bptt 35)
 common=(--device cpu --threads "$THREADS" --quiet --data-dir "$work/data" --optimizer adam --lr 1e-4 --epochs 1
         --max-steps "$STEPS" --steady-after 2 --eval-batch-size 16 "${model[@]}")
 
-[[ -f "$csv" ]] || echo "finished_at,layout,ranks,dp,pp,tp,zero,global_batch,params,step_ms,all_reduce_bytes,reduce_scatter_bytes,all_gather_bytes,send_bytes,model_state_bytes,formula_bytes,formula" > "$csv"
-echo "Transformer d 256, 4 layers, $NPROC ranks, global batch $GLOBAL × 35 tokens, Adam; per step and per rank (rank 0):"
-echo "| layout | step (ms) | all-reduce MiB | reduce-scatter MiB | all-gather MiB | send MiB | model state MiB | formula |"
-echo "|---|---:|---:|---:|---:|---:|---:|---|"
+header="finished_at,layout,ranks,dp,pp,tp,zero,global_batch,params,step_ms,all_reduce_bytes,reduce_scatter_bytes,all_gather_bytes,send_bytes,model_state_bytes,formula_bytes,formula,peak_rank,peak_training_bytes,estimated_bytes"
+if [[ -f "$csv" && "$(head -n 1 "$csv")" != "$header" ]]; then
+    mv "$csv" "$csv.$(date +%s).old"; echo "note: $csv had other columns; moved it aside" >&2
+fi
+[[ -f "$csv" ]] || echo "$header" > "$csv"
+echo "Transformer d 256, 4 layers, $NPROC ranks, global batch $GLOBAL × 35 tokens, Adam; per step and per rank (rank 0; peak: the rank that held most):"
+echo "| layout | step (ms) | all-reduce MiB | reduce-scatter MiB | all-gather MiB | send MiB | model state MiB | formula | peak MiB (rank) | estimated MiB |"
+echo "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"
 # run NAME COMMAND...: one configuration (the common flags appended), its row and table line.
 run() {
     local name="$1"; shift
-    rm -rf "$work/results"
+    rm -rf "$work/results" "$work/estimate"
+    "$@" "${common[@]}" --nproc-per-node "$NPROC" --results-dir "$work/estimate" --estimate-memory > "$work/log" 2>&1 \
+        || { echo "error: $name --estimate-memory failed:" >&2; tail -n 20 "$work/log" >&2; exit 1; }
     "$@" "${common[@]}" --nproc-per-node "$NPROC" --results-dir "$work/results" > "$work/log" 2>&1 \
         || { echo "error: $name failed:" >&2; tail -n 20 "$work/log" >&2; exit 1; }
-    python3 - "$work/results"/*.json "$csv" "$name" <<'PY'
+    python3 - "$work/results"/*-cpu.json "$csv" "$name" "$work/estimate"/*.memory-estimate.json <<'PY'
 import json, sys, time
 d = json.load(open(sys.argv[1]))
 csv, name = sys.argv[2], sys.argv[3]
+estimate = json.load(open(sys.argv[4]))["ranks"]
+# The rank that held most in training, and the estimate's row for it (a row per stage, or one).
+peak = max(d["peak_memory"], key=lambda p: p["training_peak_bytes"] - p["baseline_bytes"])
+held = peak["training_peak_bytes"] - peak["baseline_bytes"]
+stage = (peak["rank"] // d["layout"]["tp"]) % d["layout"]["pp"]
+estimated = estimate[min(stage, len(estimate) - 1)]["total"]
 layout, comm, mem = d["layout"], d["communication_per_step"] or {}, d["model_state_memory"]
 tokens = d["global_batch"] * d["bptt"]
 step_ms = 1e3 * tokens / d["steady_throughput"] if d.get("steady_throughput") else float("nan")
 b = lambda kind: comm.get(kind, {}).get("bytes", 0)
 mib = lambda x: x / 2**20
 row = [int(time.time()), name, d["world_size"], layout["dp"], layout["pp"], layout["tp"], d["zero"], d["global_batch"], d["params"],
-       round(step_ms, 1), b("all_reduce"), b("reduce_scatter"), b("all_gather"), b("send"), mem["total_bytes"], int(mem["formula_bytes"]), mem["formula"]]
+       round(step_ms, 1), b("all_reduce"), b("reduce_scatter"), b("all_gather"), b("send"), mem["total_bytes"], int(mem["formula_bytes"]), mem["formula"],
+       peak["rank"], held, int(estimated)]
 open(csv, "a").write(",".join(map(str, row)) + "\n")
 print(f"| {name} | {step_ms:.0f} | {mib(b('all_reduce')):.2f} | {mib(b('reduce_scatter')):.2f} | {mib(b('all_gather')):.2f} | "
-      f"{mib(b('send')):.2f} | {mib(mem['total_bytes']):.2f} | {mem['formula']} = {mib(mem['formula_bytes']):.2f} |")
+      f"{mib(b('send')):.2f} | {mib(mem['total_bytes']):.2f} | {mem['formula']} = {mib(mem['formula_bytes']):.2f} | "
+      f"{mib(held):.1f} ({peak['rank']}) | {mib(estimated):.1f} |")
 PY
 }
 per_rank=$((GLOBAL / NPROC))

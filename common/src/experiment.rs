@@ -3,7 +3,7 @@
 //! optimizer, train ([`crate::train::fit`]), test, and report. An exercise is an
 //! [`Experiment`] (its data, model and results) plus a [`Preset`]; the image exercises are
 //! [`crate::image_classification`], the language models [`crate::language_model`].
-use anyhow::Result;
+use anyhow::{Context, Result};
 use serde::Serialize;
 use tch::Device;
 
@@ -13,6 +13,8 @@ use crate::dist::zero::ZeroStage;
 use crate::dist::{launch, Backend, CommStats, LaunchEnv, ProcessGroup};
 use crate::error::usage;
 use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
+use crate::memory::estimate::RankEstimate;
+use crate::memory::{self, MemoryMeter, ModelState, PeakMemory};
 use crate::parallelize::{parallelize, DataParallelPlan, ModelPlan};
 use crate::presets::Preset;
 use crate::profile::libtorch::TorchProfiler;
@@ -78,10 +80,14 @@ pub trait Experiment {
     /// This replica's batches (`shard` = (replica, replicas)) on `device`.
     fn sources(&self, data: &Self::Data, device: Device, shard: (usize, usize)) -> Result<Sources>;
     fn data_generated(&self, data: &Self::Data) -> bool;
-    /// Devices whose peak counts for the MFU of one process (a pipeline's stages in one process).
-    fn devices_per_process(&self, _plan: &ModelPlan) -> usize {
-        1
+    /// The devices this process trains on (a pipeline's stages in one process: theirs): their
+    /// peaks count for its MFU, their memory is measured.
+    fn devices(&self, _plan: &ModelPlan, device: Device) -> Vec<Device> {
+        vec![device]
     }
+    /// What each kind of rank of a job of `world` ranks will hold (`--estimate-memory`), the
+    /// device kind `cuda` (its kernels save differently); `observers` hear what was read.
+    fn memory_estimate(&self, world: usize, cuda: bool, observers: &mut Observers) -> Result<Vec<RankEstimate>>;
     /// Lines to print and fields to add to the results after the test evaluation (rank 0).
     fn report(&self, data: &Self::Data, plan: &ModelPlan, fit: &FitReport, test: &EvalSums, device: Device) -> (Vec<String>, serde_json::Value);
 }
@@ -93,11 +99,16 @@ pub trait Experiment {
 /// sinks the flags ask for. Returns rank 0's records.
 pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
     let (run, parallel) = (exp.run_args(), exp.parallel_args());
+    // Before the data are read: the data set counts in the peak memory's baseline.
+    memory::count_cpu_tensors()?;
     run.check()?;
     run.matmul_precision.apply()?;
     exp.recipe_args().check()?;
     parallel.check()?;
     exp.check()?;
+    if run.estimate_memory {
+        return estimate_memory(exp, listeners).map(|()| Vec::new());
+    }
     if launch::start_ranks_if_asked(parallel.nproc_per_node)? {
         return Ok(Vec::new());
     }
@@ -129,6 +140,32 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
         }
         Ok(record.into_iter().collect())
     })
+}
+
+/// `--estimate-memory`: the job's ranks from `--nproc-per-node` or the launcher, the estimate
+/// printed and written to `<results>/<exercise>-<model>-<device>.memory-estimate.json`.
+fn estimate_memory<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<()> {
+    let run = exp.run_args();
+    let world = match exp.parallel_args().nproc_per_node {
+        Some(n) => n,
+        None => LaunchEnv::detect()?.world_size,
+    };
+    let cuda = run.device != DeviceChoice::Cpu;
+    let mut session = session_observers(exp, true, listeners);
+    let rows = exp.memory_estimate(world, cuda, &mut session)?;
+    let device = if cuda { "cuda" } else { "cpu" };
+    let name = format!("{}-{}-{device}", exp.preset().name, exp.model_name());
+    session.info(format!(
+        "--estimate-memory: {name}, {world} rank(s), precision {}, per rank in MiB (nothing trained; {}):\n\n{}",
+        run.precision.name(),
+        if cuda { "CUDA's kernels, as counted from what they save (not measured on a GPU)" } else { "the CPU's kernels, as measured" },
+        crate::memory::estimate::table(&rows)
+    ))?;
+    std::fs::create_dir_all(&run.results_dir).with_context(|| format!("cannot create results directory {}", run.results_dir.display()))?;
+    let path = run.results_dir.join(format!("{name}.memory-estimate.json"));
+    let json = serde_json::json!({ "run": name, "world_size": world, "device": device, "precision": run.precision.name(), "flags": exp.flags_json(), "ranks": rows });
+    std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n").with_context(|| format!("cannot write {}", path.display()))?;
+    session.info(format!("wrote {}", path.display()))
 }
 
 /// The course's CPU-vs-GPU comparison: one process, one run per device, then the table.
@@ -272,10 +309,12 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     }
     let sync = zero.map_or(preset.sync, crate::dist::GradientSync::Zero);
     let dp = DataParallelPlan { averager: exp.parallel_args().averager(), sync };
-    let mut step = parallelize(&plan, groups, dp, device, run.seed)?;
-    exp.describe(&plan, step.as_ref(), groups, device, session)?;
     let replicas = groups.layout.dp;
     let sources = exp.sources(data, device, (groups.coords.replica, replicas))?;
+    // Peak memory from here, the data in place: the model's state, activations and temporaries.
+    let meter = std::cell::RefCell::new(MemoryMeter::start(&exp.devices(&plan, device))?);
+    let mut step = parallelize(&plan, groups, dp, device, run.seed)?;
+    exp.describe(&plan, step.as_ref(), groups, device, session)?;
     let recipe = Recipe::resolve(preset, exp.recipe_args(), replicas, sources.train.batches_per_epoch(), run.epochs.unwrap_or(preset.epochs));
     let build = |named| recipe.optimizer.build(named, recipe.lr, recipe.momentum, recipe.weight_decay);
     let mut optimizer = match step.parallel().replicas {
@@ -327,6 +366,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     }
     let per_step = std::rc::Rc::new(std::cell::Cell::new(None));
     observers.add(StepTraffic { groups, first: None, done: false, per_step: per_step.clone() });
+    observers.add(MemoryMeter::observer(&meter));
     let before = groups.comm_stats();
     let fit = train::fit(step.as_mut(), optimizer.as_mut(), sources.train.as_ref(), sources.eval.as_ref(), &config, &mut observers)?;
     let communication = groups.comm_stats().since(before);
@@ -338,7 +378,8 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         train::check_replicas_agree(&step.named_variables(), group)?;
         step.release(false)?;
     }
-    let memory = ModelStateMemory::measure(&step.named_parameters(), optimizer.as_ref(), replicas, zero);
+    let memory = ModelState::measure(&step.named_parameters(), optimizer.as_ref(), replicas, zero);
+    let peaks = memory::gather(&meter.borrow().peaks(groups.world.rank())?, groups.world)?; // a collective: every rank
     let params = step_parameter_count(groups, step.as_ref())?; // a collective: every rank
     let mut fit = fit;
     let test = match &sources.test {
@@ -363,6 +404,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         }
     }
     session.info(memory.describe(device))?;
+    session.info(format!("peak memory in training: {}", peaks.iter().map(PeakMemory::describe).collect::<Vec<_>>().join("; ")))?;
     let peak = crate::flops::peak_tflops(device, run.precision, run.matmul_precision, run.peak_tflops);
     if let Some((peak, source)) = &peak {
         session.info(format!("[{}] peak {peak:.1} TFLOP/s per device ({source})", device::device_name(device)))?;
@@ -382,9 +424,10 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         world_size: groups.world.world_size(),
         precision: run.precision,
         flops_per_example: exp.flops_per_example(&plan),
-        peak_tflops: peak.map(|(p, _)| p * exp.devices_per_process(&plan) as f64),
+        peak_tflops: peak.map(|(p, _)| p * exp.devices(&plan, device).len() as f64),
     };
-    let record = RunRecord::new(info, &fit, (test.mean_loss(), test.accuracy()));
+    let mut record = RunRecord::new(info, &fit, (test.mean_loss(), test.accuracy()));
+    record.peak_memory_bytes = peaks.iter().map(PeakMemory::peak_bytes).max();
     let (lines, extra) = exp.report(data, &plan, &fit, &test, device);
     for line in lines {
         session.info(line)?;
@@ -409,6 +452,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         "communication_per_step": per_step,
         "zero": exp.parallel_args().zero,
         "model_state_memory": memory,
+        "peak_memory": peaks,
     });
     if replicas > 1 {
         let parallel = exp.parallel_args();
@@ -523,60 +567,5 @@ mod tests {
         assert!(format!("{err}").contains("--accumulate must be at least 1"));
         let one_cycle = RecipeArgs { scale_lr: true, warmup_epochs: 1, lr_schedule: Some(ScheduleKind::OneCycle), ..RecipeArgs::default() };
         assert!(format!("{}", one_cycle.check().unwrap_err()).contains("warms up by itself"));
-    }
-}
-
-/// What one rank holds for the model after training, measured (the bytes its tensors' storages
-/// hold), beside ZeRO's formula (Rajbhandari et al.: Ψ parameters, K bytes of optimizer state
-/// per parameter, N replicas). The paper counts 2-byte parameters and gradients and K = 12 for
-/// mixed-precision Adam (its float32 copy of the parameters, two moments); here parameters and
-/// gradients are float32, so 4 bytes each, Adam's K is 8, and ZeRO's float32 block (the rank's
-/// copy of its share, the paper's master weights) adds 4 bytes per sharded parameter:
-/// plain replicas (8 + K)Ψ, ZeRO-1 8Ψ + (4 + K)Ψ/N, ZeRO-2 4Ψ + (8 + K)Ψ/N, ZeRO-3
-/// (8 + K)Ψ/N, where the block is the parameters themselves.
-#[derive(Debug, Clone, Copy, Serialize)]
-struct ModelStateMemory {
-    params_bytes: usize,
-    grads_bytes: usize,
-    optimizer_bytes: usize,
-    total_bytes: usize,
-    formula_bytes: f64,
-    formula: &'static str,
-}
-
-impl ModelStateMemory {
-    fn measure(named: &[(String, tch::Tensor)], optimizer: &dyn crate::optim::Optimizer, replicas: usize, zero: Option<ZeroStage>) -> Self {
-        let held = crate::torch_ext::storage_nbytes;
-        let params_bytes: usize = named.iter().map(|(_, t)| held(t)).sum();
-        let grads_bytes: usize = named.iter().map(|(_, t)| t.grad()).filter(tch::Tensor::defined).map(|g| held(&g)).sum::<usize>() + optimizer.sharded_gradient_bytes();
-        let optimizer_bytes = optimizer.state_bytes();
-        let psi = named.iter().map(|(_, t)| t.numel()).sum::<usize>() as f64;
-        // K from what the optimizer keeps for an unsharded parameter (Adam 8, SGD momentum 4).
-        let k = match optimizer.name() {
-            "adam" | "lamb" => 8.0,
-            "sgd" | "lars" if optimizer_bytes > 0 => 4.0,
-            _ => 0.0,
-        };
-        let n = replicas as f64;
-        let (formula_bytes, formula) = match zero {
-            None => ((8.0 + k) * psi, "(8 + K)Ψ"),
-            Some(ZeroStage::OptimizerState) => (8.0 * psi + (4.0 + k) * psi / n, "ZeRO-1: 8Ψ + (4 + K)Ψ/N"),
-            Some(ZeroStage::Gradients) => (4.0 * psi + (8.0 + k) * psi / n, "ZeRO-2: 4Ψ + (8 + K)Ψ/N"),
-            Some(ZeroStage::Parameters) => ((8.0 + k) * psi / n, "ZeRO-3: (8 + K)Ψ/N"),
-        };
-        ModelStateMemory { params_bytes, grads_bytes, optimizer_bytes, total_bytes: params_bytes + grads_bytes + optimizer_bytes, formula_bytes, formula }
-    }
-    fn describe(&self, device: Device) -> String {
-        let mib = |b: f64| b / (1024.0 * 1024.0);
-        format!(
-            "[{}] model state per rank: {:.2} MiB (parameters {:.2} + gradients {:.2} + optimizer {:.2}); formula {} = {:.2} MiB",
-            device::device_name(device),
-            mib(self.total_bytes as f64),
-            mib(self.params_bytes as f64),
-            mib(self.grads_bytes as f64),
-            mib(self.optimizer_bytes as f64),
-            self.formula,
-            mib(self.formula_bytes)
-        )
     }
 }

@@ -62,6 +62,11 @@ pub struct RunArgs {
     /// implies --profile [default: the five steps after --steady-after].
     #[arg(long, value_name = "A..B")]
     pub profile_steps: Option<crate::profile::libtorch::StepWindow>,
+    /// Print what each rank will hold (parameters, gradients, optimizer state, activations, the
+    /// peak) for these flags and layout, and write it to --results-dir, without training
+    /// (--nproc-per-node or the launcher gives the ranks).
+    #[arg(long)]
+    pub estimate_memory: bool,
     /// Record the training step once in a CUDA graph and replay it for every batch (one launch
     /// instead of hundreds: for small, launch-bound steps). GPU, one process, adam or sgd,
     /// no --accumulate, no 16-mixed.

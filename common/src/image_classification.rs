@@ -11,6 +11,7 @@ use crate::data::{self, DatasetKind, ImageDataset, Loader, LoaderConfig, Split};
 use crate::device;
 use crate::dist::layout::Groups;
 use crate::error::usage;
+use crate::memory::estimate::RankEstimate;
 use crate::experiment::{self, Experiment, Sources};
 use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
 use crate::flops;
@@ -197,6 +198,42 @@ impl Experiment for ImageExperiment<'_> {
             observers.info(format!("loaded weights from {}", path.display()))?;
         }
         Ok(())
+    }
+
+    fn memory_estimate(&self, world: usize, cuda: bool, observers: &mut Observers) -> Result<Vec<RankEstimate>> {
+        let layout = self.layout(world)?;
+        let spec = self.model_spec();
+        let recipe = experiment::Recipe::resolve(self.preset, &self.args.recipe, layout.dp, 1, 1);
+        let (params, largest, per_image) = crate::memory::estimate::probe_image_activations(&spec, self.args.run.precision)?;
+        observers.info(format!(
+            "{} with a {}-way head on {}×{}×{} images: {} parameters; batch {} per replica, {}; activations measured on the CPU: {:.2} MiB per image",
+            self.arch().name(),
+            spec.num_classes,
+            spec.in_channels,
+            spec.image_size,
+            spec.image_size,
+            report::group_thousands(params as i64),
+            recipe.batch_size,
+            layout.describe(),
+            per_image / crate::memory::MIB
+        ))?;
+        let [channels, size, _] = self.args.dataset.image_shape();
+        // The loader's batches: on the CPU every worker's prefetched ones and the one training;
+        // on a GPU (the rest wait in host memory) the one training and the next one copied.
+        let loader = LoaderConfig::train(recipe.batch_size, 0, Device::Cpu);
+        let batches_held = if cuda { 2 } else { self.args.workers * (loader.prefetch + 1) + 1 };
+        let job = crate::memory::estimate::ImageJob {
+            params,
+            largest_parameter: largest,
+            bytes_per_image: per_image,
+            batch: recipe.batch_size,
+            dp: layout.dp,
+            zero: self.args.parallel.zero_stage(),
+            optimizer_k: crate::memory::optimizer_bytes_per_parameter(recipe.optimizer, recipe.momentum),
+            input_batch_bytes: (recipe.batch_size * (4 * channels * size * size + 8)) as f64,
+            batches_held,
+        };
+        Ok(vec![job.estimate()])
     }
 
     fn model_identity(&self, _plan: &ModelPlan) -> serde_json::Value {

@@ -17,6 +17,7 @@ use crate::flops;
 use crate::models::TransformerConfig;
 use crate::optim::OptimizerKind;
 use crate::parallelize::{ModelPlan, PipelinePlan};
+use crate::memory::estimate::{RankEstimate, TransformerJob};
 use crate::pipeline::{self, LayerCosts, Partition, PipelineOptions, Placement, Schedule, Stage};
 use crate::presets::{ModelParallelism, ModelPreset, Preset, TransformerShape};
 use crate::report::{self, RunRecord};
@@ -502,11 +503,72 @@ impl Experiment for LmExperiment<'_> {
         data.corpus.generated
     }
 
-    fn devices_per_process(&self, plan: &ModelPlan) -> usize {
+    fn devices(&self, plan: &ModelPlan, device: Device) -> Vec<Device> {
         match plan {
-            ModelPlan::Transformer { pipeline: Some(p), .. } if !p.devices.is_empty() => p.devices.iter().collect::<std::collections::HashSet<_>>().len(),
-            _ => 1,
+            ModelPlan::Transformer { pipeline: Some(p), .. } if !p.devices.is_empty() => {
+                let mut devices: Vec<Device> = Vec::new();
+                for d in &p.devices {
+                    if !devices.contains(d) {
+                        devices.push(*d);
+                    }
+                }
+                devices
+            }
+            _ => vec![device],
         }
+    }
+
+    fn memory_estimate(&self, world: usize, cuda: bool, observers: &mut Observers) -> Result<Vec<RankEstimate>> {
+        let data = self.load(observers, true)?;
+        let vocab = data.corpus.vocab.len() as i64;
+        let multiple = self.args.pad_vocab.unwrap_or(1);
+        let config = self.config((vocab + multiple - 1) / multiple * multiple);
+        let layout = self.layout(world)?;
+        config.validate_shards(layout.tp)?;
+        let recipe = experiment::Recipe::resolve(self.preset, &self.args.recipe, layout.dp, 1, 1);
+        let (mut placement, mut shared_device, mut schedule, mut chunks, mut recompute) = (Placement::one_stage_each(1), false, Schedule::GPipe, 1, false);
+        if let Some(pipeline) = self.pipeline {
+            let in_process = world == 1 && self.preset.parallelism == ModelParallelism::Pipeline;
+            let devices = if in_process { self.stage_devices(pipeline)? } else { Vec::new() };
+            placement = Placement { devices: if in_process { devices.len() } else { layout.pp }, virtual_stages: pipeline.virtual_stages()? };
+            shared_device = in_process && devices.windows(2).all(|w| w[0] == w[1]);
+            (schedule, chunks, recompute) = (pipeline.schedule, pipeline.chunks(self.preset), pipeline.checkpoint_activations);
+            placement.check(schedule, chunks)?;
+            placement.check_layers(config.nlayers)?;
+        }
+        let job = TransformerJob {
+            partition: Partition::even(config.nlayers, placement.stages())?,
+            config,
+            bptt: self.shape().bptt,
+            batch: recipe.batch_size as i64,
+            chunks,
+            accumulate: recipe.accumulate,
+            dp: layout.dp,
+            tp: layout.tp,
+            placement,
+            schedule,
+            checkpoint_activations: recompute,
+            stages_share_a_device: shared_device,
+            keyed_masks: self.pipeline.is_some(),
+            zero: self.args.parallel.zero_stage(),
+            optimizer_k: crate::memory::optimizer_bytes_per_parameter(recipe.optimizer, recipe.momentum),
+            precision: self.args.run.precision,
+            cuda,
+        };
+        observers.info(format!(
+            "Transformer LM: {} layers, d_model {}, d_hid {}, {} heads, vocabulary {}; {}; batch {} × {} tokens per replica in {} micro-batch(es); {}",
+            job.config.nlayers,
+            job.config.d_model,
+            job.config.d_hid,
+            job.config.nhead,
+            job.config.ntoken,
+            layout.describe(),
+            job.batch,
+            job.bptt,
+            job.chunks,
+            if placement.stages() > 1 { format!("{} schedule", schedule.name()) } else { "no pipeline".into() }
+        ))?;
+        Ok(job.estimate())
     }
 
     fn report(&self, data: &LmData, plan: &ModelPlan, fit: &FitReport, test: &EvalSums, device: Device) -> (Vec<String>, serde_json::Value) {

@@ -16,6 +16,7 @@ pub mod flops;
 pub mod flags;
 pub mod image_classification;
 pub mod language_model;
+pub mod memory;
 pub mod models;
 pub mod optim;
 pub mod parallelize;

@@ -49,6 +49,9 @@ pub struct RunRecord {
     pub forward_backward_s: f64,
     pub optimizer_s: f64,
     pub eval_s: f64,
+    /// The largest peak of bytes held by tensors on one rank's device during training
+    /// (`peak_memory` in the results JSON has every rank's).
+    pub peak_memory_bytes: Option<i64>,
     /// LibTorch intra-op threads.
     pub threads: usize,
     pub seed: u64,
@@ -111,6 +114,7 @@ impl RunRecord {
             forward_backward_s: fit.timings.forward_backward_s,
             optimizer_s: fit.timings.optimizer_s,
             eval_s: fit.timings.eval_s,
+            peak_memory_bytes: None,
             threads: tch::get_num_threads() as usize,
             seed: info.seed,
             torch_version: crate::torch_version().into(),
@@ -216,13 +220,14 @@ pub fn comparison_table(records: &[RunRecord], missing: Option<&str>) -> String 
         first.dataset,
         if first.data_generated { " (GENERATED stand-in data)" } else { "" }
     );
-    let _ = writeln!(out, "| device | steps | train time (s) | throughput ({unit}) | test acc | test loss |");
-    let _ = writeln!(out, "|--------|------:|---------------:|-----------------:|---------:|----------:|");
+    let _ = writeln!(out, "| device | steps | train time (s) | throughput ({unit}) | test acc | test loss | peak memory (MiB) |");
+    let _ = writeln!(out, "|--------|------:|---------------:|-----------------:|---------:|----------:|------------------:|");
     for r in records {
+        let memory = r.peak_memory_bytes.map_or_else(|| "-".to_string(), |b| format!("{:.1}", b as f64 / crate::memory::MIB));
         let _ = writeln!(
             out,
-            "| {:<6} | {:>5} | {:>14.1} | {:>16.1} | {:>8.4} | {:>9.4} |",
-            r.device, r.steps, r.train_time_s, r.throughput, r.test_acc, r.test_loss
+            "| {:<6} | {:>5} | {:>14.1} | {:>16.1} | {:>8.4} | {:>9.4} | {:>17} |",
+            r.device, r.steps, r.train_time_s, r.throughput, r.test_acc, r.test_loss, memory
         );
     }
     if let Some(reason) = missing {
@@ -324,6 +329,7 @@ mod tests {
             forward_backward_s: 0.0,
             optimizer_s: 0.0,
             eval_s: 0.0,
+            peak_memory_bytes: Some(300 << 20),
             threads: 2,
             seed: 1,
             torch_version: "2.11.0".into(),
@@ -344,6 +350,7 @@ mod tests {
         let both = comparison_table(&[record("cpu", 100.0), record("cuda", 400.0)], None);
         assert!(both.contains("GPU speed-up: 4.0×"), "{both}");
         assert!(both.contains("191,935 parameters"));
+        assert!(both.contains("| 300.0 |"), "peak memory in MiB: {both}");
         let cpu_only = comparison_table(&[record("cpu", 100.0)], Some("no CUDA device"));
         assert!(cpu_only.contains("GPU column missing: no CUDA device"), "{cpu_only}");
         assert!(!cpu_only.contains("speed-up"));

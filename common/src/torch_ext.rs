@@ -656,7 +656,7 @@ mod tests {
         if tch::Cuda::is_available() {
             let before = cuda_memory(0).unwrap().0;
             let x = Tensor::zeros([1 << 20], (Kind::Float, Device::Cuda(0)));
-            assert!(cuda_memory(0).unwrap().0.current >= before.current + 4 << 20);
+            assert!(cuda_memory(0).unwrap().0.current >= before.current + (4 << 20));
             drop(x);
             reset_cuda_memory_peak(0).unwrap();
         } else {

@@ -1,0 +1,109 @@
+//! Memory as a user sees it: every run reports its peak per rank, and `--estimate-memory`
+//! predicts it before launch, within 20% of what training then measures (the Transformer on the
+//! CPU, whole in one process and as a 2-stage pipeline over 2 MPI ranks).
+mod support;
+
+use std::path::Path;
+use std::process::{Command, Output};
+use support::{read_json, stderr, wikitext_sample};
+
+fn run(binary: &str, args: &[&str]) -> Output {
+    let path = match binary {
+        "exercise1_nlp" => env!("CARGO_BIN_EXE_exercise1_nlp"),
+        "exercise3" => env!("CARGO_BIN_EXE_exercise3"),
+        _ => env!("CARGO_BIN_EXE_exercise1"),
+    };
+    Command::new(path).args(args).output().expect("the binary runs")
+}
+
+/// The only JSON file in `dir` whose name ends with `suffix`.
+fn json_ending(dir: &Path, suffix: &str) -> serde_json::Value {
+    let found: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.to_string_lossy().ends_with(suffix)).collect();
+    assert_eq!(found.len(), 1, "one {suffix} in {}: {found:?}", dir.display());
+    read_json(&found[0])
+}
+
+/// Estimates the job `args` describes, then trains it for 3 steps: per rank, the estimate's
+/// total and what training held at its peak over what it held before (MiB).
+fn estimated_and_measured(binary: &str, args: &[&str]) -> Vec<(f64, f64)> {
+    let (estimate_dir, train_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut estimate_args = args.to_vec();
+    estimate_args.extend(["--estimate-memory", "--results-dir", estimate_dir.path().to_str().unwrap()]);
+    let out = run(binary, &estimate_args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("--estimate-memory:") && stdout.contains("| parameters | gradients | optimizer | activations |"), "{stdout}");
+    assert!(!stdout.contains("epoch 1"), "nothing trains: {stdout}");
+    let estimate = json_ending(estimate_dir.path(), ".memory-estimate.json");
+    let totals: Vec<f64> = estimate["ranks"].as_array().unwrap().iter().map(|r| r["total"].as_f64().unwrap() / 1048576.0).collect();
+
+    let mut train_args = args.to_vec();
+    train_args.extend(["--max-steps", "3", "--quiet", "--results-dir", train_dir.path().to_str().unwrap()]);
+    let out = run(binary, &train_args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("peak memory in training: rank 0 cpu: ") && stdout.contains("peak memory (MiB)"), "{stdout}");
+    let results = json_ending(train_dir.path(), "-cpu.json");
+    let peaks = results["peak_memory"].as_array().unwrap();
+    assert_eq!(peaks.len(), results["world_size"].as_u64().unwrap() as usize, "one entry per rank");
+    let measured: Vec<f64> = peaks
+        .iter()
+        .map(|p| {
+            assert!(p["evaluation_peak_bytes"].as_i64().is_some() && p["peak_rss_bytes"].as_i64().unwrap() > 0, "{p}");
+            (p["training_peak_bytes"].as_i64().unwrap() - p["baseline_bytes"].as_i64().unwrap()) as f64 / 1048576.0
+        })
+        .collect();
+    let largest = peaks.iter().map(|p| p["training_peak_bytes"].as_i64().unwrap().max(p["evaluation_peak_bytes"].as_i64().unwrap())).max();
+    assert_eq!(results["peak_memory_bytes"].as_i64(), largest, "the CSV's figure is the largest rank's peak");
+    // One estimate row per stage; one for all ranks when they hold alike.
+    (0..measured.len()).map(|rank| (totals[rank.min(totals.len() - 1)], measured[rank])).collect()
+}
+
+fn assert_within_20_percent(what: &str, pairs: &[(f64, f64)]) {
+    for (rank, &(estimated, measured)) in pairs.iter().enumerate() {
+        println!("{what}, rank {rank}: estimated {estimated:.1} MiB, measured {measured:.1} MiB ({:+.1}%)", 100.0 * (estimated / measured - 1.0));
+        assert!((estimated / measured - 1.0).abs() <= 0.2, "{what}, rank {rank}: estimated {estimated:.1} MiB, measured {measured:.1} MiB");
+    }
+}
+
+#[test]
+fn the_estimate_of_the_whole_transformer_is_within_20_percent_of_its_peak() {
+    let data = tempfile::tempdir().unwrap();
+    wikitext_sample(data.path(), [2000, 20, 20]);
+    let pairs = estimated_and_measured(
+        "exercise1_nlp",
+        &["--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--emsize", "128", "--d-hid", "256", "--nhead", "2", "--nlayers", "3", "--optimizer", "adam", "--lr", "1e-3"],
+    );
+    assert_within_20_percent("exercise1_nlp, 3 layers, Adam", &pairs);
+}
+
+#[test]
+fn the_estimate_of_each_pipeline_stage_is_within_20_percent_of_its_peak() {
+    let data = tempfile::tempdir().unwrap();
+    wikitext_sample(data.path(), [2000, 20, 20]);
+    let pairs = estimated_and_measured(
+        "exercise3",
+        &[
+            "pipeline", "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--emsize", "128", "--d-hid", "256", "--nhead", "2",
+            "--nlayers", "4", "--batch-size", "16", "--chunks", "4", "--nproc-per-node", "2",
+        ],
+    );
+    assert_eq!(pairs.len(), 2);
+    assert!(pairs[1].1 > pairs[0].1, "the last stage holds the logits: {pairs:?}");
+    assert_within_20_percent("exercise3 pipeline, 2 ranks, GPipe over 4 micro-batches", &pairs);
+}
+
+#[test]
+fn an_image_model_is_estimated_from_a_probe_on_the_cpu() {
+    let results = tempfile::tempdir().unwrap();
+    let out = run("exercise1", &["--model", "resnet34", "--device", "cpu", "--estimate-memory", "--results-dir", results.path().to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("21,797,672 parameters") && stdout.contains("activations measured on the CPU"), "{stdout}");
+    let estimate = json_ending(results.path(), ".memory-estimate.json");
+    let row = &estimate["ranks"][0];
+    let mib = |field: &str| row[field].as_f64().unwrap() / 1048576.0;
+    // Adam: parameters and gradients 4 bytes each, two moments 8 (21,797,672 parameters).
+    assert!((mib("parameters") - 83.15).abs() < 0.1 && (mib("optimizer") - 166.3).abs() < 0.1, "{row}");
+    assert!(mib("activations") > 10.0 && mib("total") > mib("parameters") + mib("gradients") + mib("optimizer"), "{row}");
+}

@@ -15,7 +15,7 @@ BIN       := target/release
 ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
-.PHONY: system-deps python-tools report exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
+.PHONY: system-deps python-tools gpu-check report exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
         exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test test-slurm clean-results \
         notebooks notebook-kernel jupyter
 
@@ -110,6 +110,14 @@ bench-parallel: build
 # exercise1_nlp alone (ROUNDS, STEPS, THREADS, DEVICE, MODEL_FLAGS); also results/bench-nlp.csv.
 bench-nlp: data-wikitext2
 	$(WITH) bench/nlp.sh
+
+# Every GPU path on this machine's GPU(s) in one command (bench/gpu_check.py): the exercises in
+# every precision and option, pipelines, NCCL ranks, ZeRO, --profile, memory; checks that what
+# is claimed holds; side-by-side timings against PyTorch eager and the 1.4B model's MFU; the table
+# in results/gpu-check.md and .json. ARGS: --no-timings, --only PATTERN, --rounds N, --keep.
+# Without a GPU: one line, exit 2. From prebuilt binaries (no Rust on the GPU node), see README.
+gpu-check: build
+	$(WITH) sh -c '"$$TORCH_PYTHON" bench/gpu_check.py $(ARGS)'
 
 # Python packages the tests read our outputs with (TensorBoard's event reader), into .venv.
 python-tools: setup

@@ -45,6 +45,7 @@
 #   BENCH_NOTE     free text for the rows' note column
 #   BIN            where the Rust binaries are (target/release)
 #   CIFAR_DIR      CIFAR-10's binary files (data/cifar10)
+#   WIKITEXT_DIR   WikiText-2's files (data/wikitext-2)
 #
 # Run through scripts/with-torch (the Makefile does): it provides TORCH_PYTHON and LibTorch.
 set -euo pipefail
@@ -120,13 +121,13 @@ cifar_data() {
 
 nlp_data() {
     [[ -d "$work/wikitext-2" ]] && return
-    local train=""
-    for f in data/wikitext-2/wiki.train.tokens data/wikitext-2/wikitext-2/wiki.train.tokens data/wikitext-2/train.txt; do
+    local train="" src="${WIKITEXT_DIR:-data/wikitext-2}"
+    for f in "$src/wiki.train.tokens" "$src/wikitext-2/wiki.train.tokens" "$src/train.txt"; do
         [[ -f "$f" ]] && { train="$f"; break; }
     done
-    [[ -n "$train" ]] || die "no WikiText-2 train split under data/wikitext-2: run make data-wikitext2"
+    [[ -n "$train" ]] || die "no WikiText-2 train split under $src: run make data-wikitext2"
     mkdir -p "$work/wikitext-2"
-    ln -s "$root/$train" "$work/wikitext-2/train.txt"
+    ln -s "$(cd "$(dirname "$train")" && pwd)/$(basename "$train")" "$work/wikitext-2/train.txt"
     head -n 200 "$train" >"$work/wikitext-2/valid.txt"
     head -n 200 "$train" >"$work/wikitext-2/test.txt"
     [[ -f "$(dirname "$train")/GENERATED.txt" ]] && cp "$(dirname "$train")/GENERATED.txt" "$work/wikitext-2/"

@@ -19,7 +19,7 @@ use crate::parallelize::{parallelize, DataParallelPlan, ModelPlan};
 use crate::presets::Preset;
 use crate::profile::libtorch::TorchProfiler;
 use crate::report::{self, RunInfo, RunRecord};
-use crate::train::sinks::{CheckpointEveryEpoch, ConsoleLog, ProfileSink, ProgressBars, TensorBoardLog};
+use crate::train::sinks::{CheckpointEveryEpoch, ConsoleLog, ProfileSink, ProgressBars, StepLosses, TensorBoardLog};
 use crate::train::{
     self, BatchSource, CheckpointConfig, EvalSums, Event, FitReport, LrSchedule, Metric, Observer, Observers, TrainConfig, Warmup,
 };
@@ -316,7 +316,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     let mut step = parallelize(&plan, groups, dp, device, run.seed)?;
     exp.describe(&plan, step.as_ref(), groups, device, session)?;
     let recipe = Recipe::resolve(preset, exp.recipe_args(), replicas, sources.train.batches_per_epoch(), run.epochs.unwrap_or(preset.epochs));
-    let build = |named| recipe.optimizer.build(named, recipe.lr, recipe.momentum, recipe.weight_decay);
+    let build = |named| recipe.optimizer.build(named, recipe.lr, recipe.momentum, recipe.weight_decay, exp.recipe_args().optimizer_kernel);
     let mut optimizer = match step.parallel().replicas {
         Some(replication) => replication.distribute(step.as_ref(), build)?,
         None => build(step.named_parameters()),
@@ -367,6 +367,9 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     let per_step = std::rc::Rc::new(std::cell::Cell::new(None));
     observers.add(StepTraffic { groups, first: None, done: false, per_step: per_step.clone() });
     observers.add(MemoryMeter::observer(&meter));
+    let losses = StepLosses::new();
+    let step_losses = losses.values();
+    observers.add(losses);
     let before = groups.comm_stats();
     let fit = train::fit(step.as_mut(), optimizer.as_mut(), sources.train.as_ref(), sources.eval.as_ref(), &config, &mut observers)?;
     let communication = groups.comm_stats().since(before);
@@ -436,6 +439,8 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     let csv = run.results_dir.join(format!("{}.csv", preset.name));
     let mut json = serde_json::json!({
         "history": fit.history,
+        // Every step's mean loss on rank 0's replica (after a resume: the steps this run took).
+        "step_losses": step_losses.borrow().clone(),
         "resumed_epochs": fit.resumed_epochs,
         "world_size": groups.world.world_size(),
         "layout": groups.layout,

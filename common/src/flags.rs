@@ -136,6 +136,10 @@ pub struct RecipeArgs {
     /// Learning rate [default: the preset's].
     #[arg(long)]
     pub lr: Option<f64>,
+    /// How adam and sgd update the parameters: fused (LibTorch's multi-tensor kernel, as
+    /// torch.optim's fused=True), per-parameter, or auto (fused on a GPU).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub optimizer_kernel: crate::optim::OptimizerKernel,
     /// Momentum of sgd and lars [default: 0.9].
     #[arg(long)]
     pub momentum: Option<f64>,
@@ -178,6 +182,7 @@ impl Default for RecipeArgs {
             recipe: crate::presets::RecipeSource::Default,
             batch_size: None,
             optimizer: None,
+            optimizer_kernel: crate::optim::OptimizerKernel::Auto,
             lr: None,
             momentum: None,
             weight_decay: None,
@@ -218,6 +223,9 @@ impl RecipeArgs {
         }
         if self.warmup_start.is_some_and(|s| !(0.0..=1.0).contains(&s)) {
             return usage("--warmup-start is a share of the learning rate, between 0 and 1");
+        }
+        if self.optimizer_kernel != crate::optim::OptimizerKernel::Auto && matches!(self.optimizer, Some(crate::optim::OptimizerKind::Lars | crate::optim::OptimizerKind::Lamb)) {
+            return usage("--optimizer-kernel chooses how adam and sgd update; lars and lamb have one way");
         }
         if warming && self.lr_schedule == Some(crate::train::ScheduleKind::OneCycle) {
             return usage("--lr-schedule one-cycle warms up by itself: drop --warmup-epochs/--warmup-steps");

@@ -350,7 +350,7 @@ mod tests {
         let both = comparison_table(&[record("cpu", 100.0), record("cuda", 400.0)], None);
         assert!(both.contains("GPU speed-up: 4.0×"), "{both}");
         assert!(both.contains("191,935 parameters"));
-        assert!(both.contains("| 300.0 |"), "peak memory in MiB: {both}");
+        assert!(both.contains(" 300.0 |"), "peak memory in MiB: {both}");
         let cpu_only = comparison_table(&[record("cpu", 100.0)], Some("no CUDA device"));
         assert!(cpu_only.contains("GPU column missing: no CUDA device"), "{cpu_only}");
         assert!(!cpu_only.contains("speed-up"));

@@ -174,13 +174,39 @@ impl OptimizerKind {
     }
 
     /// This optimizer over `params` with learning rate `lr`, `momentum` (SGD, LARS) and L2
-    /// weight decay (decoupled for LAMB), otherwise torch's (or the paper's) defaults.
-    pub fn build(self, params: Vec<(String, Tensor)>, lr: f64, momentum: f64, weight_decay: f64) -> Box<dyn Optimizer> {
+    /// weight decay (decoupled for LAMB), Adam's and SGD's updates by `kernel`, otherwise
+    /// torch's (or the paper's) defaults.
+    pub fn build(self, params: Vec<(String, Tensor)>, lr: f64, momentum: f64, weight_decay: f64, kernel: OptimizerKernel) -> Box<dyn Optimizer> {
+        let fused = kernel.fused();
         match self {
-            OptimizerKind::Adam => Box::new(Adam::new(params, AdamConfig { lr, weight_decay, ..AdamConfig::default() })),
-            OptimizerKind::Sgd => Box::new(Sgd::new(params, SgdConfig { lr, momentum, weight_decay, ..SgdConfig::default() })),
+            OptimizerKind::Adam => Box::new(Adam::new(params, AdamConfig { lr, weight_decay, fused, ..AdamConfig::default() })),
+            OptimizerKind::Sgd => Box::new(Sgd::new(params, SgdConfig { lr, momentum, weight_decay, fused, ..SgdConfig::default() })),
             OptimizerKind::Lars => Box::new(Lars::new(params, LarsConfig { lr, momentum, weight_decay, ..LarsConfig::default() })),
             OptimizerKind::Lamb => Box::new(Lamb::new(params, LambConfig { lr, weight_decay, ..LambConfig::default() })),
+        }
+    }
+}
+
+/// `--optimizer-kernel`: how Adam and SGD update the parameters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OptimizerKernel {
+    /// LibTorch's fused multi-tensor kernel on a GPU, one update per parameter on the CPU.
+    #[default]
+    Auto,
+    /// LibTorch's fused multi-tensor kernel (`torch.optim.Adam(fused=True)`) wherever it runs.
+    Fused,
+    /// One update per parameter (`torch.optim.Adam(fused=False, foreach=False)`).
+    PerParameter,
+}
+
+impl OptimizerKernel {
+    /// The optimizers' `fused` setting (`None`: by device).
+    pub fn fused(self) -> Option<bool> {
+        match self {
+            OptimizerKernel::Auto => None,
+            OptimizerKernel::Fused => Some(true),
+            OptimizerKernel::PerParameter => Some(false),
         }
     }
 }

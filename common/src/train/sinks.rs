@@ -277,6 +277,56 @@ impl Observer for ProfileSink {
     }
 }
 
+/// Every training step's mean loss on this replica, in order: read from the device a few hundred
+/// steps at a time (one wait for the device per read, not per step), shared with whoever holds a
+/// clone of [`StepLosses::values`].
+#[derive(Default)]
+pub struct StepLosses {
+    pending: Vec<tch::Tensor>,
+    values: std::rc::Rc<std::cell::RefCell<Vec<f64>>>,
+}
+
+/// Steps whose losses [`StepLosses`] reads at once.
+const LOSSES_PER_READ: usize = 256;
+
+impl StepLosses {
+    pub fn new() -> StepLosses {
+        StepLosses::default()
+    }
+
+    /// The losses read so far (all of them once the run finished).
+    pub fn values(&self) -> std::rc::Rc<std::cell::RefCell<Vec<f64>>> {
+        self.values.clone()
+    }
+
+    fn read(&mut self) -> Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let losses = tch::Tensor::stack(&self.pending, 0).to_kind(tch::Kind::Double).to_device(tch::Device::Cpu);
+        self.values.borrow_mut().extend(Vec::<f64>::try_from(&losses)?);
+        self.pending.clear();
+        Ok(())
+    }
+}
+
+impl Observer for StepLosses {
+    fn on_event(&mut self, event: &Event) -> Result<Control> {
+        match event {
+            // A copy: a replayed CUDA graph writes its outputs into the same tensors every step.
+            Event::Step(step) => {
+                self.pending.push(step.loss.detach().to_kind(tch::Kind::Float).copy().reshape([]));
+                if self.pending.len() >= LOSSES_PER_READ {
+                    self.read()?;
+                }
+            }
+            Event::EpochEnded { .. } | Event::Finished(_) => self.read()?,
+            _ => {}
+        }
+        Ok(Control::Continue)
+    }
+}
+
 /// Checkpoints after every completed epoch (a resume then starts at an epoch boundary, where
 /// the data order, augmentation and dropout streams are known). On every rank: the ranks that
 /// hold parts of the model send them to rank 0 for the one file.

@@ -37,7 +37,7 @@
 #   COMPILE        1: also torch.compile as a peer for image entries (0)
 #   CHANNELS_LAST  1: the Rust image runs with --channels-last (0)
 #   CUDA_GRAPH     1: the Rust runs record their step in a CUDA graph (--cuda-graph; GPU only) (0)
-#   WORKERS        Rust loader threads, exercise1's --workers (2)
+#   WORKERS        Rust loader threads, exercise1's --workers (its default: 0 on the CPU, 2 on a GPU)
 #   LOADER         the reference's data path: memory (default) or dataloader (see the script)
 #   PY_WORKERS     DataLoader worker processes for LOADER=dataloader (WORKERS)
 #   NLP_MODEL_FLAGS  model flags for both exercise1_nlp sides, e.g. "--emsize 256 --d-hid 256"
@@ -68,9 +68,10 @@ COMPILE="${COMPILE:-0}"
 CHANNELS_LAST="${CHANNELS_LAST:-0}"
 CUDA_GRAPH="${CUDA_GRAPH:-0}"
 rust_graph=(); [[ "$CUDA_GRAPH" == 1 ]] && rust_graph=(--cuda-graph)
-WORKERS="${WORKERS:-2}"
+WORKERS="${WORKERS:-}"
+rust_workers=(); [[ -n "$WORKERS" ]] && rust_workers=(--workers "$WORKERS")
 LOADER="${LOADER:-memory}"
-PY_WORKERS="${PY_WORKERS:-$WORKERS}"
+PY_WORKERS="${PY_WORKERS:-${WORKERS:-2}}"
 NLP_MODEL_FLAGS="${NLP_MODEL_FLAGS:-}"
 BENCH_CSV="${BENCH_CSV:-results/bench.csv}"
 python="${TORCH_PYTHON:?run through scripts/with-torch (it sets TORCH_PYTHON)}"
@@ -208,7 +209,7 @@ run_image_round() {
     epochs=$(( (steps + per_epoch - 1) / per_epoch ))
     local layout=(); [[ "$CHANNELS_LAST" == 1 ]] && layout=(--channels-last)
     run_rust "$entry" "$round" exercise1 --model "$entry" --data-dir "$work/cifar10" \
-        --max-steps "$steps" --epochs "$epochs" --workers "$WORKERS" "${layout[@]}"
+        --max-steps "$steps" --epochs "$epochs" "${rust_workers[@]}" "${layout[@]}"
     local r; r="$(last_throughput)"
     local ref=(bench/exercise1_reference.py --model "$entry" --data-dir "$work/cifar10" --max-steps "$steps"
                --steady-after "$STEADY_AFTER" --loader "$LOADER" --workers "$PY_WORKERS")
@@ -256,6 +257,6 @@ for entry in $BENCH; do
 done
 
 "$python" bench/bench_report.py --runs "$runs" --csv "$BENCH_CSV" --device "$DEVICE" --threads "$THREADS" \
-    --rounds "$ROUNDS" --loader "$LOADER" --workers "$WORKERS" --nlp-model-flags "$NLP_MODEL_FLAGS" --note "${BENCH_NOTE:-}${rust_graph[*]:+ rust --cuda-graph}" \
+    --rounds "$ROUNDS" --loader "$LOADER" --workers "${WORKERS:-default}" --nlp-model-flags "$NLP_MODEL_FLAGS" --note "${BENCH_NOTE:-}${rust_graph[*]:+ rust --cuda-graph}" \
     --precision "$PRECISION" --steady-after "$STEADY_AFTER" --rust-layout "$([[ "$CHANNELS_LAST" == 1 ]] && echo channels-last || echo nchw)" \
     ${NLP_CSV:+--nlp-csv "$NLP_CSV"}

@@ -126,10 +126,12 @@ def main():
         sync()
         t3 = time.perf_counter()
         loss_sum += loss.detach().to(torch.float64) * tgt.numel()
+        # The split covers every step, as the Rust results' does (the report divides it by all
+        # steps); the throughput, the steps after --warmup.
+        data_wait += t1 - t0
+        forward_backward += t2 - t1
+        optimizer_time += t3 - t2
         if steps >= a.warmup:
-            data_wait += t1 - t0
-            forward_backward += t2 - t1
-            optimizer_time += t3 - t2
             tokens_timed += tgt.numel()
         steps += 1
     timed = time.perf_counter() - start

@@ -3,7 +3,7 @@
 read in one go: a table of path, verdict, figure and ratio to PyTorch eager, in
 results/gpu-check.md and results/gpu-check.json, and an exit status (1 if a check failed).
 
-What it runs (short runs; about 10 minutes on one H100, 4 without --no-timings):
+What it runs (short runs on generated data, sized for minutes on one GPU):
   exercise1 cnn/resnet34/vgg19 in 32, 16-mixed and bf16-mixed; --data-on-device,
   --channels-last, --matmul-precision high, --cuda-graph (cnn and exercise1_nlp), the fused
   against the per-parameter optimizer, a checkpoint and --resume; exercise1_nlp in 32 and

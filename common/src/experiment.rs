@@ -101,6 +101,7 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
     let (run, parallel) = (exp.run_args(), exp.parallel_args());
     // Before the data are read: the data set counts in the peak memory's baseline.
     memory::count_cpu_tensors()?;
+    device::keep_freed_host_memory();
     run.check()?;
     run.matmul_precision.apply()?;
     exp.recipe_args().check()?;

@@ -238,6 +238,7 @@ impl Experiment for ImageExperiment<'_> {
             dp: layout.dp,
             zero: self.args.parallel.zero_stage(),
             optimizer_k: crate::memory::optimizer_bytes_per_parameter(recipe.optimizer, recipe.momentum),
+            bucket_bytes: self.args.parallel.bucket_mb * crate::memory::MIB,
             input_batch_bytes: (recipe.batch_size * (4 * channels * size * size + 8)) as f64,
             batches_held,
         };

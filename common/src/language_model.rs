@@ -552,6 +552,7 @@ impl Experiment for LmExperiment<'_> {
             keyed_masks: self.pipeline.is_some(),
             zero: self.args.parallel.zero_stage(),
             optimizer_k: crate::memory::optimizer_bytes_per_parameter(recipe.optimizer, recipe.momentum),
+            bucket_bytes: self.args.parallel.bucket_mb * crate::memory::MIB,
             precision: self.args.run.precision,
             cuda,
         };

@@ -141,6 +141,8 @@ pub struct TransformerJob {
     pub zero: Option<ZeroStage>,
     /// Bytes of optimizer state per parameter (ZeRO's K).
     pub optimizer_k: f64,
+    /// `--bucket-mb` in bytes: how the replicas average the gradients.
+    pub bucket_bytes: f64,
     pub precision: Precision,
     pub cuda: bool,
 }
@@ -262,9 +264,10 @@ impl TransformerJob {
         // activation peak before the first backward pass.
         let gradients_during = if self.accumulate > 1 || (held < self.chunks * stages.len() && self.placement.stages() > 1) { gradients } else { 0.0 };
         let saved = if self.checkpoint_activations { activations_recomputed.unwrap_or(activations) } else { activations };
-        // The update: the largest parameter's temporaries beside the whole state.
+        // The update: the gradients averaged over the replicas (their buffers), then the
+        // largest parameter's temporaries in the optimizer, beside the whole state.
         let largest = 4.0 * (v * d + v) / tp;
-        let update = gradients + 2.0 * largest;
+        let update = gradients + gradient_sync_bytes(psi, self.dp, self.zero, self.bucket_bytes).max(2.0 * largest);
         let total = parameters + optimizer + (saved + transient + gradients_during).max(update);
         RankEstimate {
             ranks: match (self.placement.devices, self.placement.virtual_stages) {
@@ -283,6 +286,21 @@ impl TransformerJob {
             layers: stages.iter().map(|&s| self.partition.layers[s].clone().count()).sum(),
             micro_batches_held: held,
         }
+    }
+}
+
+/// What averaging the gradients over `dp` replicas holds beside them, for `psi` parameters and
+/// buckets of `bucket` bytes (`--bucket-mb`): plain data parallelism a bucket's flat copy and its
+/// average; ZeRO-1 and 2 a bucket of gradients flattened for the reduce-scatter and the
+/// parameters gathered whole again after the update; ZeRO-3 a bucket (its parts are gathered in
+/// the passes, [`TransformerJob::estimate`]'s transient).
+fn gradient_sync_bytes(psi: f64, dp: usize, zero: Option<ZeroStage>, bucket: f64) -> f64 {
+    let (grads, bucket) = (4.0 * psi, bucket.min(4.0 * psi));
+    match (dp, zero) {
+        (1, _) => 0.0,
+        (_, None) => 2.0 * bucket,
+        (_, Some(ZeroStage::OptimizerState | ZeroStage::Gradients)) => bucket + grads,
+        (_, Some(ZeroStage::Parameters)) => bucket,
     }
 }
 
@@ -316,6 +334,8 @@ pub struct ImageJob {
     pub dp: usize,
     pub zero: Option<ZeroStage>,
     pub optimizer_k: f64,
+    /// `--bucket-mb` in bytes.
+    pub bucket_bytes: f64,
     /// Bytes of one batch's inputs and targets as the model reads them.
     pub input_batch_bytes: f64,
     pub batches_held: usize,
@@ -332,7 +352,8 @@ impl ImageJob {
         // The backward pass meets the last layers first, where a convolutional network keeps
         // most of its weights and fewest activations: their gradients appear while the first
         // layers' activations are still held, so count both.
-        let total = parameters + optimizer + gradients + (activations + transient).max(2.0 * 4.0 * self.largest_parameter);
+        let update = gradient_sync_bytes(self.params, self.dp, self.zero, self.bucket_bytes).max(2.0 * 4.0 * self.largest_parameter);
+        let total = parameters + optimizer + gradients + (activations + transient).max(update);
         RankEstimate {
             ranks: "every rank".into(),
             parameters,
@@ -433,6 +454,7 @@ mod tests {
             keyed_masks: false,
             zero: None,
             optimizer_k: 8.0,
+            bucket_bytes: 25.0 * MIB,
             precision: Precision::Full,
             cuda: false,
         }

@@ -112,7 +112,7 @@ class Harness:
         seconds = time.time() - started
         with open(os.path.join(out, "command.log"), "w") as f:
             f.write(" ".join(command) + "\n--- stdout\n" + proc.stdout + "\n--- stderr\n" + proc.stderr)
-        results = [p for p in glob.glob(os.path.join(out, "*.json")) if not p.endswith((".trace.json", ".memory-estimate.json"))]
+        results = [p for p in glob.glob(os.path.join(out, "*.json")) if not p.endswith(("trace.json", ".memory-estimate.json"))]
         data = json.load(open(results[0])) if len(results) == 1 else None
         run = {"json": data, "stdout": proc.stdout, "stderr": proc.stderr, "seconds": seconds, "code": proc.returncode, "dir": out, "command": command}
         self.runs[key] = run

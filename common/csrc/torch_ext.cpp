@@ -618,6 +618,9 @@ int torch_ext_cpu_memory_reset_peak() {
 int torch_ext_cuda_memory_stats(int device, int64_t* out) {
   return protect_status([&] {
     using c10::CachingAllocator::StatType;
+    // The caching allocator exists once CUDA is initialised (LibTorch does it lazily, at the
+    // first CUDA tensor): before that it knows no device.
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
     auto stats = c10::getDeviceAllocator(c10::DeviceType::CUDA)->getDeviceStats(static_cast<c10::DeviceIndex>(device));
     auto aggregate = static_cast<size_t>(StatType::AGGREGATE);
     out[0] = stats.allocated_bytes[aggregate].current;
@@ -629,8 +632,10 @@ int torch_ext_cuda_memory_stats(int device, int64_t* out) {
 
 // torch.cuda.reset_peak_memory_stats(device). 0, or -1 on error.
 int torch_ext_cuda_memory_reset_peak(int device) {
-  return protect_status(
-      [&] { c10::getDeviceAllocator(c10::DeviceType::CUDA)->resetPeakStats(static_cast<c10::DeviceIndex>(device)); });
+  return protect_status([&] {
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
+    c10::getDeviceAllocator(c10::DeviceType::CUDA)->resetPeakStats(static_cast<c10::DeviceIndex>(device));
+  });
 }
 
 }  // extern "C"

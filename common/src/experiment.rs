@@ -151,7 +151,12 @@ fn estimate_memory<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<
         Some(n) => n,
         None => LaunchEnv::detect()?.world_size,
     };
-    let cuda = run.device != DeviceChoice::Cpu;
+    // The GPU's kernels where the run would train on one (`both`: where there is one).
+    let cuda = match run.device {
+        DeviceChoice::Cpu => false,
+        DeviceChoice::Cuda => true,
+        DeviceChoice::Both => device::cuda_available(),
+    };
     let mut session = session_observers(exp, true, listeners);
     let rows = exp.memory_estimate(world, cuda, &mut session)?;
     let device = if cuda { "cuda" } else { "cpu" };

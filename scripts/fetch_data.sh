@@ -12,10 +12,13 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 data="${DATA_DIR:-$root/data}"
 prepare="${PREPARE_DATA:?set PREPARE_DATA to the prepare_data binary}"
 
-# Sources and checksums; the FETCH_* overrides exist for mirrors and for the tests.
-CIFAR_URL="${FETCH_CIFAR_URL:-https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz}"
+# Sources, tried in order, and checksums; the FETCH_* overrides (a space-separated list of
+# addresses) exist for mirrors and for the tests. CIFAR-10: its authors' page, the one address
+# torchvision uses. MNIST: PyTorch's copy, which torchvision uses alone since yann.lecun.com
+# began to answer 403/404 (pytorch/vision#8568, pytorch/pytorch#164238); the original last.
+CIFAR_URLS="${FETCH_CIFAR_URL:-https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz}"
 CIFAR_MD5="${FETCH_CIFAR_MD5:-c32a1d4ab5d03f1284b67883e8d87530}"
-MNIST_URL="${FETCH_MNIST_URL:-https://ossci-datasets.s3.amazonaws.com/mnist}"
+MNIST_URLS="${FETCH_MNIST_URL:-https://ossci-datasets.s3.amazonaws.com/mnist http://yann.lecun.com/exdb/mnist}"
 declare -A MNIST_MD5=(
     [train-images-idx3-ubyte.gz]=f68b3c2dcbeaaa9fbdd348bbdeb94873
     [train-labels-idx1-ubyte.gz]=d53e105ee54ea40749a09fcbcd1e9432
@@ -36,7 +39,7 @@ get_cifar10() {
     local dir="$data/cifar10"
     if "$prepare" check --dataset cifar10 --dir "$dir" 2>/dev/null; then return 0; fi
     mkdir -p "$dir"
-    if download "$CIFAR_URL" "$dir/cifar-10-binary.tar.gz" "$CIFAR_MD5" \
+    if download_first "$CIFAR_URLS" "$dir/cifar-10-binary.tar.gz" "$CIFAR_MD5" \
         && tar -xzf "$dir/cifar-10-binary.tar.gz" -C "$dir" && rm -f "$dir/cifar-10-binary.tar.gz"; then
         "$prepare" check --dataset cifar10 --dir "$dir"
     else
@@ -49,7 +52,7 @@ get_mnist() {
     if "$prepare" check --dataset mnist --dir "$dir" 2>/dev/null; then return 0; fi
     mkdir -p "$dir"
     for f in "${!MNIST_MD5[@]}"; do
-        download "$MNIST_URL/$f" "$dir/$f" "${MNIST_MD5[$f]}" || { ok=0; break; }
+        download_first "$(printf '%s/'"$f"' ' $MNIST_URLS)" "$dir/$f" "${MNIST_MD5[$f]}" || { ok=0; break; }
     done
     if [[ $ok == 1 ]]; then "$prepare" check --dataset mnist --dir "$dir"; else fallback mnist; fi
 }

@@ -48,6 +48,17 @@ pub struct Checkpoint {
     pub tensors: HashMap<String, Tensor>,
 }
 
+/// Whether tensors of these names are one of our checkpoints (the model's and the optimizer's
+/// state under their prefixes), not a plain weights file.
+pub fn holds_checkpoint<'a>(mut names: impl Iterator<Item = &'a str>) -> bool {
+    let mut optimizer = false;
+    let ours = names.all(|n| {
+        optimizer |= n.starts_with(OPTIM_PREFIX);
+        n.starts_with(MODEL_PREFIX) || n.starts_with(OPTIM_PREFIX)
+    });
+    ours && optimizer
+}
+
 /// Where the checkpoint of `run` lives in `dir`.
 pub fn path_for(dir: &Path, run: &str) -> PathBuf {
     dir.join(format!("{run}.safetensors"))

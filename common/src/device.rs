@@ -84,12 +84,24 @@ pub fn synchronize(device: Device) {
 }
 
 /// Sets LibTorch's intra-op thread count; 0 leaves LibTorch's default (one per core).
-pub fn set_threads(threads: usize) -> Result<(), UsageError> {
-    if threads > 0 {
-        let n = i32::try_from(threads).map_err(|_| UsageError(format!("--threads {threads} is too large")))?;
-        tch::set_num_threads(n);
-    }
-    Ok(())
+/// Returns a warning when more threads were asked for than this process has cores: they are
+/// capped at the cores (threads beyond them only wait for each other, and LibTorch would start
+/// every one of them: `--threads 100000` never got to its first step).
+pub fn set_threads(threads: usize) -> Result<Option<String>, UsageError> {
+    let cores = usable_cores();
+    let (n, warning) = match threads {
+        0 => return Ok(None),
+        n if n > cores => (cores, Some(format!("warning: --threads {n} is more than the {cores} cores this process may use: using {cores}"))),
+        n => (n, None),
+    };
+    tch::set_num_threads(i32::try_from(n).map_err(|_| UsageError(format!("--threads {threads} is too large")))?);
+    Ok(warning)
+}
+
+/// The cores this process may run on (its CPU affinity: what Slurm's --cpus-per-task or
+/// taskset gave it), at least 1.
+pub fn usable_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// Keeps the host memory training frees for the next step instead of handing it back to the

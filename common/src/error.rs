@@ -24,7 +24,8 @@ pub fn usage<T>(msg: impl Into<String>) -> anyhow::Result<T> {
 pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
     // LibTorch errors carry a C++ backtrace; only its first line is useful to a user.
     std::env::set_var("TORCH_SHOW_CPP_STACKTRACES", "0");
-    match body() {
+    quiet_panics();
+    match catch_panic(body) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             let message = format!("{err:#}");
@@ -44,5 +45,85 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
         2
     } else {
         1
+    }
+}
+
+/// A tch call that failed inside LibTorch panics (most of tch's API unwraps its `Result`), with
+/// the C++ exception's text and frames. Such a panic is caught where a rank or a binary ends
+/// ([`catch_panic`]) and becomes an error of one line; the default hook would first print the
+/// whole message and its frames, so it stays silent unless `RUST_BACKTRACE` asks for them.
+pub fn quiet_panics() {
+    if std::env::var_os("RUST_BACKTRACE").is_none() {
+        std::panic::set_hook(Box::new(|_| {}));
+    }
+}
+
+/// Runs `body`, turning a panic in it into an error: [`OutOfMemory`] when LibTorch could not
+/// allocate, otherwise the panic's first line.
+pub fn catch_panic<T>(body: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
+        Ok(result) => result,
+        Err(payload) => Err(panic_error(payload.as_ref())),
+    }
+}
+
+/// LibTorch could not allocate: what it said, and what to lower.
+#[derive(Debug, thiserror::Error)]
+#[error("out of memory: {0}; lower --batch-size (or the model's size: --emsize, --nlayers, --model), or train in bf16-mixed, with --checkpoint-activations, or on more ranks")]
+pub struct OutOfMemory(pub String);
+
+/// The error a panic's payload stands for.
+pub fn panic_error(payload: &(dyn std::any::Any + Send)) -> anyhow::Error {
+    let text = payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied())
+        .unwrap_or("a panic without a message");
+    let what = torch_message(text);
+    let oom = ["out of memory", "not enough memory", "can't allocate memory", "std::bad_alloc"];
+    if oom.iter().any(|o| what.contains(o)) {
+        OutOfMemory(what).into()
+    } else {
+        anyhow::anyhow!("internal error: {what} (RUST_BACKTRACE=1 shows where)")
+    }
+}
+
+/// The first line of what LibTorch said, out of a panic's text: tch's unwraps print the error's
+/// Debug form (`Torch("...\nException raised from ...")`, newlines escaped).
+fn torch_message(text: &str) -> String {
+    let text = text.strip_prefix("called `Result::unwrap()` on an `Err` value: ").unwrap_or(text);
+    let text = text.strip_prefix("Torch(\"").unwrap_or(text);
+    let end = [text.find("\\n"), text.find('\n'), text.find("Exception raised from")].into_iter().flatten().min().unwrap_or(text.len());
+    let line = text[..end].trim().trim_end_matches("\")").trim();
+    // LibTorch's CPU allocator prefixes its source location and the failed check
+    // (`[enforce fail at alloc_cpu.cpp:117] data. ` or `err == 0. `): the rest is the message.
+    match line.find("DefaultCPUAllocator") {
+        Some(i) => line[i..].to_string(),
+        None => line.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_libtorch_allocation_failure_is_out_of_memory_in_one_line() {
+        let cpu = r#"called `Result::unwrap()` on an `Err` value: Torch("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: you tried to allocate 80000000000 bytes.\nException raised from alloc_cpu at /pytorch/c10/core/impl/alloc_cpu.cpp:117 (most recent call first):\nframe #0: c10::ThrowEnforceNotMet")"#;
+        let err = panic_error(&cpu.to_string());
+        assert!(err.is::<OutOfMemory>(), "{err}");
+        let line = err.to_string();
+        assert!(line.starts_with("out of memory: DefaultCPUAllocator: not enough memory: you tried to allocate 80000000000 bytes."), "{line}");
+        assert!(!line.contains("frame #0") && !line.contains('\n') && line.contains("--batch-size"), "{line}");
+        let cuda = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.1 GiB";
+        assert!(panic_error(&cuda).is::<OutOfMemory>());
+        assert_eq!(exit_code(&panic_error(&cuda)), 1);
+    }
+
+    #[test]
+    fn another_panic_is_an_internal_error_of_one_line() {
+        let err = catch_panic::<()>(|| panic!("index out of bounds: the len is 3 but the index is 7")).unwrap_err();
+        assert_eq!(err.to_string(), "internal error: index out of bounds: the len is 3 but the index is 7 (RUST_BACKTRACE=1 shows where)");
+        assert_eq!(catch_panic(|| Ok(5)).unwrap(), 5);
     }
 }

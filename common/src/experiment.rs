@@ -107,8 +107,20 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
     exp.recipe_args().check()?;
     parallel.check()?;
     exp.check()?;
+    // Found before the first step, not after the last one (whose results would be lost).
+    writable_dir(&run.results_dir, "--results-dir")?;
+    if let Some(dir) = &run.checkpoint_dir {
+        writable_dir(dir, "--checkpoint-dir")?;
+    }
     if run.estimate_memory {
         return estimate_memory(exp, listeners).map(|()| Vec::new());
+    }
+    if let Some(n) = parallel.nproc_per_node.filter(|_| !LaunchEnv::detect().is_ok_and(|env| env.is_distributed())) {
+        // What the ranks would each refuse, said once, before mpirun starts them.
+        exp.layout(n)?;
+        if let Some(warning) = check_rank_count(n, run.device, parallel.max_ranks_per_core)? {
+            session_observers(exp, true, listeners).warn(warning)?;
+        }
     }
     if launch::start_ranks_if_asked(parallel.nproc_per_node)? {
         return Ok(Vec::new());
@@ -123,14 +135,13 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
         let groups = Groups::new(world, layout)?;
         let device = exp.device(&groups)?;
         run.precision.check(device)?;
+        let mut session = session_observers(exp, world.is_root(), listeners);
         if run.threads == 0 && world.local_world_size() > 1 && device == Device::Cpu {
             // Ranks sharing a node share its cores (torchrun sets OMP_NUM_THREADS=1 for the same reason).
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            device::set_threads((cores / world.local_world_size()).max(1))?;
-        } else {
-            device::set_threads(run.threads)?;
+            device::set_threads((device::usable_cores() / world.local_world_size()).max(1))?;
+        } else if let Some(warning) = device::set_threads(run.threads)? {
+            session.warn(warning)?;
         }
-        let mut session = session_observers(exp, world.is_root(), listeners);
         let data = exp.load(&mut session, world.is_root())?;
         let record = train_on(exp, &data, &groups, device, &mut session)?;
         if let (Some(record), true) = (&record, world.world_size() > 1) {
@@ -174,6 +185,69 @@ fn estimate_memory<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<
     session.info(format!("wrote {}", path.display()))
 }
 
+/// A split too small for one full batch per replica trains nothing (and would report success,
+/// a perplexity of 1) or trains a smaller batch than asked for: a usage error naming its size
+/// and the batch instead.
+fn check_batches<E: Experiment>(exp: &E, sources: &Sources, replicas: usize) -> Result<()> {
+    let unit = match exp.metric() {
+        Metric::Accuracy => "images",
+        Metric::Perplexity => "tokens",
+    };
+    let batch = Recipe::resolve(exp.preset(), exp.recipe_args(), replicas, 1, 1).batch_size;
+    if sources.train.batches_per_epoch() == 0 || sources.examples_per_epoch < batch * replicas {
+        return usage(format!(
+            "the training split ({} {unit}) holds no full batch of --batch-size {batch} for each of {replicas} replica(s): lower --batch-size, or use a larger data set",
+            sources.examples_per_epoch
+        ));
+    }
+    let evaluated = [Some(&sources.eval), sources.test.as_ref()];
+    if evaluated.into_iter().flatten().any(|source| source.batches_per_epoch() == 0) {
+        return usage(format!("an evaluation split holds no batch for each of {replicas} replica(s): lower the batch size (--eval-batch-size for a language model)"));
+    }
+    Ok(())
+}
+
+/// Creates `dir` if needed and writes a file there and removes it: a usage error naming `flag`
+/// where that fails (read-only, not a folder, no permission, a full disk).
+fn writable_dir(dir: &std::path::Path, flag: &str) -> Result<()> {
+    let probe = dir.join(format!(".write-test-{}", std::process::id()));
+    let written = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&probe, b"x")).and_then(|()| std::fs::remove_file(&probe));
+    match written {
+        Ok(()) => Ok(()),
+        Err(err) => usage(format!("{flag} {}: cannot write there ({err}); choose another folder", dir.display())),
+    }
+}
+
+/// How many local ranks `--nproc-per-node` may start: no more GPU ranks than GPUs (NCCL takes
+/// one GPU per rank); CPU ranks beyond the cores take turns (a warning), beyond
+/// `max_per_core` per core they are refused: every rank is a LibTorch process with its own
+/// memory, and a thousand of them end with the OOM killer.
+fn check_rank_count(n: usize, choice: DeviceChoice, max_per_core: usize) -> Result<Option<String>> {
+    let on_gpus = match choice {
+        DeviceChoice::Cpu => false,
+        DeviceChoice::Cuda => true,
+        DeviceChoice::Both => device::cuda_available(),
+    };
+    if on_gpus {
+        let gpus = tch::Cuda::device_count().max(0) as usize;
+        if n > gpus {
+            return usage(format!(
+                "--nproc-per-node {n}: this node has {gpus} GPU(s), and each rank needs its own (NCCL refuses two ranks on one GPU); use --nproc-per-node {} or --device cpu",
+                gpus.max(1)
+            ));
+        }
+        return Ok(None);
+    }
+    let cores = device::usable_cores();
+    if n > max_per_core * cores {
+        return usage(format!(
+            "--nproc-per-node {n}: more than {max_per_core} CPU ranks per core on {cores} core(s), each a LibTorch process with its own memory; \
+             use fewer, or raise --max-ranks-per-core"
+        ));
+    }
+    Ok((n > cores).then(|| format!("warning: {n} CPU ranks on {cores} core(s): they take turns (right for testing, slow for timing)")))
+}
+
 /// The course's CPU-vs-GPU comparison: one process, one run per device, then the table.
 fn run_per_device<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
     let run = exp.run_args();
@@ -182,10 +256,12 @@ fn run_per_device<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<V
     for &device in &devices {
         run.precision.check(device)?;
     }
-    device::set_threads(run.threads)?;
     let world = ProcessGroup::single();
     let groups = Groups::single(&world);
     let mut session = session_observers(exp, true, listeners);
+    if let Some(warning) = device::set_threads(run.threads)? {
+        session.warn(warning)?;
+    }
     let data = exp.load(&mut session, true)?;
     let mut records = Vec::new();
     for device in devices {
@@ -317,6 +393,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     let dp = DataParallelPlan { averager: exp.parallel_args().averager(), sync };
     let replicas = groups.layout.dp;
     let sources = exp.sources(data, device, (groups.coords.replica, replicas))?;
+    check_batches(exp, &sources, replicas)?;
     // Peak memory from here, the data in place: the model's state, activations and temporaries.
     let meter = std::cell::RefCell::new(MemoryMeter::start(&exp.devices(&plan, device))?);
     let mut step = parallelize(&plan, groups, dp, device, run.seed)?;
@@ -578,5 +655,25 @@ mod tests {
         assert!(format!("{err}").contains("--accumulate must be at least 1"));
         let one_cycle = RecipeArgs { scale_lr: true, warmup_epochs: 1, lr_schedule: Some(ScheduleKind::OneCycle), ..RecipeArgs::default() };
         assert!(format!("{}", one_cycle.check().unwrap_err()).contains("warms up by itself"));
+    }
+
+    #[test]
+    fn cpu_ranks_beyond_the_cores_are_warned_about_and_beyond_the_limit_refused() {
+        let cores = device::usable_cores();
+        assert_eq!(check_rank_count(cores, DeviceChoice::Cpu, 4).unwrap(), None);
+        let warning = check_rank_count(cores + 1, DeviceChoice::Cpu, 4).unwrap().unwrap();
+        assert!(warning.contains(&format!("{} CPU ranks on {cores} core(s)", cores + 1)), "{warning}");
+        assert!(check_rank_count(4 * cores, DeviceChoice::Cpu, 4).unwrap().is_some());
+        let refused = check_rank_count(4 * cores + 1, DeviceChoice::Cpu, 4).unwrap_err();
+        assert!(refused.is::<crate::error::UsageError>() && refused.to_string().contains("--max-ranks-per-core"), "{refused}");
+        // Raised explicitly, the limit lets them start.
+        assert!(check_rank_count(4 * cores + 1, DeviceChoice::Cpu, 5).is_ok());
+    }
+
+    #[test]
+    fn more_gpu_ranks_than_gpus_are_refused() {
+        let gpus = tch::Cuda::device_count() as usize;
+        let err = check_rank_count(gpus + 1, DeviceChoice::Cuda, 4).unwrap_err();
+        assert!(err.to_string().contains(&format!("this node has {gpus} GPU(s)")), "{err}");
     }
 }

@@ -87,6 +87,9 @@ impl RunArgs {
         if self.epochs == Some(0) || self.max_steps == Some(0) {
             return usage("--epochs and --max-steps must be at least 1");
         }
+        if self.peak_tflops.is_some_and(|p| !(p > 0.0 && p.is_finite())) {
+            return usage(format!("--peak-tflops must be a positive number, got {}", self.peak_tflops.unwrap_or_default()));
+        }
         if self.cuda_graph && self.device == DeviceChoice::Cpu {
             return usage("--cuda-graph records GPU work, but --device cpu trains on the CPU: drop one of them");
         }
@@ -251,6 +254,10 @@ pub struct ParallelArgs {
     /// Send gradients as fp16 (NCCL only).
     #[arg(long)]
     pub fp16_allreduce: bool,
+    /// --nproc-per-node refuses more CPU ranks than this many per core (each rank is a LibTorch
+    /// process with its own memory).
+    #[arg(long, default_value_t = 4)]
+    pub max_ranks_per_core: usize,
     /// ZeRO stage: 0 keeps everything on every replica; 1 shards the optimizer state over the
     /// data-parallel replicas (reduce-scatter the gradients, update one's block, all-gather the
     /// parameters); 2 also the gradients (reduce-scattered in buckets during the backward

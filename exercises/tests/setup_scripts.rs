@@ -154,9 +154,12 @@ fn a_verified_wikitext_zip_is_unpacked_where_the_loader_finds_it() {
     let status = Command::new("python3").args(["-c", script]).arg(&zip).status().unwrap();
     assert!(status.success());
     let data = tempfile::tempdir().unwrap();
-    let env = [("FETCH_WIKITEXT_URL", format!("file://{}", zip.display())), ("FETCH_WIKITEXT_MD5", md5(&zip))];
+    // A dead address first, as the S3 bucket is today: the next one is tried.
+    let urls = format!("file:///nonexistent/wikitext-2-v1.zip file://{}", zip.display());
+    let env = [("FETCH_WIKITEXT_URL", urls), ("FETCH_WIKITEXT_MD5", md5(&zip))];
     let out = fetch_wikitext(data.path(), &env);
     assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("file:///nonexistent/wikitext-2-v1.zip: not available (trying the next"), "{}", text(&out));
     assert!(text(&out).contains("wikitext-2 in") && !text(&out).contains("GENERATED"), "{}", text(&out));
     assert!(data.path().join("wikitext-2/wikitext-2/wiki.valid.tokens").exists());
     assert!(!data.path().join("wikitext-2/wikitext-2-v1.zip").exists(), "the zip is removed after unpacking");
@@ -175,6 +178,43 @@ fn wikitext_with_a_bad_checksum_or_no_network_is_generated_loudly() {
     assert!(msg.contains("GENERATING a stand-in") && msg.contains("(GENERATED stand-in)"), "{msg}");
     assert!(data.path().join("wikitext-2/GENERATED.txt").exists());
     assert!(data.path().join("wikitext-2/wiki.train.tokens").exists());
+}
+
+/// A `curl` that records the addresses asked of it and fails, as with no network.
+fn recording_curl(dir: &Path) -> (String, PathBuf) {
+    let log = dir.join("urls.log");
+    let curl = dir.join("curl");
+    std::fs::write(&curl, format!("#!/bin/sh\nfor a; do case \"$a\" in http*) echo \"$a\" >> {}; esac; done\nexit 7\n", log.display()))
+        .unwrap();
+    std::fs::set_permissions(&curl, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    (format!("{}:{}", dir.display(), std::env::var("PATH").unwrap()), log)
+}
+
+#[test]
+fn the_data_scripts_try_the_addresses_that_still_serve_first_then_the_old_ones() {
+    let bin = tempfile::tempdir().unwrap();
+    let (path, log) = recording_curl(bin.path());
+    let data = tempfile::tempdir().unwrap();
+    let out = fetch_wikitext(data.path(), &[("PATH", path.clone())]);
+    assert!(out.status.success() && text(&out).contains("GENERATING a stand-in"), "{}", text(&out));
+    let asked = std::fs::read_to_string(&log).unwrap();
+    // The author's own host (the S3 bucket answers 403 since 2024), then the bucket.
+    assert_eq!(
+        asked.lines().collect::<Vec<_>>(),
+        ["https://wikitext.smerity.com/wikitext-2-v1.zip", "https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-2-v1.zip"]
+    );
+    std::fs::remove_file(&log).unwrap();
+    let out = fetch(data.path(), "mnist", &[("PATH", path)]);
+    assert!(out.status.success(), "{}", text(&out));
+    let asked = std::fs::read_to_string(&log).unwrap();
+    // PyTorch's copy, then the original page, for the same file (the first one asked for).
+    let first: Vec<_> = asked.lines().take(2).collect();
+    let file = first[0].rsplit('/').next().unwrap();
+    assert!(file.ends_with("-ubyte.gz"), "{asked}");
+    assert_eq!(
+        first,
+        [format!("https://ossci-datasets.s3.amazonaws.com/mnist/{file}"), format!("http://yann.lecun.com/exdb/mnist/{file}")]
+    );
 }
 
 /// `scripts/find-libclang` run on a fake file tree `root`, with the search variables given

@@ -14,6 +14,17 @@ download() {
     mv "$file.part" "$file"
 }
 
+# download_first "URL..." FILE MD5: the URLs (space-separated) tried in turn until one gives a
+# file with that MD5; says which failed. Non-zero when none did.
+download_first() {
+    local urls=$1 file=$2 md5=$3 url
+    for url in $urls; do
+        download "$url" "$file" "$md5" && return 0
+        echo "!! $url: not available (trying the next address, if any)" >&2
+    done
+    return 1
+}
+
 # announce_generated NAME FIGURES: the loud banner before a stand-in is generated.
 announce_generated() {
     echo "!!" >&2

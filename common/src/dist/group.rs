@@ -175,7 +175,8 @@ impl ProcessGroup {
     /// exits), the error is returned as usual.
     pub fn run<T>(backend: Backend, body: impl FnOnce(&ProcessGroup) -> Result<T>) -> Result<T> {
         let group = ProcessGroup::init(backend)?;
-        let result = body(&group);
+        // A LibTorch failure (out of memory, say) panics in tch: an error like any other here.
+        let result = crate::error::catch_panic(|| body(&group));
         if let Err(err) = &result {
             group.abort_on_error(err);
         }
@@ -503,12 +504,19 @@ fn cuda_index(local_rank: usize) -> usize {
 /// Prints `err` as this rank's and ends every rank of the job with its exit code.
 #[cfg(feature = "mpi")]
 fn abort_job(mpi: &MpiCollectives, rank: usize, err: &anyhow::Error) -> ! {
+    let code = crate::error::exit_code(err);
+    // A usage error is most often every rank's (the same flags): rank 0 says it and ends the
+    // job. The others wait a little first, so that one line reaches the user, not one per rank;
+    // a mistake only one of them sees is still said, later.
+    if code == 2 && rank != 0 {
+        std::thread::sleep(std::time::Duration::from_secs(3));
+    }
     let message = format!("{err:#}");
     eprintln!(
         "error on rank {rank}: {}",
         message.lines().next().unwrap_or_default()
     );
-    mpi.abort(crate::error::exit_code(err).into())
+    mpi.abort(code.into())
 }
 
 #[cfg(feature = "mpi")]

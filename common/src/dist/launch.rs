@@ -18,7 +18,8 @@
 //! variables, so a misconfigured job fails at once instead of hanging in its first collective.
 use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus};
+use std::io::{BufRead, Write};
+use std::process::{Command, ExitStatus, Stdio};
 
 use anyhow::{Context, Result};
 
@@ -410,9 +411,73 @@ pub fn relaunch_with_mpirun(nproc: usize) -> Result<ExitStatus> {
         .args(mpirun_args(&version, is_root(), nproc))
         .arg(exe)
         .args(args_without_nproc(&args));
-    command
-        .status()
-        .with_context(|| format!("could not start {}", launcher.display()))
+    // The ranks' stderr passes through here: Open MPI's notice that a rank called MPI_Abort
+    // (a box of 8 lines, and a line per further rank) follows our own "error on rank N" line and
+    // adds nothing to it.
+    let mut child = command
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("could not start {}", launcher.display()))?;
+    let stderr = child.stderr.take().expect("stderr is piped");
+    let mut notices = AbortNotices::default();
+    let mut out = std::io::stderr().lock();
+    for line in std::io::BufReader::new(stderr).lines() {
+        for line in notices.pass(line?) {
+            writeln!(out, "{line}").ok();
+        }
+    }
+    for line in notices.finish() {
+        writeln!(out, "{line}").ok();
+    }
+    drop(out);
+    child
+        .wait()
+        .with_context(|| format!("waiting for {}", launcher.display()))
+}
+
+/// Drops Open MPI's MPI_Abort notices from the lines of a job's stderr: the dashed box that
+/// says MPI_ABORT was invoked, and the help-aggregation lines after it; every other line (and
+/// every other box) passes, in order.
+#[derive(Default)]
+struct AbortNotices {
+    /// The lines of a dashed box being read (from its opening line on).
+    boxed: Option<Vec<String>>,
+}
+
+impl AbortNotices {
+    fn is_rule(line: &str) -> bool {
+        line.len() >= 20 && line.chars().all(|c| c == '-')
+    }
+
+    /// The lines to print now, `line` read.
+    fn pass(&mut self, line: String) -> Vec<String> {
+        match self.boxed.as_mut() {
+            None if Self::is_rule(&line) => {
+                self.boxed = Some(vec![line]);
+                Vec::new()
+            }
+            None if line.contains("help-mpi-api.txt / mpi-abort") || line.contains("orte_base_help_aggregate") => Vec::new(),
+            None => vec![line],
+            Some(lines) => {
+                let closes = Self::is_rule(&line);
+                lines.push(line);
+                if !closes {
+                    return Vec::new();
+                }
+                let lines = self.boxed.take().unwrap_or_default();
+                if lines.iter().any(|l| l.contains("MPI_ABORT was invoked")) {
+                    Vec::new()
+                } else {
+                    lines
+                }
+            }
+        }
+    }
+
+    /// What is left at the end (a box never closed).
+    fn finish(&mut self) -> Vec<String> {
+        self.boxed.take().unwrap_or_default()
+    }
 }
 
 /// `$MPIRUN` if set, else `mpirun` from `path`; a usage error if it is not an executable file.
@@ -533,6 +598,31 @@ mod tests {
             ["--oversubscribe", "--bind-to", "none", "-np", "3"]
         );
         assert_eq!(mpirun_args("HYDRA build details:", true, 2), ["-np", "2"]);
+    }
+
+    #[test]
+    fn open_mpis_abort_notice_is_dropped_and_everything_else_kept() {
+        let stderr = "error on rank 0: --tp 3 does not divide 2 ranks
+--------------------------------------------------------------------------
+MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD
+with errorcode 2.
+
+NOTE: invoking MPI_ABORT causes Open MPI to kill all MPI processes.
+--------------------------------------------------------------------------
+[vm:07783] 1 more process has sent help message help-mpi-api.txt / mpi-abort
+[vm:07783] Set MCA parameter \"orte_base_help_aggregate\" to 0 to see all help / error messages
+--------------------------------------------------------------------------
+A process failed to start: not an abort
+--------------------------------------------------------------------------
+last line";
+        let mut notices = AbortNotices::default();
+        let mut kept: Vec<String> = stderr.lines().flat_map(|l| notices.pass(l.to_string())).collect();
+        kept.extend(notices.finish());
+        let rule = "-".repeat(74);
+        assert_eq!(
+            kept,
+            ["error on rank 0: --tp 3 does not divide 2 ranks", &rule, "A process failed to start: not an abort", &rule, "last line"]
+        );
     }
 
     #[test]

@@ -28,6 +28,14 @@ pub fn load_weights(vs: &nn::VarStore, path: &Path) -> anyhow::Result<()> {
         .into_iter()
         .filter(|(name, _)| !name.ends_with(IGNORED_SUFFIX))
         .collect();
+    if crate::checkpoint::holds_checkpoint(file.keys().map(String::as_str)) {
+        let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        bail!(
+            "{} is a checkpoint of a run (model and optimizer state), not a weights file: continue that run with --checkpoint-dir {} --resume",
+            path.display(),
+            folder.display()
+        );
+    }
     let model: BTreeMap<String, Tensor> = vs.variables().into_iter().collect();
 
     let mut missing = Vec::new();

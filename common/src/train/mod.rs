@@ -399,6 +399,10 @@ pub fn fit(
             };
             phases.insert(0, ("data wait", waiting, fetched));
             global_step += 1;
+            // On the CPU the loss is at hand: a diverged run stops at its first bad step.
+            if let Some(loss) = out.loss_sum.as_ref().filter(|l| l.device() == tch::Device::Cpu && !config.precision.needs_scaler()) {
+                finite_or_stop("training loss", loss.double_value(&[]), global_step, epoch)?;
+            }
             bubble.add(out.stage_busy);
             sums.add(&mut report, &out, &phases);
             observers.emit(&Event::Step(&sums.event(epoch, global_step, lr, &out, &phases)))?;
@@ -408,6 +412,12 @@ pub fn fit(
         drop(batches);
         let data_wait_s = sums.data_wait_s;
         let stats = end_epoch(step, eval, config, &mut report, sums, epoch, epoch_lr, global_step)?;
+        // float16's scaler skips the steps whose loss overflowed: its epoch mean may be inf
+        // while the model is fine; the evaluation says whether it is.
+        if !config.precision.needs_scaler() {
+            finite_or_stop("mean training loss", stats.train_loss, global_step, epoch)?;
+        }
+        finite_or_stop("evaluation loss", stats.eval_loss, global_step, epoch)?;
         let control = observers.emit(&Event::EpochEnded { stats: &stats, completed, data_wait_s })?;
         report.history.push(stats);
         if let (Control::Checkpoint, true, Some(ck)) = (control, completed, &config.checkpoint) {
@@ -425,6 +435,18 @@ pub fn fit(
     report.steady = steady.steady();
     observers.emit(&Event::Finished(&report))?;
     Ok(report)
+}
+
+/// A loss that is no longer a number ends the run (exit 1) before its checkpoint is
+/// overwritten: the model has diverged, and every further step would be wasted.
+fn finite_or_stop(what: &str, value: f64, step: usize, epoch: usize) -> Result<()> {
+    if value.is_finite() {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "the {what} is {value} at step {step} (epoch {}): the model diverged, and the run stops here; lower --lr or clip the gradients (--clip)",
+        epoch + 1
+    )
 }
 
 /// Evaluates on `eval` (over all replicas) into the report's figures and times.

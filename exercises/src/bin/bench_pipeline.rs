@@ -73,7 +73,9 @@ fn median(mut xs: Vec<f64>) -> f64 {
 
 fn bench(cli: &Cli) -> anyhow::Result<()> {
     let devices: Vec<Device> = cli.devices.iter().map(|d| device::parse_device(d)).collect::<Result<_, _>>()?;
-    device::set_threads(cli.threads)?;
+    if let Some(warning) = device::set_threads(cli.threads)? {
+        eprintln!("{warning}");
+    }
     let threads = tch::get_num_threads() as usize;
     let cfg = TransformerConfig { ntoken: cli.ntoken, d_model: cli.emsize, nhead: cli.nhead, d_hid: cli.d_hid, nlayers: cli.nlayers, dropout: 0.0 };
     let virtual_stages = Placement::virtual_stages(cli.schedule, cli.virtual_stages)?;

@@ -39,14 +39,16 @@ enum Command {
     },
     /// Read WikiText-2's three splits and print their sizes (fails with the reader's error otherwise).
     CheckText {
-        #[arg(long, default_value = "data/wikitext-2")]
+        /// The folder (--data-dir, as the exercises call it, works too).
+        #[arg(long, visible_alias = "data-dir", default_value = "data/wikitext-2")]
         dir: PathBuf,
     },
     /// Read both splits and print their sizes (fails with the reader's error otherwise).
     Check {
         #[arg(long, value_enum)]
         dataset: DatasetKind,
-        #[arg(long)]
+        /// The folder (--data-dir, as the exercises call it, works too) [default: data/<data set>].
+        #[arg(long, visible_alias = "data-dir")]
         dir: Option<PathBuf>,
     },
 }

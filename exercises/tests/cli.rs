@@ -201,7 +201,7 @@ fn a_cuda_graph_leaves_the_cpu_half_of_the_comparison_alone() {
     generated_cifar(data.path(), 20);
     let results = tempfile::tempdir().unwrap();
     let out = exercise1(&[
-        "--cuda-graph", "--model", "cnn", "--epochs", "1", "--max-steps", "2", "--data-dir", data.path().to_str().unwrap(),
+        "--cuda-graph", "--model", "cnn", "--epochs", "1", "--max-steps", "2", "--batch-size", "10", "--data-dir", data.path().to_str().unwrap(),
         "--results-dir", results.path().to_str().unwrap(), "--quiet",
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
@@ -215,7 +215,7 @@ fn a_corrupt_checkpoint_stops_the_resume_with_its_name() {
     let ck = tempfile::tempdir().unwrap();
     std::fs::write(ck.path().join("exercise1-cnn-cpu.safetensors"), b"garbage").unwrap();
     let out = exercise1(&[
-        "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--epochs", "1",
+        "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--epochs", "1", "--batch-size", "10",
         "--checkpoint-dir", ck.path().to_str().unwrap(), "--resume", "--quiet",
         "--results-dir", ck.path().to_str().unwrap(),
     ]);
@@ -232,7 +232,7 @@ fn weights_that_do_not_fit_are_listed() {
     let tensors = [("conv1.weight", tch::Tensor::zeros([3, 3], (tch::Kind::Float, tch::Device::Cpu)))];
     tch::Tensor::write_safetensors(&tensors, &weights).unwrap();
     let out = exercise1(&[
-        "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--max-steps", "1",
+        "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--max-steps", "1", "--batch-size", "10",
         "--weights", weights.to_str().unwrap(), "--quiet", "--results-dir", data.path().to_str().unwrap(),
     ]);
     assert_eq!(out.status.code(), Some(1));

@@ -68,8 +68,9 @@ type Panel<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<Axis, Axis>>;
 const MOST_TICKS: usize = 6;
 
 /// An axis fitted to the values it shows: its range and ticks in drawing coordinates (a value's
-/// logarithm on a log axis, so that log and linear panels share one coordinate type). Plotters
-/// draws it as it is: its ticks, labelled by [`Axis::label`].
+/// logarithm on a log axis, so that log and linear panels share one coordinate type), or the
+/// names of the bars of a bar chart. Plotters draws it as it is: its ticks, labelled by
+/// [`Axis::label`].
 #[derive(Debug, Clone)]
 struct Axis {
     range: Range<f64>,
@@ -79,6 +80,8 @@ struct Axis {
     decimals: usize,
     /// What the axis measures, written along it (may be empty).
     title: &'static str,
+    /// A bar chart's bars, one a unit wide from 0, labelled at their middles (empty for numbers).
+    names: Vec<&'static str>,
 }
 
 impl Axis {
@@ -111,9 +114,15 @@ impl Axis {
         Axis::with_ticks(range.clone(), nice_ticks(range, 1.0), false).titled("step")
     }
 
+    /// One bar per name, in order.
+    fn names(names: &[&'static str]) -> Axis {
+        let ticks = (0..names.len()).map(|i| i as f64 + 0.5).collect();
+        Axis { names: names.to_vec(), ..Axis::with_ticks(0.0..names.len() as f64, ticks, false) }
+    }
+
     fn with_ticks(range: Range<f64>, ticks: Vec<f64>, log: bool) -> Axis {
         let values: Vec<f64> = ticks.iter().map(|&t| if log { t.exp() } else { t }).collect();
-        Axis { range, ticks, log, decimals: decimals(&values), title: "" }
+        Axis { range, ticks, log, decimals: decimals(&values), title: "", names: Vec::new() }
     }
 
     fn titled(self, title: &'static str) -> Axis {
@@ -131,6 +140,9 @@ impl Axis {
 
     /// A tick's label, from where it is drawn.
     fn label(&self, at: f64) -> String {
+        if !self.names.is_empty() {
+            return self.names.get(at.floor() as usize).map_or(String::new(), |name| name.to_string());
+        }
         let value = if self.log { at.exp() } else { at };
         number(value, self.decimals)
     }
@@ -260,24 +272,26 @@ fn text_style(size: u32, pos: Pos) -> TextStyle<'static> {
     ("sans-serif", size).into_font().color(&BLACK).pos(pos)
 }
 
-/// A panel (one chart of a figure): its caption, both axes' ticks, labels and names, and grid
-/// lines at the ticks.
+/// A panel (one chart of a figure): its caption, both axes' ticks, labels and names, and
+/// horizontal grid lines; vertical ones too where the horizontal axis is numeric.
 fn panel<'a, 'b>(area: &'a Area<'b>, caption: &str, x: &Axis, y: &Axis) -> Drawn<Panel<'a, 'b>> {
     let mut chart = ChartBuilder::on(area)
         .caption(caption, ("sans-serif", 14))
         .margin(10)
         .margin_right(20)
         .x_label_area_size(40)
-        .y_label_area_size(50)
+        .y_label_area_size(if y.title.is_empty() { 50 } else { 60 })
         .build_cartesian_2d(x.clone(), y.clone())?;
-    chart
-        .configure_mesh()
-        .x_desc(x.title)
+    let mut mesh = chart.configure_mesh();
+    mesh.x_desc(x.title)
         .y_desc(y.title)
         .label_style(("sans-serif", 13))
         .axis_desc_style(("sans-serif", 13))
-        .bold_line_style(BLACK.mix(0.12))
-        .draw()?;
+        .bold_line_style(BLACK.mix(0.12));
+    if !x.names.is_empty() {
+        mesh.disable_x_mesh();
+    }
+    mesh.draw()?;
     Ok(chart)
 }
 
@@ -413,38 +427,41 @@ fn emptiest_corner<'p>(points: impl Iterator<Item = &'p (f64, f64)> + Clone, x: 
     corners.into_iter().min_by_key(covered).map_or(SeriesLabelPosition::UpperRight, |corner| corner.0)
 }
 
-/// The course slide's chart: training throughput per device (one bar each), to `path`.
+/// The devices of the course's CPU-vs-GPU chart, in its order, and their bars' colours: each
+/// has its place, and says so where it did not run.
+const DEVICES: [(&str, RGBColor); 2] = [("cpu", BLUE), ("cuda", METRIC)];
+
+/// The course slide's chart: training throughput per device, one bar each, a device that did
+/// not run (no GPU on the machine) marked "not run", to `path`.
 pub fn device_comparison(records: &[RunRecord], path: &Path) -> Result<()> {
-    let fail = |e: DrawingAreaErrorKind<std::io::Error>| anyhow!("cannot draw {}: {e}", path.display());
-    let unit = if records.first().is_some_and(|r| r.exercise.contains("nlp")) { "tokens/s" } else { "images/s" };
+    draw_devices(records, path).map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))
+}
+
+fn draw_devices(records: &[RunRecord], path: &Path) -> Drawn {
     let root = SVGBackend::new(path, (WIDTH / 2, HEIGHT)).into_drawing_area();
-    root.fill(&WHITE).map_err(&fail)?;
-    let top = records.iter().map(|r| r.throughput).fold(0.0, f64::max) * 1.15;
-    let title = records.first().map_or(String::new(), |r| format!("{} {}: training throughput", r.exercise, r.model));
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 16))
-        .margin(15)
-        .x_label_area_size(30)
-        .y_label_area_size(60)
-        .build_cartesian_2d((0..records.len()).into_segmented(), 0.0..top.max(1.0))
-        .map_err(&fail)?;
-    chart
-        .configure_mesh()
-        .y_desc(unit)
-        .x_label_formatter(&|x| match x {
-            SegmentValue::CenterOf(i) => records.get(*i).map_or(String::new(), |r| r.device.clone()),
-            _ => String::new(),
-        })
-        .draw()
-        .map_err(&fail)?;
-    chart
-        .draw_series(records.iter().enumerate().map(|(i, r)| {
-            let color = if r.device == "cpu" { BLUE } else { GREEN };
-            Rectangle::new([(SegmentValue::Exact(i), 0.0), (SegmentValue::Exact(i + 1), r.throughput)], color.mix(0.7).filled())
-        }))
-        .map_err(&fail)?;
-    root.present().map_err(&fail)?;
-    Ok(())
+    root.fill(&WHITE)?;
+    let first = records.first();
+    let unit = if first.is_some_and(RunRecord::is_language_model) { "tokens/s" } else { "images/s" };
+    let title = first.map_or(String::new(), |r| format!("{} {}: training throughput", r.exercise, r.model));
+    let x = Axis::names(&DEVICES.map(|(name, _)| name));
+    // From zero: bars compare by their lengths.
+    let y = Axis::linear(records.iter().map(|r| r.throughput).chain([0.0]), 0.0..f64::INFINITY).titled(unit);
+    let mut chart = panel(&root, &title, &x, &y)?;
+    for (slot, (device, color)) in DEVICES.into_iter().enumerate() {
+        let middle = slot as f64 + 0.5;
+        match records.iter().find(|r| r.device == device) {
+            Some(record) => {
+                let bar = Rectangle::new([(slot as f64 + 0.15, 0.0), (slot as f64 + 0.85, record.throughput)], color.mix(0.7).filled());
+                chart.draw_series(std::iter::once(bar))?;
+                text_at(&mut chart, significant(record.throughput), (middle, record.throughput), (0, -4), Pos::new(HPos::Center, VPos::Bottom))?;
+            }
+            None => {
+                let height = (y.range.start + y.range.end) / 2.0;
+                text_at(&mut chart, "not run".into(), (middle, height), (0, 0), Pos::new(HPos::Center, VPos::Center))?;
+            }
+        }
+    }
+    root.present()
 }
 
 /// Where a run's training curves go: beside its results JSON.
@@ -612,6 +629,23 @@ mod tests {
         let step = smoothed(&[1.0, 1.0, f64::NAN, 3.0], 0.6);
         assert!(step[2].is_nan() && step[3] > 1.0 && step[3] < 3.0, "{step:?}");
         assert_eq!((smoothing_weight(6), smoothing_weight(100), smoothing_weight(5000)), (0.6, 0.8, 0.9));
+    }
+
+    #[test]
+    fn the_device_chart_has_a_bar_per_device_and_says_which_did_not_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("devices.svg");
+        let record = crate::report::tests::record;
+        device_comparison(&[record("cpu", 55.13), record("cuda", 41_000.0)], &path).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(svg_size(&svg), (WIDTH / 2, HEIGHT));
+        for text in ["exercise1 cnn: training throughput", "images/s", "cpu", "cuda", "55.1", "41,000", "40,000"] {
+            assert!(texts(&svg).contains(&text), "no `{text}` in the chart");
+        }
+        assert!(!texts(&svg).contains(&"not run"));
+        device_comparison(&[record("cpu", 55.13)], &path).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        assert!(texts(&svg).contains(&"cuda") && texts(&svg).contains(&"not run"), "the GPU's place says it did not run");
     }
 
     #[test]

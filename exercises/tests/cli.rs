@@ -75,6 +75,9 @@ fn device_both_without_a_gpu_runs_the_cpu_and_says_the_gpu_is_missing() {
     let curves = std::fs::read_to_string(results.path().join("exercise1-cnn-cpu.svg")).unwrap();
     let longest = curves.split("<polyline").skip(1).map(|line| line.split("points=\"").nth(1).unwrap().split('"').next().unwrap().split_whitespace().count()).max();
     assert!(longest.is_some_and(|points| points >= 3), "no line through the steps: {longest:?}");
+    // The GPU did not run: its place in the bar chart says so.
+    let devices = std::fs::read_to_string(results.path().join("exercise1-cnn-devices.svg")).unwrap();
+    assert!(devices.contains("not run"), "{devices}");
 }
 
 #[test]

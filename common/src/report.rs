@@ -311,10 +311,11 @@ pub fn group_thousands(n: i64) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn record(device: &str, throughput: f64) -> RunRecord {
+    /// A run of the course CNN on `device` (the charts' tests use it too).
+    pub(crate) fn record(device: &str, throughput: f64) -> RunRecord {
         RunRecord {
             exercise: "exercise1".into(),
             model: "cnn".into(),

@@ -71,6 +71,13 @@ fn device_both_without_a_gpu_runs_the_cpu_and_says_the_gpu_is_missing() {
         assert!(svg.contains(&format!("width=\"{}\" height=\"{}\"", size.0, size.1)), "{file}: not {size:?}");
         assert!(svg.contains(text) && svg.trim_end().ends_with("</svg>"), "{file}");
     }
+    // The curves are drawn per step: a line through the 3 steps, not one point for the one epoch.
+    let curves = std::fs::read_to_string(results.path().join("exercise1-cnn-cpu.svg")).unwrap();
+    let longest = curves.split("<polyline").skip(1).map(|line| line.split("points=\"").nth(1).unwrap().split('"').next().unwrap().split_whitespace().count()).max();
+    assert!(longest.is_some_and(|points| points >= 3), "no line through the steps: {longest:?}");
+    // The GPU did not run: its place in the bar chart says so.
+    let devices = std::fs::read_to_string(results.path().join("exercise1-cnn-devices.svg")).unwrap();
+    assert!(devices.contains("not run"), "{devices}");
 }
 
 #[test]

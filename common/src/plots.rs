@@ -43,13 +43,13 @@ fn null_is_nan<'de, D: serde::Deserializer<'de>>(value: D) -> std::result::Resul
 /// The course's published figure for the metric a run's curves show (accuracy as a share, or
 /// perplexity), drawn as a dashed line labelled "course: <value> (<note>)".
 #[derive(Debug, Clone, Copy)]
-pub struct CourseFigure<'a> {
+pub struct CourseMark<'a> {
     pub value: f64,
     /// Where the figure comes from, e.g. "PyTorch, 5 epochs"; may be empty.
     pub note: &'a str,
 }
 
-impl CourseFigure<'_> {
+impl CourseMark<'_> {
     fn label(&self) -> String {
         match self.note {
             "" => format!("course: {}", significant(self.value)),
@@ -315,13 +315,13 @@ pub fn training_curves(
     step_losses: &[f64],
     history: &[EpochPoint],
     metric: Metric,
-    course: Option<CourseFigure>,
+    course: Option<CourseMark>,
     path: &Path,
 ) -> Result<()> {
     draw_curves(title, step_losses, history, metric, course, path).map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))
 }
 
-fn draw_curves(title: &str, step_losses: &[f64], history: &[EpochPoint], metric: Metric, course: Option<CourseFigure>, path: &Path) -> Drawn {
+fn draw_curves(title: &str, step_losses: &[f64], history: &[EpochPoint], metric: Metric, course: Option<CourseMark>, path: &Path) -> Drawn {
     let root = SVGBackend::new(path, (WIDTH, HEIGHT)).into_drawing_area();
     root.fill(&WHITE)?;
     let root = root.titled(title, ("sans-serif", 18))?;
@@ -376,7 +376,7 @@ fn loss_panel(area: &Area, x: &Axis, first: usize, losses: &[f64], history: &[Ep
 /// The metric panel: each evaluation's accuracy or perplexity where its epoch ended, the last
 /// one's value written beside its point (a run of one epoch has a single point), and the
 /// course's figure as a dashed line.
-fn metric_panel(area: &Area, x: &Axis, history: &[EpochPoint], metric: Metric, course: Option<CourseFigure>) -> Drawn {
+fn metric_panel(area: &Area, x: &Axis, history: &[EpochPoint], metric: Metric, course: Option<CourseMark>) -> Drawn {
     let (caption, value): (&str, fn(&EpochPoint) -> f64) = match metric {
         Metric::Accuracy => ("evaluation accuracy", |p| p.eval_acc.unwrap_or(f64::NAN)),
         Metric::Perplexity => ("evaluation perplexity (log scale)", |p| p.eval_loss.exp()),
@@ -474,9 +474,9 @@ pub fn devices_path(results_dir: &Path, record: &RunRecord) -> PathBuf {
     results_dir.join(format!("{}-{}-devices.svg", record.exercise, record.model))
 }
 
-/// Draws a run's curves from its results JSON (`step_losses` and `history`), beside it. No
-/// preset holds the course's published accuracy or perplexity yet, so none is drawn: once one
-/// does, pass it here to [`training_curves`] as `Some(CourseFigure { value, note })`.
+/// Draws a run's curves from its results JSON (`step_losses` and `history`), beside it, with
+/// the course slide's accuracy or perplexity for the same exercise, model and device as a
+/// reference line ([`crate::course_figures`]) where the slide gives one.
 pub fn curves_for_run(results_dir: &Path, record: &RunRecord, json: &serde_json::Value) -> Result<PathBuf> {
     let history: Vec<EpochPoint> = results_field(json, "history")?;
     // A diverged step's NaN is written as null.
@@ -484,8 +484,20 @@ pub fn curves_for_run(results_dir: &Path, record: &RunRecord, json: &serde_json:
     let path = curves_path(results_dir, record);
     let metric = if record.is_language_model() { Metric::Perplexity } else { Metric::Accuracy };
     let title = format!("{} · {} · {} ({} precision)", record.exercise, record.model, record.device, record.precision);
-    training_curves(&title, &step_losses, &history, metric, None, &path)?;
+    training_curves(&title, &step_losses, &history, metric, course_mark(record), &path)?;
     Ok(path)
+}
+
+/// The slide's figure for `record`'s exercise, model and kind of device, if it gives one.
+fn course_mark(record: &RunRecord) -> Option<CourseMark<'static>> {
+    let device = match (record.device.as_str(), record.world_size) {
+        ("cpu", _) => "cpu",
+        (_, 1) => "gpu",
+        _ => "2 GPUs",
+    };
+    let row = crate::course_figures::for_run(&record.exercise, &record.model).iter().find(|c| c.device == device)?;
+    let value = if record.is_language_model() { row.test_ppl } else { row.test_acc }?;
+    Some(CourseMark { value, note: "slide" })
 }
 
 fn results_field<T: serde::de::DeserializeOwned>(json: &serde_json::Value, name: &str) -> Result<T> {
@@ -543,7 +555,7 @@ mod tests {
         EpochPoint { epoch, end_step, eval_loss, eval_acc: Some(eval_acc) }
     }
 
-    fn draw(step_losses: &[f64], history: &[EpochPoint], metric: Metric, course: Option<CourseFigure>) -> String {
+    fn draw(step_losses: &[f64], history: &[EpochPoint], metric: Metric, course: Option<CourseMark>) -> String {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("curves.svg");
         training_curves("exercise1 · cnn", step_losses, history, metric, course, &path).unwrap();
@@ -594,7 +606,7 @@ mod tests {
     #[test]
     fn perplexity_is_on_a_log_axis_with_the_course_figure_dashed() {
         let history: Vec<EpochPoint> = [(110, 6.35), (220, 5.78), (330, 5.37)].into_iter().enumerate().map(|(e, (s, l))| epoch(e + 1, s, l, 0.0)).collect();
-        let course = CourseFigure { value: 150.0, note: "PyTorch, 3 epochs" };
+        let course = CourseMark { value: 150.0, note: "PyTorch, 3 epochs" };
         let svg = draw(&vec![7.0; 330], &history, Metric::Perplexity, Some(course));
         assert!(texts(&svg).contains(&"evaluation perplexity (log scale)"));
         assert!(texts(&svg).contains(&"course: 150 (PyTorch, 3 epochs)"), "the course's figure, labelled");

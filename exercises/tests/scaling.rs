@@ -1,0 +1,103 @@
+//! The scaling study (`report scaling`): runs at several ranks become the table
+//! `scaling.csv` with the speed-up and efficiency arithmetic right, and the chart `scaling.svg`
+//! with its curves. No timing is asserted: the figures are checked against the runs' own JSON.
+use std::collections::HashMap;
+use std::path::Path;
+
+/// `scaling.csv`'s rows, each as column → value.
+fn csv_rows(path: &Path) -> Vec<HashMap<String, String>> {
+    let mut reader = csv::Reader::from_path(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let header: Vec<String> = reader.headers().unwrap().iter().map(String::from).collect();
+    reader.records().map(|r| header.iter().cloned().zip(r.unwrap().iter().map(String::from)).collect()).collect()
+}
+
+fn num(row: &HashMap<String, String>, column: &str) -> f64 {
+    row[column].parse().unwrap_or_else(|e| panic!("{column} = {:?}: {e}", row[column]))
+}
+
+fn close(a: f64, b: f64, what: &str) {
+    assert!((a - b).abs() <= 1e-9 * b.abs().max(1.0), "{what}: {a} != {b}");
+}
+
+fn row<'a>(rows: &'a [HashMap<String, String>], mode: &str, ranks: usize) -> &'a HashMap<String, String> {
+    rows.iter().find(|r| r["mode"] == mode && r["ranks"] == ranks.to_string()).unwrap_or_else(|| panic!("no {mode} row at {ranks} ranks: {rows:?}"))
+}
+
+/// A results JSON as a run writes it, with the figures the study reads set by the test.
+fn run_json(ranks: usize, per_rank: usize, steady: f64) -> serde_json::Value {
+    serde_json::json!({
+        "exercise": "exercise2", "model": "cnn", "params": 191935, "device": "cpu", "dataset": "cifar10",
+        "data_generated": true, "epochs": 1, "steps": 40, "batch_size": per_rank, "lr": 0.001, "optimizer": "adam",
+        "train_time_s": 10.0, "throughput": 0.9 * steady, "steady_throughput": steady, "world_size": ranks, "precision": "32",
+        "flops_per_example": 7.4e7, "tflops": 0.0, "peak_tflops": null, "mfu": null, "test_acc": 0.1, "test_loss": 2.3,
+        "data_wait_s": 0.0, "forward_backward_s": 9.0, "optimizer_s": 0.1, "eval_s": 0.2, "peak_memory_bytes": 1,
+        "threads": 1, "seed": 42, "torch_version": "2.11.0", "finished_at": 1,
+        "dp": ranks, "per_rank_batch": per_rank, "accumulate": 1, "global_batch": ranks * per_rank,
+        "examples_per_epoch": 6000, "allreduce_time_s": 0.5 * (ranks - 1) as f64, "history": [],
+    })
+}
+
+fn write(dir: &Path, folder: &str, json: &serde_json::Value) {
+    let dir = dir.join(folder);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("exercise2-cnn-cpu.json"), serde_json::to_string_pretty(json).unwrap()).unwrap();
+}
+
+/// Known throughputs in, known speed-ups and efficiencies out; the chart has every curve; runs
+/// that do not hold what their mode holds are refused with their file named.
+#[test]
+fn speedup_and_efficiency_follow_from_the_throughputs() {
+    let runs = tempfile::tempdir().unwrap();
+    // Strong: global batch 64 at 100, 180, 300 images/s. Weak: 16 per rank at 50, 100, 160.
+    for (ranks, steady) in [(1, 100.0), (2, 180.0), (4, 300.0)] {
+        write(runs.path(), &format!("strong/ranks-{ranks}"), &run_json(ranks, 64 / ranks, steady));
+    }
+    for (ranks, steady) in [(1, 50.0), (2, 100.0), (4, 160.0)] {
+        write(runs.path(), &format!("weak/ranks-{ranks}"), &run_json(ranks, 16, steady));
+    }
+    // Not runs: a trace and a memory estimate beside them are passed over.
+    std::fs::write(runs.path().join("weak/ranks-4/exercise2-cnn-cpu.trace.json"), "{\"traceEvents\": []}").unwrap();
+    std::fs::write(runs.path().join("weak/ranks-4/exercise2-cnn-cpu.memory-estimate.json"), "{\"ranks\": []}").unwrap();
+    let results = tempfile::tempdir().unwrap();
+    let out = common::scaling::collect(runs.path(), results.path()).unwrap();
+
+    let rows = csv_rows(&out.csv);
+    let expect = [
+        ("strong", 1, 100.0, 1.0, 1.0, 0.64, 60.0),
+        ("strong", 2, 180.0, 1.8, 0.9, 64.0 / 180.0, 6000.0 / 180.0),
+        ("strong", 4, 300.0, 3.0, 0.75, 64.0 / 300.0, 20.0),
+        ("weak", 1, 50.0, 1.0, 1.0, 16.0 / 50.0, 120.0),
+        ("weak", 2, 100.0, 2.0, 1.0, 32.0 / 100.0, 60.0),
+        ("weak", 4, 160.0, 3.2, 0.8, 64.0 / 160.0, 6000.0 / 160.0),
+    ];
+    assert_eq!(rows.len(), expect.len());
+    for (mode, ranks, throughput, speedup, efficiency, step, epoch) in expect {
+        let r = row(&rows, mode, ranks);
+        close(num(r, "throughput"), throughput, "the steady throughput, not the whole run's");
+        close(num(r, "speedup"), speedup, &format!("{mode} speed-up at {ranks}"));
+        close(num(r, "efficiency"), efficiency, &format!("{mode} efficiency at {ranks}"));
+        close(num(r, "step_time_s"), step, "time per step");
+        close(num(r, "epoch_time_s"), epoch, "time per epoch");
+        close(num(r, "allreduce_share"), 0.05 * (ranks - 1) as f64, "all-reduce share: 0.5 s per extra rank of 10 s");
+    }
+    let table = common::scaling::markdown(&out.rows);
+    assert!(table.contains("| strong | 32 | 4 | 64 | 16 | 20.00 | 213.3 | 300.0 | 3.00× | 4× | 75% | 15.0% |"), "{table}");
+
+    // Two series, four panels: a solid line each in every panel, dashed ideals in three.
+    let svg = std::fs::read_to_string(&out.svg).unwrap();
+    for text in ["strong: global batch 64", "weak: 16 per rank", "time per epoch", "speed-up", "efficiency", "all-reduce share", "ideal (dashed)"] {
+        assert!(svg.contains(text), "no `{text}` in the chart");
+    }
+    assert!(svg.matches("<polyline").count() >= 2 * 4 + 2 * 3, "{} lines", svg.matches("<polyline").count());
+    assert!(svg.matches("<circle").count() >= 6 * 4, "a marker per run in every panel");
+
+    // A strong point with another global batch is not part of this study.
+    write(runs.path(), "strong/ranks-8", &run_json(8, 16, 400.0));
+    let err = common::scaling::collect(runs.path(), results.path()).unwrap_err().to_string();
+    assert!(err.contains("strong scaling holds the global batch") && err.contains("ranks-8"), "{err}");
+    std::fs::remove_dir_all(runs.path().join("strong/ranks-8")).unwrap();
+    // Nor is a folder that names no mode.
+    write(runs.path(), "medium/ranks-2", &run_json(2, 16, 100.0));
+    let err = common::scaling::collect(runs.path(), results.path()).unwrap_err().to_string();
+    assert!(err.contains("`strong/` and `weak/` only, not `medium/`"), "{err}");
+}

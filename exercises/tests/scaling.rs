@@ -1,8 +1,13 @@
-//! The scaling study (`report scaling`): runs at several ranks become the table
+//! The scaling study (`make scaling`, `report scaling`): runs at several ranks become the table
 //! `scaling.csv` with the speed-up and efficiency arithmetic right, and the chart `scaling.svg`
 //! with its curves. No timing is asserted: the figures are checked against the runs' own JSON.
+mod support;
+
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use support::{read_json, stderr};
 
 /// `scaling.csv`'s rows, each as column → value.
 fn csv_rows(path: &Path) -> Vec<HashMap<String, String>> {
@@ -21,6 +26,49 @@ fn close(a: f64, b: f64, what: &str) {
 
 fn row<'a>(rows: &'a [HashMap<String, String>], mode: &str, ranks: usize) -> &'a HashMap<String, String> {
     rows.iter().find(|r| r["mode"] == mode && r["ranks"] == ranks.to_string()).unwrap_or_else(|| panic!("no {mode} row at {ranks} ranks: {rows:?}"))
+}
+
+/// `make scaling`'s script at 1 and 2 CPU ranks, both modes, on 64 generated images: each
+/// row of the table is its run's JSON put through the study's arithmetic.
+#[test]
+fn make_scaling_runs_both_modes_and_tabulates_the_runs_it_wrote() {
+    let results = tempfile::tempdir().unwrap();
+    let bin = Path::new(env!("CARGO_BIN_EXE_exercise2")).parent().unwrap();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/scaling.sh");
+    let out = Command::new(&script)
+        .envs([("BIN", bin.to_str().unwrap()), ("RESULTS", results.path().to_str().unwrap()), ("RANKS", "1 2"), ("GLOBAL", "16"), ("PER_RANK", "8")])
+        .envs([("EPOCHS", "1"), ("TRAIN", "64"), ("ARGS", "--threads 1 --workers 0")])
+        .output()
+        .expect("bench/scaling.sh runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", stderr(&out));
+    assert!(stdout.contains("| mode | precision | ranks | global batch |"), "the table is printed: {stdout}");
+
+    let rows = csv_rows(&results.path().join("scaling.csv"));
+    assert_eq!(rows.len(), 4, "strong and weak at 1 and 2 ranks: {rows:?}");
+    for (mode, batches) in [("strong", [(16, 16), (16, 8)]), ("weak", [(8, 8), (16, 8)])] {
+        let json = |ranks: usize| read_json(&results.path().join(format!("scaling/{mode}/ranks-{ranks}/exercise2-cnn-cpu.json")));
+        let (one, two) = (json(1), json(2));
+        // What the study compares: the steady state's speed, measured in these runs.
+        let speed = |j: &serde_json::Value| j["steady_throughput"].as_f64().expect("4 steps: 2 of warm-up, 2 steady");
+        for (ranks, j, (global, per_rank)) in [(1, &one, batches[0]), (2, &two, batches[1])] {
+            let r = row(&rows, mode, ranks);
+            assert_eq!((num(r, "global_batch") as u64, num(r, "per_rank_batch") as u64), (global, per_rank), "{mode} at {ranks} ranks");
+            assert_eq!(j["world_size"].as_u64(), Some(ranks as u64));
+            close(num(r, "throughput"), speed(j), "throughput");
+            close(num(r, "speedup"), speed(j) / speed(&one), "speed-up over 1 rank");
+            close(num(r, "ideal_speedup"), ranks as f64, "ideal");
+            close(num(r, "efficiency"), speed(j) / speed(&one) / ranks as f64, "efficiency");
+            close(num(r, "step_time_s"), global as f64 / speed(j), "time per step");
+            close(num(r, "epoch_time_s"), 64.0 / speed(j), "time per epoch: 64 images at that speed");
+            close(num(r, "allreduce_share"), j["allreduce_time_s"].as_f64().unwrap() / j["train_time_s"].as_f64().unwrap(), "all-reduce share");
+        }
+        assert!(num(row(&rows, mode, 2), "allreduce_share") > 0.0, "2 ranks average their gradients");
+    }
+    let svg = std::fs::read_to_string(results.path().join("scaling.svg")).unwrap();
+    for text in ["strong: global batch 16", "weak: 8 per rank", "speed-up", "efficiency", "all-reduce share"] {
+        assert!(svg.contains(text), "no `{text}` in the chart");
+    }
 }
 
 /// A results JSON as a run writes it, with the figures the study reads set by the test.

@@ -15,7 +15,7 @@ BIN       := target/release
 ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
-.PHONY: system-deps python-tools gpu-check report exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
+.PHONY: system-deps python-tools gpu-check report scaling exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
         exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test test-slurm clean-results \
         notebooks notebook-kernel jupyter
 
@@ -106,6 +106,14 @@ bench-largebatch: build
 # results/bench-parallel.csv (NPROC, GLOBAL, STEPS, THREADS, DATA).
 bench-parallel: build
 	$(WITH) bench/parallel.sh
+
+# The scaling study (JSC's, Namal's and IDRIS's slides): EXERCISE at RANKS="1 2 4" local ranks,
+# the global batch held (strong, GLOBAL=128) and the batch per rank held (weak, PER_RANK=32);
+# MODE=strong|weak|both (WEAK=1 = MODE=weak), PRECISION="32 bf16-mixed" for FP32 vs mixed;
+# runs in results/scaling/, the table in results/scaling.csv, the chart results/scaling.svg
+# (see bench/scaling.sh; across nodes: sbatch/scaling.sbatch).
+scaling: build
+	$(WITH) bench/scaling.sh
 
 # exercise1_nlp alone (ROUNDS, STEPS, THREADS, DEVICE, MODEL_FLAGS); also results/bench-nlp.csv.
 bench-nlp: data-wikitext2

@@ -553,6 +553,9 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         "per_rank_batch": recipe.batch_size,
         "accumulate": recipe.accumulate,
         "global_batch": recipe.batch_size * recipe.accumulate * replicas,
+        // The training split's size: a whole epoch's time from the throughput, also when
+        // --max-steps stopped the run inside its first epoch (the scaling study's column).
+        "examples_per_epoch": sources.examples_per_epoch,
         "lr_schedule": recipe.schedule,
         "allreduce_time_s": fit.timings.allreduce_s,
         "scaling_efficiency": report::scaling_efficiency(&csv, &record),

@@ -28,6 +28,7 @@ pub mod presets;
 pub mod profile;
 pub mod report;
 pub mod results_page;
+pub mod scaling;
 pub mod tensorboard;
 pub mod torch_ext;
 pub mod train;

@@ -1,22 +1,50 @@
 //! `make report`: renders the tables and charts of the last runs in a results folder into its
 //! README.md (between the generated section's markers; the hand-written text stays).
+//! `make scaling`: `report scaling` collects the scaling study's runs into a table and a chart.
 //!
 //!     report [--results-dir results]
-use clap::Parser;
+//!     report scaling [--results-dir results] [--runs results/scaling]
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
 
 /// Tables and charts of the last runs, into <results-dir>/README.md.
 #[derive(Parser)]
 #[command(version, about)]
 struct Cli {
-    #[arg(long, default_value = "results")]
-    results_dir: std::path::PathBuf,
+    #[arg(long, default_value = "results", global = true)]
+    results_dir: PathBuf,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// The scaling study: the runs under --runs (<mode>/<folder>/<run>.json, mode strong or
+    /// weak) into <results-dir>/scaling.csv and scaling.svg (speed-up, efficiency against the
+    /// ideal, time per epoch, all-reduce share), and the table on the terminal.
+    Scaling {
+        /// Where the runs are [default: <results-dir>/scaling].
+        #[arg(long)]
+        runs: Option<PathBuf>,
+    },
 }
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     common::error::run_main(|| {
-        let path = common::results_page::update_readme(&cli.results_dir)?;
-        println!("wrote {}", path.display());
+        match cli.command {
+            None => {
+                let path = common::results_page::update_readme(&cli.results_dir)?;
+                println!("wrote {}", path.display());
+            }
+            Some(Command::Scaling { runs }) => {
+                let runs = runs.unwrap_or_else(|| cli.results_dir.join("scaling"));
+                let out = common::scaling::collect(&runs, &cli.results_dir)?;
+                print!("{}", common::scaling::markdown(&out.rows));
+                println!("wrote {} and {}", out.csv.display(), out.svg.display());
+            }
+        }
         Ok(())
     })
 }

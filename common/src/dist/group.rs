@@ -506,10 +506,10 @@ fn cuda_index(local_rank: usize) -> usize {
 fn abort_job(mpi: &MpiCollectives, rank: usize, err: &anyhow::Error) -> ! {
     let code = crate::error::exit_code(err);
     // A usage error is most often every rank's (the same flags): rank 0 says it and ends the
-    // job. The others wait a little first, so that one line reaches the user, not one per rank;
-    // a mistake only one of them sees is still said, later.
+    // job. The others wait first (20 s: long enough for a loaded rank 0 to get there), so that
+    // one line reaches the user, not one per rank; a mistake only they see is still said, later.
     if code == 2 && rank != 0 {
-        std::thread::sleep(std::time::Duration::from_secs(3));
+        std::thread::sleep(std::time::Duration::from_secs(20));
     }
     let message = format!("{err:#}");
     eprintln!(

@@ -7,6 +7,7 @@
 use tch::nn::{self, Init};
 use tch::Tensor;
 
+mod blocks;
 mod cnn;
 mod resnet;
 pub mod transformer;
@@ -17,6 +18,7 @@ pub use transformer::{
     encoder_layers, encoder_layers_sharded, mix_key, output_layer, output_layer_sharded, param_count_formula, OutputInit, EncoderLayer, Masks, TokenEmbedding, TransformerConfig,
     TransformerLm,
 };
+pub use blocks::{Block, Blocks};
 pub use weights::load_weights;
 
 

@@ -1,5 +1,6 @@
 //! ResNet34 in torchvision's exact layout (`torchvision.models.resnet34`), so that its
 //! `state_dict` keys and shapes are this var store's names and shapes.
+use super::blocks::Block;
 use super::{
     batch_norm, imagenet_input, imagenet_stem_channels, torch_linear, ModelSpec,
     KAIMING_NORMAL_FAN_OUT,
@@ -75,6 +76,23 @@ impl ModuleT for BasicBlock {
     }
 }
 
+/// `layer1` .. `layer4`: torchvision's name of stage `stage` (from 0).
+fn stage_name(stage: usize) -> String {
+    format!("layer{}", stage + 1)
+}
+
+/// ResNet34's blocks (see [`super::blocks`]): the stem, the 16 BasicBlocks, `fc`.
+pub(super) fn blocks() -> Vec<Block> {
+    let basic_blocks = RESNET34_BLOCKS
+        .iter()
+        .enumerate()
+        .flat_map(|(stage, &count)| (0..count).map(move |i| Block::module(format!("{}.{i}", stage_name(stage)))));
+    std::iter::once(Block::new("stem", &["conv1", "bn1"]))
+        .chain(basic_blocks)
+        .chain([Block::module("fc")])
+        .collect()
+}
+
 #[derive(Debug)]
 pub(super) struct ResNet {
     conv1: nn::Conv2D,
@@ -97,7 +115,7 @@ impl ResNet {
         let mut blocks = Vec::new();
         let mut in_dim = STEM_CHANNELS;
         for (stage, (&count, &out_dim)) in RESNET34_BLOCKS.iter().zip(&STAGE_CHANNELS).enumerate() {
-            let layer = vs / format!("layer{}", stage + 1);
+            let layer = vs / stage_name(stage);
             // Every stage but the first halves the map in its first block.
             let first_stride = if stage == 0 { 1 } else { 2 };
             for i in 0..count {

@@ -396,7 +396,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     check_batches(exp, &sources, replicas)?;
     // Peak memory from here, the data in place: the model's state, activations and temporaries.
     let meter = std::cell::RefCell::new(MemoryMeter::start(&exp.devices(&plan, device))?);
-    let mut step = parallelize(&plan, groups, dp, device, run.seed)?;
+    let mut step = parallelize(&plan, groups, dp, device, run.seed, session)?;
     exp.describe(&plan, step.as_ref(), groups, device, session)?;
     let recipe = Recipe::resolve(preset, exp.recipe_args(), replicas, sources.train.batches_per_epoch(), run.epochs.unwrap_or(preset.epochs));
     let build = |named| recipe.optimizer.build(named, recipe.lr, recipe.momentum, recipe.weight_decay, exp.recipe_args().optimizer_kernel);

@@ -38,7 +38,8 @@ pub struct ImageArgs {
     pub model: Option<Arch>,
     #[arg(long, value_enum, default_value = "cifar10")]
     pub dataset: DatasetKind,
-    /// Initial weights in torchvision's names (.safetensors or .ot), e.g. ImageNet-pretrained.
+    /// Initial weights in torchvision's names (.safetensors or .ot), e.g. ImageNet-pretrained;
+    /// a head for another number of classes is left out and starts freshly initialised.
     #[arg(long)]
     pub weights: Option<PathBuf>,
     /// Size of the classification head [default: 10 for cnn, 1000 for resnet34/vgg19 as in the course].
@@ -201,11 +202,7 @@ impl Experiment for ImageExperiment<'_> {
             spec.num_classes,
             report::group_thousands(params),
             if replicas > 1 { format!(", {replicas} replicas × batch {}", self.batch_size()) } else { String::new() }
-        ))?;
-        if let Some(path) = &self.args.weights {
-            observers.info(format!("loaded weights from {}", path.display()))?;
-        }
-        Ok(())
+        ))
     }
 
     fn memory_estimate(&self, world: usize, cuda: bool, observers: &mut Observers) -> Result<Vec<RankEstimate>> {

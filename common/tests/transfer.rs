@@ -1,7 +1,10 @@
-//! Transfer learning in the library: the models' blocks.
+//! Transfer learning in the library: the models' blocks, and ImageNet weights (a 1000-way head)
+//! starting a 10-class model with a new head.
 use common::models::{self, Arch, Blocks, ModelSpec};
+use std::collections::BTreeMap;
+use std::path::Path;
 use tch::nn::{self, ModuleT};
-use tch::Device;
+use tch::{Device, Kind, Tensor};
 
 fn cifar(arch: Arch, num_classes: i64) -> ModelSpec {
     ModelSpec { arch, in_channels: 3, image_size: 32, num_classes }
@@ -12,6 +15,28 @@ fn build(spec: &ModelSpec, seed: i64) -> (nn::VarStore, Box<dyn ModuleT>) {
     let vs = nn::VarStore::new(Device::Cpu);
     let model = models::build(&vs.root(), spec);
     (vs, model)
+}
+
+/// Every variable of `vs`, copied (not sharing storage with the model).
+fn snapshot(vs: &nn::VarStore) -> BTreeMap<String, Tensor> {
+    vs.variables().into_iter().map(|(name, t)| (name, t.detach().copy())).collect()
+}
+
+fn images(n: i64) -> Tensor {
+    Tensor::randn([n, 3, 32, 32], (Kind::Float, Device::Cpu))
+}
+
+/// A file in torchvision's names and shapes for `arch` with ImageNet's 1000-way head: a seeded
+/// model's variables, its batch-norm statistics moved away from their initial 0 and 1 by a
+/// training pass, and torchvision's `num_batches_tracked` beside each batch norm.
+fn imagenet_file(arch: Arch, path: &Path) -> BTreeMap<String, Tensor> {
+    let (vs, model) = build(&cifar(arch, 1000), 1);
+    let _ = tch::no_grad(|| model.forward_t(&images(4), true));
+    let file = snapshot(&vs);
+    let counters = file.keys().filter_map(|name| name.strip_suffix(".running_mean")).map(|bn| (format!("{bn}.num_batches_tracked"), Tensor::from(1i64)));
+    let tensors: Vec<(String, Tensor)> = file.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).chain(counters).collect();
+    Tensor::write_safetensors(&tensors, path).unwrap();
+    file
 }
 
 #[test]
@@ -40,4 +65,66 @@ fn blocks_hold_every_variable_once_in_forward_order_with_the_head_last() {
     // `layer1.1` must not hold `layer1.10...` nor `layer1.1` hold `layer1.1x`: whole path parts.
     let block = Blocks::of(&cifar(Arch::Resnet34, 10)).iter().find(|b| b.name == "layer1.1").unwrap().clone();
     assert!(block.holds("layer1.1.conv1.weight") && !block.holds("layer1.10.conv1.weight") && !block.holds("layer1.1"));
+}
+
+/// Loads an ImageNet-headed file of `arch` into a 10-class model: every tensor but the head's
+/// is the file's, bit for bit, the head is the model's own fresh one, and the line says so.
+fn imagenet_weights_start_a_ten_class_model(arch: Arch, loaded: usize, head: [&str; 2]) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(format!("{}.safetensors", arch.name()));
+    let file = imagenet_file(arch, &path);
+    let spec = cifar(arch, 10);
+    let (vs, _) = build(&spec, 2);
+    let fresh = snapshot(&vs);
+    let report = models::load_weights(&vs, &path, Blocks::of(&spec).head()).unwrap();
+    assert_eq!(report.loaded, loaded);
+    assert_eq!(report.new_head, head);
+    let line = report.describe();
+    assert!(line.contains(&format!("{loaded} tensors loaded from {}", path.display())) && line.contains(&head.join(", ")), "{line}");
+    for (name, now) in vs.variables() {
+        let expected = if head.contains(&name.as_str()) { &fresh[&name] } else { &file[&name] };
+        assert!(now.equal(expected), "{arch:?}: {name} is not what it should be");
+    }
+    // The same file into a 1000-class model: all of it, the head too.
+    let (vs, _) = build(&cifar(arch, 1000), 3);
+    let report = models::load_weights(&vs, &path, Blocks::of(&cifar(arch, 1000)).head()).unwrap();
+    assert_eq!((report.loaded, report.new_head.len()), (loaded + 2, 0));
+    assert!(vs.variables().iter().all(|(name, t)| t.equal(&file[name])));
+}
+
+#[test]
+fn resnet34_imagenet_weights_start_a_ten_class_model_with_a_new_fc() {
+    imagenet_weights_start_a_ten_class_model(Arch::Resnet34, 180, ["fc.bias", "fc.weight"]);
+}
+
+#[test]
+fn vgg19_imagenet_weights_start_a_ten_class_model_with_a_new_classifier_6() {
+    imagenet_weights_start_a_ten_class_model(Arch::Vgg19, 36, ["classifier.6.bias", "classifier.6.weight"]);
+}
+
+#[test]
+fn with_a_new_head_anything_else_that_does_not_fit_is_still_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("resnet34.safetensors");
+    let mut file = imagenet_file(Arch::Resnet34, &path);
+    // A backbone tensor of another shape, one missing, one the model does not have.
+    file.insert("layer1.0.conv1.weight".into(), Tensor::zeros([64, 64, 1, 1], (Kind::Float, Device::Cpu)));
+    file.remove("layer4.2.bn2.running_var");
+    file.insert("layer5.0.conv1.weight".into(), Tensor::zeros([1], (Kind::Float, Device::Cpu)));
+    let tensors: Vec<(String, Tensor)> = file.into_iter().collect();
+    Tensor::write_safetensors(&tensors, &path).unwrap();
+    let spec = cifar(Arch::Resnet34, 10);
+    let (vs, _) = build(&spec, 2);
+    let before = snapshot(&vs);
+    let message = format!("{:#}", models::load_weights(&vs, &path, Blocks::of(&spec).head()).unwrap_err());
+    assert_eq!(message.lines().count(), 1, "{message}");
+    for part in [
+        "missing from the file (1): layer4.2.bn2.running_var",
+        "shape mismatches (1): layer1.0.conv1.weight: file [64, 64, 1, 1] vs model [64, 64, 3, 3]",
+        "unexpected in the file (1): layer5.0.conv1.weight",
+    ] {
+        assert!(message.contains(part), "{part}: {message}");
+    }
+    assert!(!message.contains("fc."), "the new head is no difference: {message}");
+    assert!(vs.variables().iter().all(|(name, t)| t.equal(&before[name])), "a failed load copied something");
 }

@@ -19,7 +19,7 @@ pub use transformer::{
     TransformerLm,
 };
 pub use blocks::{Block, Blocks};
-pub use weights::load_weights;
+pub use weights::{load_weights, LoadedWeights};
 
 
 /// Which network to build.

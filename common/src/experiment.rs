@@ -464,7 +464,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         train::check_replicas_agree(&step.named_variables(), group)?;
         step.release(false)?;
     }
-    let memory = ModelState::measure(&step.named_parameters(), optimizer.as_ref(), replicas, zero);
+    let memory = ModelState::measure(&step.named_parameters(), &step.frozen_parameters(), optimizer.as_ref(), replicas, zero);
     let peaks = memory::gather(&meter.borrow().peaks(groups.world.rank())?, groups.world)?; // a collective: every rank
     let params = step_parameter_count(groups, step.as_ref())?; // a collective: every rank
     let mut fit = fit;

@@ -19,7 +19,7 @@ use crate::dist::layout::Groups;
 use crate::dist::GradientSync;
 use crate::error::usage;
 use crate::dist::zero::ZeroStage;
-use crate::models::{self, Blocks, ModelSpec, OnePart, OutputInit, PartedModule, TransformerConfig, TransformerLm};
+use crate::models::{self, Blocks, ModelSpec, OnePart, OutputInit, PartedModule, Trainable, TransformerConfig, TransformerLm};
 use crate::pipeline::process::StageProcess;
 use crate::pipeline::{Partition, Pipeline, PipelineOptions, Placement, Stage};
 use crate::train::{LocalStep, Observers, Parallel, Replication, TrainStep};
@@ -27,9 +27,9 @@ use crate::train::{LocalStep, Observers, Parallel, Replication, TrainStep};
 /// What to train.
 #[derive(Debug, Clone)]
 pub enum ModelPlan {
-    /// An image classifier, from `weights` (torchvision names) when given, in the channels-last
-    /// memory format when asked.
-    Image { spec: ModelSpec, weights: Option<PathBuf>, channels_last: bool },
+    /// An image classifier, from `weights` (torchvision names) when given, its blocks before the
+    /// `trainable` ones frozen, in the channels-last memory format when asked.
+    Image { spec: ModelSpec, weights: Option<PathBuf>, trainable: Trainable, channels_last: bool },
     /// The Transformer language model, whole or cut into pipeline stages, its output layer
     /// initialised as `init` says.
     Transformer { config: TransformerConfig, pipeline: Option<PipelinePlan>, init: OutputInit },
@@ -54,7 +54,7 @@ pub struct DataParallelPlan {
 
 /// Builds this rank's step: the model (seeded with `seed`, the same on every rank) on `device`,
 /// or this rank's part of it, and its replicas from `groups`. Rank 0 tells `observers` what
-/// it loaded.
+/// it loaded and froze.
 pub fn parallelize<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPlan, device: Device, seed: u64, observers: &mut Observers) -> Result<Box<dyn TrainStep<'g> + 'g>> {
     let step = build_step(model, groups, dp, device, seed, observers)?;
     if let ModelPlan::Transformer { config, init, .. } = model {
@@ -84,12 +84,16 @@ fn build_step<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPla
         })
     };
     match model {
-        ModelPlan::Image { spec, weights, channels_last } => whole_model(&mut |vs| {
+        ModelPlan::Image { spec, weights, trainable, channels_last } => whole_model(&mut |vs| {
             let module = models::build(&vs.root(), spec);
-            if let Some(path) = weights {
-                let loaded = models::load_weights(vs, path, Blocks::of(spec).head())?;
-                if groups.is_root() {
-                    observers.info(loaded.describe())?;
+            let blocks = Blocks::of(spec);
+            // Before the step is built: its ZeRO-3 shards and the optimizer take the
+            // parameters that still train.
+            let loaded = weights.as_ref().map(|path| models::load_weights(vs, path, blocks.head())).transpose()?;
+            let frozen = models::freeze(vs, &blocks, *trainable, spec.arch.name())?;
+            if groups.is_root() {
+                for line in loaded.map(|l| l.describe()).into_iter().chain(frozen.map(|f| f.describe())) {
+                    observers.info(line)?;
                 }
             }
             Ok(Box::new(OnePart(match channels_last {

@@ -1,6 +1,7 @@
-//! Transfer learning in the library: the models' blocks, and ImageNet weights (a 1000-way head)
-//! starting a 10-class model with a new head.
-use common::models::{self, Arch, Blocks, ModelSpec};
+//! Transfer learning in the library: the models' blocks, ImageNet weights (a 1000-way head)
+//! starting a 10-class model with a new head, freezing the first blocks, and frozen batch norms
+//! keeping their statistics. The binaries' runs are in `exercises/tests/transfer.rs`.
+use common::models::{self, freeze, Arch, Blocks, ModelSpec, Trainable};
 use std::collections::BTreeMap;
 use std::path::Path;
 use tch::nn::{self, ModuleT};
@@ -127,4 +128,85 @@ fn with_a_new_head_anything_else_that_does_not_fit_is_still_an_error() {
     }
     assert!(!message.contains("fc."), "the new head is no difference: {message}");
     assert!(vs.variables().iter().all(|(name, t)| t.equal(&before[name])), "a failed load copied something");
+}
+
+/// The names of the variables that still require gradients.
+fn trained(vs: &nn::VarStore) -> Vec<String> {
+    models::named_parameters(vs).into_iter().map(|(name, _)| name).collect()
+}
+
+#[test]
+fn train_last_n_freezes_every_block_before_the_last_n() {
+    let spec = cifar(Arch::Resnet34, 10);
+    let blocks = Blocks::of(&spec);
+    let (vs, _) = build(&spec, 0);
+    let all = trained(&vs);
+    assert_eq!(freeze(&vs, &blocks, Trainable::All, "resnet34").unwrap(), None);
+    assert_eq!(trained(&vs), all, "Trainable::All froze something");
+
+    let frozen = freeze(&vs, &blocks, Trainable::Last(4), "resnet34").unwrap().unwrap();
+    assert_eq!(frozen.trained, ["layer4.0", "layer4.1", "layer4.2", "fc"]);
+    let line = frozen.describe();
+    assert!(line.contains("the last 4 of 18 blocks (layer4.0, layer4.1, layer4.2, fc); the 14 before them frozen"), "{line}");
+    // The stem's, 2 in each of the 13 BasicBlocks of layer1 to layer3, their 2 projections'.
+    assert_eq!(frozen.frozen_batch_norms, 1 + 2 * 13 + 2);
+    let expected: Vec<String> = all.iter().filter(|n| n.starts_with("layer4.") || n.starts_with("fc.")).cloned().collect();
+    assert_eq!(trained(&vs), expected);
+    assert!(expected.len() < all.len() && expected.iter().any(|n| n == "layer4.0.downsample.1.weight"));
+    // Frozen parameters still count in the model's size.
+    assert_eq!(models::param_count(&vs), 21_289_802);
+
+    let (vs, _) = build(&cifar(Arch::Vgg19, 10), 0);
+    let frozen = freeze(&vs, &Blocks::of(&cifar(Arch::Vgg19, 10)), Trainable::Last(3), "vgg19").unwrap().unwrap();
+    assert_eq!(frozen.trained, ["classifier.0", "classifier.3", "classifier.6"]);
+    assert_eq!(frozen.frozen_batch_norms, 0);
+    assert!(!frozen.describe().contains("batch norms"), "{}", frozen.describe());
+    assert!(trained(&vs).iter().all(|n| n.starts_with("classifier.")) && trained(&vs).len() == 6);
+}
+
+#[test]
+fn train_last_counts_outside_the_model_are_refused() {
+    let spec = cifar(Arch::Resnet34, 10);
+    let (vs, _) = build(&spec, 0);
+    let blocks = Blocks::of(&spec);
+    let zero = freeze(&vs, &blocks, Trainable::Last(0), "resnet34").unwrap_err().to_string();
+    assert!(zero.contains("would train nothing"), "{zero}");
+    let many = freeze(&vs, &blocks, Trainable::Last(19), "resnet34").unwrap_err().to_string();
+    assert!(many.contains("--train-last 19: resnet34 has 18 blocks (stem, layer1.0,") && many.contains("give at most 18"), "{many}");
+    assert_eq!(trained(&vs).len(), models::named_parameters(&vs).len());
+    assert!(freeze(&vs, &blocks, Trainable::Last(18), "resnet34").unwrap().is_some());
+    assert_eq!(trained(&vs).len(), 110, "all 18 blocks train");
+}
+
+/// The batch-norm statistics (`running_mean`, `running_var`) of `vs`, copied.
+fn statistics(vs: &nn::VarStore) -> BTreeMap<String, Tensor> {
+    snapshot(vs).into_iter().filter(|(name, _)| name.contains(".running_")).collect()
+}
+
+#[test]
+fn frozen_batch_norms_keep_their_statistics_and_backward_stops_at_the_trained_blocks() {
+    let spec = cifar(Arch::Resnet34, 10);
+    let (vs, model) = build(&spec, 0);
+    freeze(&vs, &Blocks::of(&spec), Trainable::Last(4), "resnet34").unwrap();
+    let before = statistics(&vs);
+    let xs = images(4);
+    let loss = model.forward_t(&xs, true).cross_entropy_for_logits(&Tensor::from_slice(&[0i64, 1, 2, 3]));
+    loss.backward();
+    for (name, stat) in statistics(&vs) {
+        let trained_block = name.starts_with("layer4.");
+        assert_eq!(!stat.equal(&before[&name]), trained_block, "{name}: updated must mean trained");
+    }
+    for (name, t) in vs.variables().into_iter().filter(|(n, _)| !n.contains(".running_")) {
+        let trained_block = name.starts_with("layer4.") || name.starts_with("fc.");
+        assert_eq!(t.grad().defined(), trained_block, "{name}: a gradient must mean trained");
+    }
+
+    // With the whole backbone frozen, a training pass is the evaluation pass: the batch norms
+    // normalise with their statistics (and ResNet has no dropout).
+    let (vs, model) = build(&spec, 0);
+    freeze(&vs, &Blocks::of(&spec), Trainable::Last(1), "resnet34").unwrap();
+    let before = statistics(&vs);
+    let (train, eval) = tch::no_grad(|| (model.forward_t(&xs, true), model.forward_t(&xs, false)));
+    assert!(train.equal(&eval), "a frozen batch norm normalised with the batch's statistics");
+    assert!(statistics(&vs).iter().all(|(name, t)| t.equal(&before[name])), "a frozen batch norm updated its statistics");
 }

@@ -2,7 +2,7 @@
 //! `state_dict` keys and shapes are this var store's names and shapes.
 use super::blocks::Block;
 use super::{
-    batch_norm, imagenet_input, imagenet_stem_channels, torch_linear, ModelSpec,
+    batch_norm, imagenet_input, imagenet_stem_channels, torch_linear, BatchNorm, ModelSpec,
     KAIMING_NORMAL_FAN_OUT,
 };
 use tch::nn::{self, ModuleT};
@@ -30,12 +30,12 @@ fn conv(vs: nn::Path, in_dim: i64, out_dim: i64, kernel: i64, stride: i64) -> nn
 #[derive(Debug)]
 struct BasicBlock {
     conv1: nn::Conv2D,
-    bn1: nn::BatchNorm,
+    bn1: BatchNorm,
     conv2: nn::Conv2D,
-    bn2: nn::BatchNorm,
+    bn2: BatchNorm,
     /// 1×1 convolution + batch norm projecting the input where the block changes the
     /// stride or the channel count (`downsample.0`, `downsample.1`).
-    downsample: Option<(nn::Conv2D, nn::BatchNorm)>,
+    downsample: Option<(nn::Conv2D, BatchNorm)>,
 }
 
 impl BasicBlock {
@@ -96,7 +96,7 @@ pub(super) fn blocks() -> Vec<Block> {
 #[derive(Debug)]
 pub(super) struct ResNet {
     conv1: nn::Conv2D,
-    bn1: nn::BatchNorm,
+    bn1: BatchNorm,
     /// `layer1` .. `layer4`, all blocks in order (the stage boundaries only matter when building).
     blocks: Vec<BasicBlock>,
     fc: nn::Linear,

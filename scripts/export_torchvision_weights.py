@@ -11,9 +11,12 @@ torchvision (and either network access or the weights already in the torch hub c
 
 Needs: torch, torchvision, safetensors (pip install torchvision safetensors).
 
-The file holds the 1000-class ImageNet head, so train with --num-classes 1000 (the course
-default). Batch-norm `num_batches_tracked` counters are dropped: tch's batch norm has no such
-buffer (its momentum is fixed), and the loader would report them as unexpected otherwise.
+The file holds the 1000-class ImageNet head: it loads whole into the course's 1000-way model
+(the default), and into a model with another head (--num-classes 10, or transfer learning's
+--freeze backbone / --train-last N) all but the head, which starts new.
+
+Batch-norm `num_batches_tracked` counters are dropped: tch's batch norm has no such buffer (its
+momentum is fixed).
 """
 import argparse
 import sys

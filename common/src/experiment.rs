@@ -412,7 +412,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     check_batches(exp, &sources, replicas)?;
     // Peak memory from here, the data in place: the model's state, activations and temporaries.
     let meter = std::cell::RefCell::new(MemoryMeter::start(&exp.devices(&plan, device))?);
-    let mut step = parallelize(&plan, groups, dp, device, run.seed)?;
+    let mut step = parallelize(&plan, groups, dp, device, run.seed, session)?;
     exp.describe(&plan, step.as_ref(), groups, device, session)?;
     let recipe = Recipe::resolve(preset, exp.recipe_args(), replicas, sources.train.batches_per_epoch(), run.epochs.unwrap_or(preset.epochs));
     let build = |named| recipe.optimizer.build(named, recipe.lr, recipe.momentum, recipe.weight_decay, exp.recipe_args().optimizer_kernel);
@@ -483,7 +483,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         train::check_replicas_agree(&step.named_variables(), group)?;
         step.release(false)?;
     }
-    let memory = ModelState::measure(&step.named_parameters(), optimizer.as_ref(), replicas, zero);
+    let memory = ModelState::measure(&step.named_parameters(), &step.frozen_parameters(), optimizer.as_ref(), replicas, zero);
     let peaks = memory::gather(&meter.borrow().peaks(groups.world.rank())?, groups.world)?; // a collective: every rank
     let params = step_parameter_count(groups, step.as_ref())?; // a collective: every rank
     let mut fit = fit;

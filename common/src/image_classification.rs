@@ -15,7 +15,7 @@ use crate::memory::estimate::RankEstimate;
 use crate::experiment::{self, Experiment, Sources};
 use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
 use crate::flops;
-use crate::models::{Arch, ModelSpec};
+use crate::models::{Arch, Blocks, ModelSpec, Trainable};
 use crate::parallelize::ModelPlan;
 use crate::presets::{ModelPreset, Preset};
 use crate::report::{self, RunRecord};
@@ -38,12 +38,24 @@ pub struct ImageArgs {
     pub model: Option<Arch>,
     #[arg(long, value_enum, default_value = "cifar10")]
     pub dataset: DatasetKind,
-    /// Initial weights in torchvision's names (.safetensors or .ot), e.g. ImageNet-pretrained.
+    /// Initial weights in torchvision's names (.safetensors or .ot), e.g. ImageNet-pretrained;
+    /// a head for another number of classes is left out and starts freshly initialised.
     #[arg(long)]
     pub weights: Option<PathBuf>,
-    /// Size of the classification head [default: 10 for cnn, 1000 for resnet34/vgg19 as in the course].
+    /// Size of the classification head [default: the data set's classes for cnn and for
+    /// --freeze/--train-last, 1000 for resnet34/vgg19 otherwise, as in the course].
     #[arg(long)]
     pub num_classes: Option<i64>,
+    /// Feature extraction: `backbone` freezes everything but the head (the classifier's last
+    /// layer), which alone trains on top of the --weights; frozen batch norms keep their
+    /// running statistics.
+    #[arg(long, value_enum, conflicts_with = "train_last")]
+    pub freeze: Option<FreezeChoice>,
+    /// Fine-tuning: only the last N blocks train, the ones before them frozen (ResNet34: 18
+    /// blocks, the stem, its 16 BasicBlocks and fc, so 4 is layer4 and fc; VGG19: 19, its 16
+    /// convolutions and 3 classifier layers).
+    #[arg(long, value_name = "N")]
+    pub train_last: Option<usize>,
     /// Random crop (padding 4) and horizontal flip on the training images.
     #[arg(long)]
     pub augment: bool,
@@ -61,6 +73,14 @@ pub struct ImageArgs {
     /// read it directly. The same model and results (to float rounding).
     #[arg(long)]
     pub channels_last: bool,
+}
+
+/// What `--freeze` freezes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FreezeChoice {
+    /// Every block but the head.
+    Backbone,
 }
 
 /// An image exercise: its preset and flags.
@@ -83,11 +103,22 @@ impl ImageExperiment<'_> {
         }
     }
 
+    /// Which blocks train: `--freeze backbone` is the head alone, `--train-last N` the last N.
+    pub fn trainable(&self) -> Trainable {
+        match (self.args.freeze, self.args.train_last) {
+            (Some(FreezeChoice::Backbone), _) => Trainable::Last(1),
+            (None, Some(n)) => Trainable::Last(n),
+            (None, None) => Trainable::All,
+        }
+    }
+
     pub fn model_spec(&self) -> ModelSpec {
         let [channels, size, _] = self.args.dataset.image_shape();
-        let default_classes = match self.arch() {
-            Arch::Cnn => self.args.dataset.num_classes() as i64,
-            Arch::Resnet34 | Arch::Vgg19 => 1000,
+        // The course keeps ImageNet's 1000-way head; transfer learning puts a head for the
+        // data set's classes on the pretrained backbone.
+        let default_classes = match (self.arch(), self.trainable()) {
+            (Arch::Resnet34 | Arch::Vgg19, Trainable::All) => 1000,
+            _ => self.args.dataset.num_classes() as i64,
         };
         ModelSpec { arch: self.arch(), in_channels: channels as i64, image_size: size as i64, num_classes: self.args.num_classes.unwrap_or(default_classes) }
     }
@@ -137,6 +168,16 @@ impl Experiment for ImageExperiment<'_> {
         if self.args.num_classes.is_some_and(|n| n < dataset.num_classes() as i64) {
             return usage(format!("--num-classes must be at least {} for {}", dataset.num_classes(), dataset.name()));
         }
+        let trainable = self.trainable();
+        if trainable != Trainable::All {
+            if self.args.weights.is_none() && !self.args.run.resume {
+                let flag = if self.args.freeze.is_some() { "--freeze backbone" } else { "--train-last" };
+                return usage(format!("{flag} keeps pretrained blocks as they are: give them with --weights FILE (or continue a run with --resume)"));
+            }
+            if let Err(err) = trainable.check(&Blocks::of(&self.model_spec()), self.arch().name()) {
+                return usage(err.to_string());
+            }
+        }
         Ok(())
     }
 
@@ -184,7 +225,7 @@ impl Experiment for ImageExperiment<'_> {
     fn model(&self, _data: &ImageData, _groups: &Groups, _device: Device, _observers: &mut Observers) -> Result<ModelPlan> {
         // Every rank loads the weights (rank 0's win: they are broadcast at the start), so that a
         // bad file fails everywhere with the same message.
-        Ok(ModelPlan::Image { spec: self.model_spec(), weights: self.args.weights.clone(), channels_last: self.args.channels_last })
+        Ok(ModelPlan::Image { spec: self.model_spec(), weights: self.args.weights.clone(), trainable: self.trainable(), channels_last: self.args.channels_last })
     }
 
     fn describe(&self, _plan: &ModelPlan, step: &dyn TrainStep<'_>, groups: &Groups, device: Device, observers: &mut Observers) -> Result<()> {
@@ -192,20 +233,18 @@ impl Experiment for ImageExperiment<'_> {
             return Ok(());
         }
         let spec = self.model_spec();
-        let params: i64 = step.named_parameters().iter().map(|(_, t)| t.numel() as i64).sum();
+        let trained: i64 = step.named_parameters().iter().map(|(_, t)| t.numel() as i64).sum();
+        let frozen: i64 = step.frozen_parameters().iter().map(|t| t.numel() as i64).sum();
         let replicas = groups.layout.dp;
         observers.info(format!(
-            "[{}] {} with a {}-way head: {} parameters{}",
+            "[{}] {} with a {}-way head: {} parameters{}{}",
             device::device_name(device),
             self.arch().name(),
             spec.num_classes,
-            report::group_thousands(params),
+            report::group_thousands(trained + frozen),
+            if frozen > 0 { format!(", {} of them trained", report::group_thousands(trained)) } else { String::new() },
             if replicas > 1 { format!(", {replicas} replicas × batch {}", self.batch_size()) } else { String::new() }
-        ))?;
-        if let Some(path) = &self.args.weights {
-            observers.info(format!("loaded weights from {}", path.display()))?;
-        }
-        Ok(())
+        ))
     }
 
     fn memory_estimate(&self, world: usize, cuda: bool, observers: &mut Observers) -> Result<Vec<RankEstimate>> {
@@ -277,6 +316,10 @@ impl Experiment for ImageExperiment<'_> {
 
     fn report(&self, _data: &ImageData, _plan: &ModelPlan, _fit: &FitReport, _test: &EvalSums, _device: Device) -> (Vec<String>, serde_json::Value) {
         let memory_format = if self.args.channels_last { "channels-last" } else { "nchw" };
-        (Vec::new(), serde_json::json!({ "memory_format": memory_format }))
+        let trained_blocks = match self.trainable() {
+            Trainable::All => serde_json::Value::Null,
+            Trainable::Last(n) => n.into(),
+        };
+        (Vec::new(), serde_json::json!({ "memory_format": memory_format, "trained_blocks": trained_blocks }))
     }
 }

@@ -19,17 +19,17 @@ use crate::dist::layout::Groups;
 use crate::dist::GradientSync;
 use crate::error::usage;
 use crate::dist::zero::ZeroStage;
-use crate::models::{self, ModelSpec, OnePart, OutputInit, PartedModule, TransformerConfig, TransformerLm};
+use crate::models::{self, Blocks, ModelSpec, OnePart, OutputInit, PartedModule, Trainable, TransformerConfig, TransformerLm};
 use crate::pipeline::process::StageProcess;
 use crate::pipeline::{Partition, Pipeline, PipelineOptions, Placement, Stage};
-use crate::train::{LocalStep, Parallel, Replication, TrainStep};
+use crate::train::{LocalStep, Observers, Parallel, Replication, TrainStep};
 
 /// What to train.
 #[derive(Debug, Clone)]
 pub enum ModelPlan {
-    /// An image classifier, from `weights` (torchvision names) when given, in the channels-last
-    /// memory format when asked.
-    Image { spec: ModelSpec, weights: Option<PathBuf>, channels_last: bool },
+    /// An image classifier, from `weights` (torchvision names) when given, its blocks before the
+    /// `trainable` ones frozen, in the channels-last memory format when asked.
+    Image { spec: ModelSpec, weights: Option<PathBuf>, trainable: Trainable, channels_last: bool },
     /// The Transformer language model, whole or cut into pipeline stages, its output layer
     /// initialised as `init` says.
     Transformer { config: TransformerConfig, pipeline: Option<PipelinePlan>, init: OutputInit },
@@ -53,9 +53,10 @@ pub struct DataParallelPlan {
 }
 
 /// Builds this rank's step: the model (seeded with `seed`, the same on every rank) on `device`,
-/// or this rank's part of it, and its replicas from `groups`.
-pub fn parallelize<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPlan, device: Device, seed: u64) -> Result<Box<dyn TrainStep<'g> + 'g>> {
-    let step = build_step(model, groups, dp, device, seed)?;
+/// or this rank's part of it, and its replicas from `groups`. Rank 0 tells `observers` what
+/// it loaded and froze.
+pub fn parallelize<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPlan, device: Device, seed: u64, observers: &mut Observers) -> Result<Box<dyn TrainStep<'g> + 'g>> {
+    let step = build_step(model, groups, dp, device, seed, observers)?;
     if let ModelPlan::Transformer { config, init, .. } = model {
         let shard = step.parallel().tp.map_or(crate::dist::tensor_parallel::Shard::WHOLE, |(_, shard)| shard);
         init.apply(&step.named_parameters(), config, seed, shard);
@@ -63,13 +64,13 @@ pub fn parallelize<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParall
     Ok(step)
 }
 
-fn build_step<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPlan, device: Device, seed: u64) -> Result<Box<dyn TrainStep<'g> + 'g>> {
+fn build_step<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPlan, device: Device, seed: u64, observers: &mut Observers) -> Result<Box<dyn TrainStep<'g> + 'g>> {
     let replicas = groups.dp().map(|group| Replication { group, averager: dp.averager, sync: dp.sync });
     if let Some(replicas) = &replicas {
         replicas.averager.check(replicas.group, device)?;
     }
     let parallel = Parallel { replicas, model: None, world: Some(groups.world), replica: groups.coords.replica, tp: None };
-    let whole_model = |build: &dyn Fn(&nn::VarStore) -> Result<Box<dyn PartedModule>>| -> Result<Box<dyn TrainStep<'g> + 'g>> {
+    let whole_model = |build: &mut dyn FnMut(&nn::VarStore) -> Result<Box<dyn PartedModule>>| -> Result<Box<dyn TrainStep<'g> + 'g>> {
         if groups.layout.pp * groups.layout.tp != 1 {
             return usage(format!("this model is not split into parts, but the job's layout is {}", groups.layout.describe()));
         }
@@ -83,10 +84,17 @@ fn build_step<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPla
         })
     };
     match model {
-        ModelPlan::Image { spec, weights, channels_last } => whole_model(&|vs| {
+        ModelPlan::Image { spec, weights, trainable, channels_last } => whole_model(&mut |vs| {
             let module = models::build(&vs.root(), spec);
-            if let Some(path) = weights {
-                models::load_weights(vs, path)?;
+            let blocks = Blocks::of(spec);
+            // Before the step is built: its ZeRO-3 shards and the optimizer take the
+            // parameters that still train.
+            let loaded = weights.as_ref().map(|path| models::load_weights(vs, path, blocks.head())).transpose()?;
+            let frozen = models::freeze(vs, &blocks, *trainable, spec.arch.name())?;
+            if groups.is_root() {
+                for line in loaded.map(|l| l.describe()).into_iter().chain(frozen.map(|f| f.describe())) {
+                    observers.info(line)?;
+                }
             }
             Ok(Box::new(OnePart(match channels_last {
                 true => Box::new(models::ChannelsLast::new(vs, module)?),
@@ -94,7 +102,7 @@ fn build_step<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPla
             })))
         }),
         ModelPlan::Transformer { config, pipeline: None, .. } => {
-            whole_model(&|vs| Ok(Box::new(TransformerLm::new(&vs.root(), config)?) as Box<dyn PartedModule>))
+            whole_model(&mut |vs| Ok(Box::new(TransformerLm::new(&vs.root(), config)?) as Box<dyn PartedModule>))
         }
         ModelPlan::Transformer { config, pipeline: Some(plan), .. } if !plan.devices.is_empty() => {
             if groups.world.world_size() > 1 {

@@ -1,6 +1,6 @@
 //! The course models: parameter counts and variable names against torchvision's, forward
 //! shapes on CIFAR-10- and MNIST-sized batches, and loading weights by name.
-use common::models::{self, load_weights, named_parameters, param_count, Arch, ModelSpec};
+use common::models::{self, named_parameters, param_count, Arch, Blocks, LoadedWeights, ModelSpec};
 use std::collections::BTreeSet;
 use std::path::Path;
 use tch::nn::{self, ModuleT};
@@ -56,6 +56,11 @@ fn check_model(spec: &ModelSpec, expected_params: i64) -> (nn::VarStore, Box<dyn
         );
     }
     (vs, model)
+}
+
+/// Loads `path` into `vs`, a model `spec` built, its head left new where the file's differs.
+fn load_weights(vs: &nn::VarStore, spec: &ModelSpec, path: &Path) -> anyhow::Result<LoadedWeights> {
+    models::load_weights(vs, path, Blocks::of(spec).head())
 }
 
 fn names(vs: &nn::VarStore) -> BTreeSet<String> {
@@ -300,7 +305,8 @@ fn cnn_round_trip(file_name: &str, save: impl Fn(&[(String, Tensor)], &Path)) {
         !eval(&*a, &xs).equal(&eval(&*b, &xs)),
         "differently seeded models must differ"
     );
-    load_weights(&vs_b, &path).unwrap();
+    let loaded = load_weights(&vs_b, &spec, &path).unwrap();
+    assert_eq!((loaded.loaded, loaded.new_head.len()), (8, 0));
     assert!(eval(&*a, &xs).equal(&eval(&*b, &xs)));
     // Loaded variables stay trainable parameters.
     assert_eq!(named_parameters(&vs_b).len(), 8);
@@ -343,7 +349,7 @@ fn weights_round_trip_resnet34_with_batch_norm_buffers() {
     Tensor::write_safetensors(&vars, &path).unwrap();
 
     let (vs_b, b) = seeded(&spec, 2);
-    load_weights(&vs_b, &path).unwrap();
+    load_weights(&vs_b, &spec, &path).unwrap();
     let running_var =
         |vs: &nn::VarStore| vs.variables()["layer3.5.bn2.running_var"].shallow_clone();
     assert!(running_var(&vs_a).equal(&running_var(&vs_b)));
@@ -351,12 +357,13 @@ fn weights_round_trip_resnet34_with_batch_norm_buffers() {
     assert!(eval(&*a, &xs).allclose(&eval(&*b, &xs), 1e-6, 1e-6, false));
 }
 
-/// Writes `vars` to a temporary `.safetensors` file and returns the error loading it into `vs`.
+/// Writes `vars` to a temporary `.safetensors` file and returns the error loading it into `vs`,
+/// a 10-class CNN.
 fn load_error(vs: &nn::VarStore, vars: &[(String, Tensor)]) -> String {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("weights.safetensors");
     Tensor::write_safetensors(vars, &path).unwrap();
-    let message = format!("{:#}", load_weights(vs, &path).unwrap_err());
+    let message = format!("{:#}", load_weights(vs, &cifar(Arch::Cnn, 10), &path).unwrap_err());
     assert!(
         message.contains(&path.display().to_string()),
         "names the file: {message}"
@@ -376,15 +383,16 @@ fn weights_shape_mismatch_names_both_shapes_and_copies_nothing() {
         .iter()
         .map(|(n, t)| (n.clone(), t.ones_like()))
         .collect();
-    let fc2 = vars
+    // A backbone tensor of another shape (the head's may differ: see tests/transfer.rs).
+    let conv1 = vars
         .iter_mut()
-        .find(|(name, _)| name == "fc2.weight")
+        .find(|(name, _)| name == "conv1.weight")
         .unwrap();
-    fc2.1 = Tensor::zeros([1000, 50], (Kind::Float, Device::Cpu));
+    conv1.1 = Tensor::zeros([50, 1, 5, 5], (Kind::Float, Device::Cpu));
 
     let message = load_error(&vs, &vars);
     assert!(
-        message.contains("fc2.weight: file [1000, 50] vs model [10, 50]"),
+        message.contains("conv1.weight: file [50, 1, 5, 5] vs model [50, 3, 5, 5]"),
         "{message}"
     );
     assert!(
@@ -429,14 +437,15 @@ fn weights_unknown_extension_and_missing_file() {
     let dir = tempfile::tempdir().unwrap();
     let pt = dir.path().join("weights.pt");
     std::fs::write(&pt, b"not a checkpoint").unwrap();
-    let message = load_weights(&vs, &pt).unwrap_err().to_string();
+    let spec = cifar(Arch::Cnn, 10);
+    let message = load_weights(&vs, &spec, &pt).unwrap_err().to_string();
     assert!(
         message.contains("weights.pt") && message.contains(".safetensors or .ot"),
         "{message}"
     );
 
     let absent = dir.path().join("absent.safetensors");
-    let message = load_weights(&vs, &absent).unwrap_err().to_string();
+    let message = load_weights(&vs, &spec, &absent).unwrap_err().to_string();
     assert!(
         message.contains(&absent.display().to_string()) && message.contains("not found"),
         "{message}"

@@ -274,14 +274,20 @@ pub struct ModelState {
     pub params_bytes: usize,
     pub grads_bytes: usize,
     pub optimizer_bytes: usize,
+    /// Parameters held but not trained (frozen blocks): no gradients, no optimizer state, and
+    /// outside `total_bytes` and the formula, which count what training keeps per parameter.
+    pub frozen_bytes: usize,
     pub total_bytes: usize,
     pub formula_bytes: f64,
     pub formula: &'static str,
 }
 
 impl ModelState {
-    pub fn measure(named: &[(String, tch::Tensor)], optimizer: &dyn crate::optim::Optimizer, replicas: usize, zero: Option<ZeroStage>) -> Self {
+    /// The state of the trained parameters `named` and of `optimizer`, beside the `frozen`
+    /// parameters.
+    pub fn measure(named: &[(String, tch::Tensor)], frozen: &[tch::Tensor], optimizer: &dyn crate::optim::Optimizer, replicas: usize, zero: Option<ZeroStage>) -> Self {
         let held = torch_ext::storage_nbytes;
+        let frozen_bytes = frozen.iter().map(held).sum();
         let params_bytes: usize = named.iter().map(|(_, t)| held(t)).sum();
         let grads_bytes: usize = named.iter().map(|(_, t)| t.grad()).filter(tch::Tensor::defined).map(|g| held(&g)).sum::<usize>() + optimizer.sharded_gradient_bytes();
         let optimizer_bytes = optimizer.state_bytes();
@@ -293,13 +299,17 @@ impl ModelState {
             _ => 0.0,
         };
         let (formula_bytes, formula) = model_state_formula(psi, k, replicas as f64, zero);
-        ModelState { params_bytes, grads_bytes, optimizer_bytes, total_bytes: params_bytes + grads_bytes + optimizer_bytes, formula_bytes, formula }
+        ModelState { params_bytes, grads_bytes, optimizer_bytes, frozen_bytes, total_bytes: params_bytes + grads_bytes + optimizer_bytes, formula_bytes, formula }
     }
 
     pub fn describe(&self, device: Device) -> String {
         let mib = |b: f64| b / MIB;
+        let frozen = match self.frozen_bytes {
+            0 => String::new(),
+            bytes => format!(", beside {:.2} MiB of frozen parameters", mib(bytes as f64)),
+        };
         format!(
-            "[{}] model state per rank: {:.2} MiB (parameters {:.2} + gradients {:.2} + optimizer {:.2}); formula {} = {:.2} MiB",
+            "[{}] model state per rank: {:.2} MiB (parameters {:.2} + gradients {:.2} + optimizer {:.2}){frozen}; formula {} = {:.2} MiB",
             device::device_name(device),
             mib(self.total_bytes as f64),
             mib(self.params_bytes as f64),

@@ -1,6 +1,7 @@
 //! The course's simple CNN, as written in the PyTorch exercises:
 //! conv(C→50, k5) → maxpool2 → ReLU → conv(50→75, k5) → maxpool2 → ReLU → flatten →
 //! fc(→50) → ReLU → fc(→num_classes).
+use super::blocks::Block;
 use super::{torch_linear, ModelSpec, TORCH_DEFAULT_WEIGHT};
 use tch::nn::{self, Module};
 use tch::{Device, Tensor};
@@ -9,6 +10,11 @@ const KERNEL: i64 = 5;
 const CONV1_CHANNELS: i64 = 50;
 const CONV2_CHANNELS: i64 = 75;
 const HIDDEN: i64 = 50;
+
+/// The CNN's blocks (see [`super::blocks`]): its four layers.
+pub(super) fn blocks() -> Vec<Block> {
+    ["conv1", "conv2", "fc1", "fc2"].into_iter().map(Block::module).collect()
+}
 
 #[derive(Debug)]
 pub(super) struct Cnn {

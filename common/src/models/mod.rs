@@ -7,7 +7,9 @@
 use tch::nn::{self, Init};
 use tch::Tensor;
 
+mod blocks;
 mod cnn;
+mod freeze;
 mod resnet;
 pub mod transformer;
 mod vgg;
@@ -17,7 +19,10 @@ pub use transformer::{
     encoder_layers, encoder_layers_sharded, mix_key, output_layer, output_layer_sharded, param_count_formula, OutputInit, EncoderLayer, Masks, TokenEmbedding, TransformerConfig,
     TransformerLm,
 };
-pub use weights::load_weights;
+pub use blocks::{Block, Blocks};
+pub use freeze::{freeze, Frozen, Trainable};
+pub use weights::{load_weights, LoadedWeights};
+use freeze::BatchNorm;
 
 
 /// Which network to build.
@@ -123,7 +128,8 @@ impl nn::ModuleT for OnePart {
 
 impl PartedModule for OnePart {}
 
-/// Number of trainable parameters (buffers such as batch-norm running statistics excluded).
+/// Number of parameters, frozen ones included (buffers such as batch-norm running statistics
+/// excluded): tch lists every variable created trainable, whatever its `requires_grad` now.
 pub fn param_count(vs: &nn::VarStore) -> i64 {
     vs.trainable_variables()
         .iter()
@@ -175,14 +181,15 @@ fn torch_linear(vs: nn::Path, in_dim: i64, out_dim: i64) -> nn::Linear {
 
 /// Batch norm as torchvision initialises it (weight 1, bias 0; tch defaults to a U(0, 1) weight).
 /// tch's default eps 1e-5 and momentum 0.1 have PyTorch's meaning (the weight of the new
-/// batch statistic in the running average), so they stay.
-fn batch_norm(vs: nn::Path, channels: i64) -> nn::BatchNorm {
+/// batch statistic in the running average), so they stay. In a frozen block it keeps its
+/// running statistics ([`freeze::BatchNorm`]).
+fn batch_norm(vs: nn::Path, channels: i64) -> BatchNorm {
     let config = nn::BatchNormConfig {
         ws_init: Init::Const(1.),
         bs_init: Init::Const(0.),
         ..Default::default()
     };
-    nn::batch_norm2d(vs, channels, config)
+    BatchNorm(nn::batch_norm2d(vs, channels, config))
 }
 
 /// Input channels of the first convolution of the ImageNet models: a grey image (MNIST) is

@@ -1,7 +1,8 @@
 //! ResNet34 in torchvision's exact layout (`torchvision.models.resnet34`), so that its
 //! `state_dict` keys and shapes are this var store's names and shapes.
+use super::blocks::Block;
 use super::{
-    batch_norm, imagenet_input, imagenet_stem_channels, torch_linear, ModelSpec,
+    batch_norm, imagenet_input, imagenet_stem_channels, torch_linear, BatchNorm, ModelSpec,
     KAIMING_NORMAL_FAN_OUT,
 };
 use tch::nn::{self, ModuleT};
@@ -29,12 +30,12 @@ fn conv(vs: nn::Path, in_dim: i64, out_dim: i64, kernel: i64, stride: i64) -> nn
 #[derive(Debug)]
 struct BasicBlock {
     conv1: nn::Conv2D,
-    bn1: nn::BatchNorm,
+    bn1: BatchNorm,
     conv2: nn::Conv2D,
-    bn2: nn::BatchNorm,
+    bn2: BatchNorm,
     /// 1×1 convolution + batch norm projecting the input where the block changes the
     /// stride or the channel count (`downsample.0`, `downsample.1`).
-    downsample: Option<(nn::Conv2D, nn::BatchNorm)>,
+    downsample: Option<(nn::Conv2D, BatchNorm)>,
 }
 
 impl BasicBlock {
@@ -75,10 +76,27 @@ impl ModuleT for BasicBlock {
     }
 }
 
+/// `layer1` .. `layer4`: torchvision's name of stage `stage` (from 0).
+fn stage_name(stage: usize) -> String {
+    format!("layer{}", stage + 1)
+}
+
+/// ResNet34's blocks (see [`super::blocks`]): the stem, the 16 BasicBlocks, `fc`.
+pub(super) fn blocks() -> Vec<Block> {
+    let basic_blocks = RESNET34_BLOCKS
+        .iter()
+        .enumerate()
+        .flat_map(|(stage, &count)| (0..count).map(move |i| Block::module(format!("{}.{i}", stage_name(stage)))));
+    std::iter::once(Block::new("stem", &["conv1", "bn1"]))
+        .chain(basic_blocks)
+        .chain([Block::module("fc")])
+        .collect()
+}
+
 #[derive(Debug)]
 pub(super) struct ResNet {
     conv1: nn::Conv2D,
-    bn1: nn::BatchNorm,
+    bn1: BatchNorm,
     /// `layer1` .. `layer4`, all blocks in order (the stage boundaries only matter when building).
     blocks: Vec<BasicBlock>,
     fc: nn::Linear,
@@ -97,7 +115,7 @@ impl ResNet {
         let mut blocks = Vec::new();
         let mut in_dim = STEM_CHANNELS;
         for (stage, (&count, &out_dim)) in RESNET34_BLOCKS.iter().zip(&STAGE_CHANNELS).enumerate() {
-            let layer = vs / format!("layer{}", stage + 1);
+            let layer = vs / stage_name(stage);
             // Every stage but the first halves the map in its first block.
             let first_stride = if stage == 0 { 1 } else { 2 };
             for i in 0..count {

@@ -1,6 +1,7 @@
 //! VGG19 in torchvision's exact layout (`torchvision.models.vgg19`, no batch norm): the
 //! `features.N` indices count the ReLU and max-pool layers too, exactly as PyTorch's
 //! `nn.Sequential` numbers them.
+use super::blocks::Block;
 use super::{imagenet_input, imagenet_stem_channels, ModelSpec, KAIMING_NORMAL_FAN_OUT};
 use tch::nn::{self, Init, ModuleT};
 use tch::Tensor;
@@ -23,6 +24,29 @@ const VGG19: [Layer; 21] = [
     Conv(512), Conv(512), Conv(512), Conv(512), MaxPool,
     Conv(512), Conv(512), Conv(512), Conv(512), MaxPool,
 ];
+
+/// The layers of `config` with their indices in torchvision's `features` Sequential, where a
+/// convolution is followed by its ReLU (`features.0`, `features.2`, max-pool `features.4`, ...).
+fn numbered(config: &[Layer]) -> impl Iterator<Item = (usize, Layer)> + '_ {
+    config.iter().scan(0, |index, &layer| {
+        let at = *index;
+        *index += match layer {
+            Conv(_) => 2,
+            MaxPool => 1,
+        };
+        Some((at, layer))
+    })
+}
+
+/// `classifier.0`, `classifier.3`, `classifier.6`: the linear layers of torchvision's
+/// classifier Sequential (1, 2, 4, 5 are ReLU and dropout).
+const CLASSIFIER_LINEAR: [usize; 3] = [0, 3, 6];
+
+/// VGG19's blocks (see [`super::blocks`]): its 16 convolutions and 3 linear layers.
+pub(super) fn blocks() -> Vec<Block> {
+    let convs = numbered(&VGG19).filter(|(_, layer)| matches!(layer, Conv(_))).map(|(index, _)| Block::module(format!("features.{index}")));
+    convs.chain(CLASSIFIER_LINEAR.iter().map(|i| Block::module(format!("classifier.{i}")))).collect()
+}
 
 /// The classifier sees the features average-pooled to this side (torchvision's
 /// `AdaptiveAvgPool2d((7, 7))`: on a 32×32 input the final 1×1 map is replicated 49 times).
@@ -71,27 +95,22 @@ impl Vgg {
         let features_vs = vs / "features";
         let mut features = Vec::with_capacity(config.len());
         let mut in_dim = imagenet_stem_channels(spec.in_channels);
-        // Index in torchvision's `features` Sequential: a convolution is followed by its ReLU.
-        let mut index = 0;
-        for layer in config {
-            match *layer {
+        for (index, layer) in numbered(config) {
+            match layer {
                 Conv(out_dim) => {
                     let conv = nn::conv2d(&features_vs / index, in_dim, out_dim, 3, conv_config);
                     features.push(Feature::Conv(conv));
                     in_dim = out_dim;
-                    index += 2;
                 }
-                MaxPool => {
-                    features.push(Feature::MaxPool);
-                    index += 1;
-                }
+                MaxPool => features.push(Feature::MaxPool),
             }
         }
         let classifier = vs / "classifier";
+        let [fc0, fc3, fc6] = CLASSIFIER_LINEAR;
         let fc = [
-            linear(&classifier / 0, in_dim * POOLED_SIDE * POOLED_SIDE, HIDDEN),
-            linear(&classifier / 3, HIDDEN, HIDDEN),
-            linear(&classifier / 6, HIDDEN, spec.num_classes),
+            linear(&classifier / fc0, in_dim * POOLED_SIDE * POOLED_SIDE, HIDDEN),
+            linear(&classifier / fc3, HIDDEN, HIDDEN),
+            linear(&classifier / fc6, HIDDEN, spec.num_classes),
         ];
         Vgg { features, fc }
     }

@@ -1,13 +1,20 @@
 //! Loading pretrained weights by name (torchvision's `state_dict` names, see
 //! `scripts/export_torchvision_weights.py`).
 //!
-//! Loading is all or nothing: the file must hold exactly the model's variables with the
-//! model's shapes, otherwise nothing is copied and one error lists every difference. A partial
-//! load would silently train a half-initialised network.
+//! The file must hold exactly the model's variables with the model's shapes, with one
+//! exception: the head (the classifier's last layer, [`Blocks::head`]) of a file made for
+//! another number of classes (ImageNet's 1000) is left out, and the model keeps its freshly
+//! initialised head: transfer learning's new classifier on a pretrained backbone. Anything
+//! else that does not fit copies nothing and one error lists every difference: a partial load
+//! would silently train a half-initialised network.
+//!
+//! [`Blocks::head`]: super::Blocks::head
 use anyhow::{bail, Context};
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use tch::{nn, Tensor};
+
+use super::blocks::Block;
 
 /// At most this many names per list in the error message.
 const MAX_LISTED: usize = 10;
@@ -16,14 +23,37 @@ const MAX_LISTED: usize = 10;
 /// the momentum from its config), so it is skipped in the file.
 const IGNORED_SUFFIX: &str = "num_batches_tracked";
 
+/// What [`load_weights`] copied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadedWeights {
+    pub path: PathBuf,
+    /// Variables copied from the file.
+    pub loaded: usize,
+    /// The head's variables, left freshly initialised because the file's head has another
+    /// shape (empty when the file's head fits).
+    pub new_head: Vec<String>,
+}
+
+impl LoadedWeights {
+    /// One line for the console.
+    pub fn describe(&self) -> String {
+        let new = match self.new_head.is_empty() {
+            true => String::new(),
+            false => format!("; a new head, freshly initialised (the file's is for another number of classes): {}", self.new_head.join(", ")),
+        };
+        format!("weights: {} tensors loaded from {}{new}", self.loaded, self.path.display())
+    }
+}
+
 /// Copies the tensors of a `.safetensors` or `.ot` file into the variables of `vs` with the
 /// same names: trainable parameters and buffers (batch-norm running statistics) alike,
-/// converted to each variable's kind and device.
+/// converted to each variable's kind and device. The variables of `head` are left as they are
+/// when the file's head has another shape: ImageNet weights (a 1000-class head) start a
+/// 10-class model with its own new head.
 ///
-/// Fails, copying nothing, if a variable is missing from the file, a shape differs, or the file
-/// holds tensors the model does not have. For example, ImageNet weights (a 1000-class head)
-/// do not load into a 10-class model: `fc.weight: file [1000, 512] vs model [10, 512]`.
-pub fn load_weights(vs: &nn::VarStore, path: &Path) -> anyhow::Result<()> {
+/// Fails, copying nothing, if a variable is missing from the file, a shape outside the head
+/// differs, or the file holds tensors the model does not have.
+pub fn load_weights(vs: &nn::VarStore, path: &Path, head: &Block) -> anyhow::Result<LoadedWeights> {
     let mut file: BTreeMap<String, Tensor> = read_named_tensors(path)?
         .into_iter()
         .filter(|(name, _)| !name.ends_with(IGNORED_SUFFIX))
@@ -37,10 +67,13 @@ pub fn load_weights(vs: &nn::VarStore, path: &Path) -> anyhow::Result<()> {
         );
     }
     let model: BTreeMap<String, Tensor> = vs.variables().into_iter().collect();
+    // The head is new as a whole: a weight of 1000 rows and a bias of 10 would be no head.
+    let head_differs = model.iter().any(|(name, var)| head.holds(name) && file.get(name).is_some_and(|t| t.size() != var.size()));
+    let new_head: Vec<String> = model.keys().filter(|name| head_differs && head.holds(name)).cloned().collect();
 
     let mut missing = Vec::new();
     let mut mismatched = Vec::new();
-    for (name, var) in &model {
+    for (name, var) in model.iter().filter(|(name, _)| !new_head.contains(name)) {
         match file.get(name) {
             None => missing.push(name.clone()),
             Some(t) if t.size() != var.size() => mismatched.push(format!(
@@ -75,15 +108,17 @@ pub fn load_weights(vs: &nn::VarStore, path: &Path) -> anyhow::Result<()> {
         );
     }
 
+    let mut loaded = 0;
     tch::no_grad(|| {
-        for (name, var) in &model {
+        for (name, var) in model.iter().filter(|(name, _)| !new_head.contains(name)) {
             let src = file.remove(name).expect("checked above");
             // `var` shares storage with the var store, so the in-place copy updates the model.
             var.shallow_clone()
                 .copy_(&src.to_device(var.device()).to_kind(var.kind()));
+            loaded += 1;
         }
     });
-    Ok(())
+    Ok(LoadedWeights { path: path.to_path_buf(), loaded, new_head })
 }
 
 /// Reads all named tensors of a weights file, by its extension.

@@ -192,6 +192,12 @@ pub trait TrainStep<'g> {
     /// order on every replica.
     fn named_parameters(&self) -> Vec<(String, Tensor)>;
 
+    /// The parameters this rank holds without training them (transfer learning's frozen
+    /// blocks): part of the model's size and memory, but not of [`TrainStep::named_parameters`].
+    fn frozen_parameters(&self) -> Vec<Tensor> {
+        Vec::new()
+    }
+
     /// Every variable this rank holds (parameters and buffers such as batch-norm statistics),
     /// under their whole-model names: what a checkpoint keeps of it.
     fn named_variables(&self) -> Vec<(String, Tensor)>;
@@ -257,11 +263,13 @@ pub trait TrainStep<'g> {
     }
 }
 
-/// The parameters `step`'s rank holds, counting what every tensor-parallel shard holds whole
-/// on the first shard only: summed over the ranks holding a model's parts, the model's count.
+/// The parameters `step`'s rank holds, frozen ones included, counting what every
+/// tensor-parallel shard holds whole on the first shard only: summed over the ranks holding a
+/// model's parts, the model's count.
 pub fn counted_parameters(step: &dyn TrainStep<'_>) -> i64 {
     let counted = step.norm_counted();
-    step.named_parameters().iter().enumerate().filter(|(i, _)| counted.get(*i).copied().unwrap_or(true)).map(|(_, (_, t))| t.numel() as i64).sum()
+    let trained: i64 = step.named_parameters().iter().enumerate().filter(|(i, _)| counted.get(*i).copied().unwrap_or(true)).map(|(_, (_, t))| t.numel() as i64).sum();
+    trained + step.frozen_parameters().iter().map(|t| t.numel() as i64).sum::<i64>()
 }
 
 /// Mean cross-entropy over the last dimension of `logits` (classes, or vocabulary) and, when
@@ -318,6 +326,11 @@ impl<'g> LocalStep<'g> {
 impl<'g> TrainStep<'g> for LocalStep<'g> {
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         crate::models::named_parameters(&self.vs)
+    }
+
+    fn frozen_parameters(&self) -> Vec<Tensor> {
+        // The var store lists every parameter it created trainable, frozen since or not.
+        self.vs.trainable_variables().into_iter().filter(|t| !t.requires_grad()).collect()
     }
 
     fn named_variables(&self) -> Vec<(String, Tensor)> {

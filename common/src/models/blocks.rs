@@ -1,0 +1,80 @@
+//! A model's blocks: its variables grouped into the units a forward pass runs one after the
+//! other, the head last. Transfer learning speaks in them: `--train-last N` trains the last N
+//! blocks, `--freeze backbone` the last one alone, and the head is what a pretrained file of
+//! another class count does not fill ([`super::load_weights`]).
+//!
+//! | model | blocks, in order | count |
+//! |---|---|---|
+//! | ResNet34 | the stem (`conv1`, `bn1`), the 16 BasicBlocks (`layer1.0` .. `layer4.2`), `fc` | 18 |
+//! | VGG19 | the 16 convolutions (`features.0` .. `features.34`), `classifier.0`, `.3`, `.6` | 19 |
+//! | CNN | `conv1`, `conv2`, `fc1`, `fc2` | 4 |
+//!
+//! ResNet's unit is the BasicBlock rather than the stage (`layer1` .. `layer4`): it is the
+//! residual unit the network is built from, and it still says "the last stage and the head"
+//! (`--train-last 4`: `layer4`'s 3 blocks and `fc`), while also allowing less. VGG19's blocks
+//! are its 19 weight layers, the ones its name counts.
+use super::{Arch, ModelSpec};
+
+/// One block: the variables under its name prefixes (`layer2.0` holds `layer2.0.conv1.weight`,
+/// `layer2.0.downsample.1.running_mean`, ...).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Block {
+    /// What the block is called in messages: its prefix, or the stem's own name.
+    pub name: String,
+    prefixes: Vec<String>,
+}
+
+impl Block {
+    /// A block holding the variables under `prefixes` (module paths in torchvision's names).
+    pub(super) fn new(name: impl Into<String>, prefixes: &[&str]) -> Block {
+        Block { name: name.into(), prefixes: prefixes.iter().map(|p| p.to_string()).collect() }
+    }
+
+    /// The block of one module path, named by it.
+    pub(super) fn module(path: impl Into<String>) -> Block {
+        let path = path.into();
+        Block { name: path.clone(), prefixes: vec![path] }
+    }
+
+    /// Whether the variable `name` (`layer2.0.conv1.weight`) belongs to this block.
+    pub fn holds(&self, name: &str) -> bool {
+        self.prefixes.iter().any(|prefix| name.strip_prefix(prefix.as_str()).is_some_and(|rest| rest.starts_with('.')))
+    }
+}
+
+/// The blocks of a model in forward order; the last is the head.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Blocks(Vec<Block>);
+
+impl Blocks {
+    /// The blocks of the model `spec` builds.
+    pub fn of(spec: &ModelSpec) -> Blocks {
+        Blocks(match spec.arch {
+            Arch::Cnn => super::cnn::blocks(),
+            Arch::Resnet34 => super::resnet::blocks(),
+            Arch::Vgg19 => super::vgg::blocks(),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Block> {
+        self.0.iter()
+    }
+
+    /// The classifier's last layer, which maps the features to the classes.
+    pub fn head(&self) -> &Block {
+        self.0.last().expect("a model has blocks")
+    }
+
+    /// The position of the block holding the variable `name`, if any.
+    pub fn position(&self, name: &str) -> Option<usize> {
+        self.0.iter().position(|block| block.holds(name))
+    }
+}

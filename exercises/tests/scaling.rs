@@ -37,7 +37,7 @@ fn make_scaling_runs_both_modes_and_tabulates_the_runs_it_wrote() {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/scaling.sh");
     let out = Command::new(&script)
         .envs([("BIN", bin.to_str().unwrap()), ("RESULTS", results.path().to_str().unwrap()), ("RANKS", "1 2"), ("GLOBAL", "16"), ("PER_RANK", "8")])
-        .envs([("EPOCHS", "1"), ("TRAIN", "64"), ("ARGS", "--threads 1 --workers 0")])
+        .envs([("EPOCHS", "1"), ("TRAIN", "64"), ("ARGS", "--workers 0")])
         .output()
         .expect("bench/scaling.sh runs");
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -59,6 +59,33 @@ pub fn holds_checkpoint<'a>(mut names: impl Iterator<Item = &'a str>) -> bool {
     ours && optimizer
 }
 
+/// Keeps a copy of the checkpoint just written at `latest` as `<run>-epoch<epoch>.safetensors`
+/// beside it (a hard link: no second copy of the bytes, and the latest is replaced by a rename,
+/// which leaves the link's file alone), and removes all but the `keep` newest such copies.
+pub fn keep_epoch_copy(latest: &Path, epoch: usize, keep: usize) -> anyhow::Result<()> {
+    let (dir, stem) = (latest.parent().unwrap_or(Path::new(".")), latest.file_stem().and_then(|s| s.to_str()).unwrap_or("run"));
+    let copy = dir.join(format!("{stem}-epoch{epoch}.safetensors"));
+    std::fs::remove_file(&copy).ok();
+    std::fs::hard_link(latest, &copy)
+        .or_else(|_| std::fs::copy(latest, &copy).map(drop))
+        .with_context(|| format!("cannot keep the checkpoint of epoch {epoch} as {}", copy.display()))?;
+    let prefix = format!("{stem}-epoch");
+    let mut kept: Vec<(usize, PathBuf)> = std::fs::read_dir(dir)
+        .with_context(|| format!("cannot list {}", dir.display()))?
+        .filter_map(|entry| {
+            let path = entry.ok()?.path();
+            let name = path.file_name()?.to_str()?;
+            let epoch = name.strip_prefix(&prefix)?.strip_suffix(".safetensors")?.parse().ok()?;
+            Some((epoch, path))
+        })
+        .collect();
+    kept.sort();
+    for (_, old) in kept.iter().rev().skip(keep) {
+        std::fs::remove_file(old).with_context(|| format!("cannot remove the old checkpoint {}", old.display()))?;
+    }
+    Ok(())
+}
+
 /// Where the checkpoint of `run` lives in `dir`.
 pub fn path_for(dir: &Path, run: &str) -> PathBuf {
     dir.join(format!("{run}.safetensors"))

@@ -185,6 +185,19 @@ fn estimate_memory<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<
     session.info(format!("wrote {}", path.display()))
 }
 
+/// Where a run's checkpoints go and what it starts from: (folder, resume, a file to start from)
+/// for --checkpoint-dir, --resume and --eval-only's --checkpoint FILE.
+fn checkpoint_config(run: &RunArgs) -> Option<(std::path::PathBuf, bool, Option<std::path::PathBuf>)> {
+    match (&run.checkpoint, &run.checkpoint_dir) {
+        (Some(file), dir) => {
+            let beside = file.parent().map(std::path::Path::to_path_buf).unwrap_or_default();
+            Some((dir.clone().unwrap_or(beside), true, Some(file.clone())))
+        }
+        (None, Some(dir)) => Some((dir.clone(), run.resume, None)),
+        (None, None) => None,
+    }
+}
+
 /// A split too small for one full batch per replica trains nothing (and would report success,
 /// a perplexity of 1) or trains a smaller batch than asked for: a usage error naming its size
 /// and the batch instead.
@@ -266,6 +279,9 @@ fn run_per_device<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<V
     let mut records = Vec::new();
     for device in devices {
         records.extend(train_on(exp, &data, &groups, device, &mut session)?);
+    }
+    if records.is_empty() {
+        return Ok(records); // --eval-only: each device said its figures
     }
     let missing = (run.device == DeviceChoice::Both && !device::cuda_available()).then_some("no CUDA device on this machine; the run above is CPU only");
     if run.device == DeviceChoice::Both {
@@ -419,17 +435,20 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         lr_schedule: recipe.schedule,
         accumulate: recipe.accumulate,
         clip_grad_norm: (recipe.clip > 0.0).then_some(recipe.clip),
-        checkpoint: run.checkpoint_dir.as_ref().map(|dir| CheckpointConfig {
-            dir: dir.clone(),
-            resume: run.resume,
+        checkpoint: checkpoint_config(run).map(|(dir, resume, from)| CheckpointConfig {
+            dir,
+            resume,
             model: exp.model_identity(&plan),
             config: exp.flags_json(),
+            from,
+            keep: run.keep_checkpoints,
         }),
         metric: exp.metric(),
         precision: run.precision,
         profile: run.profiling().is_some(),
         steady_after: run.steady_after,
         cuda_graph,
+        eval_only: run.eval_only,
     };
     let mut observers = Observers::new().with(Forward(session)).with(CheckpointEveryEpoch);
     if root && !run.quiet {
@@ -479,6 +498,9 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     };
     if !root {
         return Ok(None);
+    }
+    if run.eval_only {
+        return report_evaluation(exp, data, &plan, &fit, &test, device, &name, session).map(|()| None);
     }
     if let Some(group) = replica_group {
         session.info(format!("parameters bit-identical on all {} ranks after training", group.world_size()))?;
@@ -569,6 +591,34 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         session.info(report::comparison_table(std::slice::from_ref(&record), None))?;
     }
     Ok(Some(record))
+}
+
+/// `--eval-only`'s report: the exercise's own lines on the test split, one line with the
+/// figures, and `<results>/<run>.eval-only.json` (the training run's results stay as they are).
+#[allow(clippy::too_many_arguments)]
+fn report_evaluation<E: Experiment>(exp: &E, data: &E::Data, plan: &ModelPlan, fit: &FitReport, test: &EvalSums, device: Device, name: &str, session: &mut Observers) -> Result<()> {
+    let run = exp.run_args();
+    let (lines, extra) = exp.report(data, plan, fit, test, device);
+    for line in lines {
+        session.info(line)?;
+    }
+    let (loss, accuracy) = (test.mean_loss(), test.accuracy());
+    let figure = match exp.metric() {
+        Metric::Accuracy => format!("test accuracy {accuracy:.4}"),
+        Metric::Perplexity => format!("test perplexity {:.2}", loss.exp()),
+    };
+    let source = checkpoint_config(run).and_then(|(dir, _, from)| from.or(Some(crate::checkpoint::path_for(&dir, name)))).unwrap_or_default();
+    session.info(format!("[{}] --eval-only: {} from {} (nothing trained): {figure}, test loss {loss:.4}", device::device_name(device), name, source.display()))?;
+    let mut json = serde_json::json!({
+        "run": name, "eval_only": true, "checkpoint": source, "device": device::device_name(device),
+        "test_loss": loss, "test_acc": if accuracy.is_finite() { Some(accuracy) } else { None }, "eval_loss": fit.eval_loss, "flags": exp.flags_json(),
+    });
+    if let (Some(object), serde_json::Value::Object(extra)) = (json.as_object_mut(), extra) {
+        object.extend(extra);
+    }
+    let path = run.results_dir.join(format!("{name}.eval-only.json"));
+    std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n").with_context(|| format!("cannot write {}", path.display()))?;
+    session.info(format!("wrote {}", path.display()))
 }
 
 /// The model's parameters, counted where they live (every stage of a pipeline and every

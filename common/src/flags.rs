@@ -32,6 +32,18 @@ pub struct RunArgs {
     /// Continue from the checkpoint in --checkpoint-dir when there is one.
     #[arg(long, requires = "checkpoint_dir")]
     pub resume: bool,
+    /// Besides the latest checkpoint, keep the last K epochs' as <run>-epoch<E>.safetensors
+    /// (Lightning's ModelCheckpoint(save_top_k=K)); the oldest is removed.
+    #[arg(long, default_value_t = 0, requires = "checkpoint_dir")]
+    pub keep_checkpoints: usize,
+    /// Test a trained model without training: the checkpoint of --checkpoint FILE, or of
+    /// --checkpoint-dir with --resume, evaluated on the evaluation and test splits
+    /// (Lightning's trainer.test(ckpt_path=...)).
+    #[arg(long)]
+    pub eval_only: bool,
+    /// The checkpoint file --eval-only tests (any run's, of the same model).
+    #[arg(long, value_name = "FILE", requires = "eval_only")]
+    pub checkpoint: Option<PathBuf>,
     /// Where results (JSON, CSV) are written.
     #[arg(long, default_value = "results")]
     pub results_dir: PathBuf,
@@ -39,7 +51,8 @@ pub struct RunArgs {
     #[arg(long)]
     pub quiet: bool,
     /// 32: float32; 16-mixed: float16 autocast with gradient scaling (GPU); bf16-mixed:
-    /// bfloat16 autocast (GPU or CPU).
+    /// bfloat16 autocast (GPU or CPU). Lightning's older names work too: 32-true, and 16 and
+    /// bf16, which Lightning 2 reads as 16-mixed and bf16-mixed.
     #[arg(long, value_enum, default_value = "32")]
     pub precision: crate::precision::Precision,
     /// float32 matrix products: highest (float32), high (TF32 tensor cores), medium (bfloat16
@@ -86,6 +99,9 @@ impl RunArgs {
     pub fn check(&self) -> anyhow::Result<()> {
         if self.epochs == Some(0) || self.max_steps == Some(0) {
             return usage("--epochs and --max-steps must be at least 1");
+        }
+        if self.eval_only && self.checkpoint.is_none() && !self.resume {
+            return usage("--eval-only tests a trained model: give its --checkpoint FILE, or --checkpoint-dir DIR --resume");
         }
         if self.peak_tflops.is_some_and(|p| !(p > 0.0 && p.is_finite())) {
             return usage(format!("--peak-tflops must be a positive number, got {}", self.peak_tflops.unwrap_or_default()));

@@ -6,6 +6,7 @@
 //! saving and restoring the whole training state on the way. [`experiment`] does what every
 //! exercise does around the loop; [`presets`] are the course's exercises.
 pub mod checkpoint;
+pub mod course_figures;
 pub mod cuda_graph;
 pub mod data;
 pub mod device;

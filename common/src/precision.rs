@@ -34,15 +34,15 @@ use crate::error::usage;
 pub enum Precision {
     /// float32 everywhere.
     #[default]
-    #[value(name = "32")]
+    #[value(name = "32", alias = "32-true")]
     #[serde(rename = "32")]
     Full,
     /// float16 autocast and a dynamic gradient scaler (GPU only).
-    #[value(name = "16-mixed")]
+    #[value(name = "16-mixed", alias = "16")]
     #[serde(rename = "16-mixed")]
     Half,
     /// bfloat16 autocast (GPU or CPU).
-    #[value(name = "bf16-mixed")]
+    #[value(name = "bf16-mixed", alias = "bf16")]
     #[serde(rename = "bf16-mixed")]
     BHalf,
 }
@@ -312,6 +312,15 @@ mod tests {
         let p = Tensor::zeros([values.len() as i64], (Kind::Float, Device::Cpu)).set_requires_grad(true);
         (&p * Tensor::from_slice(values)).sum(Kind::Float).backward();
         p
+    }
+
+    #[test]
+    fn lightnings_precision_names_parse() {
+        use clap::ValueEnum;
+        for (name, precision) in [("32", Precision::Full), ("32-true", Precision::Full), ("16-mixed", Precision::Half), ("16", Precision::Half), ("bf16", Precision::BHalf), ("bf16-mixed", Precision::BHalf)] {
+            assert_eq!(Precision::from_str(name, false), Ok(precision), "{name}");
+        }
+        assert!(Precision::from_str("8", false).is_err());
     }
 
     #[test]

@@ -220,18 +220,31 @@ pub fn comparison_table(records: &[RunRecord], missing: Option<&str>) -> String 
         first.dataset,
         if first.data_generated { " (GENERATED stand-in data)" } else { "" }
     );
-    let _ = writeln!(out, "| device | steps | train time (s) | throughput ({unit}) | test acc | test loss | peak memory (MiB) |");
+    // A language model's figure is the perplexity, as the tutorial prints it.
+    let lm = first.is_language_model();
+    let _ = writeln!(out, "| device | steps | train time (s) | throughput ({unit}) | {} | test loss | peak memory (MiB) |", if lm { "test ppl" } else { "test acc" });
     let _ = writeln!(out, "|--------|------:|---------------:|-----------------:|---------:|----------:|------------------:|");
     for r in records {
         let memory = r.peak_memory_bytes.map_or_else(|| "-".to_string(), |b| format!("{:.1}", b as f64 / crate::memory::MIB));
+        let figure = if lm { r.test_loss.exp() } else { r.test_acc };
         let _ = writeln!(
             out,
             "| {:<6} | {:>5} | {:>14.1} | {:>16.1} | {:>8.4} | {:>9.4} | {:>17} |",
-            r.device, r.steps, r.train_time_s, r.throughput, r.test_acc, r.test_loss, memory
+            r.device, r.steps, r.train_time_s, r.throughput, figure, r.test_loss, memory
         );
     }
     if let Some(reason) = missing {
         let _ = writeln!(out, "| cuda   | GPU column missing: {reason} |");
+    }
+    // The slide's figures beside ours, marked as the course's.
+    let course = crate::course_figures::for_run(&first.exercise, &first.model);
+    for c in course {
+        let figure = crate::course_figures::CourseFigure::figure(if lm { c.test_ppl } else { c.test_acc }, if lm { 1 } else { 4 });
+        let loss = crate::course_figures::CourseFigure::figure(c.test_loss, 2);
+        let _ = writeln!(out, "| course: {} | - | {:>14} | - | {figure:>8} | {loss:>9} | - |", c.device, c.time());
+    }
+    if !course.is_empty() {
+        let _ = writeln!(out, "{}; ours: this machine, these flags", crate::course_figures::SOURCE);
     }
     if let [cpu, gpu] = records {
         if gpu.train_time_s > 0.0 {
@@ -298,10 +311,11 @@ pub fn group_thousands(n: i64) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn record(device: &str, throughput: f64) -> RunRecord {
+    /// A run of the course CNN on `device` (the charts' tests use it too).
+    pub(crate) fn record(device: &str, throughput: f64) -> RunRecord {
         RunRecord {
             exercise: "exercise1".into(),
             model: "cnn".into(),
@@ -357,7 +371,23 @@ mod tests {
         assert!(cpu_only.contains("throughput (img/s)"), "{cpu_only}");
         // The pipeline exercise trains the language model: tokens, whatever the exercise's name.
         let pipeline = RunRecord { exercise: "exercise3_pipeline".into(), model: "transformer".into(), ..record("cpu", 100.0) };
-        assert!(comparison_table(&[pipeline], None).contains("throughput (tok/s)"));
+        let table = comparison_table(&[pipeline], None);
+        assert!(table.contains("throughput (tok/s)") && table.contains("test ppl"), "{table}");
+        // Its perplexity is exp(test loss) = exp(1.2).
+        assert!(table.contains(&format!("{:>8.4}", 1.2f64.exp())), "{table}");
+    }
+
+    #[test]
+    fn the_course_figures_stand_beside_ours_marked_as_the_courses() {
+        let table = comparison_table(&[record("cpu", 100.0), record("cuda", 400.0)], None);
+        assert!(table.contains("| course: cpu | - |          129.9 | - |   0.6310 |      1.06 | - |"), "{table}");
+        assert!(table.contains("| course: gpu | - |           52.3 |"), "{table}");
+        assert!(table.contains(crate::course_figures::SOURCE), "{table}");
+        let nlp = RunRecord { exercise: "exercise1_nlp".into(), model: "transformer".into(), ..record("cpu", 100.0) };
+        let table = comparison_table(&[nlp], None);
+        assert!(table.contains("| course: cpu | - |  ≈1600 s/epoch | - |    240.3 |"), "{table}");
+        let tp = RunRecord { exercise: "exercise3_tp".into(), model: "transformer".into(), ..record("cpu", 100.0) };
+        assert!(!comparison_table(&[tp], None).contains("course"), "no slide for tensor parallelism");
     }
 
     #[test]

@@ -93,6 +93,15 @@ pub fn render(dir: &Path) -> Result<String> {
                 run.mfu.map_or("-".into(), |m| format!("{:.1}%", 100.0 * m)),
             );
         }
+        let course = crate::course_figures::for_run(exercise, model);
+        for c in course {
+            let figure = crate::course_figures::CourseFigure::figure(if lm { c.test_ppl } else { c.test_acc }, if lm { 1 } else { 4 });
+            let loss = crate::course_figures::CourseFigure::figure(c.test_loss, 2);
+            out += &format!("| course: {} (slide) | | | | | {} | | {loss} | {figure} | |\n", c.device, c.time());
+        }
+        if !course.is_empty() {
+            out += &format!("\n{}.\n", crate::course_figures::SOURCE);
+        }
         out += "\n";
         let devices = format!("{exercise}-{model}-devices.svg");
         if dir.join(&devices).exists() {

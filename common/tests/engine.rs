@@ -35,6 +35,7 @@ fn config(epochs: usize, accumulate: usize) -> TrainConfig {
         profile: false,
         steady_after: 2,
         cuda_graph: false,
+        eval_only: false,
     }
 }
 

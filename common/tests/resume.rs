@@ -66,12 +66,15 @@ fn train(setup: &Setup, epochs: usize, init_seed: i64) -> Vec<(String, tch::Tens
             resume: true,
             model: serde_json::json!({ "arch": format!("{:?}", setup.arch) }),
             config: serde_json::json!({}),
+            from: None,
+            keep: 0,
         }),
         metric: common::train::Metric::Accuracy,
         precision: common::precision::Precision::Full,
         profile: false,
         steady_after: 2,
         cuda_graph: false,
+        eval_only: false,
     };
     let mut step = LocalStep::new(vs, model, Parallel::default());
     let mut observers = Observers::new().with(train::sinks::CheckpointEveryEpoch);

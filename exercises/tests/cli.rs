@@ -71,6 +71,13 @@ fn device_both_without_a_gpu_runs_the_cpu_and_says_the_gpu_is_missing() {
         assert!(svg.contains(&format!("width=\"{}\" height=\"{}\"", size.0, size.1)), "{file}: not {size:?}");
         assert!(svg.contains(text) && svg.trim_end().ends_with("</svg>"), "{file}");
     }
+    // The curves are drawn per step: a line through the 3 steps, not one point for the one epoch.
+    let curves = std::fs::read_to_string(results.path().join("exercise1-cnn-cpu.svg")).unwrap();
+    let longest = curves.split("<polyline").skip(1).map(|line| line.split("points=\"").nth(1).unwrap().split('"').next().unwrap().split_whitespace().count()).max();
+    assert!(longest.is_some_and(|points| points >= 3), "no line through the steps: {longest:?}");
+    // The GPU did not run: its place in the bar chart says so.
+    let devices = std::fs::read_to_string(results.path().join("exercise1-cnn-devices.svg")).unwrap();
+    assert!(devices.contains("not run"), "{devices}");
 }
 
 #[test]
@@ -201,7 +208,7 @@ fn a_cuda_graph_leaves_the_cpu_half_of_the_comparison_alone() {
     generated_cifar(data.path(), 20);
     let results = tempfile::tempdir().unwrap();
     let out = exercise1(&[
-        "--cuda-graph", "--model", "cnn", "--epochs", "1", "--max-steps", "2", "--data-dir", data.path().to_str().unwrap(),
+        "--cuda-graph", "--model", "cnn", "--epochs", "1", "--max-steps", "2", "--batch-size", "10", "--data-dir", data.path().to_str().unwrap(),
         "--results-dir", results.path().to_str().unwrap(), "--quiet",
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
@@ -215,7 +222,7 @@ fn a_corrupt_checkpoint_stops_the_resume_with_its_name() {
     let ck = tempfile::tempdir().unwrap();
     std::fs::write(ck.path().join("exercise1-cnn-cpu.safetensors"), b"garbage").unwrap();
     let out = exercise1(&[
-        "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--epochs", "1",
+        "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--epochs", "1", "--batch-size", "10",
         "--checkpoint-dir", ck.path().to_str().unwrap(), "--resume", "--quiet",
         "--results-dir", ck.path().to_str().unwrap(),
     ]);
@@ -232,7 +239,7 @@ fn weights_that_do_not_fit_are_listed() {
     let tensors = [("conv1.weight", tch::Tensor::zeros([3, 3], (tch::Kind::Float, tch::Device::Cpu)))];
     tch::Tensor::write_safetensors(&tensors, &weights).unwrap();
     let out = exercise1(&[
-        "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--max-steps", "1",
+        "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--max-steps", "1", "--batch-size", "10",
         "--weights", weights.to_str().unwrap(), "--quiet", "--results-dir", data.path().to_str().unwrap(),
     ]);
     assert_eq!(out.status.code(), Some(1));

@@ -73,6 +73,12 @@ pub struct CheckpointConfig {
     pub model: serde_json::Value,
     /// The run's configuration, stored for the record.
     pub config: serde_json::Value,
+    /// A checkpoint file to start from (`--checkpoint`) instead of the run's own in `dir`; it
+    /// must exist.
+    pub from: Option<PathBuf>,
+    /// Per-epoch copies `<run>-epoch<E>.safetensors` kept besides the latest, the oldest
+    /// removed (`--keep-checkpoints`, Lightning's `save_top_k` by age); 0: the latest only.
+    pub keep: usize,
 }
 
 /// How to train.
@@ -100,6 +106,8 @@ pub struct TrainConfig {
     pub steady_after: usize,
     /// `--cuda-graph`: record the training step once in a CUDA graph and replay it ([`graph`]).
     pub cuda_graph: bool,
+    /// `--eval-only`: restore the checkpoint and evaluate, training nothing.
+    pub eval_only: bool,
 }
 
 impl TrainConfig {
@@ -361,7 +369,12 @@ pub fn fit(
     let device = step.input_device();
     config.precision.check(device)?;
     let mut scaler = config.precision.needs_scaler().then(|| GradScaler::new(device));
-    let resume = config.checkpoint.as_ref().filter(|ck| ck.resume).map(|ck| (checkpoint::path_for(&ck.dir, &config.run), &ck.model));
+    let resume = config.checkpoint.as_ref().filter(|ck| ck.resume).map(|ck| (ck.from.clone().unwrap_or_else(|| checkpoint::path_for(&ck.dir, &config.run)), &ck.model));
+    if let (Some((path, _)), true) = (&resume, config.eval_only) {
+        if !path.is_file() {
+            return crate::error::usage(format!("--eval-only: no checkpoint at {} to evaluate", path.display()));
+        }
+    }
     let start = state::start(step, optimizer, scaler.as_mut(), resume.as_ref().map(|(p, m)| (p.as_path(), *m)), observers)?;
     let (base_lr, steps_per_epoch) = (optimizer.lr(), train.batches_per_epoch().div_ceil(config.accumulate));
     let (mut report, mut global_step, mut bubble) = (FitReport::new(start.epoch), start.step, BubbleMeter::default());
@@ -370,7 +383,8 @@ pub fn fit(
     let (run, epochs, start_epoch, start_step) = (config.run.as_str(), config.epochs, start.epoch, start.step);
     observers.emit(&Event::Started { run, epochs, steps_per_epoch, start_epoch, start_step })?;
 
-    for epoch in start.epoch..config.epochs {
+    let last_epoch = if config.eval_only { start.epoch } else { config.epochs };
+    for epoch in start.epoch..last_epoch {
         if config.out_of_steps(global_step) {
             break;
         }
@@ -424,6 +438,9 @@ pub fn fit(
             let meta = checkpoint_meta(config, ck, optimizer.name(), epoch + 1, global_step, scaler.as_ref());
             let path = checkpoint::path_for(&ck.dir, &config.run);
             state::save(step, optimizer, &meta, &path)?;
+            if ck.keep > 0 && step.parallel().is_root() {
+                checkpoint::keep_epoch_copy(&path, epoch + 1, ck.keep)?;
+            }
             observers.emit(&Event::Checkpointed { path: &path, epoch: epoch + 1 })?;
         }
     }

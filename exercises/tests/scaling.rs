@@ -148,4 +148,8 @@ fn speedup_and_efficiency_follow_from_the_throughputs() {
     write(runs.path(), "medium/ranks-2", &run_json(2, 16, 100.0));
     let err = common::scaling::collect(runs.path(), results.path()).unwrap_err().to_string();
     assert!(err.contains("`strong/` and `weak/` only, not `medium/`"), "{err}");
+    // And no folder at all is the user's to fix.
+    let err = common::scaling::collect(&runs.path().join("none"), results.path()).unwrap_err();
+    assert_eq!(common::error::exit_code(&err), 2, "{err}");
+    assert!(err.to_string().contains("run `make scaling` first"), "{err}");
 }

@@ -18,10 +18,15 @@
 #
 # Settings: EXERCISE (exercise2; "exercise3 ddp" works too), MODE (both|strong|weak), RANKS,
 # GLOBAL (128), PER_RANK (32), EPOCHS (2), MODEL (cnn on the CPU), DEVICE (cpu), PRECISION (32),
+# THREADS (LibTorch threads per rank; 1 on the CPU: see below; 0 = the node's cores shared out),
 # DATA (a CIFAR-10 folder; default: TRAIN=4096 generated training images), RESULTS (results),
-# ARGS (more flags for every run, e.g. "--threads 1"; not one this script sets: --model,
-# --device, --precision, --data-dir, --epochs, --batch-size, --results-dir, --quiet,
-# --nproc-per-node). The speeds compared are the steady state's (the first 2
+# ARGS (more flags for every run, e.g. "--workers 0"; not one this script sets: --model,
+# --device, --precision, --threads, --data-dir, --epochs, --batch-size, --results-dir, --quiet,
+# --nproc-per-node). On the CPU a rank is one core (THREADS=1), as on a GPU node it is one GPU:
+# the speed-up then counts what added cores give, and RANKS beyond the cores show
+# oversubscription; with the cores shared out instead, the 1-rank baseline runs 2 threads whose
+# every parallel region waits for the slower of them (measured 4-5x slower than 1 thread while
+# other jobs loaded the 2 cores). The speeds compared are the steady state's (the first 2
 # steps of each epoch left out); on a shared machine, run it when nothing else does.
 # Across nodes under Slurm: sbatch/scaling.sbatch (one job per node count).
 set -euo pipefail
@@ -42,6 +47,7 @@ EXERCISE="${EXERCISE:-exercise2}"; RANKS="${RANKS:-1 2 4}"; GLOBAL="${GLOBAL:-12
 EPOCHS="${EPOCHS:-2}"; DEVICE="${DEVICE:-cpu}"; PRECISION="${PRECISION:-32}"; TRAIN="${TRAIN:-4096}"
 RESULTS="${RESULTS:-results}"; ARGS="${ARGS:-}"
 [[ "$DEVICE" == cpu ]] && MODEL="${MODEL-cnn}" || MODEL="${MODEL-}"
+[[ "$DEVICE" == cpu ]] && THREADS="${THREADS:-1}" || THREADS="${THREADS:-0}"
 bin="${BIN:-target/release}"
 case "$MODE" in strong) modes=(strong) ;; weak) modes=(weak) ;; both) modes=(strong weak) ;;
     *) echo "error: MODE=$MODE: strong, weak or both" >&2; exit 2 ;; esac
@@ -62,7 +68,7 @@ if [[ -z "${DATA:-}" ]]; then
 fi
 model=(); [[ -n "$MODEL" ]] && model=(--model "$MODEL")
 
-echo "$EXERCISE ${model[*]} on $DEVICE, $EPOCHS epochs of $DATA; ranks: $RANKS; modes: ${modes[*]}; precision: $PRECISION"
+echo "$EXERCISE ${model[*]} on $DEVICE ($THREADS threads per rank; 0: cores / ranks), $EPOCHS epochs of $DATA; ranks: $RANKS; modes: ${modes[*]}; precision: $PRECISION"
 for mode in "${modes[@]}"; do
     rm -rf "$RESULTS/scaling/$mode"
     for precision in $PRECISION; do
@@ -72,7 +78,7 @@ for mode in "${modes[@]}"; do
             launch=(); ((n > 1)) && launch=(--nproc-per-node "$n")
             printf '  %-6s %-10s %2d ranks × batch %-4d ... ' "$mode" "$precision" "$n" "$batch"
             # shellcheck disable=SC2086 # ARGS are flags, split on purpose
-            "$bin/${exe[0]}" "${exe[@]:1}" "${model[@]}" --device "$DEVICE" --precision "$precision" \
+            "$bin/${exe[0]}" "${exe[@]:1}" "${model[@]}" --device "$DEVICE" --threads "$THREADS" --precision "$precision" \
                 --data-dir "$DATA" --epochs "$EPOCHS" --batch-size "$batch" --quiet --results-dir "$dir" \
                 "${launch[@]}" $ARGS >"$work/log" 2>&1 \
                 || { echo "failed:"; tail -n 20 "$work/log" >&2; exit 1; }

@@ -176,7 +176,7 @@ impl ValueFormatter<f64> for Axis {
 }
 
 /// The smallest and largest of `values`, none when there are none.
-fn extent(values: impl Iterator<Item = f64>) -> Option<(f64, f64)> {
+pub(crate) fn extent(values: impl Iterator<Item = f64>) -> Option<(f64, f64)> {
     values.fold(None, |acc, v| Some(acc.map_or((v, v), |(lo, hi): (f64, f64)| (lo.min(v), hi.max(v)))))
 }
 
@@ -194,7 +194,7 @@ fn nice_ticks(range: Range<f64>, least_spacing: f64) -> Vec<f64> {
 /// ten in it, or 1 and 3 times, or the powers alone where those are too many. A range within
 /// about a decade (perplexity from 200 to 570, or from 5,200 to 5,900), where fewer than three
 /// of those fall, gets evenly spaced round ticks instead.
-fn log_ticks(range: Range<f64>) -> Vec<f64> {
+pub(crate) fn log_ticks(range: Range<f64>) -> Vec<f64> {
     let powers = range.start.log10().floor() as i32..=range.end.log10().ceil() as i32;
     let ticks = |mantissas: &[f64]| -> Vec<f64> {
         let in_range = powers.clone().flat_map(|p| mantissas.iter().map(move |m| m * 10f64.powi(p)));

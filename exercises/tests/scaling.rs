@@ -37,7 +37,7 @@ fn make_scaling_runs_both_modes_and_tabulates_the_runs_it_wrote() {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/scaling.sh");
     let out = Command::new(&script)
         .envs([("BIN", bin.to_str().unwrap()), ("RESULTS", results.path().to_str().unwrap()), ("RANKS", "1 2"), ("GLOBAL", "16"), ("PER_RANK", "8")])
-        .envs([("EPOCHS", "1"), ("TRAIN", "64"), ("ARGS", "--threads 1 --workers 0")])
+        .envs([("EPOCHS", "1"), ("TRAIN", "64"), ("ARGS", "--workers 0")])
         .output()
         .expect("bench/scaling.sh runs");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -148,4 +148,8 @@ fn speedup_and_efficiency_follow_from_the_throughputs() {
     write(runs.path(), "medium/ranks-2", &run_json(2, 16, 100.0));
     let err = common::scaling::collect(runs.path(), results.path()).unwrap_err().to_string();
     assert!(err.contains("`strong/` and `weak/` only, not `medium/`"), "{err}");
+    // And no folder at all is the user's to fix.
+    let err = common::scaling::collect(&runs.path().join("none"), results.path()).unwrap_err();
+    assert_eq!(common::error::exit_code(&err), 2, "{err}");
+    assert!(err.to_string().contains("run `make scaling` first"), "{err}");
 }

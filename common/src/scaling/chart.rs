@@ -79,21 +79,9 @@ fn curves(rows: &[Row], value: impl Fn(&Row) -> f64, ideal: impl Fn(&Row, &Row) 
         .collect()
 }
 
-/// The smallest and largest finite values.
+/// The smallest and largest values (1 when there are none: an axis still gets drawn).
 fn extent(values: impl Iterator<Item = f64>) -> (f64, f64) {
-    values.filter(|v| v.is_finite()).fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)))
-}
-
-/// Tick marks for a log axis from `lo` to `hi`: 1, 2 and 5 times the powers of ten (the
-/// default marks only the powers of ten, often one or two in a panel).
-fn log_ticks(lo: f64, hi: f64) -> Vec<f64> {
-    let mut ticks = Vec::new();
-    let mut decade = 10f64.powf(lo.log10().floor());
-    while decade <= hi {
-        ticks.extend([1.0, 2.0, 5.0].map(|m| m * decade).into_iter().filter(|t| (lo..=hi).contains(t)));
-        decade *= 10.0;
-    }
-    ticks
+    crate::plots::extent(values.filter(|v| v.is_finite())).unwrap_or((1.0, 1.0))
 }
 
 /// Draws `curves` on `area` against the ranks (`ranks`: the tick marks), `y` the vertical axis.
@@ -176,7 +164,7 @@ pub fn draw(rows: &[Row], path: &Path) -> Result<()> {
     let (lo, hi) = extent(times.iter().flat_map(|c| c.points.iter().chain(&c.ideal)).map(|p| p.1));
     let caption = if per_epoch { "time per epoch" } else { "time per step" };
     let (lo, hi) = (lo / 1.3, hi * 1.3);
-    panel(&panels[0], caption, (lo..hi).log_scale().with_key_points(log_ticks(lo, hi)), "seconds", &ranks, &times, true).map_err(fail)?;
+    panel(&panels[0], caption, (lo..hi).log_scale().with_key_points(crate::plots::log_ticks(lo..hi)), "seconds", &ranks, &times, true).map_err(fail)?;
 
     let speedups = curves(rows, |r| r.speedup, |r, _| r.ideal_speedup);
     let (lo, hi) = extent(speedups.iter().flat_map(|c| c.points.iter().chain(&c.ideal)).map(|p| p.1));

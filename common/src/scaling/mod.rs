@@ -142,6 +142,10 @@ pub struct Row {
 /// Reads every run under `dir` (`<dir>/<mode>/<folder>/<run>.json`); other JSON files (traces,
 /// memory estimates) are passed over, a folder that is neither mode is an error.
 pub fn read_runs(dir: &Path) -> Result<Vec<(Mode, Run)>> {
+    if !dir.is_dir() {
+        // A usage error (exit 2): the study has not been run, or --runs names another folder.
+        return crate::error::usage(format!("no scaling runs folder {} (run `make scaling` first, or give --runs)", dir.display()));
+    }
     let mut runs = Vec::new();
     let modes = std::fs::read_dir(dir).with_context(|| format!("cannot read the scaling runs folder {}", dir.display()))?;
     for entry in modes {

@@ -16,6 +16,7 @@ use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
 use crate::memory::estimate::RankEstimate;
 use crate::memory::{self, MemoryMeter, ModelState, PeakMemory};
 use crate::parallelize::{parallelize, DataParallelPlan, ModelPlan};
+use crate::precision::Precision;
 use crate::presets::Preset;
 use crate::profile::libtorch::TorchProfiler;
 use crate::report::{self, RunInfo, RunRecord};
@@ -112,12 +113,24 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
     if let Some(dir) = &run.checkpoint_dir {
         writable_dir(dir, "--checkpoint-dir")?;
     }
+    let env = LaunchEnv::detect();
+    // Once per job: by the process itself, or by rank 0 of the ranks a launcher starts.
+    let speaks = match &env {
+        Ok(env) if env.is_distributed() => env.rank == 0,
+        _ => parallel.nproc_per_node.is_none() || run.estimate_memory,
+    };
+    if let Some(note) = Precision::legacy_name_note(std::env::args()).filter(|_| speaks) {
+        session_observers(exp, true, listeners).info(note)?;
+    }
     if run.estimate_memory {
         return estimate_memory(exp, listeners).map(|()| Vec::new());
     }
-    if let Some(n) = parallel.nproc_per_node.filter(|_| !LaunchEnv::detect().is_ok_and(|env| env.is_distributed())) {
+    if let Some(n) = parallel.nproc_per_node.filter(|_| !env.as_ref().is_ok_and(|env| env.is_distributed())) {
         // What the ranks would each refuse, said once, before mpirun starts them.
-        exp.layout(n)?;
+        let layout = exp.layout(n)?;
+        if layout.dp > 1 && run.precision.weights_kind().is_some() && run.device == DeviceChoice::Cpu {
+            return usage(crate::parallelize::cannot_average(run.precision, layout.dp, "mpi", Device::Cpu));
+        }
         if let Some(warning) = check_rank_count(n, run.device, parallel.max_ranks_per_core)? {
             session_observers(exp, true, listeners).warn(warning)?;
         }
@@ -125,7 +138,7 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
     if launch::start_ranks_if_asked(parallel.nproc_per_node)? {
         return Ok(Vec::new());
     }
-    let env = LaunchEnv::detect()?;
+    let env = env?;
     if exp.preset().per_device && !env.is_distributed() && parallel.backend == Backend::Auto {
         return run_per_device(exp, listeners);
     }
@@ -158,6 +171,12 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
 /// printed and written to `<results>/<exercise>-<model>-<device>.memory-estimate.json`.
 fn estimate_memory<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<()> {
     let run = exp.run_args();
+    if run.precision.weights_kind().is_some() {
+        return usage(format!(
+            "--estimate-memory models float32 weights (32 and the mixed precisions); --precision {} is not modelled yet",
+            run.precision.name()
+        ));
+    }
     let world = match exp.parallel_args().nproc_per_node {
         Some(n) => n,
         None => LaunchEnv::detect()?.world_size,
@@ -354,7 +373,7 @@ fn check_cuda_graph<E: Experiment>(exp: &E, groups: &Groups, device: Device, rec
     if recipe.accumulate > 1 {
         return usage("--cuda-graph records a step of one batch: drop --accumulate (or use a larger --batch-size)");
     }
-    if run.precision == crate::precision::Precision::Half {
+    if run.precision == Precision::Half {
         return usage("--cuda-graph with --precision 16-mixed (its scaler decides on the host) is not supported: use bf16-mixed or 32");
     }
     if run.profiling().is_some() {
@@ -372,8 +391,11 @@ fn check_zero<E: Experiment>(exp: &E, stage: ZeroStage, groups: &Groups) -> Resu
     if matches!(optimizer, OptimizerKind::Lars | OptimizerKind::Lamb) {
         return usage(format!("--zero {n} shards element-wise optimizers (adam, sgd); {} needs whole layers", optimizer.name()));
     }
-    if run.precision == crate::precision::Precision::Half {
+    if run.precision == Precision::Half {
         return usage(format!("--zero {n} with --precision 16-mixed (a gradient scaler over the shards) is not built yet: use bf16-mixed or 32"));
+    }
+    if run.precision.weights_kind().is_some() {
+        return usage(format!("--zero {n} with --precision {} (shards of 16-bit weights) is not built yet: use bf16-mixed", run.precision.name()));
     }
     if stage != ZeroStage::OptimizerState && groups.layout.pp * groups.layout.tp > 1 {
         return usage(format!("--zero {n} is for whole models on each replica; with pipeline stages or tensor-parallel shards use --zero 1"));
@@ -388,7 +410,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     if device.is_cuda() {
         tch::Cuda::cudnn_set_benchmark(true);
     }
-    if root && run.precision == crate::precision::Precision::Full && run.matmul_precision != Default::default() {
+    if root && run.precision == Precision::Full && run.matmul_precision != Default::default() {
         let what = match run.matmul_precision {
             crate::precision::MatmulPrecision::Medium => "bfloat16 inner products allowed",
             _ => "TF32 tensor cores where the GPU has them",
@@ -412,7 +434,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     check_batches(exp, &sources, replicas)?;
     // Peak memory from here, the data in place: the model's state, activations and temporaries.
     let meter = std::cell::RefCell::new(MemoryMeter::start(&exp.devices(&plan, device))?);
-    let mut step = parallelize(&plan, groups, dp, device, run.seed, session)?;
+    let mut step = parallelize(&plan, groups, dp, device, run.seed, run.precision, session)?;
     exp.describe(&plan, step.as_ref(), groups, device, session)?;
     let recipe = Recipe::resolve(preset, exp.recipe_args(), replicas, sources.train.batches_per_epoch(), run.epochs.unwrap_or(preset.epochs));
     let build = |named| recipe.optimizer.build(named, recipe.lr, recipe.momentum, recipe.weight_decay, exp.recipe_args().optimizer_kernel);

@@ -16,7 +16,8 @@ use tch::{nn, Device};
 
 use crate::dist::data_parallel::GradientAverager;
 use crate::dist::layout::Groups;
-use crate::dist::GradientSync;
+use crate::dist::{GradientSync, ProcessGroup};
+use crate::precision::Precision;
 use crate::error::usage;
 use crate::dist::zero::ZeroStage;
 use crate::models::{self, Blocks, ModelSpec, OnePart, OutputInit, PartedModule, Trainable, TransformerConfig, TransformerLm};
@@ -53,10 +54,19 @@ pub struct DataParallelPlan {
 }
 
 /// Builds this rank's step: the model (seeded with `seed`, the same on every rank) on `device`,
-/// or this rank's part of it, and its replicas from `groups`. Rank 0 tells `observers` what
-/// it loaded and froze.
-pub fn parallelize<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPlan, device: Device, seed: u64, observers: &mut Observers) -> Result<Box<dyn TrainStep<'g> + 'g>> {
-    let step = build_step(model, groups, dp, device, seed, observers)?;
+/// or this rank's part of it, its weights in the 16-bit type where `precision` is a true one
+/// (`16-true`, `bf16-true`: `model.half()`), and its replicas from `groups`. Rank 0 tells `observers` what it loaded and
+/// froze.
+pub fn parallelize<'g>(
+    model: &ModelPlan,
+    groups: &'g Groups<'g>,
+    dp: DataParallelPlan,
+    device: Device,
+    seed: u64,
+    precision: Precision,
+    observers: &mut Observers,
+) -> Result<Box<dyn TrainStep<'g> + 'g>> {
+    let step = build_step(model, groups, dp, device, seed, precision, observers)?;
     if let ModelPlan::Transformer { config, init, .. } = model {
         let shard = step.parallel().tp.map_or(crate::dist::tensor_parallel::Shard::WHOLE, |(_, shard)| shard);
         init.apply(&step.named_parameters(), config, seed, shard);
@@ -64,10 +74,19 @@ pub fn parallelize<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParall
     Ok(step)
 }
 
-fn build_step<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPlan, device: Device, seed: u64, observers: &mut Observers) -> Result<Box<dyn TrainStep<'g> + 'g>> {
+fn build_step<'g>(
+    model: &ModelPlan,
+    groups: &'g Groups<'g>,
+    dp: DataParallelPlan,
+    device: Device,
+    seed: u64,
+    precision: Precision,
+    observers: &mut Observers,
+) -> Result<Box<dyn TrainStep<'g> + 'g>> {
     let replicas = groups.dp().map(|group| Replication { group, averager: dp.averager, sync: dp.sync });
     if let Some(replicas) = &replicas {
         replicas.averager.check(replicas.group, device)?;
+        check_reduces(replicas.group, device, precision)?;
     }
     let parallel = Parallel { replicas, model: None, world: Some(groups.world), replica: groups.coords.replica, tp: None };
     let whole_model = |build: &mut dyn FnMut(&nn::VarStore) -> Result<Box<dyn PartedModule>>| -> Result<Box<dyn TrainStep<'g> + 'g>> {
@@ -75,14 +94,25 @@ fn build_step<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPla
             return usage(format!("this model is not split into parts, but the job's layout is {}", groups.layout.describe()));
         }
         tch::manual_seed(seed as i64);
-        let vs = nn::VarStore::new(device);
+        let mut vs = nn::VarStore::new(device);
         let module = build(&vs)?;
+        if let Some(kind) = precision.weights_kind() {
+            // `model.half()`: every floating-point variable, parameters and batch-norm
+            // statistics alike, after the weights were loaded in float32.
+            vs.set_kind(kind);
+        }
         Ok(match dp.sync {
             // FSDP: the parameters sharded over the replicas from the start.
             GradientSync::Zero(ZeroStage::Parameters) if parallel.replicas.is_some() => Box::new(LocalStep::sharded(vs, module, parallel)?),
             _ => Box::new(LocalStep::parted(vs, module, parallel)),
         })
     };
+    if let (Some(_), ModelPlan::Transformer { pipeline: Some(_), .. }) = (precision.weights_kind(), model) {
+        return usage(format!(
+            "--precision {} with pipeline stages is not built yet (their activations pass in float32): use bf16-mixed",
+            precision.name()
+        ));
+    }
     match model {
         ModelPlan::Image { spec, weights, trainable, channels_last } => whole_model(&mut |vs| {
             let module = models::build(&vs.root(), spec);
@@ -102,6 +132,7 @@ fn build_step<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPla
             })))
         }),
         ModelPlan::Transformer { config, pipeline: None, .. } => {
+            // (Token ids stay integers: only the weights change kind.)
             whole_model(&mut |vs| Ok(Box::new(TransformerLm::new(&vs.root(), config)?) as Box<dyn PartedModule>))
         }
         ModelPlan::Transformer { config, pipeline: Some(plan), .. } if !plan.devices.is_empty() => {
@@ -124,4 +155,27 @@ fn build_step<'g>(model: &ModelPlan, groups: &'g Groups<'g>, dp: DataParallelPla
             Ok(Box::new(StageProcess::new(groups, mine, plan.options, dp)?))
         }
     }
+}
+
+/// Fails, with a usage error, where the replicas' engine cannot average the gradients of a
+/// model held in `precision` (MPI has no 16-bit floating-point types; NCCL has both).
+fn check_reduces(group: &ProcessGroup, device: Device, precision: Precision) -> Result<()> {
+    let Some(kind) = precision.weights_kind() else { return Ok(()) };
+    let engine = group.backend_for(device)?;
+    if group.world_size() > 1 && !engine.supports_kind(kind) {
+        return usage(cannot_average(precision, group.world_size(), engine.name(), device));
+    }
+    Ok(())
+}
+
+/// Why `replicas` replicas on `device` cannot average a `precision` model's gradients over the
+/// engine `engine`; also said by the launcher, before it starts CPU ranks (MPI's).
+pub fn cannot_average(precision: Precision, replicas: usize, engine: &str, device: Device) -> String {
+    let kind = precision.weights_kind().unwrap_or(tch::Kind::Float);
+    format!(
+        "--precision {} over {replicas} replicas: the {engine} engine that averages {} gradients has no {kind:?}; \
+         use bf16-mixed (float32 gradients), or GPUs (NCCL)",
+        precision.name(),
+        crate::device::device_name(device)
+    )
 }

@@ -1,6 +1,9 @@
-//! Mixed precision, as Lightning's `precision=` flag names it: `32` (float32 everywhere),
-//! `16-mixed` (float16 autocast with a dynamic gradient scaler) and `bf16-mixed` (bfloat16
-//! autocast, no scaler: bfloat16 has float32's exponent range).
+//! Precision, as Lightning's `precision=` flag names it: `32` (float32 everywhere),
+//! `16-mixed` (float16 autocast with a dynamic gradient scaler), `bf16-mixed` (bfloat16
+//! autocast, no scaler: bfloat16 has float32's exponent range), and the "true" half precisions
+//! `16-true` and `bf16-true`: the course slide's `model.half()`, weights, gradients, optimizer
+//! state and activations all in the 16-bit type, no autocast and no scaler (half the memory of
+//! the model's state; no float32 master weights, so small updates can round away).
 //!
 //! # Autocast
 //!
@@ -45,6 +48,15 @@ pub enum Precision {
     #[value(name = "bf16-mixed", alias = "bf16")]
     #[serde(rename = "bf16-mixed")]
     BHalf,
+    /// The model in float16 (`model.half()`): weights, gradients, optimizer state and
+    /// activations (GPU only).
+    #[value(name = "16-true")]
+    #[serde(rename = "16-true")]
+    HalfTrue,
+    /// The model in bfloat16 (`model.bfloat16()`), GPU or CPU.
+    #[value(name = "bf16-true")]
+    #[serde(rename = "bf16-true")]
+    BHalfTrue,
 }
 
 impl Precision {
@@ -53,27 +65,60 @@ impl Precision {
             Precision::Full => "32",
             Precision::Half => "16-mixed",
             Precision::BHalf => "bf16-mixed",
+            Precision::HalfTrue => "16-true",
+            Precision::BHalfTrue => "bf16-true",
         }
     }
 
     /// The kind autocast computes in, if any.
     pub fn autocast_kind(self) -> Option<Kind> {
         match self {
-            Precision::Full => None,
             Precision::Half => Some(Kind::Half),
             Precision::BHalf => Some(Kind::BFloat16),
+            Precision::Full | Precision::HalfTrue | Precision::BHalfTrue => None,
+        }
+    }
+
+    /// The kind the model's floating-point state and inputs are held in, where not float32
+    /// (the true half precisions).
+    pub fn weights_kind(self) -> Option<Kind> {
+        match self {
+            Precision::HalfTrue => Some(Kind::Half),
+            Precision::BHalfTrue => Some(Kind::BFloat16),
+            Precision::Full | Precision::Half | Precision::BHalf => None,
         }
     }
 
     /// Fails, with a usage error, where `device` cannot train in this precision.
     pub fn check(self, device: Device) -> Result<()> {
-        if self == Precision::Half && !device.is_cuda() {
-            return usage(
-                "--precision 16-mixed needs a GPU: float16 autocast and gradient scaling are for CUDA \
-                 (on the CPU use --precision bf16-mixed)",
-            );
+        if matches!(self, Precision::Half | Precision::HalfTrue) && !device.is_cuda() {
+            return usage(format!(
+                "--precision {} needs a GPU: LibTorch's float16 kernels are for CUDA \
+                 (on the CPU use --precision bf16-mixed or bf16-true)",
+                self.name()
+            ));
         }
         Ok(())
+    }
+
+    /// What to tell a user who wrote Lightning's older name `16` or `bf16` (read as the mixed
+    /// precision, as Lightning 2 reads it), given the command line's arguments.
+    pub fn legacy_name_note(args: impl IntoIterator<Item = String>) -> Option<String> {
+        let args: Vec<String> = args.into_iter().collect();
+        let given = args.iter().enumerate().find_map(|(i, arg)| match arg.strip_prefix("--precision") {
+            Some("") => args.get(i + 1).cloned(),
+            Some(rest) => rest.strip_prefix('=').map(str::to_string),
+            None => None,
+        })?;
+        let meant = match given.as_str() {
+            "16" => "16-mixed",
+            "bf16" => "bf16-mixed",
+            _ => return None,
+        };
+        Some(format!(
+            "note: --precision {given} is read as {meant} (autocast, float32 weights), as Lightning 2 reads it; \
+             for the whole model in 16 bits (model.half()) use --precision {given}-true"
+        ))
     }
 
     /// Whether training in this precision needs a [`GradScaler`].
@@ -317,10 +362,43 @@ mod tests {
     #[test]
     fn lightnings_precision_names_parse() {
         use clap::ValueEnum;
-        for (name, precision) in [("32", Precision::Full), ("32-true", Precision::Full), ("16-mixed", Precision::Half), ("16", Precision::Half), ("bf16", Precision::BHalf), ("bf16-mixed", Precision::BHalf)] {
+        for (name, precision) in [
+            ("32", Precision::Full),
+            ("32-true", Precision::Full),
+            ("16-mixed", Precision::Half),
+            ("16", Precision::Half),
+            ("bf16", Precision::BHalf),
+            ("bf16-mixed", Precision::BHalf),
+            ("16-true", Precision::HalfTrue),
+            ("bf16-true", Precision::BHalfTrue),
+        ] {
             assert_eq!(Precision::from_str(name, false), Ok(precision), "{name}");
         }
         assert!(Precision::from_str("8", false).is_err());
+    }
+
+    #[test]
+    fn lightnings_older_names_get_a_note_and_the_new_ones_none() {
+        let note = |args: &[&str]| Precision::legacy_name_note(args.iter().map(|a| a.to_string()));
+        assert!(note(&["exercise1", "--precision", "16"]).unwrap().contains("--precision 16 is read as 16-mixed"));
+        assert!(note(&["exercise1", "--precision=bf16"]).unwrap().contains("bf16 is read as bf16-mixed"));
+        assert!(note(&["exercise1", "--precision", "bf16"]).unwrap().contains("--precision bf16-true"));
+        for args in [&["exercise1", "--precision", "16-mixed"][..], &["exercise1", "--precision=bf16-true"], &["exercise1", "--lr", "16"]] {
+            assert_eq!(note(args), None, "{args:?}");
+        }
+    }
+
+    #[test]
+    fn true_precisions_hold_the_model_in_16_bits_without_autocast_or_scaler() {
+        for (precision, kind) in [(Precision::HalfTrue, Kind::Half), (Precision::BHalfTrue, Kind::BFloat16)] {
+            assert_eq!((precision.weights_kind(), precision.autocast_kind(), precision.needs_scaler()), (Some(kind), None, false));
+        }
+        for mixed in [Precision::Full, Precision::Half, Precision::BHalf] {
+            assert_eq!(mixed.weights_kind(), None);
+        }
+        assert!(Precision::BHalfTrue.check(Device::Cpu).is_ok());
+        let err = Precision::HalfTrue.check(Device::Cpu).unwrap_err().to_string();
+        assert!(err.contains("--precision 16-true needs a GPU"), "{err}");
     }
 
     #[test]

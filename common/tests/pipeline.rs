@@ -512,7 +512,7 @@ fn a_scaled_output_layer_starts_alike_on_every_layout() {
     let dp = DataParallelPlan { averager: GradientAverager::new(25 << 20, false), sync: GradientSync::Ddp };
     let cfg = config(2, 256);
     let weights = |pipeline: Option<PipelinePlan>, init: OutputInit| -> HashMap<String, Tensor> {
-        let step = parallelize(&ModelPlan::Transformer { config: cfg, pipeline, init }, &groups, dp, Device::Cpu, 7, &mut common::train::Observers::new()).unwrap();
+        let step = parallelize(&ModelPlan::Transformer { config: cfg, pipeline, init }, &groups, dp, Device::Cpu, 7, Default::default(), &mut common::train::Observers::new()).unwrap();
         step.named_parameters().into_iter().map(|(n, t)| (n, t.detach().copy())).collect()
     };
     let two_stages = || Some(PipelinePlan { partition: Partition::even(2, 2).unwrap(), options: options(Schedule::GPipe, 1, false), devices: vec![Device::Cpu; 2] });

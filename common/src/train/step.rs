@@ -276,11 +276,24 @@ pub fn counted_parameters(step: &dyn TrainStep<'_>) -> i64 {
 /// asked, the number of arg-max hits.
 pub fn loss_and_hits(logits: &Tensor, targets: &Tensor, count_hits: bool) -> (Tensor, Option<Tensor>) {
     let classes = *logits.size().last().expect("logits have a class dimension");
+    // A model held in 16 bits (`--precision bf16-true`) has its loss computed in float32, as
+    // autocast would: a 16-bit log-softmax over many classes loses the small probabilities.
+    let logits = match logits.kind() {
+        Kind::Half | Kind::BFloat16 => logits.to_kind(Kind::Float),
+        _ => logits.shallow_clone(),
+    };
     let logits = logits.reshape([-1, classes]);
     let targets = targets.reshape([-1]);
     let loss = logits.cross_entropy_for_logits(&targets);
     let hits = count_hits.then(|| logits.argmax(-1, false).eq_tensor(&targets).sum(Kind::Int64));
     (loss, hits)
+}
+
+/// The kind of `vs`'s floating-point variables, where it is not float32.
+fn weights_kind(vs: &nn::VarStore) -> Option<Kind> {
+    let variables = vs.variables();
+    let kind = variables.values().map(Tensor::kind).find(|kind| matches!(kind, Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double))?;
+    (kind != Kind::Float).then_some(kind)
 }
 
 /// A whole model on this rank, trained alone or as one data-parallel replica (its parameters
@@ -291,6 +304,9 @@ pub struct LocalStep<'g> {
     parallel: Parallel<'g>,
     /// ZeRO-3: the parameters live in these shards and are gathered part by part as the model runs.
     zero3: Option<Rc<Shards<'g>>>,
+    /// The floating-point kind of the model's weights where not float32 (`--precision
+    /// bf16-true`): floating-point inputs are cast to it, as a `model.half()` script casts them.
+    inputs_kind: Option<Kind>,
 }
 
 impl<'g> LocalStep<'g> {
@@ -301,7 +317,8 @@ impl<'g> LocalStep<'g> {
 
     /// A model that knows its parts (only ZeRO-3 runs them one by one).
     pub fn parted(vs: nn::VarStore, model: Box<dyn PartedModule>, parallel: Parallel<'g>) -> Self {
-        LocalStep { vs, model, parallel, zero3: None }
+        let inputs_kind = weights_kind(&vs);
+        LocalStep { vs, model, parallel, zero3: None, inputs_kind }
     }
 
     /// The step with its parameters sharded over its replicas (ZeRO-3, FSDP): each part of the
@@ -311,11 +328,20 @@ impl<'g> LocalStep<'g> {
         let named = crate::models::named_parameters(&vs);
         let parts = named.iter().map(|(name, _)| model.part_of(name)).collect();
         let shards = Shards::new(ZeroStage::Parameters, replicas.group, named, Some(parts), replicas.averager.bucket_bytes)?;
-        Ok(LocalStep { vs, model, parallel, zero3: Some(shards) })
+        let inputs_kind = weights_kind(&vs);
+        Ok(LocalStep { vs, model, parallel, zero3: Some(shards), inputs_kind })
     }
 
     /// The model's output for `xs`: at once, or part by part through ZeRO-3's shards.
     fn run(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        let cast;
+        let xs = match self.inputs_kind {
+            Some(kind) if xs.is_floating_point() && xs.kind() != kind => {
+                cast = xs.to_kind(kind);
+                &cast
+            }
+            _ => xs,
+        };
         match &self.zero3 {
             None => Ok(self.model.forward_t(xs, train)),
             Some(shards) => self.model.forward_parts(xs, train, &mut |part, run| shards.around(part, run)),

@@ -314,12 +314,14 @@ impl Experiment for ImageExperiment<'_> {
         data.train.generated
     }
 
-    fn report(&self, _data: &ImageData, _plan: &ModelPlan, _fit: &FitReport, _test: &EvalSums, _device: Device) -> (Vec<String>, serde_json::Value) {
+    fn report(&self, _data: &ImageData, _plan: &ModelPlan, _fit: &FitReport, test: &EvalSums, _device: Device) -> (Vec<String>, serde_json::Value) {
+        // Lightning's table after trainer.test, to hold against the course's printout.
+        let table = crate::course_format::lightning_test_table(&[("test_acc", test.accuracy()), ("test_loss", test.mean_loss())]);
         let memory_format = if self.args.channels_last { "channels-last" } else { "nchw" };
         let trained_blocks = match self.trainable() {
             Trainable::All => serde_json::Value::Null,
             Trainable::Last(n) => n.into(),
         };
-        (Vec::new(), serde_json::json!({ "memory_format": memory_format, "trained_blocks": trained_blocks }))
+        (vec![table], serde_json::json!({ "memory_format": memory_format, "trained_blocks": trained_blocks }))
     }
 }

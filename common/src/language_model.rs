@@ -580,6 +580,7 @@ impl Experiment for LmExperiment<'_> {
             device::device_name(device),
             test_loss.exp()
         )];
+        lines.push(crate::course_format::tutorial_end_of_training(test_loss));
         let mut extra = serde_json::json!({
             "test_ppl": test_loss.exp(),
             "valid_ppl": fit.eval_loss.exp(),

@@ -7,6 +7,7 @@
 //! exercise does around the loop; [`presets`] are the course's exercises.
 pub mod checkpoint;
 pub mod course_figures;
+pub mod course_format;
 pub mod cuda_graph;
 pub mod data;
 pub mod device;

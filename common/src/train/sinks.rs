@@ -33,7 +33,8 @@ impl RunHeader {
     }
 }
 
-/// Prints the narrative (stdout), warnings (stderr) and one line per epoch.
+/// Prints the narrative (stdout), warnings (stderr) and one line per epoch (for a language
+/// model also the Transformer tutorial's end-of-epoch block).
 pub struct ConsoleLog {
     metric: Metric,
     header: RunHeader,
@@ -66,6 +67,11 @@ impl Observer for ConsoleLog {
                     self.metric.describe(stats.train_loss, stats.train_acc),
                     self.metric.describe(stats.eval_loss, stats.eval_acc),
                 );
+                if self.metric == Metric::Perplexity {
+                    // The Transformer tutorial's own block, to hold against its printout.
+                    let eval_s = stats.eval_interval.map_or(0.0, |(start, end)| (end - start).as_secs_f64());
+                    println!("{}", crate::course_format::tutorial_epoch_end(stats.epoch, stats.train_time_s + eval_s, stats.eval_loss));
+                }
             }
             _ => {}
         }

@@ -1,0 +1,62 @@
+//! The course's printouts in their own shape, with our run's figures: Lightning's test-metric
+//! table after the image exercises, the Transformer tutorial's end-of-epoch and end-of-training
+//! blocks after the language model's.
+mod support;
+
+use std::process::{Command, Output};
+use support::{read_json, stderr, wikitext_sample};
+
+fn run(bin: &str, args: &[&str]) -> Output {
+    Command::new(bin).args(args).env_remove("RUST_BACKTRACE").output().unwrap()
+}
+
+#[test]
+fn the_image_exercise_prints_lightnings_test_table_with_its_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, results) = (dir.path().join("data"), dir.path().join("results"));
+    let out = run(env!("CARGO_BIN_EXE_prepare_data"), &["generate", "--dataset", "cifar10", "--train", "60", "--test", "20", "--out", data.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = run(env!("CARGO_BIN_EXE_exercise1"), &[
+        "--device", "cpu", "--data-dir", data.to_str().unwrap(), "--batch-size", "20", "--epochs", "1", "--quiet",
+        "--results-dir", results.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let json = read_json(&results.join("exercise1-cnn-cpu.json"));
+    // The run's own test figures, as Lightning prints a float32 metric.
+    let shown = |key: &str| ((json[key].as_f64().unwrap() as f32) as f64).to_string();
+    let lines: Vec<&str> = stdout.lines().collect();
+    let header = lines.iter().position(|l| l.trim_start().starts_with("Test metric")).unwrap_or_else(|| panic!("no Lightning table in:\n{stdout}"));
+    assert!(lines[header].ends_with("DataLoader 0"), "{}", lines[header]);
+    let rows: Vec<Vec<&str>> = lines[header + 2..header + 4].iter().map(|l| l.split_whitespace().collect()).collect();
+    assert_eq!(rows, [vec!["test_acc", shown("test_acc").as_str()], vec!["test_loss", shown("test_loss").as_str()]], "{stdout}");
+    for rule in [header - 1, header + 1, header + 4] {
+        assert_eq!(lines[rule], "─".repeat(120), "line {rule}");
+    }
+}
+
+#[test]
+fn the_language_model_prints_the_tutorials_epoch_and_final_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, results) = (dir.path().join("data"), dir.path().join("results"));
+    std::fs::create_dir(&data).unwrap();
+    wikitext_sample(&data, [60, 20, 20]);
+    let out = run(env!("CARGO_BIN_EXE_exercise1_nlp"), &[
+        "--data-dir", data.to_str().unwrap(), "--device", "cpu", "--quiet", "--emsize", "16", "--d-hid", "32", "--nhead", "2",
+        "--nlayers", "1", "--tokenizer", "whitespace", "--epochs", "2", "--results-dir", results.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let json = read_json(&results.join("exercise1_nlp-transformer-cpu.json"));
+    for (epoch, stats) in json["history"].as_array().unwrap().iter().enumerate() {
+        let loss = stats["eval_loss"].as_f64().unwrap();
+        let tail = format!(" | valid loss {loss:5.2} | valid ppl {:8.2}", loss.exp());
+        let head = format!("| end of epoch {:3} | time: ", epoch + 1);
+        let line = stdout.lines().find(|l| l.starts_with(&head)).unwrap_or_else(|| panic!("no '{head}' in:\n{stdout}"));
+        assert!(line.ends_with(&tail), "{line:?} does not end with {tail:?}");
+    }
+    let test_loss = json["test_loss"].as_f64().unwrap();
+    let end = format!("| End of training | test loss {test_loss:5.2} | test ppl {:8.2}", test_loss.exp());
+    let rule = "=".repeat(89);
+    assert!(stdout.contains(&format!("{rule}\n{end}\n{rule}")), "no '{end}' block in:\n{stdout}");
+}

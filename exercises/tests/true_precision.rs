@@ -27,6 +27,15 @@ fn tensor_dtypes(path: &Path) -> Vec<(String, String)> {
     dtypes
 }
 
+/// A folder holding a small generated CIFAR-10 under `data`.
+fn generated_cifar10() -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let out = run(env!("CARGO_BIN_EXE_prepare_data"), &["generate", "--dataset", "cifar10", "--train", "40", "--test", "20", "--out", data.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    (dir, data)
+}
+
 #[test]
 fn bf16_true_trains_the_image_model_in_bfloat16_and_its_checkpoint_tests_in_float32() {
     let dir = tempfile::tempdir().unwrap();
@@ -88,10 +97,7 @@ fn bf16_true_language_model_learns_close_to_float32() {
 
 #[test]
 fn what_true_precisions_cannot_do_yet_is_refused_before_training() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let out = run(env!("CARGO_BIN_EXE_prepare_data"), &["generate", "--dataset", "cifar10", "--train", "40", "--test", "20", "--out", data.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let (_dir, data) = generated_cifar10();
     let base = ["--device", "cpu", "--data-dir", data.to_str().unwrap(), "--batch-size", "10", "--quiet", "--max-steps", "1"];
     let refused = |bin: &str, extra: &[&str], says: &str| {
         let out = run(bin, &[&base[..], extra].concat());
@@ -109,10 +115,7 @@ fn what_true_precisions_cannot_do_yet_is_refused_before_training() {
 
 #[test]
 fn lightnings_older_names_are_read_as_mixed_precision_with_a_note() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let out = run(env!("CARGO_BIN_EXE_prepare_data"), &["generate", "--dataset", "cifar10", "--train", "40", "--test", "20", "--out", data.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let (dir, data) = generated_cifar10();
     let results = dir.path().join("results");
     let out = run(env!("CARGO_BIN_EXE_exercise1"), &[
         "--device", "cpu", "--data-dir", data.to_str().unwrap(), "--batch-size", "10", "--quiet", "--max-steps", "1",

@@ -269,12 +269,12 @@ impl Checkpoint {
 /// `part` (as [`Checkpoint::part`] gives it: variables and optimizer state by their keys in the
 /// file) with each tensor replaced by `map(name, tensor)`, `name` the variable's or the state
 /// entry's own name (a tensor-parallel shard's cut of the whole tensors).
-pub fn map_part(part: Vec<(String, Tensor)>, map: impl Fn(&str, Tensor) -> Tensor) -> Vec<(String, Tensor)> {
+pub fn map_part(part: Vec<(String, Tensor)>, map: impl Fn(&str, Tensor) -> anyhow::Result<Tensor>) -> anyhow::Result<Vec<(String, Tensor)>> {
     part.into_iter()
         .map(|(key, t)| {
             let name = key.strip_prefix(MODEL_PREFIX).or_else(|| key.strip_prefix(OPTIM_PREFIX)).unwrap_or(&key);
-            let mapped = map(name, t);
-            (key, mapped)
+            let mapped = map(name, t)?;
+            Ok((key, mapped))
         })
         .collect()
 }

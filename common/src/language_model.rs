@@ -14,6 +14,7 @@ use crate::error::usage;
 use crate::experiment::{self, Experiment, Sources};
 use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
 use crate::flops;
+use crate::models::transformer_names::{Place, TransformerVariable};
 use crate::models::TransformerConfig;
 use crate::optim::OptimizerKind;
 use crate::parallelize::{ModelPlan, PipelinePlan};
@@ -693,9 +694,10 @@ fn stage_summaries(step: &dyn TrainStep<'_>, plan: &PipelinePlan, groups: &Group
         // In this process: group the parameters by device through their stages' layer names.
         let params = step.named_parameters();
         let devices = plan.devices.len();
+        let stages: Vec<usize> = params.iter().map(|(name, _)| stage_of(name, &plan.partition)).collect::<Result<_>>()?;
         return Ok((0..devices)
             .map(|d| {
-                let mine: Vec<&tch::Tensor> = params.iter().filter(|(name, _)| stage_of(name, &plan.partition) % devices == d).map(|(_, t)| t).collect();
+                let mine: Vec<&tch::Tensor> = params.iter().zip(&stages).filter(|(_, stage)| *stage % devices == d).map(|((_, t), _)| t).collect();
                 let parameters = mine.iter().map(|t| t.numel() as i64).sum();
                 let bytes = mine.iter().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum();
                 StageSummary::new(d, device::device_label(plan.devices[d]), plan, parameters, bytes)
@@ -723,14 +725,11 @@ fn stage_summaries(step: &dyn TrainStep<'_>, plan: &PipelinePlan, groups: &Group
 }
 
 /// The stage holding the variable `name` of the whole model.
-fn stage_of(name: &str, partition: &Partition) -> usize {
+fn stage_of(name: &str, partition: &Partition) -> Result<usize> {
     let last = partition.stages() - 1;
-    if name.starts_with("embedding.") {
-        return 0;
-    }
-    if name.starts_with("linear.") {
-        return last;
-    }
-    let layer: i64 = name.split('.').nth(2).and_then(|i| i.parse().ok()).unwrap_or(0);
-    partition.layers.iter().position(|r| r.contains(&layer)).unwrap_or(last)
+    Ok(match TransformerVariable::parse(name)?.place {
+        Place::Embedding => 0,
+        Place::Output => last,
+        Place::Layer(layer) => partition.layers.iter().position(|r| r.contains(&layer)).unwrap_or(last),
+    })
 }

@@ -84,20 +84,6 @@ pub enum Split {
     PackedRows(i64),
 }
 
-/// How the variable `name` of the Transformer language model (torch's names) is cut.
-pub fn split_of(name: &str) -> Split {
-    let ends = |suffix: &str| name.ends_with(suffix);
-    if ends("self_attn.in_proj_weight") || ends("self_attn.in_proj_bias") {
-        Split::PackedRows(3)
-    } else if ends("self_attn.out_proj.weight") || ends("linear2.weight") {
-        Split::Columns
-    } else if ends("linear1.weight") || ends("linear1.bias") || name == "embedding.weight" || name == "linear.weight" || name == "linear.bias" {
-        Split::Rows
-    } else {
-        Split::Replicated
-    }
-}
-
 /// `shard`'s part of the whole tensor `full` cut as `split` says (a copy).
 pub fn shard_tensor(full: &Tensor, split: Split, shard: Shard) -> Tensor {
     let cut = |t: &Tensor, dim: i64| {
@@ -128,50 +114,7 @@ pub fn unshard(parts: &[Tensor], split: Split) -> Tensor {
     }
 }
 
-/// The whole tensors of `named` (this shard's variables or optimizer state, by whole-model
-/// names; a state entry `<entry>.<variable>` is cut as its variable): all-gathered over `group`
-/// and put together. Every shard calls it with the same names in the same order.
-pub fn unshard_named(group: &ProcessGroup, named: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
-    named
-        .into_iter()
-        .map(|(name, t)| {
-            let split = split_of(variable_of(&name));
-            if split == Split::Replicated || t.dim() == 0 {
-                return Ok((name, t));
-            }
-            let parts = group.all_gather(&t.detach().contiguous())?;
-            Ok((name, unshard(&parts, split)))
-        })
-        .collect()
-}
 
-/// `shard`'s part of the whole tensor `whole` named `name` (a variable, or an optimizer-state
-/// entry `<entry>.<variable>`, as [`unshard_named`] names them; a count is whole everywhere).
-pub fn shard_of_named(name: &str, whole: &Tensor, shard: Shard) -> Tensor {
-    let split = if whole.dim() == 0 { Split::Replicated } else { split_of(variable_of(name)) };
-    shard_tensor(whole, split, shard)
-}
-
-/// [`shard_of_named`] of every tensor of `named`.
-pub fn shard_named(named: Vec<(String, Tensor)>, shard: Shard) -> Vec<(String, Tensor)> {
-    named
-        .into_iter()
-        .map(|(name, t)| {
-            let part = shard_of_named(&name, &t, shard);
-            (name, part)
-        })
-        .collect()
-}
-
-/// The variable an optimizer-state name `<entry>.<variable>` belongs to (a variable's own name
-/// is returned as it is: variables start with `embedding`, `linear` or `transformer_encoder`).
-fn variable_of(name: &str) -> &str {
-    const ROOTS: [&str; 3] = ["embedding.", "linear.", "transformer_encoder."];
-    if ROOTS.iter().any(|root| name.starts_with(root)) {
-        return name;
-    }
-    name.split_once('.').map_or(name, |(_, rest)| rest)
-}
 
 /// The shim's callback: an in-place all-reduce (sum) of `tensor` over the group `context`
 /// points to. Errors and panics become a message for the C++ side, which throws it into
@@ -252,18 +195,7 @@ mod tests {
     use tch::Device;
 
     #[test]
-    fn every_variable_is_cut_as_megatron_cuts_it_and_put_back_whole() {
-        assert_eq!(split_of("transformer_encoder.layers.3.self_attn.in_proj_weight"), Split::PackedRows(3));
-        assert_eq!(split_of("transformer_encoder.layers.0.self_attn.out_proj.weight"), Split::Columns);
-        assert_eq!(split_of("transformer_encoder.layers.0.self_attn.out_proj.bias"), Split::Replicated);
-        assert_eq!(split_of("transformer_encoder.layers.0.linear1.bias"), Split::Rows);
-        assert_eq!(split_of("transformer_encoder.layers.0.linear2.bias"), Split::Replicated);
-        assert_eq!(split_of("transformer_encoder.layers.0.norm2.weight"), Split::Replicated);
-        assert_eq!((split_of("embedding.weight"), split_of("linear.weight"), split_of("linear.bias")), (Split::Rows, Split::Rows, Split::Rows));
-        assert_eq!(variable_of("exp_avg.transformer_encoder.layers.0.linear1.bias"), "transformer_encoder.layers.0.linear1.bias");
-        assert_eq!(variable_of("momentum_buffer.linear.weight"), "linear.weight");
-        assert_eq!(variable_of("linear.weight"), "linear.weight");
-
+    fn every_split_cuts_and_is_put_back_whole() {
         // [q; k; v] of 4 heads of width 1 over 2 shards: shard 1 holds heads 2 and 3 of each.
         let packed = Tensor::arange(12, (Kind::Float, Device::Cpu)).view([12, 1]);
         let part = shard_tensor(&packed, Split::PackedRows(3), Shard { index: 1, count: 2 });
@@ -275,10 +207,6 @@ mod tests {
                 assert!(unshard(&parts, split).equal(&whole), "{split:?} over {count}");
             }
         }
-        let state = vec![("step.linear.bias".to_string(), Tensor::from(3i64)), ("exp_avg.linear.bias".to_string(), Tensor::arange(4, (Kind::Float, Device::Cpu)))];
-        let mine = shard_named(state, Shard { index: 1, count: 2 });
-        assert_eq!(mine[0].1.int64_value(&[]), 3);
-        assert_eq!(Vec::<f32>::try_from(&mine[1].1).unwrap(), vec![2.0, 3.0]);
     }
 
     #[test]

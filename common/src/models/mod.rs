@@ -12,6 +12,7 @@ mod cnn;
 mod freeze;
 mod resnet;
 pub mod transformer;
+pub mod transformer_names;
 mod vgg;
 mod weights;
 
@@ -105,9 +106,10 @@ pub type AroundPart<'a> = dyn FnMut(usize, &dyn Fn() -> Tensor) -> anyhow::Resul
 /// A model that can run part by part (FSDP's units): ZeRO-3 gathers a part's parameters just
 /// before the part runs and frees them after. A model that does not say otherwise is one part.
 pub trait PartedModule: nn::ModuleT {
-    /// The part the variable `name` belongs to (0, 1, ...: in the order the parts run).
-    fn part_of(&self, _name: &str) -> usize {
-        0
+    /// The part the variable `name` belongs to (0, 1, ...: in the order the parts run); an
+    /// error for a name the model does not have.
+    fn part_of(&self, _name: &str) -> anyhow::Result<usize> {
+        Ok(0)
     }
 
     /// [`nn::ModuleT::forward_t`], each part's computation handed to `around`.

@@ -18,6 +18,7 @@
 //! The model is also available piece by piece ([`TransformerLm::embed`],
 //! [`TransformerLm::layers`], [`TransformerLm::decode`]) so that a pipeline can run the encoder
 //! layers on different devices.
+use super::transformer_names::{self as names, Place, TransformerVariable};
 use super::TORCH_DEFAULT_WEIGHT;
 use crate::dist::tensor_parallel::{self as tp, Shard};
 use crate::dist::ProcessGroup;
@@ -173,10 +174,11 @@ impl OutputInit {
             return;
         }
         let bound = 1.0 / (cfg.d_model as f64).sqrt();
-        for (name, weight) in named_parameters.iter().filter(|(name, _)| name == "linear.weight") {
+        for (_, weight) in named_parameters.iter().filter(|(name, _)| name == names::OUTPUT_WEIGHT) {
             tch::manual_seed(mix_key(&[seed, 0x6f75_7470_7574]) as i64);
             let drawn = Tensor::empty([cfg.ntoken, cfg.d_model], (weight.kind(), tch::Device::Cpu)).uniform_(-bound, bound);
-            let mine = tp::shard_tensor(&drawn, tp::split_of(name), shard);
+            // (The output layer is vocabulary-parallel: cut by rows.)
+            let mine = tp::shard_tensor(&drawn, tp::Split::Rows, shard);
             tch::no_grad(|| weight.shallow_clone().copy_(&mine));
         }
     }
@@ -403,7 +405,7 @@ impl EncoderLayer {
     /// Tensor-parallel `shard` of a layer (Megatron's): its heads of the attention, its rows of
     /// `linear1` (column parallel) and columns of `linear2` (row parallel, bias whole), the
     /// layer norms whole. The variables have the whole layer's names and the shard's shapes
-    /// (see [`crate::dist::tensor_parallel::split_of`]); the caller copies the whole layer's
+    /// (see [`super::transformer_names`]); the caller copies the whole layer's
     /// starting values in.
     pub fn new_sharded(vs: &nn::Path, cfg: &TransformerConfig, shard: Shard) -> Result<Self, UsageError> {
         cfg.validate_shards(shard.count)?;
@@ -518,7 +520,7 @@ impl TokenEmbedding {
     pub fn new_sharded(root: &nn::Path, cfg: &TransformerConfig, shard: Shard) -> Result<Self, UsageError> {
         cfg.validate_shards(shard.count)?;
         let embedding = nn::embedding(
-            root / "embedding",
+            root / names::EMBEDDING,
             cfg.ntoken / shard.count as i64,
             cfg.d_model,
             nn::EmbeddingConfig {
@@ -591,7 +593,7 @@ pub fn output_layer(root: &nn::Path, cfg: &TransformerConfig) -> nn::Linear {
 /// The output layer's rows for `shard`'s words (vocabulary parallel: its slice of the logits).
 pub fn output_layer_sharded(root: &nn::Path, cfg: &TransformerConfig, shard: Shard) -> nn::Linear {
     nn::linear(
-        root / "linear",
+        root / names::OUTPUT,
         cfg.d_model,
         cfg.ntoken / shard.count as i64,
         nn::LinearConfig {
@@ -615,7 +617,7 @@ pub fn encoder_layers(root: &nn::Path, cfg: &TransformerConfig, range: std::ops:
 
 /// [`encoder_layers`], each layer tensor-parallel `shard` of it.
 pub fn encoder_layers_sharded(root: &nn::Path, cfg: &TransformerConfig, range: std::ops::Range<i64>, shard: Shard) -> Result<Vec<EncoderLayer>, UsageError> {
-    let layers_path = root / "transformer_encoder" / "layers";
+    let layers_path = root / names::LAYERS[0] / names::LAYERS[1];
     let layers: Vec<EncoderLayer> = range.map(|i| EncoderLayer::new_sharded(&(&layers_path / i), cfg, shard)).collect::<Result<_, _>>()?;
     if let Some((first, rest)) = layers.split_first() {
         tch::no_grad(|| {
@@ -675,14 +677,12 @@ impl TransformerLm {
 /// ZeRO-3's units: the embedding (part 0), each encoder layer (parts 1 to `nlayers`), the output
 /// layer (the last part).
 impl super::PartedModule for TransformerLm {
-    fn part_of(&self, name: &str) -> usize {
-        if name.starts_with("embedding.") {
-            return 0;
-        }
-        match name.strip_prefix("transformer_encoder.layers.").and_then(|rest| rest.split('.').next()).and_then(|i| i.parse::<usize>().ok()) {
-            Some(layer) => layer + 1,
-            None => self.layers.len() + 1,
-        }
+    fn part_of(&self, name: &str) -> anyhow::Result<usize> {
+        Ok(match TransformerVariable::parse(name)?.place {
+            Place::Embedding => 0,
+            Place::Layer(layer) => layer as usize + 1,
+            Place::Output => self.layers.len() + 1,
+        })
     }
 
     fn forward_parts(&self, src: &Tensor, train: bool, around: &mut super::AroundPart) -> anyhow::Result<Tensor> {

@@ -18,7 +18,8 @@ use super::executor::{self, MicroBatches, StageOptions};
 use super::link::{ChannelLink, Link};
 use super::{chunks_for, schedule, split_batch, Op, PipelineOptions, Placement, Schedule, Stage, StepReport};
 use crate::dist::layout::Groups;
-use crate::dist::tensor_parallel::{split_of, Split};
+use crate::dist::tensor_parallel::Split;
+use crate::models::transformer_names::TransformerVariable;
 use crate::parallelize::DataParallelPlan;
 use crate::dist::transfer::{recv_labelled, send_labelled};
 use crate::dist::{GradientSync, ProcessGroup};
@@ -67,6 +68,9 @@ pub struct StageProcess<'g> {
     /// The other shards of this stage's layers (none: whole layers).
     tp: Option<&'g ProcessGroup>,
     parallel: Parallel<'g>,
+    /// Per parameter (in `named_parameters`' order): whether this rank counts it in the
+    /// gradients' norm (a shard other than the first skips those every shard holds whole).
+    norm_counted: Vec<bool>,
 }
 
 impl<'g> StageProcess<'g> {
@@ -106,7 +110,13 @@ impl<'g> StageProcess<'g> {
         if let Some(replicas) = &parallel.replicas {
             dp.averager.check(replicas.group, on)?;
         }
-        Ok(StageProcess { stages, device, placement, options, pipe, tp, parallel })
+        let first_shard = groups.shard().index == 0;
+        let norm_counted = stages
+            .iter()
+            .flat_map(Stage::named_parameters)
+            .map(|(name, _)| Ok(first_shard || TransformerVariable::parse(&name)?.split() != Split::Replicated))
+            .collect::<Result<_>>()?;
+        Ok(StageProcess { stages, device, placement, options, pipe, tp, parallel, norm_counted })
     }
 
     /// This rank's passes of one mini-batch, exchanging with the neighbouring ranks.
@@ -185,8 +195,7 @@ impl<'g> TrainStep<'g> for StageProcess<'g> {
     /// A tensor-parallel shard other than the first does not count the variables every shard
     /// holds whole (their gradients are the same on every shard).
     fn norm_counted(&self) -> Vec<bool> {
-        let first = self.stages[0].shard.index == 0;
-        self.named_parameters().iter().map(|(name, _)| first || split_of(name) != Split::Replicated).collect()
+        self.norm_counted.clone()
     }
 
     fn forward_backward(&mut self, batch: &Batch, weight: f64, ctx: &StepContext) -> Result<StepOutput> {

@@ -9,6 +9,7 @@ use tch::{Device, Kind, Tensor};
 use crate::dist::tensor_parallel::{self as tp, Shard};
 use crate::dist::ProcessGroup;
 use crate::error::UsageError;
+use crate::models::transformer_names::TransformerVariable;
 use crate::models::{self, EncoderLayer, Masks, TokenEmbedding, TransformerConfig};
 use super::LayerCosts;
 
@@ -51,16 +52,14 @@ impl Stage {
         let first = layer_range.start..(layer_range.start + 1).min(layer_range.end);
         let whole = Self::build(cfg, index, stages, first.clone(), Device::Cpu, seed, Shard::WHOLE)?.vs.variables();
         let stage = Self::build(cfg, index, stages, layer_range, device, seed, shard)?;
-        let layer_prefix = |name: &str| -> Option<String> {
-            let rest = name.strip_prefix("transformer_encoder.layers.")?;
-            let (_, tail) = rest.split_once('.')?;
-            Some(format!("transformer_encoder.layers.{}.{tail}", first.start))
-        };
         tch::no_grad(|| {
             for (name, mut var) in stage.vs.variables() {
-                let source = layer_prefix(&name).unwrap_or_else(|| name.clone());
+                // The stage's own names (a test proves the model's all parse). A layer's
+                // starting value is the first layer's: all layers start equal.
+                let variable = TransformerVariable::parse(&name).unwrap_or_else(|err| panic!("{err}"));
+                let source = variable.in_layer(first.start);
                 let full = whole.get(&source).unwrap_or_else(|| panic!("the whole stage has `{source}`"));
-                var.copy_(&tp::shard_tensor(full, tp::split_of(&name), shard));
+                var.copy_(&tp::shard_tensor(full, variable.split(), shard));
             }
         });
         Ok(stage)
@@ -162,7 +161,7 @@ impl Stage {
                 let value = source
                     .get(&name)
                     .with_context(|| format!("the whole model has no variable `{name}`"))?;
-                let value = tp::shard_tensor(value, tp::split_of(&name), self.shard);
+                let value = tp::shard_tensor(value, TransformerVariable::parse(&name)?.split(), self.shard);
                 anyhow::ensure!(
                     value.size() == var.size(),
                     "`{name}`: shape {:?} in the whole model, {:?} in stage {}",

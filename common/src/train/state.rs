@@ -16,7 +16,8 @@ use super::step::TrainStep;
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
 use crate::dist::data_parallel::{broadcast_named, broadcast_optimizer_state, broadcast_sharded_state};
 use crate::dist::transfer::{recv_named, recv_tensor, send_named, send_tensor};
-use crate::dist::{tensor_parallel, ProcessGroup};
+use crate::dist::ProcessGroup;
+use crate::models::transformer_names;
 use crate::optim::Optimizer;
 use crate::precision::{GradScaler, GradScalerState};
 
@@ -130,7 +131,7 @@ fn restore_replica_zero(
         }
     };
     let part = match shard {
-        Some(shard) => checkpoint::map_part(part, |name, whole| tensor_parallel::shard_of_named(name, &whole, shard)),
+        Some(shard) => checkpoint::map_part(part, |name, whole| transformer_names::shard_of_named(name, &whole, shard))?,
         None => part,
     };
     let state = checkpoint::part_state(&part);
@@ -160,8 +161,8 @@ fn save_whole(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: &Checkp
     // shard then stands for them all.
     let shards = parallel.tp.map_or(1, |(_, shard)| shard.count);
     if let Some((group, shard)) = parallel.tp {
-        variables = tensor_parallel::unshard_named(group, variables)?;
-        state = tensor_parallel::unshard_named(group, state)?;
+        variables = transformer_names::unshard_named(group, variables)?;
+        state = transformer_names::unshard_named(group, state)?;
         if shard.index != 0 {
             return Ok(());
         }

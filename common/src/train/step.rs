@@ -326,7 +326,7 @@ impl<'g> LocalStep<'g> {
     pub fn sharded(vs: nn::VarStore, model: Box<dyn PartedModule>, parallel: Parallel<'g>) -> Result<Self> {
         let replicas = parallel.replicas.context("ZeRO-3 shards the parameters over data-parallel replicas")?;
         let named = crate::models::named_parameters(&vs);
-        let parts = named.iter().map(|(name, _)| model.part_of(name)).collect();
+        let parts = named.iter().map(|(name, _)| model.part_of(name)).collect::<Result<_>>()?;
         let shards = Shards::new(ZeroStage::Parameters, replicas.group, named, Some(parts), replicas.averager.bucket_bytes)?;
         let inputs_kind = weights_kind(&vs);
         Ok(LocalStep { vs, model, parallel, zero3: Some(shards), inputs_kind })

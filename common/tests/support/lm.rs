@@ -3,7 +3,8 @@
 //! tensor-parallel shards, replicas) trains the unpartitioned model.
 use std::collections::HashMap;
 
-use common::dist::tensor_parallel::{shard_tensor, split_of, Shard};
+use common::dist::tensor_parallel::Shard;
+use common::models::transformer_names::shard_of_named;
 use common::models::{self, TransformerConfig, TransformerLm};
 use common::optim::{Optimizer, Sgd, SgdConfig};
 use common::pipeline::{PipelineOptions, Schedule, Stage};
@@ -64,7 +65,7 @@ pub const CLIP: f64 = 0.5;
 /// or a tensor-parallel shard's cut of it.
 pub fn part_of(trainer: &dyn TrainStep<'_>, name: &str, whole: &Tensor) -> Tensor {
     let shard = trainer.parallel().tp.map_or(Shard::WHOLE, |(_, shard)| shard);
-    shard_tensor(whole, split_of(name), shard)
+    shard_of_named(name, whole, shard).unwrap()
 }
 
 /// Checks that `trainer` (replica `replica.0` of `replica.1`, each training on its share of

@@ -225,7 +225,7 @@ fn check_batches<E: Experiment>(exp: &E, sources: &Sources, replicas: usize) -> 
         Metric::Accuracy => "images",
         Metric::Perplexity => "tokens",
     };
-    let batch = Recipe::resolve(exp.preset(), exp.recipe_args(), replicas, 1, 1).batch_size;
+    let batch = RunRecipe::resolve(exp.preset(), exp.recipe_args(), replicas, 1, 1).batch_size;
     if sources.train.batches_per_epoch() == 0 || sources.examples_per_epoch < batch * replicas {
         return usage(format!(
             "the training split ({} {unit}) holds no full batch of --batch-size {batch} for each of {replicas} replica(s): lower --batch-size, or use a larger data set",
@@ -362,7 +362,7 @@ impl Observer for StepTraffic<'_> {
 
 /// What `--cuda-graph` cannot record, refused before anything trains: a step that communicates
 /// (ranks), waits for the host (float16's scaler, `--profile`) or runs several batches.
-fn check_cuda_graph<E: Experiment>(exp: &E, groups: &Groups, device: Device, recipe: &Recipe) -> Result<()> {
+fn check_cuda_graph<E: Experiment>(exp: &E, groups: &Groups, device: Device, recipe: &RunRecipe) -> Result<()> {
     let run = exp.run_args();
     if !device.is_cuda() {
         return usage(format!("--cuda-graph records GPU work, but this run trains on {}: drop it, or train on a GPU", device::device_name(device)));
@@ -436,7 +436,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     let meter = std::cell::RefCell::new(MemoryMeter::start(&exp.devices(&plan, device))?);
     let mut step = parallelize(&plan, groups, dp, device, run.seed, run.precision, session)?;
     exp.describe(&plan, step.as_ref(), groups, device, session)?;
-    let recipe = Recipe::resolve(preset, exp.recipe_args(), replicas, sources.train.batches_per_epoch(), run.epochs.unwrap_or(preset.epochs));
+    let recipe = RunRecipe::resolve(preset, exp.recipe_args(), replicas, sources.train.batches_per_epoch(), run.epochs.unwrap_or(preset.epochs));
     let build = |named| recipe.optimizer.build(named, recipe.lr, recipe.momentum, recipe.weight_decay, exp.recipe_args().optimizer_kernel);
     let mut optimizer = match step.parallel().replicas {
         Some(replication) => replication.distribute(step.as_ref(), build)?,
@@ -653,10 +653,10 @@ fn step_parameter_count(groups: &Groups, step: &dyn train::TrainStep<'_>) -> Res
     Ok(total.double_value(&[]) as i64)
 }
 
-/// The recipe a run trains with: the preset's, with the flags given, the learning rate scaled
-/// and its schedule laid out over the run's steps.
+/// The recipe a run trains with: the preset's [`crate::presets::Recipe`] with the flags given,
+/// the learning rate scaled and its schedule laid out over the run's steps.
 #[derive(Debug, Clone, Copy, Serialize)]
-pub struct Recipe {
+pub struct RunRecipe {
     pub epochs: usize,
     pub batch_size: usize,
     pub accumulate: usize,
@@ -668,10 +668,10 @@ pub struct Recipe {
     pub schedule: LrSchedule,
 }
 
-impl Recipe {
+impl RunRecipe {
     /// `preset`'s recipe with `args` applied, for `replicas` data-parallel replicas whose
     /// epochs have `batches_per_epoch` batches each.
-    pub fn resolve(preset: &Preset, args: &RecipeArgs, replicas: usize, batches_per_epoch: usize, epochs: usize) -> Recipe {
+    pub fn resolve(preset: &Preset, args: &RecipeArgs, replicas: usize, batches_per_epoch: usize, epochs: usize) -> RunRecipe {
         let base = preset.recipe_for(args);
         // Linear scaling: the effective batch grows by --accumulate × replicas.
         let growth = (args.accumulate * replicas) as f64;
@@ -685,7 +685,7 @@ impl Recipe {
             (0, steps) => Some(Warmup { steps, start: args.warmup_start.unwrap_or(crate::presets::WARMUP_START) }),
             (steps, _) => Some(Warmup { steps, start: args.warmup_start.unwrap_or(1.0 / growth) }),
         };
-        Recipe {
+        RunRecipe {
             epochs,
             batch_size: args.batch_size.unwrap_or(base.batch_size),
             accumulate: args.accumulate,
@@ -710,14 +710,14 @@ mod tests {
         // 2 replicas × --accumulate 4: an 8 times larger batch, so 8 times the rate, reached
         // after 2 epochs of 25 steps (100 batches / 4) from the small batch's rate.
         let args = RecipeArgs { accumulate: 4, scale_lr: true, warmup_epochs: 2, lr: Some(0.1), ..RecipeArgs::default() };
-        let recipe = Recipe::resolve(&EXERCISE2, &args, 2, 100, 10);
+        let recipe = RunRecipe::resolve(&EXERCISE2, &args, 2, 100, 10);
         assert_eq!((recipe.lr, recipe.accumulate, recipe.batch_size), (0.8, 4, 100));
         assert_eq!(recipe.schedule.warmup, Some(Warmup { steps: 50, start: 0.125 }));
         assert_eq!(recipe.schedule.total_steps, 250);
         assert!((recipe.schedule.lr(recipe.lr, 0, 0) - 0.1).abs() < 1e-12, "starts at the unscaled rate");
         assert!((recipe.schedule.lr(recipe.lr, 50, 2) - 0.8).abs() < 1e-12);
         // Without --scale-lr nothing is scaled; the preset fills what is not given.
-        let plain = Recipe::resolve(&EXERCISE2, &RecipeArgs::default(), 4, 100, 10);
+        let plain = RunRecipe::resolve(&EXERCISE2, &RecipeArgs::default(), 4, 100, 10);
         assert_eq!((plain.lr, plain.schedule.kind, plain.schedule.warmup), (1e-3, ScheduleKind::Constant, None));
     }
 

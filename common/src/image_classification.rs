@@ -250,7 +250,7 @@ impl Experiment for ImageExperiment<'_> {
     fn memory_estimate(&self, world: usize, cuda: bool, observers: &mut Observers) -> Result<Vec<RankEstimate>> {
         let layout = self.layout(world)?;
         let spec = self.model_spec();
-        let recipe = experiment::Recipe::resolve(self.preset, &self.args.recipe, layout.dp, 1, 1);
+        let recipe = experiment::RunRecipe::resolve(self.preset, &self.args.recipe, layout.dp, 1, 1);
         let (params, largest, per_image) = crate::memory::estimate::probe_image_activations(&spec, self.args.run.precision)?;
         observers.info(format!(
             "{} with a {}-way head on {}×{}×{} images: {} parameters; batch {} per replica, {}; activations measured on the CPU: {:.2} MiB per image",

@@ -526,7 +526,7 @@ impl Experiment for LmExperiment<'_> {
         let config = self.config((vocab + multiple - 1) / multiple * multiple);
         let layout = self.layout(world)?;
         config.validate_shards(layout.tp)?;
-        let recipe = experiment::Recipe::resolve(self.preset, &self.args.recipe, layout.dp, 1, 1);
+        let recipe = experiment::RunRecipe::resolve(self.preset, &self.args.recipe, layout.dp, 1, 1);
         let (mut placement, mut shared_device, mut schedule, mut chunks, mut recompute) = (Placement::one_stage_each(1), false, Schedule::GPipe, 1, false);
         if let Some(pipeline) = self.pipeline {
             let in_process = world == 1 && self.preset.parallelism == ModelParallelism::Pipeline;

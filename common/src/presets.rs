@@ -233,7 +233,7 @@ pub const EXERCISE3_PIPELINE: Preset = Preset {
 pub const EXERCISE3_TP: Preset = Preset { name: "exercise3_tp", parallelism: ModelParallelism::Tensor, ..EXERCISE3_PIPELINE };
 
 impl Preset {
-    /// The recipe `args` pick (`--recipe`); its flags apply on top ([`crate::experiment::Recipe`]).
+    /// The recipe `args` pick (`--recipe`); its flags apply on top ([`crate::experiment::RunRecipe`]).
     pub fn recipe_for(&self, args: &RecipeArgs) -> Recipe {
         match args.recipe {
             RecipeSource::Default => self.recipe,

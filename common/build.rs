@@ -66,11 +66,7 @@ fn build_cuda_graph_library(lib: &std::path::Path, root: &std::path::Path) {
     for dir in &include {
         command.arg(format!("-I{}", dir.display()));
     }
-    command
-        .arg("csrc/cuda_graph.cpp")
-        .arg(format!("-L{}", lib.display()))
-        .args(["-ltorch_cuda", "-lc10_cuda", "-ltorch_cpu", "-lc10", "-o"])
-        .arg(&out);
+    command.arg("csrc/cuda_graph.cpp").arg(format!("-L{}", lib.display())).args(["-ltorch_cuda", "-lc10_cuda", "-ltorch_cpu", "-lc10", "-o"]).arg(&out);
     match command.status() {
         Ok(status) if status.success() => {
             println!("cargo:rustc-cfg=torch_ext_cuda_graph");

@@ -105,8 +105,7 @@ pub fn save_variables(path: &Path, variables: Vec<(String, Tensor)>, optimizer: 
 /// [`save`] of a model's `variables` and an optimizer's `state` gathered from wherever they
 /// live (the ranks of a job), by their whole-model names.
 pub fn save_tensors(path: &Path, variables: Vec<(String, Tensor)>, state: Vec<(String, Tensor)>, meta: &CheckpointMeta) -> anyhow::Result<()> {
-    let mut tensors: Vec<(String, Tensor)> =
-        variables.into_iter().map(|(name, t)| (format!("{MODEL_PREFIX}{name}"), t)).collect();
+    let mut tensors: Vec<(String, Tensor)> = variables.into_iter().map(|(name, t)| (format!("{MODEL_PREFIX}{name}"), t)).collect();
     tensors.extend(state.into_iter().map(|(name, t)| (format!("{OPTIM_PREFIX}{name}"), t)));
     let views = tensors
         .iter()
@@ -138,11 +137,7 @@ pub fn load(path: &Path) -> anyhow::Result<Checkpoint> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read checkpoint {}", path.display()))?;
     let corrupt = |what: &str| format!("checkpoint {} is corrupt or not a checkpoint: {what}", path.display());
     let (_, header) = SafeTensors::read_metadata(&bytes).with_context(|| corrupt("bad safetensors header"))?;
-    let meta_json = header
-        .metadata()
-        .as_ref()
-        .and_then(|m| m.get(METADATA_KEY))
-        .with_context(|| corrupt("no checkpoint metadata"))?;
+    let meta_json = header.metadata().as_ref().and_then(|m| m.get(METADATA_KEY)).with_context(|| corrupt("no checkpoint metadata"))?;
     let meta: CheckpointMeta = serde_json::from_str(meta_json).with_context(|| corrupt("unreadable metadata"))?;
     if meta.format != FORMAT_VERSION {
         anyhow::bail!("checkpoint {} has format {}, this build reads format {FORMAT_VERSION}", path.display(), meta.format);
@@ -153,8 +148,7 @@ pub fn load(path: &Path) -> anyhow::Result<Checkpoint> {
         .into_iter()
         .map(|(name, view)| {
             let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
-            let tensor = Tensor::f_from_data_size(view.data(), &shape, kind_of(view.dtype())?)
-                .with_context(|| corrupt(&format!("tensor {name}")))?;
+            let tensor = Tensor::f_from_data_size(view.data(), &shape, kind_of(view.dtype())?).with_context(|| corrupt(&format!("tensor {name}")))?;
             Ok((name, tensor))
         })
         .collect::<anyhow::Result<_>>()?;
@@ -164,13 +158,7 @@ pub fn load(path: &Path) -> anyhow::Result<Checkpoint> {
 impl Checkpoint {
     /// Copies the checkpoint into a freshly built model and optimizer. Fails, naming the
     /// file's model and this one, when the checkpoint was written for another model or shape.
-    pub fn restore(
-        &self,
-        path: &Path,
-        vs: &nn::VarStore,
-        optimizer: &mut dyn Optimizer,
-        model: &serde_json::Value,
-    ) -> anyhow::Result<()> {
+    pub fn restore(&self, path: &Path, vs: &nn::VarStore, optimizer: &mut dyn Optimizer, model: &serde_json::Value) -> anyhow::Result<()> {
         self.restore_variables(path, vs.variables().into_iter().collect(), optimizer, model)
     }
 
@@ -197,9 +185,7 @@ impl Checkpoint {
             for (name, mut var) in variables {
                 match self.tensors.get(&format!("{MODEL_PREFIX}{name}")) {
                     None => problems.push(format!("{name} missing")),
-                    Some(saved) if saved.size() != var.size() => {
-                        problems.push(format!("{name}: checkpoint {:?} vs model {:?}", saved.size(), var.size()))
-                    }
+                    Some(saved) if saved.size() != var.size() => problems.push(format!("{name}: checkpoint {:?} vs model {:?}", saved.size(), var.size())),
                     Some(saved) => var.copy_(saved),
                 }
             }
@@ -207,14 +193,9 @@ impl Checkpoint {
         if !problems.is_empty() {
             anyhow::bail!("checkpoint {} does not fit this model: {}", path.display(), problems.join("; "));
         }
-        let state: HashMap<String, Tensor> = self
-            .tensors
-            .iter()
-            .filter_map(|(name, t)| Some((name.strip_prefix(OPTIM_PREFIX)?.to_string(), t.shallow_clone())))
-            .collect();
-        optimizer
-            .load_state_tensors(&state)
-            .with_context(|| format!("checkpoint {}: optimizer state does not fit", path.display()))
+        let state: HashMap<String, Tensor> =
+            self.tensors.iter().filter_map(|(name, t)| Some((name.strip_prefix(OPTIM_PREFIX)?.to_string(), t.shallow_clone()))).collect();
+        optimizer.load_state_tensors(&state).with_context(|| format!("checkpoint {}: optimizer state does not fit", path.display()))
     }
 }
 

@@ -60,10 +60,7 @@ mod tests {
             format!("{rule}\n| end of epoch   1 | time: 98.49s | valid loss  5.78 | valid ppl   324.03\n{rule}")
         );
         let rule = "=".repeat(89);
-        assert_eq!(
-            tutorial_end_of_training(242.78f64.ln()),
-            format!("{rule}\n| End of training | test loss  5.49 | test ppl   242.78\n{rule}")
-        );
+        assert_eq!(tutorial_end_of_training(242.78f64.ln()), format!("{rule}\n| End of training | test loss  5.49 | test ppl   242.78\n{rule}"));
     }
 
     #[test]

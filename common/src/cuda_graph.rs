@@ -131,10 +131,7 @@ impl CudaGraph {
         let ended = unsafe { (self.api.end)(self.ptr) };
         let value = outcome.context("while capturing the training step in a CUDA graph")?;
         if ended != 0 {
-            bail!(
-                "the training step could not be captured in a CUDA graph ({}); run without --cuda-graph",
-                last_error(self.api)
-            );
+            bail!("the training step could not be captured in a CUDA graph ({}); run without --cuda-graph", last_error(self.api));
         }
         self.captured = true;
         Ok(value)

@@ -74,11 +74,7 @@ pub struct OutOfMemory(pub String);
 
 /// The error a panic's payload stands for.
 pub fn panic_error(payload: &(dyn std::any::Any + Send)) -> anyhow::Error {
-    let text = payload
-        .downcast_ref::<String>()
-        .map(String::as_str)
-        .or_else(|| payload.downcast_ref::<&str>().copied())
-        .unwrap_or("a panic without a message");
+    let text = payload.downcast_ref::<String>().map(String::as_str).or_else(|| payload.downcast_ref::<&str>().copied()).unwrap_or("a panic without a message");
     let what = torch_message(text);
     let oom = ["out of memory", "not enough memory", "can't allocate memory", "std::bad_alloc"];
     if oom.iter().any(|o| what.contains(o)) {

@@ -21,9 +21,7 @@ use crate::presets::Preset;
 use crate::profile::libtorch::TorchProfiler;
 use crate::report::{self, RunInfo, RunRecord};
 use crate::train::sinks::{CheckpointEveryEpoch, ConsoleLog, ProfileSink, ProgressBars, StepLosses, TensorBoardLog};
-use crate::train::{
-    self, BatchSource, CheckpointConfig, EvalSums, Event, FitReport, LrSchedule, Metric, Observer, Observers, TrainConfig, Warmup,
-};
+use crate::train::{self, BatchSource, CheckpointConfig, EvalSums, Event, FitReport, LrSchedule, Metric, Observer, Observers, TrainConfig, Warmup};
 
 /// The data sources of one run on one rank.
 pub struct Sources {
@@ -199,7 +197,8 @@ fn estimate_memory<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<
     ))?;
     std::fs::create_dir_all(&run.results_dir).with_context(|| format!("cannot create results directory {}", run.results_dir.display()))?;
     let path = run.results_dir.join(format!("{name}.memory-estimate.json"));
-    let json = serde_json::json!({ "run": name, "world_size": world, "device": device, "precision": run.precision.name(), "flags": exp.flags_json(), "ranks": rows });
+    let json =
+        serde_json::json!({ "run": name, "world_size": world, "device": device, "precision": run.precision.name(), "flags": exp.flags_json(), "ranks": rows });
     std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n").with_context(|| format!("cannot write {}", path.display()))?;
     session.info(format!("wrote {}", path.display()))
 }
@@ -234,7 +233,9 @@ fn check_batches<E: Experiment>(exp: &E, sources: &Sources, replicas: usize) -> 
     }
     let evaluated = [Some(&sources.eval), sources.test.as_ref()];
     if evaluated.into_iter().flatten().any(|source| source.batches_per_epoch() == 0) {
-        return usage(format!("an evaluation split holds no batch for each of {replicas} replica(s): lower the batch size (--eval-batch-size for a language model)"));
+        return usage(format!(
+            "an evaluation split holds no batch for each of {replicas} replica(s): lower the batch size (--eval-batch-size for a language model)"
+        ));
     }
     Ok(())
 }
@@ -618,7 +619,16 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
 /// `--eval-only`'s report: the exercise's own lines on the test split, one line with the
 /// figures, and `<results>/<run>.eval-only.json` (the training run's results stay as they are).
 #[allow(clippy::too_many_arguments)]
-fn report_evaluation<E: Experiment>(exp: &E, data: &E::Data, plan: &ModelPlan, fit: &FitReport, test: &EvalSums, device: Device, name: &str, session: &mut Observers) -> Result<()> {
+fn report_evaluation<E: Experiment>(
+    exp: &E,
+    data: &E::Data,
+    plan: &ModelPlan,
+    fit: &FitReport,
+    test: &EvalSums,
+    device: Device,
+    name: &str,
+    session: &mut Observers,
+) -> Result<()> {
     let run = exp.run_args();
     let (lines, extra) = exp.report(data, plan, fit, test, device);
     for line in lines {
@@ -630,7 +640,12 @@ fn report_evaluation<E: Experiment>(exp: &E, data: &E::Data, plan: &ModelPlan, f
         Metric::Perplexity => format!("test perplexity {:.2}", loss.exp()),
     };
     let source = checkpoint_config(run).and_then(|(dir, _, from)| from.or(Some(crate::checkpoint::path_for(&dir, name)))).unwrap_or_default();
-    session.info(format!("[{}] --eval-only: {} from {} (nothing trained): {figure}, test loss {loss:.4}", device::device_name(device), name, source.display()))?;
+    session.info(format!(
+        "[{}] --eval-only: {} from {} (nothing trained): {figure}, test loss {loss:.4}",
+        device::device_name(device),
+        name,
+        source.display()
+    ))?;
     let mut json = serde_json::json!({
         "run": name, "eval_only": true, "checkpoint": source, "device": device::device_name(device),
         "test_loss": loss, "test_acc": if accuracy.is_finite() { Some(accuracy) } else { None }, "eval_loss": fit.eval_loss, "flags": exp.flags_json(),

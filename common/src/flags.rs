@@ -245,7 +245,9 @@ impl RecipeArgs {
         if self.warmup_start.is_some_and(|s| !(0.0..=1.0).contains(&s)) {
             return usage("--warmup-start is a share of the learning rate, between 0 and 1");
         }
-        if self.optimizer_kernel != crate::optim::OptimizerKernel::Auto && matches!(self.optimizer, Some(crate::optim::OptimizerKind::Lars | crate::optim::OptimizerKind::Lamb)) {
+        if self.optimizer_kernel != crate::optim::OptimizerKernel::Auto
+            && matches!(self.optimizer, Some(crate::optim::OptimizerKind::Lars | crate::optim::OptimizerKind::Lamb))
+        {
             return usage("--optimizer-kernel chooses how adam and sgd update; lars and lamb have one way");
         }
         if warming && self.lr_schedule == Some(crate::train::ScheduleKind::OneCycle) {
@@ -315,9 +317,8 @@ impl ParallelArgs {
 /// at whitespace (no quoting); a bad flag is clap's usage error, as a `UsageError`.
 pub fn parse<T: clap::Args + clap::FromArgMatches>(program: &str, command_line: &str) -> anyhow::Result<T> {
     let command = T::augment_args(clap::Command::new(program.to_string()).no_binary_name(true));
-    let matches = command.try_get_matches_from(command_line.split_whitespace()).map_err(|e| {
-        crate::error::UsageError(e.render().to_string().trim_end().to_string())
-    })?;
+    let matches =
+        command.try_get_matches_from(command_line.split_whitespace()).map_err(|e| crate::error::UsageError(e.render().to_string().trim_end().to_string()))?;
     Ok(T::from_arg_matches(&matches).map_err(|e| crate::error::UsageError(e.to_string()))?)
 }
 

@@ -94,13 +94,8 @@ fn vgg19_macs(spec: &ModelSpec) -> f64 {
 /// Dense peak TFLOP/s of the GPUs the project knows: (name fragment, float32 on the CUDA cores,
 /// TF32 tensor cores, bfloat16/float16 tensor cores). From NVIDIA's data sheets; the V100 has no
 /// TF32 (its float32 matrix products stay on the CUDA cores).
-const GPU_PEAKS: [(&str, f64, f64, f64); 5] = [
-    ("H100 PCIe", 51.0, 378.0, 756.0),
-    ("H100", 67.0, 494.7, 989.4),
-    ("H200", 67.0, 494.7, 989.4),
-    ("A100", 19.5, 156.0, 312.0),
-    ("V100", 15.7, 15.7, 125.0),
-];
+const GPU_PEAKS: [(&str, f64, f64, f64); 5] =
+    [("H100 PCIe", 51.0, 378.0, 756.0), ("H100", 67.0, 494.7, 989.4), ("H200", 67.0, 494.7, 989.4), ("A100", 19.5, 156.0, 312.0), ("V100", 15.7, 15.7, 125.0)];
 
 /// The peak TFLOP/s of `device` in `precision` with float32 matrix products at `matmul`:
 /// `--peak-tflops` when given, else from the GPU's name (`nvidia-smi`) when it is one the
@@ -111,10 +106,7 @@ pub fn peak_tflops(device: Device, precision: Precision, matmul: MatmulPrecision
         return Some((peak, "--peak-tflops".into()));
     }
     let Device::Cuda(index) = device else { return None };
-    let output = std::process::Command::new("nvidia-smi")
-        .args(["--query-gpu=name", "--format=csv,noheader", "-i", &index.to_string()])
-        .output()
-        .ok()?;
+    let output = std::process::Command::new("nvidia-smi").args(["--query-gpu=name", "--format=csv,noheader", "-i", &index.to_string()]).output().ok()?;
     let name = String::from_utf8_lossy(&output.stdout).trim().to_string();
     let &(_, fp32, tf32, half) = GPU_PEAKS.iter().find(|(fragment, ..)| name.contains(fragment))?;
     let (peak, kind) = match (precision, matmul) {

@@ -11,10 +11,10 @@ use crate::data::{self, DatasetKind, ImageDataset, Loader, LoaderConfig, Split};
 use crate::device;
 use crate::dist::layout::Groups;
 use crate::error::usage;
-use crate::memory::estimate::RankEstimate;
 use crate::experiment::{self, Experiment, Sources};
 use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
 use crate::flops;
+use crate::memory::estimate::RankEstimate;
 use crate::models::{Arch, Blocks, ModelSpec, Trainable};
 use crate::parallelize::ModelPlan;
 use crate::presets::{ModelPreset, Preset};
@@ -225,7 +225,12 @@ impl Experiment for ImageExperiment<'_> {
     fn model(&self, _data: &ImageData, _groups: &Groups, _device: Device, _observers: &mut Observers) -> Result<ModelPlan> {
         // Every rank loads the weights (rank 0's win: they are broadcast at the start), so that a
         // bad file fails everywhere with the same message.
-        Ok(ModelPlan::Image { spec: self.model_spec(), weights: self.args.weights.clone(), trainable: self.trainable(), channels_last: self.args.channels_last })
+        Ok(ModelPlan::Image {
+            spec: self.model_spec(),
+            weights: self.args.weights.clone(),
+            trainable: self.trainable(),
+            channels_last: self.args.channels_last,
+        })
     }
 
     fn describe(&self, _plan: &ModelPlan, step: &dyn TrainStep<'_>, groups: &Groups, device: Device, observers: &mut Observers) -> Result<()> {
@@ -305,7 +310,10 @@ impl Experiment for ImageExperiment<'_> {
                 ..LoaderConfig::train(batch, args.run.seed, device)
             },
         );
-        let eval = Loader::new(data.test.clone(), LoaderConfig { workers: self.workers(device), shard, resident: args.data_on_device, ..LoaderConfig::eval(batch, device) });
+        let eval = Loader::new(
+            data.test.clone(),
+            LoaderConfig { workers: self.workers(device), shard, resident: args.data_on_device, ..LoaderConfig::eval(batch, device) },
+        );
         // The course evaluates on the test set every epoch: the last evaluation is the test.
         Ok(Sources { train: Box::new(train), eval: Box::new(eval), test: None, examples_per_epoch: data.train.len() })
     }

@@ -14,11 +14,11 @@ use crate::error::usage;
 use crate::experiment::{self, Experiment, Sources};
 use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
 use crate::flops;
+use crate::memory::estimate::{RankEstimate, TransformerJob};
 use crate::models::transformer_names::{Place, TransformerVariable};
 use crate::models::TransformerConfig;
 use crate::optim::OptimizerKind;
 use crate::parallelize::{ModelPlan, PipelinePlan};
-use crate::memory::estimate::{RankEstimate, TransformerJob};
 use crate::pipeline::{self, LayerCosts, Partition, PipelineOptions, Placement, Schedule, Stage};
 use crate::presets::{ModelParallelism, ModelPreset, Preset, TransformerShape};
 use crate::report::{self, RunRecord};
@@ -219,7 +219,15 @@ impl LmExperiment<'_> {
 
     /// The partition the flags ask for; with `--balance`, measured on `probe` by rank 0 and the
     /// same on every rank (the timings differ between machines: rank 0's cut wins).
-    fn partition(&self, pipeline: &PipelineArgs, cfg: &TransformerConfig, stages: usize, probe: Device, groups: &Groups, observers: &mut Observers) -> Result<Partition> {
+    fn partition(
+        &self,
+        pipeline: &PipelineArgs,
+        cfg: &TransformerConfig,
+        stages: usize,
+        probe: Device,
+        groups: &Groups,
+        observers: &mut Observers,
+    ) -> Result<Partition> {
         let even = Partition::even(cfg.nlayers, stages)?; // also the clear error for too many stages
         if !pipeline.balance {
             return Ok(even);
@@ -290,10 +298,7 @@ impl Experiment for LmExperiment<'_> {
             pipeline.virtual_stages()?;
             let chunks = pipeline.chunks(self.preset);
             if chunks > self.batch_size() {
-                return usage(format!(
-                    "--chunks {chunks} is more than --batch-size {}: every micro-batch needs at least one sequence",
-                    self.batch_size()
-                ));
+                return usage(format!("--chunks {chunks} is more than --batch-size {}: every micro-batch needs at least one sequence", self.batch_size()));
             }
         }
         Ok(())
@@ -333,10 +338,14 @@ impl Experiment for LmExperiment<'_> {
             // Stages as threads of one process (or the whole model), or parts of it on ranks.
             Some(pipeline) if world == 1 => {
                 if pipeline.dp.is_some_and(|dp| dp > 1) {
-                    return usage("--dp replicates a model whose parts run in separate processes: start them with --nproc-per-node (stages × shards × dp) or a launcher");
+                    return usage(
+                        "--dp replicates a model whose parts run in separate processes: start them with --nproc-per-node (stages × shards × dp) or a launcher",
+                    );
                 }
                 if let Some(tp) = pipeline.tp.filter(|&tp| tp > 1) {
-                    return usage(format!("--tp {tp} runs each shard of a layer in a process of its own: start {tp} ranks (--nproc-per-node {tp}, or a launcher)"));
+                    return usage(format!(
+                        "--tp {tp} runs each shard of a layer in a process of its own: start {tp} ranks (--nproc-per-node {tp}, or a launcher)"
+                    ));
                 }
                 if self.preset.parallelism == ModelParallelism::Tensor && pipeline.pp.is_some_and(|pp| pp > 1) {
                     return usage("--pp runs each stage in a process of its own here: start stages × shards ranks (--nproc-per-node, or a launcher)");
@@ -380,7 +389,10 @@ impl Experiment for LmExperiment<'_> {
         config.validate_shards(groups.layout.tp)?;
         let optimizer = self.args.recipe.optimizer.unwrap_or(self.preset.recipe_for(&self.args.recipe).optimizer);
         if groups.layout.tp > 1 && matches!(optimizer, OptimizerKind::Lars | OptimizerKind::Lamb) {
-            return usage(format!("--optimizer {} scales each weight by its whole norm, which no tensor-parallel shard holds: use adam or sgd with tensor parallelism", optimizer.name()));
+            return usage(format!(
+                "--optimizer {} scales each weight by its whole norm, which no tensor-parallel shard holds: use adam or sgd with tensor parallelism",
+                optimizer.name()
+            ));
         }
         if ntoken != vocab && groups.is_root() {
             observers.info(format!("--pad-vocab {multiple}: the vocabulary of {vocab} words padded to {ntoken}"))?;
@@ -438,7 +450,10 @@ impl Experiment for LmExperiment<'_> {
             let placement = match (layout.tp, virtual_stages) {
                 (1, 1) => format!("rank r runs stage r mod {}", layout.pp),
                 (1, v) => format!("rank r runs stages r mod {pp}, r mod {pp} + {pp}, … ({v} of them)", pp = layout.pp),
-                (tp, _) => format!("each stage's layers cut over {tp} tensor-parallel shards on neighbouring ranks (rank = (replica × {} + stage) × {tp} + shard)", layout.pp),
+                (tp, _) => format!(
+                    "each stage's layers cut over {tp} tensor-parallel shards on neighbouring ranks (rank = (replica × {} + stage) × {tp} + shard)",
+                    layout.pp
+                ),
             };
             observers.info(format!(
                 "{} ranks: {} replica(s) of a {}-stage pipeline, {placement}; {}",
@@ -576,11 +591,7 @@ impl Experiment for LmExperiment<'_> {
     fn report(&self, data: &LmData, plan: &ModelPlan, fit: &FitReport, test: &EvalSums, device: Device) -> (Vec<String>, serde_json::Value) {
         let ModelPlan::Transformer { config, pipeline, .. } = plan else { unreachable!("a Transformer plan") };
         let test_loss = test.mean_loss();
-        let mut lines = vec![format!(
-            "[{}] end of training: test loss {test_loss:.4}, test perplexity {:.2}",
-            device::device_name(device),
-            test_loss.exp()
-        )];
+        let mut lines = vec![format!("[{}] end of training: test loss {test_loss:.4}, test perplexity {:.2}", device::device_name(device), test_loss.exp())];
         lines.push(crate::course_format::tutorial_end_of_training(test_loss));
         let mut extra = serde_json::json!({
             "test_ppl": test_loss.exp(),

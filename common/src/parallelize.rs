@@ -16,13 +16,13 @@ use tch::{nn, Device};
 
 use crate::dist::data_parallel::GradientAverager;
 use crate::dist::layout::Groups;
-use crate::dist::{GradientSync, ProcessGroup};
-use crate::precision::Precision;
-use crate::error::usage;
 use crate::dist::zero::ZeroStage;
+use crate::dist::{GradientSync, ProcessGroup};
+use crate::error::usage;
 use crate::models::{self, Blocks, ModelSpec, OnePart, OutputInit, PartedModule, Trainable, TransformerConfig, TransformerLm};
 use crate::pipeline::process::StageProcess;
 use crate::pipeline::{Partition, Pipeline, PipelineOptions, Placement, Stage};
+use crate::precision::Precision;
 use crate::train::{LocalStep, Observers, Parallel, Replication, TrainStep};
 
 /// What to train.
@@ -108,10 +108,7 @@ fn build_step<'g>(
         })
     };
     if let (Some(_), ModelPlan::Transformer { pipeline: Some(_), .. }) = (precision.weights_kind(), model) {
-        return usage(format!(
-            "--precision {} with pipeline stages is not built yet (their activations pass in float32): use bf16-mixed",
-            precision.name()
-        ));
+        return usage(format!("--precision {} with pipeline stages is not built yet (their activations pass in float32): use bf16-mixed", precision.name()));
     }
     match model {
         ModelPlan::Image { spec, weights, trainable, channels_last } => whole_model(&mut |vs| {

@@ -283,11 +283,7 @@ fn panel<'a, 'b>(area: &'a Area<'b>, caption: &str, x: &Axis, y: &Axis) -> Drawn
         .y_label_area_size(if y.title.is_empty() { 50 } else { 60 })
         .build_cartesian_2d(x.clone(), y.clone())?;
     let mut mesh = chart.configure_mesh();
-    mesh.x_desc(x.title)
-        .y_desc(y.title)
-        .label_style(("sans-serif", 13))
-        .axis_desc_style(("sans-serif", 13))
-        .bold_line_style(BLACK.mix(0.12));
+    mesh.x_desc(x.title).y_desc(y.title).label_style(("sans-serif", 13)).axis_desc_style(("sans-serif", 13)).bold_line_style(BLACK.mix(0.12));
     if !x.names.is_empty() {
         mesh.disable_x_mesh();
     }
@@ -310,14 +306,7 @@ const METRIC: RGBColor = RGBColor(0, 140, 60);
 /// (`step_losses`, faint) under its smoothed trend, and the evaluation loss where each epoch of
 /// `history` ended; on the right, those evaluations' accuracy or perplexity (log scale), and
 /// the course's published figure where `course` gives one.
-pub fn training_curves(
-    title: &str,
-    step_losses: &[f64],
-    history: &[EpochPoint],
-    metric: Metric,
-    course: Option<CourseMark>,
-    path: &Path,
-) -> Result<()> {
+pub fn training_curves(title: &str, step_losses: &[f64], history: &[EpochPoint], metric: Metric, course: Option<CourseMark>, path: &Path) -> Result<()> {
     draw_curves(title, step_losses, history, metric, course, path).map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))
 }
 
@@ -364,13 +353,7 @@ fn loss_panel(area: &Area, x: &Axis, first: usize, losses: &[f64], history: &[Ep
             .label(label)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
     }
-    chart
-        .configure_series_labels()
-        .position(legend_at)
-        .label_font(("sans-serif", 13))
-        .border_style(BLACK.mix(0.3))
-        .background_style(WHITE.mix(0.85))
-        .draw()
+    chart.configure_series_labels().position(legend_at).label_font(("sans-serif", 13)).border_style(BLACK.mix(0.3)).background_style(WHITE.mix(0.85)).draw()
 }
 
 /// The metric panel: each evaluation's accuracy or perplexity where its epoch ended, the last

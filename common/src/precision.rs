@@ -326,21 +326,12 @@ impl GradScaler {
     /// steps (LibTorch's `_amp_update_scale_`, torch's kernel), and gets ready for the next step.
     pub fn update(&mut self) {
         let mut scale = self.scale.shallow_clone();
-        let _ = scale.internal_amp_update_scale_(
-            &self.growth_tracker,
-            &self.found_inf,
-            self.growth_factor,
-            self.backoff_factor,
-            self.growth_interval,
-        );
+        let _ = scale.internal_amp_update_scale_(&self.growth_tracker, &self.found_inf, self.growth_factor, self.backoff_factor, self.growth_interval);
         self.unscaled.set(false);
     }
 
     pub fn state(&self) -> GradScalerState {
-        GradScalerState {
-            scale: self.scale.double_value(&[0]),
-            growth_tracker: self.growth_tracker.int64_value(&[0]),
-        }
+        GradScalerState { scale: self.scale.double_value(&[0]), growth_tracker: self.growth_tracker.int64_value(&[0]) }
     }
 
     pub fn load_state(&mut self, state: GradScalerState) {

@@ -167,15 +167,7 @@ pub const EXERCISE1: Preset = Preset {
 pub const EXERCISE1_NLP: Preset = Preset {
     name: "exercise1_nlp",
     epochs: 3,
-    model: ModelPreset::Transformer(TransformerShape {
-        emsize: 1024,
-        d_hid: 1024,
-        nhead: 4,
-        nlayers: 3,
-        dropout: 0.2,
-        bptt: 35,
-        eval_batch_size: 10,
-    }),
+    model: ModelPreset::Transformer(TransformerShape { emsize: 1024, d_hid: 1024, nhead: 4, nlayers: 3, dropout: 0.2, bptt: 35, eval_batch_size: 10 }),
     recipe: TUTORIAL_RECIPE,
     course: TUTORIAL_RECIPE,
     sync: GradientSync::Ddp,
@@ -212,15 +204,7 @@ pub const EXERCISE3_DDP: Preset = Preset {
 pub const EXERCISE3_PIPELINE: Preset = Preset {
     name: "exercise3_pipeline",
     epochs: 3,
-    model: ModelPreset::Transformer(TransformerShape {
-        emsize: 4096,
-        d_hid: 4096,
-        nhead: 16,
-        nlayers: 12,
-        dropout: 0.2,
-        bptt: 35,
-        eval_batch_size: 10,
-    }),
+    model: ModelPreset::Transformer(TransformerShape { emsize: 4096, d_hid: 4096, nhead: 16, nlayers: 12, dropout: 0.2, bptt: 35, eval_batch_size: 10 }),
     recipe: LARGE_MODEL_RECIPE,
     course: TUTORIAL_RECIPE,
     sync: GradientSync::Ddp,

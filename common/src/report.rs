@@ -154,8 +154,7 @@ pub fn save(dir: &Path, record: &RunRecord, extra: serde_json::Value) -> anyhow:
         object.extend(extra);
     }
     let path = dir.join(format!("{}.json", record.name()));
-    std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n")
-        .with_context(|| format!("cannot write {}", path.display()))?;
+    std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n").with_context(|| format!("cannot write {}", path.display()))?;
     append_csv(&dir.join(format!("{}.csv", record.exercise)), record)?;
     Ok(Saved { json: path, curves: crate::plots::curves_for_run(dir, record, &json) })
 }
@@ -178,11 +177,7 @@ pub fn append_csv(path: &Path, record: &RunRecord) -> anyhow::Result<()> {
         }
     }
     let is_new = std::fs::metadata(path).map(|m| m.len() == 0).unwrap_or(true);
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .with_context(|| format!("cannot open {}", path.display()))?;
+    let file = std::fs::OpenOptions::new().create(true).append(true).open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let mut writer = csv::WriterBuilder::new().has_headers(is_new).from_writer(file);
     writer.serialize(record).and_then(|()| Ok(writer.flush()?)).with_context(|| format!("cannot write {}", path.display()))
 }
@@ -222,7 +217,11 @@ pub fn comparison_table(records: &[RunRecord], missing: Option<&str>) -> String 
     );
     // A language model's figure is the perplexity, as the tutorial prints it.
     let lm = first.is_language_model();
-    let _ = writeln!(out, "| device | steps | train time (s) | throughput ({unit}) | {} | test loss | peak memory (MiB) |", if lm { "test ppl" } else { "test acc" });
+    let _ = writeln!(
+        out,
+        "| device | steps | train time (s) | throughput ({unit}) | {} | test loss | peak memory (MiB) |",
+        if lm { "test ppl" } else { "test acc" }
+    );
     let _ = writeln!(out, "|--------|------:|---------------:|-----------------:|---------:|----------:|------------------:|");
     for r in records {
         let memory = r.peak_memory_bytes.map_or_else(|| "-".to_string(), |b| format!("{:.1}", b as f64 / crate::memory::MIB));
@@ -397,11 +396,8 @@ pub(crate) mod tests {
         std::fs::write(&path, "exercise,model,params\nexercise1,cnn,1\n").unwrap();
         append_csv(&path, &record("cpu", 100.0)).unwrap();
         assert_eq!(read_csv(&path).unwrap(), vec![record("cpu", 100.0)]);
-        let moved: Vec<_> = std::fs::read_dir(dir.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name().into_string().unwrap())
-            .filter(|n| n.ends_with(".old"))
-            .collect();
+        let moved: Vec<_> =
+            std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).filter(|n| n.ends_with(".old")).collect();
         assert_eq!(moved.len(), 1, "the old file is kept beside the new one");
         assert!(std::fs::read_to_string(dir.path().join(&moved[0])).unwrap().contains("exercise1,cnn,1"));
     }

@@ -235,7 +235,8 @@ pub fn fused_adam(
     let (p, g, m, v, s) = (pointers(params), pointers(grads), pointers(exp_avgs), pointers(exp_avg_sqs), pointers(steps));
     // SAFETY: `n` valid tensor pointers in each list for the duration of the call.
     let (lr, lr_tensor) = lr.parts();
-    let code = unsafe { ffi::torch_ext_fused_adam(p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr(), s.as_ptr(), n, lr, lr_tensor, beta1, beta2, weight_decay, eps) };
+    let code =
+        unsafe { ffi::torch_ext_fused_adam(p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr(), s.as_ptr(), n, lr, lr_tensor, beta1, beta2, weight_decay, eps) };
     status(code, "fused Adam")
 }
 
@@ -258,7 +259,8 @@ pub fn fused_sgd(
     let (p, g, b) = (pointers(params), pointers(grads), pointers(momentum_buffers));
     // SAFETY: as above (the buffers' list is not read without momentum).
     let (lr, lr_tensor) = lr.parts();
-    let code = unsafe { ffi::torch_ext_fused_sgd(p.as_ptr(), g.as_ptr(), b.as_ptr(), n, weight_decay, momentum, lr, lr_tensor, dampening, nesterov, first_step) };
+    let code =
+        unsafe { ffi::torch_ext_fused_sgd(p.as_ptr(), g.as_ptr(), b.as_ptr(), n, weight_decay, momentum, lr, lr_tensor, dampening, nesterov, first_step) };
     status(code, "fused SGD")
 }
 
@@ -304,7 +306,6 @@ pub fn float32_matmul_precision() -> String {
     unsafe { ffi::torch_ext_float32_matmul_precision(buffer.as_mut_ptr(), buffer.len()) };
     String::from_utf8_lossy(buffer.split(|&b| b == 0).next().unwrap_or_default()).into_owned()
 }
-
 
 /// A 4-D `tensor` in the channels-last memory format (NHWC in memory, the same NCHW shape, as
 /// `tensor.contiguous(memory_format=torch.channels_last)`); any other tensor as it is.

@@ -161,10 +161,7 @@ fn loader(dir: &Path, config: LoaderConfig) -> Loader {
 
 /// (labels, pixel sum) of every batch of an epoch: a fingerprint of its order and contents.
 fn labels_and_sums(loader: &Loader, epoch: usize) -> Vec<(Vec<i64>, f64)> {
-    loader
-        .epoch(epoch)
-        .map(|b| (Vec::<i64>::try_from(&b.targets).unwrap(), b.inputs.sum(Kind::Double).double_value(&[])))
-        .collect()
+    loader.epoch(epoch).map(|b| (Vec::<i64>::try_from(&b.targets).unwrap(), b.inputs.sum(Kind::Double).double_value(&[]))).collect()
 }
 
 #[test]
@@ -180,10 +177,7 @@ fn loader_visits_every_image_once_per_epoch_in_a_seeded_order() {
 
     // Each image exactly once: the per-image sums of the epoch are the data set's, permuted.
     let dataset = plain.dataset();
-    let all = data::loader::normalize(
-        &Tensor::from_slice(&dataset.images[..]).view([95, 3, 32, 32]),
-        DatasetKind::Cifar10,
-    );
+    let all = data::loader::normalize(&Tensor::from_slice(&dataset.images[..]).view([95, 3, 32, 32]), DatasetKind::Cifar10);
     let expected: HashSet<i64> = (0..95).map(|i| (all.get(i).sum(Kind::Double).double_value(&[]) * 1e3) as i64).collect();
     let seen: HashSet<i64> = batches
         .iter()

@@ -17,10 +17,7 @@ use std::time::{Duration, Instant};
 
 use support::ranks::{launch, Run, SCENARIO, SHARED_DIR};
 
-use common::dist::data_parallel::{
-    broadcast_optimizer_state, broadcast_parameters, metric_average, DistributedOptimizer,
-    GradientAverager,
-};
+use common::dist::data_parallel::{broadcast_optimizer_state, broadcast_parameters, metric_average, DistributedOptimizer, GradientAverager};
 use common::dist::launch::{args_without_nproc, relaunch_with_mpirun};
 use common::dist::{Backend, LaunchEnv, LaunchSource, ProcessGroup, ReduceOp};
 use common::error::{exit_code, UsageError};
@@ -28,15 +25,11 @@ use common::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use tch::nn::Module;
 use tch::{nn, Device, Kind, Tensor};
 
-
 // ---------------------------------------------------------------------------------------------
 // Launch environment: pure parsing of the variables.
 
 fn env_of(vars: &[(&str, &str)]) -> anyhow::Result<LaunchEnv> {
-    let vars: HashMap<String, String> = vars
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+    let vars: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
     LaunchEnv::from_vars(|name| vars.get(name).cloned())
 }
 
@@ -44,11 +37,7 @@ fn env_of(vars: &[(&str, &str)]) -> anyhow::Result<LaunchEnv> {
 fn usage_error(vars: &[(&str, &str)], words: &[&str]) {
     let err = env_of(vars).expect_err("inconsistent variables must be refused");
     let message = format!("{err:#}");
-    assert_eq!(
-        exit_code(&err),
-        2,
-        "a launch mistake is a usage error: {message}"
-    );
+    assert_eq!(exit_code(&err), 2, "a launch mistake is a usage error: {message}");
     for word in words {
         assert!(message.contains(word), "`{message}` should mention {word}");
     }
@@ -63,46 +52,17 @@ fn no_launcher_is_one_process() {
 
 #[test]
 fn openmpi_variables() {
-    let env = env_of(&[
-        ("OMPI_COMM_WORLD_RANK", "3"),
-        ("OMPI_COMM_WORLD_SIZE", "8"),
-        ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
-        ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
-    ])
-    .unwrap();
-    assert_eq!(
-        (
-            env.rank,
-            env.world_size,
-            env.local_rank,
-            env.local_world_size,
-            env.nnodes
-        ),
-        (3, 8, 1, 2, 4)
-    );
+    let env = env_of(&[("OMPI_COMM_WORLD_RANK", "3"), ("OMPI_COMM_WORLD_SIZE", "8"), ("OMPI_COMM_WORLD_LOCAL_RANK", "1"), ("OMPI_COMM_WORLD_LOCAL_SIZE", "2")])
+        .unwrap();
+    assert_eq!((env.rank, env.world_size, env.local_rank, env.local_world_size, env.nnodes), (3, 8, 1, 2, 4));
     assert_eq!(env.source, LaunchSource::Mpi);
     assert!(env.mpi);
 }
 
 #[test]
 fn hydra_variables() {
-    let env = env_of(&[
-        ("PMI_RANK", "1"),
-        ("PMI_SIZE", "4"),
-        ("MPI_LOCALRANKID", "1"),
-        ("MPI_LOCALNRANKS", "4"),
-    ])
-    .unwrap();
-    assert_eq!(
-        (
-            env.rank,
-            env.world_size,
-            env.local_rank,
-            env.local_world_size,
-            env.nnodes
-        ),
-        (1, 4, 1, 4, 1)
-    );
+    let env = env_of(&[("PMI_RANK", "1"), ("PMI_SIZE", "4"), ("MPI_LOCALRANKID", "1"), ("MPI_LOCALNRANKS", "4")]).unwrap();
+    assert_eq!((env.rank, env.world_size, env.local_rank, env.local_world_size, env.nnodes), (1, 4, 1, 4, 1));
     assert_eq!(env.source, LaunchSource::Mpi);
 }
 
@@ -134,57 +94,24 @@ fn slurm_variables() {
         ("SLURM_NODEID", "1"),
     ])
     .unwrap();
-    assert_eq!(
-        (
-            env.rank,
-            env.world_size,
-            env.local_rank,
-            env.local_world_size,
-            env.nnodes
-        ),
-        (4, 6, 1, 3, 2)
-    );
+    assert_eq!((env.rank, env.world_size, env.local_rank, env.local_world_size, env.nnodes), (4, 6, 1, 3, 2));
     assert_eq!(env.source, LaunchSource::Slurm);
     assert!(!env.mpi, "a plain srun does not start an MPI world");
 
-    let with_pmix = env_of(&[
-        ("SLURM_PROCID", "0"),
-        ("SLURM_NTASKS", "2"),
-        ("SLURM_NTASKS_PER_NODE", "2"),
-        ("PMIX_RANK", "0"),
-    ])
-    .unwrap();
+    let with_pmix = env_of(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_NTASKS_PER_NODE", "2"), ("PMIX_RANK", "0")]).unwrap();
     assert_eq!(with_pmix.local_world_size, 2);
     assert!(with_pmix.mpi, "srun --mpi=pmix does");
 
     // A job script's own variables (an allocation, no srun task) are one process.
-    assert_eq!(
-        env_of(&[("SLURM_NTASKS", "4"), ("SLURM_NNODES", "1")]).unwrap(),
-        LaunchEnv::single()
-    );
+    assert_eq!(env_of(&[("SLURM_NTASKS", "4"), ("SLURM_NNODES", "1")]).unwrap(), LaunchEnv::single());
 }
 
 #[test]
 fn torchrun_variables() {
-    let env = env_of(&[
-        ("RANK", "5"),
-        ("WORLD_SIZE", "8"),
-        ("LOCAL_RANK", "1"),
-        ("LOCAL_WORLD_SIZE", "4"),
-        ("MASTER_ADDR", "node01"),
-        ("MASTER_PORT", "29500"),
-    ])
-    .unwrap();
-    assert_eq!(
-        (
-            env.rank,
-            env.world_size,
-            env.local_rank,
-            env.local_world_size,
-            env.nnodes
-        ),
-        (5, 8, 1, 4, 2)
-    );
+    let env =
+        env_of(&[("RANK", "5"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "4"), ("MASTER_ADDR", "node01"), ("MASTER_PORT", "29500")])
+            .unwrap();
+    assert_eq!((env.rank, env.world_size, env.local_rank, env.local_world_size, env.nnodes), (5, 8, 1, 4, 2));
     assert_eq!(env.source, LaunchSource::Torchrun);
     assert_eq!(env.master, Some(("node01".to_string(), 29500)));
     assert!(!env.mpi);
@@ -203,113 +130,42 @@ fn mpi_launcher_wins_over_slurm_and_torchrun() {
         ("WORLD_SIZE", "2"),
     ])
     .unwrap();
-    assert_eq!(
-        (env.rank, env.world_size, env.source),
-        (1, 2, LaunchSource::Mpi)
-    );
-    let env = env_of(&[
-        ("SLURM_PROCID", "1"),
-        ("SLURM_NTASKS", "2"),
-        ("RANK", "1"),
-        ("WORLD_SIZE", "2"),
-    ])
-    .unwrap();
+    assert_eq!((env.rank, env.world_size, env.source), (1, 2, LaunchSource::Mpi));
+    let env = env_of(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2"), ("RANK", "1"), ("WORLD_SIZE", "2")]).unwrap();
     assert_eq!(env.source, LaunchSource::Slurm);
 }
 
 #[test]
 fn inconsistent_variables_are_usage_errors_naming_them() {
-    usage_error(
-        &[("RANK", "2"), ("WORLD_SIZE", "2")],
-        &["RANK=2", "WORLD_SIZE=2"],
-    );
+    usage_error(&[("RANK", "2"), ("WORLD_SIZE", "2")], &["RANK=2", "WORLD_SIZE=2"]);
     usage_error(&[("WORLD_SIZE", "2")], &["WORLD_SIZE", "RANK"]);
     usage_error(&[("RANK", "0")], &["RANK", "WORLD_SIZE"]);
     usage_error(&[("RANK", "0"), ("WORLD_SIZE", "0")], &["WORLD_SIZE=0"]);
     usage_error(&[("RANK", "x"), ("WORLD_SIZE", "2")], &["RANK=x"]);
+    usage_error(&[("RANK", "1"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "2"), ("LOCAL_WORLD_SIZE", "2")], &["LOCAL_RANK=2", "LOCAL_WORLD_SIZE=2"]);
+    usage_error(&[("OMPI_COMM_WORLD_RANK", "2"), ("OMPI_COMM_WORLD_SIZE", "2")], &["OMPI_COMM_WORLD_RANK=2", "OMPI_COMM_WORLD_SIZE=2"]);
     usage_error(
-        &[
-            ("RANK", "1"),
-            ("WORLD_SIZE", "4"),
-            ("LOCAL_RANK", "2"),
-            ("LOCAL_WORLD_SIZE", "2"),
-        ],
-        &["LOCAL_RANK=2", "LOCAL_WORLD_SIZE=2"],
+        &[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2"), ("OMPI_COMM_WORLD_LOCAL_RANK", "3"), ("OMPI_COMM_WORLD_LOCAL_SIZE", "2")],
+        &["OMPI_COMM_WORLD_LOCAL_RANK=3", "OMPI_COMM_WORLD_LOCAL_SIZE=2"],
     );
+    usage_error(&[("PMI_RANK", "4"), ("PMI_SIZE", "4")], &["PMI_RANK=4", "PMI_SIZE=4"]);
+    usage_error(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2"), ("WORLD_SIZE", "4")], &["WORLD_SIZE=4", "2"]);
+    usage_error(&[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "2")], &["SLURM_PROCID=3", "SLURM_NTASKS=2"]);
     usage_error(
-        &[("OMPI_COMM_WORLD_RANK", "2"), ("OMPI_COMM_WORLD_SIZE", "2")],
-        &["OMPI_COMM_WORLD_RANK=2", "OMPI_COMM_WORLD_SIZE=2"],
-    );
-    usage_error(
-        &[
-            ("OMPI_COMM_WORLD_RANK", "0"),
-            ("OMPI_COMM_WORLD_SIZE", "2"),
-            ("OMPI_COMM_WORLD_LOCAL_RANK", "3"),
-            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
-        ],
-        &[
-            "OMPI_COMM_WORLD_LOCAL_RANK=3",
-            "OMPI_COMM_WORLD_LOCAL_SIZE=2",
-        ],
-    );
-    usage_error(
-        &[("PMI_RANK", "4"), ("PMI_SIZE", "4")],
-        &["PMI_RANK=4", "PMI_SIZE=4"],
-    );
-    usage_error(
-        &[
-            ("OMPI_COMM_WORLD_RANK", "0"),
-            ("OMPI_COMM_WORLD_SIZE", "2"),
-            ("WORLD_SIZE", "4"),
-        ],
-        &["WORLD_SIZE=4", "2"],
-    );
-    usage_error(
-        &[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "2")],
-        &["SLURM_PROCID=3", "SLURM_NTASKS=2"],
-    );
-    usage_error(
-        &[
-            ("SLURM_PROCID", "0"),
-            ("SLURM_NTASKS", "4"),
-            ("SLURM_LOCALID", "2"),
-            ("SLURM_NTASKS_PER_NODE", "2"),
-        ],
+        &[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "4"), ("SLURM_LOCALID", "2"), ("SLURM_NTASKS_PER_NODE", "2")],
         &["SLURM_LOCALID=2", "SLURM_NTASKS_PER_NODE=2"],
     );
-    usage_error(
-        &[("MASTER_ADDR", "node01"), ("MASTER_PORT", "http")],
-        &["MASTER_PORT=http"],
-    );
+    usage_error(&[("MASTER_ADDR", "node01"), ("MASTER_PORT", "http")], &["MASTER_PORT=http"]);
 }
 
 #[test]
 fn nproc_per_node_is_taken_out_of_the_relaunched_arguments() {
     let args = |a: &[&str]| a.iter().map(OsString::from).collect::<Vec<_>>();
-    assert_eq!(
-        args_without_nproc(&args(&[
-            "--epochs",
-            "2",
-            "--nproc-per-node",
-            "2",
-            "--device",
-            "cpu"
-        ])),
-        args(&["--epochs", "2", "--device", "cpu"])
-    );
-    assert_eq!(
-        args_without_nproc(&args(&["--nproc-per-node=4", "--quiet"])),
-        args(&["--quiet"])
-    );
-    assert_eq!(
-        args_without_nproc(&args(&["--quiet", "--nproc-per-node"])),
-        args(&["--quiet"])
-    );
+    assert_eq!(args_without_nproc(&args(&["--epochs", "2", "--nproc-per-node", "2", "--device", "cpu"])), args(&["--epochs", "2", "--device", "cpu"]));
+    assert_eq!(args_without_nproc(&args(&["--nproc-per-node=4", "--quiet"])), args(&["--quiet"]));
+    assert_eq!(args_without_nproc(&args(&["--quiet", "--nproc-per-node"])), args(&["--quiet"]));
     // After `--`, everything is the program's positional input.
-    assert_eq!(
-        args_without_nproc(&args(&["-x", "--", "--nproc-per-node", "2"])),
-        args(&["-x", "--", "--nproc-per-node", "2"])
-    );
+    assert_eq!(args_without_nproc(&args(&["-x", "--", "--nproc-per-node", "2"])), args(&["-x", "--", "--nproc-per-node", "2"]));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -318,25 +174,16 @@ fn nproc_per_node_is_taken_out_of_the_relaunched_arguments() {
 #[test]
 fn a_single_process_group_has_identity_collectives() {
     let group = ProcessGroup::single();
-    assert_eq!(
-        (group.rank(), group.world_size(), group.is_root()),
-        (0, 1, true)
-    );
+    assert_eq!((group.rank(), group.world_size(), group.is_root()), (0, 1, true));
     let mut t = Tensor::from_slice(&[1.5f32, -2.0]);
     group.all_reduce(&mut t, ReduceOp::Average).unwrap();
     group.broadcast(&mut t, 0).unwrap();
     assert_eq!(Vec::<f32>::try_from(&t).unwrap(), [1.5, -2.0]);
     let gathered = group.all_gather(&t).unwrap();
     let _ = t.fill_(0.0);
-    assert_eq!(
-        Vec::<f32>::try_from(&gathered[0]).unwrap(),
-        [1.5, -2.0],
-        "all_gather returns a copy"
-    );
+    assert_eq!(Vec::<f32>::try_from(&gathered[0]).unwrap(), [1.5, -2.0], "all_gather returns a copy");
     // The argument checks of the real engines, so mistakes show without a second rank.
-    assert!(group
-        .all_reduce(&mut Tensor::from_slice(&[1i64]), ReduceOp::Average)
-        .is_err());
+    assert!(group.all_reduce(&mut Tensor::from_slice(&[1i64]), ReduceOp::Average).is_err());
     assert!(group.broadcast(&mut t, 1).is_err());
     group.barrier().unwrap();
     assert_eq!(metric_average(&group, 0.25).unwrap(), 0.25);
@@ -367,35 +214,14 @@ fn a_multi_rank_job_without_an_engine_is_refused_before_any_collective() {
     if tch::Cuda::is_available() {
         return; // with a GPU, torchrun ranks would meet through NCCL instead
     }
-    let torchrun = env_of(&[
-        ("RANK", "0"),
-        ("WORLD_SIZE", "2"),
-        ("MASTER_ADDR", "127.0.0.1"),
-        ("MASTER_PORT", "1"),
-    ])
-    .unwrap();
-    let err = ProcessGroup::init_with(Backend::Auto, torchrun.clone())
-        .err()
-        .expect("no engine for CPU tensors");
+    let torchrun = env_of(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")]).unwrap();
+    let err = ProcessGroup::init_with(Backend::Auto, torchrun.clone()).err().expect("no engine for CPU tensors");
     assert_eq!(exit_code(&err), 2);
-    assert!(
-        format!("{err}").contains("need collectives for CPU tensors"),
-        "{err}"
-    );
-    let err = ProcessGroup::init_with(Backend::Mpi, torchrun)
-        .err()
-        .expect("MPI cannot join torchrun's ranks");
-    assert!(
-        format!("{err}").contains("--backend mpi needs"),
-        "{err}"
-    );
-    let err = ProcessGroup::init_with(Backend::Nccl, LaunchEnv::single())
-        .err()
-        .expect("NCCL needs a GPU");
-    assert!(
-        err.is::<UsageError>() && format!("{err}").contains("--backend nccl"),
-        "{err}"
-    );
+    assert!(format!("{err}").contains("need collectives for CPU tensors"), "{err}");
+    let err = ProcessGroup::init_with(Backend::Mpi, torchrun).err().expect("MPI cannot join torchrun's ranks");
+    assert!(format!("{err}").contains("--backend mpi needs"), "{err}");
+    let err = ProcessGroup::init_with(Backend::Nccl, LaunchEnv::single()).err().expect("NCCL needs a GPU");
+    assert!(err.is::<UsageError>() && format!("{err}").contains("--backend nccl"), "{err}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -461,16 +287,9 @@ fn collectives() -> usize {
     assert_eq!(Vec::<f32>::try_from(&t).unwrap(), [(0.1f32 + 0.2f32) / 2.0]);
 
     // Refused before any message is sent (so every rank refuses alike and nothing hangs).
-    let err = group
-        .all_reduce(&mut Tensor::from_slice(&[1i64]), ReduceOp::Average)
-        .unwrap_err();
+    let err = group.all_reduce(&mut Tensor::from_slice(&[1i64]), ReduceOp::Average).unwrap_err();
     assert!(format!("{err}").contains("floating-point"), "{err}");
-    let err = group
-        .all_reduce(
-            &mut Tensor::ones([2], (Kind::Half, Device::Cpu)),
-            ReduceOp::Sum,
-        )
-        .unwrap_err();
+    let err = group.all_reduce(&mut Tensor::ones([2], (Kind::Half, Device::Cpu)), ReduceOp::Sum).unwrap_err();
     assert!(format!("{err}").contains("Half"), "{err}");
     let err = group.broadcast(&mut Tensor::from(1.0), 2).unwrap_err();
     assert!(format!("{err}").contains("rank 2"), "{err}");
@@ -481,17 +300,11 @@ fn collectives() -> usize {
     assert!(!view.is_contiguous());
     group.all_reduce(&mut view, ReduceOp::Sum).unwrap();
     let expected = Tensor::arange(6, (Kind::Float, Device::Cpu)).reshape([2, 3]) * 3.0;
-    assert!(
-        base.equal(&expected),
-        "the view's storage holds the sum: {base}"
-    );
+    assert!(base.equal(&expected), "the view's storage holds the sum: {base}");
     let mut view = base.select(1, 1); // stride 3
     let _ = view.fill_(r);
     group.broadcast(&mut view, 1).unwrap();
-    assert_eq!(
-        Vec::<f32>::try_from(&base.select(1, 1)).unwrap(),
-        [1.0, 1.0]
-    );
+    assert_eq!(Vec::<f32>::try_from(&base.select(1, 1)).unwrap(), [1.0, 1.0]);
 
     // A parameter (a leaf that requires grad) can be written by a collective.
     let mut param = Tensor::from_slice(&[r as f32]).set_requires_grad(true);
@@ -503,9 +316,7 @@ fn collectives() -> usize {
     let mut t = Tensor::full([2, 2], 10 * rank as i64, (Kind::Int64, Device::Cpu));
     group.broadcast(&mut t, 1).unwrap();
     assert!(t.equal(&Tensor::full([2, 2], 10, (Kind::Int64, Device::Cpu))));
-    let bytes = group
-        .broadcast_bytes(if rank == 1 { b"from one" } else { b"" }, 1)
-        .unwrap();
+    let bytes = group.broadcast_bytes(if rank == 1 { b"from one" } else { b"" }, 1).unwrap();
     assert_eq!(bytes, b"from one");
 
     // all_gather in rank order, as copies.
@@ -514,10 +325,7 @@ fn collectives() -> usize {
     assert_eq!(gathered.len(), 2);
     for (i, t) in gathered.iter().enumerate() {
         assert_eq!(t.size(), [1, 2]);
-        assert_eq!(
-            Vec::<f64>::try_from(&t.reshape([-1])).unwrap(),
-            [10.0 * i as f64, 10.0 * i as f64 + 1.0]
-        );
+        assert_eq!(Vec::<f64>::try_from(&t.reshape([-1])).unwrap(), [10.0 * i as f64, 10.0 * i as f64 + 1.0]);
     }
 
     // barrier: rank 1 writes a file late; rank 0 must see it once the barrier returns.
@@ -527,10 +335,7 @@ fn collectives() -> usize {
         std::fs::write(&marker, "here").unwrap();
     }
     group.barrier().unwrap();
-    assert!(
-        marker.exists(),
-        "rank {rank} left the barrier before rank 1 entered it"
-    );
+    assert!(marker.exists(), "rank {rank} left the barrier before rank 1 entered it");
 
     assert_eq!(metric_average(&group, r).unwrap(), 0.5);
     rank
@@ -542,8 +347,7 @@ fn make_grads(params: &[Tensor], rank: usize) {
         if i == 2 {
             continue; // a parameter that gets no gradient
         }
-        let weights =
-            Tensor::randn(p.size(), (p.kind(), Device::Cpu)) * (rank as f64 + 1.0) + i as f64;
+        let weights = Tensor::randn(p.size(), (p.kind(), Device::Cpu)) * (rank as f64 + 1.0) + i as f64;
         (p * weights).sum(p.kind()).backward();
     }
 }
@@ -552,10 +356,7 @@ fn make_grads(params: &[Tensor], rank: usize) {
 fn assert_same_on_all_ranks(group: &ProcessGroup, tensors: &[(String, Tensor)]) {
     for (name, t) in tensors {
         let gathered = group.all_gather(&t.detach()).unwrap();
-        assert!(
-            gathered[1].equal(&gathered[0]),
-            "`{name}` differs between the ranks"
-        );
+        assert!(gathered[1].equal(&gathered[0]), "`{name}` differs between the ranks");
     }
 }
 
@@ -573,37 +374,19 @@ fn data_parallel() -> usize {
             .iter()
             .enumerate()
             // One float64 parameter: it must travel in a bucket of its own kind.
-            .map(|(i, s)| {
-                Tensor::randn(
-                    *s,
-                    (if i == 3 { Kind::Double } else { Kind::Float }, Device::Cpu),
-                )
-                .set_requires_grad(true)
-            })
+            .map(|(i, s)| Tensor::randn(*s, (if i == 3 { Kind::Double } else { Kind::Float }, Device::Cpu)).set_requires_grad(true))
             .collect();
         make_grads(&params, rank);
-        let before: Vec<Tensor> = params
-            .iter()
-            .map(|p| p.grad())
-            .map(|g| if g.defined() { g.copy() } else { g })
-            .collect();
-        GradientAverager::new(bucket_bytes, false)
-            .average(&group, &params)
-            .unwrap();
+        let before: Vec<Tensor> = params.iter().map(|p| p.grad()).map(|g| if g.defined() { g.copy() } else { g }).collect();
+        GradientAverager::new(bucket_bytes, false).average(&group, &params).unwrap();
         for (i, (p, mine)) in params.iter().zip(&before).enumerate() {
             if i == 2 {
-                assert!(
-                    !p.grad().defined(),
-                    "a parameter without gradient keeps none"
-                );
+                assert!(!p.grad().defined(), "a parameter without gradient keeps none");
                 continue;
             }
             let all = group.all_gather(mine).unwrap();
             let mean = (&all[0] + &all[1]) / 2.0;
-            assert!(
-                p.grad().allclose(&mean, 1e-6, 1e-6, false),
-                "bucket {bucket_bytes}: grad {i} is not the mean"
-            );
+            assert!(p.grad().allclose(&mean, 1e-6, 1e-6, false), "bucket {bucket_bytes}: grad {i} is not the mean");
             assert_eq!(p.grad().kind(), mine.kind());
         }
         averaged.push(params.iter().map(|p| p.grad()).collect::<Vec<_>>());
@@ -611,55 +394,33 @@ fn data_parallel() -> usize {
     for (small, large) in averaged[0].iter().zip(&averaged[1]) {
         assert_eq!(small.defined(), large.defined());
         if small.defined() {
-            assert!(
-                small.equal(large),
-                "bucket sizes must not change the averaged gradients"
-            );
+            assert!(small.equal(large), "bucket sizes must not change the averaged gradients");
         }
     }
     let params = [Tensor::ones([2], (Kind::Float, Device::Cpu)).set_requires_grad(true)];
     make_grads(&params, rank);
-    let err = GradientAverager::new(1 << 20, true)
-        .average(&group, &params)
-        .unwrap_err();
-    assert!(
-        format!("{err}").contains("--fp16-allreduce needs NCCL"),
-        "{err}"
-    );
+    let err = GradientAverager::new(1 << 20, true).average(&group, &params).unwrap_err();
+    assert!(format!("{err}").contains("--fp16-allreduce needs NCCL"), "{err}");
     assert_eq!(exit_code(&err), 2);
 
     // --- broadcast_parameters: every variable, buffers included, becomes rank 0's.
     let vs = nn::VarStore::new(Device::Cpu);
     let root = vs.root();
-    let net = nn::seq()
-        .add(nn::linear(&root / "fc1", 4, 8, Default::default()))
-        .add(nn::linear(&root / "fc2", 8, 2, Default::default()));
+    let net = nn::seq().add(nn::linear(&root / "fc1", 4, 8, Default::default())).add(nn::linear(&root / "fc2", 8, 2, Default::default()));
     let _running_mean = root.zeros_no_train("running_mean", &[8]).fill_(rank as f64);
     let vars = || {
         let mut v: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
     };
-    let fc1_before = group
-        .all_gather(&vs.variables()["fc1.weight"].detach())
-        .unwrap();
-    assert!(
-        !fc1_before[0].equal(&fc1_before[1]),
-        "the ranks start from different weights"
-    );
+    let fc1_before = group.all_gather(&vs.variables()["fc1.weight"].detach()).unwrap();
+    assert!(!fc1_before[0].equal(&fc1_before[1]), "the ranks start from different weights");
     broadcast_parameters(&group, &vs, 0).unwrap();
     assert_same_on_all_ranks(&group, &vars());
     assert_eq!(vs.variables()["running_mean"].double_value(&[0]), 0.0);
 
     // --- broadcast_optimizer_state: rank 0 has trained (Adam state), rank 1 has not.
-    let mut opt = Adam::new(
-        vs.trainable_variables()
-            .into_iter()
-            .enumerate()
-            .map(|(i, t)| (format!("p{i}"), t))
-            .collect(),
-        AdamConfig::default(),
-    );
+    let mut opt = Adam::new(vs.trainable_variables().into_iter().enumerate().map(|(i, t)| (format!("p{i}"), t)).collect(), AdamConfig::default());
     let step = |opt: &mut Adam, seed: i64| {
         tch::manual_seed(seed);
         let x = Tensor::randn([5, 4], (Kind::Float, Device::Cpu));
@@ -674,11 +435,7 @@ fn data_parallel() -> usize {
     broadcast_parameters(&group, &vs, 0).unwrap();
     broadcast_optimizer_state(&group, &mut opt, 0).unwrap();
     let state = opt.state_tensors();
-    assert_eq!(
-        state.len(),
-        3 * vs.trainable_variables().len(),
-        "rank {rank} has Adam's full state"
-    );
+    assert_eq!(state.len(), 3 * vs.trainable_variables().len(), "rank {rank} has Adam's full state");
     assert_same_on_all_ranks(&group, &state);
     // The same step from the same state and data: the replicas stay bit-identical.
     step(&mut opt, 9);
@@ -783,10 +540,7 @@ fn relaunch() -> usize {
 fn no_launcher() -> usize {
     let err = relaunch_with_mpirun(2).unwrap_err();
     assert!(err.is::<UsageError>());
-    assert!(
-        format!("{err}").contains("--nproc-per-node needs an MPI launcher (mpirun) on PATH"),
-        "{err}"
-    );
+    assert!(format!("{err}").contains("--nproc-per-node needs an MPI launcher (mpirun) on PATH"), "{err}");
     0
 }
 
@@ -1081,12 +835,7 @@ fn an_error_on_one_rank_aborts_every_rank() {
     let run = two_ranks("rank_errors");
     assert_eq!(run.status.code(), Some(1), "{}", run.output);
     assert!(run.elapsed < Duration::from_secs(60));
-    assert!(
-        run.output
-            .contains("error on rank 1: rank 1 found something wrong"),
-        "{}",
-        run.output
-    );
+    assert!(run.output.contains("error on rank 1: rank 1 found something wrong"), "{}", run.output);
 }
 
 #[test]
@@ -1097,13 +846,7 @@ fn nproc_per_node_relaunches_under_mpirun() {
 
 #[test]
 fn nproc_per_node_without_mpirun_is_a_usage_error() {
-    launch(
-        None,
-        "no_launcher",
-        &[("MPIRUN", "/nonexistent/mpirun")],
-        Duration::from_secs(30),
-    )
-    .assert_passed("no_launcher", 1);
+    launch(None, "no_launcher", &[("MPIRUN", "/nonexistent/mpirun")], Duration::from_secs(30)).assert_passed("no_launcher", 1);
 }
 
 #[test]
@@ -1122,7 +865,10 @@ fn a_zero_optimizer_alone_is_the_optimizer_it_wraps_with_the_same_named_state() 
     let config = AdamConfig { lr: 0.1, ..AdamConfig::default() };
     let make = || -> Vec<(String, Tensor)> {
         tch::manual_seed(3);
-        vec![("a".into(), Tensor::randn([3, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true)), ("b".into(), Tensor::randn([5], (Kind::Float, Device::Cpu)).set_requires_grad(true))]
+        vec![
+            ("a".into(), Tensor::randn([3, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true)),
+            ("b".into(), Tensor::randn([5], (Kind::Float, Device::Cpu)).set_requires_grad(true)),
+        ]
     };
     let shallow = |named: &[(String, Tensor)]| named.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect::<Vec<_>>();
     let (plain_params, zero_params) = (make(), make());

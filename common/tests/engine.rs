@@ -219,12 +219,8 @@ fn problem() -> (Vec<(String, Tensor)>, Vec<Values>) {
 
 /// Sets the parameters' gradients to `grads` (through a backward pass, as training does).
 fn set_grads(params: &[(String, Tensor)], grads: &Values) {
-    let loss = params
-        .iter()
-        .zip(grads)
-        .map(|((_, p), g)| (p * Tensor::from_slice(g).to_kind(Kind::Float).view_as(p)).sum(Kind::Float))
-        .reduce(|a, b| a + b)
-        .unwrap();
+    let loss =
+        params.iter().zip(grads).map(|((_, p), g)| (p * Tensor::from_slice(g).to_kind(Kind::Float).view_as(p)).sum(Kind::Float)).reduce(|a, b| a + b).unwrap();
     loss.backward();
 }
 
@@ -248,7 +244,10 @@ fn check_against_formula(name: &str, make: &dyn Fn(Vec<(String, Tensor)>) -> Box
         ours.zero_grad();
         set_grads(&params, g);
         if step == 2 {
-            saved = Some((ours.state_tensors().into_iter().map(|(k, t)| (k, t.copy())).collect::<std::collections::HashMap<_, _>>(), params.iter().map(|(n, t)| (n.clone(), t.detach().copy())).collect::<Vec<_>>()));
+            saved = Some((
+                ours.state_tensors().into_iter().map(|(k, t)| (k, t.copy())).collect::<std::collections::HashMap<_, _>>(),
+                params.iter().map(|(n, t)| (n.clone(), t.detach().copy())).collect::<Vec<_>>(),
+            ));
         }
         ours.step().unwrap();
         expected(&mut reference, g);
@@ -313,9 +312,7 @@ fn lamb_is_adam_with_a_layerwise_trust_ratio() {
                 m[k] = b1 * m[k] + (1.0 - b1) * g[k];
                 v[k] = b2 * v[k] + (1.0 - b2) * g[k] * g[k];
             }
-            let mut r: Vec<f64> = (0..g.len())
-                .map(|k| (m[k] / (1.0 - b1.powi(step))) / ((v[k] / (1.0 - b2.powi(step))).sqrt() + config.eps))
-                .collect();
+            let mut r: Vec<f64> = (0..g.len()).map(|k| (m[k] / (1.0 - b1.powi(step))) / ((v[k] / (1.0 - b2.powi(step))).sqrt() + config.eps)).collect();
             if i == 0 {
                 // The matrix: decoupled decay, then the trust ratio ‖w‖/‖r‖.
                 for (r, w) in r.iter_mut().zip(w.iter()) {

@@ -7,21 +7,11 @@ use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Tensor};
 
 fn cifar(arch: Arch, num_classes: i64) -> ModelSpec {
-    ModelSpec {
-        arch,
-        in_channels: 3,
-        image_size: 32,
-        num_classes,
-    }
+    ModelSpec { arch, in_channels: 3, image_size: 32, num_classes }
 }
 
 fn mnist(arch: Arch, num_classes: i64) -> ModelSpec {
-    ModelSpec {
-        arch,
-        in_channels: 1,
-        image_size: 28,
-        num_classes,
-    }
+    ModelSpec { arch, in_channels: 1, image_size: 28, num_classes }
 }
 
 fn build(spec: &ModelSpec) -> (nn::VarStore, Box<dyn ModuleT>) {
@@ -31,10 +21,7 @@ fn build(spec: &ModelSpec) -> (nn::VarStore, Box<dyn ModuleT>) {
 }
 
 fn batch(spec: &ModelSpec) -> Tensor {
-    Tensor::randn(
-        [2, spec.in_channels, spec.image_size, spec.image_size],
-        (Kind::Float, Device::Cpu),
-    )
+    Tensor::randn([2, spec.in_channels, spec.image_size, spec.image_size], (Kind::Float, Device::Cpu))
 }
 
 /// Builds the model, checks its trainable parameter count, and runs a batch of 2 through it in
@@ -45,15 +32,8 @@ fn check_model(spec: &ModelSpec, expected_params: i64) -> (nn::VarStore, Box<dyn
     let xs = batch(spec);
     for train in [false, true] {
         let logits = tch::no_grad(|| model.forward_t(&xs, train));
-        assert_eq!(
-            logits.size(),
-            [2, spec.num_classes],
-            "{spec:?}, train {train}"
-        );
-        assert!(
-            bool::try_from(logits.isfinite().all()).unwrap(),
-            "{spec:?}: non-finite logits"
-        );
+        assert_eq!(logits.size(), [2, spec.num_classes], "{spec:?}, train {train}");
+        assert!(bool::try_from(logits.isfinite().all()).unwrap(), "{spec:?}: non-finite logits");
     }
     (vs, model)
 }
@@ -68,10 +48,7 @@ fn names(vs: &nn::VarStore) -> BTreeSet<String> {
 }
 
 fn shape(vs: &nn::VarStore, name: &str) -> Vec<i64> {
-    vs.variables()
-        .get(name)
-        .unwrap_or_else(|| panic!("no variable {name}"))
-        .size()
+    vs.variables().get(name).unwrap_or_else(|| panic!("no variable {name}")).size()
 }
 
 const RESNET34_PARAMS: i64 = 21_797_672;
@@ -91,14 +68,8 @@ fn cnn_parameter_counts_and_shapes() {
 #[test]
 fn cnn_variable_names_follow_pytorch() {
     let (vs, _) = build(&cifar(Arch::Cnn, 10));
-    let expected = ["conv1", "conv2", "fc1", "fc2"]
-        .iter()
-        .flat_map(|layer| [format!("{layer}.bias"), format!("{layer}.weight")])
-        .collect::<Vec<_>>();
-    let params: Vec<String> = named_parameters(&vs)
-        .into_iter()
-        .map(|(name, _)| name)
-        .collect();
+    let expected = ["conv1", "conv2", "fc1", "fc2"].iter().flat_map(|layer| [format!("{layer}.bias"), format!("{layer}.weight")]).collect::<Vec<_>>();
+    let params: Vec<String> = named_parameters(&vs).into_iter().map(|(name, _)| name).collect();
     assert_eq!(params, expected, "sorted by name");
     assert_eq!(shape(&vs, "conv1.weight"), [50, 3, 5, 5]);
     assert_eq!(shape(&vs, "fc1.weight"), [50, 75 * 5 * 5]);
@@ -191,13 +162,7 @@ fn resnet34_variables_are_torchvision_state_dict_keys() {
     }
     let names = names(&vs);
     // layer1 keeps stride and channels; only the first block of a stage projects; stage sizes.
-    for absent in [
-        "layer1.0.downsample.0.weight",
-        "layer2.1.downsample.0.weight",
-        "layer1.3.conv1.weight",
-        "layer3.6.conv1.weight",
-        "conv1.bias",
-    ] {
+    for absent in ["layer1.0.downsample.0.weight", "layer2.1.downsample.0.weight", "layer1.3.conv1.weight", "layer3.6.conv1.weight", "conv1.bias"] {
         assert!(!names.contains(absent), "unexpected {absent}");
     }
     // The 36 batch norms' running statistics are buffers, not parameters.
@@ -231,16 +196,8 @@ fn grey_images_are_repeated_and_padded_for_imagenet_models() {
     let (_vs, model) = build(&spec);
     let grey = batch(&spec);
     let adapted = grey.repeat([1, 3, 1, 1]).constant_pad_nd([2, 2, 2, 2]);
-    let (a, b) = tch::no_grad(|| {
-        (
-            model.forward_t(&grey, false),
-            model.forward_t(&adapted, false),
-        )
-    });
-    assert!(
-        a.allclose(&b, 1e-5, 1e-6, false),
-        "MNIST input is not adapted as 3×32×32"
-    );
+    let (a, b) = tch::no_grad(|| (model.forward_t(&grey, false), model.forward_t(&adapted, false)));
+    assert!(a.allclose(&b, 1e-5, 1e-6, false), "MNIST input is not adapted as 3×32×32");
 }
 
 #[test]
@@ -249,10 +206,7 @@ fn named_parameters_skips_frozen_variables_and_shares_storage() {
     let (name, mut param) = named_parameters(&vs).swap_remove(0);
     let _ = tch::no_grad(|| param.fill_(3.0));
     let stored = vs.variables()[&name].shallow_clone();
-    assert!(
-        bool::try_from(stored.eq(3.0).all()).unwrap(),
-        "not a shallow clone"
-    );
+    assert!(bool::try_from(stored.eq(3.0).all()).unwrap(), "not a shallow clone");
     vs.freeze();
     assert!(named_parameters(&vs).is_empty());
 }
@@ -263,14 +217,8 @@ fn vgg19_dropout_only_in_train_mode() {
     let (_vs, model) = build(&spec);
     let xs = batch(&spec);
     let forward = |train| tch::no_grad(|| model.forward_t(&xs, train));
-    assert!(
-        forward(false).equal(&forward(false)),
-        "eval mode must be deterministic"
-    );
-    assert!(
-        !forward(true).equal(&forward(true)),
-        "train mode must drop out"
-    );
+    assert!(forward(false).equal(&forward(false)), "eval mode must be deterministic");
+    assert!(!forward(true).equal(&forward(true)), "train mode must drop out");
 }
 
 // ---- Loading weights ----
@@ -301,10 +249,7 @@ fn cnn_round_trip(file_name: &str, save: impl Fn(&[(String, Tensor)], &Path)) {
     save(&all_variables(&vs_a), &path);
 
     let xs = batch(&spec);
-    assert!(
-        !eval(&*a, &xs).equal(&eval(&*b, &xs)),
-        "differently seeded models must differ"
-    );
+    assert!(!eval(&*a, &xs).equal(&eval(&*b, &xs)), "differently seeded models must differ");
     let loaded = load_weights(&vs_b, &spec, &path).unwrap();
     assert_eq!((loaded.loaded, loaded.new_head.len()), (8, 0));
     assert!(eval(&*a, &xs).equal(&eval(&*b, &xs)));
@@ -314,19 +259,14 @@ fn cnn_round_trip(file_name: &str, save: impl Fn(&[(String, Tensor)], &Path)) {
 
 #[test]
 fn weights_round_trip_safetensors() {
-    cnn_round_trip("cnn.safetensors", |vars, path| {
-        Tensor::write_safetensors(vars, path).unwrap()
-    });
+    cnn_round_trip("cnn.safetensors", |vars, path| Tensor::write_safetensors(vars, path).unwrap());
 }
 
 #[test]
 fn weights_round_trip_ot_with_kind_conversion() {
     // Stored as f64, loaded into the f32 model (exactly, since the values came from f32).
     cnn_round_trip("cnn.ot", |vars, path| {
-        let doubles: Vec<_> = vars
-            .iter()
-            .map(|(n, t)| (n.clone(), t.to_kind(Kind::Double)))
-            .collect();
+        let doubles: Vec<_> = vars.iter().map(|(n, t)| (n.clone(), t.to_kind(Kind::Double))).collect();
         Tensor::save_multi(&doubles, path).unwrap()
     });
 }
@@ -340,18 +280,14 @@ fn weights_round_trip_resnet34_with_batch_norm_buffers() {
     let mut vars = all_variables(&vs_a);
     // torchvision files also hold num_batches_tracked, which has no counterpart here.
     vars.push(("bn1.num_batches_tracked".into(), Tensor::from(1i64)));
-    vars.push((
-        "layer1.0.bn1.num_batches_tracked".into(),
-        Tensor::from(1i64),
-    ));
+    vars.push(("layer1.0.bn1.num_batches_tracked".into(), Tensor::from(1i64)));
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("resnet34.safetensors");
     Tensor::write_safetensors(&vars, &path).unwrap();
 
     let (vs_b, b) = seeded(&spec, 2);
     load_weights(&vs_b, &spec, &path).unwrap();
-    let running_var =
-        |vs: &nn::VarStore| vs.variables()["layer3.5.bn2.running_var"].shallow_clone();
+    let running_var = |vs: &nn::VarStore| vs.variables()["layer3.5.bn2.running_var"].shallow_clone();
     assert!(running_var(&vs_a).equal(&running_var(&vs_b)));
     let xs = batch(&spec);
     assert!(eval(&*a, &xs).allclose(&eval(&*b, &xs), 1e-6, 1e-6, false));
@@ -364,10 +300,7 @@ fn load_error(vs: &nn::VarStore, vars: &[(String, Tensor)]) -> String {
     let path = dir.path().join("weights.safetensors");
     Tensor::write_safetensors(vars, &path).unwrap();
     let message = format!("{:#}", load_weights(vs, &cifar(Arch::Cnn, 10), &path).unwrap_err());
-    assert!(
-        message.contains(&path.display().to_string()),
-        "names the file: {message}"
-    );
+    assert!(message.contains(&path.display().to_string()), "names the file: {message}");
     assert_eq!(message.lines().count(), 1, "one line: {message}");
     message
 }
@@ -375,58 +308,31 @@ fn load_error(vs: &nn::VarStore, vars: &[(String, Tensor)]) -> String {
 #[test]
 fn weights_shape_mismatch_names_both_shapes_and_copies_nothing() {
     let (vs, _) = build(&cifar(Arch::Cnn, 10));
-    let before = all_variables(&vs)
-        .into_iter()
-        .map(|(n, t)| (n, t.copy()))
-        .collect::<Vec<_>>();
-    let mut vars: Vec<_> = before
-        .iter()
-        .map(|(n, t)| (n.clone(), t.ones_like()))
-        .collect();
+    let before = all_variables(&vs).into_iter().map(|(n, t)| (n, t.copy())).collect::<Vec<_>>();
+    let mut vars: Vec<_> = before.iter().map(|(n, t)| (n.clone(), t.ones_like())).collect();
     // A backbone tensor of another shape (the head's may differ: see tests/transfer.rs).
-    let conv1 = vars
-        .iter_mut()
-        .find(|(name, _)| name == "conv1.weight")
-        .unwrap();
+    let conv1 = vars.iter_mut().find(|(name, _)| name == "conv1.weight").unwrap();
     conv1.1 = Tensor::zeros([50, 1, 5, 5], (Kind::Float, Device::Cpu));
 
     let message = load_error(&vs, &vars);
-    assert!(
-        message.contains("conv1.weight: file [50, 1, 5, 5] vs model [50, 3, 5, 5]"),
-        "{message}"
-    );
-    assert!(
-        !message.contains("missing") && !message.contains("unexpected"),
-        "{message}"
-    );
+    assert!(message.contains("conv1.weight: file [50, 1, 5, 5] vs model [50, 3, 5, 5]"), "{message}");
+    assert!(!message.contains("missing") && !message.contains("unexpected"), "{message}");
     for (name, old) in &before {
-        assert!(
-            vs.variables()[name].equal(old),
-            "{name} changed although loading failed"
-        );
+        assert!(vs.variables()[name].equal(old), "{name} changed although loading failed");
     }
 }
 
 #[test]
 fn weights_missing_and_unexpected_tensors_are_listed() {
     let (vs, _) = build(&cifar(Arch::Cnn, 10));
-    let mut vars: Vec<_> = all_variables(&vs)
-        .into_iter()
-        .filter(|(name, _)| name != "conv1.bias" && name != "fc1.weight")
-        .collect();
+    let mut vars: Vec<_> = all_variables(&vs).into_iter().filter(|(name, _)| name != "conv1.bias" && name != "fc1.weight").collect();
     let extra = Tensor::zeros([1], (Kind::Float, Device::Cpu));
     vars.extend((0..15).map(|i| (format!("extra.{i:02}"), extra.copy())));
 
     let message = load_error(&vs, &vars);
-    assert!(
-        message.contains("missing from the file (2): conv1.bias, fc1.weight"),
-        "{message}"
-    );
+    assert!(message.contains("missing from the file (2): conv1.bias, fc1.weight"), "{message}");
     // Long lists are capped at 10 names.
-    assert!(
-        message.contains("unexpected in the file (15): extra.00,"),
-        "{message}"
-    );
+    assert!(message.contains("unexpected in the file (15): extra.00,"), "{message}");
     assert!(message.contains("extra.09, ... and 5 more"), "{message}");
     assert!(!message.contains("extra.10"), "{message}");
 }
@@ -439,15 +345,9 @@ fn weights_unknown_extension_and_missing_file() {
     std::fs::write(&pt, b"not a checkpoint").unwrap();
     let spec = cifar(Arch::Cnn, 10);
     let message = load_weights(&vs, &spec, &pt).unwrap_err().to_string();
-    assert!(
-        message.contains("weights.pt") && message.contains(".safetensors or .ot"),
-        "{message}"
-    );
+    assert!(message.contains("weights.pt") && message.contains(".safetensors or .ot"), "{message}");
 
     let absent = dir.path().join("absent.safetensors");
     let message = load_weights(&vs, &spec, &absent).unwrap_err().to_string();
-    assert!(
-        message.contains(&absent.display().to_string()) && message.contains("not found"),
-        "{message}"
-    );
+    assert!(message.contains(&absent.display().to_string()) && message.contains("not found"), "{message}");
 }

@@ -17,9 +17,9 @@ use common::dist::layout::{Coords, Groups, Layout};
 use common::dist::{Backend, ProcessGroup};
 use common::models::{self, TransformerConfig, TransformerLm};
 use common::optim::Optimizer;
+use common::parallelize::DataParallelPlan;
 use common::pipeline::executor::StageTrace;
 use common::pipeline::process::StageProcess;
-use common::parallelize::DataParallelPlan;
 use common::pipeline::{schedule, split_batch, Op, Partition, Pipeline, PipelineOptions, Placement, Schedule, Stage};
 use common::precision::{GradScaler, Precision};
 use common::train::{Batch, StepContext, TrainStep};
@@ -27,7 +27,6 @@ use support::lm::*;
 use support::ranks::{launch, SCENARIO};
 use tch::nn::{self, ModuleT};
 use tch::{Device, Tensor};
-
 
 /// [`assert_trains_like_unpartitioned`] for a pipeline in this process, which also holds every
 /// variable once and gives the reference's logits.
@@ -42,7 +41,6 @@ fn assert_matches_unpartitioned(mut pipeline: Pipeline, reference: &TransformerL
     assert!(diff <= 1e-5, "{what}: logits differ by {diff:e}");
     assert_trains_like_unpartitioned(&mut pipeline, reference, reference_vs, (0, 1), what);
 }
-
 
 #[test]
 fn every_partition_and_schedule_trains_the_unpartitioned_model() {
@@ -138,7 +136,6 @@ fn overlap_s(a: &StageTrace, b: &StageTrace) -> f64 {
     total
 }
 
-
 /// The losses of five SGD steps of `pipeline`, started from `weights`' variables, on fixed
 /// batches, every step's dropout keyed to (seed 42, step) as exercise3 pipeline keys them.
 fn five_step_losses(pipeline: &mut Pipeline, weights: &nn::VarStore) -> Vec<f64> {
@@ -166,14 +163,8 @@ fn a_seeded_run_with_dropout_trains_the_same_model_whatever_the_stages_partition
     // nor the schedule, nor recomputation, nor which thread draws first may change the run.
     let cfg = TransformerConfig { dropout: 0.2, ..config(4, 16) };
     let (weights, _) = reference_model(&cfg);
-    let partitions: Vec<Vec<std::ops::Range<i64>>> = vec![
-        vec![0..4],
-        vec![0..2, 2..4],
-        vec![0..1, 1..4],
-        vec![0..3, 3..4],
-        vec![0..2, 2..3, 3..4],
-        vec![0..1, 1..2, 2..4],
-    ];
+    let partitions: Vec<Vec<std::ops::Range<i64>>> =
+        vec![vec![0..4], vec![0..2, 2..4], vec![0..1, 1..4], vec![0..3, 3..4], vec![0..2, 2..3, 3..4], vec![0..1, 1..2, 2..4]];
     let mut reference: Option<Vec<f64>> = None;
     for layers in partitions {
         for (schedule, recompute) in [(Schedule::GPipe, false), (Schedule::OneFOneB, false), (Schedule::OneFOneB, true)] {
@@ -204,7 +195,10 @@ fn a_seeded_run_with_dropout_trains_the_same_model_whatever_the_stages_partition
             let mut pipeline = Pipeline::new(&cfg, &partition, &vec![Device::Cpu; devices], 1, interleaved(virtual_stages, 4, recompute)).unwrap();
             let losses = five_step_losses(&mut pipeline, &weights);
             for (step, (got, want)) in losses.iter().zip(expected).enumerate() {
-                assert!((got - want).abs() <= 1e-5 * want.abs(), "interleaved {layers:?} on {devices} device(s), recompute {recompute}: step {step} loss {got} vs {want} on one stage");
+                assert!(
+                    (got - want).abs() <= 1e-5 * want.abs(),
+                    "interleaved {layers:?} on {devices} device(s), recompute {recompute}: step {step} loss {got} vs {want} on one stage"
+                );
             }
         }
     }
@@ -361,7 +355,12 @@ fn bad_configurations_are_refused_clearly() {
     let cfg = config(4, 16);
     let four = Partition::even(4, 4).unwrap();
     for (devices, partition, options, message) in [
-        (2, Partition::even(4, 2).unwrap(), interleaved(3, 2, false), "2 devices × 3 virtual stages need 6 stages of at least one encoder layer each, but the model has 4"),
+        (
+            2,
+            Partition::even(4, 2).unwrap(),
+            interleaved(3, 2, false),
+            "2 devices × 3 virtual stages need 6 stages of at least one encoder layer each, but the model has 4",
+        ),
         (2, four.clone(), interleaved(2, 3, false), "--chunks to be a multiple of the 2 pipeline devices, got 3"),
         (2, Partition::even(4, 2).unwrap(), interleaved(2, 2, false), "2 devices × 2 virtual stages for 2 stages"),
         (2, four, PipelineOptions { virtual_stages: 2, ..options(Schedule::OneFOneB, 2, false) }, "--virtual-stages 2 needs --schedule interleaved"),
@@ -512,10 +511,20 @@ fn a_scaled_output_layer_starts_alike_on_every_layout() {
     let dp = DataParallelPlan { averager: GradientAverager::new(25 << 20, false), sync: GradientSync::Ddp };
     let cfg = config(2, 256);
     let weights = |pipeline: Option<PipelinePlan>, init: OutputInit| -> HashMap<String, Tensor> {
-        let step = parallelize(&ModelPlan::Transformer { config: cfg, pipeline, init }, &groups, dp, Device::Cpu, 7, Default::default(), &mut common::train::Observers::new()).unwrap();
+        let step = parallelize(
+            &ModelPlan::Transformer { config: cfg, pipeline, init },
+            &groups,
+            dp,
+            Device::Cpu,
+            7,
+            Default::default(),
+            &mut common::train::Observers::new(),
+        )
+        .unwrap();
         step.named_parameters().into_iter().map(|(n, t)| (n, t.detach().copy())).collect()
     };
-    let two_stages = || Some(PipelinePlan { partition: Partition::even(2, 2).unwrap(), options: options(Schedule::GPipe, 1, false), devices: vec![Device::Cpu; 2] });
+    let two_stages =
+        || Some(PipelinePlan { partition: Partition::even(2, 2).unwrap(), options: options(Schedule::GPipe, 1, false), devices: vec![Device::Cpu; 2] });
     let (whole, piped, tutorial) = (weights(None, OutputInit::Scaled), weights(two_stages(), OutputInit::Scaled), weights(None, OutputInit::Tutorial));
     let out = |w: &HashMap<String, Tensor>| w["linear.weight"].shallow_clone();
     assert!(out(&whole).equal(&out(&piped)), "the pipeline's last stage drew another output layer");

@@ -16,12 +16,7 @@ fn id_bytes() -> Vec<u8> {
     (0..128u32).map(|i| (i * 7 + 3) as u8).collect()
 }
 
-fn spawn_peer(
-    rank: usize,
-    world_size: usize,
-    port: u16,
-    timeout: Duration,
-) -> thread::JoinHandle<anyhow::Result<Vec<u8>>> {
+fn spawn_peer(rank: usize, world_size: usize, port: u16, timeout: Duration) -> thread::JoinHandle<anyhow::Result<Vec<u8>>> {
     thread::spawn(move || exchange_root_bytes(rank, world_size, HOST, port, None, timeout))
 }
 
@@ -104,15 +99,9 @@ fn peer_times_out_when_the_root_never_appears() {
     let err = exchange_root_bytes(1, 2, HOST, port, None, Duration::from_secs(1)).unwrap_err();
     let elapsed = start.elapsed();
     let msg = format!("{err:#}");
-    assert!(
-        elapsed >= Duration::from_millis(900),
-        "gave up after {elapsed:?}: {msg}"
-    );
+    assert!(elapsed >= Duration::from_millis(900), "gave up after {elapsed:?}: {msg}");
     assert!(elapsed < Duration::from_secs(4), "took {elapsed:?}: {msg}");
-    assert!(
-        msg.contains(&format!("{HOST}:{port}")) && msg.contains("timed out") && msg.contains("1s"),
-        "{msg}"
-    );
+    assert!(msg.contains(&format!("{HOST}:{port}")) && msg.contains("timed out") && msg.contains("1s"), "{msg}");
 }
 
 #[test]
@@ -123,10 +112,7 @@ fn root_times_out_naming_the_missing_ranks() {
     let err = exchange_root_bytes(0, 3, HOST, port, Some(id_bytes()), Duration::from_secs(1)).unwrap_err();
     assert!(start.elapsed() < Duration::from_secs(4));
     let msg = format!("{err:#}");
-    assert!(
-        msg.contains("timed out") && msg.contains(&format!("{HOST}:{port}")) && msg.contains("missing ranks [1]"),
-        "{msg}"
-    );
+    assert!(msg.contains("timed out") && msg.contains(&format!("{HOST}:{port}")) && msg.contains("missing ranks [1]"), "{msg}");
     // The peer that did connect hears why instead of waiting for its own timeout.
     let peer_err = format!("{:#}", peer.join().unwrap().unwrap_err());
     assert!(peer_err.contains("missing ranks [1]"), "{peer_err}");
@@ -140,10 +126,7 @@ fn connected_peer_times_out_when_others_never_come() {
     let err = exchange_root_bytes(1, 3, HOST, port, None, Duration::from_secs(1)).unwrap_err();
     assert!(start.elapsed() < Duration::from_secs(4));
     let msg = format!("{err:#}");
-    assert!(
-        msg.contains("timed out") && msg.contains(&format!("{HOST}:{port}")),
-        "{msg}"
-    );
+    assert!(msg.contains("timed out") && msg.contains(&format!("{HOST}:{port}")), "{msg}");
     assert!(root.join().unwrap().is_err());
 }
 
@@ -179,52 +162,30 @@ fn peer_reaching_something_else_says_so() {
         let (mut s, _) = listener.accept().unwrap();
         let mut hello = [0u8; 16];
         let _ = s.read_exact(&mut hello);
-        s.write_all(b"SSH-2.0-OpenSSH_9.6 and then some more bytes\r\n")
-            .unwrap();
+        s.write_all(b"SSH-2.0-OpenSSH_9.6 and then some more bytes\r\n").unwrap();
     });
-    let msg = format!(
-        "{:#}",
-        exchange_root_bytes(1, 2, HOST, port, None, Duration::from_secs(5)).unwrap_err()
-    );
-    assert!(
-        msg.contains("not a rendezvous root") && msg.contains(&format!("{HOST}:{port}")),
-        "{msg}"
-    );
+    let msg = format!("{:#}", exchange_root_bytes(1, 2, HOST, port, None, Duration::from_secs(5)).unwrap_err());
+    assert!(msg.contains("not a rendezvous root") && msg.contains(&format!("{HOST}:{port}")), "{msg}");
     server.join().unwrap();
 }
 
 #[test]
 fn arguments_are_checked() {
-    let err = exchange_root_bytes(3, 3, HOST, 29500, None, Duration::from_secs(1))
-        .unwrap_err()
-        .to_string();
+    let err = exchange_root_bytes(3, 3, HOST, 29500, None, Duration::from_secs(1)).unwrap_err().to_string();
     assert!(err.contains("rank 3") && err.contains("size 3"), "{err}");
-    let err = exchange_root_bytes(0, 2, HOST, 29500, None, Duration::from_secs(1))
-        .unwrap_err()
-        .to_string();
+    let err = exchange_root_bytes(0, 2, HOST, 29500, None, Duration::from_secs(1)).unwrap_err().to_string();
     assert!(err.contains("rank 0"), "{err}");
-    let err = exchange_root_bytes(1, 2, HOST, 0, None, Duration::from_secs(1))
-        .unwrap_err()
-        .to_string();
+    let err = exchange_root_bytes(1, 2, HOST, 0, None, Duration::from_secs(1)).unwrap_err().to_string();
     assert!(err.contains("MASTER_PORT"), "{err}");
     // A world of one opens nothing and returns the bytes (port 0 is fine then).
-    assert_eq!(
-        exchange_root_bytes(0, 1, HOST, 0, Some(vec![1, 2, 3]), Duration::ZERO).unwrap(),
-        vec![1, 2, 3]
-    );
+    assert_eq!(exchange_root_bytes(0, 1, HOST, 0, Some(vec![1, 2, 3]), Duration::ZERO).unwrap(), vec![1, 2, 3]);
 }
 
 #[test]
 fn root_says_when_the_port_is_taken() {
     let taken = TcpListener::bind((HOST, 0)).unwrap();
     let port = taken.local_addr().unwrap().port();
-    let msg = format!(
-        "{:#}",
-        exchange_root_bytes(0, 2, HOST, port, Some(id_bytes()), Duration::from_secs(1)).unwrap_err()
-    );
-    assert!(
-        msg.contains("cannot listen") && msg.contains(&format!("{HOST}:{port}")),
-        "{msg}"
-    );
+    let msg = format!("{:#}", exchange_root_bytes(0, 2, HOST, port, Some(id_bytes()), Duration::from_secs(1)).unwrap_err());
+    assert!(msg.contains("cannot listen") && msg.contains(&format!("{HOST}:{port}")), "{msg}");
     drop(taken);
 }

@@ -166,7 +166,8 @@ fn three_d_layout_trains_the_unpartitioned_model() -> usize {
         let mut process = StageProcess::new(&groups, vec![stage], options(schedule, 2, false), plan).unwrap();
         let replicas = process.parallel().replicas.expect("2 replicas");
         let mut optimizer = replicas.distribute(&process, |named| Box::new(sgd(named))).unwrap();
-        let what = format!("rank {} (replica {}, stage {}, shard {}), {}, {:?}", world.rank(), coords.replica, coords.stage, coords.shard, schedule.name(), plan.sync);
+        let what =
+            format!("rank {} (replica {}, stage {}, shard {}), {}, {:?}", world.rank(), coords.replica, coords.stage, coords.shard, schedule.name(), plan.sync);
         assert_trains_like_unpartitioned_with(&mut process, optimizer.as_mut(), &reference, &reference_vs, (coords.replica, 2), &what);
     }
     world.rank()

@@ -4,8 +4,8 @@
 mod support;
 
 use common::data::text::{
-    basic_english, batch_starts, batchify, generate_wikitext, get_batch, load_corpus, python_lines, unigram_perplexity,
-    Corpus, Tokenizer, Vocab, WikitextSizes, EOS, UNK,
+    basic_english, batch_starts, batchify, generate_wikitext, get_batch, load_corpus, python_lines, unigram_perplexity, Corpus, Tokenizer, Vocab,
+    WikitextSizes, EOS, UNK,
 };
 use common::data::GENERATED_MARKER;
 use std::collections::HashMap;
@@ -44,10 +44,7 @@ fn basic_english_matches_torchtext_on_tricky_lines() {
         ("Rock 'n' roll", &["rock", "'", "n", "'", "roll"]),
         // WikiText's number separators: `,` and `.` are split out of `@,@` / `@.@`; `@-@` has
         // neither, so it stays one token.
-        (
-            "1 @,@ 000 and 3 @.@ 5 km @-@ long",
-            &["1", "@", ",", "@", "000", "and", "3", "@", ".", "@", "5", "km", "@-@", "long"],
-        ),
+        ("1 @,@ 000 and 3 @.@ 5 km @-@ long", &["1", "@", ",", "@", "000", "and", "3", "@", ".", "@", "5", "km", "@-@", "long"]),
         // No rule touches `<`, `>` or `=`; `<UNK>` lowercases to the special itself.
         (" = = <UNK> history = = ", &["=", "=", "<unk>", "history", "=", "="]),
         ("e.g. the", &["e", ".", "g", ".", "the"]),
@@ -198,10 +195,7 @@ fn load_corpus_reads_both_layouts_and_names_what_is_missing() {
     let (train, valid, test) = (" \n = A = \n \n the cat sat . \n", " the dog sat . \n", " a cat ! \n");
     // The official zip's layout, inside its wikitext-2/ folder.
     let official = tempfile::tempdir().unwrap();
-    write(
-        official.path(),
-        &[("wikitext-2/wiki.train.tokens", train), ("wikitext-2/wiki.valid.tokens", valid), ("wikitext-2/wiki.test.tokens", test)],
-    );
+    write(official.path(), &[("wikitext-2/wiki.train.tokens", train), ("wikitext-2/wiki.valid.tokens", valid), ("wikitext-2/wiki.test.tokens", test)]);
     let corpus = load_corpus(official.path(), Tokenizer::BasicEnglish).unwrap();
     assert_eq!(corpus.vocab.itos(), ["<unk>", "=", ".", "a", "cat", "sat", "the"]);
     assert_eq!((ids(&corpus.valid), ids(&corpus.test)), (vec![6, 0, 5, 2], vec![3, 4, 0]));

@@ -10,13 +10,10 @@
 mod support;
 
 use std::collections::BTreeSet;
-use support::Reference;
 use std::sync::{Mutex, MutexGuard};
+use support::Reference;
 
-use common::models::{
-    named_parameters, param_count, param_count_formula, EncoderLayer, TransformerConfig,
-    TransformerLm,
-};
+use common::models::{named_parameters, param_count, param_count_formula, EncoderLayer, TransformerConfig, TransformerLm};
 use common::optim::{clip_grad_norm, Optimizer, Sgd, SgdConfig};
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Reduction, Tensor};
@@ -35,14 +32,7 @@ fn exclusive_rng() -> MutexGuard<'static, ()> {
 
 /// The reference script's models: V 50, d 32, 4 heads, d_hid 64, 2 layers.
 fn small(dropout: f64) -> TransformerConfig {
-    TransformerConfig {
-        ntoken: 50,
-        d_model: 32,
-        nhead: 4,
-        d_hid: 64,
-        nlayers: 2,
-        dropout,
-    }
+    TransformerConfig { ntoken: 50, d_model: 32, nhead: 4, d_hid: 64, nlayers: 2, dropout }
 }
 
 fn build(cfg: &TransformerConfig) -> (nn::VarStore, TransformerLm) {
@@ -73,24 +63,11 @@ fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
 fn param_count_formula_gives_the_course_figures() {
     // The course's model: 2049·V + 18,905,088 (d_model = d_hid = 1024, 3 layers).
     for v in [1, 50, 10_000, 28_782, 33_278] {
-        assert_eq!(
-            param_count_formula(&TransformerConfig::course(v)),
-            2049 * v + 18_905_088,
-            "V = {v}"
-        );
+        assert_eq!(param_count_formula(&TransformerConfig::course(v)), 2049 * v + 18_905_088, "V = {v}");
     }
-    assert_eq!(
-        param_count_formula(&TransformerConfig::course(28_782)),
-        77_879_406
-    );
+    assert_eq!(param_count_formula(&TransformerConfig::course(28_782)), 77_879_406);
     // The large variant of the exercise, by formula only (1.4 B parameters would need 5.8 GB).
-    let large = TransformerConfig {
-        d_model: 4096,
-        d_hid: 4096,
-        nhead: 16,
-        nlayers: 12,
-        ..TransformerConfig::course(28_782)
-    };
+    let large = TransformerConfig { d_model: 4096, d_hid: 4096, nhead: 16, nlayers: 12, ..TransformerConfig::course(28_782) };
     assert_eq!(param_count_formula(&large), 1_444_261_998);
 }
 
@@ -99,22 +76,8 @@ fn built_models_have_the_formulas_parameters_and_no_buffers() {
     let _rng = exclusive_rng();
     let configs = [
         small(0.1),
-        TransformerConfig {
-            ntoken: 7,
-            d_model: 12,
-            nhead: 3,
-            d_hid: 5,
-            nlayers: 1,
-            dropout: 0.0,
-        },
-        TransformerConfig {
-            ntoken: 1000,
-            d_model: 64,
-            nhead: 8,
-            d_hid: 256,
-            nlayers: 4,
-            dropout: 0.5,
-        },
+        TransformerConfig { ntoken: 7, d_model: 12, nhead: 3, d_hid: 5, nlayers: 1, dropout: 0.0 },
+        TransformerConfig { ntoken: 1000, d_model: 64, nhead: 8, d_hid: 256, nlayers: 4, dropout: 0.5 },
         // The course's model itself (78 M parameters, 0.3 GB).
         TransformerConfig::course(28_782),
     ];
@@ -133,11 +96,8 @@ fn variables_have_torchs_names_and_shapes() {
     let cfg = small(0.1);
     let (vs, _model) = build(&cfg);
     let (d, h, v) = (cfg.d_model, cfg.d_hid, cfg.ntoken);
-    let mut expected: Vec<(String, Vec<i64>)> = vec![
-        ("embedding.weight".into(), vec![v, d]),
-        ("linear.weight".into(), vec![v, d]),
-        ("linear.bias".into(), vec![v]),
-    ];
+    let mut expected: Vec<(String, Vec<i64>)> =
+        vec![("embedding.weight".into(), vec![v, d]), ("linear.weight".into(), vec![v, d]), ("linear.bias".into(), vec![v])];
     for i in 0..cfg.nlayers {
         let layer = [
             ("self_attn.in_proj_weight", vec![3 * d, d]),
@@ -153,18 +113,10 @@ fn variables_have_torchs_names_and_shapes() {
             ("norm2.weight", vec![d]),
             ("norm2.bias", vec![d]),
         ];
-        expected.extend(
-            layer
-                .into_iter()
-                .map(|(n, s)| (format!("transformer_encoder.layers.{i}.{n}"), s)),
-        );
+        expected.extend(layer.into_iter().map(|(n, s)| (format!("transformer_encoder.layers.{i}.{n}"), s)));
     }
     expected.sort();
-    let mut actual: Vec<(String, Vec<i64>)> = vs
-        .variables()
-        .into_iter()
-        .map(|(n, t)| (n, t.size()))
-        .collect();
+    let mut actual: Vec<(String, Vec<i64>)> = vs.variables().into_iter().map(|(n, t)| (n, t.size())).collect();
     actual.sort();
     assert_eq!(actual, expected);
 }
@@ -172,10 +124,7 @@ fn variables_have_torchs_names_and_shapes() {
 #[test]
 fn initialisation_follows_torch() {
     let _rng = exclusive_rng();
-    let cfg = TransformerConfig {
-        nlayers: 3,
-        ..small(0.1)
-    };
+    let cfg = TransformerConfig { nlayers: 3, ..small(0.1) };
     let (vs, _model) = build(&cfg);
     let vars = vs.variables();
     let var = |name: &str| &vars[name];
@@ -189,15 +138,8 @@ fn initialisation_follows_torch() {
     let xavier = (6.0 / (4 * cfg.d_model) as f64).sqrt();
     let in_proj = var("transformer_encoder.layers.0.self_attn.in_proj_weight");
     assert!(bound(in_proj) <= xavier && bound(in_proj) > 0.9 * xavier);
-    for name in [
-        "self_attn.in_proj_bias",
-        "self_attn.out_proj.bias",
-        "norm1.bias",
-    ] {
-        assert_eq!(
-            bound(var(&format!("transformer_encoder.layers.0.{name}"))),
-            0.0
-        );
+    for name in ["self_attn.in_proj_bias", "self_attn.out_proj.bias", "norm1.bias"] {
+        assert_eq!(bound(var(&format!("transformer_encoder.layers.0.{name}"))), 0.0);
     }
     let norm_weight = var("transformer_encoder.layers.1.norm2.weight");
     assert!(norm_weight.eq(1.0).all().int64_value(&[]) == 1);
@@ -218,10 +160,7 @@ fn initialisation_follows_torch() {
 fn causal_mask_hides_later_tokens() {
     let _rng = exclusive_rng();
     tch::manual_seed(1);
-    let cfg = TransformerConfig {
-        ntoken: 30,
-        ..small(0.1)
-    };
+    let cfg = TransformerConfig { ntoken: 30, ..small(0.1) };
     let (_vs, model) = build(&cfg);
     let (seq_len, batch) = (9, 2);
     let src = tokens(&cfg, seq_len, batch);
@@ -234,18 +173,8 @@ fn causal_mask_hides_later_tokens() {
         let _ = changed.get(t).get(0).fill_((old + 1) % cfg.ntoken);
         let out2 = eval(&model, &changed);
         let seq0 = |o: &Tensor| o.select(1, 0);
-        assert!(
-            seq0(&out)
-                .narrow(0, 0, t)
-                .equal(&seq0(&out2).narrow(0, 0, t)),
-            "changing token {t} changed an output before it"
-        );
-        assert!(
-            !seq0(&out)
-                .get(t)
-                .allclose(&seq0(&out2).get(t), 1e-4, 1e-6, false),
-            "changing token {t} did not change the output at {t}"
-        );
+        assert!(seq0(&out).narrow(0, 0, t).equal(&seq0(&out2).narrow(0, 0, t)), "changing token {t} changed an output before it");
+        assert!(!seq0(&out).get(t).allclose(&seq0(&out2).get(t), 1e-4, 1e-6, false), "changing token {t} did not change the output at {t}");
         // The other sequence of the batch is untouched.
         assert!(out.select(1, 1).equal(&out2.select(1, 1)));
     }
@@ -263,10 +192,7 @@ fn dropout_acts_in_training_mode_only() {
         tch::no_grad(|| model.forward_t(&src, true))
     };
     let (a, b) = (train(10), train(11));
-    assert!(
-        !a.allclose(&b, 1e-4, 1e-6, false),
-        "two dropout masks gave the same output"
-    );
+    assert!(!a.allclose(&b, 1e-4, 1e-6, false), "two dropout masks gave the same output");
     // The same seed draws the same masks.
     assert!(train(10).equal(&a));
     let (e1, e2) = (eval(&model, &src), eval(&model, &src));
@@ -282,10 +208,7 @@ fn dropout_acts_in_training_mode_only() {
 fn stage_by_stage_forward_equals_forward() {
     let _rng = exclusive_rng();
     tch::manual_seed(3);
-    let cfg = TransformerConfig {
-        nlayers: 3,
-        ..small(0.1)
-    };
+    let cfg = TransformerConfig { nlayers: 3, ..small(0.1) };
     let (_vs, model) = build(&cfg);
     let src = tokens(&cfg, 7, 2);
     let staged = tch::no_grad(|| {
@@ -321,11 +244,7 @@ fn rejects_heads_that_do_not_divide_d_model() {
 fn load_params(reference: &Reference, vs: &nn::VarStore) {
     let params = reference.with_prefix("param.");
     let vars = vs.variables();
-    assert_eq!(
-        vars.keys().collect::<BTreeSet<_>>(),
-        params.keys().collect::<BTreeSet<_>>(),
-        "variable names differ from torch's"
-    );
+    assert_eq!(vars.keys().collect::<BTreeSet<_>>(), params.keys().collect::<BTreeSet<_>>(), "variable names differ from torch's");
     tch::no_grad(|| {
         for (name, var) in &vars {
             let src = params[name];
@@ -340,10 +259,7 @@ fn load_params(reference: &Reference, vs: &nn::VarStore) {
 fn encoder_layer_matches_torch() {
     let reference = Reference::compute("transformer_parity.py", &["layer"]);
     let _rng = exclusive_rng();
-    let cfg = TransformerConfig {
-        dropout: 0.1,
-        ..small(0.1)
-    };
+    let cfg = TransformerConfig { dropout: 0.1, ..small(0.1) };
     let vs = nn::VarStore::new(Device::Cpu);
     let layer = EncoderLayer::new(&vs.root(), &cfg).unwrap();
     load_params(&reference, &vs);
@@ -376,12 +292,7 @@ fn model_logits_match_torch() {
         let _ = vs.variables()["embedding.weight"].shallow_clone().zero_();
     });
     let max_len = pe.size()[0];
-    let positions = tch::no_grad(|| {
-        model.embed(
-            &Tensor::zeros([max_len, 1], (Kind::Int64, Device::Cpu)),
-            false,
-        )
-    });
+    let positions = tch::no_grad(|| model.embed(&Tensor::zeros([max_len, 1], (Kind::Int64, Device::Cpu)), false));
     let pe_diff = rel_diff(&positions, pe);
     eprintln!("positional encoding vs torch's buffer: max relative difference {pe_diff:e}");
     assert!(pe_diff <= TOLERANCE);
@@ -406,16 +317,7 @@ fn check_training(reference: &Reference, run: &str, dropout: f64) {
     let mut ordered: Vec<&(String, Tensor)> = params.iter().collect();
     ordered.sort_by_key(|(name, _)| order[name].int64_value(&[]));
     let tensors: Vec<Tensor> = ordered.iter().map(|(_, t)| t.shallow_clone()).collect();
-    let mut opt = Sgd::new(
-        params
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect(),
-        SgdConfig {
-            lr: 5.0,
-            ..Default::default()
-        },
-    );
+    let mut opt = Sgd::new(params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect(), SgdConfig { lr: 5.0, ..Default::default() });
 
     // tch and the script share LibTorch's CPU generator: the same seed draws the same dropout
     // masks if the model applies dropout at the same places in the same order.
@@ -428,13 +330,7 @@ fn check_training(reference: &Reference, run: &str, dropout: f64) {
         let targets = data.narrow(0, i + 1, BPTT).reshape([-1]);
         opt.zero_grad();
         let logits = model.forward_t(&inputs, true);
-        let loss = logits.view([-1, cfg.ntoken]).cross_entropy_loss::<Tensor>(
-            &targets,
-            None,
-            Reduction::Mean,
-            -100,
-            0.0,
-        );
+        let loss = logits.view([-1, cfg.ntoken]).cross_entropy_loss::<Tensor>(&targets, None, Reduction::Mean, -100, 0.0);
         loss.backward();
         norms.push(clip_grad_norm(&tensors, MAX_NORM));
         opt.step().unwrap();
@@ -444,28 +340,16 @@ fn check_training(reference: &Reference, run: &str, dropout: f64) {
     let torch_losses = reference.get(&format!("loss.{run}"));
     for (step, &ours) in losses.iter().enumerate() {
         let theirs = torch_losses.double_value(&[step as i64]);
-        assert!(
-            (ours - theirs).abs() <= TOLERANCE * theirs.abs(),
-            "{run}: step {step}: loss {ours} here, {theirs} with torch"
-        );
+        assert!((ours - theirs).abs() <= TOLERANCE * theirs.abs(), "{run}: step {step}: loss {ours} here, {theirs} with torch");
     }
     let loss_diff = rel_diff(&Tensor::from_slice(&losses), torch_losses);
-    let norm_diff = rel_diff(
-        &Tensor::from_slice(&norms),
-        reference.get(&format!("grad_norm.{run}")),
-    );
-    assert!(
-        norm_diff <= TOLERANCE,
-        "{run}: gradient norms differ by {norm_diff:e}"
-    );
+    let norm_diff = rel_diff(&Tensor::from_slice(&norms), reference.get(&format!("grad_norm.{run}")));
+    assert!(norm_diff <= TOLERANCE, "{run}: gradient norms differ by {norm_diff:e}");
     let finals = reference.with_prefix(&format!("final.{run}."));
     let mut weight_diff = 0.0f64;
     for (name, ours) in &params {
         let diff = rel_diff(ours, finals[name]);
-        assert!(
-            diff <= TOLERANCE,
-            "{run}: final `{name}` differs by {diff:e}"
-        );
+        assert!(diff <= TOLERANCE, "{run}: final `{name}` differs by {diff:e}");
         weight_diff = weight_diff.max(diff);
     }
     eprintln!(

@@ -18,7 +18,9 @@ fn per_epoch_checkpoints_are_kept_and_any_of_them_tested_without_training() {
     assert!(out.status.success(), "{}", stderr(&out));
     let exercise1 = env!("CARGO_BIN_EXE_exercise1");
     let common = ["--device", "cpu", "--data-dir", data.to_str().unwrap(), "--batch-size", "20", "--quiet"];
-    let train = [&common[..], &["--epochs", "3", "--checkpoint-dir", ck.to_str().unwrap(), "--keep-checkpoints", "2", "--results-dir", results.to_str().unwrap()]].concat();
+    let train =
+        [&common[..], &["--epochs", "3", "--checkpoint-dir", ck.to_str().unwrap(), "--keep-checkpoints", "2", "--results-dir", results.to_str().unwrap()]]
+            .concat();
     let out = run(exercise1, &train);
     assert!(out.status.success(), "{}", stderr(&out));
 
@@ -63,7 +65,22 @@ fn eval_only_needs_a_checkpoint_that_exists() {
     let out = run(env!("CARGO_BIN_EXE_prepare_data"), &["generate", "--dataset", "cifar10", "--train", "40", "--test", "20", "--out", data.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));
     let missing = dir.path().join("none.safetensors");
-    let out = run(exercise1, &["--device", "cpu", "--data-dir", data.to_str().unwrap(), "--batch-size", "20", "--eval-only", "--checkpoint", missing.to_str().unwrap(), "--results-dir", dir.path().to_str().unwrap()]);
+    let out = run(
+        exercise1,
+        &[
+            "--device",
+            "cpu",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--batch-size",
+            "20",
+            "--eval-only",
+            "--checkpoint",
+            missing.to_str().unwrap(),
+            "--results-dir",
+            dir.path().to_str().unwrap(),
+        ],
+    );
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(stderr(&out).contains(&format!("--eval-only: no checkpoint at {}", missing.display())), "{}", stderr(&out));
 }
@@ -76,8 +93,25 @@ fn a_language_model_is_tested_from_its_checkpoint_folder() {
     wikitext_sample(&data, [200, 40, 40]);
     let nlp = env!("CARGO_BIN_EXE_exercise1_nlp");
     let common = [
-        "--device", "cpu", "--data-dir", data.to_str().unwrap(), "--emsize", "32", "--d-hid", "32", "--nhead", "2", "--nlayers", "1",
-        "--epochs", "1", "--checkpoint-dir", ck.to_str().unwrap(), "--results-dir", results.to_str().unwrap(), "--quiet",
+        "--device",
+        "cpu",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--emsize",
+        "32",
+        "--d-hid",
+        "32",
+        "--nhead",
+        "2",
+        "--nlayers",
+        "1",
+        "--epochs",
+        "1",
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+        "--results-dir",
+        results.to_str().unwrap(),
+        "--quiet",
     ];
     let out = run(nlp, &common);
     assert!(out.status.success(), "{}", stderr(&out));

@@ -88,7 +88,21 @@ fn more_threads_than_cores_are_capped_with_a_warning() {
     let results = tempfile::tempdir().unwrap();
     let out = run(
         "exercise1",
-        &["--device", "cpu", "--data-dir", images.path().to_str().unwrap(), "--batch-size", "20", "--max-steps", "1", "--threads", "100000", "--quiet", "--results-dir", results.path().to_str().unwrap()],
+        &[
+            "--device",
+            "cpu",
+            "--data-dir",
+            images.path().to_str().unwrap(),
+            "--batch-size",
+            "20",
+            "--max-steps",
+            "1",
+            "--threads",
+            "100000",
+            "--quiet",
+            "--results-dir",
+            results.path().to_str().unwrap(),
+        ],
     );
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stderr(&out).contains("warning: --threads 100000 is more than the"), "{}", stderr(&out));
@@ -116,7 +130,22 @@ fn a_usage_error_inside_the_ranks_comes_without_mpis_abort_notice() {
     // Found by the ranks themselves (ZeRO is set up after the model is built).
     let out = run(
         "exercise3",
-        &["ddp", "--device", "cpu", "--nproc-per-node", "2", "--zero", "1", "--optimizer", "lars", "--max-steps", "1", "--data-dir", data.path().to_str().unwrap(), "--quiet"],
+        &[
+            "ddp",
+            "--device",
+            "cpu",
+            "--nproc-per-node",
+            "2",
+            "--zero",
+            "1",
+            "--optimizer",
+            "lars",
+            "--max-steps",
+            "1",
+            "--data-dir",
+            data.path().to_str().unwrap(),
+            "--quiet",
+        ],
     );
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     let err = stderr(&out);
@@ -158,7 +187,21 @@ fn a_loss_that_turns_nan_stops_the_run_with_exit_1_and_no_results() {
     let results = tempfile::tempdir().unwrap();
     let out = run(
         "exercise1",
-        &["--device", "cpu", "--data-dir", data.path().to_str().unwrap(), "--batch-size", "20", "--lr", "1e30", "--clip", "0", "--quiet", "--results-dir", results.path().to_str().unwrap()],
+        &[
+            "--device",
+            "cpu",
+            "--data-dir",
+            data.path().to_str().unwrap(),
+            "--batch-size",
+            "20",
+            "--lr",
+            "1e30",
+            "--clip",
+            "0",
+            "--quiet",
+            "--results-dir",
+            results.path().to_str().unwrap(),
+        ],
     );
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     one_error_line(&out, &["training loss is NaN at step", "lower --lr"]);

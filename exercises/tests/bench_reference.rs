@@ -26,11 +26,7 @@ fn python() -> PathBuf {
 /// The reference's `--describe` JSON for `model` (its default head).
 fn describe(model: &str) -> serde_json::Value {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/exercise1_reference.py");
-    let out = Command::new(python())
-        .arg(&script)
-        .args(["--model", model, "--describe"])
-        .output()
-        .expect("the reference runs");
+    let out = Command::new(python()).arg(&script).args(["--model", model, "--describe"]).output().expect("the reference runs");
     assert!(out.status.success(), "{} --describe failed: {}", script.display(), stderr(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
     serde_json::from_str(stdout.lines().last().expect("one JSON line")).unwrap()

@@ -3,8 +3,8 @@
 mod support;
 
 use std::path::Path;
-use support::{read_json, shared_data, stderr};
 use std::process::{Command, Output};
+use support::{read_json, shared_data, stderr};
 
 fn exercise1(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_exercise1")).args(args).output().expect("exercise1 runs")
@@ -24,8 +24,17 @@ fn generated_cifar(dir: &Path, train: usize) {
 fn the_course_cnn_learns_real_mnist_digits() {
     let results = tempfile::tempdir().unwrap();
     let out = exercise1(&[
-        "--dataset", "mnist", "--data-dir", shared_data("mnist-5k").to_str().unwrap(), "--device", "cpu",
-        "--epochs", "5", "--quiet", "--results-dir", results.path().to_str().unwrap(),
+        "--dataset",
+        "mnist",
+        "--data-dir",
+        shared_data("mnist-5k").to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--epochs",
+        "5",
+        "--quiet",
+        "--results-dir",
+        results.path().to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -51,8 +60,15 @@ fn device_both_without_a_gpu_runs_the_cpu_and_says_the_gpu_is_missing() {
     generated_cifar(data.path(), 100);
     let results = tempfile::tempdir().unwrap();
     let out = exercise1(&[
-        "--data-dir", data.path().to_str().unwrap(), "--device", "both", "--max-steps", "3",
-        "--results-dir", results.path().to_str().unwrap(), "--quiet",
+        "--data-dir",
+        data.path().to_str().unwrap(),
+        "--device",
+        "both",
+        "--max-steps",
+        "3",
+        "--results-dir",
+        results.path().to_str().unwrap(),
+        "--quiet",
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -73,7 +89,8 @@ fn device_both_without_a_gpu_runs_the_cpu_and_says_the_gpu_is_missing() {
     }
     // The curves are drawn per step: a line through the 3 steps, not one point for the one epoch.
     let curves = std::fs::read_to_string(results.path().join("exercise1-cnn-cpu.svg")).unwrap();
-    let longest = curves.split("<polyline").skip(1).map(|line| line.split("points=\"").nth(1).unwrap().split('"').next().unwrap().split_whitespace().count()).max();
+    let longest =
+        curves.split("<polyline").skip(1).map(|line| line.split("points=\"").nth(1).unwrap().split('"').next().unwrap().split_whitespace().count()).max();
     assert!(longest.is_some_and(|points| points >= 3), "no line through the steps: {longest:?}");
     // The GPU did not run: its place in the bar chart says so.
     let devices = std::fs::read_to_string(results.path().join("exercise1-cnn-devices.svg")).unwrap();
@@ -86,9 +103,20 @@ fn resume_through_the_flags_matches_a_straight_run() {
     generated_cifar(data.path(), 200);
     let run = |epochs: &str, ck: &Path, results: &Path| {
         let out = exercise1(&[
-            "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--epochs", epochs,
-            "--checkpoint-dir", ck.to_str().unwrap(), "--resume", "--quiet",
-            "--results-dir", results.to_str().unwrap(), "--batch-size", "50",
+            "--data-dir",
+            data.path().to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--epochs",
+            epochs,
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+            "--resume",
+            "--quiet",
+            "--results-dir",
+            results.to_str().unwrap(),
+            "--batch-size",
+            "50",
         ]);
         assert!(out.status.success(), "{}", stderr(&out));
         (read_json(&results.join("exercise1-cnn-cpu.json")), String::from_utf8_lossy(&out.stdout).into_owned())
@@ -110,8 +138,23 @@ fn profile_prints_the_phases_and_the_operators_and_writes_both_traces() {
     generated_cifar(d.path(), 40);
     let results = tempfile::tempdir().unwrap();
     let out = exercise1(&[
-        "--device", "cpu", "--data-dir", d.path().to_str().unwrap(), "--batch-size", "10", "--max-steps", "3",
-        "--quiet", "--profile-steps", "2..3", "--clip", "1", "--peak-tflops", "1", "--results-dir", results.path().to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--data-dir",
+        d.path().to_str().unwrap(),
+        "--batch-size",
+        "10",
+        "--max-steps",
+        "3",
+        "--quiet",
+        "--profile-steps",
+        "2..3",
+        "--clip",
+        "1",
+        "--peak-tflops",
+        "1",
+        "--results-dir",
+        results.path().to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stderr(&out).lines().all(|l| l.starts_with("WARNING: cifar10")), "nothing on stderr but our own lines: {}", stderr(&out));
@@ -124,16 +167,14 @@ fn profile_prints_the_phases_and_the_operators_and_writes_both_traces() {
     // LibTorch's profiler over steps 2 and 3: the course CNN's convolutions by self CPU time.
     assert!(stdout.contains("LibTorch's profiler, steps 2..3 (2 recorded), operators and kernels by self CPU time"), "{stdout}");
     assert!(stdout.contains("| aten::mkldnn_convolution | 4 |") || stdout.contains("| aten::convolution | 4 |"), "two convolutions a step: {stdout}");
-    let torch_trace: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(results.path().join("exercise1-cnn-cpu.torch-trace.json")).unwrap()).unwrap();
+    let torch_trace: serde_json::Value = serde_json::from_slice(&std::fs::read(results.path().join("exercise1-cnn-cpu.torch-trace.json")).unwrap()).unwrap();
     let torch_events = torch_trace["traceEvents"].as_array().unwrap();
     let named = |name: &str| torch_events.iter().filter(|e| e["name"] == name && e["ph"] == "X").count();
     assert_eq!((named("aten::convolution"), named("ProfilerStep#2"), named("ProfilerStep#3"), named("ProfilerStep#1")), (4, 1, 1, 0));
     let tables = std::fs::read_to_string(results.path().join("exercise1-cnn-cpu.profile.md")).unwrap();
     assert!(tables.contains("| clip |") && tables.contains("aten::convolution"), "{tables}");
     assert!(stdout.contains("compute: ") && stdout.contains("MFU "), "{stdout}");
-    let trace: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(results.path().join("exercise1-cnn-cpu.trace.json")).unwrap()).unwrap();
+    let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(results.path().join("exercise1-cnn-cpu.trace.json")).unwrap()).unwrap();
     let events = trace["traceEvents"].as_array().unwrap();
     let count = |name: &str| events.iter().filter(|e| e["name"] == name).count();
     assert_eq!((count("forward"), count("backward"), count("optimizer"), count("evaluation")), (3, 3, 3, 1));
@@ -208,8 +249,20 @@ fn a_cuda_graph_leaves_the_cpu_half_of_the_comparison_alone() {
     generated_cifar(data.path(), 20);
     let results = tempfile::tempdir().unwrap();
     let out = exercise1(&[
-        "--cuda-graph", "--model", "cnn", "--epochs", "1", "--max-steps", "2", "--batch-size", "10", "--data-dir", data.path().to_str().unwrap(),
-        "--results-dir", results.path().to_str().unwrap(), "--quiet",
+        "--cuda-graph",
+        "--model",
+        "cnn",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "2",
+        "--batch-size",
+        "10",
+        "--data-dir",
+        data.path().to_str().unwrap(),
+        "--results-dir",
+        results.path().to_str().unwrap(),
+        "--quiet",
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(String::from_utf8_lossy(&out.stdout).contains("GPU column missing"));
@@ -222,9 +275,20 @@ fn a_corrupt_checkpoint_stops_the_resume_with_its_name() {
     let ck = tempfile::tempdir().unwrap();
     std::fs::write(ck.path().join("exercise1-cnn-cpu.safetensors"), b"garbage").unwrap();
     let out = exercise1(&[
-        "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--epochs", "1", "--batch-size", "10",
-        "--checkpoint-dir", ck.path().to_str().unwrap(), "--resume", "--quiet",
-        "--results-dir", ck.path().to_str().unwrap(),
+        "--data-dir",
+        data.path().to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "10",
+        "--checkpoint-dir",
+        ck.path().to_str().unwrap(),
+        "--resume",
+        "--quiet",
+        "--results-dir",
+        ck.path().to_str().unwrap(),
     ]);
     assert_eq!(out.status.code(), Some(1));
     let err = stderr(&out);
@@ -239,8 +303,19 @@ fn weights_that_do_not_fit_are_listed() {
     let tensors = [("conv1.weight", tch::Tensor::zeros([3, 3], (tch::Kind::Float, tch::Device::Cpu)))];
     tch::Tensor::write_safetensors(&tensors, &weights).unwrap();
     let out = exercise1(&[
-        "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--max-steps", "1", "--batch-size", "10",
-        "--weights", weights.to_str().unwrap(), "--quiet", "--results-dir", data.path().to_str().unwrap(),
+        "--data-dir",
+        data.path().to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--max-steps",
+        "1",
+        "--batch-size",
+        "10",
+        "--weights",
+        weights.to_str().unwrap(),
+        "--quiet",
+        "--results-dir",
+        data.path().to_str().unwrap(),
     ]);
     assert_eq!(out.status.code(), Some(1));
     let err = stderr(&out);
@@ -254,8 +329,17 @@ fn channels_last_runs_and_its_checkpoint_resumes_in_the_usual_layout() {
     let (results, checkpoints) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let run = |extra: &[&str]| {
         let mut args = vec![
-            "--device", "cpu", "--data-dir", d.path().to_str().unwrap(), "--batch-size", "10", "--quiet",
-            "--results-dir", results.path().to_str().unwrap(), "--checkpoint-dir", checkpoints.path().to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--data-dir",
+            d.path().to_str().unwrap(),
+            "--batch-size",
+            "10",
+            "--quiet",
+            "--results-dir",
+            results.path().to_str().unwrap(),
+            "--checkpoint-dir",
+            checkpoints.path().to_str().unwrap(),
         ];
         args.extend_from_slice(extra);
         let out = exercise1(&args);
@@ -277,8 +361,19 @@ fn matmul_precision_reaches_libtorch_and_the_results() {
     generated_cifar(d.path(), 20);
     let results = tempfile::tempdir().unwrap();
     let out = exercise1(&[
-        "--device", "cpu", "--data-dir", d.path().to_str().unwrap(), "--batch-size", "10", "--max-steps", "1",
-        "--quiet", "--matmul-precision", "high", "--results-dir", results.path().to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--data-dir",
+        d.path().to_str().unwrap(),
+        "--batch-size",
+        "10",
+        "--max-steps",
+        "1",
+        "--quiet",
+        "--matmul-precision",
+        "high",
+        "--results-dir",
+        results.path().to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -16,10 +16,22 @@ fn the_image_exercise_prints_lightnings_test_table_with_its_figures() {
     let (data, results) = (dir.path().join("data"), dir.path().join("results"));
     let out = run(env!("CARGO_BIN_EXE_prepare_data"), &["generate", "--dataset", "cifar10", "--train", "60", "--test", "20", "--out", data.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let out = run(env!("CARGO_BIN_EXE_exercise1"), &[
-        "--device", "cpu", "--data-dir", data.to_str().unwrap(), "--batch-size", "20", "--epochs", "1", "--quiet",
-        "--results-dir", results.to_str().unwrap(),
-    ]);
+    let out = run(
+        env!("CARGO_BIN_EXE_exercise1"),
+        &[
+            "--device",
+            "cpu",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--batch-size",
+            "20",
+            "--epochs",
+            "1",
+            "--quiet",
+            "--results-dir",
+            results.to_str().unwrap(),
+        ],
+    );
     assert!(out.status.success(), "{}", stderr(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let json = read_json(&results.join("exercise1-cnn-cpu.json"));
@@ -41,10 +53,30 @@ fn the_language_model_prints_the_tutorials_epoch_and_final_blocks() {
     let (data, results) = (dir.path().join("data"), dir.path().join("results"));
     std::fs::create_dir(&data).unwrap();
     wikitext_sample(&data, [60, 20, 20]);
-    let out = run(env!("CARGO_BIN_EXE_exercise1_nlp"), &[
-        "--data-dir", data.to_str().unwrap(), "--device", "cpu", "--quiet", "--emsize", "16", "--d-hid", "32", "--nhead", "2",
-        "--nlayers", "1", "--tokenizer", "whitespace", "--epochs", "2", "--results-dir", results.to_str().unwrap(),
-    ]);
+    let out = run(
+        env!("CARGO_BIN_EXE_exercise1_nlp"),
+        &[
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--quiet",
+            "--emsize",
+            "16",
+            "--d-hid",
+            "32",
+            "--nhead",
+            "2",
+            "--nlayers",
+            "1",
+            "--tokenizer",
+            "whitespace",
+            "--epochs",
+            "2",
+            "--results-dir",
+            results.to_str().unwrap(),
+        ],
+    );
     assert!(out.status.success(), "{}", stderr(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let json = read_json(&results.join("exercise1_nlp-transformer-cpu.json"));

@@ -47,10 +47,26 @@ fn two_ranks_with_batch_b_train_the_same_model_as_one_rank_with_batch_2b() {
     // 320 images: one epoch is 20 steps of 16 on one rank, and 20 steps of 2 × 8 on two.
     let common = |ck: &Path, batch: &str| {
         vec![
-            "--model".to_string(), "cnn".into(), "--num-classes".into(), "10".into(), "--optimizer".into(), "sgd".into(),
-            "--lr".into(), "0.05".into(), "--momentum".into(), "0.9".into(), "--epochs".into(), "1".into(),
-            "--batch-size".into(), batch.into(), "--data-dir".into(), d.path().to_str().unwrap().into(),
-            "--checkpoint-dir".into(), ck.to_str().unwrap().into(), "--results-dir".into(), ck.to_str().unwrap().into(),
+            "--model".to_string(),
+            "cnn".into(),
+            "--num-classes".into(),
+            "10".into(),
+            "--optimizer".into(),
+            "sgd".into(),
+            "--lr".into(),
+            "0.05".into(),
+            "--momentum".into(),
+            "0.9".into(),
+            "--epochs".into(),
+            "1".into(),
+            "--batch-size".into(),
+            batch.into(),
+            "--data-dir".into(),
+            d.path().to_str().unwrap().into(),
+            "--checkpoint-dir".into(),
+            ck.to_str().unwrap().into(),
+            "--results-dir".into(),
+            ck.to_str().unwrap().into(),
         ]
     };
     let args_one = common(one.path(), "16");
@@ -86,9 +102,23 @@ fn a_checkpoint_from_two_ranks_resumes_on_one_rank_and_on_two() {
     let run = |ck: &Path, epochs: &str, nproc: &str| {
         let out = exercise2(
             &[
-                "--model", "cnn", "--num-classes", "10", "--batch-size", "16", "--epochs", epochs, "--resume",
-                "--data-dir", d.path().to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap(),
-                "--results-dir", ck.to_str().unwrap(), "--nproc-per-node", nproc,
+                "--model",
+                "cnn",
+                "--num-classes",
+                "10",
+                "--batch-size",
+                "16",
+                "--epochs",
+                epochs,
+                "--resume",
+                "--data-dir",
+                d.path().to_str().unwrap(),
+                "--checkpoint-dir",
+                ck.to_str().unwrap(),
+                "--results-dir",
+                ck.to_str().unwrap(),
+                "--nproc-per-node",
+                nproc,
             ],
             &[],
         );
@@ -163,15 +193,24 @@ fn resnet34_replicas_agree_including_batch_norm_statistics() {
     let results = tempfile::tempdir().unwrap();
     let out = exercise2(
         &[
-            "--num-classes", "10", "--max-steps", "2", "--batch-size", "4", "--nproc-per-node", "2",
-            "--data-dir", d.path().to_str().unwrap(), "--results-dir", results.path().to_str().unwrap(),
+            "--num-classes",
+            "10",
+            "--max-steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--nproc-per-node",
+            "2",
+            "--data-dir",
+            d.path().to_str().unwrap(),
+            "--results-dir",
+            results.path().to_str().unwrap(),
         ],
         &[],
     );
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stdout(&out).contains("resnet34") && stdout(&out).contains("parameters bit-identical on all 2 ranks"), "{}", stdout(&out));
 }
-
 
 /// The model tensors of the checkpoint `<dir>/<run>.safetensors`, sorted by name.
 fn checkpoint_model(dir: &Path, run: &str) -> Vec<(String, tch::Tensor)> {
@@ -215,7 +254,10 @@ fn the_language_model_data_parallel_equals_one_rank_with_the_doubled_batch() {
     assert!(out.contains("parameters bit-identical on all 2 ranks"), "{out}");
     assert_eq!((json["world_size"].as_u64(), json["global_batch"].as_u64()), (Some(2), Some(8)));
     assert_eq!(json["steps"], single["steps"], "the same optimizer steps");
-    let worst = worst_relative_difference(&checkpoint_model(one.path(), "exercise1_nlp-transformer-cpu"), &checkpoint_model(two.path(), "exercise1_nlp-transformer-cpu"));
+    let worst = worst_relative_difference(
+        &checkpoint_model(one.path(), "exercise1_nlp-transformer-cpu"),
+        &checkpoint_model(two.path(), "exercise1_nlp-transformer-cpu"),
+    );
     println!("exercise1_nlp, 2 ranks × 4 streams vs 1 rank × 8, {} SGD steps: max relative parameter difference {worst:e}", json["steps"]);
     assert!(worst <= 1e-5, "2 ranks × 4 and 1 rank × 8 differ by {worst:e}");
 
@@ -227,7 +269,10 @@ fn the_language_model_data_parallel_equals_one_rank_with_the_doubled_batch() {
     assert!(out.contains("parameters bit-identical on all 2 ranks"), "{out}");
     let per_step = &json["communication_per_step"];
     assert_eq!((per_step["all_gather"]["calls"].as_u64(), per_step["reduce_scatter"]["calls"].as_u64()), (Some(2 * 3), Some(3)), "{per_step}");
-    let worst = worst_relative_difference(&checkpoint_model(one.path(), "exercise1_nlp-transformer-cpu"), &checkpoint_model(sharded.path(), "exercise1_nlp-transformer-cpu"));
+    let worst = worst_relative_difference(
+        &checkpoint_model(one.path(), "exercise1_nlp-transformer-cpu"),
+        &checkpoint_model(sharded.path(), "exercise1_nlp-transformer-cpu"),
+    );
     assert!(worst <= 1e-5, "ZeRO-3 on 2 ranks × 4 and 1 rank × 8 differ by {worst:e}");
 }
 
@@ -278,11 +323,27 @@ fn zero_stages_train_the_data_parallel_model_with_less_state_per_rank() {
         let results = tempfile::tempdir().unwrap();
         let out = exercise2(
             &[
-                "--model", "cnn", "--nproc-per-node", "2", "--batch-size", "20", "--epochs", "1", "--clip", "0.5",
+                "--model",
+                "cnn",
+                "--nproc-per-node",
+                "2",
+                "--batch-size",
+                "20",
+                "--epochs",
+                "1",
+                "--clip",
+                "0.5",
                 // Buckets of 0.1 MiB: the CNN's 0.73 MiB of gradients in several of them.
-                "--bucket-mb", "0.1",
-                "--zero", zero, "--data-dir", dir.path().to_str().unwrap(), "--results-dir", results.path().to_str().unwrap(),
-                "--checkpoint-dir", results.path().to_str().unwrap(),
+                "--bucket-mb",
+                "0.1",
+                "--zero",
+                zero,
+                "--data-dir",
+                dir.path().to_str().unwrap(),
+                "--results-dir",
+                results.path().to_str().unwrap(),
+                "--checkpoint-dir",
+                results.path().to_str().unwrap(),
             ],
             &[],
         );
@@ -318,7 +379,10 @@ fn zero_stages_train_the_data_parallel_model_with_less_state_per_rank() {
     assert_eq!(plain["communication"]["reduce_scatter"]["calls"].as_u64(), Some(0));
     // Stage 2: the gradients in buckets (more than one), the whole gradients gone after the step.
     assert!(calls(two, "reduce_scatter") > 1 && calls(two, "all_gather") == 1, "{}", two["communication_per_step"]);
-    assert!((memory(two, "grads_bytes") - memory(&plain, "grads_bytes") / 2.0).abs() <= 0.01 * memory(&plain, "grads_bytes"), "ZeRO-2 keeps half the gradients");
+    assert!(
+        (memory(two, "grads_bytes") - memory(&plain, "grads_bytes") / 2.0).abs() <= 0.01 * memory(&plain, "grads_bytes"),
+        "ZeRO-2 keeps half the gradients"
+    );
     // Stage 3: the CNN is one part: gathered for its forward and its backward pass, its
     // gradients reduce-scattered once; between steps no whole parameter is held.
     assert_eq!((calls(three, "all_gather"), calls(three, "reduce_scatter")), (2, 1), "{}", three["communication_per_step"]);
@@ -349,9 +413,25 @@ fn a_zero_checkpoint_holds_the_whole_state_and_resumes_on_other_layouts() {
     let run = |ck: &Path, epochs: &str, nproc: &str, batch: &str, zero: &str| {
         let out = exercise2(
             &[
-                "--model", "cnn", "--num-classes", "10", "--batch-size", batch, "--epochs", epochs, "--resume", "--zero", zero,
-                "--data-dir", d.path().to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap(),
-                "--results-dir", ck.to_str().unwrap(), "--nproc-per-node", nproc,
+                "--model",
+                "cnn",
+                "--num-classes",
+                "10",
+                "--batch-size",
+                batch,
+                "--epochs",
+                epochs,
+                "--resume",
+                "--zero",
+                zero,
+                "--data-dir",
+                d.path().to_str().unwrap(),
+                "--checkpoint-dir",
+                ck.to_str().unwrap(),
+                "--results-dir",
+                ck.to_str().unwrap(),
+                "--nproc-per-node",
+                nproc,
             ],
             &[],
         );

@@ -60,8 +60,21 @@ fn the_table_of_a_recorded_check_names_every_path_and_fails_with_it() {
 fn the_harness_checks_what_it_claims_on_the_cpu() {
     let results = tempfile::tempdir().unwrap();
     let out = gpu_check(&[
-        "--device", "cpu", "--no-timings", "--results", results.path().to_str().unwrap(),
-        "--only", "exercise1 cnn 32", "--only", "fused kernel", "--only", "checkpoint", "--only", "pipeline", "--only", "profiler",
+        "--device",
+        "cpu",
+        "--no-timings",
+        "--results",
+        results.path().to_str().unwrap(),
+        "--only",
+        "exercise1 cnn 32",
+        "--only",
+        "fused kernel",
+        "--only",
+        "checkpoint",
+        "--only",
+        "pipeline",
+        "--only",
+        "profiler",
     ]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", stderr(&out));

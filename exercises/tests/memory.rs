@@ -72,7 +72,24 @@ fn the_estimate_of_the_whole_transformer_is_within_20_percent_of_its_peak() {
     wikitext_sample(data.path(), [2000, 20, 20]);
     let pairs = estimated_and_measured(
         "exercise1_nlp",
-        &["--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--emsize", "128", "--d-hid", "256", "--nhead", "2", "--nlayers", "3", "--optimizer", "adam", "--lr", "1e-3"],
+        &[
+            "--data-dir",
+            data.path().to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--emsize",
+            "128",
+            "--d-hid",
+            "256",
+            "--nhead",
+            "2",
+            "--nlayers",
+            "3",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "1e-3",
+        ],
     );
     assert_within_20_percent("exercise1_nlp, 3 layers, Adam", &pairs);
 }
@@ -84,8 +101,25 @@ fn the_estimate_of_each_pipeline_stage_is_within_20_percent_of_its_peak() {
     let pairs = estimated_and_measured(
         "exercise3",
         &[
-            "pipeline", "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--emsize", "128", "--d-hid", "256", "--nhead", "2",
-            "--nlayers", "4", "--batch-size", "16", "--chunks", "4", "--nproc-per-node", "2",
+            "pipeline",
+            "--data-dir",
+            data.path().to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--emsize",
+            "128",
+            "--d-hid",
+            "256",
+            "--nhead",
+            "2",
+            "--nlayers",
+            "4",
+            "--batch-size",
+            "16",
+            "--chunks",
+            "4",
+            "--nproc-per-node",
+            "2",
         ],
     );
     assert_eq!(pairs.len(), 2);

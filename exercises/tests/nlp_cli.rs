@@ -3,13 +3,12 @@
 mod support;
 
 use std::path::Path;
-use support::{read_json, stderr, wikitext_sample};
 use std::process::{Command, Output};
+use support::{read_json, stderr, wikitext_sample};
 
 fn exercise1_nlp(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_exercise1_nlp")).args(args).output().expect("exercise1_nlp runs")
 }
-
 
 #[test]
 fn a_small_transformer_learns_real_wikitext() {
@@ -17,9 +16,25 @@ fn a_small_transformer_learns_real_wikitext() {
     wikitext_sample(data.path(), [usize::MAX, 400, usize::MAX]);
     let results = tempfile::tempdir().unwrap();
     let out = exercise1_nlp(&[
-        "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--quiet",
-        "--emsize", "64", "--d-hid", "128", "--nhead", "2", "--nlayers", "1", "--dropout", "0.1",
-        "--epochs", "2", "--results-dir", results.path().to_str().unwrap(),
+        "--data-dir",
+        data.path().to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--quiet",
+        "--emsize",
+        "64",
+        "--d-hid",
+        "128",
+        "--nhead",
+        "2",
+        "--nlayers",
+        "1",
+        "--dropout",
+        "0.1",
+        "--epochs",
+        "2",
+        "--results-dir",
+        results.path().to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let json = read_json(&results.path().join("exercise1_nlp-transformer-cpu.json"));
@@ -44,10 +59,28 @@ fn resume_through_the_flags_matches_a_straight_run() {
     wikitext_sample(data.path(), [300, 60, 60]);
     let run = |epochs: &str, ck: &Path| {
         let out = exercise1_nlp(&[
-            "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--quiet",
-            "--emsize", "16", "--d-hid", "32", "--nhead", "2", "--nlayers", "2", "--tokenizer", "whitespace",
-            "--epochs", epochs, "--checkpoint-dir", ck.to_str().unwrap(), "--resume",
-            "--results-dir", ck.to_str().unwrap(),
+            "--data-dir",
+            data.path().to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--quiet",
+            "--emsize",
+            "16",
+            "--d-hid",
+            "32",
+            "--nhead",
+            "2",
+            "--nlayers",
+            "2",
+            "--tokenizer",
+            "whitespace",
+            "--epochs",
+            epochs,
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+            "--resume",
+            "--results-dir",
+            ck.to_str().unwrap(),
         ]);
         assert!(out.status.success(), "{}", stderr(&out));
         read_json(&ck.join("exercise1_nlp-transformer-cpu.json"))
@@ -75,9 +108,29 @@ fn bf16_mixed_precision_trains_on_the_cpu_close_to_float32() {
     let run = |precision: &str| {
         let results = tempfile::tempdir().unwrap();
         let out = exercise1_nlp(&[
-            "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--quiet", "--precision", precision,
-            "--emsize", "32", "--d-hid", "64", "--nhead", "2", "--nlayers", "1", "--dropout", "0", "--tokenizer", "whitespace",
-            "--epochs", "2", "--results-dir", results.path().to_str().unwrap(),
+            "--data-dir",
+            data.path().to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--quiet",
+            "--precision",
+            precision,
+            "--emsize",
+            "32",
+            "--d-hid",
+            "64",
+            "--nhead",
+            "2",
+            "--nlayers",
+            "1",
+            "--dropout",
+            "0",
+            "--tokenizer",
+            "whitespace",
+            "--epochs",
+            "2",
+            "--results-dir",
+            results.path().to_str().unwrap(),
         ]);
         assert!(out.status.success(), "{precision}: {}", stderr(&out));
         read_json(&results.path().join("exercise1_nlp-transformer-cpu.json"))

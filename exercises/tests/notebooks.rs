@@ -14,11 +14,8 @@ fn root() -> PathBuf {
 }
 
 fn notebooks() -> Vec<PathBuf> {
-    let mut paths: Vec<PathBuf> = std::fs::read_dir(root().join("notebooks"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "ipynb"))
-        .collect();
+    let mut paths: Vec<PathBuf> =
+        std::fs::read_dir(root().join("notebooks")).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "ipynb")).collect();
     paths.sort();
     paths
 }
@@ -82,7 +79,8 @@ fn the_checker_fails_on_what_evcxr_does_not_report_as_an_error() {
     let text = |name: &str, text: &str| serde_json::json!({"output_type": "stream", "name": name, "text": [text]});
     let chart = serde_json::json!({"output_type": "display_data", "metadata": {}, "data": {"image/svg+xml": "<svg/>"}});
     let warning = text("stderr", "WARNING: cifar10 in ../data/cifar10 is a GENERATED stand-in\n");
-    let good = executed(dir.path(), "good.ipynb", &[serde_json::json!([text("stdout", "loss 2.3 → 0.5\n"), warning.clone()]), serde_json::json!([chart.clone()])]);
+    let good =
+        executed(dir.path(), "good.ipynb", &[serde_json::json!([text("stdout", "loss 2.3 → 0.5\n"), warning.clone()]), serde_json::json!([chart.clone()])]);
     let (ok, why) = check(&good);
     assert!(ok, "a notebook that ran, warned and drew a chart passes: {why}");
 
@@ -92,8 +90,12 @@ fn the_checker_fails_on_what_evcxr_does_not_report_as_an_error() {
         // An error returned by `?` is printed on stderr, likewise.
         ("question-mark", serde_json::json!([warning.clone(), text("stderr", "cannot read ../data/cifar10/data_batch_1.bin\n")]), "data_batch_1.bin"),
         // A compile error is a real error output (nbconvert --allow-errors keeps it).
-        ("compile", serde_json::json!([{"output_type": "error", "ename": "Error", "evalue": "mismatched types",
-                                        "traceback": ["\u{1b}[31mmismatched types\u{1b}[0m"]}]), "mismatched types"),
+        (
+            "compile",
+            serde_json::json!([{"output_type": "error", "ename": "Error", "evalue": "mismatched types",
+                                        "traceback": ["\u{1b}[31mmismatched types\u{1b}[0m"]}]),
+            "mismatched types",
+        ),
         // A cell that never ran (nbconvert stopped before it).
         ("not-run", serde_json::Value::Null, "did not run"),
     ];

@@ -24,12 +24,7 @@ fn fake_python(dir: &Path, version: &str) -> PathBuf {
 fn with_torch_refuses_another_pytorch_version_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let python = fake_python(dir.path(), "2.10.0+cpu");
-    let out = Command::new(repo().join("scripts/with-torch"))
-        .arg("true")
-        .env("TORCH_PYTHON", &python)
-        .env_remove("LIBTORCH")
-        .output()
-        .unwrap();
+    let out = Command::new(repo().join("scripts/with-torch")).arg("true").env("TORCH_PYTHON", &python).env_remove("LIBTORCH").output().unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     let msg = text(&out);
     assert!(msg.contains("PyTorch 2.10.0+cpu") && msg.contains("requires PyTorch 2.11.0"), "{msg}");
@@ -184,8 +179,7 @@ fn wikitext_with_a_bad_checksum_or_no_network_is_generated_loudly() {
 fn recording_curl(dir: &Path) -> (String, PathBuf) {
     let log = dir.join("urls.log");
     let curl = dir.join("curl");
-    std::fs::write(&curl, format!("#!/bin/sh\nfor a; do case \"$a\" in http*) echo \"$a\" >> {}; esac; done\nexit 7\n", log.display()))
-        .unwrap();
+    std::fs::write(&curl, format!("#!/bin/sh\nfor a; do case \"$a\" in http*) echo \"$a\" >> {}; esac; done\nexit 7\n", log.display())).unwrap();
     std::fs::set_permissions(&curl, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     (format!("{}:{}", dir.display(), std::env::var("PATH").unwrap()), log)
 }
@@ -211,10 +205,7 @@ fn the_data_scripts_try_the_addresses_that_still_serve_first_then_the_old_ones()
     let first: Vec<_> = asked.lines().take(2).collect();
     let file = first[0].rsplit('/').next().unwrap();
     assert!(file.ends_with("-ubyte.gz"), "{asked}");
-    assert_eq!(
-        first,
-        [format!("https://ossci-datasets.s3.amazonaws.com/mnist/{file}"), format!("http://yann.lecun.com/exdb/mnist/{file}")]
-    );
+    assert_eq!(first, [format!("https://ossci-datasets.s3.amazonaws.com/mnist/{file}"), format!("http://yann.lecun.com/exdb/mnist/{file}")]);
 }
 
 /// `scripts/find-libclang` run on a fake file tree `root`, with the search variables given

@@ -11,7 +11,6 @@ fn exercise3(command: &str, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_exercise3")).arg(command).args(args).output().expect("exercise3 runs")
 }
 
-
 /// The model tensors of the checkpoint in `dir`, sorted by name.
 fn model_tensors(dir: &Path) -> Vec<(String, tch::Tensor)> {
     let path = dir.join("exercise3_tp-transformer-cpu.safetensors");
@@ -25,8 +24,26 @@ fn model_tensors(dir: &Path) -> Vec<(String, tch::Tensor)> {
 /// running size, so the attention's key bias, whose gradient is rounding noise (softmax ignores
 /// a shift of all keys), moves by amounts that differ with the order of any sum.
 const SMALL: [&str; 20] = [
-    "--device", "cpu", "--emsize", "32", "--d-hid", "64", "--nhead", "4", "--nlayers", "2", "--batch-size", "8", "--threads", "1", "--pad-vocab", "8",
-    "--optimizer", "sgd", "--lr", "0.5",
+    "--device",
+    "cpu",
+    "--emsize",
+    "32",
+    "--d-hid",
+    "64",
+    "--nhead",
+    "4",
+    "--nlayers",
+    "2",
+    "--batch-size",
+    "8",
+    "--threads",
+    "1",
+    "--pad-vocab",
+    "8",
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "0.5",
 ];
 
 #[test]
@@ -56,7 +73,11 @@ fn two_shards_train_the_model_of_one_rank_and_their_checkpoint_resumes_on_one() 
     let whole = model_tensors(one.path());
     for (what, dir) in [("2 epochs on 2 shards", two.path()), ("1 epoch on 2 shards + 1 resumed on one rank", resumed.path())] {
         let other = model_tensors(dir);
-        assert_eq!(whole.iter().map(|t| (&t.0, t.1.size())).collect::<Vec<_>>(), other.iter().map(|t| (&t.0, t.1.size())).collect::<Vec<_>>(), "{what}: whole tensors under whole-model names");
+        assert_eq!(
+            whole.iter().map(|t| (&t.0, t.1.size())).collect::<Vec<_>>(),
+            other.iter().map(|t| (&t.0, t.1.size())).collect::<Vec<_>>(),
+            "{what}: whole tensors under whole-model names"
+        );
         for ((name, x), (_, y)) in whole.iter().zip(&other) {
             let rel = (x - y).abs().max().double_value(&[]) / x.abs().max().double_value(&[]).max(1e-12);
             assert!(rel <= 1e-5, "{name}: 2 epochs on one rank vs {what} differ by {rel:e}");
@@ -87,8 +108,16 @@ fn tensor_parallel_mistakes_are_one_clear_line_with_exit_2() {
         ("pipeline", [&heads[..], &["--tp", "2"]].concat(), "--tp 2 runs each shard of a layer in a process of its own"),
         ("tp", vec!["--nproc-per-node", "2", "--nhead", "3", "--emsize", "24"], "cuts --nhead into 2 equal parts, but it is 3"),
         // 40 lines of WikiText-2's valid split: 461 words.
-        ("tp", [&heads[..], &["--nproc-per-node", "2"]].concat(), "cuts the vocabulary into 2 equal parts, but it is 461: choose a --tp that divides it (or round it up: --pad-vocab 128)"),
-        ("tp", [&heads[..], &["--nproc-per-node", "2", "--pad-vocab", "8", "--optimizer", "lamb"]].concat(), "--optimizer lamb scales each weight by its whole norm"),
+        (
+            "tp",
+            [&heads[..], &["--nproc-per-node", "2"]].concat(),
+            "cuts the vocabulary into 2 equal parts, but it is 461: choose a --tp that divides it (or round it up: --pad-vocab 128)",
+        ),
+        (
+            "tp",
+            [&heads[..], &["--nproc-per-node", "2", "--pad-vocab", "8", "--optimizer", "lamb"]].concat(),
+            "--optimizer lamb scales each weight by its whole norm",
+        ),
         ("tp", [&heads[..], &["--nproc-per-node", "3", "--tp", "2"]].concat(), "3 ranks cannot hold replicas of 1 stage(s) × 2 tensor-parallel shards"),
     ] {
         let mut args = vec!["--data-dir", dir];

@@ -78,11 +78,34 @@ fn bf16_true_language_model_learns_close_to_float32() {
     wikitext_sample(data.path(), [200, 40, 40]);
     let train = |precision: &str| {
         let results = tempfile::tempdir().unwrap();
-        let out = run(env!("CARGO_BIN_EXE_exercise1_nlp"), &[
-            "--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--quiet", "--precision", precision,
-            "--emsize", "32", "--d-hid", "64", "--nhead", "2", "--nlayers", "1", "--dropout", "0", "--tokenizer", "whitespace",
-            "--epochs", "2", "--results-dir", results.path().to_str().unwrap(),
-        ]);
+        let out = run(
+            env!("CARGO_BIN_EXE_exercise1_nlp"),
+            &[
+                "--data-dir",
+                data.path().to_str().unwrap(),
+                "--device",
+                "cpu",
+                "--quiet",
+                "--precision",
+                precision,
+                "--emsize",
+                "32",
+                "--d-hid",
+                "64",
+                "--nhead",
+                "2",
+                "--nlayers",
+                "1",
+                "--dropout",
+                "0",
+                "--tokenizer",
+                "whitespace",
+                "--epochs",
+                "2",
+                "--results-dir",
+                results.path().to_str().unwrap(),
+            ],
+        );
         assert!(out.status.success(), "{precision}: {}", stderr(&out));
         read_json(&results.path().join("exercise1_nlp-transformer-cpu.json"))
     };
@@ -110,17 +133,35 @@ fn what_true_precisions_cannot_do_yet_is_refused_before_training() {
     refused(exercise1, &["--precision", "16-true"], "--precision 16-true needs a GPU");
     refused(exercise1, &["--precision", "bf16-true", "--estimate-memory"], "--precision bf16-true is not modelled yet");
     // MPI has no bfloat16: the replicas could not average the gradients.
-    refused(env!("CARGO_BIN_EXE_exercise2"), &["--precision", "bf16-true", "--nproc-per-node", "2"], "the mpi engine that averages cpu gradients has no BFloat16");
+    refused(
+        env!("CARGO_BIN_EXE_exercise2"),
+        &["--precision", "bf16-true", "--nproc-per-node", "2"],
+        "the mpi engine that averages cpu gradients has no BFloat16",
+    );
 }
 
 #[test]
 fn lightnings_older_names_are_read_as_mixed_precision_with_a_note() {
     let (dir, data) = generated_cifar10();
     let results = dir.path().join("results");
-    let out = run(env!("CARGO_BIN_EXE_exercise1"), &[
-        "--device", "cpu", "--data-dir", data.to_str().unwrap(), "--batch-size", "10", "--quiet", "--max-steps", "1",
-        "--precision", "bf16", "--results-dir", results.to_str().unwrap(),
-    ]);
+    let out = run(
+        env!("CARGO_BIN_EXE_exercise1"),
+        &[
+            "--device",
+            "cpu",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--batch-size",
+            "10",
+            "--quiet",
+            "--max-steps",
+            "1",
+            "--precision",
+            "bf16",
+            "--results-dir",
+            results.to_str().unwrap(),
+        ],
+    );
     assert!(out.status.success(), "{}", stderr(&out));
     let all = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
     assert_eq!(all.matches("--precision bf16 is read as bf16-mixed").count(), 1, "{all}");

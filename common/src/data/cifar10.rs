@@ -8,8 +8,7 @@ use std::path::{Path, PathBuf};
 
 pub const RECORD_BYTES: usize = 1 + IMAGE_BYTES;
 pub const IMAGE_BYTES: usize = 3 * 32 * 32;
-pub const TRAIN_FILES: [&str; 5] =
-    ["data_batch_1.bin", "data_batch_2.bin", "data_batch_3.bin", "data_batch_4.bin", "data_batch_5.bin"];
+pub const TRAIN_FILES: [&str; 5] = ["data_batch_1.bin", "data_batch_2.bin", "data_batch_3.bin", "data_batch_4.bin", "data_batch_5.bin"];
 pub const TEST_FILE: &str = "test_batch.bin";
 /// The folder the official archive unpacks to.
 pub const ARCHIVE_DIR: &str = "cifar-10-batches-bin";

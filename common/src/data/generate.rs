@@ -45,11 +45,7 @@ pub fn generate(kind: DatasetKind, dir: &Path, config: GenerateConfig) -> anyhow
             for (i, name) in cifar10::TRAIN_FILES.iter().enumerate() {
                 let range = (i * config.train / files)..((i + 1) * config.train / files);
                 let bytes = cifar10::IMAGE_BYTES;
-                cifar10::write(
-                    &dir.join(name),
-                    &train_images[range.start * bytes..range.end * bytes],
-                    &train_labels[range.clone()],
-                )?;
+                cifar10::write(&dir.join(name), &train_images[range.start * bytes..range.end * bytes], &train_labels[range.clone()])?;
             }
             cifar10::write(&dir.join(cifar10::TEST_FILE), &test_images, &test_labels)?;
         }

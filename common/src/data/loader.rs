@@ -44,18 +44,7 @@ pub struct LoaderConfig {
 impl LoaderConfig {
     /// The course's training loader: shuffled, 2 workers, 4 batches ahead each.
     pub fn train(batch_size: usize, seed: u64, device: Device) -> Self {
-        LoaderConfig {
-            batch_size,
-            shuffle: true,
-            augment: false,
-            drop_last: false,
-            workers: 2,
-            prefetch: 4,
-            seed,
-            device,
-            shard: (0, 1),
-            resident: false,
-        }
+        LoaderConfig { batch_size, shuffle: true, augment: false, drop_last: false, workers: 2, prefetch: 4, seed, device, shard: (0, 1), resident: false }
     }
 
     /// An evaluation loader: data set order, no augmentation, nothing dropped.
@@ -183,11 +172,8 @@ impl Iterator for Epoch {
             return None;
         }
         self.next += 1;
-        let host = if self.workers.is_empty() {
-            self.job.host_batch(b)
-        } else {
-            self.workers[b % self.workers.len()].recv().expect("a data loader thread died")
-        };
+        let host =
+            if self.workers.is_empty() { self.job.host_batch(b) } else { self.workers[b % self.workers.len()].recv().expect("a data loader thread died") };
         Some(self.job.to_device(host))
     }
 
@@ -337,8 +323,7 @@ fn crop_flip(src: &[u8], out: &mut [u8], [channels, height, width]: [usize; 3], 
                 let xc = if flip { width - 1 - x } else { x };
                 let sx = xc as isize + dx;
                 let inside = (0..height as isize).contains(&sy) && (0..width as isize).contains(&sx);
-                out[(c * height + y) * width + x] =
-                    if inside { src[(c * height + sy as usize) * width + sx as usize] } else { 0 };
+                out[(c * height + y) * width + x] = if inside { src[(c * height + sy as usize) * width + sx as usize] } else { 0 };
             }
         }
     }

@@ -31,13 +31,7 @@ pub fn read(dir: &Path, split: Split) -> anyhow::Result<(Vec<u8>, Vec<u8>)> {
         anyhow::bail!("{}: images are {:?}, expected N × 28 × 28", images_path.display(), image_dims);
     }
     if image_dims[0] != label_dims[0] {
-        anyhow::bail!(
-            "{} holds {} images but {} holds {} labels",
-            images_path.display(),
-            image_dims[0],
-            labels_path.display(),
-            label_dims[0]
-        );
+        anyhow::bail!("{} holds {} images but {} holds {} labels", images_path.display(), image_dims[0], labels_path.display(), label_dims[0]);
     }
     check_labels(&labels, 10, &labels_path)?;
     Ok((images, labels))
@@ -50,11 +44,7 @@ fn find(dir: &Path, name: &str) -> anyhow::Result<PathBuf> {
     match (gz.exists(), raw.exists()) {
         (true, _) => Ok(gz),
         (false, true) => Ok(raw),
-        (false, false) => anyhow::bail!(
-            "MNIST file {} (or {}) is missing; run `make data` or pass --data-dir",
-            gz.display(),
-            raw.display()
-        ),
+        (false, false) => anyhow::bail!("MNIST file {} (or {}) is missing; run `make data` or pass --data-dir", gz.display(), raw.display()),
     }
 }
 
@@ -63,9 +53,7 @@ pub fn read_idx(path: &Path, magic: u32) -> anyhow::Result<(Vec<usize>, Vec<u8>)
     let mut bytes = read_file(path)?;
     if bytes.starts_with(&[0x1f, 0x8b]) {
         let mut raw = Vec::new();
-        GzDecoder::new(&bytes[..])
-            .read_to_end(&mut raw)
-            .with_context(|| format!("{}: corrupt gzip data", path.display()))?;
+        GzDecoder::new(&bytes[..]).read_to_end(&mut raw).with_context(|| format!("{}: corrupt gzip data", path.display()))?;
         bytes = raw;
     }
     let bad = |what: String| anyhow::anyhow!("{}: {what}; not a valid MNIST IDX file", path.display());
@@ -75,18 +63,12 @@ pub fn read_idx(path: &Path, magic: u32) -> anyhow::Result<(Vec<usize>, Vec<u8>)
         return Err(bad(format!("magic number {found:#010x}, expected {magic:#010x}")));
     }
     let ndims = (magic & 0xff) as usize;
-    let dims = (1..=ndims)
-        .map(|i| word(i).map(|d| d as usize))
-        .collect::<Option<Vec<_>>>()
-        .ok_or_else(|| bad("header cut short".into()))?;
+    let dims = (1..=ndims).map(|i| word(i).map(|d| d as usize)).collect::<Option<Vec<_>>>().ok_or_else(|| bad("header cut short".into()))?;
     let header = 4 * (1 + ndims);
     let expected: usize = dims.iter().product();
     let data = &bytes[header..];
     if data.len() != expected {
-        return Err(bad(format!(
-            "header promises {dims:?} = {expected} bytes of data, the file holds {} (truncated?)",
-            data.len()
-        )));
+        return Err(bad(format!("header promises {dims:?} = {expected} bytes of data, the file holds {} (truncated?)", data.len())));
     }
     Ok((dims, data.to_vec()))
 }

@@ -121,12 +121,7 @@ pub fn load(kind: DatasetKind, dir: &Path, split: Split) -> anyhow::Result<Image
         }
         DatasetKind::Mnist => (dir.to_path_buf(), mnist::read(dir, split)?),
     };
-    Ok(ImageDataset {
-        kind,
-        images: images.into(),
-        labels: labels.into(),
-        generated: dir.join(GENERATED_MARKER).exists(),
-    })
+    Ok(ImageDataset { kind, images: images.into(), labels: labels.into(), generated: dir.join(GENERATED_MARKER).exists() })
 }
 
 /// Reads a file whole, naming it in the error.
@@ -137,12 +132,7 @@ pub(crate) fn read_file(path: &Path) -> anyhow::Result<Vec<u8>> {
 /// Checks that every label is a class index, naming the file otherwise.
 pub(crate) fn check_labels(labels: &[u8], num_classes: usize, path: &Path) -> anyhow::Result<()> {
     if let Some(pos) = labels.iter().position(|&l| l as usize >= num_classes) {
-        anyhow::bail!(
-            "{}: record {pos} has label {}, expected 0..{}: not a valid file of this data set",
-            path.display(),
-            labels[pos],
-            num_classes - 1
-        );
+        anyhow::bail!("{}: record {pos} has label {}, expected 0..{}: not a valid file of this data set", path.display(), labels[pos], num_classes - 1);
     }
     Ok(())
 }

@@ -68,8 +68,7 @@ mod tests {
     #[test]
     fn shards_are_disjoint_equal_and_cover_the_data_set() {
         for (len, world) in [(10, 2), (11, 2), (7, 3), (5, 8)] {
-            let shards: Vec<Vec<usize>> =
-                (0..world).map(|r| Sampler::new(len, true, 9).sharded(r, world).indices(4)).collect();
+            let shards: Vec<Vec<usize>> = (0..world).map(|r| Sampler::new(len, true, 9).sharded(r, world).indices(4)).collect();
             let per_rank = len.div_ceil(world);
             assert!(shards.iter().all(|s| s.len() == per_rank), "equal length for {len}/{world}");
             let all: Vec<usize> = shards.iter().flatten().copied().collect();

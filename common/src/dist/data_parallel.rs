@@ -52,13 +52,7 @@ fn broadcast_variables(group: &ProcessGroup, vs: &nn::VarStore, root: usize, kee
 /// (a pipeline stage's, say).
 pub fn broadcast_named(group: &ProcessGroup, mut vars: Vec<(String, Tensor)>, root: usize) -> Result<()> {
     vars.sort_by(|a, b| a.0.cmp(&b.0));
-    tch::no_grad(|| {
-        vars.iter_mut().try_for_each(|(name, var)| {
-            group
-                .broadcast(var, root)
-                .with_context(|| format!("broadcasting variable `{name}`"))
-        })
-    })
+    tch::no_grad(|| vars.iter_mut().try_for_each(|(name, var)| group.broadcast(var, root).with_context(|| format!("broadcasting variable `{name}`"))))
 }
 
 /// One optimizer state tensor as rank `root` describes it to the others.
@@ -77,11 +71,7 @@ struct StateEntry {
 /// the other ranks load them ([`Optimizer::load_state_tensors`]: they must describe the same
 /// parameters). Together with [`broadcast_parameters`], a run restored from a checkpoint on
 /// rank 0 continues identically on every rank.
-pub fn broadcast_optimizer_state(
-    group: &ProcessGroup,
-    opt: &mut dyn Optimizer,
-    root: usize,
-) -> Result<()> {
+pub fn broadcast_optimizer_state(group: &ProcessGroup, opt: &mut dyn Optimizer, root: usize) -> Result<()> {
     let mine = if group.rank() == root { opt.state_tensors() } else { Vec::new() };
     broadcast_state(group, opt, root, mine, false)
 }
@@ -97,55 +87,30 @@ pub fn broadcast_sharded_state(group: &ProcessGroup, opt: &mut dyn Optimizer, ro
 /// and on the root too when `load_on_root`.
 fn broadcast_state(group: &ProcessGroup, opt: &mut dyn Optimizer, root: usize, mine: Vec<(String, Tensor)>, load_on_root: bool) -> Result<()> {
     let is_root = group.rank() == root;
-    let manifest: Vec<StateEntry> = mine
-        .iter()
-        .map(|(name, t)| StateEntry {
-            name: name.clone(),
-            shape: t.size(),
-            kind: format!("{:?}", t.kind()),
-            cuda: t.device().is_cuda(),
-        })
-        .collect();
     let manifest: Vec<StateEntry> =
-        serde_json::from_slice(&group.broadcast_bytes(&serde_json::to_vec(&manifest)?, root)?)
-            .context("decoding the optimizer state list from rank 0")?;
+        mine.iter().map(|(name, t)| StateEntry { name: name.clone(), shape: t.size(), kind: format!("{:?}", t.kind()), cuda: t.device().is_cuda() }).collect();
+    let manifest: Vec<StateEntry> =
+        serde_json::from_slice(&group.broadcast_bytes(&serde_json::to_vec(&manifest)?, root)?).context("decoding the optimizer state list from rank 0")?;
     let mut received = HashMap::with_capacity(manifest.len());
     for (i, entry) in manifest.into_iter().enumerate() {
         let mut tensor = if is_root {
             mine[i].1.shallow_clone()
         } else {
             // The kind and size of rank `root`'s tensor, on this rank's own device of its type.
-            Tensor::empty(
-                entry.shape.as_slice(),
-                (kind_named(&entry.kind)?, group.device(entry.cuda)),
-            )
+            Tensor::empty(entry.shape.as_slice(), (kind_named(&entry.kind)?, group.device(entry.cuda)))
         };
-        group
-            .broadcast(&mut tensor, root)
-            .with_context(|| format!("broadcasting optimizer state `{}`", entry.name))?;
+        group.broadcast(&mut tensor, root).with_context(|| format!("broadcasting optimizer state `{}`", entry.name))?;
         received.insert(entry.name, tensor);
     }
     if !is_root || load_on_root {
-        opt.load_state_tensors(&received)
-            .context("loading rank 0's optimizer state")?;
+        opt.load_state_tensors(&received).context("loading rank 0's optimizer state")?;
     }
     Ok(())
 }
 
 /// The kind whose debug name is `name`.
 fn kind_named(name: &str) -> Result<Kind> {
-    const KINDS: [Kind; 10] = [
-        Kind::Uint8,
-        Kind::Int8,
-        Kind::Int16,
-        Kind::Int,
-        Kind::Int64,
-        Kind::Half,
-        Kind::Float,
-        Kind::Double,
-        Kind::Bool,
-        Kind::BFloat16,
-    ];
+    const KINDS: [Kind; 10] = [Kind::Uint8, Kind::Int8, Kind::Int16, Kind::Int, Kind::Int64, Kind::Half, Kind::Float, Kind::Double, Kind::Bool, Kind::BFloat16];
     match KINDS.into_iter().find(|k| format!("{k:?}") == name) {
         Some(kind) => Ok(kind),
         None => bail!("optimizer state of kind {name} cannot be broadcast"),
@@ -188,21 +153,14 @@ impl GradientAverager {
     /// the ranks. Every rank must pass the same parameters in the same order, with gradients
     /// for the same ones (as DDP without `find_unused_parameters`).
     pub fn average(&self, group: &ProcessGroup, params: &[Tensor]) -> Result<()> {
-        let grads: Vec<Tensor> = params
-            .iter()
-            .map(Tensor::grad)
-            .filter(Tensor::defined)
-            .collect();
+        let grads: Vec<Tensor> = params.iter().map(Tensor::grad).filter(Tensor::defined).collect();
         for grad in &grads {
             self.check(group, grad.device())?;
         }
         if group.world_size() == 1 {
             return Ok(()); // the average of one
         }
-        tch::no_grad(|| {
-            self.buckets(&grads)
-                .try_for_each(|bucket| self.average_bucket(group, bucket))
-        })
+        tch::no_grad(|| self.buckets(&grads).try_for_each(|bucket| self.average_bucket(group, bucket)))
     }
 
     /// Consecutive runs of gradients sharing device and kind, of at most `bucket_bytes` each
@@ -265,12 +223,7 @@ pub struct DistributedOptimizer<'g> {
 
 impl<'g> DistributedOptimizer<'g> {
     /// `params` in the same order on every rank (e.g. `VarStore::trainable_variables`).
-    pub fn new(
-        inner: Box<dyn Optimizer + 'g>,
-        params: Vec<Tensor>,
-        group: &'g ProcessGroup,
-        averager: GradientAverager,
-    ) -> Self {
+    pub fn new(inner: Box<dyn Optimizer + 'g>, params: Vec<Tensor>, group: &'g ProcessGroup, averager: GradientAverager) -> Self {
         DistributedOptimizer { inner, params, group, averager, synchronized: false }
     }
 }
@@ -331,14 +284,8 @@ mod tests {
 
     /// The bucket lengths `bucket_bytes` makes of gradients with these element counts and kinds.
     fn bucket_lengths(bucket_bytes: usize, grads: &[(i64, Kind)]) -> Vec<usize> {
-        let grads: Vec<Tensor> = grads
-            .iter()
-            .map(|&(n, kind)| Tensor::zeros([n], (kind, Device::Cpu)))
-            .collect();
-        GradientAverager::new(bucket_bytes, false)
-            .buckets(&grads)
-            .map(<[Tensor]>::len)
-            .collect()
+        let grads: Vec<Tensor> = grads.iter().map(|&(n, kind)| Tensor::zeros([n], (kind, Device::Cpu))).collect();
+        GradientAverager::new(bucket_bytes, false).buckets(&grads).map(<[Tensor]>::len).collect()
     }
 
     #[test]
@@ -350,10 +297,7 @@ mod tests {
         assert_eq!(bucket_lengths(64, &[(100, f), (1, f), (100, f)]), [1, 1, 1]);
         assert_eq!(bucket_lengths(0, &[(1, f), (1, f)]), [1, 1]);
         // A change of kind closes the bucket, whatever room is left.
-        assert_eq!(
-            bucket_lengths(1 << 20, &[(1, f), (1, f), (1, Kind::Double), (1, f)]),
-            [2, 1, 1]
-        );
+        assert_eq!(bucket_lengths(1 << 20, &[(1, f), (1, f), (1, Kind::Double), (1, f)]), [2, 1, 1]);
         assert_eq!(bucket_lengths(1 << 20, &[]), Vec::<usize>::new());
     }
 }

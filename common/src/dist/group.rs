@@ -72,18 +72,14 @@ impl ProcessGroup {
     pub fn init_with(backend: Backend, env: LaunchEnv) -> Result<ProcessGroup> {
         let distributed = env.is_distributed();
         match backend {
-            Backend::Nccl if !cfg!(feature = "nccl") => {
-                return usage(built_without("NCCL", "nccl", "--backend nccl"))
-            }
+            Backend::Nccl if !cfg!(feature = "nccl") => return usage(built_without("NCCL", "nccl", "--backend nccl")),
             Backend::Nccl if !crate::device::cuda_available() => {
                 return usage(format!(
                     "--backend nccl runs collectives on GPUs, but no CUDA device is available (LibTorch {} sees none)",
                     crate::torch_version()
                 ))
             }
-            Backend::Mpi if !cfg!(feature = "mpi") => {
-                return usage(built_without("MPI", "mpi", "--backend mpi"))
-            }
+            Backend::Mpi if !cfg!(feature = "mpi") => return usage(built_without("MPI", "mpi", "--backend mpi")),
             Backend::Mpi if distributed && !env.mpi => {
                 return usage(format!(
                     "--backend mpi needs ranks started by an MPI launcher (mpirun, srun --mpi=pmix), \
@@ -119,11 +115,7 @@ impl ProcessGroup {
 
     /// The group over the MPI engine `mpi` (if any), with NCCL started where wanted and every
     /// device type routed to an engine.
-    fn with_engines(
-        backend: Backend,
-        env: LaunchEnv,
-        mpi: Option<Rc<dyn Collectives>>,
-    ) -> Result<ProcessGroup> {
+    fn with_engines(backend: Backend, env: LaunchEnv, mpi: Option<Rc<dyn Collectives>>) -> Result<ProcessGroup> {
         let distributed = env.is_distributed();
         let want_nccl = match backend {
             Backend::Nccl => true,
@@ -131,11 +123,7 @@ impl ProcessGroup {
             Backend::Mpi => false,
         };
         let (rank, size) = (env.rank, env.world_size);
-        let nccl = if want_nccl {
-            Some(start_nccl(&env, rank, size, mpi.as_deref())?)
-        } else {
-            None
-        };
+        let nccl = if want_nccl { Some(start_nccl(&env, rank, size, mpi.as_deref())?) } else { None };
         let (cpu, cuda) = route(&env, size, mpi, nccl)?;
         Ok(ProcessGroup {
             env,
@@ -214,9 +202,7 @@ impl ProcessGroup {
         } else {
             built_without("MPI", "mpi", "this")
         };
-        usage(format!(
-            "sub-groups (ProcessGroup::split) need ranks started by an MPI launcher (mpirun, srun --mpi=pmix), but {why}"
-        ))
+        usage(format!("sub-groups (ProcessGroup::split) need ranks started by an MPI launcher (mpirun, srun --mpi=pmix), but {why}"))
     }
 
     /// [`ProcessGroup::split`] through `mpi`, this group's MPI communicator.
@@ -224,22 +210,9 @@ impl ProcessGroup {
     fn split_mpi(&self, mpi: &MpiCollectives, color: usize, key: usize) -> Result<ProcessGroup> {
         let sub = Rc::new(mpi.split(color, key)?);
         let (rank, size) = (sub.rank(), sub.size());
-        let nccl = if self.nccl {
-            Some(start_nccl(&self.env, rank, size, Some(&*sub))?)
-        } else {
-            None
-        };
+        let nccl = if self.nccl { Some(start_nccl(&self.env, rank, size, Some(&*sub))?) } else { None };
         let (cpu, cuda) = route(&self.env, size, Some(sub.clone() as _), nccl)?;
-        Ok(ProcessGroup {
-            env: self.env.clone(),
-            rank,
-            size,
-            nccl: self.nccl,
-            stats: Default::default(),
-            cuda,
-            cpu,
-            mpi: Some(sub),
-        })
+        Ok(ProcessGroup { env: self.env.clone(), rank, size, nccl: self.nccl, stats: Default::default(), cuda, cpu, mpi: Some(sub) })
     }
 
     /// A group of just this process, sharing this group's engines: the only sub-group a world
@@ -319,14 +292,7 @@ impl ProcessGroup {
         } else {
             format!(" in a sub-group; job rank {} of {}", self.env.rank, self.env.world_size)
         };
-        format!(
-            "rank {} of {}{job} ({}), CPU collectives: {}, CUDA collectives: {}",
-            self.rank,
-            self.size,
-            self.env.source,
-            self.cpu.name(),
-            self.cuda.name()
-        )
+        format!("rank {} of {}{job} ({}), CPU collectives: {}, CUDA collectives: {}", self.rank, self.size, self.env.source, self.cpu.name(), self.cuda.name())
     }
 
     /// The engine for tensors on `device`.
@@ -460,13 +426,24 @@ impl CommStats {
 
     /// One line for logs: each kind used, with its calls and MiB.
     pub fn describe(&self) -> String {
-        let kinds = [("all-reduce", self.all_reduce), ("broadcast", self.broadcast), ("all-gather", self.all_gather), ("reduce-scatter", self.reduce_scatter), ("send", self.send), ("recv", self.recv)];
+        let kinds = [
+            ("all-reduce", self.all_reduce),
+            ("broadcast", self.broadcast),
+            ("all-gather", self.all_gather),
+            ("reduce-scatter", self.reduce_scatter),
+            ("send", self.send),
+            ("recv", self.recv),
+        ];
         let used: Vec<String> = kinds
             .iter()
             .filter(|(_, c)| c.calls > 0)
             .map(|(name, c)| format!("{name} {} calls / {:.2} MiB", c.calls, c.bytes as f64 / (1024.0 * 1024.0)))
             .collect();
-        if used.is_empty() { "none".into() } else { used.join(", ") }
+        if used.is_empty() {
+            "none".into()
+        } else {
+            used.join(", ")
+        }
     }
 
     /// An `n`-th of every count (what one of `n` alike steps moved).
@@ -512,10 +489,7 @@ fn abort_job(mpi: &MpiCollectives, rank: usize, err: &anyhow::Error) -> ! {
         std::thread::sleep(std::time::Duration::from_secs(20));
     }
     let message = format!("{err:#}");
-    eprintln!(
-        "error on rank {rank}: {}",
-        message.lines().next().unwrap_or_default()
-    );
+    eprintln!("error on rank {rank}: {}", message.lines().next().unwrap_or_default());
     mpi.abort(code.into())
 }
 
@@ -524,18 +498,10 @@ fn start_mpi(env: &LaunchEnv) -> Result<MpiCollectives> {
     let mpi = MpiCollectives::init()?;
     let (size, rank) = (mpi.size(), mpi.rank());
     if size == 1 && env.world_size > 1 {
-        return usage(format!(
-            "the launcher started {} ranks but MPI sees 1: start them with mpirun/srun --mpi=pmix, or use --backend nccl",
-            env.world_size
-        ));
+        return usage(format!("the launcher started {} ranks but MPI sees 1: start them with mpirun/srun --mpi=pmix, or use --backend nccl", env.world_size));
     }
     if (size, rank) != (env.world_size, env.rank) {
-        bail!(
-            "MPI says rank {rank} of {size}, but the {} environment says rank {} of {}",
-            env.source,
-            env.rank,
-            env.world_size
-        );
+        bail!("MPI says rank {rank} of {size}, but the {} environment says rank {} of {}", env.source, env.rank, env.world_size);
     }
     Ok(mpi)
 }
@@ -550,12 +516,7 @@ fn route(
     nccl: Option<Rc<dyn Collectives>>,
 ) -> Result<(Rc<dyn Collectives>, Rc<dyn Collectives>)> {
     let single = || Rc::new(SingleProcess) as Rc<dyn Collectives>;
-    let staged = |engine: &Rc<dyn Collectives>, via| {
-        Rc::new(Staged {
-            engine: engine.clone(),
-            via,
-        }) as Rc<dyn Collectives>
-    };
+    let staged = |engine: &Rc<dyn Collectives>, via| Rc::new(Staged { engine: engine.clone(), via }) as Rc<dyn Collectives>;
     let cpu = match (&mpi, &nccl) {
         (Some(mpi), _) => mpi.clone(),
         (None, _) if size == 1 => single(),
@@ -575,18 +536,9 @@ fn route(
 /// communicator when there is one, else over TCP to `MASTER_ADDR:MASTER_PORT` (as torch's
 /// `env://`; the whole job only).
 #[cfg(feature = "nccl")]
-fn start_nccl(
-    env: &LaunchEnv,
-    rank: usize,
-    size: usize,
-    mpi: Option<&dyn Collectives>,
-) -> Result<Rc<dyn Collectives>> {
+fn start_nccl(env: &LaunchEnv, rank: usize, size: usize, mpi: Option<&dyn Collectives>) -> Result<Rc<dyn Collectives>> {
     use super::nccl::{nccl_unique_id, NcclCollectives};
-    let id = if rank == 0 {
-        nccl_unique_id()?
-    } else {
-        Vec::new()
-    };
+    let id = if rank == 0 { nccl_unique_id()? } else { Vec::new() };
     let id = match (size > 1, mpi, &env.master) {
         (false, _, _) => id,
         (true, Some(mpi), _) => super::broadcast_bytes(mpi, Device::Cpu, &id, 0)?,
@@ -600,27 +552,14 @@ fn start_nccl(
             RENDEZVOUS_TIMEOUT,
         )?,
         (true, None, None) => {
-            return usage(format!(
-                "NCCL's ranks meet at MASTER_ADDR:MASTER_PORT when {} starts them without MPI: set both (torchrun does)",
-                env.source
-            ))
+            return usage(format!("NCCL's ranks meet at MASTER_ADDR:MASTER_PORT when {} starts them without MPI: set both (torchrun does)", env.source))
         }
     };
-    Ok(Rc::new(NcclCollectives::new(
-        rank,
-        size,
-        cuda_index(env.local_rank),
-        &id,
-    )?))
+    Ok(Rc::new(NcclCollectives::new(rank, size, cuda_index(env.local_rank), &id)?))
 }
 
 #[cfg(not(feature = "nccl"))]
-fn start_nccl(
-    _env: &LaunchEnv,
-    _rank: usize,
-    _size: usize,
-    _mpi: Option<&dyn Collectives>,
-) -> Result<Rc<dyn Collectives>> {
+fn start_nccl(_env: &LaunchEnv, _rank: usize, _size: usize, _mpi: Option<&dyn Collectives>) -> Result<Rc<dyn Collectives>> {
     unreachable!("NCCL is only wanted where the binary has it (checked in init_with)")
 }
 
@@ -684,10 +623,7 @@ impl Collectives for Staged {
 
     fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>> {
         let gathered = self.engine.all_gather(&self.stage(tensor))?;
-        Ok(gathered
-            .iter()
-            .map(|t| t.to_device(tensor.device()))
-            .collect())
+        Ok(gathered.iter().map(|t| t.to_device(tensor.device())).collect())
     }
 
     fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {

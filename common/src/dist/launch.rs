@@ -17,8 +17,8 @@
 //! MPI) are read whatever the launcher. Inconsistent values are usage errors that name the
 //! variables, so a misconfigured job fails at once instead of hanging in its first collective.
 use std::ffi::{OsStr, OsString};
-use std::path::{Path, PathBuf};
 use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 
 use anyhow::{Context, Result};
@@ -72,16 +72,7 @@ pub struct LaunchEnv {
 impl LaunchEnv {
     /// Rank 0 of 1, no launcher.
     pub fn single() -> LaunchEnv {
-        LaunchEnv {
-            rank: 0,
-            world_size: 1,
-            local_rank: 0,
-            local_world_size: 1,
-            nnodes: 1,
-            source: LaunchSource::Single,
-            master: None,
-            mpi: false,
-        }
+        LaunchEnv { rank: 0, world_size: 1, local_rank: 0, local_world_size: 1, nnodes: 1, source: LaunchSource::Single, master: None, mpi: false }
     }
 
     /// Reads the process environment (see the module docs).
@@ -113,7 +104,9 @@ impl LaunchEnv {
                 if size != env.world_size {
                     return usage(format!(
                         "WORLD_SIZE={size} disagrees with the {} launcher's world size {} ({}): unset WORLD_SIZE or make them agree",
-                        env.source, env.world_size, env.size_var(),
+                        env.source,
+                        env.world_size,
+                        env.size_var(),
                     ));
                 }
             }
@@ -156,10 +149,7 @@ impl Vars<'_> {
     }
 
     /// The first of `names` that is set, with its name.
-    fn first<T: std::str::FromStr>(
-        &self,
-        names: &[&'static str],
-    ) -> Result<Option<(&'static str, T)>> {
+    fn first<T: std::str::FromStr>(&self, names: &[&'static str]) -> Result<Option<(&'static str, T)>> {
         for &name in names {
             if let Some(n) = self.num(name)? {
                 return Ok(Some((name, n)));
@@ -180,24 +170,15 @@ struct Numbers {
 impl Numbers {
     /// Checks the numbers against each other and builds the environment.
     fn into_env(self, source: LaunchSource, nnodes: Option<usize>, mpi: bool) -> Result<LaunchEnv> {
-        let Numbers {
-            rank: (rank_var, rank),
-            size: (size_var, size),
-            local_rank: (lr_var, local_rank),
-            local_size: (ls_var, local_size),
-        } = self;
+        let Numbers { rank: (rank_var, rank), size: (size_var, size), local_rank: (lr_var, local_rank), local_size: (ls_var, local_size) } = self;
         if size == 0 {
             return usage(format!("{size_var}=0: a job needs at least one rank"));
         }
         if rank >= size {
-            return usage(format!(
-                "{rank_var}={rank} must be below {size_var}={size} (ranks count from 0)"
-            ));
+            return usage(format!("{rank_var}={rank} must be below {size_var}={size} (ranks count from 0)"));
         }
         if local_size == 0 || local_size > size {
-            return usage(format!(
-                "{ls_var}={local_size} must be between 1 and {size_var}={size}"
-            ));
+            return usage(format!("{ls_var}={local_size} must be between 1 and {size_var}={size}"));
         }
         if local_rank >= local_size {
             return usage(format!("{lr_var}={local_rank} must be below {ls_var}={local_size} (local ranks count from 0)"));
@@ -217,38 +198,20 @@ impl Numbers {
 }
 
 /// Requires both or neither of a rank and a size variable.
-fn rank_and_size(
-    vars: &Vars,
-    rank_var: &'static str,
-    size_var: &'static str,
-) -> Result<Option<(usize, usize)>> {
+fn rank_and_size(vars: &Vars, rank_var: &'static str, size_var: &'static str) -> Result<Option<(usize, usize)>> {
     match (vars.num(rank_var)?, vars.num(size_var)?) {
         (Some(rank), Some(size)) => Ok(Some((rank, size))),
         (None, None) => Ok(None),
-        (Some(_), None) => usage(format!(
-            "{rank_var} is set but {size_var} is not: set both or neither"
-        )),
-        (None, Some(_)) => usage(format!(
-            "{size_var} is set but {rank_var} is not: set both or neither"
-        )),
+        (Some(_), None) => usage(format!("{rank_var} is set but {size_var} is not: set both or neither")),
+        (None, Some(_)) => usage(format!("{size_var} is set but {rank_var} is not: set both or neither")),
     }
 }
 
 fn from_mpi(vars: &Vars) -> Result<Option<LaunchEnv>> {
-    let (rank_var, size_var, local_vars) = if vars.get("OMPI_COMM_WORLD_SIZE").is_some()
-        || vars.get("OMPI_COMM_WORLD_RANK").is_some()
-    {
-        (
-            "OMPI_COMM_WORLD_RANK",
-            "OMPI_COMM_WORLD_SIZE",
-            ["OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"],
-        )
+    let (rank_var, size_var, local_vars) = if vars.get("OMPI_COMM_WORLD_SIZE").is_some() || vars.get("OMPI_COMM_WORLD_RANK").is_some() {
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", ["OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"])
     } else {
-        (
-            "PMI_RANK",
-            "PMI_SIZE",
-            ["MPI_LOCALRANKID", "MPI_LOCALNRANKS"],
-        )
+        ("PMI_RANK", "PMI_SIZE", ["MPI_LOCALRANKID", "MPI_LOCALNRANKS"])
     };
     let Some((rank, size)) = rank_and_size(vars, rank_var, size_var)? else {
         return Ok(None);
@@ -259,41 +222,23 @@ fn from_mpi(vars: &Vars) -> Result<Option<LaunchEnv>> {
         // `srun --mpi=pmi2` sets no local numbers of its own, but Slurm's are there; without
         // either (an old Hydra), the ranks are taken to share one node.
         _ => match from_slurm(vars).ok().flatten() {
-            Some(slurm) => (
-                ("SLURM_LOCALID", slurm.local_rank),
-                ("SLURM_TASKS_PER_NODE", slurm.local_world_size),
-            ),
+            Some(slurm) => (("SLURM_LOCALID", slurm.local_rank), ("SLURM_TASKS_PER_NODE", slurm.local_world_size)),
             None => ((rank_var, rank), (size_var, size)),
         },
     };
-    Numbers {
-        rank: (rank_var, rank),
-        size: (size_var, size),
-        local_rank,
-        local_size,
-    }
-    .into_env(LaunchSource::Mpi, None, true)
-    .map(Some)
+    Numbers { rank: (rank_var, rank), size: (size_var, size), local_rank, local_size }.into_env(LaunchSource::Mpi, None, true).map(Some)
 }
 
 fn from_slurm(vars: &Vars) -> Result<Option<LaunchEnv>> {
     // srun gives every task a rank and a task count. SLURM_NTASKS alone is a job script's
     // allocation, and a job script's own SLURM_PROCID (0) without a task count is one process.
-    let (Some(rank), Some(size)) = (
-        vars.num("SLURM_PROCID")?,
-        vars.first(&["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"])?,
-    ) else {
+    let (Some(rank), Some(size)) = (vars.num("SLURM_PROCID")?, vars.first(&["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"])?) else {
         return Ok(None);
     };
-    let local_rank = vars
-        .first(&["SLURM_LOCALID"])?
-        .unwrap_or(("SLURM_PROCID", rank));
+    let local_rank = vars.first(&["SLURM_LOCALID"])?.unwrap_or(("SLURM_PROCID", rank));
     let local_size = match vars.first(&["SLURM_NTASKS_PER_NODE"])? {
         Some(n) => n,
-        None => match vars
-            .get("SLURM_STEP_TASKS_PER_NODE")
-            .or_else(|| vars.get("SLURM_TASKS_PER_NODE"))
-        {
+        None => match vars.get("SLURM_STEP_TASKS_PER_NODE").or_else(|| vars.get("SLURM_TASKS_PER_NODE")) {
             Some(spec) => {
                 let node = vars.num("SLURM_NODEID")?.unwrap_or(0);
                 ("SLURM_TASKS_PER_NODE", tasks_on_node(&spec, node)?)
@@ -301,37 +246,18 @@ fn from_slurm(vars: &Vars) -> Result<Option<LaunchEnv>> {
             None => ("SLURM_NTASKS", size.1),
         },
     };
-    let nnodes = vars
-        .first::<usize>(&["SLURM_STEP_NUM_NODES", "SLURM_NNODES"])?
-        .map(|(_, n)| n);
-    Numbers {
-        rank: ("SLURM_PROCID", rank),
-        size,
-        local_rank,
-        local_size,
-    }
-    .into_env(LaunchSource::Slurm, nnodes, false)
-    .map(Some)
+    let nnodes = vars.first::<usize>(&["SLURM_STEP_NUM_NODES", "SLURM_NNODES"])?.map(|(_, n)| n);
+    Numbers { rank: ("SLURM_PROCID", rank), size, local_rank, local_size }.into_env(LaunchSource::Slurm, nnodes, false).map(Some)
 }
 
 /// The task count of node `node` in Slurm's compressed per-node list, e.g. `"2(x3),1"` is
 /// 2, 2, 2, 1.
 fn tasks_on_node(spec: &str, node: usize) -> Result<usize> {
-    let bad = || {
-        UsageError(format!(
-            "SLURM_TASKS_PER_NODE={spec} is not Slurm's `N(xM),...` list"
-        ))
-    };
+    let bad = || UsageError(format!("SLURM_TASKS_PER_NODE={spec} is not Slurm's `N(xM),...` list"));
     let mut seen = 0;
     for part in spec.split(',') {
         let (count, repeat) = match part.split_once("(x") {
-            Some((count, rest)) => (
-                count,
-                rest.strip_suffix(')')
-                    .ok_or_else(bad)?
-                    .parse()
-                    .map_err(|_| bad())?,
-            ),
+            Some((count, rest)) => (count, rest.strip_suffix(')').ok_or_else(bad)?.parse().map_err(|_| bad())?),
             None => (part, 1usize),
         };
         let count: usize = count.trim().parse().map_err(|_| bad())?;
@@ -340,10 +266,7 @@ fn tasks_on_node(spec: &str, node: usize) -> Result<usize> {
             return Ok(count);
         }
     }
-    Err(UsageError(format!(
-        "SLURM_NODEID={node} is beyond SLURM_TASKS_PER_NODE={spec}"
-    ))
-    .into())
+    Err(UsageError(format!("SLURM_NODEID={node} is beyond SLURM_TASKS_PER_NODE={spec}")).into())
 }
 
 fn from_torchrun(vars: &Vars) -> Result<Option<LaunchEnv>> {
@@ -351,18 +274,9 @@ fn from_torchrun(vars: &Vars) -> Result<Option<LaunchEnv>> {
         return Ok(None);
     };
     let local_rank = vars.first(&["LOCAL_RANK"])?.unwrap_or(("RANK", rank));
-    let local_size = vars
-        .first(&["LOCAL_WORLD_SIZE"])?
-        .unwrap_or(("WORLD_SIZE", size));
+    let local_size = vars.first(&["LOCAL_WORLD_SIZE"])?.unwrap_or(("WORLD_SIZE", size));
     let nnodes = vars.num("GROUP_WORLD_SIZE")?;
-    Numbers {
-        rank: ("RANK", rank),
-        size: ("WORLD_SIZE", size),
-        local_rank,
-        local_size,
-    }
-    .into_env(LaunchSource::Torchrun, nnodes, false)
-    .map(Some)
+    Numbers { rank: ("RANK", rank), size: ("WORLD_SIZE", size), local_rank, local_size }.into_env(LaunchSource::Torchrun, nnodes, false).map(Some)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -391,33 +305,17 @@ pub fn relaunch_with_mpirun(nproc: usize) -> Result<ExitStatus> {
     let launcher = find_launcher(std::env::var_os("MPIRUN"), std::env::var_os("PATH"))?;
     let version = Command::new(&launcher).arg("--version").output();
     let version = match version {
-        Ok(out) => {
-            String::from_utf8_lossy(&out.stdout).into_owned()
-                + &String::from_utf8_lossy(&out.stderr)
-        }
-        Err(err) => {
-            return Err(UsageError(format!(
-                "{NO_MPIRUN} ({} cannot run: {err})",
-                launcher.display()
-            ))
-            .into())
-        }
+        Ok(out) => String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+        Err(err) => return Err(UsageError(format!("{NO_MPIRUN} ({} cannot run: {err})", launcher.display())).into()),
     };
-    let exe =
-        std::env::current_exe().context("cannot find this program's path to start its ranks")?;
+    let exe = std::env::current_exe().context("cannot find this program's path to start its ranks")?;
     let args: Vec<OsString> = std::env::args_os().skip(1).collect();
     let mut command = Command::new(&launcher);
-    command
-        .args(mpirun_args(&version, is_root(), nproc))
-        .arg(exe)
-        .args(args_without_nproc(&args));
+    command.args(mpirun_args(&version, is_root(), nproc)).arg(exe).args(args_without_nproc(&args));
     // The ranks' stderr passes through here: Open MPI's notice that a rank called MPI_Abort
     // (a box of 8 lines, and a line per further rank) follows our own "error on rank N" line and
     // adds nothing to it.
-    let mut child = command
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("could not start {}", launcher.display()))?;
+    let mut child = command.stderr(Stdio::piped()).spawn().with_context(|| format!("could not start {}", launcher.display()))?;
     let stderr = child.stderr.take().expect("stderr is piped");
     let mut notices = AbortNotices::default();
     let mut out = std::io::stderr().lock();
@@ -430,9 +328,7 @@ pub fn relaunch_with_mpirun(nproc: usize) -> Result<ExitStatus> {
         writeln!(out, "{line}").ok();
     }
     drop(out);
-    child
-        .wait()
-        .with_context(|| format!("waiting for {}", launcher.display()))
+    child.wait().with_context(|| format!("waiting for {}", launcher.display()))
 }
 
 /// Drops Open MPI's MPI_Abort notices from the lines of a job's stderr: the dashed box that
@@ -497,15 +393,12 @@ fn find_launcher(mpirun: Option<OsString>, path: Option<OsString>) -> Result<Pat
 }
 
 fn search_path(name: &OsStr, path: Option<&OsStr>) -> Option<PathBuf> {
-    std::env::split_paths(path?)
-        .map(|dir| dir.join(name))
-        .find(|candidate| is_executable(candidate))
+    std::env::split_paths(path?).map(|dir| dir.join(name)).find(|candidate| is_executable(candidate))
 }
 
 fn is_executable(path: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
-    path.metadata()
-        .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    path.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
 fn is_root() -> bool {
@@ -540,10 +433,7 @@ pub fn args_without_nproc(args: &[OsString]) -> Vec<OsString> {
         }
         if arg == "--nproc-per-node" {
             iter.next(); // its value
-        } else if !arg
-            .to_str()
-            .is_some_and(|a| a.starts_with("--nproc-per-node="))
-        {
+        } else if !arg.to_str().is_some_and(|a| a.starts_with("--nproc-per-node=")) {
             out.push(arg.clone());
         }
     }
@@ -580,23 +470,9 @@ mod tests {
 
     #[test]
     fn launcher_flags_follow_the_flavour() {
-        let ompi =
-            "mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/";
-        assert_eq!(
-            mpirun_args(ompi, true, 2),
-            [
-                "--allow-run-as-root",
-                "--oversubscribe",
-                "--bind-to",
-                "none",
-                "-np",
-                "2"
-            ]
-        );
-        assert_eq!(
-            mpirun_args(ompi, false, 3),
-            ["--oversubscribe", "--bind-to", "none", "-np", "3"]
-        );
+        let ompi = "mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/";
+        assert_eq!(mpirun_args(ompi, true, 2), ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2"]);
+        assert_eq!(mpirun_args(ompi, false, 3), ["--oversubscribe", "--bind-to", "none", "-np", "3"]);
         assert_eq!(mpirun_args("HYDRA build details:", true, 2), ["-np", "2"]);
     }
 
@@ -619,23 +495,14 @@ last line";
         let mut kept: Vec<String> = stderr.lines().flat_map(|l| notices.pass(l.to_string())).collect();
         kept.extend(notices.finish());
         let rule = "-".repeat(74);
-        assert_eq!(
-            kept,
-            ["error on rank 0: --tp 3 does not divide 2 ranks", &rule, "A process failed to start: not an abort", &rule, "last line"]
-        );
+        assert_eq!(kept, ["error on rank 0: --tp 3 does not divide 2 ranks", &rule, "A process failed to start: not an abort", &rule, "last line"]);
     }
 
     #[test]
     fn launcher_lookup() {
         assert!(find_launcher(Some("/nonexistent/mpirun".into()), None).is_err());
-        assert_eq!(
-            find_launcher(Some("/bin/sh".into()), None).unwrap(),
-            PathBuf::from("/bin/sh")
-        );
-        assert_eq!(
-            find_launcher(Some("sh".into()), Some("/nonexistent:/bin".into())).unwrap(),
-            PathBuf::from("/bin/sh")
-        );
+        assert_eq!(find_launcher(Some("/bin/sh".into()), None).unwrap(), PathBuf::from("/bin/sh"));
+        assert_eq!(find_launcher(Some("sh".into()), Some("/nonexistent:/bin".into())).unwrap(), PathBuf::from("/bin/sh"));
         let err = find_launcher(None, Some("/nonexistent".into())).unwrap_err();
         assert!(err.is::<UsageError>());
     }

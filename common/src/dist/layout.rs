@@ -47,7 +47,9 @@ impl Layout {
         if !world.is_multiple_of(model) {
             return usage(match tp {
                 1 => format!("{world} ranks cannot run pipelines of {pp} stages: the number of ranks must be stages × --dp"),
-                _ => format!("{world} ranks cannot hold replicas of {pp} stage(s) × {tp} tensor-parallel shards: the number of ranks must be stages × shards × --dp"),
+                _ => format!(
+                    "{world} ranks cannot hold replicas of {pp} stage(s) × {tp} tensor-parallel shards: the number of ranks must be stages × shards × --dp"
+                ),
             });
         }
         let replicas = world / model;

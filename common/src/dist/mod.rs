@@ -116,13 +116,13 @@ pub mod mpi;
 pub mod nccl;
 pub mod rendezvous;
 pub mod single;
-pub mod transfer;
 pub mod tensor_parallel;
+pub mod transfer;
 pub mod zero;
 
+pub use data_parallel::{DistributedOptimizer, GradientSync};
 pub use group::{CommStats, ProcessGroup};
 pub use launch::{LaunchEnv, LaunchSource};
-pub use data_parallel::{DistributedOptimizer, GradientSync};
 pub use layout::{Groups, Layout};
 
 use anyhow::{bail, Result};
@@ -130,9 +130,7 @@ use tch::{Device, Kind, Tensor};
 
 /// Which engine runs the collectives on CUDA tensors (the `--backend` flag). CPU tensors use
 /// MPI whenever an MPI launcher started the ranks (see [`group`] for every combination).
-#[derive(
-    Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
     /// NCCL for CUDA tensors when the binary has it and there is a GPU; MPI otherwise.
@@ -265,21 +263,12 @@ pub(crate) fn byte_size(tensor: &Tensor) -> usize {
 /// `bytes` of rank `root` on every rank (others pass anything, e.g. an empty slice): the length
 /// first, then the bytes, as tensors on `device` through `engine`. Used for the NCCL unique id
 /// and for the list of optimizer state tensors.
-pub(crate) fn broadcast_bytes(
-    engine: &dyn Collectives,
-    device: Device,
-    bytes: &[u8],
-    root: usize,
-) -> Result<Vec<u8>> {
+pub(crate) fn broadcast_bytes(engine: &dyn Collectives, device: Device, bytes: &[u8], root: usize) -> Result<Vec<u8>> {
     let mut len = Tensor::from(bytes.len() as i64).to_device(device);
     engine.broadcast(&mut len, root)?;
     let len = usize::try_from(len.int64_value(&[]))?;
     // The root sends its bytes; the others' buffers only need the right length.
-    let mut data = if bytes.len() == len {
-        Tensor::from_slice(bytes).to_device(device)
-    } else {
-        Tensor::zeros([len as i64], (Kind::Uint8, device))
-    };
+    let mut data = if bytes.len() == len { Tensor::from_slice(bytes).to_device(device) } else { Tensor::zeros([len as i64], (Kind::Uint8, device)) };
     engine.broadcast(&mut data, root)?;
     Ok(Vec::<u8>::try_from(data.to_device(Device::Cpu))?)
 }

@@ -65,36 +65,24 @@ impl MpiCollectives {
     /// Initialises MPI (`MPI_Init_thread`) and returns `MPI_COMM_WORLD`. Fails if MPI was
     /// initialised before in this process.
     pub fn init() -> Result<MpiCollectives> {
-        let Some((universe, provided)) = ::mpi::initialize_with_threading(Threading::Funneled)
-        else {
+        let Some((universe, provided)) = ::mpi::initialize_with_threading(Threading::Funneled) else {
             bail!("MPI was already initialised in this process (one ProcessGroup per process; MPI cannot be restarted once finalised)");
         };
         if provided < Threading::Funneled {
             bail!("the MPI library offers thread level {provided:?}, but LibTorch's threads need at least Funneled");
         }
-        Ok(MpiCollectives {
-            comm: universe.world(),
-            pending: RefCell::default(),
-            _universe: Rc::new(universe),
-        })
+        Ok(MpiCollectives { comm: universe.world(), pending: RefCell::default(), _universe: Rc::new(universe) })
     }
 
     /// The ranks of this communicator that pass the same `color`, ordered by `key` (ties by
     /// their rank here): `MPI_Comm_split`. Every rank of this communicator must call it.
     pub fn split(&self, color: usize, key: usize) -> Result<MpiCollectives> {
-        let as_int = |what: &str, value: usize| {
-            c_int::try_from(value)
-                .map_err(|_| anyhow!("a sub-group {what} must be at most {}, not {value}", c_int::MAX))
-        };
+        let as_int = |what: &str, value: usize| c_int::try_from(value).map_err(|_| anyhow!("a sub-group {what} must be at most {}, not {value}", c_int::MAX));
         let (color, key) = (as_int("color", color)?, as_int("key", key)?);
         let Some(comm) = self.comm.split_by_color_with_key(Color::with_value(color), key) else {
             bail!("MPI_Comm_split returned no communicator for color {color}");
         };
-        Ok(MpiCollectives {
-            comm,
-            pending: RefCell::default(),
-            _universe: self._universe.clone(),
-        })
+        Ok(MpiCollectives { comm, pending: RefCell::default(), _universe: self._universe.clone() })
     }
 
     /// This process's rank in the communicator.
@@ -121,9 +109,7 @@ impl MpiCollectives {
         while i < pending.len() {
             let mut done: c_int = 0;
             // SAFETY: the request is live (not yet completed: completed ones are removed).
-            let code = unsafe {
-                ffi::MPI_Test(&mut pending[i].request, &mut done, ffi::RSMPI_STATUS_IGNORE)
-            };
+            let code = unsafe { ffi::MPI_Test(&mut pending[i].request, &mut done, ffi::RSMPI_STATUS_IGNORE) };
             check_code(code, "MPI_Test on a send")?;
             if done != 0 {
                 pending.swap_remove(i);
@@ -144,13 +130,7 @@ impl MpiCollectives {
     unsafe fn receive_piece(&self, dst: *mut u8, len: usize, src: usize) -> Result<usize> {
         let mut message = ffi::RSMPI_MESSAGE_NULL;
         let mut status = MaybeUninit::<ffi::MPI_Status>::uninit();
-        let code = ffi::MPI_Mprobe(
-            src as c_int,
-            P2P_TAG,
-            self.comm.as_raw(),
-            &mut message,
-            status.as_mut_ptr(),
-        );
+        let code = ffi::MPI_Mprobe(src as c_int, P2P_TAG, self.comm.as_raw(), &mut message, status.as_mut_ptr());
         check_code(code, "MPI_Mprobe")?;
         let mut count: c_int = 0;
         let code = ffi::MPI_Get_count(status.as_ptr(), ffi::RSMPI_UINT8_T, &mut count);
@@ -163,13 +143,7 @@ impl MpiCollectives {
             scratch.resize(size, 0u8);
             scratch.as_mut_ptr()
         };
-        let code = ffi::MPI_Mrecv(
-            into.cast(),
-            count,
-            ffi::RSMPI_UINT8_T,
-            &mut message,
-            ffi::RSMPI_STATUS_IGNORE,
-        );
+        let code = ffi::MPI_Mrecv(into.cast(), count, ffi::RSMPI_UINT8_T, &mut message, ffi::RSMPI_STATUS_IGNORE);
         check_code(code, "MPI_Mrecv")?;
         Ok(size)
     }
@@ -216,11 +190,26 @@ fn pieces(bytes: usize) -> impl Iterator<Item = (usize, usize)> {
 macro_rules! with_element_type {
     ($kind:expr, $T:ident => $body:expr) => {
         match $kind {
-            Kind::Float => { type $T = f32; $body }
-            Kind::Double => { type $T = f64; $body }
-            Kind::Int64 => { type $T = i64; $body }
-            Kind::Int => { type $T = i32; $body }
-            Kind::Uint8 => { type $T = u8; $body }
+            Kind::Float => {
+                type $T = f32;
+                $body
+            }
+            Kind::Double => {
+                type $T = f64;
+                $body
+            }
+            Kind::Int64 => {
+                type $T = i64;
+                $body
+            }
+            Kind::Int => {
+                type $T = i32;
+                $body
+            }
+            Kind::Uint8 => {
+                type $T = u8;
+                $body
+            }
             other => bail!(
                 "MPI collectives take float32, float64, int64, int32 or uint8 tensors, not {other:?}{}",
                 if other == Kind::Half { " (float16 needs NCCL)" } else { "" }
@@ -233,10 +222,7 @@ macro_rules! with_element_type {
 /// it is laid out that way already, else a copy.
 fn host(tensor: &Tensor) -> Result<Tensor> {
     if tensor.device() != Device::Cpu {
-        bail!(
-            "MPI collectives take CPU tensors, not {:?} ones (the ProcessGroup copies others through the CPU)",
-            tensor.device()
-        );
+        bail!("MPI collectives take CPU tensors, not {:?} ones (the ProcessGroup copies others through the CPU)", tensor.device());
     }
     Ok(tensor.detach().contiguous())
 }
@@ -321,11 +307,7 @@ impl Collectives for MpiCollectives {
     fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>> {
         let send = host(tensor)?;
         if send.numel() * self.size() > MAX_COUNT {
-            bail!(
-                "all_gather of {} elements from {} ranks exceeds MPI's count limit",
-                send.numel(),
-                self.size()
-            );
+            bail!("all_gather of {} elements from {} ranks exceeds MPI's count limit", send.numel(), self.size());
         }
         let mut shape = vec![self.size() as i64];
         shape.extend(send.size());
@@ -378,21 +360,10 @@ impl Collectives for MpiCollectives {
             // SAFETY: the `len` bytes at `start` lie in `data`'s memory, which `pending` keeps
             // alive until MPI reports the request complete.
             let code = unsafe {
-                ffi::MPI_Isend(
-                    base.wrapping_add(start).cast(),
-                    len as c_int,
-                    ffi::RSMPI_UINT8_T,
-                    dst as c_int,
-                    P2P_TAG,
-                    self.comm.as_raw(),
-                    &mut request,
-                )
+                ffi::MPI_Isend(base.wrapping_add(start).cast(), len as c_int, ffi::RSMPI_UINT8_T, dst as c_int, P2P_TAG, self.comm.as_raw(), &mut request)
             };
             check_code(code, "MPI_Isend")?;
-            pending.push(PendingSend {
-                request,
-                _data: data.shallow_clone(),
-            });
+            pending.push(PendingSend { request, _data: data.shallow_clone() });
         }
         Ok(())
     }
@@ -427,13 +398,7 @@ impl Collectives for MpiCollectives {
         }
         let mut requests: Vec<ffi::MPI_Request> = sends.iter().map(|s| s.request).collect();
         // SAFETY: live requests of this process; MPI marks each one completed.
-        let code = unsafe {
-            ffi::MPI_Waitall(
-                requests.len() as c_int,
-                requests.as_mut_ptr(),
-                ffi::RSMPI_STATUSES_IGNORE,
-            )
-        };
+        let code = unsafe { ffi::MPI_Waitall(requests.len() as c_int, requests.as_mut_ptr(), ffi::RSMPI_STATUSES_IGNORE) };
         if code != ffi::MPI_SUCCESS as c_int {
             // MPI may still read the tensors: leak them rather than free memory in use.
             std::mem::forget(sends);
@@ -442,10 +407,7 @@ impl Collectives for MpiCollectives {
     }
 
     fn supports_kind(&self, kind: Kind) -> bool {
-        matches!(
-            kind,
-            Kind::Float | Kind::Double | Kind::Int64 | Kind::Int | Kind::Uint8
-        )
+        matches!(kind, Kind::Float | Kind::Double | Kind::Int64 | Kind::Int | Kind::Uint8)
     }
 }
 
@@ -460,9 +422,6 @@ mod tests {
         assert_eq!(of(0), [(0, 0)], "an empty tensor is still one message");
         assert_eq!(of(5), [(0, 5)]);
         assert_eq!(of(MAX_COUNT), [(0, MAX_COUNT)]);
-        assert_eq!(
-            of(2 * MAX_COUNT + 3),
-            [(0, MAX_COUNT), (MAX_COUNT, MAX_COUNT), (2 * MAX_COUNT, 3)]
-        );
+        assert_eq!(of(2 * MAX_COUNT + 3), [(0, MAX_COUNT), (MAX_COUNT, MAX_COUNT), (2 * MAX_COUNT, 3)]);
     }
 }

@@ -124,10 +124,8 @@ struct NcclApi {
     comm_init_rank: unsafe extern "C" fn(*mut NcclComm, c_int, NcclUniqueId, c_int) -> NcclResult,
     comm_destroy: unsafe extern "C" fn(NcclComm) -> NcclResult,
     comm_abort: unsafe extern "C" fn(NcclComm) -> NcclResult,
-    all_reduce:
-        unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, NcclComm, CudaStream) -> NcclResult,
-    broadcast:
-        unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, NcclComm, CudaStream) -> NcclResult,
+    all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, NcclComm, CudaStream) -> NcclResult,
+    broadcast: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, NcclComm, CudaStream) -> NcclResult,
     all_gather: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, NcclComm, CudaStream) -> NcclResult,
     // ncclReduceScatter(sendbuff, recvbuff, recvcount, datatype, op, comm, stream)
     reduce_scatter: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, NcclComm, CudaStream) -> NcclResult,
@@ -151,9 +149,7 @@ struct CudartApi {
 
 /// Copies a symbol out of `lib` (the library stays loaded for the life of the process).
 unsafe fn symbol<T: Copy>(lib: &libloading::Library, name: &str, origin: &str) -> anyhow::Result<T> {
-    let sym: libloading::Symbol<T> = lib
-        .get(name.as_bytes())
-        .map_err(|e| anyhow!("{origin} has no symbol {name} ({e}); is it too old?"))?;
+    let sym: libloading::Symbol<T> = lib.get(name.as_bytes()).map_err(|e| anyhow!("{origin} has no symbol {name} ({e}); is it too old?"))?;
     Ok(*sym)
 }
 
@@ -179,9 +175,7 @@ fn open_library(names: &[&str], pip_relative: &[&str]) -> Result<(libloading::Li
             }
         }
     }
-    let dirs: Vec<PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
-        .map(|v| std::env::split_paths(&v).collect())
-        .unwrap_or_default();
+    let dirs: Vec<PathBuf> = std::env::var_os("LD_LIBRARY_PATH").map(|v| std::env::split_paths(&v).collect()).unwrap_or_default();
     for dir in dirs.iter().filter(|d| !d.as_os_str().is_empty()) {
         for rel in pip_relative {
             let path = dir.join(rel);
@@ -235,14 +229,9 @@ fn load_nccl() -> anyhow::Result<NcclApi> {
 fn load_cudart() -> anyhow::Result<CudartApi> {
     let (lib, origin) = open_library(
         &["libcudart.so.13", "libcudart.so.12", "libcudart.so"],
-        &[
-            "../../nvidia/cu13/lib/libcudart.so.13",
-            "../../nvidia/cuda_runtime/lib/libcudart.so.12",
-        ],
+        &["../../nvidia/cu13/lib/libcudart.so.13", "../../nvidia/cuda_runtime/lib/libcudart.so.12"],
     )
-    .map_err(|e| {
-        anyhow!("cannot load the CUDA runtime library ({e}); put torch/lib (or CUDA's lib64) on LD_LIBRARY_PATH")
-    })?;
+    .map_err(|e| anyhow!("cannot load the CUDA runtime library ({e}); put torch/lib (or CUDA's lib64) on LD_LIBRARY_PATH"))?;
     let o = origin.as_str();
     // SAFETY: the signatures are those of cuda_runtime_api.h.
     unsafe {
@@ -258,16 +247,12 @@ fn load_cudart() -> anyhow::Result<CudartApi> {
 /// The NCCL library, loaded once per process; the error is kept and repeated.
 fn nccl() -> anyhow::Result<&'static NcclApi> {
     static API: OnceLock<Result<NcclApi, String>> = OnceLock::new();
-    API.get_or_init(|| load_nccl().map_err(|e| format!("{e:#}")))
-        .as_ref()
-        .map_err(|e| anyhow!("{e}"))
+    API.get_or_init(|| load_nccl().map_err(|e| format!("{e:#}"))).as_ref().map_err(|e| anyhow!("{e}"))
 }
 
 fn cudart() -> anyhow::Result<&'static CudartApi> {
     static API: OnceLock<Result<CudartApi, String>> = OnceLock::new();
-    API.get_or_init(|| load_cudart().map_err(|e| format!("{e:#}")))
-        .as_ref()
-        .map_err(|e| anyhow!("{e}"))
+    API.get_or_init(|| load_cudart().map_err(|e| format!("{e:#}"))).as_ref().map_err(|e| anyhow!("{e}"))
 }
 
 unsafe fn c_string(p: *const c_char) -> String {
@@ -282,10 +267,7 @@ unsafe fn c_string(p: *const c_char) -> String {
 fn nccl_error_text(api: &NcclApi, result: NcclResult, comm: NcclComm) -> String {
     // SAFETY: both functions accept any code / a null or live communicator.
     let text = unsafe { c_string((api.get_error_string)(result)) };
-    let last = api
-        .get_last_error
-        .map(|f| unsafe { c_string(f(comm)) })
-        .unwrap_or_default();
+    let last = api.get_last_error.map(|f| unsafe { c_string(f(comm)) }).unwrap_or_default();
     if last.is_empty() {
         format!("{text} (ncclResult {result})")
     } else {
@@ -313,10 +295,7 @@ fn raw_version(api: &NcclApi) -> anyhow::Result<c_int> {
     // SAFETY: writes one int.
     let r = unsafe { (api.get_version)(&mut code) };
     if r != NCCL_SUCCESS {
-        bail!(
-            "ncclGetVersion failed: {}",
-            nccl_error_text(api, r, std::ptr::null_mut())
-        );
+        bail!("ncclGetVersion failed: {}", nccl_error_text(api, r, std::ptr::null_mut()));
     }
     Ok(code)
 }
@@ -334,9 +313,7 @@ pub fn nccl_version() -> anyhow::Result<(String, String)> {
 /// now listens for the other ranks' bootstrap, so call it on rank 0 only, once per communicator.
 pub fn nccl_unique_id() -> anyhow::Result<Vec<u8>> {
     let api = nccl()?;
-    let mut id = NcclUniqueId {
-        internal: [0; NCCL_UNIQUE_ID_BYTES],
-    };
+    let mut id = NcclUniqueId { internal: [0; NCCL_UNIQUE_ID_BYTES] };
     // SAFETY: writes NCCL_UNIQUE_ID_BYTES bytes into `id`.
     let r = unsafe { (api.get_unique_id)(&mut id) };
     if r != NCCL_SUCCESS {
@@ -395,11 +372,7 @@ unsafe impl Sync for NcclCollectives {}
 
 impl std::fmt::Debug for NcclCollectives {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NcclCollectives")
-            .field("rank", &self.rank)
-            .field("world_size", &self.world_size)
-            .field("device_index", &self.device_index)
-            .finish()
+        f.debug_struct("NcclCollectives").field("rank", &self.rank).field("world_size", &self.world_size).field("device_index", &self.device_index).finish()
     }
 }
 
@@ -415,10 +388,7 @@ impl NcclCollectives {
             bail!("NCCL: rank {rank} is outside the world of size {world_size}");
         }
         if unique_id.len() != NCCL_UNIQUE_ID_BYTES {
-            bail!(
-                "NCCL rank {rank}: the unique id has {} bytes, NCCL's has {NCCL_UNIQUE_ID_BYTES}",
-                unique_id.len()
-            );
+            bail!("NCCL rank {rank}: the unique id has {} bytes, NCCL's has {NCCL_UNIQUE_ID_BYTES}", unique_id.len());
         }
         let devices = tch::Cuda::device_count();
         if device_index as i64 >= devices {
@@ -434,24 +404,15 @@ impl NcclCollectives {
         let api = nccl().with_context(|| format!("NCCL rank {rank}"))?;
         let version = raw_version(api)?;
         if version < MIN_NCCL_VERSION {
-            bail!(
-                "NCCL rank {rank}: NCCL {} (from {}) is too old; 2.10 or newer is needed",
-                version_string(version),
-                api.origin
-            );
+            bail!("NCCL rank {rank}: NCCL {} (from {}) is too old; 2.10 or newer is needed", version_string(version), api.origin);
         }
         let cuda = cudart().with_context(|| format!("NCCL rank {rank}"))?;
         // SAFETY: plain CUDA runtime call.
         let err = unsafe { (cuda.set_device)(device_index as c_int) };
         if err != 0 {
-            bail!(
-                "NCCL rank {rank}: cudaSetDevice({device_index}) failed: {}",
-                cuda_error_text(cuda, err)
-            );
+            bail!("NCCL rank {rank}: cudaSetDevice({device_index}) failed: {}", cuda_error_text(cuda, err));
         }
-        let mut id = NcclUniqueId {
-            internal: [0; NCCL_UNIQUE_ID_BYTES],
-        };
+        let mut id = NcclUniqueId { internal: [0; NCCL_UNIQUE_ID_BYTES] };
         for (dst, &src) in id.internal.iter_mut().zip(unique_id) {
             *dst = src as c_char;
         }
@@ -469,15 +430,7 @@ impl NcclCollectives {
         if comm.is_null() {
             bail!("NCCL rank {rank}: ncclCommInitRank returned success but no communicator");
         }
-        Ok(NcclCollectives {
-            comm,
-            rank,
-            world_size,
-            device_index,
-            lock: Mutex::new(()),
-            failed: AtomicBool::new(false),
-            queued: Mutex::default(),
-        })
+        Ok(NcclCollectives { comm, rank, world_size, device_index, lock: Mutex::new(()), failed: AtomicBool::new(false), queued: Mutex::default() })
     }
 
     pub fn rank(&self) -> usize {
@@ -505,11 +458,7 @@ impl NcclCollectives {
     fn check_device(&self, tensor: &Tensor, what: &str) -> anyhow::Result<()> {
         let device = tensor.device();
         if device != self.device() {
-            bail!(
-                "NCCL {what} on rank {}: the tensor is on {device:?}, but this communicator works on {:?}",
-                self.rank,
-                self.device()
-            );
+            bail!("NCCL {what} on rank {}: the tensor is on {device:?}, but this communicator works on {:?}", self.rank, self.device());
         }
         Ok(())
     }
@@ -530,17 +479,12 @@ impl NcclCollectives {
             if err == 0 {
                 Ok(())
             } else {
-                Err(self.fail(format!(
-                    "NCCL {what} on rank {rank} (cuda:{dev}): {step} failed: {}",
-                    cuda_error_text(cuda, err)
-                )))
+                Err(self.fail(format!("NCCL {what} on rank {rank} (cuda:{dev}): {step} failed: {}", cuda_error_text(cuda, err))))
             }
         };
         // SAFETY: plain CUDA runtime calls.
         cuda_check("cudaSetDevice", unsafe { (cuda.set_device)(dev as c_int) })?;
-        cuda_check("cudaDeviceSynchronize before the collective", unsafe {
-            (cuda.device_synchronize)()
-        })?;
+        cuda_check("cudaDeviceSynchronize before the collective", unsafe { (cuda.device_synchronize)() })?;
         let r = call(api, self.comm);
         if r != NCCL_SUCCESS {
             return Err(self.fail(format!(
@@ -549,9 +493,7 @@ impl NcclCollectives {
                 nccl_error_text(api, r, self.comm)
             )));
         }
-        cuda_check("cudaDeviceSynchronize after the collective", unsafe {
-            (cuda.device_synchronize)()
-        })
+        cuda_check("cudaDeviceSynchronize after the collective", unsafe { (cuda.device_synchronize)() })
     }
 
     /// The queued sends, in order, leaving the queue empty.
@@ -567,12 +509,7 @@ impl NcclCollectives {
     /// The sends' tensors and `buffer` (`bytes` writable bytes) must be memory on the
     /// communicator's device that stays alive, and that nothing else writes, until the group
     /// has completed on the device.
-    unsafe fn p2p_group(
-        api: &NcclApi,
-        comm: NcclComm,
-        sends: &[QueuedSend],
-        recv: Option<(*mut c_void, usize, usize)>,
-    ) -> NcclResult {
+    unsafe fn p2p_group(api: &NcclApi, comm: NcclComm, sends: &[QueuedSend], recv: Option<(*mut c_void, usize, usize)>) -> NcclResult {
         let stream: CudaStream = std::ptr::null_mut();
         let started = (api.group_start)();
         if started != NCCL_SUCCESS {
@@ -605,11 +542,7 @@ impl NcclCollectives {
     /// contiguous, else on a contiguous copy that is then copied back into `tensor`.
     fn in_place(tensor: &mut Tensor, call: impl FnOnce(*mut c_void) -> anyhow::Result<()>) -> anyhow::Result<()> {
         let contiguous = tensor.is_contiguous();
-        let work = if contiguous {
-            tensor.shallow_clone()
-        } else {
-            tensor.f_contiguous()?
-        };
+        let work = if contiguous { tensor.shallow_clone() } else { tensor.f_contiguous()? };
         call(work.data_ptr())?;
         if !contiguous {
             tch::no_grad(|| tensor.f_copy_(&work))?;
@@ -638,9 +571,7 @@ impl Collectives for NcclCollectives {
         Self::in_place(tensor, |ptr| {
             // SAFETY: `ptr` is `count` elements of `data_type` on this communicator's device,
             // alive until after the call has completed (launch synchronises the device).
-            self.launch("all_reduce", |api, comm| unsafe {
-                (api.all_reduce)(ptr, ptr, count, data_type, nccl_op, comm, std::ptr::null_mut())
-            })
+            self.launch("all_reduce", |api, comm| unsafe { (api.all_reduce)(ptr, ptr, count, data_type, nccl_op, comm, std::ptr::null_mut()) })
         })
     }
 
@@ -653,20 +584,14 @@ impl Collectives for NcclCollectives {
         }
         Self::in_place(tensor, |ptr| {
             // SAFETY: as in all_reduce; in place (sendbuff == recvbuff).
-            self.launch("broadcast", |api, comm| unsafe {
-                (api.broadcast)(ptr, ptr, count, data_type, root as c_int, comm, std::ptr::null_mut())
-            })
+            self.launch("broadcast", |api, comm| unsafe { (api.broadcast)(ptr, ptr, count, data_type, root as c_int, comm, std::ptr::null_mut()) })
         })
     }
 
     fn all_gather(&self, tensor: &Tensor) -> anyhow::Result<Vec<Tensor>> {
         let data_type = self.data_type(tensor, "all_gather", false)?;
         let count = tensor.numel();
-        let send = if tensor.is_contiguous() {
-            tensor.shallow_clone()
-        } else {
-            tensor.f_contiguous()?
-        };
+        let send = if tensor.is_contiguous() { tensor.shallow_clone() } else { tensor.f_contiguous()? };
         let mut shape = vec![self.world_size as i64];
         shape.extend(tensor.size());
         let gathered = Tensor::f_empty(shape.as_slice(), (tensor.kind(), self.device()))?;
@@ -675,9 +600,7 @@ impl Collectives for NcclCollectives {
             let recv_ptr = gathered.data_ptr();
             // SAFETY: `send_ptr` holds `count` elements, `recv_ptr` world_size * count, both on
             // this device and alive until the call has completed.
-            self.launch("all_gather", |api, comm| unsafe {
-                (api.all_gather)(send_ptr, recv_ptr, count, data_type, comm, std::ptr::null_mut())
-            })?;
+            self.launch("all_gather", |api, comm| unsafe { (api.all_gather)(send_ptr, recv_ptr, count, data_type, comm, std::ptr::null_mut()) })?;
         }
         // Rank r's tensor is row r (a view of the one receive buffer).
         Ok(gathered.f_unbind(0)?)
@@ -715,10 +638,7 @@ impl Collectives for NcclCollectives {
         // Detached: the queue holds the values only, not the autograd graph behind them.
         let data = tensor.detach();
         let data = if data.is_contiguous() { data } else { data.f_contiguous()? };
-        self.queued
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(QueuedSend { data, peer: dst });
+        self.queued.lock().unwrap_or_else(PoisonError::into_inner).push(QueuedSend { data, peer: dst });
         Ok(())
     }
 
@@ -770,17 +690,9 @@ impl Drop for NcclCollectives {
         // SAFETY: the communicator is live and used by nobody else (we own it mutably).
         unsafe {
             let _ = (cuda.set_device)(self.device_index as c_int);
-            let r = if self.failed.load(Ordering::SeqCst) {
-                (api.comm_abort)(self.comm)
-            } else {
-                (api.comm_destroy)(self.comm)
-            };
+            let r = if self.failed.load(Ordering::SeqCst) { (api.comm_abort)(self.comm) } else { (api.comm_destroy)(self.comm) };
             if r != NCCL_SUCCESS {
-                eprintln!(
-                    "warning: NCCL rank {}: releasing the communicator failed: {}",
-                    self.rank,
-                    nccl_error_text(api, r, std::ptr::null_mut())
-                );
+                eprintln!("warning: NCCL rank {}: releasing the communicator failed: {}", self.rank, nccl_error_text(api, r, std::ptr::null_mut()));
             }
         }
         self.comm = std::ptr::null_mut();
@@ -794,16 +706,8 @@ mod tests {
     #[test]
     fn data_types_match_nccl_h() {
         // ncclDataType_t values from nccl.h (NCCL 2.28).
-        let table = [
-            (Kind::Int8, 0),
-            (Kind::Uint8, 1),
-            (Kind::Int, 2),
-            (Kind::Int64, 4),
-            (Kind::Half, 6),
-            (Kind::Float, 7),
-            (Kind::Double, 8),
-            (Kind::BFloat16, 9),
-        ];
+        let table =
+            [(Kind::Int8, 0), (Kind::Uint8, 1), (Kind::Int, 2), (Kind::Int64, 4), (Kind::Half, 6), (Kind::Float, 7), (Kind::Double, 8), (Kind::BFloat16, 9)];
         for (kind, code) in table {
             assert_eq!(nccl_data_type(kind, true).unwrap(), code, "{kind:?}");
             assert_eq!(nccl_data_type(kind, false).unwrap(), code, "{kind:?}");
@@ -871,16 +775,7 @@ mod tests {
         let nccl = NcclCollectives::new(0, 1, 0, &id).unwrap();
         assert_eq!(nccl.name(), "nccl");
         let dev = Device::Cuda(0);
-        for kind in [
-            Kind::Float,
-            Kind::Double,
-            Kind::Half,
-            Kind::BFloat16,
-            Kind::Int64,
-            Kind::Int,
-            Kind::Uint8,
-            Kind::Int8,
-        ] {
+        for kind in [Kind::Float, Kind::Double, Kind::Half, Kind::BFloat16, Kind::Int64, Kind::Int, Kind::Uint8, Kind::Int8] {
             let original = Tensor::arange(12, (Kind::Int64, dev)).to_kind(kind).view([3, 4]);
             let mut t = original.copy();
             nccl.all_reduce(&mut t, ReduceOp::Sum).unwrap();

@@ -67,19 +67,12 @@ pub fn exchange_root_bytes(
         bail!("rendezvous: world_size {world_size} is too large");
     }
     if rank >= world_size {
-        bail!(
-            "rendezvous: rank {rank} is outside the world of size {world_size} (ranks 0..{})",
-            world_size - 1
-        );
+        bail!("rendezvous: rank {rank} is outside the world of size {world_size} (ranks 0..{})", world_size - 1);
     }
     if rank == 0 {
-        let bytes =
-            bytes_on_root.ok_or_else(|| anyhow!("rendezvous: rank 0 (the root) must supply the bytes to send"))?;
+        let bytes = bytes_on_root.ok_or_else(|| anyhow!("rendezvous: rank 0 (the root) must supply the bytes to send"))?;
         if bytes.len() as u64 > MAX_PAYLOAD {
-            bail!(
-                "rendezvous: {} bytes to send, at most {MAX_PAYLOAD} supported",
-                bytes.len()
-            );
+            bail!("rendezvous: {} bytes to send, at most {MAX_PAYLOAD} supported", bytes.len());
         }
         if world_size == 1 {
             return Ok(bytes);
@@ -103,10 +96,7 @@ fn check_port(port: u16) -> anyhow::Result<()> {
 fn resolve(addr: &str, port: u16) -> std::io::Result<Vec<SocketAddr>> {
     let addrs: Vec<SocketAddr> = (addr, port).to_socket_addrs()?.collect();
     if addrs.is_empty() {
-        return Err(std::io::Error::new(
-            ErrorKind::NotFound,
-            format!("{addr} resolves to no address"),
-        ));
+        return Err(std::io::Error::new(ErrorKind::NotFound, format!("{addr} resolves to no address")));
     }
     Ok(addrs)
 }
@@ -127,17 +117,10 @@ fn remaining(deadline: Instant) -> Duration {
 // ---------------------------------------------------------------------------------------------
 // Root (rank 0)
 
-fn serve(
-    world_size: usize,
-    master_addr: &str,
-    master_port: u16,
-    bytes: &[u8],
-    timeout: Duration,
-) -> anyhow::Result<()> {
+fn serve(world_size: usize, master_addr: &str, master_port: u16, bytes: &[u8], timeout: Duration) -> anyhow::Result<()> {
     let shown = display_addr(master_addr, master_port);
     let deadline = Instant::now() + timeout;
-    let addrs = resolve(master_addr, master_port)
-        .with_context(|| format!("rendezvous root: cannot resolve MASTER_ADDR {master_addr}"))?;
+    let addrs = resolve(master_addr, master_port).with_context(|| format!("rendezvous root: cannot resolve MASTER_ADDR {master_addr}"))?;
     let mut last_err = None;
     let mut listener = None;
     for addr in &addrs {
@@ -164,9 +147,7 @@ fn serve(
             bail!("rendezvous root: cannot listen on {shown}: {e} ({hint})");
         }
     };
-    listener
-        .set_nonblocking(true)
-        .context("rendezvous root: cannot make the listener non-blocking")?;
+    listener.set_nonblocking(true).context("rendezvous root: cannot make the listener non-blocking")?;
 
     let peers = world_size - 1;
     // Slot r holds rank r's connection (slot 0 unused).
@@ -209,11 +190,7 @@ fn serve(
         }
         if hello[..8] != MAGIC {
             strangers += 1;
-            let _ = send_reply(
-                &mut stream,
-                STATUS_REFUSED,
-                b"not a rendezvous hello (wrong magic); this port is a rendezvous root",
-            );
+            let _ = send_reply(&mut stream, STATUS_REFUSED, b"not a rendezvous hello (wrong magic); this port is a rendezvous root");
             continue;
         }
         let peer_rank = u32::from_be_bytes(hello[8..12].try_into().unwrap()) as usize;
@@ -223,13 +200,9 @@ fn serve(
                 "rendezvous at {shown}: rank {peer_rank} (from {from}) has world_size {peer_world}, but the root (rank 0) has world_size {world_size}; all ranks must be launched with the same world size"
             ))
         } else if peer_rank == 0 {
-            Some(format!(
-                "rendezvous at {shown}: a second process (from {from}) claims rank 0; only the root may be rank 0"
-            ))
+            Some(format!("rendezvous at {shown}: a second process (from {from}) claims rank 0; only the root may be rank 0"))
         } else if peer_rank >= world_size {
-            Some(format!(
-                "rendezvous at {shown}: rank {peer_rank} (from {from}) is outside the world of size {world_size}"
-            ))
+            Some(format!("rendezvous at {shown}: rank {peer_rank} (from {from}) is outside the world of size {world_size}"))
         } else if conns[peer_rank].is_some() {
             Some(format!("rendezvous at {shown}: rank {peer_rank} connected twice (second time from {from}); two processes have the same rank"))
         } else {
@@ -247,8 +220,7 @@ fn serve(
 
     for (peer_rank, slot) in conns.iter_mut().enumerate() {
         if let Some(stream) = slot.as_mut() {
-            send_reply(stream, STATUS_OK, bytes)
-                .with_context(|| format!("rendezvous root at {shown}: sending the bytes to rank {peer_rank} failed"))?;
+            send_reply(stream, STATUS_OK, bytes).with_context(|| format!("rendezvous root at {shown}: sending the bytes to rank {peer_rank} failed"))?;
         }
     }
     Ok(())
@@ -276,13 +248,7 @@ fn refuse_all(conns: &mut [Option<TcpStream>], reason: &str) {
 // ---------------------------------------------------------------------------------------------
 // Peers (rank > 0)
 
-fn fetch(
-    rank: usize,
-    world_size: usize,
-    master_addr: &str,
-    master_port: u16,
-    timeout: Duration,
-) -> anyhow::Result<Vec<u8>> {
+fn fetch(rank: usize, world_size: usize, master_addr: &str, master_port: u16, timeout: Duration) -> anyhow::Result<Vec<u8>> {
     let shown = display_addr(master_addr, master_port);
     let start = Instant::now();
     let deadline = start + timeout;
@@ -294,9 +260,7 @@ fn fetch(
     hello[8..12].copy_from_slice(&(rank as u32).to_be_bytes());
     hello[12..16].copy_from_slice(&(world_size as u32).to_be_bytes());
     let _ = stream.set_write_timeout(Some(remaining(deadline).max(Duration::from_millis(100))));
-    stream
-        .write_all(&hello)
-        .with_context(|| format!("rendezvous rank {rank}: sending hello to the root at {shown} failed"))?;
+    stream.write_all(&hello).with_context(|| format!("rendezvous rank {rank}: sending hello to the root at {shown} failed"))?;
 
     let timed_out = |what: &str| {
         anyhow!(
@@ -307,9 +271,9 @@ fn fetch(
     let mut header = [0u8; 17];
     read_until(&mut stream, &mut header, deadline).map_err(|e| match e {
         ReadErr::TimedOut => timed_out("the reply"),
-        ReadErr::Io(e) if e.kind() == ErrorKind::UnexpectedEof => anyhow!(
-            "rendezvous rank {rank}: the root at {shown} closed the connection without replying (another program on that port, or rank 0 gave up?)"
-        ),
+        ReadErr::Io(e) if e.kind() == ErrorKind::UnexpectedEof => {
+            anyhow!("rendezvous rank {rank}: the root at {shown} closed the connection without replying (another program on that port, or rank 0 gave up?)")
+        }
         ReadErr::Io(e) => anyhow!("rendezvous rank {rank}: reading the reply from the root at {shown} failed: {e}"),
     })?;
     if header[..8] != MAGIC {
@@ -318,9 +282,7 @@ fn fetch(
     let status = header[8];
     let len = u64::from_be_bytes(header[9..17].try_into().unwrap());
     if len > MAX_PAYLOAD {
-        bail!(
-            "rendezvous rank {rank}: the root at {shown} announced {len} bytes, more than the {MAX_PAYLOAD} accepted"
-        );
+        bail!("rendezvous rank {rank}: the root at {shown} announced {len} bytes, more than the {MAX_PAYLOAD} accepted");
     }
     let mut payload = vec![0u8; len as usize];
     read_until(&mut stream, &mut payload, deadline).map_err(|e| match e {
@@ -329,23 +291,13 @@ fn fetch(
     })?;
     match status {
         STATUS_OK => Ok(payload),
-        STATUS_REFUSED => bail!(
-            "rendezvous rank {rank} (world_size {world_size}): refused by the root at {shown}: {}",
-            String::from_utf8_lossy(&payload)
-        ),
+        STATUS_REFUSED => bail!("rendezvous rank {rank} (world_size {world_size}): refused by the root at {shown}: {}", String::from_utf8_lossy(&payload)),
         other => bail!("rendezvous rank {rank}: the root at {shown} sent an unknown status {other}"),
     }
 }
 
 /// Connects to the root, retrying while it is not up yet, until `deadline`.
-fn connect(
-    rank: usize,
-    master_addr: &str,
-    master_port: u16,
-    shown: &str,
-    timeout: Duration,
-    deadline: Instant,
-) -> anyhow::Result<TcpStream> {
+fn connect(rank: usize, master_addr: &str, master_port: u16, shown: &str, timeout: Duration, deadline: Instant) -> anyhow::Result<TcpStream> {
     let start = Instant::now();
     let mut attempts = 0usize;
     loop {
@@ -391,9 +343,7 @@ fn read_until(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> Resu
         match stream.read(&mut buf[filled..]) {
             Ok(0) => return Err(ReadErr::Io(ErrorKind::UnexpectedEof.into())),
             Ok(n) => filled += n,
-            Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::TimedOut => {
-                return Err(ReadErr::TimedOut)
-            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::TimedOut => return Err(ReadErr::TimedOut),
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
             Err(e) => return Err(ReadErr::Io(e)),
         }

@@ -114,8 +114,6 @@ pub fn unshard(parts: &[Tensor], split: Split) -> Tensor {
     }
 }
 
-
-
 /// The shim's callback: an in-place all-reduce (sum) of `tensor` over the group `context`
 /// points to. Errors and panics become a message for the C++ side, which throws it into
 /// LibTorch's autograd (and so out of `backward`).

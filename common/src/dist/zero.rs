@@ -132,7 +132,8 @@ impl Buckets {
 
     /// Rank `rank`'s block of the per-parameter tensors `of(p)`.
     fn block(&self, rank: i64, device: Device, of: &dyn Fn(usize) -> Option<Tensor>) -> Tensor {
-        let slices: Vec<Tensor> = (0..self.buckets.len()).map(|b| self.flat(b, device, of).narrow(0, rank * self.buckets[b].slice, self.buckets[b].slice)).collect();
+        let slices: Vec<Tensor> =
+            (0..self.buckets.len()).map(|b| self.flat(b, device, of).narrow(0, rank * self.buckets[b].slice, self.buckets[b].slice)).collect();
         Tensor::cat(&slices, 0)
     }
 
@@ -199,7 +200,13 @@ impl<'g> Shards<'g> {
     /// `stage`. `parts`: the model's parts by parameter (stage 3's units, and its buckets; none:
     /// one part); `bucket_bytes`: stage 2's bucket size. From stage 2 every parameter gets a
     /// gradient hook; at stage 3 the parameters' memory is freed at once (the block holds them).
-    pub fn new(stage: ZeroStage, group: &'g ProcessGroup, named: Vec<(String, Tensor)>, parts: Option<Vec<usize>>, bucket_bytes: usize) -> Result<Rc<Shards<'g>>> {
+    pub fn new(
+        stage: ZeroStage,
+        group: &'g ProcessGroup,
+        named: Vec<(String, Tensor)>,
+        parts: Option<Vec<usize>>,
+        bucket_bytes: usize,
+    ) -> Result<Rc<Shards<'g>>> {
         ensure!(!named.is_empty(), "ZeRO: no parameters to shard");
         let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
         let device = params[0].device();
@@ -240,7 +247,17 @@ impl<'g> Shards<'g> {
             grad_reset.add_parameters(p, 0)?;
         }
         let reduction = Reduction { ready: vec![false; params.len()], grad: None, gathered: vec![true; buckets.buckets.len()] };
-        let shards = Rc::new(Shards { stage, group, names, params, buckets, bucket_of, block, reduction: RefCell::new(reduction), grad_reset: RefCell::new(grad_reset) });
+        let shards = Rc::new(Shards {
+            stage,
+            group,
+            names,
+            params,
+            buckets,
+            bucket_of,
+            block,
+            reduction: RefCell::new(reduction),
+            grad_reset: RefCell::new(grad_reset),
+        });
         if stage != ZeroStage::OptimizerState {
             for (i, p) in shards.params.iter().enumerate() {
                 // SAFETY: the context is the shards' address, alive as long as any `Rc` of it;

@@ -87,7 +87,13 @@ impl LayerCoefficients {
     /// counts here (as its projection saves it), its output in the next consumer.
     fn of(cuda: bool, mixed: bool, dropout: bool, attention: Attention) -> LayerCoefficients {
         let (a, c) = if mixed { (2.0, 2.0) } else { (4.0, 4.0) };
-        let m = if !dropout { 0.0 } else if cuda { 1.0 } else { a };
+        let m = if !dropout {
+            0.0
+        } else if cuda {
+            1.0
+        } else {
+            a
+        };
         // Attention: the q/k/v projection's output, what the kernel saves, the output copy.
         let (qkv, scores, t_heads) = match attention {
             Attention::Fused => (3.0 * a, 0.0, 4.0),
@@ -175,7 +181,10 @@ impl TransformerJob {
         let (t, d, h, heads, s, b, tp) =
             (self.micro_tokens(), cfg.d_model as f64, cfg.d_hid as f64, cfg.nhead as f64, self.bptt as f64, self.micro_sequences() as f64, self.tp as f64);
         let layer_weights = (4.0 * d * d + 2.0 * d * h) / tp;
-        k.td_whole * t * d + (k.td_sharded * t * d + k.th * t * h + k.t_heads * t * heads + k.scores * b * heads * s * s) / tp + k.t * t + k.weight_copy_bytes * layer_weights
+        k.td_whole * t * d
+            + (k.td_sharded * t * d + k.th * t * h + k.t_heads * t * heads + k.scores * b * heads * s * s) / tp
+            + k.t * t
+            + k.weight_copy_bytes * layer_weights
     }
 
     /// Parameters of stage `stage` on one tensor-parallel shard.
@@ -221,7 +230,15 @@ impl TransformerJob {
         // stages held by the executor (a stage's output until its backward pass, and under
         // autocast its float32 input beside the half copy the first layer keeps).
         let per_layer = self.per_layer_bytes();
-        let mask = if cfg.dropout > 0.0 { if self.cuda { 1.0 } else { 4.0 } } else { 0.0 };
+        let mask = if cfg.dropout > 0.0 {
+            if self.cuda {
+                1.0
+            } else {
+                4.0
+            }
+        } else {
+            0.0
+        };
         let stage_bytes = |s: usize| -> f64 {
             let layers = self.partition.layers[s].clone().count() as f64;
             let mut bytes = layers * per_layer;
@@ -238,11 +255,8 @@ impl TransformerJob {
             bytes
         };
         let per_stage: f64 = stages.iter().map(|&s| stage_bytes(s)).sum::<f64>() / stages.len() as f64;
-        let held = if self.placement.stages() == 1 {
-            1
-        } else {
-            schedule::peak_live(&schedule::device_ops(self.schedule, self.placement, device, self.chunks))
-        };
+        let held =
+            if self.placement.stages() == 1 { 1 } else { schedule::peak_live(&schedule::device_ops(self.schedule, self.placement, device, self.chunks)) };
         let activations = held as f64 * per_stage;
         // Recomputed: each held micro-batch keeps its stage input, one is whole while its
         // backward pass recomputes it.
@@ -394,7 +408,8 @@ pub fn probe_image_activations(spec: &crate::models::ModelSpec, precision: Preci
         let targets = Tensor::zeros([images], (Kind::Int64, Device::Cpu));
         let before = crate::torch_ext::cpu_memory()?.current;
         crate::torch_ext::reset_cpu_memory_peak()?;
-        let loss = crate::precision::autocast(probe, Device::Cpu, || tch::nn::ModuleT::forward_t(model.as_ref(), &inputs, true).cross_entropy_for_logits(&targets));
+        let loss =
+            crate::precision::autocast(probe, Device::Cpu, || tch::nn::ModuleT::forward_t(model.as_ref(), &inputs, true).cross_entropy_for_logits(&targets));
         let after_forward = crate::torch_ext::cpu_memory()?.current;
         loss.f_backward()?;
         let peak = crate::torch_ext::cpu_memory()?.peak;

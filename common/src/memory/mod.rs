@@ -285,11 +285,18 @@ pub struct ModelState {
 impl ModelState {
     /// The state of the trained parameters `named` and of `optimizer`, beside the `frozen`
     /// parameters.
-    pub fn measure(named: &[(String, tch::Tensor)], frozen: &[tch::Tensor], optimizer: &dyn crate::optim::Optimizer, replicas: usize, zero: Option<ZeroStage>) -> Self {
+    pub fn measure(
+        named: &[(String, tch::Tensor)],
+        frozen: &[tch::Tensor],
+        optimizer: &dyn crate::optim::Optimizer,
+        replicas: usize,
+        zero: Option<ZeroStage>,
+    ) -> Self {
         let held = torch_ext::storage_nbytes;
         let frozen_bytes = frozen.iter().map(held).sum();
         let params_bytes: usize = named.iter().map(|(_, t)| held(t)).sum();
-        let grads_bytes: usize = named.iter().map(|(_, t)| t.grad()).filter(tch::Tensor::defined).map(|g| held(&g)).sum::<usize>() + optimizer.sharded_gradient_bytes();
+        let grads_bytes: usize =
+            named.iter().map(|(_, t)| t.grad()).filter(tch::Tensor::defined).map(|g| held(&g)).sum::<usize>() + optimizer.sharded_gradient_bytes();
         let optimizer_bytes = optimizer.state_bytes();
         let psi = named.iter().map(|(_, t)| t.numel()).sum::<usize>() as f64;
         // K from what the optimizer keeps for an unsharded parameter (Adam 8, SGD momentum 4).
@@ -299,7 +306,15 @@ impl ModelState {
             _ => 0.0,
         };
         let (formula_bytes, formula) = model_state_formula(psi, k, replicas as f64, zero);
-        ModelState { params_bytes, grads_bytes, optimizer_bytes, frozen_bytes, total_bytes: params_bytes + grads_bytes + optimizer_bytes, formula_bytes, formula }
+        ModelState {
+            params_bytes,
+            grads_bytes,
+            optimizer_bytes,
+            frozen_bytes,
+            total_bytes: params_bytes + grads_bytes + optimizer_bytes,
+            formula_bytes,
+            formula,
+        }
     }
 
     pub fn describe(&self, device: Device) -> String {
@@ -337,7 +352,8 @@ mod tests {
         }
         meter.borrow_mut().after_training().unwrap();
         {
-            let _eval = Tensor::ones([3 * 1024, 1024], (Kind::Float, Device::Cpu)); // 12 MiB
+            let _eval = Tensor::ones([3 * 1024, 1024], (Kind::Float, Device::Cpu));
+            // 12 MiB
         }
         meter.borrow_mut().after_evaluation().unwrap();
         {
@@ -363,7 +379,8 @@ mod tests {
     fn zero_formulas_shrink_stage_by_stage() {
         let psi = 1000.0;
         let (plain, _) = model_state_formula(psi, 8.0, 4.0, None);
-        let stages: Vec<f64> = [ZeroStage::OptimizerState, ZeroStage::Gradients, ZeroStage::Parameters].iter().map(|&z| model_state_formula(psi, 8.0, 4.0, Some(z)).0).collect();
+        let stages: Vec<f64> =
+            [ZeroStage::OptimizerState, ZeroStage::Gradients, ZeroStage::Parameters].iter().map(|&z| model_state_formula(psi, 8.0, 4.0, Some(z)).0).collect();
         assert_eq!((plain, stages[0], stages[1], stages[2]), (16_000.0, 11_000.0, 8_000.0, 4_000.0));
         assert_eq!(optimizer_bytes_per_parameter(crate::optim::OptimizerKind::Sgd, 0.0), 0.0);
         assert_eq!(optimizer_bytes_per_parameter(crate::optim::OptimizerKind::Lars, 0.9), 4.0);

@@ -27,14 +27,7 @@ pub(super) struct Cnn {
 /// `nn.Conv2d` (no padding) with PyTorch's default init: weight and bias U(±1/√fan_in).
 fn torch_conv(vs: nn::Path, in_dim: i64, out_dim: i64) -> nn::Conv2D {
     let bound = 1. / ((in_dim * KERNEL * KERNEL) as f64).sqrt();
-    let config = nn::ConvConfig {
-        ws_init: TORCH_DEFAULT_WEIGHT,
-        bs_init: nn::Init::Uniform {
-            lo: -bound,
-            up: bound,
-        },
-        ..Default::default()
-    };
+    let config = nn::ConvConfig { ws_init: TORCH_DEFAULT_WEIGHT, bs_init: nn::Init::Uniform { lo: -bound, up: bound }, ..Default::default() };
     nn::conv2d(vs, in_dim, out_dim, KERNEL, config)
 }
 
@@ -47,11 +40,7 @@ impl Cnn {
     pub(super) fn new(vs: &nn::Path, spec: &ModelSpec) -> Cnn {
         // CIFAR-10: 32 → 14 → 5, MNIST: 28 → 12 → 4.
         let side = conv_pool_side(conv_pool_side(spec.image_size));
-        assert!(
-            side > 0,
-            "the CNN needs images of at least 16×16, got {}",
-            spec.image_size
-        );
+        assert!(side > 0, "the CNN needs images of at least 16×16, got {}", spec.image_size);
         Cnn {
             conv1: torch_conv(vs / "conv1", spec.in_channels, CONV1_CHANNELS),
             conv2: torch_conv(vs / "conv2", CONV1_CHANNELS, CONV2_CHANNELS),

@@ -16,20 +16,17 @@ pub mod transformer_names;
 mod vgg;
 mod weights;
 
-pub use transformer::{
-    encoder_layers, encoder_layers_sharded, mix_key, output_layer, output_layer_sharded, param_count_formula, OutputInit, EncoderLayer, Masks, TokenEmbedding, TransformerConfig,
-    TransformerLm,
-};
 pub use blocks::{Block, Blocks};
-pub use freeze::{freeze, Frozen, Trainable};
-pub use weights::{load_weights, LoadedWeights};
 use freeze::BatchNorm;
-
+pub use freeze::{freeze, Frozen, Trainable};
+pub use transformer::{
+    encoder_layers, encoder_layers_sharded, mix_key, output_layer, output_layer_sharded, param_count_formula, EncoderLayer, Masks, OutputInit, TokenEmbedding,
+    TransformerConfig, TransformerLm,
+};
+pub use weights::{load_weights, LoadedWeights};
 
 /// Which network to build.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Arch {
     /// The course's simple CNN: conv(C→50,k5) → maxpool2 → ReLU → conv(50→75,k5) → maxpool2 → ReLU → fc(→50) → ReLU → fc
@@ -133,10 +130,7 @@ impl PartedModule for OnePart {}
 /// Number of parameters, frozen ones included (buffers such as batch-norm running statistics
 /// excluded): tch lists every variable created trainable, whatever its `requires_grad` now.
 pub fn param_count(vs: &nn::VarStore) -> i64 {
-    vs.trainable_variables()
-        .iter()
-        .map(|t| t.numel() as i64)
-        .sum()
+    vs.trainable_variables().iter().map(|t| t.numel() as i64).sum()
 }
 
 /// The trainable variables of `vs` with their names, sorted by name (shallow clones: they share
@@ -144,11 +138,7 @@ pub fn param_count(vs: &nn::VarStore) -> i64 {
 /// independent of the var store's hash map. Buffers (batch-norm running statistics) and frozen
 /// variables are left out: "trainable" means `requires_grad()`.
 pub fn named_parameters(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
-    let mut params: Vec<(String, Tensor)> = vs
-        .variables()
-        .into_iter()
-        .filter(|(_, t)| t.requires_grad())
-        .collect();
+    let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
     params.sort_by(|(a, _), (b, _)| a.cmp(b));
     params
 }
@@ -157,11 +147,8 @@ pub fn named_parameters(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
 
 /// torchvision's convolution init for ResNet and VGG: `kaiming_normal_(mode="fan_out",
 /// nonlinearity="relu")`.
-const KAIMING_NORMAL_FAN_OUT: Init = Init::Kaiming {
-    dist: nn::init::NormalOrUniform::Normal,
-    fan: nn::init::FanInOut::FanOut,
-    non_linearity: nn::init::NonLinearity::ReLU,
-};
+const KAIMING_NORMAL_FAN_OUT: Init =
+    Init::Kaiming { dist: nn::init::NormalOrUniform::Normal, fan: nn::init::FanInOut::FanOut, non_linearity: nn::init::NonLinearity::ReLU };
 
 /// PyTorch's default weight init for `nn.Linear` and `nn.Conv2d`: `kaiming_uniform_(a=√5)`,
 /// i.e. U(−1/√fan_in, 1/√fan_in). tch's own default (`DEFAULT_KAIMING_UNIFORM`) uses the ReLU
@@ -174,10 +161,7 @@ const TORCH_DEFAULT_WEIGHT: Init = Init::Kaiming {
 
 /// `nn.Linear` with PyTorch's default init. (tch's default bias init, U(±1/√in), already matches.)
 fn torch_linear(vs: nn::Path, in_dim: i64, out_dim: i64) -> nn::Linear {
-    let config = nn::LinearConfig {
-        ws_init: TORCH_DEFAULT_WEIGHT,
-        ..Default::default()
-    };
+    let config = nn::LinearConfig { ws_init: TORCH_DEFAULT_WEIGHT, ..Default::default() };
     nn::linear(vs, in_dim, out_dim, config)
 }
 
@@ -186,11 +170,7 @@ fn torch_linear(vs: nn::Path, in_dim: i64, out_dim: i64) -> nn::Linear {
 /// batch statistic in the running average), so they stay. In a frozen block it keeps its
 /// running statistics ([`freeze::BatchNorm`]).
 fn batch_norm(vs: nn::Path, channels: i64) -> BatchNorm {
-    let config = nn::BatchNormConfig {
-        ws_init: Init::Const(1.),
-        bs_init: Init::Const(0.),
-        ..Default::default()
-    };
+    let config = nn::BatchNormConfig { ws_init: Init::Const(1.), bs_init: Init::Const(0.), ..Default::default() };
     BatchNorm(nn::batch_norm2d(vs, channels, config))
 }
 
@@ -220,11 +200,7 @@ const MIN_IMAGENET_SIDE: i64 = 32;
 /// CIFAR-10's 3×32×32 images pass through unchanged.
 fn imagenet_input(xs: &Tensor) -> Tensor {
     let (_, channels, height, width) = xs.size4().expect("model input must be [N, C, H, W]");
-    let xs = if channels == 1 {
-        xs.repeat([1, 3, 1, 1])
-    } else {
-        xs.shallow_clone()
-    };
+    let xs = if channels == 1 { xs.repeat([1, 3, 1, 1]) } else { xs.shallow_clone() };
     let pad = |side: i64| {
         let total = (MIN_IMAGENET_SIDE - side).max(0);
         [total / 2, total - total / 2]

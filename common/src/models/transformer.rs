@@ -207,14 +207,7 @@ impl TransformerConfig {
     /// 4 heads, 3 layers, dropout 0.2. (There is no `Default`: the vocabulary comes from the
     /// data.)
     pub fn course(ntoken: i64) -> Self {
-        TransformerConfig {
-            ntoken,
-            d_model: 1024,
-            nhead: 4,
-            d_hid: 1024,
-            nlayers: 3,
-            dropout: 0.2,
-        }
+        TransformerConfig { ntoken, d_model: 1024, nhead: 4, d_hid: 1024, nlayers: 3, dropout: 0.2 }
     }
 
     /// Checks the configuration once, where it is made: a usage error naming the flag (the
@@ -256,13 +249,7 @@ impl TransformerConfig {
 /// projection and output projection, with biases), feed-forward `2·d·d_hid + d_hid + d`, two
 /// layer norms `4d`. The course's model at V = 28,782 has 77,879,406.
 pub fn param_count_formula(cfg: &TransformerConfig) -> i64 {
-    let TransformerConfig {
-        ntoken: v,
-        d_model: d,
-        d_hid: h,
-        nlayers,
-        ..
-    } = *cfg;
+    let TransformerConfig { ntoken: v, d_model: d, d_hid: h, nlayers, .. } = *cfg;
     let attention = 4 * d * d + 4 * d;
     let feed_forward = 2 * d * h + h + d;
     let norms = 4 * d;
@@ -295,25 +282,9 @@ impl SelfAttention {
         let d = cfg.d_model;
         let local = d / shard.count as i64;
         let xavier = (6.0 / (d + 3 * d) as f64).sqrt();
-        let out_proj = nn::linear(
-            vs / "out_proj",
-            local,
-            d,
-            nn::LinearConfig {
-                ws_init: TORCH_DEFAULT_WEIGHT,
-                bs_init: Some(Init::Const(0.)),
-                bias: true,
-            },
-        );
+        let out_proj = nn::linear(vs / "out_proj", local, d, nn::LinearConfig { ws_init: TORCH_DEFAULT_WEIGHT, bs_init: Some(Init::Const(0.)), bias: true });
         SelfAttention {
-            in_proj_weight: vs.var(
-                "in_proj_weight",
-                &[3 * local, d],
-                Init::Uniform {
-                    lo: -xavier,
-                    up: xavier,
-                },
-            ),
+            in_proj_weight: vs.var("in_proj_weight", &[3 * local, d], Init::Uniform { lo: -xavier, up: xavier }),
             in_proj_bias: vs.var("in_proj_bias", &[3 * local], Init::Const(0.)),
             out_proj,
             nhead: cfg.nhead,
@@ -339,11 +310,7 @@ impl SelfAttention {
             .contiguous();
         // [seq, batch, d] → [batch, nhead, seq, head_dim] through the same (strided) views as
         // `multi_head_attention_forward`; the strides decide which attention kernel runs.
-        let heads = |t: Tensor| {
-            t.view([seq, batch * nhead, head_dim])
-                .transpose(0, 1)
-                .view([batch, nhead, seq, head_dim])
-        };
+        let heads = |t: Tensor| t.view([seq, batch * nhead, head_dim]).transpose(0, 1).view([batch, nhead, seq, head_dim]);
         let (q, k, v) = (heads(qkv.get(0)), heads(qkv.get(1)), heads(qkv.get(2)));
         // The fused kernel with `is_causal` builds the causal mask itself (no mask tensor to
         // make or cache) and drops attention weights with probability `dropout_p`, as torch's
@@ -368,12 +335,7 @@ impl SelfAttention {
     }
 
     fn parameters(&self) -> [&Tensor; 4] {
-        [
-            &self.in_proj_weight,
-            &self.in_proj_bias,
-            &self.out_proj.ws,
-            self.out_proj.bs.as_ref().expect("out_proj has a bias"),
-        ]
+        [&self.in_proj_weight, &self.in_proj_bias, &self.out_proj.ws, self.out_proj.bs.as_ref().expect("out_proj has a bias")]
     }
 }
 
@@ -480,9 +442,7 @@ impl ModuleT for EncoderLayer {
 /// and dtypes (int64 positions, float32 frequencies) so that it equals the buffer bit for bit.
 fn positional_encoding(d_model: i64, device: Device) -> Tensor {
     let position = Tensor::arange(MAX_LEN, (Kind::Int64, device)).unsqueeze(1);
-    let div_term = (Tensor::arange_start_step(0, d_model, 2, (Kind::Int64, device))
-        * (-(10000f64.ln()) / d_model as f64))
-        .exp();
+    let div_term = (Tensor::arange_start_step(0, d_model, 2, (Kind::Int64, device)) * (-(10000f64.ln()) / d_model as f64)).exp();
     // [MAX_LEN, d_model / 2], float32 (int64 × float32 promotes as in torch).
     let angles = position * div_term;
     // Interleave: even features the sines, odd features the cosines.
@@ -523,13 +483,7 @@ impl TokenEmbedding {
             root / names::EMBEDDING,
             cfg.ntoken / shard.count as i64,
             cfg.d_model,
-            nn::EmbeddingConfig {
-                ws_init: Init::Uniform {
-                    lo: -INIT_RANGE,
-                    up: INIT_RANGE,
-                },
-                ..Default::default()
-            },
+            nn::EmbeddingConfig { ws_init: Init::Uniform { lo: -INIT_RANGE, up: INIT_RANGE }, ..Default::default() },
         );
         Ok(TokenEmbedding {
             embedding,
@@ -558,11 +512,7 @@ impl TokenEmbedding {
     /// for the others' words, summed over `group` (Megatron's g; one all-reduce).
     pub fn forward_sharded(&self, src: &Tensor, train: bool, masks: Masks, group: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
         let seq_len = src.size().first().copied().unwrap_or(0);
-        assert!(
-            src.dim() == 2 && seq_len <= MAX_LEN,
-            "input must be token ids [seq_len ≤ {MAX_LEN}, batch], got shape {:?}",
-            src.size()
-        );
+        assert!(src.dim() == 2 && seq_len <= MAX_LEN, "input must be token ids [seq_len ≤ {MAX_LEN}, batch], got shape {:?}", src.size());
         let embedded = match shard_group(self.shard, group)? {
             None => src.apply(&self.embedding),
             Some(group) => {
@@ -574,11 +524,7 @@ impl TokenEmbedding {
             }
         };
         let xs = embedded * (self.d_model as f64).sqrt();
-        let positions = self
-            .pos_encoding
-            .narrow(0, 0, seq_len)
-            .to_device(xs.device())
-            .to_kind(xs.kind());
+        let positions = self.pos_encoding.narrow(0, 0, seq_len).to_device(xs.device()).to_kind(xs.kind());
         Ok(masks.dropout(&(xs + positions), self.dropout, train, Site::Embedding))
     }
 }
@@ -596,14 +542,7 @@ pub fn output_layer_sharded(root: &nn::Path, cfg: &TransformerConfig, shard: Sha
         root / names::OUTPUT,
         cfg.d_model,
         cfg.ntoken / shard.count as i64,
-        nn::LinearConfig {
-            ws_init: Init::Uniform {
-                lo: -INIT_RANGE,
-                up: INIT_RANGE,
-            },
-            bs_init: Some(Init::Const(0.)),
-            bias: true,
-        },
+        nn::LinearConfig { ws_init: Init::Uniform { lo: -INIT_RANGE, up: INIT_RANGE }, bs_init: Some(Init::Const(0.)), bias: true },
     )
 }
 
@@ -650,11 +589,7 @@ impl TransformerLm {
     ///
     /// A usage error (from [`TransformerConfig::validate`]) for an impossible configuration.
     pub fn new(root: &nn::Path, cfg: &TransformerConfig) -> Result<Self, UsageError> {
-        Ok(TransformerLm {
-            embedding: TokenEmbedding::new(root, cfg)?,
-            layers: encoder_layers(root, cfg, 0..cfg.nlayers)?,
-            linear: output_layer(root, cfg),
-        })
+        Ok(TransformerLm { embedding: TokenEmbedding::new(root, cfg)?, layers: encoder_layers(root, cfg, 0..cfg.nlayers)?, linear: output_layer(root, cfg) })
     }
 
     /// The first stage: token ids `[seq_len, batch]` → `[seq_len, batch, d_model]`.
@@ -697,9 +632,7 @@ impl super::PartedModule for TransformerLm {
 
 impl ModuleT for TransformerLm {
     fn forward_t(&self, src: &Tensor, train: bool) -> Tensor {
-        let hidden = self.layers.iter().fold(self.embed(src, train), |h, layer| {
-            layer.forward_t(&h, train)
-        });
+        let hidden = self.layers.iter().fold(self.embed(src, train), |h, layer| layer.forward_t(&h, train));
         self.decode(&hidden)
     }
 }

@@ -194,7 +194,13 @@ mod tests {
 
     #[test]
     fn an_unknown_name_is_an_error_that_names_it_not_a_replicated_tensor() {
-        for name in ["linear1.weight", "transformer_encoder.layers.x.linear1.weight", "transformer_encoder.layers.0.linear3.weight", "decoder.weight", "exp_avg.decoder.weight"] {
+        for name in [
+            "linear1.weight",
+            "transformer_encoder.layers.x.linear1.weight",
+            "transformer_encoder.layers.0.linear3.weight",
+            "decoder.weight",
+            "exp_avg.decoder.weight",
+        ] {
             let err = split_of_named(name, 2).unwrap_err();
             assert_eq!(err.0, name);
             assert!(err.to_string().contains(&format!("`{name}` is not a variable of the Transformer")), "{err}");

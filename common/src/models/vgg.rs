@@ -70,14 +70,7 @@ pub(super) struct Vgg {
 
 /// torchvision's `nn.Linear` init in VGG: N(0, 0.01) weights, zero bias.
 fn linear(vs: nn::Path, in_dim: i64, out_dim: i64) -> nn::Linear {
-    let config = nn::LinearConfig {
-        ws_init: Init::Randn {
-            mean: 0.,
-            stdev: 0.01,
-        },
-        bs_init: Some(Init::Const(0.)),
-        bias: true,
-    };
+    let config = nn::LinearConfig { ws_init: Init::Randn { mean: 0., stdev: 0.01 }, bs_init: Some(Init::Const(0.)), bias: true };
     nn::linear(vs, in_dim, out_dim, config)
 }
 
@@ -87,11 +80,7 @@ impl Vgg {
     }
 
     fn new(vs: &nn::Path, config: &[Layer], spec: &ModelSpec) -> Vgg {
-        let conv_config = nn::ConvConfig {
-            padding: 1,
-            ws_init: KAIMING_NORMAL_FAN_OUT,
-            ..Default::default()
-        };
+        let conv_config = nn::ConvConfig { padding: 1, ws_init: KAIMING_NORMAL_FAN_OUT, ..Default::default() };
         let features_vs = vs / "features";
         let mut features = Vec::with_capacity(config.len());
         let mut in_dim = imagenet_stem_channels(spec.in_channels);
@@ -118,15 +107,12 @@ impl Vgg {
 
 impl ModuleT for Vgg {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        let features = self
-            .features
-            .iter()
-            .fold(imagenet_input(xs), |xs, layer| match layer {
-                // In place, as torchvision's `ReLU(inplace=True)`: a convolution's backward
-                // needs its input, not its output.
-                Feature::Conv(conv) => xs.apply(conv).relu_(),
-                Feature::MaxPool => xs.max_pool2d_default(2),
-            });
+        let features = self.features.iter().fold(imagenet_input(xs), |xs, layer| match layer {
+            // In place, as torchvision's `ReLU(inplace=True)`: a convolution's backward
+            // needs its input, not its output.
+            Feature::Conv(conv) => xs.apply(conv).relu_(),
+            Feature::MaxPool => xs.max_pool2d_default(2),
+        });
         let [fc0, fc3, fc6] = &self.fc;
         features
             .adaptive_avg_pool2d([POOLED_SIDE, POOLED_SIDE])

@@ -54,10 +54,7 @@ impl LoadedWeights {
 /// Fails, copying nothing, if a variable is missing from the file, a shape outside the head
 /// differs, or the file holds tensors the model does not have.
 pub fn load_weights(vs: &nn::VarStore, path: &Path, head: &Block) -> anyhow::Result<LoadedWeights> {
-    let mut file: BTreeMap<String, Tensor> = read_named_tensors(path)?
-        .into_iter()
-        .filter(|(name, _)| !name.ends_with(IGNORED_SUFFIX))
-        .collect();
+    let mut file: BTreeMap<String, Tensor> = read_named_tensors(path)?.into_iter().filter(|(name, _)| !name.ends_with(IGNORED_SUFFIX)).collect();
     if crate::checkpoint::holds_checkpoint(file.keys().map(String::as_str)) {
         let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         bail!(
@@ -76,36 +73,17 @@ pub fn load_weights(vs: &nn::VarStore, path: &Path, head: &Block) -> anyhow::Res
     for (name, var) in model.iter().filter(|(name, _)| !new_head.contains(name)) {
         match file.get(name) {
             None => missing.push(name.clone()),
-            Some(t) if t.size() != var.size() => mismatched.push(format!(
-                "{name}: file {:?} vs model {:?}",
-                t.size(),
-                var.size()
-            )),
+            Some(t) if t.size() != var.size() => mismatched.push(format!("{name}: file {:?} vs model {:?}", t.size(), var.size())),
             Some(_) => {}
         }
     }
-    let unexpected: Vec<String> = file
-        .keys()
-        .filter(|name| !model.contains_key(*name))
-        .cloned()
-        .collect();
+    let unexpected: Vec<String> = file.keys().filter(|name| !model.contains_key(*name)).cloned().collect();
     if !(missing.is_empty() && mismatched.is_empty() && unexpected.is_empty()) {
-        let sections = [
-            ("missing from the file", &missing),
-            ("shape mismatches", &mismatched),
-            ("unexpected in the file", &unexpected),
-        ];
+        let sections = [("missing from the file", &missing), ("shape mismatches", &mismatched), ("unexpected in the file", &unexpected)];
         // One line: binaries print only the first line of an error.
-        let details: Vec<String> = sections
-            .iter()
-            .filter(|(_, names)| !names.is_empty())
-            .map(|(what, names)| format!("{what} ({}): {}", names.len(), capped_list(names)))
-            .collect();
-        bail!(
-            "weights file {} does not fit the model: {}",
-            path.display(),
-            details.join("; ")
-        );
+        let details: Vec<String> =
+            sections.iter().filter(|(_, names)| !names.is_empty()).map(|(what, names)| format!("{what} ({}): {}", names.len(), capped_list(names))).collect();
+        bail!("weights file {} does not fit the model: {}", path.display(), details.join("; "));
     }
 
     let mut loaded = 0;
@@ -113,8 +91,7 @@ pub fn load_weights(vs: &nn::VarStore, path: &Path, head: &Block) -> anyhow::Res
         for (name, var) in model.iter().filter(|(name, _)| !new_head.contains(name)) {
             let src = file.remove(name).expect("checked above");
             // `var` shares storage with the var store, so the in-place copy updates the model.
-            var.shallow_clone()
-                .copy_(&src.to_device(var.device()).to_kind(var.kind()));
+            var.shallow_clone().copy_(&src.to_device(var.device()).to_kind(var.kind()));
             loaded += 1;
         }
     });
@@ -129,22 +106,14 @@ fn read_named_tensors(path: &Path) -> anyhow::Result<Vec<(String, Tensor)>> {
     let read = match path.extension().and_then(|ext| ext.to_str()) {
         Some("safetensors") => Tensor::read_safetensors(path),
         Some("ot") => Tensor::load_multi(path),
-        _ => bail!(
-            "weights file {} has an unsupported format: expected a .safetensors or .ot file",
-            path.display()
-        ),
+        _ => bail!("weights file {} has an unsupported format: expected a .safetensors or .ot file", path.display()),
     };
     read.with_context(|| format!("cannot read weights file {}", path.display()))
 }
 
 /// `a, b, c` with at most [`MAX_LISTED`] entries, then `... and N more`.
 fn capped_list(items: &[String]) -> String {
-    let mut list = items
-        .iter()
-        .take(MAX_LISTED)
-        .cloned()
-        .collect::<Vec<_>>()
-        .join(", ");
+    let mut list = items.iter().take(MAX_LISTED).cloned().collect::<Vec<_>>().join(", ");
     if items.len() > MAX_LISTED {
         list.push_str(&format!(", ... and {} more", items.len() - MAX_LISTED));
     }

@@ -29,13 +29,7 @@ pub struct AdamConfig {
 
 impl Default for AdamConfig {
     fn default() -> Self {
-        AdamConfig {
-            lr: 1e-3,
-            betas: (0.9, 0.999),
-            eps: 1e-8,
-            weight_decay: 0.0,
-            fused: None,
-        }
+        AdamConfig { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, fused: None }
     }
 }
 
@@ -61,32 +55,19 @@ struct AdamState {
 }
 
 impl ParamState for AdamState {
-    const ENTRIES: &'static [(&'static str, EntryKind)] = &[
-        ("step", EntryKind::Count),
-        ("exp_avg", EntryKind::LikeParam),
-        ("exp_avg_sq", EntryKind::LikeParam),
-    ];
+    const ENTRIES: &'static [(&'static str, EntryKind)] =
+        &[("step", EntryKind::Count), ("exp_avg", EntryKind::LikeParam), ("exp_avg_sq", EntryKind::LikeParam)];
 
     fn to_tensors(&self) -> Vec<Tensor> {
         // The fused kernel's count is the true one: a CUDA graph replays its increments without
         // the host's `step` seeing them.
         let step = self.step_tensor.as_ref().map_or(self.step, |t| t.double_value(&[]) as i64);
-        vec![
-            Tensor::from(step),
-            self.exp_avg.shallow_clone(),
-            self.exp_avg_sq.shallow_clone(),
-        ]
+        vec![Tensor::from(step), self.exp_avg.shallow_clone(), self.exp_avg_sq.shallow_clone()]
     }
 
     fn from_tensors(tensors: Vec<Tensor>) -> Self {
-        let [step, exp_avg, exp_avg_sq]: [Tensor; 3] =
-            tensors.try_into().expect("one tensor per entry");
-        AdamState {
-            step: step.int64_value(&[]),
-            exp_avg,
-            exp_avg_sq,
-            step_tensor: None,
-        }
+        let [step, exp_avg, exp_avg_sq]: [Tensor; 3] = tensors.try_into().expect("one tensor per entry");
+        AdamState { step: step.int64_value(&[]), exp_avg, exp_avg_sq, step_tensor: None }
     }
 }
 
@@ -98,26 +79,13 @@ impl Adam {
     /// On a hyper-parameter torch rejects (negative `lr`, `eps` or `weight_decay`, a beta outside
     /// `[0, 1)`), or on two parameters with the same name.
     pub fn new(params: Vec<(String, Tensor)>, config: AdamConfig) -> Self {
-        let AdamConfig {
-            lr,
-            betas: (beta1, beta2),
-            eps,
-            weight_decay,
-            ..
-        } = config;
+        let AdamConfig { lr, betas: (beta1, beta2), eps, weight_decay, .. } = config;
         assert!(lr >= 0.0, "Adam: invalid learning rate {lr}");
         assert!(eps >= 0.0, "Adam: invalid epsilon {eps}");
         assert!((0.0..1.0).contains(&beta1), "Adam: invalid beta1 {beta1}");
         assert!((0.0..1.0).contains(&beta2), "Adam: invalid beta2 {beta2}");
-        assert!(
-            weight_decay >= 0.0,
-            "Adam: invalid weight decay {weight_decay}"
-        );
-        Adam {
-            slots: Slots::new(params),
-            config,
-            lr_device: DeviceLr::default(),
-        }
+        assert!(weight_decay >= 0.0, "Adam: invalid weight decay {weight_decay}");
+        Adam { slots: Slots::new(params), config, lr_device: DeviceLr::default() }
     }
 
     /// The hyper-parameters (with the current learning rate).
@@ -175,28 +143,15 @@ fn update(
 
 impl Optimizer for Adam {
     fn step(&mut self) -> Result<()> {
-        let AdamConfig {
-            lr,
-            betas: (beta1, beta2),
-            eps,
-            weight_decay,
-            fused,
-        } = self.config;
+        let AdamConfig { lr, betas: (beta1, beta2), eps, weight_decay, fused } = self.config;
         let mut jobs = Vec::new();
         // Parameters for LibTorch's fused kernel, by device and kind (one call per group).
         let mut groups: Vec<FusedGroup> = Vec::new();
         self.slots.update_each(|param, grad, state| {
-            let state = state.get_or_insert_with(|| AdamState {
-                step: 0,
-                exp_avg: param.zeros_like(),
-                exp_avg_sq: param.zeros_like(),
-                step_tensor: None,
-            });
+            let state = state.get_or_insert_with(|| AdamState { step: 0, exp_avg: param.zeros_like(), exp_avg_sq: param.zeros_like(), step_tensor: None });
             if fused.unwrap_or(param.device().is_cuda()) {
                 let step = state.step;
-                let step_tensor = state
-                    .step_tensor
-                    .get_or_insert_with(|| Tensor::full([], step as f64, (tch::Kind::Float, param.device())));
+                let step_tensor = state.step_tensor.get_or_insert_with(|| Tensor::full([], step as f64, (tch::Kind::Float, param.device())));
                 state.step += 1;
                 let key = (param.device(), param.kind());
                 let index = match groups.iter().position(|g| g.key == key) {
@@ -264,7 +219,10 @@ impl Optimizer for Adam {
     }
 
     fn make_capturable(&mut self) -> Result<()> {
-        anyhow::ensure!(self.config.fused != Some(false), "--cuda-graph needs Adam's fused kernel (its per-parameter path bakes the learning rate into each launch)");
+        anyhow::ensure!(
+            self.config.fused != Some(false),
+            "--cuda-graph needs Adam's fused kernel (its per-parameter path bakes the learning rate into each launch)"
+        );
         self.lr_device.capturable = true;
         Ok(())
     }

@@ -147,9 +147,7 @@ impl DeviceLr {
 }
 
 /// Which optimizer to train with (a command-line choice).
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum OptimizerKind {
     /// `torch.optim.Adam`
@@ -225,11 +223,7 @@ impl std::fmt::Display for OptimizerKind {
 /// an error (torch's default `error_if_nonfinite=False`).
 pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
     tch::no_grad(|| {
-        let mut grads: Vec<Tensor> = params
-            .iter()
-            .map(Tensor::grad)
-            .filter(Tensor::defined)
-            .collect();
+        let mut grads: Vec<Tensor> = params.iter().map(Tensor::grad).filter(Tensor::defined).collect();
         let Some(first) = grads.first() else {
             return 0.0;
         };
@@ -357,26 +351,13 @@ impl<S: ParamState> Slots<S> {
     fn new(params: Vec<(String, Tensor)>) -> Self {
         let mut seen = HashSet::new();
         for (name, _) in &params {
-            assert!(
-                seen.insert(name.as_str()),
-                "optimizer: duplicate parameter name `{name}`"
-            );
+            assert!(seen.insert(name.as_str()), "optimizer: duplicate parameter name `{name}`");
         }
-        let mut grad_reset = tch::COptimizer::sgd(0.0, 0.0, 0.0, 0.0, false)
-            .expect("LibTorch can create an SGD optimizer");
+        let mut grad_reset = tch::COptimizer::sgd(0.0, 0.0, 0.0, 0.0, false).expect("LibTorch can create an SGD optimizer");
         for (_, param) in &params {
-            grad_reset
-                .add_parameters(param, 0)
-                .expect("LibTorch accepts a parameter");
+            grad_reset.add_parameters(param, 0).expect("LibTorch accepts a parameter");
         }
-        let slots = params
-            .into_iter()
-            .map(|(name, param)| Slot {
-                name,
-                param,
-                state: None,
-            })
-            .collect();
+        let slots = params.into_iter().map(|(name, param)| Slot { name, param, state: None }).collect();
         Slots { slots, grad_reset }
     }
 
@@ -394,9 +375,7 @@ impl<S: ParamState> Slots<S> {
     }
 
     fn zero_grad(&mut self) {
-        self.grad_reset
-            .zero_grad()
-            .expect("LibTorch resets the gradients");
+        self.grad_reset.zero_grad().expect("LibTorch resets the gradients");
     }
 
     fn state_tensors(&self) -> Vec<(String, Tensor)> {
@@ -417,14 +396,8 @@ impl<S: ParamState> Slots<S> {
         let mut used = 0;
         let mut loaded = Vec::with_capacity(self.slots.len());
         for slot in &self.slots {
-            let keys: Vec<String> = S::ENTRIES
-                .iter()
-                .map(|(entry, _)| state_key(entry, &slot.name))
-                .collect();
-            let present = keys
-                .iter()
-                .filter(|k| state.contains_key(k.as_str()))
-                .count();
+            let keys: Vec<String> = S::ENTRIES.iter().map(|(entry, _)| state_key(entry, &slot.name)).collect();
+            let present = keys.iter().filter(|k| state.contains_key(k.as_str())).count();
             if present == 0 {
                 loaded.push(None);
                 continue;
@@ -432,10 +405,7 @@ impl<S: ParamState> Slots<S> {
             let mut tensors = Vec::with_capacity(keys.len());
             for (key, &(_, kind)) in keys.iter().zip(S::ENTRIES) {
                 let Some(tensor) = state.get(key) else {
-                    let found = keys
-                        .iter()
-                        .find(|k| state.contains_key(k.as_str()))
-                        .unwrap();
+                    let found = keys.iter().find(|k| state.contains_key(k.as_str())).unwrap();
                     bail!("optimizer state is missing tensor `{key}` (it has `{found}` of the same parameter)");
                 };
                 tensors.push(load_entry(key, tensor, kind, &slot.param)?);
@@ -444,25 +414,10 @@ impl<S: ParamState> Slots<S> {
             loaded.push(Some(S::from_tensors(tensors)));
         }
         if used < state.len() {
-            let expected: HashSet<String> = self
-                .slots
-                .iter()
-                .flat_map(|s| {
-                    S::ENTRIES
-                        .iter()
-                        .map(|(entry, _)| state_key(entry, &s.name))
-                })
-                .collect();
-            let mut unexpected: Vec<&String> = state
-                .keys()
-                .filter(|k| !expected.contains(k.as_str()))
-                .collect();
+            let expected: HashSet<String> = self.slots.iter().flat_map(|s| S::ENTRIES.iter().map(|(entry, _)| state_key(entry, &s.name))).collect();
+            let mut unexpected: Vec<&String> = state.keys().filter(|k| !expected.contains(k.as_str())).collect();
             unexpected.sort();
-            bail!(
-                "optimizer state has {} unexpected tensor(s), e.g. `{}`: it belongs to another model or optimizer",
-                unexpected.len(),
-                unexpected[0]
-            );
+            bail!("optimizer state has {} unexpected tensor(s), e.g. `{}`: it belongs to another model or optimizer", unexpected.len(), unexpected[0]);
         }
         for (slot, state) in self.slots.iter_mut().zip(loaded) {
             slot.state = state;
@@ -496,9 +451,7 @@ fn load_entry(key: &str, tensor: &Tensor, kind: EntryKind, param: &Tensor) -> Re
         EntryKind::Count => {
             let value = match tensor.size().as_slice() {
                 [] | [1] => tensor.to_kind(Kind::Double).double_value(&[]),
-                shape => bail!(
-                    "optimizer state tensor `{key}` has shape {shape:?}, expected a single number"
-                ),
+                shape => bail!("optimizer state tensor `{key}` has shape {shape:?}, expected a single number"),
             };
             if !(value >= 0.0 && value.fract() == 0.0 && value <= i64::MAX as f64) {
                 bail!("optimizer state tensor `{key}` holds {value}, expected a whole number of steps");

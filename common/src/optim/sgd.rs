@@ -31,14 +31,7 @@ pub struct SgdConfig {
 
 impl Default for SgdConfig {
     fn default() -> Self {
-        SgdConfig {
-            lr: 0.01,
-            momentum: 0.0,
-            dampening: 0.0,
-            weight_decay: 0.0,
-            nesterov: false,
-            fused: None,
-        }
+        SgdConfig { lr: 0.01, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false, fused: None }
     }
 }
 
@@ -56,8 +49,7 @@ struct SgdState {
 }
 
 impl ParamState for SgdState {
-    const ENTRIES: &'static [(&'static str, EntryKind)] =
-        &[("momentum_buffer", EntryKind::LikeParam)];
+    const ENTRIES: &'static [(&'static str, EntryKind)] = &[("momentum_buffer", EntryKind::LikeParam)];
 
     fn to_tensors(&self) -> Vec<Tensor> {
         vec![self.momentum_buffer.shallow_clone()]
@@ -77,29 +69,12 @@ impl Sgd {
     /// On a configuration torch rejects (negative `lr`, `momentum` or `weight_decay`; Nesterov
     /// without momentum or with dampening), or on two parameters with the same name.
     pub fn new(params: Vec<(String, Tensor)>, config: SgdConfig) -> Self {
-        let SgdConfig {
-            lr,
-            momentum,
-            dampening,
-            weight_decay,
-            nesterov,
-            ..
-        } = config;
+        let SgdConfig { lr, momentum, dampening, weight_decay, nesterov, .. } = config;
         assert!(lr >= 0.0, "SGD: invalid learning rate {lr}");
         assert!(momentum >= 0.0, "SGD: invalid momentum {momentum}");
-        assert!(
-            weight_decay >= 0.0,
-            "SGD: invalid weight decay {weight_decay}"
-        );
-        assert!(
-            !nesterov || (momentum > 0.0 && dampening == 0.0),
-            "SGD: Nesterov momentum requires a momentum and zero dampening"
-        );
-        Sgd {
-            slots: Slots::new(params),
-            config,
-            lr_device: DeviceLr::default(),
-        }
+        assert!(weight_decay >= 0.0, "SGD: invalid weight decay {weight_decay}");
+        assert!(!nesterov || (momentum > 0.0 && dampening == 0.0), "SGD: Nesterov momentum requires a momentum and zero dampening");
+        Sgd { slots: Slots::new(params), config, lr_device: DeviceLr::default() }
     }
 
     /// The hyper-parameters (with the current learning rate).
@@ -110,14 +85,7 @@ impl Sgd {
 
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
-        let SgdConfig {
-            lr,
-            momentum,
-            dampening,
-            weight_decay,
-            nesterov,
-            fused,
-        } = self.config;
+        let SgdConfig { lr, momentum, dampening, weight_decay, nesterov, fused } = self.config;
         // Parameters for LibTorch's fused kernel, by device, kind and whether their momentum
         // buffers are new (the kernel then starts them at the gradient, as torch does).
         let mut groups: Vec<((tch::Device, tch::Kind, bool), [Vec<Tensor>; 3])> = Vec::new();
@@ -139,34 +107,18 @@ impl Optimizer for Sgd {
                 }
                 return;
             }
-            let mut grad = if weight_decay != 0.0 {
-                add_scaled(grad, param, weight_decay)
-            } else {
-                grad.shallow_clone()
-            };
+            let mut grad = if weight_decay != 0.0 { add_scaled(grad, param, weight_decay) } else { grad.shallow_clone() };
             if momentum != 0.0 {
                 let buf = match state {
                     // torch starts the buffer at the (decayed) gradient itself, undampened.
-                    None => {
-                        &state
-                            .insert(SgdState {
-                                momentum_buffer: grad.copy(),
-                            })
-                            .momentum_buffer
-                    }
-                    Some(SgdState {
-                        momentum_buffer: buf,
-                    }) => {
+                    None => &state.insert(SgdState { momentum_buffer: grad.copy() }).momentum_buffer,
+                    Some(SgdState { momentum_buffer: buf }) => {
                         let _ = buf.g_mul_scalar_(momentum);
                         add_scaled_(buf, &grad, 1.0 - dampening);
                         buf
                     }
                 };
-                grad = if nesterov {
-                    add_scaled(&grad, buf, momentum)
-                } else {
-                    buf.shallow_clone()
-                };
+                grad = if nesterov { add_scaled(&grad, buf, momentum) } else { buf.shallow_clone() };
             }
             add_scaled_(param, &grad, -lr);
         });
@@ -202,7 +154,10 @@ impl Optimizer for Sgd {
     }
 
     fn make_capturable(&mut self) -> Result<()> {
-        anyhow::ensure!(self.config.fused != Some(false), "--cuda-graph needs SGD's fused kernel (its per-parameter path bakes the learning rate into each launch)");
+        anyhow::ensure!(
+            self.config.fused != Some(false),
+            "--cuda-graph needs SGD's fused kernel (its per-parameter path bakes the learning rate into each launch)"
+        );
         self.lr_device.capturable = true;
         Ok(())
     }

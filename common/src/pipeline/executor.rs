@@ -190,9 +190,8 @@ pub fn run_device(
                     false => Some(stash.take(next.as_deref_mut().ok_or_else(|| missing("next", op))?, op, on)?),
                 };
                 start_s = clock.elapsed().as_secs_f64();
-                let Saved { input, output } = saved
-                    .remove(&(op.stage, m))
-                    .with_context(|| format!("stage {}: backward of micro-batch {m} before its forward", op.stage))?;
+                let Saved { input, output } =
+                    saved.remove(&(op.stage, m)).with_context(|| format!("stage {}: backward of micro-batch {m} before its forward", op.stage))?;
                 let output = match output {
                     Some(output) => output,
                     None => finish(stage, m, forward(stage, m, &input, options.train)?, None)?,
@@ -218,9 +217,5 @@ pub fn run_device(
     }
     stash.check_empty()?;
     let last = stages.iter().any(|s| s.is_last());
-    Ok(StageOutcome {
-        trace,
-        loss: loss_sum.map(|l| l.double_value(&[])),
-        hits: (last && !options.train).then(|| hits.int64_value(&[])),
-    })
+    Ok(StageOutcome { trace, loss: loss_sum.map(|l| l.double_value(&[])), hits: (last && !options.train).then(|| hits.int64_value(&[])) })
 }

@@ -144,11 +144,7 @@ impl Pipeline {
                     })
                 })
                 .collect();
-            handles
-                .into_iter()
-                .enumerate()
-                .map(|(i, handle)| handle.join().unwrap_or_else(|_| Err(anyhow!("pipeline stage {i} panicked"))))
-                .collect()
+            handles.into_iter().enumerate().map(|(i, handle)| handle.join().unwrap_or_else(|_| Err(anyhow!("pipeline stage {i} panicked")))).collect()
         });
         let wall_s = clock.elapsed().as_secs_f64();
         let mut report = StepReport { loss: f64::NAN, hits: 0, wall_s, stage_busy_s: Vec::new(), traces: Vec::new() };

@@ -130,9 +130,7 @@ fn evaluate_batches(source: &dyn BatchSource, mut run: impl FnMut(&Tensor, &Tens
 pub fn split_batch(batch: &Tensor, chunks: usize) -> Result<(Vec<Tensor>, Vec<f64>)> {
     let n = batch.size()[1];
     if chunks == 0 || chunks as i64 > n {
-        return usage(format!(
-            "--chunks {chunks} must be between 1 and the batch's {n} sequences (each micro-batch needs one)"
-        ));
+        return usage(format!("--chunks {chunks} must be between 1 and the batch's {n} sequences (each micro-batch needs one)"));
     }
     let (base, extra) = (n / chunks as i64, n % chunks as i64);
     let sizes: Vec<i64> = (0..chunks as i64).map(|i| base + i64::from(i < extra)).collect();

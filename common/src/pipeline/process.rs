@@ -19,11 +19,11 @@ use super::link::{ChannelLink, Link};
 use super::{chunks_for, schedule, split_batch, Op, PipelineOptions, Placement, Schedule, Stage, StepReport};
 use crate::dist::layout::Groups;
 use crate::dist::tensor_parallel::Split;
-use crate::models::transformer_names::TransformerVariable;
-use crate::parallelize::DataParallelPlan;
 use crate::dist::transfer::{recv_labelled, send_labelled};
 use crate::dist::{GradientSync, ProcessGroup};
 use crate::error::usage;
+use crate::models::transformer_names::TransformerVariable;
+use crate::parallelize::DataParallelPlan;
 use crate::precision::Precision;
 use crate::train::{Batch, BatchSource, EvalSums, Parallel, Replication, StepContext, StepOutput, TrainStep};
 
@@ -85,7 +85,13 @@ impl<'g> StageProcess<'g> {
         let indices: Vec<usize> = stages.iter().map(|s| s.index).collect();
         anyhow::ensure!(indices == expected, "rank {} holds stages {indices:?}, but its place in the pipeline is stages {expected:?}", groups.world.rank());
         for stage in &stages {
-            anyhow::ensure!(stage.shard == groups.shard(), "stage {} is shard {:?}, but this rank's place is shard {:?}", stage.index, stage.shard, groups.shard());
+            anyhow::ensure!(
+                stage.shard == groups.shard(),
+                "stage {} is shard {:?}, but this rank's place is shard {:?}",
+                stage.index,
+                stage.shard,
+                groups.shard()
+            );
         }
         placement.check(options.schedule, options.chunks)?;
         let on = stages[0].device();
@@ -161,13 +167,7 @@ impl<'g> StageProcess<'g> {
             None => vec![mine.to_vec()],
         };
         let last = all.last().expect("at least one stage");
-        Ok(StepReport {
-            loss: last[1],
-            hits: last[2] as i64,
-            wall_s,
-            stage_busy_s: all.iter().map(|v| v[0]).collect(),
-            traces: vec![outcome.trace],
-        })
+        Ok(StepReport { loss: last[1], hits: last[2] as i64, wall_s, stage_busy_s: all.iter().map(|v| v[0]).collect(), traces: vec![outcome.trace] })
     }
 
     fn stage_options(&self, train: bool, precision: Precision, dropout_key: u64, loss_scale: f64) -> StageOptions {

@@ -88,11 +88,7 @@ impl Op {
 /// micro-batches to be a multiple of the devices ([`Placement::check`]).
 pub fn device_ops(schedule: Schedule, placement: Placement, device: usize, micro_batches: usize) -> Vec<Op> {
     assert!(device < placement.devices, "device {device} of {}", placement.devices);
-    assert!(
-        schedule == Schedule::Interleaved || placement.virtual_stages == 1,
-        "{} runs one stage per device",
-        schedule.name()
-    );
+    assert!(schedule == Schedule::Interleaved || placement.virtual_stages == 1, "{} runs one stage per device", schedule.name());
     assert!(
         schedule != Schedule::Interleaved || micro_batches.is_multiple_of(placement.devices),
         "interleaving {micro_batches} micro-batches over {} devices",
@@ -119,10 +115,7 @@ pub fn device_ops(schedule: Schedule, placement: Placement, device: usize, micro
 /// The forward passes alone (evaluation), in the schedule's visiting order: any number of
 /// micro-batches (an evaluation batch may be short), the last group then shorter.
 pub fn forward_ops(placement: Placement, device: usize, micro_batches: usize) -> Vec<Op> {
-    visiting_order(placement, micro_batches)
-        .into_iter()
-        .map(|(v, m)| Op::forward(v * placement.devices + device, m))
-        .collect()
+    visiting_order(placement, micro_batches).into_iter().map(|(v, m)| Op::forward(v * placement.devices + device, m)).collect()
 }
 
 /// The (virtual stage, micro-batch) pairs in the order a device visits them: the micro-batches
@@ -226,16 +219,14 @@ mod tests {
         // passes visit the stages in reverse, micro-batches in the same groups.
         let placement = Placement { devices: 2, virtual_stages: 2 };
         let ops = |device| device_ops(Schedule::Interleaved, placement, device, 4);
-        assert_eq!(ops(0), [
-            F(0, 0), F(0, 1), F(2, 0), F(2, 1),
-            F(0, 2), B(2, 0), F(0, 3), B(2, 1), F(2, 2), B(0, 0), F(2, 3), B(0, 1),
-            B(2, 2), B(2, 3), B(0, 2), B(0, 3),
-        ]);
-        assert_eq!(ops(1), [
-            F(1, 0), F(1, 1),
-            F(3, 0), B(3, 0), F(3, 1), B(3, 1), F(1, 2), B(1, 0), F(1, 3), B(1, 1), F(3, 2), B(3, 2), F(3, 3), B(3, 3),
-            B(1, 2), B(1, 3),
-        ]);
+        assert_eq!(
+            ops(0),
+            [F(0, 0), F(0, 1), F(2, 0), F(2, 1), F(0, 2), B(2, 0), F(0, 3), B(2, 1), F(2, 2), B(0, 0), F(2, 3), B(0, 1), B(2, 2), B(2, 3), B(0, 2), B(0, 3),]
+        );
+        assert_eq!(
+            ops(1),
+            [F(1, 0), F(1, 1), F(3, 0), B(3, 0), F(3, 1), B(3, 1), F(1, 2), B(1, 0), F(1, 3), B(1, 1), F(3, 2), B(3, 2), F(3, 3), B(3, 3), B(1, 2), B(1, 3),]
+        );
         assert_eq!((warmup(Schedule::Interleaved, placement, 0, 4), warmup(Schedule::Interleaved, placement, 1, 4)), (4, 2));
         // Evaluation: the same visiting order, forwards only, any number of micro-batches.
         assert_eq!(forward_ops(placement, 1, 3), [F(1, 0), F(1, 1), F(3, 0), F(3, 1), F(1, 2), F(3, 2)]);

@@ -6,12 +6,12 @@ use anyhow::{Context, Result};
 use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
 
+use super::LayerCosts;
 use crate::dist::tensor_parallel::{self as tp, Shard};
 use crate::dist::ProcessGroup;
 use crate::error::UsageError;
 use crate::models::transformer_names::TransformerVariable;
 use crate::models::{self, EncoderLayer, Masks, TokenEmbedding, TransformerConfig};
-use super::LayerCosts;
 
 /// Stage `index` of a pipeline: the token embedding (first stage), encoder layers
 /// `layer_range`, the output layer (last stage). Its variables carry the names they have in the
@@ -44,7 +44,15 @@ impl Stage {
     /// [`Stage::new`], drawn on the CPU from the same seeds), cut as Megatron cuts them, so that
     /// every number of shards starts from the same model. Only one whole layer is drawn: all
     /// layers start equal.
-    pub fn new_sharded(cfg: &TransformerConfig, index: usize, stages: usize, layer_range: Range<i64>, device: Device, seed: u64, shard: Shard) -> Result<Stage, UsageError> {
+    pub fn new_sharded(
+        cfg: &TransformerConfig,
+        index: usize,
+        stages: usize,
+        layer_range: Range<i64>,
+        device: Device,
+        seed: u64,
+        shard: Shard,
+    ) -> Result<Stage, UsageError> {
         cfg.validate_shards(shard.count)?;
         if shard.is_whole() {
             return Self::new(cfg, index, stages, layer_range, device, seed);
@@ -65,7 +73,15 @@ impl Stage {
         Ok(stage)
     }
 
-    fn build(cfg: &TransformerConfig, index: usize, stages: usize, layer_range: Range<i64>, device: Device, seed: u64, shard: Shard) -> Result<Stage, UsageError> {
+    fn build(
+        cfg: &TransformerConfig,
+        index: usize,
+        stages: usize,
+        layer_range: Range<i64>,
+        device: Device,
+        seed: u64,
+        shard: Shard,
+    ) -> Result<Stage, UsageError> {
         let vs = nn::VarStore::new(device);
         let root = vs.root();
         let seeded = |part: u64| tch::manual_seed(seed.wrapping_add(part) as i64);
@@ -144,11 +160,7 @@ impl Stage {
 
     /// Bytes of the stage's parameters (what a device must hold before any activation).
     pub fn parameter_bytes(&self) -> usize {
-        self.vs
-            .trainable_variables()
-            .iter()
-            .map(|t| t.numel() * t.kind().elt_size_in_bytes())
-            .sum()
+        self.vs.trainable_variables().iter().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum()
     }
 
     /// Overwrites the stage's variables with the same-named ones of `whole` (an unpartitioned
@@ -158,17 +170,9 @@ impl Stage {
         let source = whole.variables();
         tch::no_grad(|| {
             for (name, mut var) in self.vs.variables() {
-                let value = source
-                    .get(&name)
-                    .with_context(|| format!("the whole model has no variable `{name}`"))?;
+                let value = source.get(&name).with_context(|| format!("the whole model has no variable `{name}`"))?;
                 let value = tp::shard_tensor(value, TransformerVariable::parse(&name)?.split(), self.shard);
-                anyhow::ensure!(
-                    value.size() == var.size(),
-                    "`{name}`: shape {:?} in the whole model, {:?} in stage {}",
-                    value.size(),
-                    var.size(),
-                    self.index
-                );
+                anyhow::ensure!(value.size() == var.size(), "`{name}`: shape {:?} in the whole model, {:?} in stage {}", value.size(), var.size(), self.index);
                 var.copy_(&value);
             }
             Ok(())
@@ -179,9 +183,7 @@ impl Stage {
     /// `[seq_len, batch]`.
     pub fn loss(logits: &Tensor, targets: &Tensor) -> Tensor {
         let classes = *logits.size().last().expect("logits have a vocabulary dimension");
-        logits
-            .reshape([-1, classes])
-            .cross_entropy_for_logits(&targets.reshape([-1]).to_kind(Kind::Int64))
+        logits.reshape([-1, classes]).cross_entropy_for_logits(&targets.reshape([-1]).to_kind(Kind::Int64))
     }
 
     /// Measures the forward + backward time of the model's pieces on `device` for one

@@ -37,7 +37,8 @@ impl FromStr for StepWindow {
 
     /// `A..B` (steps A to B), or `A` (that step alone).
     fn from_str(text: &str) -> Result<StepWindow, String> {
-        let number = |s: &str| s.trim().parse::<usize>().map_err(|_| format!("'{text}' is not a window of steps: write A..B (steps A to B, from 1), e.g. 3..7"));
+        let number =
+            |s: &str| s.trim().parse::<usize>().map_err(|_| format!("'{text}' is not a window of steps: write A..B (steps A to B, from 1), e.g. 3..7"));
         let (first, last) = match text.split_once("..") {
             Some((a, b)) => (number(a)?, number(b.trim_start_matches('='))?),
             None => (number(text)?, number(text)?),

@@ -72,15 +72,7 @@ impl Profiler {
             return;
         }
         let us = |t: Instant| t.saturating_duration_since(self.origin).as_secs_f64() * 1e6;
-        self.events.push(TraceEvent {
-            name,
-            ph: "X",
-            ts: us(start),
-            dur: us(end) - us(start),
-            pid: self.rank,
-            tid,
-            args: EventArgs { step },
-        });
+        self.events.push(TraceEvent { name, ph: "X", ts: us(start), dur: us(end) - us(start), pid: self.rank, tid, args: EventArgs { step } });
     }
 
     /// Counts `seconds` of `phase` in the table, without an interval in the trace.

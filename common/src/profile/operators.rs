@@ -178,7 +178,11 @@ impl OperatorTable {
         let ms = |us: f64| format!("{:.3}", us / 1e3);
         let share = |part: f64, all: f64| if all > 0.0 { format!("{:.1}%", 100.0 * part / all) } else { "-".into() };
         let mut out = String::from("| name | calls | self CPU (ms) | self CPU | CPU total (ms) |");
-        out += if self.device { " self CUDA (ms) | self CUDA | CUDA total (ms) |\n|---|---:|---:|---:|---:|---:|---:|---:|\n" } else { "\n|---|---:|---:|---:|---:|\n" };
+        out += if self.device {
+            " self CUDA (ms) | self CUDA | CUDA total (ms) |\n|---|---:|---:|---:|---:|---:|---:|---:|\n"
+        } else {
+            "\n|---|---:|---:|---:|---:|\n"
+        };
         for row in self.sorted().into_iter().take(limit) {
             let mut name: String = row.name.chars().take(70).collect();
             if name.len() < row.name.len() {

@@ -213,14 +213,7 @@ pub fn rows(runs: &[(Mode, Run)]) -> Result<Vec<Row>> {
                 Mode::Weak => ((run.per_rank_batch, base.per_rank_batch), "batch per rank"),
             };
             if held.0 != held.1 {
-                bail!(
-                    "{} scaling holds the {what}, but {} has {} and {} has {}",
-                    key.mode.name(),
-                    run.path.display(),
-                    held.0,
-                    base.path.display(),
-                    held.1
-                );
+                bail!("{} scaling holds the {what}, but {} has {} and {} has {}", key.mode.name(), run.path.display(), held.0, base.path.display(), held.1);
             }
             let speed = run.speed();
             let speedup = speed / base.speed();

@@ -162,13 +162,7 @@ impl Observer for EventLog {
             }
             Event::EpochStarted { epoch, lr } => Record::EpochStarted { epoch: *epoch, lr: *lr },
             Event::StepStarting { .. } => return Ok(Control::Continue),
-            Event::Step(step) => Record::Step {
-                epoch: step.epoch,
-                step: step.step,
-                loss: step.loss.double_value(&[]),
-                lr: step.lr,
-                bubble: step.bubble,
-            },
+            Event::Step(step) => Record::Step { epoch: step.epoch, step: step.step, loss: step.loss.double_value(&[]), lr: step.lr, bubble: step.bubble },
             Event::EpochEnded { stats, .. } => Record::EpochEnded((*stats).clone()),
             Event::Checkpointed { epoch, .. } => Record::Checkpointed { epoch: *epoch },
             Event::Finished(report) => Record::Finished { steps: report.steps, eval_loss: report.eval_loss },
@@ -187,4 +181,3 @@ pub fn seconds(start: Instant, end: Instant) -> f64 {
 pub fn phase_seconds(phases: &[super::Phase], name: &str) -> f64 {
     phases.iter().filter(|(n, _, _)| *n == name).map(|&(_, a, b)| seconds(a, b)).sum()
 }
-

@@ -86,7 +86,12 @@ impl GraphedStep {
         recorded.graph.replay()?;
         // The recorded outputs are overwritten by the next replay: the loop keeps copies.
         let copy = |t: &Option<Tensor>| t.as_ref().map(Tensor::copy);
-        let out = StepOutput { loss_sum: copy(&recorded.output.loss_sum), hits: copy(&recorded.output.hits), examples: recorded.output.examples, ..StepOutput::default() };
+        let out = StepOutput {
+            loss_sum: copy(&recorded.output.loss_sum),
+            hits: copy(&recorded.output.hits),
+            examples: recorded.output.examples,
+            ..StepOutput::default()
+        };
         synchronize(step.input_device());
         Ok((out, vec![("graph replay", started, Instant::now())]))
     }

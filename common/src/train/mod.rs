@@ -369,7 +369,8 @@ pub fn fit(
     let device = step.input_device();
     config.precision.check(device)?;
     let mut scaler = config.precision.needs_scaler().then(|| GradScaler::new(device));
-    let resume = config.checkpoint.as_ref().filter(|ck| ck.resume).map(|ck| (ck.from.clone().unwrap_or_else(|| checkpoint::path_for(&ck.dir, &config.run)), &ck.model));
+    let resume =
+        config.checkpoint.as_ref().filter(|ck| ck.resume).map(|ck| (ck.from.clone().unwrap_or_else(|| checkpoint::path_for(&ck.dir, &config.run)), &ck.model));
     if let (Some((path, _)), true) = (&resume, config.eval_only) {
         if !path.is_file() {
             return crate::error::usage(format!("--eval-only: no checkpoint at {} to evaluate", path.display()));

@@ -98,9 +98,8 @@ impl Observer for ProgressBars {
         match event {
             Event::EpochStarted { epoch, .. } => {
                 let bar = ProgressBar::new(self.header.steps_per_epoch as u64);
-                let style = ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {elapsed_precise} {msg}")
-                    .expect("valid template")
-                    .progress_chars("=> ");
+                let style =
+                    ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {elapsed_precise} {msg}").expect("valid template").progress_chars("=> ");
                 bar.set_style(style);
                 bar.set_prefix(format!("{} epoch {}/{}", self.header.run, epoch + 1, self.header.epochs));
                 bar.enable_steady_tick(Duration::from_millis(500));
@@ -269,13 +268,11 @@ impl Observer for ProfileSink {
                     }
                 }
             }
-            Event::EpochEnded { stats, .. } => {
-                match (stats.eval_interval, self.pipelined) {
-                    (Some((start, end)), false) => self.profiler.record("evaluation", start, end, stats.end_step),
-                    (Some((start, end)), true) => self.profiler.add_to_table("evaluation", (end - start).as_secs_f64()),
-                    (None, _) => {}
-                }
-            }
+            Event::EpochEnded { stats, .. } => match (stats.eval_interval, self.pipelined) {
+                (Some((start, end)), false) => self.profiler.record("evaluation", start, end, stats.end_step),
+                (Some((start, end)), true) => self.profiler.add_to_table("evaluation", (end - start).as_secs_f64()),
+                (None, _) => {}
+            },
             Event::Finished(report) => self.finish(report.steps)?,
             _ => {}
         }

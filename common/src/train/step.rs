@@ -17,8 +17,8 @@ use anyhow::Context;
 
 use crate::dist::data_parallel::{DistributedOptimizer, GradientAverager};
 use crate::dist::zero::{Shards, ZeroOptimizer, ZeroStage};
-use crate::models::PartedModule;
 use crate::dist::{GradientSync, ProcessGroup, ReduceOp};
+use crate::models::PartedModule;
 use crate::optim::Optimizer;
 use crate::pipeline::executor::StageTrace;
 use crate::precision::{self, GradScaler, Precision};
@@ -131,7 +131,11 @@ impl<'g> Replication<'g> {
     /// some named parameters: over all of them (DDP), wrapped by Horovod's optimizer whose step
     /// averages their gradients first, or over this rank's block of them (ZeRO; at stage 3 the
     /// block the step's sharded parameters already are).
-    pub fn distribute<'o>(&self, step: &dyn TrainStep<'g>, build: impl FnOnce(Vec<(String, Tensor)>) -> Box<dyn Optimizer + 'o>) -> Result<Box<dyn Optimizer + 'o>>
+    pub fn distribute<'o>(
+        &self,
+        step: &dyn TrainStep<'g>,
+        build: impl FnOnce(Vec<(String, Tensor)>) -> Box<dyn Optimizer + 'o>,
+    ) -> Result<Box<dyn Optimizer + 'o>>
     where
         'g: 'o,
     {
@@ -268,7 +272,8 @@ pub trait TrainStep<'g> {
 /// model's parts, the model's count.
 pub fn counted_parameters(step: &dyn TrainStep<'_>) -> i64 {
     let counted = step.norm_counted();
-    let trained: i64 = step.named_parameters().iter().enumerate().filter(|(i, _)| counted.get(*i).copied().unwrap_or(true)).map(|(_, (_, t))| t.numel() as i64).sum();
+    let trained: i64 =
+        step.named_parameters().iter().enumerate().filter(|(i, _)| counted.get(*i).copied().unwrap_or(true)).map(|(_, (_, t))| t.numel() as i64).sum();
     trained + step.frozen_parameters().iter().map(|t| t.numel() as i64).sum::<i64>()
 }
 

@@ -21,19 +21,10 @@ pub struct Run {
 impl Run {
     /// Succeeded, and every one of `ranks` ranks finished the scenario.
     pub fn assert_passed(&self, scenario: &str, ranks: usize) {
-        assert!(
-            self.status.success(),
-            "{scenario} failed ({}):\n{}",
-            self.status,
-            self.output
-        );
+        assert!(self.status.success(), "{scenario} failed ({}):\n{}", self.status, self.output);
         for rank in 0..ranks {
             let line = format!("scenario {scenario} passed on rank {rank}");
-            assert!(
-                self.output.contains(&line),
-                "no `{line}` in:\n{}",
-                self.output
-            );
+            assert!(self.output.contains(&line), "no `{line}` in:\n{}", self.output);
         }
     }
 }
@@ -46,15 +37,7 @@ pub fn launch(mpirun_np: Option<usize>, scenario: &str, vars: &[(&str, &str)], l
         Some(np) => {
             let mut c = Command::new("mpirun");
             // OpenMPI refuses root without the flag (containers); harmless otherwise.
-            c.args([
-                "--allow-run-as-root",
-                "--oversubscribe",
-                "--bind-to",
-                "none",
-                "-np",
-                &np.to_string(),
-            ])
-            .arg(exe);
+            c.args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &np.to_string()]).arg(exe);
             c
         }
         None => Command::new(exe),
@@ -63,13 +46,7 @@ pub fn launch(mpirun_np: Option<usize>, scenario: &str, vars: &[(&str, &str)], l
     let log_path = shared.path().join("output.log");
     let log = std::fs::File::create(&log_path).unwrap();
     command
-        .args([
-            "--exact",
-            "rank_entry",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
+        .args(["--exact", "rank_entry", "--nocapture", "--test-threads", "1"])
         .env(SCENARIO, scenario)
         .env(SHARED_DIR, shared.path())
         .envs(vars.iter().copied())
@@ -77,9 +54,7 @@ pub fn launch(mpirun_np: Option<usize>, scenario: &str, vars: &[(&str, &str)], l
         .stdout(log.try_clone().unwrap())
         .stderr(log);
     let start = Instant::now();
-    let mut child = command
-        .spawn()
-        .expect("mpirun is on PATH (OpenMPI: apt install openmpi-bin)");
+    let mut child = command.spawn().expect("mpirun is on PATH (OpenMPI: apt install openmpi-bin)");
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
             break status;
@@ -90,17 +65,9 @@ pub fn launch(mpirun_np: Option<usize>, scenario: &str, vars: &[(&str, &str)], l
             std::thread::sleep(Duration::from_secs(3));
             let _ = child.kill();
             let _ = child.wait();
-            panic!(
-                "`{scenario}` still ran after {limit:?}, killed:\n{}",
-                std::fs::read_to_string(&log_path).unwrap_or_default()
-            );
+            panic!("`{scenario}` still ran after {limit:?}, killed:\n{}", std::fs::read_to_string(&log_path).unwrap_or_default());
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    Run {
-        status,
-        output: std::fs::read_to_string(&log_path).unwrap(),
-        elapsed: start.elapsed(),
-    }
+    Run { status, output: std::fs::read_to_string(&log_path).unwrap(), elapsed: start.elapsed() }
 }
-

@@ -72,10 +72,7 @@ fn bench(cli: &Cli, group: &ProcessGroup) -> anyhow::Result<()> {
         let seconds = start.elapsed().as_secs_f64() / cli.iters as f64;
         // Every rank ends with the sum of all ranks' ones: world^(2 + iters) after the repeats.
         let expected = n.powi(2 + cli.iters as i32);
-        anyhow::ensure!(
-            (tensor.double_value(&[0]) - expected).abs() <= 1e-3 * expected,
-            "all-reduce gave a wrong result"
-        );
+        anyhow::ensure!((tensor.double_value(&[0]) - expected).abs() <= 1e-3 * expected, "all-reduce gave a wrong result");
         let algbw = bytes as f64 / seconds / 1e9;
         let busbw = algbw * 2.0 * (n - 1.0) / n;
         if group.is_root() {

@@ -149,8 +149,7 @@ impl Language {
                     Role::Function | Role::Comma => &[Role::Content, Role::Function, Role::Number],
                     _ => &[Role::Content, Role::Function, Role::Number, Role::Comma],
                 };
-                let mut next: Vec<usize> =
-                    classes_with(&roles, allowed).choose_multiple(rng, SUCCESSOR_WEIGHTS.len()).copied().collect();
+                let mut next: Vec<usize> = classes_with(&roles, allowed).choose_multiple(rng, SUCCESSOR_WEIGHTS.len()).copied().collect();
                 let mut weights = SUCCESSOR_WEIGHTS.to_vec();
                 if matches!(role, Role::Content | Role::Number) {
                     next.push(stop);
@@ -163,9 +162,7 @@ impl Language {
         // Collocations: any content word, Zipf-distributed like the text itself.
         let content = classes_with(&roles, &[Role::Content]);
         for &c in &content {
-            let followers = (0..classes[c].words.len())
-                .map(|_| classes[*content.choose(rng).expect("content classes")].pick(rng).to_owned())
-                .collect();
+            let followers = (0..classes[c].words.len()).map(|_| classes[*content.choose(rng).expect("content classes")].pick(rng).to_owned()).collect();
             classes[c].followers = followers;
         }
         let starts = classes_with(&roles, &[Role::Content, Role::Function]);
@@ -211,11 +208,7 @@ impl Language {
                 if current.role == Role::Stop {
                     break;
                 }
-                class = if length >= MAX_SENTENCE {
-                    self.stop
-                } else {
-                    current.next[current.next_pick.sample(rng)]
-                };
+                class = if length >= MAX_SENTENCE { self.stop } else { current.next[current.next_pick.sample(rng)] };
             }
         }
         out.end_line();

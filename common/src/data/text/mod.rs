@@ -70,9 +70,7 @@ impl Tokenizer {
                     tokens
                 })
                 .collect(),
-            Tokenizer::BasicEnglish => {
-                text.split('\n').map(|line| self.tokenize(line)).filter(|tokens| !tokens.is_empty()).collect()
-            }
+            Tokenizer::BasicEnglish => text.split('\n').map(|line| self.tokenize(line)).filter(|tokens| !tokens.is_empty()).collect(),
         }
     }
 }
@@ -154,10 +152,7 @@ impl Vocab {
 
     /// The ids of `tokens`; an error for a token the vocabulary neither has nor can default.
     pub fn encode<'a>(&self, tokens: impl IntoIterator<Item = &'a str>) -> anyhow::Result<Vec<i64>> {
-        tokens
-            .into_iter()
-            .map(|token| self.id(token).with_context(|| format!("token {token:?} is not in the vocabulary")))
-            .collect()
+        tokens.into_iter().map(|token| self.id(token).with_context(|| format!("token {token:?} is not in the vocabulary"))).collect()
     }
 }
 
@@ -206,10 +201,7 @@ pub fn locate(dir: &Path) -> anyhow::Result<[PathBuf; 3]> {
             let paths = SPLITS.map(|split| folder.join(format!("{prefix}{split}{suffix}")));
             if paths.iter().any(|path| path.is_file()) {
                 if let Some(missing) = paths.iter().find(|path| !path.is_file()) {
-                    anyhow::bail!(
-                        "{} is missing (WikiText-2 needs its train, valid and test splits); run `make data` to fetch WikiText-2",
-                        missing.display()
-                    );
+                    anyhow::bail!("{} is missing (WikiText-2 needs its train, valid and test splits); run `make data` to fetch WikiText-2", missing.display());
                 }
                 return Ok(paths);
             }

@@ -43,19 +43,8 @@ pub fn python_lines(text: &str) -> impl Iterator<Item = &str> {
 /// … only escape), so replacing literals left to right is exactly `re.sub`. The order matters:
 /// `"` is deleted before `<br />` is looked for, so `<br "/>` is removed too.
 /// torchtext's last rule, `\s+` → `" "`, only merges whitespace, which the final split ignores.
-const BASIC_ENGLISH_RULES: [(&str, &str); 11] = [
-    ("'", " '  "),
-    ("\"", ""),
-    (".", " . "),
-    ("<br />", " "),
-    (",", " , "),
-    ("(", " ( "),
-    (")", " ) "),
-    ("!", " ! "),
-    ("?", " ? "),
-    (";", " "),
-    (":", " "),
-];
+const BASIC_ENGLISH_RULES: [(&str, &str); 11] =
+    [("'", " '  "), ("\"", ""), (".", " . "), ("<br />", " "), (",", " , "), ("(", " ( "), (")", " ) "), ("!", " ! "), ("?", " ? "), (";", " "), (":", " ")];
 
 /// torchtext's `get_tokenizer("basic_english")`: lowercase (Unicode, as Python's `str.lower`),
 /// the substitutions above, then `str.split()`.

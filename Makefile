@@ -15,7 +15,7 @@ BIN       := target/release
 ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
-.PHONY: system-deps python-tools gpu-check report scaling exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
+.PHONY: lint system-deps python-tools gpu-check report scaling exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
         exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test test-slurm clean-results \
         notebooks notebook-kernel jupyter
 
@@ -134,7 +134,12 @@ python-tools: setup
 # Every test in a process of its own (cargo-nextest): LibTorch's random generator, thread counts
 # and autocast state are process-wide, so tests run side by side as threads of one process could
 # draw from each other's random streams. Without nextest: one test at a time (slower).
-test: build python-tools
+# rustfmt (rustfmt.toml) and clippy with warnings as errors, as CI holds them (part of make test).
+lint: setup
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
+
+test: build python-tools lint
 	@if cargo nextest --version >/dev/null 2>&1; then \
 	    $(CARGO) nextest run --release --workspace --no-fail-fast; \
 	else \

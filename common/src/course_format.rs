@@ -35,7 +35,7 @@ pub fn lightning_test_table(metrics: &[(&str, f64)]) -> String {
     metrics.sort_by(|a, b| a.0.cmp(b.0));
     let header = "DataLoader 0";
     let longest = metrics.iter().map(|(name, _)| name.chars().count()).max().unwrap_or(0);
-    let width = longest.max(header.len()).max(LIGHTNING_COLUMN).min(LIGHTNING_WIDTH / 2);
+    let width = longest.max(header.len()).clamp(LIGHTNING_COLUMN, LIGHTNING_WIDTH / 2);
     let row = |a: &str, b: &str| format!("{a:^width$}{b:^width$}").trim_end().to_string();
     let rule = "─".repeat(LIGHTNING_WIDTH);
     let mut lines = vec![rule.clone(), row("Test metric", header), rule.clone()];

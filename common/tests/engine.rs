@@ -42,20 +42,28 @@ fn config(epochs: usize, accumulate: usize) -> TrainConfig {
 /// Trains the course CNN (no batch norm) for one epoch on `images` generated images in batches of
 /// `batch`, accumulating `accumulate` of them per step; returns the variables and the report.
 fn train_cnn(dir: &std::path::Path, batch: usize, accumulate: usize, observers: &mut Observers) -> (Vec<(String, Tensor)>, train::FitReport) {
-    train_model(dir, Arch::Cnn, false, batch, accumulate, 1, 0.05, observers)
+    train_model(dir, &Training { batch, accumulate, ..Training::default() }, observers)
 }
 
-/// Trains `arch` (in the channels-last format when asked) for `epochs` with SGD and momentum.
-fn train_model(
-    dir: &std::path::Path,
+/// A training run of [`train_model`]: `arch` (in the channels-last format when asked) for
+/// `epochs` with SGD and momentum at `lr`.
+struct Training {
     arch: Arch,
     channels_last: bool,
     batch: usize,
     accumulate: usize,
     epochs: usize,
     lr: f64,
-    observers: &mut Observers,
-) -> (Vec<(String, Tensor)>, train::FitReport) {
+}
+
+impl Default for Training {
+    fn default() -> Self {
+        Training { arch: Arch::Cnn, channels_last: false, batch: 4, accumulate: 1, epochs: 1, lr: 0.05 }
+    }
+}
+
+fn train_model(dir: &std::path::Path, run: &Training, observers: &mut Observers) -> (Vec<(String, Tensor)>, train::FitReport) {
+    let &Training { arch, channels_last, batch, accumulate, epochs, lr } = run;
     tch::manual_seed(11);
     let vs = nn::VarStore::new(Device::Cpu);
     let spec = ModelSpec { arch, in_channels: 3, image_size: 32, num_classes: 10 };
@@ -137,7 +145,7 @@ fn the_steady_state_leaves_out_the_warm_up_and_every_epoch_end() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     generate::generate(DatasetKind::Cifar10, dir.path(), GenerateConfig { train: 32, test: 16, seed: 2 }).unwrap();
-    let (_, report) = train_model(dir.path(), Arch::Cnn, false, 8, 1, 3, 0.05, &mut Observers::new());
+    let (_, report) = train_model(dir.path(), &Training { batch: 8, epochs: 3, ..Training::default() }, &mut Observers::new());
     // 3 epochs of 4 steps: epoch 1 times steps 3-4 (after the warm-up of 2); epochs 2 and 3 time
     // their steps 2-4 (the interval across the evaluation is left out): 2 + 3 + 3.
     let steady = report.steady.expect("a steady-state window");
@@ -153,8 +161,8 @@ fn channels_last_is_the_same_model_in_another_memory_order() {
     generate::generate(DatasetKind::Cifar10, dir.path(), GenerateConfig { train: 12, test: 4, seed: 3 }).unwrap();
     // Training: the course CNN (convolutions, pooling, ReLU, the flattening into the linear
     // layers) for 3 SGD steps lands on the same weights, which stay channels-last.
-    let (nchw, nchw_report) = train_model(dir.path(), Arch::Cnn, false, 4, 1, 1, 0.05, &mut Observers::new());
-    let (nhwc, nhwc_report) = train_model(dir.path(), Arch::Cnn, true, 4, 1, 1, 0.05, &mut Observers::new());
+    let (nchw, nchw_report) = train_model(dir.path(), &Training::default(), &mut Observers::new());
+    let (nhwc, nhwc_report) = train_model(dir.path(), &Training { channels_last: true, ..Training::default() }, &mut Observers::new());
     let diff = max_relative_difference(&nhwc, &nchw);
     let (a, b) = (nhwc_report.history[0].train_loss, nchw_report.history[0].train_loss);
     println!("CNN, 3 SGD steps: channels-last vs NCHW parameters differ by {diff:.1e}, losses {a} vs {b}");
@@ -162,7 +170,7 @@ fn channels_last_is_the_same_model_in_another_memory_order() {
     let conv = |vars: &[(String, Tensor)]| vars.iter().find(|(n, _)| n == "conv1.weight").unwrap().1.shallow_clone();
     assert!(common::torch_ext::is_channels_last(&conv(&nhwc)), "the weights stay channels-last through the updates");
     assert!(!common::torch_ext::is_channels_last(&conv(&nchw)));
-    let (untrained, _) = train_model(dir.path(), Arch::Cnn, false, 4, 1, 0, 0.05, &mut Observers::new());
+    let (untrained, _) = train_model(dir.path(), &Training { epochs: 0, ..Training::default() }, &mut Observers::new());
     assert!(max_relative_difference(&untrained, &nchw) > 1e-3, "the weights moved: not two untrained models");
 
     // ResNet34 (batch norm, residual adds, adaptive pooling), evaluated: the same logits. (Its

@@ -132,7 +132,7 @@ fn update(
     let _ = grad.mul_scalar_out(&scaled, one_minus_beta2);
     let _ = exp_avg_sq.g_mul_scalar_(beta2).addcmul_(&scaled, grad);
     // torch: `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`.
-    let _ = exp_avg_sq.sqrt_out(&mut denom);
+    let _ = exp_avg_sq.sqrt_out(&denom);
     let _ = denom.g_div_scalar_(bias_correction2_sqrt);
     let _ = denom.g_add_scalar_(eps);
     // torch: `param.addcdiv_(exp_avg, denom, value=-step_size)`, i.e.

@@ -504,7 +504,8 @@ mod tests {
             };
             vec![("w".to_string(), g(1)), ("b".to_string(), g(2))]
         };
-        let builds: [fn(Vec<(String, Tensor)>) -> Box<dyn Optimizer>; 2] = [
+        type Build = fn(Vec<(String, Tensor)>) -> Box<dyn Optimizer>;
+        let builds: [Build; 2] = [
             |p| Box::new(Adam::new(p, AdamConfig { fused: Some(true), weight_decay: 0.01, ..AdamConfig::default() })),
             |p| Box::new(Sgd::new(p, SgdConfig { lr: 0.1, momentum: 0.9, fused: Some(true), ..SgdConfig::default() })),
         ];

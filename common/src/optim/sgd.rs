@@ -83,12 +83,16 @@ impl Sgd {
     }
 }
 
+/// Parameters the fused kernel takes in one call: same device, same kind, and whether their
+/// momentum buffers are new.
+type FusedKey = (tch::Device, tch::Kind, bool);
+
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
         let SgdConfig { lr, momentum, dampening, weight_decay, nesterov, fused } = self.config;
         // Parameters for LibTorch's fused kernel, by device, kind and whether their momentum
         // buffers are new (the kernel then starts them at the gradient, as torch does).
-        let mut groups: Vec<((tch::Device, tch::Kind, bool), [Vec<Tensor>; 3])> = Vec::new();
+        let mut groups: Vec<(FusedKey, [Vec<Tensor>; 3])> = Vec::new();
         self.slots.update_each(|param, grad, state| {
             if fused.unwrap_or(param.device().is_cuda()) {
                 let first = momentum != 0.0 && state.is_none();

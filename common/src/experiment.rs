@@ -15,7 +15,8 @@ use crate::error::usage;
 use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
 use crate::memory::estimate::RankEstimate;
 use crate::memory::{self, MemoryMeter, ModelState, PeakMemory};
-use crate::parallelize::{parallelize, DataParallelPlan, ModelPlan};
+use crate::dist::data_parallel::DataParallelPlan;
+use crate::parallelize::{parallelize, ModelPlan};
 use crate::precision::Precision;
 use crate::presets::Preset;
 use crate::profile::libtorch::TorchProfiler;
@@ -439,7 +440,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     exp.describe(&plan, step.as_ref(), groups, device, session)?;
     let recipe = RunRecipe::resolve(preset, exp.recipe_args(), replicas, sources.train.batches_per_epoch(), run.epochs.unwrap_or(preset.epochs));
     let build = |named| recipe.optimizer.build(named, recipe.lr, recipe.momentum, recipe.weight_decay, exp.recipe_args().optimizer_kernel);
-    let mut optimizer = match step.parallel().replicas {
+    let mut optimizer = match step.sync().parallel.replicas {
         Some(replication) => replication.distribute(step.as_ref(), build)?,
         None => build(step.named_parameters()),
     };
@@ -500,13 +501,13 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     let communication = groups.comm_stats().since(before);
     drop(observers);
     let per_step: Option<CommStats> = per_step.get();
-    let replica_group = step.parallel().replica_group();
+    let replica_group = step.sync().parallel.replica_group();
     if let Some(group) = replica_group {
-        step.materialize()?;
+        step.sync().materialize()?;
         train::check_replicas_agree(&step.named_variables(), group)?;
-        step.release(false)?;
+        step.sync().release(false)?;
     }
-    let memory = ModelState::measure(&step.named_parameters(), &step.frozen_parameters(), optimizer.as_ref(), replicas, zero);
+    let memory = ModelState::measure(&step.named_parameters(), &step.sync().frozen(), optimizer.as_ref(), replicas, zero);
     let peaks = memory::gather(&meter.borrow().peaks(groups.world.rank())?, groups.world)?; // a collective: every rank
     let params = step_parameter_count(groups, step.as_ref())?; // a collective: every rank
     let mut fit = fit;

@@ -239,7 +239,7 @@ impl Experiment for ImageExperiment<'_> {
         }
         let spec = self.model_spec();
         let trained: i64 = step.named_parameters().iter().map(|(_, t)| t.numel() as i64).sum();
-        let frozen: i64 = step.frozen_parameters().iter().map(|t| t.numel() as i64).sum();
+        let frozen: i64 = step.sync().frozen().iter().map(|t| t.numel() as i64).sum();
         let replicas = groups.layout.dp;
         observers.info(format!(
             "[{}] {} with a {}-way head: {} parameters{}{}",

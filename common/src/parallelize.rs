@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use tch::{nn, Device};
 
-use crate::dist::data_parallel::GradientAverager;
+use crate::dist::data_parallel::DataParallelPlan;
 use crate::dist::layout::Groups;
 use crate::dist::zero::ZeroStage;
 use crate::dist::{GradientSync, ProcessGroup};
@@ -23,7 +23,7 @@ use crate::models::{self, Blocks, ModelSpec, OnePart, OutputInit, PartedModule, 
 use crate::pipeline::process::StageProcess;
 use crate::pipeline::{Partition, Pipeline, PipelineOptions, Placement, Stage};
 use crate::precision::Precision;
-use crate::train::{LocalStep, Observers, Parallel, Replication, TrainStep};
+use crate::train::{LocalStep, Observers, Parallel, TrainStep};
 
 /// What to train.
 #[derive(Debug, Clone)]
@@ -46,13 +46,6 @@ pub struct PipelinePlan {
     pub devices: Vec<Device>,
 }
 
-/// How data-parallel replicas keep their gradients equal.
-#[derive(Debug, Clone, Copy)]
-pub struct DataParallelPlan {
-    pub averager: GradientAverager,
-    pub sync: GradientSync,
-}
-
 /// Builds this rank's step: the model (seeded with `seed`, the same on every rank) on `device`,
 /// or this rank's part of it, its weights in the 16-bit type where `precision` is a true one
 /// (`16-true`, `bf16-true`: `model.half()`), and its replicas from `groups`. Rank 0 tells `observers` what it loaded and
@@ -68,7 +61,7 @@ pub fn parallelize<'g>(
 ) -> Result<Box<dyn TrainStep<'g> + 'g>> {
     let step = build_step(model, groups, dp, device, seed, precision, observers)?;
     if let ModelPlan::Transformer { config, init, .. } = model {
-        let shard = step.parallel().tp.map_or(crate::dist::tensor_parallel::Shard::WHOLE, |(_, shard)| shard);
+        let shard = step.sync().parallel.tp.map_or(crate::dist::tensor_parallel::Shard::WHOLE, |(_, shard)| shard);
         init.apply(&step.named_parameters(), config, seed, shard);
     }
     Ok(step)
@@ -83,12 +76,11 @@ fn build_step<'g>(
     precision: Precision,
     observers: &mut Observers,
 ) -> Result<Box<dyn TrainStep<'g> + 'g>> {
-    let replicas = groups.dp().map(|group| Replication { group, averager: dp.averager, sync: dp.sync });
-    if let Some(replicas) = &replicas {
+    let parallel = Parallel::of(groups, dp);
+    if let Some(replicas) = &parallel.replicas {
         replicas.averager.check(replicas.group, device)?;
         check_reduces(replicas.group, device, precision)?;
     }
-    let parallel = Parallel { replicas, model: None, world: Some(groups.world), replica: groups.coords.replica, tp: None };
     let whole_model = |build: &mut dyn FnMut(&nn::VarStore) -> Result<Box<dyn PartedModule>>| -> Result<Box<dyn TrainStep<'g> + 'g>> {
         if groups.layout.pp * groups.layout.tp != 1 {
             return usage(format!("this model is not split into parts, but the job's layout is {}", groups.layout.describe()));

@@ -17,7 +17,7 @@ use common::dist::layout::{Coords, Groups, Layout};
 use common::dist::{Backend, ProcessGroup};
 use common::models::{self, TransformerConfig, TransformerLm};
 use common::optim::Optimizer;
-use common::parallelize::DataParallelPlan;
+use common::dist::data_parallel::DataParallelPlan;
 use common::pipeline::executor::StageTrace;
 use common::pipeline::process::StageProcess;
 use common::pipeline::{schedule, split_batch, Op, Partition, Pipeline, PipelineOptions, Placement, Schedule, Stage};
@@ -148,7 +148,7 @@ fn five_step_losses(pipeline: &mut Pipeline, weights: &nn::VarStore) -> Vec<f64>
             let (src, targets) = private_batch(200 + step, 6, 8);
             optimizer.zero_grad();
             let loss = train_step(pipeline, &src, &targets, models::mix_key(&[42, step]));
-            pipeline.finish_gradients(&mut optimizer, None, Some(CLIP)).unwrap();
+            common::train::finish_gradients(&*pipeline, &mut optimizer, None, Some(CLIP)).unwrap();
             optimizer.step().unwrap();
             loss
         })
@@ -228,7 +228,7 @@ fn scaled_step(step: &mut dyn TrainStep<'_>, scaler: &mut GradScaler, poison: &d
             let _ = p.grad().get(0).fill_(f64::INFINITY);
         }
     }
-    step.finish_gradients(&mut optimizer, Some(scaler), Some(CLIP)).unwrap();
+    common::train::finish_gradients(&*step, &mut optimizer, Some(scaler), Some(CLIP)).unwrap();
     let params: Vec<Tensor> = step.named_parameters().into_iter().map(|(_, t)| t).collect();
     let stepped = scaler.step(&params, || optimizer.step()).unwrap();
     scaler.update();
@@ -253,7 +253,7 @@ fn the_float16_scaler_path_unscales_once_and_skips_an_inf_step_on_every_stage() 
     optimizer.zero_grad();
     let (src, targets) = private_batch(300, 6, 8);
     train_step(&mut plain, &src, &targets, 0);
-    plain.finish_gradients(&mut optimizer, None, Some(CLIP)).unwrap();
+    common::train::finish_gradients(&plain, &mut optimizer, None, Some(CLIP)).unwrap();
     optimizer.step().unwrap();
     let mut scaler = GradScaler::new(Device::Cpu);
     assert!(scaled_step(&mut scaled, &mut scaler, &|_| false), "a finite step is taken");
@@ -445,7 +445,7 @@ fn stages_in_processes(world: usize) -> usize {
                 let (src, targets) = private_batch(200 + step as u64, 6, 8);
                 optimizer.zero_grad();
                 let got = train_step(&mut process, &src, &targets, models::mix_key(&[42, step as u64]));
-                process.finish_gradients(&mut optimizer, None, Some(CLIP)).unwrap();
+                common::train::finish_gradients(&process, &mut optimizer, None, Some(CLIP)).unwrap();
                 optimizer.step().unwrap();
                 let rank = group.rank();
                 assert!((got - want).abs() <= 1e-5 * want.abs(), "rank {rank}, {}: dropout step {step}: loss {got} vs {want} in one process", schedule.name());
@@ -505,7 +505,8 @@ fn a_job_that_does_not_split_into_pipelines_is_refused() {
 fn a_scaled_output_layer_starts_alike_on_every_layout() {
     use common::dist::GradientSync;
     use common::models::OutputInit;
-    use common::parallelize::{parallelize, DataParallelPlan, ModelPlan, PipelinePlan};
+    use common::dist::data_parallel::DataParallelPlan;
+    use common::parallelize::{parallelize, ModelPlan, PipelinePlan};
     let world = ProcessGroup::single();
     let groups = Groups::single(&world);
     let dp = DataParallelPlan { averager: GradientAverager::new(25 << 20, false), sync: GradientSync::Ddp };

@@ -15,7 +15,7 @@ use common::dist::layout::{Groups, Layout};
 use common::dist::tensor_parallel::Shard;
 use common::dist::{Backend, CommStats, GradientSync, ProcessGroup};
 use common::models::{Masks, TransformerConfig};
-use common::parallelize::DataParallelPlan;
+use common::dist::data_parallel::DataParallelPlan;
 use common::pipeline::process::StageProcess;
 use common::pipeline::{Partition, Pipeline, Schedule, Stage};
 use common::train::TrainStep;
@@ -134,7 +134,7 @@ fn dropout_masks_do_not_depend_on_the_shards() -> usize {
                 let (src, targets) = private_batch(300 + step, 6, 8);
                 common::optim::Optimizer::zero_grad(&mut optimizer);
                 let loss = train_step(trainer.as_mut(), &src, &targets, common::models::mix_key(&[42, step]));
-                trainer.finish_gradients(&mut optimizer, None, Some(CLIP)).unwrap();
+                common::train::finish_gradients(&**trainer, &mut optimizer, None, Some(CLIP)).unwrap();
                 common::optim::Optimizer::step(&mut optimizer).unwrap();
                 loss
             })
@@ -164,7 +164,7 @@ fn three_d_layout_trains_the_unpartitioned_model() -> usize {
         let stage = Stage::new_sharded(&cfg, coords.stage, 2, partition.layers[coords.stage].clone(), Device::Cpu, 1, groups.shard()).unwrap();
         stage.copy_from(&reference_vs).unwrap();
         let mut process = StageProcess::new(&groups, vec![stage], options(schedule, 2, false), plan).unwrap();
-        let replicas = process.parallel().replicas.expect("2 replicas");
+        let replicas = process.sync().parallel.replicas.expect("2 replicas");
         let mut optimizer = replicas.distribute(&process, |named| Box::new(sgd(named))).unwrap();
         let what =
             format!("rank {} (replica {}, stage {}, shard {}), {}, {:?}", world.rank(), coords.replica, coords.stage, coords.shard, schedule.name(), plan.sync);

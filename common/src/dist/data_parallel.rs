@@ -28,6 +28,15 @@ pub enum GradientSync {
     Zero(super::zero::ZeroStage),
 }
 
+/// How data-parallel replicas keep their gradients equal: where they average
+/// ([`GradientSync`]: DDP, Horovod, or a ZeRO stage) and in which buckets (`--bucket-mb`,
+/// `--fp16-allreduce`).
+#[derive(Debug, Clone, Copy)]
+pub struct DataParallelPlan {
+    pub averager: GradientAverager,
+    pub sync: GradientSync,
+}
+
 /// Overwrites every variable of `vs` (trainable or not, so buffers such as batch-norm
 /// statistics too) with its value on rank `root`, in name order (the same order on every rank,
 /// whatever order the variables were created in).

@@ -12,7 +12,7 @@ use super::{schedule, split_batch, Partition, PipelineOptions, Placement, Stage,
 use crate::error::usage;
 use crate::models::TransformerConfig;
 use crate::precision::Precision;
-use crate::train::{Batch, BatchSource, EvalSums, Parallel, StepContext, StepOutput, TrainStep};
+use crate::train::{Batch, BatchSource, EvalSums, StepContext, StepOutput, StepSync, TrainStep};
 
 /// All stages of a pipeline in one process.
 pub struct Pipeline {
@@ -22,6 +22,8 @@ pub struct Pipeline {
     pub stages: Vec<Stage>,
     pub placement: Placement,
     pub options: PipelineOptions,
+    /// Alone: nobody to agree with.
+    sync: StepSync<'static>,
 }
 
 impl Pipeline {
@@ -46,7 +48,7 @@ impl Pipeline {
             .enumerate()
             .map(|(s, layers)| Stage::new(cfg, s, partition.stages(), layers.clone(), devices[placement.device_of(s)], seed))
             .collect::<Result<_, _>>()?;
-        Ok(Pipeline { config: *cfg, stages, placement, options })
+        Ok(Pipeline { config: *cfg, stages, placement, options, sync: StepSync::default() })
     }
 
     /// Logits `[seq_len, batch, ntoken]` for token ids `src` (on the last stage's device),
@@ -200,8 +202,8 @@ impl<'g> TrainStep<'g> for Pipeline {
     }
 
     /// All stages are in this process: nobody to agree with.
-    fn parallel(&self) -> Parallel<'g> {
-        Parallel::default()
+    fn sync(&self) -> &StepSync<'g> {
+        &self.sync
     }
 
     fn forward_backward(&mut self, batch: &Batch, weight: f64, ctx: &StepContext) -> Result<StepOutput> {

@@ -20,12 +20,12 @@ use super::{chunks_for, schedule, split_batch, Op, PipelineOptions, Placement, S
 use crate::dist::layout::Groups;
 use crate::dist::tensor_parallel::Split;
 use crate::dist::transfer::{recv_labelled, send_labelled};
+use crate::dist::data_parallel::DataParallelPlan;
 use crate::dist::{GradientSync, ProcessGroup};
 use crate::error::usage;
 use crate::models::transformer_names::TransformerVariable;
-use crate::parallelize::DataParallelPlan;
 use crate::precision::Precision;
-use crate::train::{Batch, BatchSource, EvalSums, Parallel, Replication, StepContext, StepOutput, TrainStep};
+use crate::train::{Batch, BatchSource, EvalSums, Parallel, StepContext, StepOutput, StepSync, TrainStep};
 
 /// A neighbouring device in another process: tensors travel point-to-point through the
 /// process group with their kind, shape ([`crate::dist::transfer`]: the last batch of a split
@@ -67,10 +67,9 @@ pub struct StageProcess<'g> {
     pipe: Option<&'g ProcessGroup>,
     /// The other shards of this stage's layers (none: whole layers).
     tp: Option<&'g ProcessGroup>,
-    parallel: Parallel<'g>,
-    /// Per parameter (in `named_parameters`' order): whether this rank counts it in the
-    /// gradients' norm (a shard other than the first skips those every shard holds whole).
-    norm_counted: Vec<bool>,
+    /// Who it works with, and which parameters it counts in the gradients' norm (a shard other
+    /// than the first skips those every shard holds whole).
+    sync: StepSync<'g>,
 }
 
 impl<'g> StageProcess<'g> {
@@ -105,14 +104,12 @@ impl<'g> StageProcess<'g> {
                 );
             }
         }
-        let sync = if matches!(dp.sync, GradientSync::Zero(_)) { dp.sync } else { GradientSync::Ddp };
-        let parallel = Parallel {
-            replicas: groups.dp().map(|group| Replication { group, averager: dp.averager, sync }),
-            model: groups.model(),
-            world: Some(groups.world),
-            replica: groups.coords.replica,
-            tp: tp.map(|group| (group, groups.shard())),
-        };
+        if dp.sync == GradientSync::Horovod {
+            // Horovod's optimizer averages inside its step, after the whole model's backward;
+            // the stages finish their gradients in the loop (DDP's place), where ZeRO-1's too.
+            return usage("Horovod-style averaging (inside the optimizer) is not built for pipeline stages: their replicas average DDP-style");
+        }
+        let parallel = Parallel::of(groups, dp);
         if let Some(replicas) = &parallel.replicas {
             dp.averager.check(replicas.group, on)?;
         }
@@ -122,7 +119,8 @@ impl<'g> StageProcess<'g> {
             .flat_map(Stage::named_parameters)
             .map(|(name, _)| Ok(first_shard || TransformerVariable::parse(&name)?.split() != Split::Replicated))
             .collect::<Result<_>>()?;
-        Ok(StageProcess { stages, device, placement, options, pipe, tp, parallel, norm_counted })
+        let sync = StepSync::new(parallel).with_norm_counted(norm_counted);
+        Ok(StageProcess { stages, device, placement, options, pipe, tp, sync })
     }
 
     /// This rank's passes of one mini-batch, exchanging with the neighbouring ranks.
@@ -188,14 +186,8 @@ impl<'g> TrainStep<'g> for StageProcess<'g> {
         self.stages[0].device()
     }
 
-    fn parallel(&self) -> Parallel<'g> {
-        self.parallel
-    }
-
-    /// A tensor-parallel shard other than the first does not count the variables every shard
-    /// holds whole (their gradients are the same on every shard).
-    fn norm_counted(&self) -> Vec<bool> {
-        self.norm_counted.clone()
+    fn sync(&self) -> &StepSync<'g> {
+        &self.sync
     }
 
     fn forward_backward(&mut self, batch: &Batch, weight: f64, ctx: &StepContext) -> Result<StepOutput> {

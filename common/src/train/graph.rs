@@ -115,7 +115,7 @@ impl GraphedStep {
         let mut graph = CudaGraph::new(step.input_device())?;
         let output = graph.capture(|| {
             let output = step.forward_backward(&fixed, 1.0, &ctx)?;
-            step.finish_gradients(optimizer, None, config.clip_grad_norm)?;
+            super::finish_gradients(&*step, optimizer, None, config.clip_grad_norm)?;
             optimizer.step()?;
             Ok(output)
         })?;

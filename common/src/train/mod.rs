@@ -22,7 +22,7 @@ pub mod step;
 pub use events::{Control, Event, EventLog, Observer, Observers, Record, StepEvent};
 pub use schedule::{LrSchedule, ScheduleKind, Warmup};
 pub use sinks::TENSORBOARD_EVERY;
-pub use step::{counted_parameters, EvalSums, LocalStep, Parallel, Phase, Replication, StepContext, StepOutput, TrainStep};
+pub use step::{counted_parameters, finish_gradients, EvalSums, LocalStep, Parallel, Phase, Replication, StepContext, StepOutput, StepSync, TrainStep};
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -393,7 +393,7 @@ pub fn fit(
         tch::manual_seed(config.seed.wrapping_add(epoch as u64) as i64);
         let epoch_lr = config.lr_schedule.lr(base_lr, global_step, epoch);
         observers.emit(&Event::EpochStarted { epoch, lr: epoch_lr })?;
-        let mut sums = EpochSums::new(device, step.parallel().replica_count());
+        let mut sums = EpochSums::new(device, step.sync().parallel.replica_count());
         let mut batches = train.epoch(epoch);
         let completed = loop {
             if config.out_of_steps(global_step) {
@@ -439,7 +439,7 @@ pub fn fit(
             let meta = checkpoint_meta(config, ck, optimizer.name(), epoch + 1, global_step, scaler.as_ref());
             let path = checkpoint::path_for(&ck.dir, &config.run);
             state::save(step, optimizer, &meta, &path)?;
-            if ck.keep > 0 && step.parallel().is_root() {
+            if ck.keep > 0 && step.sync().parallel.is_root() {
                 checkpoint::keep_epoch_copy(&path, epoch + 1, ck.keep)?;
             }
             observers.emit(&Event::Checkpointed { path: &path, epoch: epoch + 1 })?;
@@ -470,7 +470,7 @@ fn finite_or_stop(what: &str, value: f64, step: usize, epoch: usize) -> Result<(
 /// Evaluates on `eval` (over all replicas) into the report's figures and times.
 fn evaluate_into(step: &mut dyn TrainStep<'_>, eval: &dyn BatchSource, config: &TrainConfig, report: &mut FitReport) -> Result<(Instant, Instant)> {
     let started = Instant::now();
-    let sums = step.evaluate(eval, config.precision)?.over(step.parallel().replica_group())?;
+    let sums = step.evaluate(eval, config.precision)?.over(step.sync().parallel.replica_group())?;
     synchronize(step.input_device());
     let ended = Instant::now();
     (report.eval_loss, report.eval_acc) = (sums.mean_loss(), sums.accuracy());
@@ -505,8 +505,8 @@ fn optimizer_step(
         out.absorb(step.forward_backward(batch, weight, &ctx)?);
     }
     let finishing = Instant::now();
-    let finish_name = gradient_phase(step.parallel().replicas.map(|r| r.sync), scaler.is_some(), config.clip_grad_norm.is_some());
-    step.finish_gradients(optimizer, scaler.as_deref(), config.clip_grad_norm)?;
+    let finish_name = gradient_phase(step.sync().parallel.replicas.map(|r| r.sync), scaler.is_some(), config.clip_grad_norm.is_some());
+    finish_gradients(&*step, optimizer, scaler.as_deref(), config.clip_grad_norm)?;
     let stepping = Instant::now();
     match scaler.as_mut() {
         Some(scaler) => {
@@ -584,10 +584,10 @@ fn end_epoch(
     global_step: usize,
 ) -> Result<EpochStats> {
     let train_time_s = sums.start.elapsed().as_secs_f64();
-    let replicas = step.parallel().replica_group();
+    let replicas = step.sync().parallel.replica_group();
     let local_hits = if config.metric == Metric::Accuracy { sums.hits.int64_value(&[]) as f64 } else { f64::NAN };
     let train = EvalSums { loss_sum: sums.loss.double_value(&[]), hits: local_hits, examples: sums.examples as f64 }.over(replicas)?;
-    step.sync_buffers()?;
+    step.sync().sync_buffers(step.named_variables())?;
     let eval_interval = evaluate_into(step, eval, config, report)?;
     report.train_time_s += train_time_s;
     report.examples += train.examples as usize;

@@ -39,11 +39,11 @@ pub fn start(
     resume_from: Option<(&Path, &serde_json::Value)>,
     observers: &mut Observers,
 ) -> Result<Progress> {
-    let parallel = step.parallel();
+    let parallel = step.sync().parallel;
     let (root, world, model, first_replica) = (parallel.is_root(), parallel.world, parallel.model, parallel.replica == 0);
     let replicas = parallel.replica_group();
     // ZeRO-3's parameters whole while they are restored and made the replicas' common ones.
-    step.materialize()?;
+    step.sync().materialize()?;
 
     // Rank 0 reads the file; [resumed, epoch, step, scale, growth tracker] then go to everyone.
     let mut loaded: Option<Checkpoint> = None;
@@ -81,7 +81,7 @@ pub fn start(
             broadcast_optimizer_state(group, optimizer, 0)?;
         }
     }
-    step.release(true)?;
+    step.sync().release(true)?;
     if let (Some(scaler), false) = (scaler, header[3].is_nan()) {
         scaler.load_state(GradScalerState { scale: header[3], growth_tracker: header[4] as i64 });
     }
@@ -101,7 +101,7 @@ fn restore_replica_zero(
 ) -> Result<Vec<(String, Tensor)>> {
     let variables = step.named_variables();
     let names: Vec<String> = variables.iter().map(|(n, _)| n.clone()).collect();
-    let shard = step.parallel().tp.map(|(_, shard)| shard);
+    let shard = step.sync().parallel.tp.map(|(_, shard)| shard);
     let part = match model.filter(|g| !g.is_root()) {
         None => {
             // Rank 0 of replica 0 (the file is here): its own part, then every other rank's.
@@ -143,14 +143,14 @@ fn restore_replica_zero(
 /// optimizer state to rank 0, which writes one file (atomically). Every rank calls it.
 pub fn save(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: &CheckpointMeta, path: &Path) -> Result<()> {
     // ZeRO-3's parameters whole while they are read.
-    step.materialize()?;
+    step.sync().materialize()?;
     let saved = save_whole(step, optimizer, meta, path);
-    step.release(false)?;
+    step.sync().release(false)?;
     saved
 }
 
 fn save_whole(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: &CheckpointMeta, path: &Path) -> Result<()> {
-    let parallel = step.parallel();
+    let parallel = step.sync().parallel;
     // Every replica takes part where the optimizer state is sharded over them.
     let mut state = optimizer.gathered_state()?;
     if parallel.replica != 0 {

@@ -15,7 +15,8 @@ use std::rc::Rc;
 
 use anyhow::Context;
 
-use crate::dist::data_parallel::{DistributedOptimizer, GradientAverager};
+use crate::dist::data_parallel::{DataParallelPlan, DistributedOptimizer, GradientAverager};
+use crate::dist::layout::Groups;
 use crate::dist::zero::{Shards, ZeroOptimizer, ZeroStage};
 use crate::dist::{GradientSync, ProcessGroup, ReduceOp};
 use crate::models::PartedModule;
@@ -147,7 +148,7 @@ impl<'g> Replication<'g> {
                 Box::new(DistributedOptimizer::new(build(params), averaged, self.group, self.averager))
             }
             GradientSync::Zero(ZeroStage::Parameters) => {
-                let shards = step.zero_shards().context("ZeRO-3 shards the parameters when the step is built, and this step was built without")?;
+                let shards = step.sync().zero_shards().context("ZeRO-3 shards the parameters when the step is built, and this step was built without")?;
                 Box::new(ZeroOptimizer::over(shards, build))
             }
             GradientSync::Zero(stage) => Box::new(ZeroOptimizer::over(Shards::new(stage, self.group, params, None, self.averager.bucket_bytes)?, build)),
@@ -155,7 +156,7 @@ impl<'g> Replication<'g> {
     }
 }
 
-/// Who a step's rank works with.
+/// Who a step's rank works with: its place in the job's mesh ([`Groups`]) seen from one step.
 #[derive(Clone, Copy, Default)]
 pub struct Parallel<'g> {
     /// The data-parallel replicas of this rank's variables.
@@ -173,6 +174,18 @@ pub struct Parallel<'g> {
 }
 
 impl<'g> Parallel<'g> {
+    /// This rank's place in `groups`' layout, its replicas keeping their gradients equal as
+    /// `dp` says: the one place a step learns who it works with.
+    pub fn of(groups: &'g Groups<'g>, dp: DataParallelPlan) -> Parallel<'g> {
+        Parallel {
+            replicas: groups.dp().map(|group| Replication { group, averager: dp.averager, sync: dp.sync }),
+            model: groups.model(),
+            world: Some(groups.world),
+            replica: groups.coords.replica,
+            tp: groups.tp().map(|group| (group, groups.shard())),
+        }
+    }
+
     pub fn replica_group(self) -> Option<&'g ProcessGroup> {
         self.replicas.map(|r| r.group)
     }
@@ -188,30 +201,92 @@ impl<'g> Parallel<'g> {
     }
 }
 
-/// One optimizer step's work: forward and backward passes of a batch in the run's precision,
-/// the gradients made final over every rank that holds the model, evaluation; the variables it
-/// trains under their whole-model names.
-pub trait TrainStep<'g> {
-    /// The trainable variables this rank holds, under their whole-model names, in the same
-    /// order on every replica.
-    fn named_parameters(&self) -> Vec<(String, Tensor)>;
+/// What keeps a step's part of the model consistent with the ranks that replicate it or hold
+/// the rest of it, owned by the step: who they are ([`Parallel`]), ZeRO-3's sharded parameters
+/// (gathered to be read or written, freed after), which parameters count in the norm over the
+/// model, and which it holds without training them. The training loop, checkpoints and reports
+/// ask this, so [`TrainStep`] stays about computing.
+#[derive(Default)]
+pub struct StepSync<'g> {
+    pub parallel: Parallel<'g>,
+    zero3: Option<Rc<Shards<'g>>>,
+    norm_counted: Vec<bool>,
+    frozen: Vec<Tensor>,
+}
 
-    /// The parameters this rank holds without training them (transfer learning's frozen
-    /// blocks): part of the model's size and memory, but not of [`TrainStep::named_parameters`].
-    fn frozen_parameters(&self) -> Vec<Tensor> {
-        Vec::new()
+impl<'g> StepSync<'g> {
+    pub fn new(parallel: Parallel<'g>) -> Self {
+        StepSync { parallel, ..StepSync::default() }
     }
 
-    /// Every variable this rank holds (parameters and buffers such as batch-norm statistics),
-    /// under their whole-model names: what a checkpoint keeps of it.
-    fn named_variables(&self) -> Vec<(String, Tensor)>;
+    /// With the parameters living in ZeRO-3's `shards`.
+    pub fn with_zero3(self, shards: Rc<Shards<'g>>) -> Self {
+        StepSync { zero3: Some(shards), ..self }
+    }
 
-    /// Where this rank's batches go.
-    fn input_device(&self) -> Device;
+    /// With `counted[i]`: whether this rank counts parameter `i` (in the step's
+    /// `named_parameters` order) in the gradient norm over the model (a tensor-parallel shard
+    /// does not count what shard 0 holds too); empty: all.
+    pub fn with_norm_counted(self, counted: Vec<bool>) -> Self {
+        StepSync { norm_counted: counted, ..self }
+    }
 
-    /// Who this rank works with (groups that outlive the step).
-    fn parallel(&self) -> Parallel<'g>;
+    /// With the parameters this rank holds without training them (transfer learning's frozen
+    /// blocks): part of the model's size and memory, but not of `named_parameters`.
+    pub fn with_frozen(self, frozen: Vec<Tensor>) -> Self {
+        StepSync { frozen, ..self }
+    }
 
+    /// ZeRO-3's sharded parameters, where the step was built with them.
+    pub fn zero_shards(&self) -> Option<Rc<Shards<'g>>> {
+        self.zero3.clone()
+    }
+
+    pub fn norm_counted(&self) -> &[bool] {
+        &self.norm_counted
+    }
+
+    pub fn frozen(&self) -> &[Tensor] {
+        &self.frozen
+    }
+
+    /// Makes the gradients of `params` (the step's parameters) final before the optimizer
+    /// step: averaged over the replicas (DDP style; Horovod's optimizer averages in its
+    /// `synchronize`), unscaled (float16) with one inf/NaN verdict for the whole model, clipped
+    /// to `clip` by the norm over the whole model. Returns that norm when clipping.
+    pub fn finish_gradients(&self, params: &[Tensor], optimizer: &mut dyn Optimizer, scaler: Option<&GradScaler>, clip: Option<f64>) -> Result<Option<f64>> {
+        gradients::finish(self.parallel, params, &self.norm_counted, optimizer, scaler, clip)
+    }
+
+    /// Makes every parameter whole in memory, to read or write it (checkpoints, the replicas'
+    /// agreement): ZeRO-3 gathers them; nothing to do otherwise.
+    pub fn materialize(&self) -> Result<()> {
+        self.zero3.as_ref().map_or(Ok(()), |shards| shards.gather_all())
+    }
+
+    /// Undoes [`StepSync::materialize`]; `changed`: the parameters were written (restored or
+    /// broadcast), so ZeRO-3 takes its block from them again.
+    pub fn release(&self, changed: bool) -> Result<()> {
+        let Some(shards) = &self.zero3 else { return Ok(()) };
+        if changed {
+            shards.refresh_block();
+        }
+        shards.free_all()
+    }
+
+    /// Makes every replica's buffers among `variables` (batch-norm statistics, which each
+    /// replica updates from its own shard) replica 0's, before evaluating and checkpointing.
+    pub fn sync_buffers(&self, variables: Vec<(String, Tensor)>) -> Result<()> {
+        let Some(group) = self.parallel.replica_group() else { return Ok(()) };
+        let buffers: Vec<(String, Tensor)> = variables.into_iter().filter(|(_, t)| !t.requires_grad()).collect();
+        crate::dist::data_parallel::broadcast_named(group, buffers, 0)
+    }
+}
+
+/// One optimizer step's work: forward and backward passes of a batch in the run's precision
+/// and evaluation, over the variables this rank holds under their whole-model names. What keeps
+/// them consistent across ranks is the [`StepSync`] the step owns.
+pub trait TrainStep<'g> {
     /// Forward and backward passes of `batch` (this rank's share of it), the loss multiplied by
     /// `weight` (the batch's share of an accumulated step) before backward; gradients add up
     /// over calls until the optimizer's `zero_grad`.
@@ -221,60 +296,40 @@ pub trait TrainStep<'g> {
     /// mode; replicas are combined by the caller.
     fn evaluate(&mut self, source: &dyn BatchSource, precision: Precision) -> Result<EvalSums>;
 
-    /// Makes the gradients final before the optimizer step: averaged over the replicas (DDP
-    /// style; Horovod's optimizer averages in its `synchronize`), unscaled (float16) with one
-    /// inf/NaN verdict for the whole model, clipped to `clip` by the norm over the whole model.
-    /// Returns that norm when clipping.
-    fn finish_gradients(&mut self, optimizer: &mut dyn Optimizer, scaler: Option<&GradScaler>, clip: Option<f64>) -> Result<Option<f64>> {
-        let params: Vec<Tensor> = self.named_parameters().into_iter().map(|(_, t)| t).collect();
-        gradients::finish(self.parallel(), &params, &self.norm_counted(), optimizer, scaler, clip)
-    }
+    /// The trainable variables this rank holds, under their whole-model names, in the same
+    /// order on every replica.
+    fn named_parameters(&self) -> Vec<(String, Tensor)>;
 
-    /// Per parameter of [`TrainStep::named_parameters`], whether this rank counts it in the
-    /// gradient norm over the model (a tensor-parallel shard does not count what shard 0
-    /// holds too); empty: all.
-    fn norm_counted(&self) -> Vec<bool> {
-        Vec::new()
-    }
+    /// Every variable this rank holds (parameters and buffers such as batch-norm statistics),
+    /// under their whole-model names: what a checkpoint keeps of it.
+    fn named_variables(&self) -> Vec<(String, Tensor)>;
 
-    /// ZeRO-3's sharded parameters, where this step was built with them.
-    fn zero_shards(&self) -> Option<Rc<Shards<'g>>> {
-        None
-    }
+    /// Where this rank's batches go.
+    fn input_device(&self) -> Device;
 
-    /// Makes every parameter whole in memory, to read or write it (checkpoints, the replicas'
-    /// agreement): ZeRO-3 gathers them; nothing to do otherwise.
-    fn materialize(&self) -> Result<()> {
-        self.zero_shards().map_or(Ok(()), |shards| shards.gather_all())
-    }
+    /// Who this rank works with and what keeps its part consistent with theirs.
+    fn sync(&self) -> &StepSync<'g>;
+}
 
-    /// Undoes [`TrainStep::materialize`]; `changed`: the parameters were written (restored or
-    /// broadcast), so ZeRO-3 takes its block from them again.
-    fn release(&self, changed: bool) -> Result<()> {
-        let Some(shards) = self.zero_shards() else { return Ok(()) };
-        if changed {
-            shards.refresh_block();
-        }
-        shards.free_all()
-    }
-
-    /// Makes every replica's buffers (batch-norm statistics, which each replica updates from
-    /// its own shard) replica 0's, before evaluating and checkpointing.
-    fn sync_buffers(&mut self) -> Result<()> {
-        let Some(group) = self.parallel().replica_group() else { return Ok(()) };
-        let buffers: Vec<(String, Tensor)> = self.named_variables().into_iter().filter(|(_, t)| !t.requires_grad()).collect();
-        crate::dist::data_parallel::broadcast_named(group, buffers, 0)
-    }
+/// Makes `step`'s gradients final before the optimizer step ([`StepSync::finish_gradients`]).
+pub fn finish_gradients<'g, S: TrainStep<'g> + ?Sized>(
+    step: &S,
+    optimizer: &mut dyn Optimizer,
+    scaler: Option<&GradScaler>,
+    clip: Option<f64>,
+) -> Result<Option<f64>> {
+    let params: Vec<Tensor> = step.named_parameters().into_iter().map(|(_, t)| t).collect();
+    step.sync().finish_gradients(&params, optimizer, scaler, clip)
 }
 
 /// The parameters `step`'s rank holds, frozen ones included, counting what every
 /// tensor-parallel shard holds whole on the first shard only: summed over the ranks holding a
 /// model's parts, the model's count.
 pub fn counted_parameters(step: &dyn TrainStep<'_>) -> i64 {
-    let counted = step.norm_counted();
+    let counted = step.sync().norm_counted();
     let trained: i64 =
         step.named_parameters().iter().enumerate().filter(|(i, _)| counted.get(*i).copied().unwrap_or(true)).map(|(_, (_, t))| t.numel() as i64).sum();
-    trained + step.frozen_parameters().iter().map(|t| t.numel() as i64).sum::<i64>()
+    trained + step.sync().frozen().iter().map(|t| t.numel() as i64).sum::<i64>()
 }
 
 /// Mean cross-entropy over the last dimension of `logits` (classes, or vocabulary) and, when
@@ -301,14 +356,20 @@ fn weights_kind(vs: &nn::VarStore) -> Option<Kind> {
     (kind != Kind::Float).then_some(kind)
 }
 
+/// The parameters `vs` holds without training them (frozen for transfer learning): the var
+/// store lists every parameter it created trainable, frozen since or not.
+fn frozen_parameters(vs: &nn::VarStore) -> Vec<Tensor> {
+    vs.trainable_variables().into_iter().filter(|t| !t.requires_grad()).collect()
+}
+
 /// A whole model on this rank, trained alone or as one data-parallel replica (its parameters
 /// sharded over the replicas with ZeRO-3).
 pub struct LocalStep<'g> {
     pub vs: nn::VarStore,
     pub model: Box<dyn PartedModule>,
-    parallel: Parallel<'g>,
-    /// ZeRO-3: the parameters live in these shards and are gathered part by part as the model runs.
-    zero3: Option<Rc<Shards<'g>>>,
+    /// Who it works with; with ZeRO-3 the shards the parameters live in, gathered part by part
+    /// as the model runs.
+    sync: StepSync<'g>,
     /// The floating-point kind of the model's weights where not float32 (`--precision
     /// bf16-true`): floating-point inputs are cast to it, as a `model.half()` script casts them.
     inputs_kind: Option<Kind>,
@@ -323,7 +384,8 @@ impl<'g> LocalStep<'g> {
     /// A model that knows its parts (only ZeRO-3 runs them one by one).
     pub fn parted(vs: nn::VarStore, model: Box<dyn PartedModule>, parallel: Parallel<'g>) -> Self {
         let inputs_kind = weights_kind(&vs);
-        LocalStep { vs, model, parallel, zero3: None, inputs_kind }
+        let sync = StepSync::new(parallel).with_frozen(frozen_parameters(&vs));
+        LocalStep { vs, model, sync, inputs_kind }
     }
 
     /// The step with its parameters sharded over its replicas (ZeRO-3, FSDP): each part of the
@@ -334,7 +396,8 @@ impl<'g> LocalStep<'g> {
         let parts = named.iter().map(|(name, _)| model.part_of(name)).collect::<Result<_>>()?;
         let shards = Shards::new(ZeroStage::Parameters, replicas.group, named, Some(parts), replicas.averager.bucket_bytes)?;
         let inputs_kind = weights_kind(&vs);
-        Ok(LocalStep { vs, model, parallel, zero3: Some(shards), inputs_kind })
+        let sync = StepSync::new(parallel).with_frozen(frozen_parameters(&vs)).with_zero3(shards);
+        Ok(LocalStep { vs, model, sync, inputs_kind })
     }
 
     /// The model's output for `xs`: at once, or part by part through ZeRO-3's shards.
@@ -347,7 +410,7 @@ impl<'g> LocalStep<'g> {
             }
             _ => xs,
         };
-        match &self.zero3 {
+        match &self.sync.zero3 {
             None => Ok(self.model.forward_t(xs, train)),
             Some(shards) => self.model.forward_parts(xs, train, &mut |part, run| shards.around(part, run)),
         }
@@ -357,11 +420,6 @@ impl<'g> LocalStep<'g> {
 impl<'g> TrainStep<'g> for LocalStep<'g> {
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         crate::models::named_parameters(&self.vs)
-    }
-
-    fn frozen_parameters(&self) -> Vec<Tensor> {
-        // The var store lists every parameter it created trainable, frozen since or not.
-        self.vs.trainable_variables().into_iter().filter(|t| !t.requires_grad()).collect()
     }
 
     fn named_variables(&self) -> Vec<(String, Tensor)> {
@@ -374,12 +432,8 @@ impl<'g> TrainStep<'g> for LocalStep<'g> {
         self.vs.device()
     }
 
-    fn parallel(&self) -> Parallel<'g> {
-        self.parallel
-    }
-
-    fn zero_shards(&self) -> Option<Rc<Shards<'g>>> {
-        self.zero3.clone()
+    fn sync(&self) -> &StepSync<'g> {
+        &self.sync
     }
 
     fn forward_backward(&mut self, batch: &Batch, weight: f64, ctx: &StepContext) -> Result<StepOutput> {

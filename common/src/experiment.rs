@@ -8,6 +8,7 @@ use serde::Serialize;
 use tch::Device;
 
 use crate::device::{self, DeviceChoice};
+use crate::dist::data_parallel::DataParallelPlan;
 use crate::dist::layout::{Groups, Layout};
 use crate::dist::zero::ZeroStage;
 use crate::dist::{launch, Backend, CommStats, LaunchEnv, ProcessGroup};
@@ -15,8 +16,7 @@ use crate::error::usage;
 use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
 use crate::memory::estimate::RankEstimate;
 use crate::memory::{self, MemoryMeter, ModelState, PeakMemory};
-use crate::dist::data_parallel::DataParallelPlan;
-use crate::parallelize::{parallelize, ModelPlan};
+use crate::parallelize::{parallelize, Parallelize};
 use crate::precision::Precision;
 use crate::presets::Preset;
 use crate::profile::libtorch::TorchProfiler;
@@ -39,6 +39,8 @@ pub struct Sources {
 pub trait Experiment {
     /// What [`Experiment::load`] reads once per process.
     type Data;
+    /// What it trains, and how that is laid out over a job's ranks.
+    type Model: Parallelize;
 
     fn preset(&self) -> &Preset;
     fn run_args(&self) -> &RunArgs;
@@ -69,27 +71,27 @@ pub trait Experiment {
     fn metric(&self) -> Metric;
     /// What to train on `device` for `groups`' layout (every rank calls it; rank 0 may say how
     /// it decided).
-    fn model(&self, data: &Self::Data, groups: &Groups, device: Device, observers: &mut Observers) -> Result<ModelPlan>;
+    fn model(&self, data: &Self::Data, groups: &Groups, device: Device, observers: &mut Observers) -> Result<Self::Model>;
     /// Says what was built (every rank calls it: a model spread over ranks is described by
     /// gathering its parts; rank 0 speaks).
-    fn describe(&self, plan: &ModelPlan, step: &dyn train::TrainStep<'_>, groups: &Groups, device: Device, observers: &mut Observers) -> Result<()>;
+    fn describe(&self, plan: &Self::Model, step: &dyn train::TrainStep<'_>, groups: &Groups, device: Device, observers: &mut Observers) -> Result<()>;
     /// What a checkpoint must have been written for to resume this run.
-    fn model_identity(&self, plan: &ModelPlan) -> serde_json::Value;
+    fn model_identity(&self, plan: &Self::Model) -> serde_json::Value;
     /// Training FLOPs per example.
-    fn flops_per_example(&self, plan: &ModelPlan) -> f64;
+    fn flops_per_example(&self, plan: &Self::Model) -> f64;
     /// This replica's batches (`shard` = (replica, replicas)) on `device`.
     fn sources(&self, data: &Self::Data, device: Device, shard: (usize, usize)) -> Result<Sources>;
     fn data_generated(&self, data: &Self::Data) -> bool;
     /// The devices this process trains on (a pipeline's stages in one process: theirs): their
     /// peaks count for its MFU, their memory is measured.
-    fn devices(&self, _plan: &ModelPlan, device: Device) -> Vec<Device> {
+    fn devices(&self, _plan: &Self::Model, device: Device) -> Vec<Device> {
         vec![device]
     }
     /// What each kind of rank of a job of `world` ranks will hold (`--estimate-memory`), the
     /// device kind `cuda` (its kernels save differently); `observers` hear what was read.
     fn memory_estimate(&self, world: usize, cuda: bool, observers: &mut Observers) -> Result<Vec<RankEstimate>>;
     /// Lines to print and fields to add to the results after the test evaluation (rank 0).
-    fn report(&self, data: &Self::Data, plan: &ModelPlan, fit: &FitReport, test: &EvalSums, device: Device) -> (Vec<String>, serde_json::Value);
+    fn report(&self, data: &Self::Data, plan: &Self::Model, fit: &FitReport, test: &EvalSums, device: Device) -> (Vec<String>, serde_json::Value);
 }
 
 /// Runs an exercise as the course does: with `--nproc-per-node`, a launcher or a data-parallel
@@ -291,7 +293,8 @@ fn run_per_device<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<V
         run.precision.check(device)?;
     }
     let world = ProcessGroup::single();
-    let groups = Groups::single(&world);
+    // (A layout one process cannot hold, `--tp 2` say, is refused here, before the data.)
+    let groups = Groups::new(&world, exp.layout(1)?)?;
     let mut session = session_observers(exp, true, listeners);
     if let Some(warning) = device::set_threads(run.threads)? {
         session.warn(warning)?;
@@ -623,7 +626,7 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
 fn report_evaluation<E: Experiment>(
     exp: &E,
     data: &E::Data,
-    plan: &ModelPlan,
+    plan: &E::Model,
     fit: &FitReport,
     test: &EvalSums,
     device: Device,

@@ -16,7 +16,7 @@ use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
 use crate::flops;
 use crate::memory::estimate::RankEstimate;
 use crate::models::{Arch, Blocks, ModelSpec, Trainable};
-use crate::parallelize::ModelPlan;
+use crate::parallelize::ImagePlan;
 use crate::presets::{ModelPreset, Preset};
 use crate::report::{self, RunRecord};
 use crate::train::{EvalSums, FitReport, Metric, Observers, TrainStep};
@@ -142,6 +142,7 @@ pub struct ImageData {
 
 impl Experiment for ImageExperiment<'_> {
     type Data = ImageData;
+    type Model = ImagePlan;
 
     fn preset(&self) -> &Preset {
         self.preset
@@ -222,18 +223,13 @@ impl Experiment for ImageExperiment<'_> {
         Metric::Accuracy
     }
 
-    fn model(&self, _data: &ImageData, _groups: &Groups, _device: Device, _observers: &mut Observers) -> Result<ModelPlan> {
+    fn model(&self, _data: &ImageData, _groups: &Groups, _device: Device, _observers: &mut Observers) -> Result<ImagePlan> {
         // Every rank loads the weights (rank 0's win: they are broadcast at the start), so that a
         // bad file fails everywhere with the same message.
-        Ok(ModelPlan::Image {
-            spec: self.model_spec(),
-            weights: self.args.weights.clone(),
-            trainable: self.trainable(),
-            channels_last: self.args.channels_last,
-        })
+        Ok(ImagePlan { spec: self.model_spec(), weights: self.args.weights.clone(), trainable: self.trainable(), channels_last: self.args.channels_last })
     }
 
-    fn describe(&self, _plan: &ModelPlan, step: &dyn TrainStep<'_>, groups: &Groups, device: Device, observers: &mut Observers) -> Result<()> {
+    fn describe(&self, _plan: &ImagePlan, step: &dyn TrainStep<'_>, groups: &Groups, device: Device, observers: &mut Observers) -> Result<()> {
         if !groups.is_root() {
             return Ok(());
         }
@@ -289,11 +285,11 @@ impl Experiment for ImageExperiment<'_> {
         Ok(vec![job.estimate()])
     }
 
-    fn model_identity(&self, _plan: &ModelPlan) -> serde_json::Value {
+    fn model_identity(&self, _plan: &ImagePlan) -> serde_json::Value {
         serde_json::to_value(self.model_spec()).expect("a model spec serialises")
     }
 
-    fn flops_per_example(&self, _plan: &ModelPlan) -> f64 {
+    fn flops_per_example(&self, _plan: &ImagePlan) -> f64 {
         flops::training_flops_per_image(&self.model_spec())
     }
 
@@ -322,7 +318,7 @@ impl Experiment for ImageExperiment<'_> {
         data.train.generated
     }
 
-    fn report(&self, _data: &ImageData, _plan: &ModelPlan, _fit: &FitReport, test: &EvalSums, _device: Device) -> (Vec<String>, serde_json::Value) {
+    fn report(&self, _data: &ImageData, _plan: &ImagePlan, _fit: &FitReport, test: &EvalSums, _device: Device) -> (Vec<String>, serde_json::Value) {
         // Lightning's table after trainer.test, to hold against the course's printout.
         let table = crate::course_format::lightning_test_table(&[("test_acc", test.accuracy()), ("test_loss", test.mean_loss())]);
         let memory_format = if self.args.channels_last { "channels-last" } else { "nchw" };

@@ -18,7 +18,7 @@ use crate::memory::estimate::{RankEstimate, TransformerJob};
 use crate::models::transformer_names::{Place, TransformerVariable};
 use crate::models::TransformerConfig;
 use crate::optim::OptimizerKind;
-use crate::parallelize::{ModelPlan, PipelinePlan};
+use crate::parallelize::{PipelinePlan, TransformerPlan};
 use crate::pipeline::{self, LayerCosts, Partition, PipelineOptions, Placement, Schedule, Stage};
 use crate::presets::{ModelParallelism, ModelPreset, Preset, TransformerShape};
 use crate::report::{self, RunRecord};
@@ -65,6 +65,12 @@ pub struct LmArgs {
     /// tensor parallelism cuts it into equal parts. The extra words never occur in the data.
     #[arg(long)]
     pub pad_vocab: Option<i64>,
+    /// Tensor-parallel shards of every layer, one per rank (Megatron-LM's; keep them inside a
+    /// node): the Transformer built from tensor-parallel layers, whose dropout masks are keyed
+    /// so that the shards drop what one rank drops [default: exercise3 tp: the ranks left by
+    /// --pp and --dp; otherwise 1].
+    #[arg(long)]
+    pub tp: Option<usize>,
 }
 
 /// exercise3 pipeline's and exercise3 tp's flags: exercise1_nlp's, plus the model-parallel ones.
@@ -82,10 +88,6 @@ pub struct PipelineArgs {
     /// left by --tp and --dp; exercise3 tp: 1].
     #[arg(long)]
     pub pp: Option<usize>,
-    /// Tensor-parallel shards of every layer, one per rank (Megatron-LM's; keep them inside a
-    /// node) [default: exercise3 tp: the ranks left by --pp and --dp; exercise3 pipeline: 1].
-    #[arg(long)]
-    pub tp: Option<usize>,
     /// Micro-batches per mini-batch (GPipe's `chunks`) [default: 8 with pipeline stages, else 1].
     #[arg(long)]
     pub chunks: Option<usize>,
@@ -197,6 +199,15 @@ impl LmExperiment<'_> {
         })
     }
 
+    /// `--tp` asks for one process per shard: a usage error where the job has fewer ranks
+    /// (one process started alone).
+    fn check_shards_fit(&self, world: usize) -> Result<()> {
+        match self.args.tp.filter(|&tp| tp > 1 && world == 1) {
+            Some(tp) => usage(format!("--tp {tp} runs each shard of a layer in a process of its own: start {tp} ranks (--nproc-per-node {tp}, or a launcher)")),
+            None => Ok(()),
+        }
+    }
+
     /// How a job of `world` ranks (more than one) divides the model: the flags given, the rest
     /// from the preset (exercise3 pipeline: stages fill the ranks; exercise3 tp: shards do).
     fn model_layout(&self, pipeline: &PipelineArgs, world: usize) -> Result<Layout> {
@@ -204,7 +215,7 @@ impl LmExperiment<'_> {
         let dp = pipeline.dp.unwrap_or(1).max(1);
         let pp = pipeline.pp.or((!pipeline.devices.is_empty()).then_some(pipeline.devices.len()));
         let rest = |other: usize| (world / (dp * other.max(1))).max(1);
-        let (pp, tp) = match (pp, pipeline.tp) {
+        let (pp, tp) = match (pp, self.args.tp) {
             (Some(pp), Some(tp)) => (pp, tp),
             (Some(pp), None) => (pp, if tensor { rest(pp) } else { 1 }),
             (None, Some(tp)) => (if tensor { 1 } else { rest(tp) }, tp),
@@ -252,6 +263,7 @@ impl LmExperiment<'_> {
 
 impl Experiment for LmExperiment<'_> {
     type Data = LmData;
+    type Model = TransformerPlan;
 
     fn preset(&self) -> &Preset {
         self.preset
@@ -289,8 +301,11 @@ impl Experiment for LmExperiment<'_> {
         if self.args.pad_vocab.is_some_and(|n| n < 1) {
             return usage("--pad-vocab must be at least 1");
         }
+        if self.args.tp == Some(0) {
+            return usage("--tp must be at least 1");
+        }
         if let Some(pipeline) = self.pipeline {
-            for (flag, value) in [("--dp", pipeline.dp), ("--pp", pipeline.pp), ("--tp", pipeline.tp), ("--chunks", pipeline.chunks)] {
+            for (flag, value) in [("--dp", pipeline.dp), ("--pp", pipeline.pp), ("--chunks", pipeline.chunks)] {
                 if value == Some(0) {
                     return usage(format!("{flag} must be at least 1"));
                 }
@@ -342,18 +357,17 @@ impl Experiment for LmExperiment<'_> {
                         "--dp replicates a model whose parts run in separate processes: start them with --nproc-per-node (stages × shards × dp) or a launcher",
                     );
                 }
-                if let Some(tp) = pipeline.tp.filter(|&tp| tp > 1) {
-                    return usage(format!(
-                        "--tp {tp} runs each shard of a layer in a process of its own: start {tp} ranks (--nproc-per-node {tp}, or a launcher)"
-                    ));
-                }
+                self.check_shards_fit(world)?;
                 if self.preset.parallelism == ModelParallelism::Tensor && pipeline.pp.is_some_and(|pp| pp > 1) {
                     return usage("--pp runs each stage in a process of its own here: start stages × shards ranks (--nproc-per-node, or a launcher)");
                 }
                 Ok(Layout::SINGLE)
             }
             Some(pipeline) => self.model_layout(pipeline, world),
-            None => Layout::new(world, 1, 1, None),
+            None => {
+                self.check_shards_fit(world)?;
+                Layout::new(world, 1, self.args.tp.unwrap_or(1), None)
+            }
         }
     }
 
@@ -381,7 +395,7 @@ impl Experiment for LmExperiment<'_> {
         Metric::Perplexity
     }
 
-    fn model(&self, data: &LmData, groups: &Groups, device: Device, observers: &mut Observers) -> Result<ModelPlan> {
+    fn model(&self, data: &LmData, groups: &Groups, device: Device, observers: &mut Observers) -> Result<TransformerPlan> {
         let vocab = data.corpus.vocab.len() as i64;
         let multiple = self.args.pad_vocab.unwrap_or(1);
         let ntoken = (vocab + multiple - 1) / multiple * multiple;
@@ -398,7 +412,12 @@ impl Experiment for LmExperiment<'_> {
             observers.info(format!("--pad-vocab {multiple}: the vocabulary of {vocab} words padded to {ntoken}"))?;
         }
         let init = self.preset.recipe_for(&self.args.recipe).output_init;
-        let Some(pipeline) = self.pipeline else { return Ok(ModelPlan::Transformer { config, pipeline: None, init }) };
+        let Some(pipeline) = self.pipeline else {
+            // --tp, even 1: the model of tensor-parallel layers, one stage cut over the shards,
+            // its dropout masks keyed so that N shards train what one rank trains.
+            let pipeline = self.args.tp.map(|_| PipelinePlan::single_stage(config.nlayers)).transpose()?;
+            return Ok(TransformerPlan { config, pipeline, init });
+        };
         // Stages as threads of this process: exercise3 pipeline started alone.
         let in_process = groups.world.world_size() == 1 && self.preset.parallelism == ModelParallelism::Pipeline;
         let devices = if in_process { self.stage_devices(pipeline)? } else { Vec::new() };
@@ -416,11 +435,11 @@ impl Experiment for LmExperiment<'_> {
             checkpoint_activations: pipeline.checkpoint_activations,
             threads_per_stage,
         };
-        Ok(ModelPlan::Transformer { config, pipeline: Some(PipelinePlan { partition, options, devices }), init })
+        Ok(TransformerPlan { config, pipeline: Some(PipelinePlan { partition, options, devices }), init })
     }
 
-    fn describe(&self, plan: &ModelPlan, step: &dyn TrainStep<'_>, groups: &Groups, device: Device, observers: &mut Observers) -> Result<()> {
-        let ModelPlan::Transformer { config: cfg, pipeline, .. } = plan else { unreachable!("a Transformer plan") };
+    fn describe(&self, plan: &TransformerPlan, step: &dyn TrainStep<'_>, groups: &Groups, device: Device, observers: &mut Observers) -> Result<()> {
+        let TransformerPlan { config: cfg, pipeline, .. } = plan;
         let Some(pipeline_plan) = pipeline else {
             if groups.is_root() {
                 let params: i64 = step.named_parameters().iter().map(|(_, t)| t.numel() as i64).sum();
@@ -438,7 +457,6 @@ impl Experiment for LmExperiment<'_> {
             }
             return Ok(());
         };
-        let pipeline = self.pipeline.expect("a pipeline plan comes from the pipeline's flags");
         let summaries = stage_summaries(step, pipeline_plan, groups)?;
         *self.stages.borrow_mut() = summaries.clone();
         if !groups.is_root() {
@@ -480,8 +498,8 @@ impl Experiment for LmExperiment<'_> {
             report::group_thousands(params),
             pipeline_plan.options.chunks,
             self.batch_size(),
-            pipeline.schedule.name(),
-            if pipeline.checkpoint_activations { ", activations recomputed" } else { "" }
+            pipeline_plan.options.schedule.name(),
+            if pipeline_plan.options.checkpoint_activations { ", activations recomputed" } else { "" }
         ))?;
         for summary in &summaries {
             observers.info(summary.line(pipeline_plan.partition.stages(), layout.tp))?;
@@ -489,14 +507,14 @@ impl Experiment for LmExperiment<'_> {
         Ok(())
     }
 
-    fn model_identity(&self, plan: &ModelPlan) -> serde_json::Value {
-        let ModelPlan::Transformer { config, .. } = plan else { unreachable!("a Transformer plan") };
+    fn model_identity(&self, plan: &TransformerPlan) -> serde_json::Value {
+        let config = &plan.config;
         // Whatever the partition: checkpoints resume on another number of stages.
         serde_json::json!({ "transformer": config, "tokenizer": self.args.tokenizer.name() })
     }
 
-    fn flops_per_example(&self, plan: &ModelPlan) -> f64 {
-        let ModelPlan::Transformer { config, .. } = plan else { unreachable!("a Transformer plan") };
+    fn flops_per_example(&self, plan: &TransformerPlan) -> f64 {
+        let config = &plan.config;
         flops::training_flops_per_token(config, self.shape().bptt)
     }
 
@@ -519,9 +537,9 @@ impl Experiment for LmExperiment<'_> {
         data.corpus.generated
     }
 
-    fn devices(&self, plan: &ModelPlan, device: Device) -> Vec<Device> {
+    fn devices(&self, plan: &TransformerPlan, device: Device) -> Vec<Device> {
         match plan {
-            ModelPlan::Transformer { pipeline: Some(p), .. } if !p.devices.is_empty() => {
+            TransformerPlan { pipeline: Some(p), .. } if !p.devices.is_empty() => {
                 let mut devices: Vec<Device> = Vec::new();
                 for d in &p.devices {
                     if !devices.contains(d) {
@@ -565,7 +583,7 @@ impl Experiment for LmExperiment<'_> {
             schedule,
             checkpoint_activations: recompute,
             stages_share_a_device: shared_device,
-            keyed_masks: self.pipeline.is_some(),
+            keyed_masks: self.pipeline.is_some() || layout.tp > 1,
             zero: self.args.parallel.zero_stage(),
             optimizer_k: crate::memory::optimizer_bytes_per_parameter(recipe.optimizer, recipe.momentum),
             bucket_bytes: self.args.parallel.bucket_mb * crate::memory::MIB,
@@ -588,8 +606,8 @@ impl Experiment for LmExperiment<'_> {
         Ok(job.estimate())
     }
 
-    fn report(&self, data: &LmData, plan: &ModelPlan, fit: &FitReport, test: &EvalSums, device: Device) -> (Vec<String>, serde_json::Value) {
-        let ModelPlan::Transformer { config, pipeline, .. } = plan else { unreachable!("a Transformer plan") };
+    fn report(&self, data: &LmData, plan: &TransformerPlan, fit: &FitReport, test: &EvalSums, device: Device) -> (Vec<String>, serde_json::Value) {
+        let TransformerPlan { config, pipeline, .. } = plan;
         let test_loss = test.mean_loss();
         let mut lines = vec![format!("[{}] end of training: test loss {test_loss:.4}, test perplexity {:.2}", device::device_name(device), test_loss.exp())];
         lines.push(crate::course_format::tutorial_end_of_training(test_loss));
@@ -603,7 +621,7 @@ impl Experiment for LmExperiment<'_> {
             "bptt": self.shape().bptt,
             "model_config": config,
         });
-        if let (Some(plan), Some(flags)) = (pipeline, self.pipeline) {
+        if let Some(plan) = pipeline {
             let (chunks, virtual_stages) = (plan.options.chunks, plan.options.virtual_stages);
             let stages = plan.partition.stages() / virtual_stages;
             let theory = pipeline::schedule::theoretical_bubble(stages, chunks, virtual_stages);
@@ -630,8 +648,8 @@ impl Experiment for LmExperiment<'_> {
             extra["virtual_stages"] = virtual_stages.into();
             extra["partition"] = plan.partition.layers.iter().map(|r| [r.start, r.end]).collect::<Vec<_>>().into();
             extra["chunks"] = chunks.into();
-            extra["schedule"] = serde_json::to_value(flags.schedule).expect("a schedule serialises");
-            extra["checkpoint_activations"] = flags.checkpoint_activations.into();
+            extra["schedule"] = serde_json::to_value(plan.options.schedule).expect("a schedule serialises");
+            extra["checkpoint_activations"] = plan.options.checkpoint_activations.into();
             extra["bubble_fraction"] = bubble.into();
             extra["bubble_fraction_theory"] = theory.into();
             extra["bubble_ratio"] = ratio.into();

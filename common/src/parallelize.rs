@@ -21,19 +21,43 @@ use crate::dist::{GradientSync, ProcessGroup};
 use crate::error::usage;
 use crate::models::{self, Blocks, ModelSpec, OnePart, OutputInit, PartedModule, Trainable, TransformerConfig, TransformerLm};
 use crate::pipeline::process::StageProcess;
-use crate::pipeline::{Partition, Pipeline, PipelineOptions, Placement, Stage};
+use crate::pipeline::{Partition, Pipeline, PipelineOptions, Placement, Schedule, Stage};
 use crate::precision::Precision;
 use crate::train::{LocalStep, Observers, Parallel, TrainStep};
 
-/// What to train.
+/// A plan of what to train that knows how to lay itself out over a job (torchtitan's
+/// per-model `parallelize_fn`): each exercise's model is one, and the layout, the
+/// data-parallel style and the pipeline it is given are model-agnostic.
+pub trait Parallelize {
+    /// This rank's step for `groups`' layout (see [`parallelize`]).
+    fn build_step<'g>(
+        &self,
+        groups: &'g Groups<'g>,
+        dp: DataParallelPlan,
+        device: Device,
+        seed: u64,
+        precision: Precision,
+        observers: &mut Observers,
+    ) -> Result<Box<dyn TrainStep<'g> + 'g>>;
+}
+
+/// An image classifier, from `weights` (torchvision names) when given, its blocks before the
+/// `trainable` ones frozen, in the channels-last memory format when asked.
 #[derive(Debug, Clone)]
-pub enum ModelPlan {
-    /// An image classifier, from `weights` (torchvision names) when given, its blocks before the
-    /// `trainable` ones frozen, in the channels-last memory format when asked.
-    Image { spec: ModelSpec, weights: Option<PathBuf>, trainable: Trainable, channels_last: bool },
-    /// The Transformer language model, whole or cut into pipeline stages, its output layer
-    /// initialised as `init` says.
-    Transformer { config: TransformerConfig, pipeline: Option<PipelinePlan>, init: OutputInit },
+pub struct ImagePlan {
+    pub spec: ModelSpec,
+    pub weights: Option<PathBuf>,
+    pub trainable: Trainable,
+    pub channels_last: bool,
+}
+
+/// The Transformer language model, whole, cut into pipeline stages, or into tensor-parallel
+/// shards of one stage, its output layer initialised as `init` says.
+#[derive(Debug, Clone)]
+pub struct TransformerPlan {
+    pub config: TransformerConfig,
+    pub pipeline: Option<PipelinePlan>,
+    pub init: OutputInit,
 }
 
 /// How the Transformer is cut into stages.
@@ -46,29 +70,21 @@ pub struct PipelinePlan {
     pub devices: Vec<Device>,
 }
 
-/// Builds this rank's step: the model (seeded with `seed`, the same on every rank) on `device`,
-/// or this rank's part of it, its weights in the 16-bit type where `precision` is a true one
-/// (`16-true`, `bf16-true`: `model.half()`), and its replicas from `groups`. Rank 0 tells `observers` what it loaded and
-/// froze.
-pub fn parallelize<'g>(
-    model: &ModelPlan,
-    groups: &'g Groups<'g>,
-    dp: DataParallelPlan,
-    device: Device,
-    seed: u64,
-    precision: Precision,
-    observers: &mut Observers,
-) -> Result<Box<dyn TrainStep<'g> + 'g>> {
-    let step = build_step(model, groups, dp, device, seed, precision, observers)?;
-    if let ModelPlan::Transformer { config, init, .. } = model {
-        let shard = step.sync().parallel.tp.map_or(crate::dist::tensor_parallel::Shard::WHOLE, |(_, shard)| shard);
-        init.apply(&step.named_parameters(), config, seed, shard);
+impl PipelinePlan {
+    /// One stage of all `layers`, on the ranks of the layout: tensor parallelism without a
+    /// pipeline (`exercise1_nlp --tp`), the layers cut over the shards of the one stage.
+    pub fn single_stage(layers: i64) -> Result<PipelinePlan> {
+        let options = PipelineOptions { schedule: Schedule::GPipe, virtual_stages: 1, chunks: 1, checkpoint_activations: false, threads_per_stage: None };
+        Ok(PipelinePlan { partition: Partition::even(layers, 1)?, options, devices: Vec::new() })
     }
-    Ok(step)
 }
 
-fn build_step<'g>(
-    model: &ModelPlan,
+/// Builds this rank's step: the model (seeded with `seed`, the same on every rank) on `device`,
+/// or this rank's part of it, its weights in the 16-bit type where `precision` is a true one
+/// (`16-true`, `bf16-true`: `model.half()`), and its replicas from `groups`. Rank 0 tells
+/// `observers` what it loaded and froze.
+pub fn parallelize<'g, M: Parallelize + ?Sized>(
+    model: &M,
     groups: &'g Groups<'g>,
     dp: DataParallelPlan,
     device: Device,
@@ -76,73 +92,116 @@ fn build_step<'g>(
     precision: Precision,
     observers: &mut Observers,
 ) -> Result<Box<dyn TrainStep<'g> + 'g>> {
+    model.build_step(groups, dp, device, seed, precision, observers)
+}
+
+/// The step of a model held whole on every rank (alone or as a data-parallel replica, its
+/// parameters sharded over the replicas with ZeRO-3): `build` makes it in a var store seeded
+/// with `seed`, whose floating-point variables then take the 16-bit kind of a true precision.
+fn whole_model<'g>(
+    groups: &'g Groups<'g>,
+    dp: DataParallelPlan,
+    device: Device,
+    seed: u64,
+    precision: Precision,
+    build: impl FnOnce(&nn::VarStore) -> Result<Box<dyn PartedModule>>,
+) -> Result<Box<dyn TrainStep<'g> + 'g>> {
+    if groups.layout.pp * groups.layout.tp != 1 {
+        return usage(format!("this model is not split into parts, but the job's layout is {}", groups.layout.describe()));
+    }
     let parallel = Parallel::of(groups, dp);
     if let Some(replicas) = &parallel.replicas {
         replicas.averager.check(replicas.group, device)?;
         check_reduces(replicas.group, device, precision)?;
     }
-    let whole_model = |build: &mut dyn FnMut(&nn::VarStore) -> Result<Box<dyn PartedModule>>| -> Result<Box<dyn TrainStep<'g> + 'g>> {
-        if groups.layout.pp * groups.layout.tp != 1 {
-            return usage(format!("this model is not split into parts, but the job's layout is {}", groups.layout.describe()));
-        }
-        tch::manual_seed(seed as i64);
-        let mut vs = nn::VarStore::new(device);
-        let module = build(&vs)?;
-        if let Some(kind) = precision.weights_kind() {
-            // `model.half()`: every floating-point variable, parameters and batch-norm
-            // statistics alike, after the weights were loaded in float32.
-            vs.set_kind(kind);
-        }
-        Ok(match dp.sync {
-            // FSDP: the parameters sharded over the replicas from the start.
-            GradientSync::Zero(ZeroStage::Parameters) if parallel.replicas.is_some() => Box::new(LocalStep::sharded(vs, module, parallel)?),
-            _ => Box::new(LocalStep::parted(vs, module, parallel)),
-        })
-    };
-    if let (Some(_), ModelPlan::Transformer { pipeline: Some(_), .. }) = (precision.weights_kind(), model) {
-        return usage(format!("--precision {} with pipeline stages is not built yet (their activations pass in float32): use bf16-mixed", precision.name()));
+    tch::manual_seed(seed as i64);
+    let mut vs = nn::VarStore::new(device);
+    let module = build(&vs)?;
+    if let Some(kind) = precision.weights_kind() {
+        // `model.half()`: every floating-point variable, parameters and batch-norm
+        // statistics alike, after the weights were loaded in float32.
+        vs.set_kind(kind);
     }
-    match model {
-        ModelPlan::Image { spec, weights, trainable, channels_last } => whole_model(&mut |vs| {
-            let module = models::build(&vs.root(), spec);
-            let blocks = Blocks::of(spec);
+    Ok(match dp.sync {
+        // FSDP: the parameters sharded over the replicas from the start.
+        GradientSync::Zero(ZeroStage::Parameters) if parallel.replicas.is_some() => Box::new(LocalStep::sharded(vs, module, parallel)?),
+        _ => Box::new(LocalStep::parted(vs, module, parallel)),
+    })
+}
+
+impl Parallelize for ImagePlan {
+    fn build_step<'g>(
+        &self,
+        groups: &'g Groups<'g>,
+        dp: DataParallelPlan,
+        device: Device,
+        seed: u64,
+        precision: Precision,
+        observers: &mut Observers,
+    ) -> Result<Box<dyn TrainStep<'g> + 'g>> {
+        whole_model(groups, dp, device, seed, precision, |vs| {
+            let module = models::build(&vs.root(), &self.spec);
+            let blocks = Blocks::of(&self.spec);
             // Before the step is built: its ZeRO-3 shards and the optimizer take the
             // parameters that still train.
-            let loaded = weights.as_ref().map(|path| models::load_weights(vs, path, blocks.head())).transpose()?;
-            let frozen = models::freeze(vs, &blocks, *trainable, spec.arch.name())?;
+            let loaded = self.weights.as_ref().map(|path| models::load_weights(vs, path, blocks.head())).transpose()?;
+            let frozen = models::freeze(vs, &blocks, self.trainable, self.spec.arch.name())?;
             if groups.is_root() {
                 for line in loaded.map(|l| l.describe()).into_iter().chain(frozen.map(|f| f.describe())) {
                     observers.info(line)?;
                 }
             }
-            Ok(Box::new(OnePart(match channels_last {
+            Ok(Box::new(OnePart(match self.channels_last {
                 true => Box::new(models::ChannelsLast::new(vs, module)?),
                 false => module,
             })))
-        }),
-        ModelPlan::Transformer { config, pipeline: None, .. } => {
+        })
+    }
+}
+
+impl Parallelize for TransformerPlan {
+    fn build_step<'g>(
+        &self,
+        groups: &'g Groups<'g>,
+        dp: DataParallelPlan,
+        device: Device,
+        seed: u64,
+        precision: Precision,
+        _observers: &mut Observers,
+    ) -> Result<Box<dyn TrainStep<'g> + 'g>> {
+        let config = &self.config;
+        let step: Box<dyn TrainStep<'g> + 'g> = match &self.pipeline {
             // (Token ids stay integers: only the weights change kind.)
-            whole_model(&mut |vs| Ok(Box::new(TransformerLm::new(&vs.root(), config)?) as Box<dyn PartedModule>))
-        }
-        ModelPlan::Transformer { config, pipeline: Some(plan), .. } if !plan.devices.is_empty() => {
-            if groups.world.world_size() > 1 {
-                return usage("--devices puts every stage in this process; a job of several ranks runs one stage per rank: drop --devices or the launcher");
+            None => whole_model(groups, dp, device, seed, precision, |vs| Ok(Box::new(TransformerLm::new(&vs.root(), config)?) as Box<dyn PartedModule>))?,
+            Some(_) if precision.weights_kind().is_some() => {
+                return usage(format!(
+                    "--precision {} with pipeline stages or tensor-parallel shards is not built yet (their activations pass in float32): use bf16-mixed",
+                    precision.name()
+                ))
             }
-            Ok(Box::new(Pipeline::new(config, &plan.partition, &plan.devices, seed, plan.options)?))
-        }
-        ModelPlan::Transformer { config, pipeline: Some(plan), .. } => {
-            let placement = Placement { devices: groups.layout.pp, virtual_stages: plan.options.virtual_stages };
-            let stages = placement.stages();
-            if plan.partition.stages() != stages {
-                return usage(format!("a partition into {} stages for a layout of {stages}", plan.partition.stages()));
+            Some(plan) if !plan.devices.is_empty() => {
+                if groups.world.world_size() > 1 {
+                    return usage("--devices puts every stage in this process; a job of several ranks runs one stage per rank: drop --devices or the launcher");
+                }
+                Box::new(Pipeline::new(config, &plan.partition, &plan.devices, seed, plan.options)?)
             }
-            placement.check_layers(config.nlayers)?;
-            let mine = placement
-                .stages_of(groups.coords.stage)
-                .map(|s| Stage::new_sharded(config, s, stages, plan.partition.layers[s].clone(), device, seed, groups.shard()))
-                .collect::<Result<_, _>>()?;
-            Ok(Box::new(StageProcess::new(groups, mine, plan.options, dp)?))
-        }
+            Some(plan) => {
+                let placement = Placement { devices: groups.layout.pp, virtual_stages: plan.options.virtual_stages };
+                let stages = placement.stages();
+                if plan.partition.stages() != stages {
+                    return usage(format!("a partition into {} stages for a layout of {stages}", plan.partition.stages()));
+                }
+                placement.check_layers(config.nlayers)?;
+                let mine = placement
+                    .stages_of(groups.coords.stage)
+                    .map(|s| Stage::new_sharded(config, s, stages, plan.partition.layers[s].clone(), device, seed, groups.shard()))
+                    .collect::<Result<_, _>>()?;
+                Box::new(StageProcess::new(groups, mine, plan.options, dp)?)
+            }
+        };
+        let shard = step.sync().parallel.tp.map_or(crate::dist::tensor_parallel::Shard::WHOLE, |(_, shard)| shard);
+        self.init.apply(&step.named_parameters(), config, seed, shard);
+        Ok(step)
     }
 }
 

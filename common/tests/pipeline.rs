@@ -12,12 +12,12 @@ mod support;
 use std::collections::HashMap;
 use std::time::Duration;
 
+use common::dist::data_parallel::DataParallelPlan;
 use common::dist::data_parallel::GradientAverager;
 use common::dist::layout::{Coords, Groups, Layout};
 use common::dist::{Backend, ProcessGroup};
 use common::models::{self, TransformerConfig, TransformerLm};
 use common::optim::Optimizer;
-use common::dist::data_parallel::DataParallelPlan;
 use common::pipeline::executor::StageTrace;
 use common::pipeline::process::StageProcess;
 use common::pipeline::{schedule, split_batch, Op, Partition, Pipeline, PipelineOptions, Placement, Schedule, Stage};
@@ -503,17 +503,17 @@ fn a_job_that_does_not_split_into_pipelines_is_refused() {
 /// layer differs from the tutorial's initialisation.
 #[test]
 fn a_scaled_output_layer_starts_alike_on_every_layout() {
+    use common::dist::data_parallel::DataParallelPlan;
     use common::dist::GradientSync;
     use common::models::OutputInit;
-    use common::dist::data_parallel::DataParallelPlan;
-    use common::parallelize::{parallelize, ModelPlan, PipelinePlan};
+    use common::parallelize::{parallelize, PipelinePlan, TransformerPlan};
     let world = ProcessGroup::single();
     let groups = Groups::single(&world);
     let dp = DataParallelPlan { averager: GradientAverager::new(25 << 20, false), sync: GradientSync::Ddp };
     let cfg = config(2, 256);
     let weights = |pipeline: Option<PipelinePlan>, init: OutputInit| -> HashMap<String, Tensor> {
         let step = parallelize(
-            &ModelPlan::Transformer { config: cfg, pipeline, init },
+            &TransformerPlan { config: cfg, pipeline, init },
             &groups,
             dp,
             Device::Cpu,

@@ -10,12 +10,12 @@ mod support;
 
 use std::time::Duration;
 
+use common::dist::data_parallel::DataParallelPlan;
 use common::dist::data_parallel::GradientAverager;
 use common::dist::layout::{Groups, Layout};
 use common::dist::tensor_parallel::Shard;
 use common::dist::{Backend, CommStats, GradientSync, ProcessGroup};
 use common::models::{Masks, TransformerConfig};
-use common::dist::data_parallel::DataParallelPlan;
 use common::pipeline::process::StageProcess;
 use common::pipeline::{Partition, Pipeline, Schedule, Stage};
 use common::train::TrainStep;

@@ -128,3 +128,46 @@ fn tensor_parallel_mistakes_are_one_clear_line_with_exit_2() {
         assert!(stderr(&out).contains(message), "{command} {flags:?}: {}", stderr(&out));
     }
 }
+
+/// exercise1_nlp --tp: the tutorial's language model built from tensor-parallel layers, so 2
+/// shards train what one rank trains (dropout on: the masks are keyed), without pipeline flags.
+#[test]
+fn exercise1_nlp_on_two_shards_trains_the_model_of_one_rank() {
+    let data = tempfile::tempdir().unwrap();
+    wikitext_sample(data.path(), [60; 3]);
+    let run = |dir: &Path, placement: &[&str]| {
+        let mut args = vec!["--data-dir", data.path().to_str().unwrap(), "--epochs", "2", "--quiet", "--lr-schedule", "constant"];
+        args.extend(["--checkpoint-dir", dir.to_str().unwrap(), "--results-dir", dir.to_str().unwrap()]);
+        args.extend(SMALL);
+        args.extend(placement);
+        let out = Command::new(env!("CARGO_BIN_EXE_exercise1_nlp")).args(&args).output().expect("exercise1_nlp runs");
+        assert!(out.status.success(), "{placement:?}: {}", stderr(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let (one, two) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    run(one.path(), &["--tp", "1"]);
+    let stdout = run(two.path(), &["--nproc-per-node", "2", "--tp", "2"]);
+    assert!(stdout.contains("every layer cut over 2 tensor-parallel shards"), "{stdout}");
+    let tensors = |dir: &Path| {
+        let path = dir.join("exercise1_nlp-transformer-cpu.safetensors");
+        let mut tensors: Vec<_> = common::checkpoint::load(&path).unwrap().tensors.into_iter().filter(|(k, _)| k.starts_with("model.")).collect();
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        tensors
+    };
+    let (whole, shards) = (tensors(one.path()), tensors(two.path()));
+    assert_eq!(whole.iter().map(|t| (&t.0, t.1.size())).collect::<Vec<_>>(), shards.iter().map(|t| (&t.0, t.1.size())).collect::<Vec<_>>());
+    for ((name, x), (_, y)) in whole.iter().zip(&shards) {
+        let rel = (x - y).abs().max().double_value(&[]) / x.abs().max().double_value(&[]).max(1e-12);
+        assert!(rel <= 1e-5, "{name}: one rank vs 2 shards differ by {rel:e}");
+    }
+    let json = read_json(&two.path().join("exercise1_nlp-transformer-cpu.json"));
+    assert_eq!(json["layout"], serde_json::json!({ "dp": 1, "pp": 1, "tp": 2 }));
+    // Started alone, the shards have no processes to run in: one line, exit 2.
+    let out = Command::new(env!("CARGO_BIN_EXE_exercise1_nlp"))
+        .args(["--data-dir", data.path().to_str().unwrap(), "--max-steps", "1", "--tp", "2"])
+        .args(SMALL)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--tp 2 runs each shard of a layer in a process of its own"), "{}", stderr(&out));
+}

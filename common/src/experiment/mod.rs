@@ -1,0 +1,330 @@
+//! What every exercise does around the training loop, written once: start the ranks, lay them
+//! out, pick the device, load the data, build the step ([`crate::parallelize`]) and the
+//! optimizer, train ([`crate::train::fit`]), test, and report. An exercise is an
+//! [`Experiment`] (its data, model and results) plus a [`Preset`]; the image exercises are
+//! [`crate::image_classification`], the language models [`crate::language_model`].
+mod recipe;
+mod results;
+mod train_run;
+
+use anyhow::{Context, Result};
+use tch::Device;
+
+pub use recipe::RunRecipe;
+use train_run::train_on;
+
+use crate::device::{self, DeviceChoice};
+use crate::dist::layout::{Groups, Layout};
+use crate::dist::{launch, Backend, LaunchEnv, ProcessGroup};
+use crate::error::usage;
+use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
+use crate::memory;
+use crate::memory::estimate::RankEstimate;
+use crate::parallelize::Parallelize;
+use crate::precision::Precision;
+use crate::presets::Preset;
+use crate::report::{self, RunRecord};
+use crate::train::sinks::ConsoleLog;
+use crate::train::{self, BatchSource, EvalSums, Event, FitReport, Metric, Observer, Observers};
+
+/// The data sources of one run on one rank.
+pub struct Sources {
+    pub train: Box<dyn BatchSource>,
+    /// Evaluated after every epoch (the test set for images, the validation split for text).
+    pub eval: Box<dyn BatchSource>,
+    /// Evaluated at the end: the test split (None: the last epoch's evaluation was on it).
+    pub test: Option<Box<dyn BatchSource>>,
+    /// Examples in an epoch of the whole training set (for the machine-time estimate).
+    pub examples_per_epoch: usize,
+}
+
+/// An exercise's own part: its flags, data, model and results.
+pub trait Experiment {
+    /// What [`Experiment::load`] reads once per process.
+    type Data;
+    /// What it trains, and how that is laid out over a job's ranks.
+    type Model: Parallelize;
+
+    fn preset(&self) -> &Preset;
+    fn run_args(&self) -> &RunArgs;
+    fn recipe_args(&self) -> &RecipeArgs;
+    fn parallel_args(&self) -> &ParallelArgs;
+    /// The flags as given, for the checkpoint's record.
+    fn flags_json(&self) -> serde_json::Value;
+
+    /// The exercise's own flag mistakes (the shared flags are checked by [`run`]).
+    fn check(&self) -> Result<()>;
+    /// Loads the data; `announce`: say what was read (rank 0).
+    fn load(&self, observers: &mut Observers, announce: bool) -> Result<Self::Data>;
+    /// How a job of `world` ranks divides the work.
+    fn layout(&self, world: usize) -> Result<Layout> {
+        Layout::new(world, 1, 1, None)
+    }
+    /// This rank's device for a job (with `--device both` on a job: its GPU where there is one).
+    fn device(&self, groups: &Groups) -> Result<Device> {
+        match self.run_args().device {
+            DeviceChoice::Cpu => Ok(Device::Cpu),
+            DeviceChoice::Cuda if !device::cuda_available() => crate::error::usage(device::no_cuda_message()),
+            DeviceChoice::Cuda | DeviceChoice::Both => Ok(groups.world.device(device::cuda_available())),
+        }
+    }
+    /// The model name in the run's name and results (`cnn`, `transformer`, ...).
+    fn model_name(&self) -> String;
+    fn dataset_name(&self) -> String;
+    fn metric(&self) -> Metric;
+    /// What to train on `device` for `groups`' layout (every rank calls it; rank 0 may say how
+    /// it decided).
+    fn model(&self, data: &Self::Data, groups: &Groups, device: Device, observers: &mut Observers) -> Result<Self::Model>;
+    /// Says what was built (every rank calls it: a model spread over ranks is described by
+    /// gathering its parts; rank 0 speaks).
+    fn describe(&self, plan: &Self::Model, step: &dyn train::TrainStep<'_>, groups: &Groups, device: Device, observers: &mut Observers) -> Result<()>;
+    /// What a checkpoint must have been written for to resume this run.
+    fn model_identity(&self, plan: &Self::Model) -> serde_json::Value;
+    /// Training FLOPs per example.
+    fn flops_per_example(&self, plan: &Self::Model) -> f64;
+    /// This replica's batches (`shard` = (replica, replicas)) on `device`.
+    fn sources(&self, data: &Self::Data, device: Device, shard: (usize, usize)) -> Result<Sources>;
+    fn data_generated(&self, data: &Self::Data) -> bool;
+    /// The devices this process trains on (a pipeline's stages in one process: theirs): their
+    /// peaks count for its MFU, their memory is measured.
+    fn devices(&self, _plan: &Self::Model, device: Device) -> Vec<Device> {
+        vec![device]
+    }
+    /// What each kind of rank of a job of `world` ranks will hold (`--estimate-memory`), the
+    /// device kind `cuda` (its kernels save differently); `observers` hear what was read.
+    fn memory_estimate(&self, world: usize, cuda: bool, observers: &mut Observers) -> Result<Vec<RankEstimate>>;
+    /// Lines to print and fields to add to the results after the test evaluation (rank 0).
+    fn report(&self, data: &Self::Data, plan: &Self::Model, fit: &FitReport, test: &EvalSums, device: Device) -> (Vec<String>, serde_json::Value);
+}
+
+/// Runs an exercise as the course does: with `--nproc-per-node`, a launcher or a data-parallel
+/// preset as the ranks of one job, otherwise once per `--device` (CPU then GPU) with the
+/// comparison table at the end. `listeners` hear every event of rank 0 (a notebook's
+/// [`train::EventLog`], say) besides the console, progress bars, TensorBoard and profile
+/// sinks the flags ask for. Returns rank 0's records.
+pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
+    let (run, parallel) = (exp.run_args(), exp.parallel_args());
+    // Before the data are read: the data set counts in the peak memory's baseline.
+    memory::count_cpu_tensors()?;
+    device::keep_freed_host_memory();
+    run.check()?;
+    run.matmul_precision.apply()?;
+    exp.recipe_args().check()?;
+    parallel.check()?;
+    exp.check()?;
+    // Found before the first step, not after the last one (whose results would be lost).
+    writable_dir(&run.results_dir, "--results-dir")?;
+    if let Some(dir) = &run.checkpoint_dir {
+        writable_dir(dir, "--checkpoint-dir")?;
+    }
+    let env = LaunchEnv::detect();
+    // Once per job: by the process itself, or by rank 0 of the ranks a launcher starts.
+    let speaks = match &env {
+        Ok(env) if env.is_distributed() => env.rank == 0,
+        _ => parallel.nproc_per_node.is_none() || run.estimate_memory,
+    };
+    if let Some(note) = Precision::legacy_name_note(std::env::args()).filter(|_| speaks) {
+        session_observers(exp, true, listeners).info(note)?;
+    }
+    if run.estimate_memory {
+        return estimate_memory(exp, listeners).map(|()| Vec::new());
+    }
+    if let Some(n) = parallel.nproc_per_node.filter(|_| !env.as_ref().is_ok_and(|env| env.is_distributed())) {
+        // What the ranks would each refuse, said once, before mpirun starts them.
+        let layout = exp.layout(n)?;
+        if layout.dp > 1 && run.precision.weights_kind().is_some() && run.device == DeviceChoice::Cpu {
+            return usage(crate::parallelize::cannot_average(run.precision, layout.dp, "mpi", Device::Cpu));
+        }
+        if let Some(warning) = check_rank_count(n, run.device, parallel.max_ranks_per_core)? {
+            session_observers(exp, true, listeners).warn(warning)?;
+        }
+    }
+    if launch::start_ranks_if_asked(parallel.nproc_per_node)? {
+        return Ok(Vec::new());
+    }
+    let env = env?;
+    if exp.preset().per_device && !env.is_distributed() && parallel.backend == Backend::Auto {
+        return run_per_device(exp, listeners);
+    }
+    // Errors on one rank abort every rank (MPI_Abort) instead of leaving the others waiting.
+    ProcessGroup::run(parallel.backend, |world| {
+        let layout = exp.layout(world.world_size())?;
+        let groups = Groups::new(world, layout)?;
+        let device = exp.device(&groups)?;
+        run.precision.check(device)?;
+        let mut session = session_observers(exp, world.is_root(), listeners);
+        if run.threads == 0 && world.local_world_size() > 1 && device == Device::Cpu {
+            // Ranks sharing a node share its cores (torchrun sets OMP_NUM_THREADS=1 for the same reason).
+            device::set_threads((device::usable_cores() / world.local_world_size()).max(1))?;
+        } else if let Some(warning) = device::set_threads(run.threads)? {
+            session.warn(warning)?;
+        }
+        let data = exp.load(&mut session, world.is_root())?;
+        let record = train_on(exp, &data, &groups, device, &mut session)?;
+        if let (Some(record), true) = (&record, world.world_size() > 1) {
+            let csv = run.results_dir.join(format!("{}.csv", exp.preset().name));
+            if let Some(efficiency) = report::scaling_efficiency(&csv, record) {
+                session.info(format!("scaling efficiency against the last 1-rank run: {:.1}%", 100.0 * efficiency))?;
+            }
+        }
+        Ok(record.into_iter().collect())
+    })
+}
+
+/// `--estimate-memory`: the job's ranks from `--nproc-per-node` or the launcher, the estimate
+/// printed and written to `<results>/<exercise>-<model>-<device>.memory-estimate.json`.
+fn estimate_memory<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<()> {
+    let run = exp.run_args();
+    if run.precision.weights_kind().is_some() {
+        return usage(format!(
+            "--estimate-memory models float32 weights (32 and the mixed precisions); --precision {} is not modelled yet",
+            run.precision.name()
+        ));
+    }
+    let world = match exp.parallel_args().nproc_per_node {
+        Some(n) => n,
+        None => LaunchEnv::detect()?.world_size,
+    };
+    // The GPU's kernels where the run would train on one (`both`: where there is one).
+    let cuda = match run.device {
+        DeviceChoice::Cpu => false,
+        DeviceChoice::Cuda => true,
+        DeviceChoice::Both => device::cuda_available(),
+    };
+    let mut session = session_observers(exp, true, listeners);
+    let rows = exp.memory_estimate(world, cuda, &mut session)?;
+    let device = if cuda { "cuda" } else { "cpu" };
+    let name = format!("{}-{}-{device}", exp.preset().name, exp.model_name());
+    session.info(format!(
+        "--estimate-memory: {name}, {world} rank(s), precision {}, per rank in MiB (nothing trained; {}):\n\n{}",
+        run.precision.name(),
+        if cuda { "CUDA's kernels, as counted from what they save (not measured on a GPU)" } else { "the CPU's kernels, as measured" },
+        crate::memory::estimate::table(&rows)
+    ))?;
+    std::fs::create_dir_all(&run.results_dir).with_context(|| format!("cannot create results directory {}", run.results_dir.display()))?;
+    let path = run.results_dir.join(format!("{name}.memory-estimate.json"));
+    let json =
+        serde_json::json!({ "run": name, "world_size": world, "device": device, "precision": run.precision.name(), "flags": exp.flags_json(), "ranks": rows });
+    std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n").with_context(|| format!("cannot write {}", path.display()))?;
+    session.info(format!("wrote {}", path.display()))
+}
+
+/// Creates `dir` if needed and writes a file there and removes it: a usage error naming `flag`
+/// where that fails (read-only, not a folder, no permission, a full disk).
+fn writable_dir(dir: &std::path::Path, flag: &str) -> Result<()> {
+    let probe = dir.join(format!(".write-test-{}", std::process::id()));
+    let written = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&probe, b"x")).and_then(|()| std::fs::remove_file(&probe));
+    match written {
+        Ok(()) => Ok(()),
+        Err(err) => usage(format!("{flag} {}: cannot write there ({err}); choose another folder", dir.display())),
+    }
+}
+
+/// How many local ranks `--nproc-per-node` may start: no more GPU ranks than GPUs (NCCL takes
+/// one GPU per rank); CPU ranks beyond the cores take turns (a warning), beyond
+/// `max_per_core` per core they are refused: every rank is a LibTorch process with its own
+/// memory, and a thousand of them end with the OOM killer.
+fn check_rank_count(n: usize, choice: DeviceChoice, max_per_core: usize) -> Result<Option<String>> {
+    let on_gpus = match choice {
+        DeviceChoice::Cpu => false,
+        DeviceChoice::Cuda => true,
+        DeviceChoice::Both => device::cuda_available(),
+    };
+    if on_gpus {
+        let gpus = tch::Cuda::device_count().max(0) as usize;
+        if n > gpus {
+            return usage(format!(
+                "--nproc-per-node {n}: this node has {gpus} GPU(s), and each rank needs its own (NCCL refuses two ranks on one GPU); use --nproc-per-node {} or --device cpu",
+                gpus.max(1)
+            ));
+        }
+        return Ok(None);
+    }
+    let cores = device::usable_cores();
+    if n > max_per_core * cores {
+        return usage(format!(
+            "--nproc-per-node {n}: more than {max_per_core} CPU ranks per core on {cores} core(s), each a LibTorch process with its own memory; \
+             use fewer, or raise --max-ranks-per-core"
+        ));
+    }
+    Ok((n > cores).then(|| format!("warning: {n} CPU ranks on {cores} core(s): they take turns (right for testing, slow for timing)")))
+}
+
+/// The course's CPU-vs-GPU comparison: one process, one run per device, then the table.
+fn run_per_device<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
+    let run = exp.run_args();
+    // A missing GPU, or a precision a device cannot train in, is reported before any data is read.
+    let devices = device::devices_for(run.device)?;
+    for &device in &devices {
+        run.precision.check(device)?;
+    }
+    let world = ProcessGroup::single();
+    // (A layout one process cannot hold, `--tp 2` say, is refused here, before the data.)
+    let groups = Groups::new(&world, exp.layout(1)?)?;
+    let mut session = session_observers(exp, true, listeners);
+    if let Some(warning) = device::set_threads(run.threads)? {
+        session.warn(warning)?;
+    }
+    let data = exp.load(&mut session, true)?;
+    let mut records = Vec::new();
+    for device in devices {
+        records.extend(train_on(exp, &data, &groups, device, &mut session)?);
+    }
+    if records.is_empty() {
+        return Ok(records); // --eval-only: each device said its figures
+    }
+    let missing = (run.device == DeviceChoice::Both && !device::cuda_available()).then_some("no CUDA device on this machine; the run above is CPU only");
+    if run.device == DeviceChoice::Both {
+        // The course slide's bar chart (one bar where only the CPU ran).
+        let path = crate::plots::devices_path(&run.results_dir, &records[0]);
+        match crate::plots::device_comparison(&records, &path) {
+            Ok(()) => session.info(format!("wrote the device comparison {}", path.display()))?,
+            Err(err) => session.warn(format!("warning: {err:#}"))?,
+        }
+    }
+    session.info(report::comparison_table(&records, missing))?;
+    Ok(records)
+}
+
+/// The observers of a process: the console on rank 0, and the caller's listeners.
+fn session_observers<'a, E: Experiment>(exp: &E, root: bool, listeners: &'a mut Observers) -> Observers<'a> {
+    let mut observers = Observers::new().with(Forward(listeners));
+    if root {
+        observers.add(ConsoleLog::new(exp.metric()));
+    }
+    observers
+}
+
+/// Passes events on to another set of observers.
+struct Forward<'a, 'b>(&'a mut Observers<'b>);
+
+impl Observer for Forward<'_, '_> {
+    fn on_event(&mut self, event: &Event) -> Result<train::Control> {
+        self.0.emit(event)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_ranks_beyond_the_cores_are_warned_about_and_beyond_the_limit_refused() {
+        let cores = device::usable_cores();
+        assert_eq!(check_rank_count(cores, DeviceChoice::Cpu, 4).unwrap(), None);
+        let warning = check_rank_count(cores + 1, DeviceChoice::Cpu, 4).unwrap().unwrap();
+        assert!(warning.contains(&format!("{} CPU ranks on {cores} core(s)", cores + 1)), "{warning}");
+        assert!(check_rank_count(4 * cores, DeviceChoice::Cpu, 4).unwrap().is_some());
+        let refused = check_rank_count(4 * cores + 1, DeviceChoice::Cpu, 4).unwrap_err();
+        assert!(refused.is::<crate::error::UsageError>() && refused.to_string().contains("--max-ranks-per-core"), "{refused}");
+        // Raised explicitly, the limit lets them start.
+        assert!(check_rank_count(4 * cores + 1, DeviceChoice::Cpu, 5).is_ok());
+    }
+
+    #[test]
+    fn more_gpu_ranks_than_gpus_are_refused() {
+        let gpus = tch::Cuda::device_count() as usize;
+        let err = check_rank_count(gpus + 1, DeviceChoice::Cuda, 4).unwrap_err();
+        assert!(err.to_string().contains(&format!("this node has {gpus} GPU(s)")), "{err}");
+    }
+}

@@ -1,0 +1,231 @@
+//! What rank 0 says and writes after a run: the console's lines, the run's record (CSV), and
+//! its results document, one typed [`RunResults`] serialised once (with the exercise's own
+//! fields beside it).
+use anyhow::{Context, Result};
+use serde::Serialize;
+use tch::Device;
+
+use super::train_run::{checkpoint_config, Built};
+use super::Experiment;
+use crate::device;
+use crate::dist::layout::{Groups, Layout};
+use crate::dist::CommStats;
+use crate::memory::{ModelState, PeakMemory};
+use crate::report::{self, RunInfo, RunRecord};
+use crate::train::{self, EvalSums, FitReport, LrSchedule, Metric, Observers, TrainStep};
+
+/// What a run measured, on every rank (rank 0's is reported).
+pub(super) struct Measured {
+    pub fit: FitReport,
+    pub test: EvalSums,
+    /// This rank's collectives and messages during training and its evaluations.
+    pub communication: CommStats,
+    /// In one training step (between two steps' ends; none after fewer than two steps).
+    pub per_step: Option<CommStats>,
+    pub memory: ModelState,
+    pub peaks: Vec<PeakMemory>,
+    /// The model's parameters, counted over the ranks holding its parts.
+    pub params: i64,
+    /// Every step's mean loss on rank 0's replica (after a resume: the steps this run took).
+    pub step_losses: Vec<f64>,
+}
+
+/// The results document of a run, besides its [`RunRecord`] and the exercise's own fields.
+#[derive(Serialize)]
+struct RunResults<'a> {
+    history: &'a [train::EpochStats],
+    step_losses: &'a [f64],
+    resumed_epochs: usize,
+    world_size: usize,
+    layout: Layout,
+    dp: usize,
+    per_rank_batch: usize,
+    accumulate: usize,
+    global_batch: usize,
+    /// The training split's size: a whole epoch's time from the throughput, also when
+    /// --max-steps stopped the run inside its first epoch (the scaling study's column).
+    examples_per_epoch: usize,
+    lr_schedule: LrSchedule,
+    allreduce_time_s: f64,
+    scaling_efficiency: Option<f64>,
+    communication: CommStats,
+    communication_per_step: Option<CommStats>,
+    zero: u8,
+    model_state_memory: ModelState,
+    peak_memory: &'a [PeakMemory],
+    /// With data-parallel replicas: how they averaged.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    replicas: Option<ReplicaResults>,
+    matmul_precision: &'static str,
+    scale_lr: bool,
+    warmup_epochs: usize,
+}
+
+/// How data-parallel replicas averaged their gradients.
+#[derive(Serialize)]
+struct ReplicaResults {
+    backend: String,
+    gradient_sync: crate::dist::GradientSync,
+    bucket_mb: f64,
+    fp16_allreduce: bool,
+}
+
+/// Rank 0's report of a training run: its lines, the record appended to the exercise's CSV,
+/// the results document and the curves beside it, the closing table.
+pub(super) fn write_results<E: Experiment>(
+    exp: &E,
+    data: &E::Data,
+    built: &Built<'_, E::Model>,
+    measured: &Measured,
+    groups: &Groups,
+    device: Device,
+    session: &mut Observers,
+) -> Result<RunRecord> {
+    let (run, preset) = (exp.run_args(), exp.preset());
+    say_measurements(measured, groups, device, session)?;
+    let peak = crate::flops::peak_tflops(device, run.precision, run.matmul_precision, run.peak_tflops);
+    if let Some((peak, source)) = &peak {
+        session.info(format!("[{}] peak {peak:.1} TFLOP/s per device ({source})", device::device_name(device)))?;
+    }
+    let recipe = &built.recipe;
+    let info = RunInfo {
+        exercise: preset.name.into(),
+        model: exp.model_name(),
+        params: measured.params,
+        device,
+        dataset: exp.dataset_name(),
+        data_generated: exp.data_generated(data),
+        epochs: recipe.epochs,
+        batch_size: recipe.batch_size,
+        lr: recipe.lr,
+        optimizer: built.optimizer.name().into(),
+        seed: run.seed,
+        world_size: groups.world.world_size(),
+        precision: run.precision,
+        flops_per_example: exp.flops_per_example(&built.plan),
+        peak_tflops: peak.map(|(p, _)| p * exp.devices(&built.plan, device).len() as f64),
+    };
+    let (fit, test) = (&measured.fit, &measured.test);
+    let mut record = RunRecord::new(info, fit, (test.mean_loss(), test.accuracy()));
+    record.peak_memory_bytes = measured.peaks.iter().map(PeakMemory::peak_bytes).max();
+    let (lines, extra) = exp.report(data, &built.plan, fit, test, device);
+    for line in lines {
+        session.info(line)?;
+    }
+    session.info(report::compute_summary(&record, built.sources.examples_per_epoch))?;
+    let results = run_results(exp, built, measured, groups, &record);
+    let mut json = serde_json::to_value(&results)?;
+    if let (Some(object), serde_json::Value::Object(extra)) = (json.as_object_mut(), extra) {
+        object.extend(extra);
+    }
+    let saved = report::save(&run.results_dir, &record, json)?;
+    match &saved.curves {
+        Ok(svg) => session.info(format!("wrote the training curves {}", svg.display()))?,
+        Err(err) => session.warn(format!("warning: {err:#}"))?,
+    }
+    session.info(report::time_split(&record))?;
+    session.info(format!("wrote {}", saved.json.display()))?;
+    if !preset.per_device || groups.world.world_size() > 1 {
+        session.info(report::comparison_table(std::slice::from_ref(&record), None))?;
+    }
+    Ok(record)
+}
+
+/// The replicas' agreement, the traffic, the memory: one line each.
+fn say_measurements(measured: &Measured, groups: &Groups, device: Device, session: &mut Observers) -> Result<()> {
+    if groups.layout.dp > 1 {
+        session.info(format!("parameters bit-identical on all {} ranks after training", groups.layout.dp))?;
+    }
+    if groups.world.world_size() > 1 {
+        session.info(format!("rank 0's communication in training and evaluation: {}", measured.communication.describe()))?;
+        if let Some(per_step) = measured.per_step {
+            session.info(format!("rank 0's communication per training step: {}", per_step.describe()))?;
+        }
+    }
+    session.info(measured.memory.describe(device))?;
+    session.info(format!("peak memory in training: {}", measured.peaks.iter().map(PeakMemory::describe).collect::<Vec<_>>().join("; ")))
+}
+
+fn run_results<'a, E: Experiment>(exp: &E, built: &'a Built<'_, E::Model>, measured: &'a Measured, groups: &Groups, record: &RunRecord) -> RunResults<'a> {
+    let (run, parallel, recipe) = (exp.run_args(), exp.parallel_args(), &built.recipe);
+    let replicas = groups.layout.dp;
+    let csv = run.results_dir.join(format!("{}.csv", exp.preset().name));
+    RunResults {
+        history: &measured.fit.history,
+        step_losses: &measured.step_losses,
+        resumed_epochs: measured.fit.resumed_epochs,
+        world_size: groups.world.world_size(),
+        layout: groups.layout,
+        dp: replicas,
+        per_rank_batch: recipe.batch_size,
+        accumulate: recipe.accumulate,
+        global_batch: recipe.batch_size * recipe.accumulate * replicas,
+        examples_per_epoch: built.sources.examples_per_epoch,
+        lr_schedule: recipe.schedule,
+        allreduce_time_s: measured.fit.timings.allreduce_s,
+        scaling_efficiency: report::scaling_efficiency(&csv, record),
+        communication: measured.communication,
+        communication_per_step: measured.per_step,
+        zero: parallel.zero,
+        model_state_memory: measured.memory,
+        peak_memory: &measured.peaks,
+        replicas: (replicas > 1).then(|| ReplicaResults {
+            backend: groups.world.describe(),
+            gradient_sync: exp.preset().sync,
+            bucket_mb: parallel.bucket_mb,
+            fp16_allreduce: parallel.fp16_allreduce,
+        }),
+        matmul_precision: run.matmul_precision.name(),
+        scale_lr: exp.recipe_args().scale_lr,
+        warmup_epochs: exp.recipe_args().warmup_epochs,
+    }
+}
+
+/// `--eval-only`'s report: the exercise's own lines on the test split, one line with the
+/// figures, and `<results>/<run>.eval-only.json` (the training run's results stay as they are).
+pub(super) fn report_evaluation<E: Experiment>(
+    exp: &E,
+    data: &E::Data,
+    built: &Built<'_, E::Model>,
+    measured: &Measured,
+    device: Device,
+    session: &mut Observers,
+) -> Result<()> {
+    let (run, name, fit, test) = (exp.run_args(), &built.name, &measured.fit, &measured.test);
+    let (lines, extra) = exp.report(data, &built.plan, fit, test, device);
+    for line in lines {
+        session.info(line)?;
+    }
+    let (loss, accuracy) = (test.mean_loss(), test.accuracy());
+    let figure = match exp.metric() {
+        Metric::Accuracy => format!("test accuracy {accuracy:.4}"),
+        Metric::Perplexity => format!("test perplexity {:.2}", loss.exp()),
+    };
+    let source = checkpoint_config(run).and_then(|(dir, _, from)| from.or(Some(crate::checkpoint::path_for(&dir, name)))).unwrap_or_default();
+    session.info(format!(
+        "[{}] --eval-only: {} from {} (nothing trained): {figure}, test loss {loss:.4}",
+        device::device_name(device),
+        name,
+        source.display()
+    ))?;
+    let mut json = serde_json::json!({
+        "run": name, "eval_only": true, "checkpoint": source, "device": device::device_name(device),
+        "test_loss": loss, "test_acc": if accuracy.is_finite() { Some(accuracy) } else { None }, "eval_loss": fit.eval_loss, "flags": exp.flags_json(),
+    });
+    if let (Some(object), serde_json::Value::Object(extra)) = (json.as_object_mut(), extra) {
+        object.extend(extra);
+    }
+    let path = run.results_dir.join(format!("{name}.eval-only.json"));
+    std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n").with_context(|| format!("cannot write {}", path.display()))?;
+    session.info(format!("wrote {}", path.display()))
+}
+
+/// The model's parameters, counted where they live (every stage of a pipeline and every
+/// tensor-parallel shard across ranks; what all shards hold whole, once).
+pub(super) fn step_parameter_count(groups: &Groups, step: &dyn TrainStep<'_>) -> Result<i64> {
+    let mine = train::counted_parameters(step);
+    let Some(model) = groups.model() else { return Ok(mine) };
+    let mut total = tch::Tensor::from(mine as f64);
+    model.all_reduce(&mut total, crate::dist::ReduceOp::Sum)?;
+    Ok(total.double_value(&[]) as i64)
+}

@@ -1,0 +1,338 @@
+//! One training run on one device, in the order it happens: the step and optimizer built from
+//! the exercise's model and the job's plan ([`build`]), the loop's configuration and observers,
+//! the loop, then what is measured after it (the replicas' agreement, memory, the test pass).
+//! What rank 0 prints and writes of it is [`super::results`]'.
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+
+use anyhow::Result;
+use tch::Device;
+
+use super::results::{self, Measured};
+use super::{Experiment, Forward, RunRecipe, Sources};
+use crate::device::{self, DeviceChoice};
+use crate::dist::data_parallel::DataParallelPlan;
+use crate::dist::layout::Groups;
+use crate::dist::zero::ZeroStage;
+use crate::dist::{CommStats, GradientSync};
+use crate::error::usage;
+use crate::flags::RunArgs;
+use crate::memory::{self, MemoryMeter, ModelState};
+use crate::optim::Optimizer;
+use crate::parallelize::parallelize;
+use crate::precision::Precision;
+use crate::profile::libtorch::TorchProfiler;
+use crate::report::RunRecord;
+use crate::train::sinks::{CheckpointEveryEpoch, ProfileSink, ProgressBars, StepLosses, TensorBoardLog};
+use crate::train::{self, CheckpointConfig, EvalSums, Event, Metric, Observer, Observers, TrainConfig, TrainStep};
+
+/// What a run trains, built before its first step.
+pub(super) struct Built<'g, M> {
+    pub plan: M,
+    pub step: Box<dyn TrainStep<'g> + 'g>,
+    pub optimizer: Box<dyn Optimizer + 'g>,
+    pub recipe: RunRecipe,
+    pub sources: Sources,
+    pub zero: Option<ZeroStage>,
+    /// `<exercise>-<model>-<device>`: the results' and checkpoints' name.
+    pub name: String,
+}
+
+/// One training run on `device`: built, trained, measured; rank 0's record.
+pub(super) fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Device, session: &mut Observers) -> Result<Option<RunRecord>> {
+    if device.is_cuda() {
+        tch::Cuda::cudnn_set_benchmark(true);
+    }
+    if groups.is_root() {
+        announce_matmul_precision(exp.run_args(), device, session)?;
+    }
+    // Peak memory from the data in place: the model's state, activations and temporaries.
+    let (mut built, meter) = build(exp, data, groups, device, session)?;
+    let config = train_config(exp, &built, groups, device)?;
+    if config.cuda_graph {
+        built.optimizer.make_capturable()?;
+    }
+    let step_losses = StepLosses::new();
+    let losses = step_losses.values();
+    let per_step = Rc::new(Cell::new(None));
+    let mut observers = observers_for(exp, &built.name, groups, device, session)?;
+    observers.add(StepTraffic { groups, first: None, done: false, per_step: per_step.clone() });
+    observers.add(MemoryMeter::observer(&meter));
+    observers.add(step_losses);
+    let before = groups.comm_stats();
+    let Built { step, optimizer, sources, .. } = &mut built;
+    let mut fit = train::fit(step.as_mut(), optimizer.as_mut(), sources.train.as_ref(), sources.eval.as_ref(), &config, &mut observers)?;
+    let communication = groups.comm_stats().since(before);
+    drop(observers);
+    let test = measure_after_training(exp, &mut built, &meter, groups, &mut fit)?;
+    let measured = Measured {
+        fit,
+        test: test.sums,
+        communication,
+        per_step: per_step.get(),
+        memory: test.memory,
+        peaks: test.peaks,
+        params: test.params,
+        step_losses: losses.borrow().clone(),
+    };
+    if !groups.is_root() {
+        return Ok(None);
+    }
+    if exp.run_args().eval_only {
+        return results::report_evaluation(exp, data, &built, &measured, device, session).map(|()| None);
+    }
+    results::write_results(exp, data, &built, &measured, groups, device, session).map(Some)
+}
+
+/// `--matmul-precision` with float32 training: what it allows, said once.
+fn announce_matmul_precision(run: &RunArgs, device: Device, session: &mut Observers) -> Result<()> {
+    if run.precision != Precision::Full || run.matmul_precision == Default::default() {
+        return Ok(());
+    }
+    let what = match run.matmul_precision {
+        crate::precision::MatmulPrecision::Medium => "bfloat16 inner products allowed",
+        _ => "TF32 tensor cores where the GPU has them",
+    };
+    session.info(format!(
+        "[{}] --matmul-precision {}: float32 matrix products with {what} (LibTorch's setting: {})",
+        device::device_name(device),
+        run.matmul_precision.name(),
+        crate::torch_ext::float32_matmul_precision()
+    ))
+}
+
+/// The exercise's model laid out by the job's plan ([`parallelize`]), its data, and the
+/// optimizer over what this rank trains.
+fn build<'g, E: Experiment>(
+    exp: &E,
+    data: &E::Data,
+    groups: &'g Groups<'g>,
+    device: Device,
+    session: &mut Observers,
+) -> Result<(Built<'g, E::Model>, RefCell<MemoryMeter>)> {
+    let (run, preset) = (exp.run_args(), exp.preset());
+    let plan = exp.model(data, groups, device, session)?;
+    let zero = exp.parallel_args().zero_stage();
+    if let Some(stage) = zero {
+        check_zero(exp, stage, groups)?;
+    }
+    let sync = zero.map_or(preset.sync, GradientSync::Zero);
+    let dp = DataParallelPlan { averager: exp.parallel_args().averager(), sync };
+    let replicas = groups.layout.dp;
+    let sources = exp.sources(data, device, (groups.coords.replica, replicas))?;
+    check_batches(exp, &sources, replicas)?;
+    let meter = RefCell::new(MemoryMeter::start(&exp.devices(&plan, device))?);
+    let step = parallelize(&plan, groups, dp, device, run.seed, run.precision, session)?;
+    exp.describe(&plan, step.as_ref(), groups, device, session)?;
+    let recipe = RunRecipe::resolve(preset, exp.recipe_args(), replicas, sources.train.batches_per_epoch(), run.epochs.unwrap_or(preset.epochs));
+    let build = |named| recipe.optimizer.build(named, recipe.lr, recipe.momentum, recipe.weight_decay, exp.recipe_args().optimizer_kernel);
+    let optimizer = match step.sync().parallel.replicas {
+        Some(replication) => replication.distribute(step.as_ref(), build)?,
+        None => build(step.named_parameters()),
+    };
+    let name = format!("{}-{}-{}", preset.name, exp.model_name(), device::device_name(device));
+    Ok((Built { plan, step, optimizer, recipe, sources, zero, name }, meter))
+}
+
+/// The loop's configuration for `built` (with `--cuda-graph`, the optimizer made capturable).
+fn train_config<E: Experiment>(exp: &E, built: &Built<'_, E::Model>, groups: &Groups, device: Device) -> Result<TrainConfig> {
+    let run = exp.run_args();
+    let recipe = &built.recipe;
+    // --cuda-graph records GPU steps; the CPU leg of a CPU-vs-GPU comparison trains as usual.
+    let cuda_graph = run.cuda_graph && (device.is_cuda() || run.device == DeviceChoice::Cpu);
+    if cuda_graph {
+        check_cuda_graph(exp, groups, device, recipe)?;
+    }
+    Ok(TrainConfig {
+        run: built.name.clone(),
+        epochs: recipe.epochs,
+        max_steps: run.max_steps,
+        seed: run.seed,
+        lr_schedule: recipe.schedule,
+        accumulate: recipe.accumulate,
+        clip_grad_norm: (recipe.clip > 0.0).then_some(recipe.clip),
+        checkpoint: checkpoint_config(run).map(|(dir, resume, from)| CheckpointConfig {
+            dir,
+            resume,
+            model: exp.model_identity(&built.plan),
+            config: exp.flags_json(),
+            from,
+            keep: run.keep_checkpoints,
+        }),
+        metric: exp.metric(),
+        precision: run.precision,
+        profile: run.profiling().is_some(),
+        steady_after: run.steady_after,
+        cuda_graph,
+        eval_only: run.eval_only,
+    })
+}
+
+/// The loop's observers: the session's, the epoch checkpoints, and the sinks the flags ask for
+/// (progress bars, TensorBoard, the profiler) on the ranks that write them.
+fn observers_for<'s, E: Experiment>(exp: &E, name: &str, groups: &Groups, device: Device, session: &'s mut Observers) -> Result<Observers<'s>> {
+    let (run, root) = (exp.run_args(), groups.is_root());
+    let mut observers = Observers::new().with(Forward(session)).with(CheckpointEveryEpoch);
+    if root && !run.quiet {
+        observers.add(ProgressBars::new());
+    }
+    if let (Some(dir), true) = (&run.tensorboard, root) {
+        observers.add(TensorBoardLog::new(&dir.join(name), exp.metric())?);
+    }
+    if let Some(window) = run.profiling() {
+        // A model spread over ranks: traces per rank; otherwise rank 0's.
+        let spread = groups.layout.pp * groups.layout.tp > 1;
+        if spread || root {
+            let rank = spread.then_some(groups.world.rank());
+            let torch = TorchProfiler::new(window, device.is_cuda(), run.trace_path(name, "torch-trace", rank));
+            observers.add(ProfileSink::new(run.trace_path(name, "trace", rank), torch, groups.world.rank(), root));
+        }
+    }
+    Ok(observers)
+}
+
+/// What every rank measures after the loop (collectives: every rank takes part).
+struct AfterTraining {
+    sums: EvalSums,
+    memory: ModelState,
+    peaks: Vec<memory::PeakMemory>,
+    params: i64,
+}
+
+/// The replicas' agreement, the model state's memory, the peaks, the parameter count and the
+/// test pass (its time added to `fit`'s evaluation time).
+fn measure_after_training<E: Experiment>(
+    exp: &E,
+    built: &mut Built<'_, E::Model>,
+    meter: &RefCell<MemoryMeter>,
+    groups: &Groups,
+    fit: &mut train::FitReport,
+) -> Result<AfterTraining> {
+    let Built { step, optimizer, sources, zero, .. } = built;
+    let replica_group = step.sync().parallel.replica_group();
+    if let Some(group) = replica_group {
+        step.sync().materialize()?;
+        train::check_replicas_agree(&step.named_variables(), group)?;
+        step.sync().release(false)?;
+    }
+    let memory = ModelState::measure(&step.named_parameters(), step.sync().frozen(), optimizer.as_ref(), groups.layout.dp, *zero);
+    let peaks = memory::gather(&meter.borrow().peaks(groups.world.rank())?, groups.world)?;
+    let params = results::step_parameter_count(groups, step.as_ref())?;
+    let sums = match &sources.test {
+        Some(test) => {
+            let started = std::time::Instant::now();
+            let sums = step.evaluate(test.as_ref(), exp.run_args().precision)?.over(replica_group)?;
+            fit.timings.eval_s += started.elapsed().as_secs_f64();
+            sums
+        }
+        None => EvalSums { loss_sum: fit.eval_loss, hits: fit.eval_acc, examples: 1.0 },
+    };
+    Ok(AfterTraining { sums, memory, peaks, params })
+}
+
+/// Measures what one training step moves: the collectives of all of this rank's groups between
+/// the first and the last step's end of the first epoch (no evaluation or checkpoint between).
+struct StepTraffic<'g> {
+    groups: &'g Groups<'g>,
+    /// The first step's number and the counts at its end.
+    first: Option<(usize, CommStats)>,
+    /// The first epoch has ended.
+    done: bool,
+    per_step: Rc<Cell<Option<CommStats>>>,
+}
+
+impl Observer for StepTraffic<'_> {
+    fn on_event(&mut self, event: &Event) -> Result<train::Control> {
+        match (event, self.first) {
+            (Event::Step(_), _) if self.done => {}
+            (Event::Step(step), None) => self.first = Some((step.step, self.groups.comm_stats())),
+            (Event::Step(step), Some((first, at_first))) if step.step > first => {
+                let steps = (step.step - first) as u64;
+                self.per_step.set(Some(self.groups.comm_stats().since(at_first).per(steps)));
+            }
+            (Event::EpochEnded { .. }, Some(_)) => self.done = true,
+            _ => {}
+        }
+        Ok(train::Control::Continue)
+    }
+}
+
+/// What `--cuda-graph` cannot record, refused before anything trains: a step that communicates
+/// (ranks), waits for the host (float16's scaler, `--profile`) or runs several batches.
+fn check_cuda_graph<E: Experiment>(exp: &E, groups: &Groups, device: Device, recipe: &RunRecipe) -> Result<()> {
+    let run = exp.run_args();
+    if !device.is_cuda() {
+        return usage(format!("--cuda-graph records GPU work, but this run trains on {}: drop it, or train on a GPU", device::device_name(device)));
+    }
+    if groups.world.world_size() > 1 {
+        return usage("--cuda-graph records one process's step; with several ranks (their collectives) it is not supported yet");
+    }
+    if recipe.accumulate > 1 {
+        return usage("--cuda-graph records a step of one batch: drop --accumulate (or use a larger --batch-size)");
+    }
+    if run.precision == Precision::Half {
+        return usage("--cuda-graph with --precision 16-mixed (its scaler decides on the host) is not supported: use bf16-mixed or 32");
+    }
+    if run.profiling().is_some() {
+        return usage("--cuda-graph replays the whole step at once: --profile cannot time its phases");
+    }
+    Ok(())
+}
+
+/// What ZeRO does not cover (yet), refused before anything trains.
+fn check_zero<E: Experiment>(exp: &E, stage: ZeroStage, groups: &Groups) -> Result<()> {
+    use crate::optim::OptimizerKind;
+    let (run, recipe) = (exp.run_args(), exp.recipe_args());
+    let n = stage.number();
+    let optimizer = recipe.optimizer.unwrap_or(exp.preset().recipe_for(recipe).optimizer);
+    if matches!(optimizer, OptimizerKind::Lars | OptimizerKind::Lamb) {
+        return usage(format!("--zero {n} shards element-wise optimizers (adam, sgd); {} needs whole layers", optimizer.name()));
+    }
+    if run.precision == Precision::Half {
+        return usage(format!("--zero {n} with --precision 16-mixed (a gradient scaler over the shards) is not built yet: use bf16-mixed or 32"));
+    }
+    if run.precision.weights_kind().is_some() {
+        return usage(format!("--zero {n} with --precision {} (shards of 16-bit weights) is not built yet: use bf16-mixed", run.precision.name()));
+    }
+    if stage != ZeroStage::OptimizerState && groups.layout.pp * groups.layout.tp > 1 {
+        return usage(format!("--zero {n} is for whole models on each replica; with pipeline stages or tensor-parallel shards use --zero 1"));
+    }
+    Ok(())
+}
+
+/// Where a run's checkpoints go and what it starts from: (folder, resume, a file to start from)
+/// for --checkpoint-dir, --resume and --eval-only's --checkpoint FILE.
+pub(super) fn checkpoint_config(run: &RunArgs) -> Option<(std::path::PathBuf, bool, Option<std::path::PathBuf>)> {
+    match (&run.checkpoint, &run.checkpoint_dir) {
+        (Some(file), dir) => {
+            let beside = file.parent().map(std::path::Path::to_path_buf).unwrap_or_default();
+            Some((dir.clone().unwrap_or(beside), true, Some(file.clone())))
+        }
+        (None, Some(dir)) => Some((dir.clone(), run.resume, None)),
+        (None, None) => None,
+    }
+}
+
+/// A split too small for one full batch per replica trains nothing (and would report success,
+/// a perplexity of 1) or trains a smaller batch than asked for: a usage error naming its size
+/// and the batch instead.
+fn check_batches<E: Experiment>(exp: &E, sources: &Sources, replicas: usize) -> Result<()> {
+    let unit = match exp.metric() {
+        Metric::Accuracy => "images",
+        Metric::Perplexity => "tokens",
+    };
+    let batch = RunRecipe::resolve(exp.preset(), exp.recipe_args(), replicas, 1, 1).batch_size;
+    if sources.train.batches_per_epoch() == 0 || sources.examples_per_epoch < batch * replicas {
+        return usage(format!(
+            "the training split ({} {unit}) holds no full batch of --batch-size {batch} for each of {replicas} replica(s): lower --batch-size, or use a larger data set",
+            sources.examples_per_epoch
+        ));
+    }
+    let evaluated = [Some(&sources.eval), sources.test.as_ref()];
+    if evaluated.into_iter().flatten().any(|source| source.batches_per_epoch() == 0) {
+        return usage(format!(
+            "an evaluation split holds no batch for each of {replicas} replica(s): lower the batch size (--eval-batch-size for a language model)"
+        ));
+    }
+    Ok(())
+}

@@ -16,6 +16,7 @@ use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
 use crate::memory::estimate::RankEstimate;
 use crate::memory::{self, MemoryMeter, ModelState, PeakMemory};
 use crate::parallelize::{parallelize, DataParallelPlan, ModelPlan};
+use crate::plots;
 use crate::precision::Precision;
 use crate::presets::Preset;
 use crate::profile::libtorch::TorchProfiler;
@@ -603,8 +604,9 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     if let (Some(object), serde_json::Value::Object(extra)) = (json.as_object_mut(), extra) {
         object.extend(extra);
     }
-    let saved = report::save(&run.results_dir, &record, json)?;
-    match &saved.curves {
+    let saved = report::save(&run.results_dir, &record, &json)?;
+    saved.notes.iter().try_for_each(|note| session.warn(note.clone()))?;
+    match plots::curves_for_run(&run.results_dir, &record, &json) {
         Ok(svg) => session.info(format!("wrote the training curves {}", svg.display()))?,
         Err(err) => session.warn(format!("warning: {err:#}"))?,
     }

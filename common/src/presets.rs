@@ -5,7 +5,7 @@
 use serde::Serialize;
 
 use crate::dist::GradientSync;
-use crate::flags::RecipeArgs;
+use crate::flags::{RecipeArgs, RecipeSource};
 use crate::models::{Arch, OutputInit};
 use crate::optim::OptimizerKind;
 use crate::train::ScheduleKind;
@@ -31,17 +31,6 @@ pub struct Recipe {
 
 /// Where a preset's own warm-up starts, as a share of the learning rate.
 pub const WARMUP_START: f64 = 0.01;
-
-/// Which of an exercise's recipes `--recipe` picks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum RecipeSource {
-    /// The project's recipe: the course's where that learns, a measured one where it does not.
-    #[default]
-    Default,
-    /// The course's settings as its slides give them.
-    Course,
-}
 
 /// The course's Transformer's dimensions and data layout.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]

@@ -73,7 +73,7 @@ pub fn start(
     }
     if let Some(group) = replicas {
         broadcast_named(group, step.named_variables(), 0)?;
-        if optimizer.is_sharded() {
+        if optimizer.sharded().is_some() {
             // Each replica keeps its own share: the whole state replica 0's rank restored
             // (nothing on a fresh start) goes to all of them.
             broadcast_sharded_state(group, optimizer, 0, restored_state)?;
@@ -152,7 +152,7 @@ pub fn save(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: &Checkpoi
 fn save_whole(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: &CheckpointMeta, path: &Path) -> Result<()> {
     let parallel = step.parallel();
     // Every replica takes part where the optimizer state is sharded over them.
-    let mut state = optimizer.gathered_state()?;
+    let mut state = crate::optim::gathered_state(optimizer)?;
     if parallel.replica != 0 {
         return Ok(()); // replicas hold what replica 0 holds
     }

@@ -20,7 +20,7 @@ use crate::models::TransformerConfig;
 use crate::optim::OptimizerKind;
 use crate::parallelize::{ModelPlan, PipelinePlan};
 use crate::pipeline::{self, LayerCosts, Partition, PipelineOptions, Placement, Schedule, Stage};
-use crate::presets::{ModelParallelism, ModelPreset, Preset, TransformerShape};
+use crate::presets::{ModelParallelism, ModelPreset, Preset};
 use crate::report::{self, RunRecord};
 use crate::train::{EvalSums, FitReport, Metric, Observers, TrainStep};
 
@@ -111,6 +111,21 @@ pub struct PipelineArgs {
     pub dp: Option<usize>,
 }
 
+impl LmArgs {
+    /// `model` (a preset's) with the shape flags given: `--emsize` (d_model), `--d-hid`,
+    /// `--nhead`, `--nlayers`, `--dropout`.
+    pub fn apply_to(&self, model: TransformerConfig) -> TransformerConfig {
+        TransformerConfig {
+            d_model: self.emsize.unwrap_or(model.d_model),
+            d_hid: self.d_hid.unwrap_or(model.d_hid),
+            nhead: self.nhead.unwrap_or(model.nhead),
+            nlayers: self.nlayers.unwrap_or(model.nlayers),
+            dropout: self.dropout.unwrap_or(model.dropout),
+            ..model
+        }
+    }
+}
+
 impl PipelineArgs {
     /// Micro-batches per mini-batch: `--chunks`, or 8 where there are pipeline stages.
     pub fn chunks(&self, preset: &Preset) -> usize {
@@ -156,25 +171,27 @@ pub struct LmData {
 }
 
 impl LmExperiment<'_> {
-    /// The model's shape: the preset's, with the flags given.
-    pub fn shape(&self) -> TransformerShape {
-        let ModelPreset::Transformer(base) = self.preset.model else { unreachable!("a language-model exercise has a Transformer preset") };
-        let a = self.args;
-        TransformerShape {
-            emsize: a.emsize.unwrap_or(base.emsize),
-            d_hid: a.d_hid.unwrap_or(base.d_hid),
-            nhead: a.nhead.unwrap_or(base.nhead),
-            nlayers: a.nlayers.unwrap_or(base.nlayers),
-            dropout: a.dropout.unwrap_or(base.dropout),
-            bptt: a.bptt.unwrap_or(base.bptt),
-            eval_batch_size: a.eval_batch_size.unwrap_or(base.eval_batch_size),
-        }
+    /// The preset's Transformer and the batching of its text, `(model, bptt, eval_batch_size)`.
+    fn preset_model(&self) -> (TransformerConfig, i64, i64) {
+        let ModelPreset::Transformer { model, bptt, eval_batch_size } = self.preset.model else {
+            unreachable!("a language-model exercise has a Transformer preset")
+        };
+        (model, bptt, eval_batch_size)
     }
 
-    /// The model for a vocabulary of `ntoken` words.
+    /// The model for a vocabulary of `ntoken` words: the preset's, with the flags given.
     pub fn config(&self, ntoken: i64) -> TransformerConfig {
-        let s = self.shape();
-        TransformerConfig { ntoken, d_model: s.emsize, nhead: s.nhead, d_hid: s.d_hid, nlayers: s.nlayers, dropout: s.dropout }
+        TransformerConfig { ntoken, ..self.args.apply_to(self.preset_model().0) }
+    }
+
+    /// Tokens per sequence of a batch: `--bptt`, or the preset's.
+    fn bptt(&self) -> i64 {
+        self.args.bptt.unwrap_or(self.preset_model().1)
+    }
+
+    /// Token streams per evaluation batch: `--eval-batch-size`, or the preset's.
+    fn eval_batch_size(&self) -> i64 {
+        self.args.eval_batch_size.unwrap_or(self.preset_model().2)
     }
 
     fn batch_size(&self) -> usize {
@@ -234,7 +251,7 @@ impl LmExperiment<'_> {
         }
         let mine = if groups.is_root() {
             let micro_batch = (self.batch_size()).div_ceil(pipeline.chunks(self.preset)) as i64;
-            let costs: LayerCosts = Stage::measure_costs(cfg, probe, self.shape().bptt, micro_batch);
+            let costs: LayerCosts = Stage::measure_costs(cfg, probe, self.bptt(), micro_batch);
             observers.info(format!(
                 "--balance: forward + backward of one micro-batch on {}: embedding {:.2} ms, each layer {:.2} ms, output layer {:.2} ms",
                 device::device_label(probe),
@@ -278,8 +295,7 @@ impl Experiment for LmExperiment<'_> {
     }
 
     fn check(&self) -> Result<()> {
-        let shape = self.shape();
-        for (flag, value) in [("--bptt", shape.bptt), ("--eval-batch-size", shape.eval_batch_size)] {
+        for (flag, value) in [("--bptt", self.bptt()), ("--eval-batch-size", self.eval_batch_size())] {
             if value < 1 {
                 return usage(format!("{flag} must be at least 1, got {value}"));
             }
@@ -497,20 +513,20 @@ impl Experiment for LmExperiment<'_> {
 
     fn flops_per_example(&self, plan: &ModelPlan) -> f64 {
         let ModelPlan::Transformer { config, .. } = plan else { unreachable!("a Transformer plan") };
-        flops::training_flops_per_token(config, self.shape().bptt)
+        flops::training_flops_per_token(config, self.bptt())
     }
 
     fn sources(&self, data: &LmData, device: Device, shard: (usize, usize)) -> Result<Sources> {
-        let (shape, corpus) = (self.shape(), &data.corpus);
-        let batches = |tokens: &tch::Tensor, batch: i64| TokenBatches::sharded(tokens, batch, shape.bptt, device, shard);
+        let (bptt, eval_batch_size, corpus) = (self.bptt(), self.eval_batch_size(), &data.corpus);
+        let batches = |tokens: &tch::Tensor, batch: i64| TokenBatches::sharded(tokens, batch, bptt, device, shard);
         // Evaluation windows go side by side, about four training batches' worth of streams per
         // pass (a pipeline's micro-batches then carry whole streams): the same losses in far
         // fewer, larger passes.
-        let group = (4 * self.batch_size()).div_ceil(shape.eval_batch_size as usize);
+        let group = (4 * self.batch_size()).div_ceil(eval_batch_size as usize);
         Ok(Sources {
             train: Box::new(batches(&corpus.train, self.batch_size() as i64)),
-            eval: Box::new(batches(&corpus.valid, shape.eval_batch_size).grouped(group)),
-            test: Some(Box::new(batches(&corpus.test, shape.eval_batch_size).grouped(group))),
+            eval: Box::new(batches(&corpus.valid, eval_batch_size).grouped(group)),
+            test: Some(Box::new(batches(&corpus.test, eval_batch_size).grouped(group))),
             examples_per_epoch: corpus.train.numel(),
         })
     }
@@ -555,7 +571,7 @@ impl Experiment for LmExperiment<'_> {
         let job = TransformerJob {
             partition: Partition::even(config.nlayers, placement.stages())?,
             config,
-            bptt: self.shape().bptt,
+            bptt: self.bptt(),
             batch: recipe.batch_size as i64,
             chunks,
             accumulate: recipe.accumulate,
@@ -600,7 +616,7 @@ impl Experiment for LmExperiment<'_> {
             "throughput_unit": "tokens/s",
             "vocab": config.ntoken,
             "tokenizer": self.args.tokenizer.name(),
-            "bptt": self.shape().bptt,
+            "bptt": self.bptt(),
             "model_config": config,
         });
         if let (Some(plan), Some(flags)) = (pipeline, self.pipeline) {

@@ -114,7 +114,7 @@ pub struct PipelineArgs {
 impl LmArgs {
     /// `model` (a preset's) with the shape flags given: `--emsize` (d_model), `--d-hid`,
     /// `--nhead`, `--nlayers`, `--dropout`.
-    pub fn apply_to(&self, model: TransformerConfig) -> TransformerConfig {
+    fn apply_to(&self, model: TransformerConfig) -> TransformerConfig {
         TransformerConfig {
             d_model: self.emsize.unwrap_or(model.d_model),
             d_hid: self.d_hid.unwrap_or(model.d_hid),
@@ -140,16 +140,16 @@ impl PipelineArgs {
 }
 
 /// A language-model exercise: its preset, flags, and the pipeline's flags if it is one.
-pub struct LmExperiment<'a> {
-    pub preset: &'a Preset,
-    pub args: &'a LmArgs,
-    pub pipeline: Option<&'a PipelineArgs>,
+struct LmExperiment<'a> {
+    preset: &'a Preset,
+    args: &'a LmArgs,
+    pipeline: Option<&'a PipelineArgs>,
     /// A pipeline's stages as [`Experiment::describe`] found them, for the results.
     stages: std::cell::RefCell<Vec<StageSummary>>,
 }
 
 impl<'a> LmExperiment<'a> {
-    pub fn new(preset: &'a Preset, args: &'a LmArgs, pipeline: Option<&'a PipelineArgs>) -> Self {
+    fn new(preset: &'a Preset, args: &'a LmArgs, pipeline: Option<&'a PipelineArgs>) -> Self {
         LmExperiment { preset, args, pipeline, stages: Default::default() }
     }
 }
@@ -165,9 +165,9 @@ pub fn run_pipeline(preset: &Preset, args: &PipelineArgs, listeners: &mut Observ
 }
 
 /// The corpus and its add-one unigram model's test perplexity (the baseline to beat).
-pub struct LmData {
-    pub corpus: Corpus,
-    pub unigram: f64,
+struct LmData {
+    corpus: Corpus,
+    unigram: f64,
 }
 
 impl LmExperiment<'_> {
@@ -180,7 +180,7 @@ impl LmExperiment<'_> {
     }
 
     /// The model for a vocabulary of `ntoken` words: the preset's, with the flags given.
-    pub fn config(&self, ntoken: i64) -> TransformerConfig {
+    fn config(&self, ntoken: i64) -> TransformerConfig {
         TransformerConfig { ntoken, ..self.args.apply_to(self.preset_model().0) }
     }
 

@@ -162,7 +162,7 @@ pub fn save(dir: &Path, record: &RunRecord, extra: &serde_json::Value) -> anyhow
 /// Appends a row, writing the header first when the file is new. A file written with other
 /// columns (by an older version) is renamed to `<name>.<unix time>.old` first, so rows never
 /// land under the wrong header; the returned note says so.
-pub fn append_csv(path: &Path, record: &RunRecord) -> anyhow::Result<Option<String>> {
+fn append_csv(path: &Path, record: &RunRecord) -> anyhow::Result<Option<String>> {
     let header = {
         let mut w = csv::Writer::from_writer(Vec::new());
         w.serialize(record)?;

@@ -256,7 +256,7 @@ pub fn model_state_parts(psi: f64, k: f64, n: f64, zero: Option<ZeroStage>) -> (
 
 /// The sum of [`model_state_parts`] and the formula's name: plain replicas (8 + K)Ψ, ZeRO-1
 /// 8Ψ + (4 + K)Ψ/N, ZeRO-2 4Ψ + (8 + K)Ψ/N, ZeRO-3 (8 + K)Ψ/N.
-pub fn model_state_formula(psi: f64, k: f64, n: f64, zero: Option<ZeroStage>) -> (f64, &'static str) {
+fn model_state_formula(psi: f64, k: f64, n: f64, zero: Option<ZeroStage>) -> (f64, &'static str) {
     let (params, grads, optimizer) = model_state_parts(psi, k, n, zero);
     let name = match zero {
         None => "(8 + K)Ψ",

@@ -327,7 +327,7 @@ impl NormScope<'_> {
 /// and the total norm is that of the whole model, `sqrt(Σ_ranks Σ_counted params ‖g‖²)`, so
 /// every rank scales by the same coefficient as the unpartitioned model would. Without a group
 /// it is [`clip_grad_norm`] itself (bitwise torch's). Every rank of the group must call it.
-pub fn clip_grad_norm_over(params: &[Tensor], max_norm: f64, scope: NormScope<'_>) -> Result<f64> {
+fn clip_grad_norm_over(params: &[Tensor], max_norm: f64, scope: NormScope<'_>) -> Result<f64> {
     let Some(group) = scope.model else { return Ok(clip_grad_norm(params, max_norm)) };
     tch::no_grad(|| {
         let grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();

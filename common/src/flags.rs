@@ -139,6 +139,17 @@ impl RunArgs {
     }
 }
 
+/// Which of an exercise's recipes `--recipe` picks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum RecipeSource {
+    /// The project's recipe: the course's where that learns, a measured one where it does not.
+    #[default]
+    Default,
+    /// The course's settings as its slides give them.
+    Course,
+}
+
 /// How the model is optimized: every exercise takes these; what is not given comes from the
 /// exercise's preset ([`crate::presets`]), which `--help` lists.
 #[derive(Debug, Clone, clap::Args, Serialize)]
@@ -146,7 +157,7 @@ pub struct RecipeArgs {
     /// default: the project's recipe for the exercise, which learns; course: the course's own
     /// settings, to reproduce its slides (they differ for exercise3: see --help's preset).
     #[arg(long, value_enum, default_value = "default")]
-    pub recipe: crate::presets::RecipeSource,
+    pub recipe: RecipeSource,
     /// Examples (images, or token streams) per batch on each rank [default: the preset's].
     #[arg(long)]
     pub batch_size: Option<usize>,
@@ -200,7 +211,7 @@ impl Default for RecipeArgs {
     /// No flags given: the preset's recipe, one batch per step.
     fn default() -> Self {
         RecipeArgs {
-            recipe: crate::presets::RecipeSource::Default,
+            recipe: RecipeSource::Default,
             batch_size: None,
             optimizer: None,
             optimizer_kernel: crate::optim::OptimizerKernel::Auto,

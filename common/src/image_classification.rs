@@ -99,7 +99,7 @@ impl ImageExperiment<'_> {
         match (self.args.model, self.preset.model) {
             (Some(arch), _) => arch,
             (None, ModelPreset::Image(arch)) => arch,
-            (None, ModelPreset::Transformer(_)) => unreachable!("an image exercise has an image preset"),
+            (None, ModelPreset::Transformer { .. }) => unreachable!("an image exercise has an image preset"),
         }
     }
 

@@ -20,7 +20,7 @@ use crate::models::TransformerConfig;
 use crate::optim::OptimizerKind;
 use crate::parallelize::{PipelinePlan, TransformerPlan};
 use crate::pipeline::{self, LayerCosts, Partition, PipelineOptions, Placement, Schedule, Stage};
-use crate::presets::{ModelParallelism, ModelPreset, Preset, TransformerShape};
+use crate::presets::{ModelParallelism, ModelPreset, Preset};
 use crate::report::{self, RunRecord};
 use crate::train::{EvalSums, FitReport, Metric, Observers, TrainStep};
 
@@ -113,6 +113,21 @@ pub struct PipelineArgs {
     pub dp: Option<usize>,
 }
 
+impl LmArgs {
+    /// `model` (a preset's) with the shape flags given: `--emsize` (d_model), `--d-hid`,
+    /// `--nhead`, `--nlayers`, `--dropout`.
+    fn apply_to(&self, model: TransformerConfig) -> TransformerConfig {
+        TransformerConfig {
+            d_model: self.emsize.unwrap_or(model.d_model),
+            d_hid: self.d_hid.unwrap_or(model.d_hid),
+            nhead: self.nhead.unwrap_or(model.nhead),
+            nlayers: self.nlayers.unwrap_or(model.nlayers),
+            dropout: self.dropout.unwrap_or(model.dropout),
+            ..model
+        }
+    }
+}
+
 impl PipelineArgs {
     /// Micro-batches per mini-batch: `--chunks`, or 8 where there are pipeline stages.
     pub fn chunks(&self, preset: &Preset) -> usize {
@@ -127,16 +142,16 @@ impl PipelineArgs {
 }
 
 /// A language-model exercise: its preset, flags, and the pipeline's flags if it is one.
-pub struct LmExperiment<'a> {
-    pub preset: &'a Preset,
-    pub args: &'a LmArgs,
-    pub pipeline: Option<&'a PipelineArgs>,
+struct LmExperiment<'a> {
+    preset: &'a Preset,
+    args: &'a LmArgs,
+    pipeline: Option<&'a PipelineArgs>,
     /// A pipeline's stages as [`Experiment::describe`] found them, for the results.
     stages: std::cell::RefCell<Vec<StageSummary>>,
 }
 
 impl<'a> LmExperiment<'a> {
-    pub fn new(preset: &'a Preset, args: &'a LmArgs, pipeline: Option<&'a PipelineArgs>) -> Self {
+    fn new(preset: &'a Preset, args: &'a LmArgs, pipeline: Option<&'a PipelineArgs>) -> Self {
         LmExperiment { preset, args, pipeline, stages: Default::default() }
     }
 }
@@ -152,31 +167,33 @@ pub fn run_pipeline(preset: &Preset, args: &PipelineArgs, listeners: &mut Observ
 }
 
 /// The corpus and its add-one unigram model's test perplexity (the baseline to beat).
-pub struct LmData {
-    pub corpus: Corpus,
-    pub unigram: f64,
+struct LmData {
+    corpus: Corpus,
+    unigram: f64,
 }
 
 impl LmExperiment<'_> {
-    /// The model's shape: the preset's, with the flags given.
-    pub fn shape(&self) -> TransformerShape {
-        let ModelPreset::Transformer(base) = self.preset.model else { unreachable!("a language-model exercise has a Transformer preset") };
-        let a = self.args;
-        TransformerShape {
-            emsize: a.emsize.unwrap_or(base.emsize),
-            d_hid: a.d_hid.unwrap_or(base.d_hid),
-            nhead: a.nhead.unwrap_or(base.nhead),
-            nlayers: a.nlayers.unwrap_or(base.nlayers),
-            dropout: a.dropout.unwrap_or(base.dropout),
-            bptt: a.bptt.unwrap_or(base.bptt),
-            eval_batch_size: a.eval_batch_size.unwrap_or(base.eval_batch_size),
-        }
+    /// The preset's Transformer and the batching of its text, `(model, bptt, eval_batch_size)`.
+    fn preset_model(&self) -> (TransformerConfig, i64, i64) {
+        let ModelPreset::Transformer { model, bptt, eval_batch_size } = self.preset.model else {
+            unreachable!("a language-model exercise has a Transformer preset")
+        };
+        (model, bptt, eval_batch_size)
     }
 
-    /// The model for a vocabulary of `ntoken` words.
-    pub fn config(&self, ntoken: i64) -> TransformerConfig {
-        let s = self.shape();
-        TransformerConfig { ntoken, d_model: s.emsize, nhead: s.nhead, d_hid: s.d_hid, nlayers: s.nlayers, dropout: s.dropout }
+    /// The model for a vocabulary of `ntoken` words: the preset's, with the flags given.
+    fn config(&self, ntoken: i64) -> TransformerConfig {
+        TransformerConfig { ntoken, ..self.args.apply_to(self.preset_model().0) }
+    }
+
+    /// Tokens per sequence of a batch: `--bptt`, or the preset's.
+    fn bptt(&self) -> i64 {
+        self.args.bptt.unwrap_or(self.preset_model().1)
+    }
+
+    /// Token streams per evaluation batch: `--eval-batch-size`, or the preset's.
+    fn eval_batch_size(&self) -> i64 {
+        self.args.eval_batch_size.unwrap_or(self.preset_model().2)
     }
 
     fn batch_size(&self) -> usize {
@@ -245,7 +262,7 @@ impl LmExperiment<'_> {
         }
         let mine = if groups.is_root() {
             let micro_batch = (self.batch_size()).div_ceil(pipeline.chunks(self.preset)) as i64;
-            let costs: LayerCosts = Stage::measure_costs(cfg, probe, self.shape().bptt, micro_batch);
+            let costs: LayerCosts = Stage::measure_costs(cfg, probe, self.bptt(), micro_batch);
             observers.info(format!(
                 "--balance: forward + backward of one micro-batch on {}: embedding {:.2} ms, each layer {:.2} ms, output layer {:.2} ms",
                 device::device_label(probe),
@@ -290,8 +307,7 @@ impl Experiment for LmExperiment<'_> {
     }
 
     fn check(&self) -> Result<()> {
-        let shape = self.shape();
-        for (flag, value) in [("--bptt", shape.bptt), ("--eval-batch-size", shape.eval_batch_size)] {
+        for (flag, value) in [("--bptt", self.bptt()), ("--eval-batch-size", self.eval_batch_size())] {
             if value < 1 {
                 return usage(format!("{flag} must be at least 1, got {value}"));
             }
@@ -514,21 +530,20 @@ impl Experiment for LmExperiment<'_> {
     }
 
     fn flops_per_example(&self, plan: &TransformerPlan) -> f64 {
-        let config = &plan.config;
-        flops::training_flops_per_token(config, self.shape().bptt)
+        flops::training_flops_per_token(&plan.config, self.bptt())
     }
 
     fn sources(&self, data: &LmData, device: Device, shard: (usize, usize)) -> Result<Sources> {
-        let (shape, corpus) = (self.shape(), &data.corpus);
-        let batches = |tokens: &tch::Tensor, batch: i64| TokenBatches::sharded(tokens, batch, shape.bptt, device, shard);
+        let (bptt, eval_batch_size, corpus) = (self.bptt(), self.eval_batch_size(), &data.corpus);
+        let batches = |tokens: &tch::Tensor, batch: i64| TokenBatches::sharded(tokens, batch, bptt, device, shard);
         // Evaluation windows go side by side, about four training batches' worth of streams per
         // pass (a pipeline's micro-batches then carry whole streams): the same losses in far
         // fewer, larger passes.
-        let group = (4 * self.batch_size()).div_ceil(shape.eval_batch_size as usize);
+        let group = (4 * self.batch_size()).div_ceil(eval_batch_size as usize);
         Ok(Sources {
             train: Box::new(batches(&corpus.train, self.batch_size() as i64)),
-            eval: Box::new(batches(&corpus.valid, shape.eval_batch_size).grouped(group)),
-            test: Some(Box::new(batches(&corpus.test, shape.eval_batch_size).grouped(group))),
+            eval: Box::new(batches(&corpus.valid, eval_batch_size).grouped(group)),
+            test: Some(Box::new(batches(&corpus.test, eval_batch_size).grouped(group))),
             examples_per_epoch: corpus.train.numel(),
         })
     }
@@ -573,7 +588,7 @@ impl Experiment for LmExperiment<'_> {
         let job = TransformerJob {
             partition: Partition::even(config.nlayers, placement.stages())?,
             config,
-            bptt: self.shape().bptt,
+            bptt: self.bptt(),
             batch: recipe.batch_size as i64,
             chunks,
             accumulate: recipe.accumulate,
@@ -618,7 +633,7 @@ impl Experiment for LmExperiment<'_> {
             "throughput_unit": "tokens/s",
             "vocab": config.ntoken,
             "tokenizer": self.args.tokenizer.name(),
-            "bptt": self.shape().bptt,
+            "bptt": self.bptt(),
             "model_config": config,
         });
         if let Some(plan) = pipeline {

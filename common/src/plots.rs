@@ -43,10 +43,10 @@ fn null_is_nan<'de, D: serde::Deserializer<'de>>(value: D) -> std::result::Resul
 /// The course's published figure for the metric a run's curves show (accuracy as a share, or
 /// perplexity), drawn as a dashed line labelled "course: <value> (<note>)".
 #[derive(Debug, Clone, Copy)]
-pub struct CourseMark<'a> {
-    pub value: f64,
+struct CourseMark<'a> {
+    value: f64,
     /// Where the figure comes from, e.g. "PyTorch, 5 epochs"; may be empty.
-    pub note: &'a str,
+    note: &'a str,
 }
 
 impl CourseMark<'_> {
@@ -306,7 +306,7 @@ const METRIC: RGBColor = RGBColor(0, 140, 60);
 /// (`step_losses`, faint) under its smoothed trend, and the evaluation loss where each epoch of
 /// `history` ended; on the right, those evaluations' accuracy or perplexity (log scale), and
 /// the course's published figure where `course` gives one.
-pub fn training_curves(title: &str, step_losses: &[f64], history: &[EpochPoint], metric: Metric, course: Option<CourseMark>, path: &Path) -> Result<()> {
+fn training_curves(title: &str, step_losses: &[f64], history: &[EpochPoint], metric: Metric, course: Option<CourseMark>, path: &Path) -> Result<()> {
     draw_curves(title, step_losses, history, metric, course, path).map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))
 }
 

@@ -5,8 +5,8 @@
 use serde::Serialize;
 
 use crate::dist::GradientSync;
-use crate::flags::RecipeArgs;
-use crate::models::{Arch, OutputInit};
+use crate::flags::{RecipeArgs, RecipeSource};
+use crate::models::{Arch, OutputInit, TransformerConfig};
 use crate::optim::OptimizerKind;
 use crate::train::ScheduleKind;
 
@@ -32,36 +32,19 @@ pub struct Recipe {
 /// Where a preset's own warm-up starts, as a share of the learning rate.
 pub const WARMUP_START: f64 = 0.01;
 
-/// Which of an exercise's recipes `--recipe` picks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum RecipeSource {
-    /// The project's recipe: the course's where that learns, a measured one where it does not.
-    #[default]
-    Default,
-    /// The course's settings as its slides give them.
-    Course,
-}
-
-/// The course's Transformer's dimensions and data layout.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct TransformerShape {
-    pub emsize: i64,
-    pub d_hid: i64,
-    pub nhead: i64,
-    pub nlayers: i64,
-    pub dropout: f64,
-    /// Tokens per sequence of a batch.
-    pub bptt: i64,
-    /// Token streams per evaluation batch.
-    pub eval_batch_size: i64,
-}
-
 /// What an exercise trains.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub enum ModelPreset {
     Image(Arch),
-    Transformer(TransformerShape),
+    /// A Transformer language model: its shape (the vocabulary, `ntoken`, comes from the data:
+    /// 0 here) and how its text is batched.
+    Transformer {
+        model: TransformerConfig,
+        /// Tokens per sequence of a batch.
+        bptt: i64,
+        /// Token streams per evaluation batch.
+        eval_batch_size: i64,
+    },
 }
 
 /// How an exercise spreads one model over the ranks of a job (besides data parallelism, which
@@ -167,7 +150,7 @@ pub const EXERCISE1: Preset = Preset {
 pub const EXERCISE1_NLP: Preset = Preset {
     name: "exercise1_nlp",
     epochs: 3,
-    model: ModelPreset::Transformer(TransformerShape { emsize: 1024, d_hid: 1024, nhead: 4, nlayers: 3, dropout: 0.2, bptt: 35, eval_batch_size: 10 }),
+    model: ModelPreset::Transformer { model: TransformerConfig::course(0), bptt: 35, eval_batch_size: 10 },
     recipe: TUTORIAL_RECIPE,
     course: TUTORIAL_RECIPE,
     sync: GradientSync::Ddp,
@@ -204,7 +187,11 @@ pub const EXERCISE3_DDP: Preset = Preset {
 pub const EXERCISE3_PIPELINE: Preset = Preset {
     name: "exercise3_pipeline",
     epochs: 3,
-    model: ModelPreset::Transformer(TransformerShape { emsize: 4096, d_hid: 4096, nhead: 16, nlayers: 12, dropout: 0.2, bptt: 35, eval_batch_size: 10 }),
+    model: ModelPreset::Transformer {
+        model: TransformerConfig { d_model: 4096, d_hid: 4096, nhead: 16, nlayers: 12, dropout: 0.2, ..TransformerConfig::course(0) },
+        bptt: 35,
+        eval_batch_size: 10,
+    },
     recipe: LARGE_MODEL_RECIPE,
     course: TUTORIAL_RECIPE,
     sync: GradientSync::Ddp,
@@ -230,10 +217,10 @@ impl Preset {
         let mut out = format!("The {} preset (flags given override it):\n", self.name);
         match self.model {
             ModelPreset::Image(arch) => out += &format!("  --model {}\n", arch.name()),
-            ModelPreset::Transformer(t) => {
+            ModelPreset::Transformer { model: m, bptt, eval_batch_size } => {
                 out += &format!(
-                    "  --emsize {} --d-hid {} --nhead {} --nlayers {} --dropout {} --bptt {} --eval-batch-size {}\n",
-                    t.emsize, t.d_hid, t.nhead, t.nlayers, t.dropout, t.bptt, t.eval_batch_size
+                    "  --emsize {} --d-hid {} --nhead {} --nlayers {} --dropout {} --bptt {bptt} --eval-batch-size {eval_batch_size}\n",
+                    m.d_model, m.d_hid, m.nhead, m.nlayers, m.dropout
                 )
             }
         }
@@ -282,8 +269,8 @@ mod tests {
         assert_eq!(EXERCISE2.model, ModelPreset::Image(Arch::Resnet34));
         assert_eq!(EXERCISE3_DDP.model, ModelPreset::Image(Arch::Vgg19));
         assert_eq!((EXERCISE2.sync, EXERCISE3_DDP.sync), (GradientSync::Horovod, GradientSync::Ddp));
-        let ModelPreset::Transformer(big) = EXERCISE3_PIPELINE.model else { panic!("a Transformer") };
-        assert_eq!((big.emsize, big.d_hid, big.nhead, big.nlayers), (4096, 4096, 16, 12));
+        let ModelPreset::Transformer { model: big, .. } = EXERCISE3_PIPELINE.model else { panic!("a Transformer") };
+        assert_eq!((big.d_model, big.d_hid, big.nhead, big.nlayers), (4096, 4096, 16, 12));
         let text = EXERCISE1_NLP.describe();
         assert!(text.contains("--emsize 1024") && text.contains("--lr 5 --lr-schedule step --gamma 0.95 --clip 0.5"), "{text}");
         assert!(!text.contains("--recipe course"), "the course's recipe learns there: one recipe");

@@ -140,46 +140,48 @@ pub fn unix_time() -> u64 {
 /// Where [`save`] put a run's results.
 pub struct Saved {
     pub json: PathBuf,
-    /// The training curves' chart, or why it could not be drawn (the results are kept).
-    pub curves: anyhow::Result<PathBuf>,
+    /// What the caller should tell the user about the files (an old CSV moved aside).
+    pub notes: Vec<String>,
 }
 
 /// Writes `<dir>/<exercise>-<model>-<device>.json` (the record plus `extra` fields such as the
-/// per-epoch history), appends the record to `<dir>/<exercise>.csv`, and draws the training
-/// curves beside them (`<name>.svg`).
-pub fn save(dir: &Path, record: &RunRecord, extra: serde_json::Value) -> anyhow::Result<Saved> {
+/// per-epoch history) and appends the record to `<dir>/<exercise>.csv`. The training curves
+/// are the caller's to draw from the same `extra` ([`crate::plots::curves_for_run`]).
+pub fn save(dir: &Path, record: &RunRecord, extra: &serde_json::Value) -> anyhow::Result<Saved> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create results directory {}", dir.display()))?;
     let mut json = serde_json::to_value(record)?;
     if let (Some(object), serde_json::Value::Object(extra)) = (json.as_object_mut(), extra) {
-        object.extend(extra);
+        object.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
     }
     let path = dir.join(format!("{}.json", record.name()));
     std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n").with_context(|| format!("cannot write {}", path.display()))?;
-    append_csv(&dir.join(format!("{}.csv", record.exercise)), record)?;
-    Ok(Saved { json: path, curves: crate::plots::curves_for_run(dir, record, &json) })
+    let notes = append_csv(&dir.join(format!("{}.csv", record.exercise)), record)?.into_iter().collect();
+    Ok(Saved { json: path, notes })
 }
 
 /// Appends a row, writing the header first when the file is new. A file written with other
 /// columns (by an older version) is renamed to `<name>.<unix time>.old` first, so rows never
-/// land under the wrong header.
-pub fn append_csv(path: &Path, record: &RunRecord) -> anyhow::Result<()> {
+/// land under the wrong header; the returned note says so.
+fn append_csv(path: &Path, record: &RunRecord) -> anyhow::Result<Option<String>> {
     let header = {
         let mut w = csv::Writer::from_writer(Vec::new());
         w.serialize(record)?;
         let bytes = w.into_inner().map_err(|e| anyhow::anyhow!("{e}"))?;
         String::from_utf8(bytes)?.lines().next().unwrap_or_default().to_string()
     };
+    let mut note = None;
     if let Ok(text) = std::fs::read_to_string(path) {
         if text.lines().next().is_some_and(|first| first != header) {
             let aside = path.with_extension(format!("{}.old", unix_time()));
             std::fs::rename(path, &aside).with_context(|| format!("cannot move {} aside", path.display()))?;
-            eprintln!("note: {} had other columns; moved it to {}", path.display(), aside.display());
+            note = Some(format!("note: {} had other columns; moved it to {}", path.display(), aside.display()));
         }
     }
     let is_new = std::fs::metadata(path).map(|m| m.len() == 0).unwrap_or(true);
     let file = std::fs::OpenOptions::new().create(true).append(true).open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let mut writer = csv::WriterBuilder::new().has_headers(is_new).from_writer(file);
-    writer.serialize(record).and_then(|()| Ok(writer.flush()?)).with_context(|| format!("cannot write {}", path.display()))
+    writer.serialize(record).and_then(|()| Ok(writer.flush()?)).with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(note)
 }
 
 /// Throughput of this run over `world_size` × that of the latest single-process run of the
@@ -394,7 +396,8 @@ pub(crate) mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("exercise1.csv");
         std::fs::write(&path, "exercise,model,params\nexercise1,cnn,1\n").unwrap();
-        append_csv(&path, &record("cpu", 100.0)).unwrap();
+        let note = append_csv(&path, &record("cpu", 100.0)).unwrap();
+        assert!(note.is_some_and(|n| n.contains("had other columns")), "the caller is told");
         assert_eq!(read_csv(&path).unwrap(), vec![record("cpu", 100.0)]);
         let moved: Vec<_> =
             std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).filter(|n| n.ends_with(".old")).collect();
@@ -406,8 +409,8 @@ pub(crate) mod tests {
     fn csv_appends_rows_under_one_header() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("exercise1.csv");
-        append_csv(&path, &record("cpu", 100.0)).unwrap();
-        append_csv(&path, &record("cuda", 200.0)).unwrap();
+        assert_eq!(append_csv(&path, &record("cpu", 100.0)).unwrap(), None);
+        assert_eq!(append_csv(&path, &record("cuda", 200.0)).unwrap(), None);
         let rows = read_csv(&path).unwrap();
         assert_eq!(rows, vec![record("cpu", 100.0), record("cuda", 200.0)]);
         let text = std::fs::read_to_string(&path).unwrap();

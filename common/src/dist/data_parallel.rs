@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use tch::{nn, Device, Kind, Tensor};
 
 use super::{ProcessGroup, ReduceOp};
-use crate::optim::Optimizer;
+use crate::optim::{forward_to, Optimizer};
 
 /// Where a replica averages its gradients: the two styles of the course's exercises, the same
 /// collectives either way.
@@ -258,25 +258,7 @@ impl Optimizer for DistributedOptimizer<'_> {
         self.inner.zero_grad();
     }
 
-    fn lr(&self) -> f64 {
-        self.inner.lr()
-    }
-
-    fn set_lr(&mut self, lr: f64) {
-        self.inner.set_lr(lr);
-    }
-
-    fn state_tensors(&self) -> Vec<(String, Tensor)> {
-        self.inner.state_tensors()
-    }
-
-    fn load_state_tensors(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
-        self.inner.load_state_tensors(state)
-    }
-
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
+    forward_to!(inner: lr, set_lr, state_tensors, load_state_tensors, name);
 }
 
 /// `value` averaged over the ranks (Horovod's `metric_average`), e.g. a loss or an accuracy

@@ -22,7 +22,7 @@
 //!   been reduce-scattered. Between steps a rank holds 1/N of everything.
 //!
 //! Layer-wise optimizers (LARS, LAMB) need whole layers and are refused. Checkpoints do not see
-//! the sharding: [`Optimizer::gathered_state`] all-gathers each state entry and names it per
+//! the sharding: [`Sharded::gathered_state`] all-gathers each state entry and names it per
 //! parameter, as an unsharded optimizer does, and [`Optimizer::load_state_tensors`] takes such a
 //! whole state and keeps this rank's block. A run resumes on any number of ranks, with or
 //! without ZeRO, at any stage.
@@ -36,7 +36,7 @@ use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
 use super::{ProcessGroup, ReduceOp};
-use crate::optim::Optimizer;
+use crate::optim::{forward_to, Optimizer, Sharded};
 use crate::torch_ext;
 
 /// How much of the model state each data-parallel replica keeps.
@@ -534,50 +534,11 @@ impl Optimizer for ZeroOptimizer<'_> {
         self.inner.state_bytes() + self.shards.held_bytes().0
     }
 
-    /// From stage 2, the block's gradient (the whole gradients are freed).
-    fn sharded_gradient_bytes(&self) -> usize {
-        self.shards.held_bytes().1
+    fn sharded(&self) -> Option<&dyn Sharded> {
+        Some(self)
     }
 
-    fn lr(&self) -> f64 {
-        self.inner.lr()
-    }
-
-    fn set_lr(&mut self, lr: f64) {
-        self.inner.set_lr(lr)
-    }
-
-    /// This rank's block's state, as `<entry>.zero_block` ([`Optimizer::gathered_state`] gives
-    /// the whole state under the parameters' names).
-    fn state_tensors(&self) -> Vec<(String, Tensor)> {
-        self.inner.state_tensors()
-    }
-
-    /// All-gathers each entry's blocks and cuts the result into the parameters' shapes, named
-    /// `<entry>.<parameter>` as an unsharded optimizer names them; a count (Adam's `step`) is
-    /// the same on every rank and given to every parameter.
-    fn gathered_state(&self) -> Result<Vec<(String, Tensor)>> {
-        let shards = &self.shards;
-        let mut whole = Vec::new();
-        for (name, block) in self.inner.state_tensors() {
-            let entry = name.strip_suffix(".zero_block").unwrap_or(&name).to_string();
-            if block.dim() == 0 {
-                whole.extend(shards.names.iter().map(|p| (format!("{entry}.{p}"), block.copy())));
-                continue;
-            }
-            let blocks = shards.group.all_gather(&block.detach())?;
-            for ((p, param), flat) in shards.names.iter().zip(&shards.params).zip(shards.buckets.unblock(&blocks)) {
-                whole.push((format!("{entry}.{p}"), flat.view(param.size().as_slice()).copy()));
-            }
-        }
-        Ok(whole)
-    }
-
-    fn is_sharded(&self) -> bool {
-        true
-    }
-
-    /// Takes the whole state (by the parameters' names, as [`Optimizer::gathered_state`] and
+    /// Takes the whole state (by the parameters' names, as [`Sharded::gathered_state`] and
     /// an unsharded optimizer write it) and keeps this rank's block of each entry; refreshes the
     /// block of parameters from the (restored, whole) parameters first.
     fn load_state_tensors(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
@@ -609,8 +570,35 @@ impl Optimizer for ZeroOptimizer<'_> {
         self.inner.load_state_tensors(&blocks)
     }
 
-    fn name(&self) -> &'static str {
-        self.inner.name()
+    // `state_tensors`: this rank's block's state, as `<entry>.zero_block`
+    // ([`Sharded::gathered_state`] gives the whole state under the parameters' names).
+    forward_to!(inner: lr, set_lr, state_tensors, name);
+}
+
+impl Sharded for ZeroOptimizer<'_> {
+    /// All-gathers each entry's blocks and cuts the result into the parameters' shapes, named
+    /// `<entry>.<parameter>` as an unsharded optimizer names them; a count (Adam's `step`) is
+    /// the same on every rank and given to every parameter.
+    fn gathered_state(&self) -> Result<Vec<(String, Tensor)>> {
+        let shards = &self.shards;
+        let mut whole = Vec::new();
+        for (name, block) in self.inner.state_tensors() {
+            let entry = name.strip_suffix(".zero_block").unwrap_or(&name).to_string();
+            if block.dim() == 0 {
+                whole.extend(shards.names.iter().map(|p| (format!("{entry}.{p}"), block.copy())));
+                continue;
+            }
+            let blocks = shards.group.all_gather(&block.detach())?;
+            for ((p, param), flat) in shards.names.iter().zip(&shards.params).zip(shards.buckets.unblock(&blocks)) {
+                whole.push((format!("{entry}.{p}"), flat.view(param.size().as_slice()).copy()));
+            }
+        }
+        Ok(whole)
+    }
+
+    /// From stage 2, the block's gradient (the whole gradients are freed).
+    fn sharded_gradient_bytes(&self) -> usize {
+        self.shards.held_bytes().1
     }
 }
 

@@ -118,8 +118,9 @@ pub(super) fn write_results<E: Experiment>(
     if let (Some(object), serde_json::Value::Object(extra)) = (json.as_object_mut(), extra) {
         object.extend(extra);
     }
-    let saved = report::save(&run.results_dir, &record, json)?;
-    match &saved.curves {
+    let saved = report::save(&run.results_dir, &record, &json)?;
+    saved.notes.iter().try_for_each(|note| session.warn(note.clone()))?;
+    match crate::plots::curves_for_run(&run.results_dir, &record, &json) {
         Ok(svg) => session.info(format!("wrote the training curves {}", svg.display()))?,
         Err(err) => session.warn(format!("warning: {err:#}"))?,
     }

@@ -256,7 +256,7 @@ pub fn model_state_parts(psi: f64, k: f64, n: f64, zero: Option<ZeroStage>) -> (
 
 /// The sum of [`model_state_parts`] and the formula's name: plain replicas (8 + K)Ψ, ZeRO-1
 /// 8Ψ + (4 + K)Ψ/N, ZeRO-2 4Ψ + (8 + K)Ψ/N, ZeRO-3 (8 + K)Ψ/N.
-pub fn model_state_formula(psi: f64, k: f64, n: f64, zero: Option<ZeroStage>) -> (f64, &'static str) {
+fn model_state_formula(psi: f64, k: f64, n: f64, zero: Option<ZeroStage>) -> (f64, &'static str) {
     let (params, grads, optimizer) = model_state_parts(psi, k, n, zero);
     let name = match zero {
         None => "(8 + K)Ψ",
@@ -295,8 +295,8 @@ impl ModelState {
         let held = torch_ext::storage_nbytes;
         let frozen_bytes = frozen.iter().map(held).sum();
         let params_bytes: usize = named.iter().map(|(_, t)| held(t)).sum();
-        let grads_bytes: usize =
-            named.iter().map(|(_, t)| t.grad()).filter(tch::Tensor::defined).map(|g| held(&g)).sum::<usize>() + optimizer.sharded_gradient_bytes();
+        let grads_bytes: usize = named.iter().map(|(_, t)| t.grad()).filter(tch::Tensor::defined).map(|g| held(&g)).sum::<usize>()
+            + optimizer.sharded().map_or(0, |s| s.sharded_gradient_bytes());
         let optimizer_bytes = optimizer.state_bytes();
         let psi = named.iter().map(|(_, t)| t.numel()).sum::<usize>() as f64;
         // K from what the optimizer keeps for an unsharded parameter (Adam 8, SGD momentum 4).

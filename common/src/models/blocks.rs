@@ -13,8 +13,6 @@
 //! residual unit the network is built from, and it still says "the last stage and the head"
 //! (`--train-last 4`: `layer4`'s 3 blocks and `fc`), while also allowing less. VGG19's blocks
 //! are its 19 weight layers, the ones its name counts.
-use super::{Arch, ModelSpec};
-
 /// One block: the variables under its name prefixes (`layer2.0` holds `layer2.0.conv1.weight`,
 /// `layer2.0.downsample.1.running_mean`, ...).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,13 +45,10 @@ impl Block {
 pub struct Blocks(Vec<Block>);
 
 impl Blocks {
-    /// The blocks of the model `spec` builds.
-    pub fn of(spec: &ModelSpec) -> Blocks {
-        Blocks(match spec.arch {
-            Arch::Cnn => super::cnn::blocks(),
-            Arch::Resnet34 => super::resnet::blocks(),
-            Arch::Vgg19 => super::vgg::blocks(),
-        })
+    /// The blocks in forward order, the head last (each architecture's module lists its own;
+    /// [`Blocks::of`] picks the model's).
+    pub(super) fn new(blocks: Vec<Block>) -> Blocks {
+        Blocks(blocks)
     }
 
     pub fn len(&self) -> usize {

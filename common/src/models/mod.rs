@@ -70,6 +70,17 @@ pub fn build(root: &nn::Path, spec: &ModelSpec) -> Box<dyn nn::ModuleT> {
     }
 }
 
+impl Blocks {
+    /// The blocks of the model `spec` builds.
+    pub fn of(spec: &ModelSpec) -> Blocks {
+        Blocks::new(match spec.arch {
+            Arch::Cnn => cnn::blocks(),
+            Arch::Resnet34 => resnet::blocks(),
+            Arch::Vgg19 => vgg::blocks(),
+        })
+    }
+}
+
 /// A convolutional network run in the channels-last memory format (NHWC in memory, the same
 /// NCHW shapes), as `model.to(memory_format=torch.channels_last)` with channels-last inputs:
 /// cuDNN's tensor-core convolutions read that layout without transposing. [`ChannelsLast::new`]

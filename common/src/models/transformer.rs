@@ -206,7 +206,7 @@ impl TransformerConfig {
     /// The course's model for a vocabulary of `ntoken` words: d_model 1024, d_hid 1024,
     /// 4 heads, 3 layers, dropout 0.2. (There is no `Default`: the vocabulary comes from the
     /// data.)
-    pub fn course(ntoken: i64) -> Self {
+    pub const fn course(ntoken: i64) -> Self {
         TransformerConfig { ntoken, d_model: 1024, nhead: 4, d_hid: 1024, nlayers: 3, dropout: 0.2 }
     }
 

@@ -52,23 +52,10 @@ pub trait Optimizer {
         clip_grad_norm_over(params, max_norm, scope)
     }
 
-    /// The state under every parameter's name, as [`Optimizer::state_tensors`] names it, gathered
-    /// from the ranks that share it: a collective for a sharded optimizer (every rank sharing it
-    /// calls it), the state itself otherwise. What checkpoints hold, whatever the sharding.
-    fn gathered_state(&self) -> Result<Vec<(String, Tensor)>> {
-        Ok(self.state_tensors())
-    }
-
-    /// Whether each rank holds only a share of the state ([`Optimizer::load_state_tensors`] then
-    /// takes the whole state and keeps its share).
-    fn is_sharded(&self) -> bool {
-        false
-    }
-
-    /// Bytes of gradient this rank holds for a sharded optimizer that freed the whole
-    /// gradients (ZeRO-2 and -3: its block's gradient); 0 otherwise.
-    fn sharded_gradient_bytes(&self) -> usize {
-        0
+    /// What only an optimizer whose state is spread over ranks answers (ZeRO); `None` for one
+    /// that holds the whole state.
+    fn sharded(&self) -> Option<&dyn Sharded> {
+        None
     }
 
     /// Bytes of optimizer state this rank holds (a sharded optimizer: its block's, and the block).
@@ -111,6 +98,64 @@ pub trait Optimizer {
         bail!("--cuda-graph: the {} optimizer cannot run inside a CUDA graph (use adam or sgd)", self.name())
     }
 }
+
+/// An optimizer whose ranks each hold only a share of the state (ZeRO), as
+/// [`Optimizer::sharded`] gives it: what checkpoints and memory accounts ask besides stepping.
+/// Its [`Optimizer::load_state_tensors`] takes the whole state and keeps its share.
+pub trait Sharded {
+    /// The state under every parameter's name, as an unsharded optimizer's
+    /// [`Optimizer::state_tensors`] names it, gathered from the ranks that share it: a
+    /// collective (every rank sharing it calls it). What checkpoints hold, whatever the sharding.
+    fn gathered_state(&self) -> Result<Vec<(String, Tensor)>>;
+
+    /// Bytes of gradient this rank holds when the whole gradients are freed (ZeRO-2 and -3: its
+    /// block's gradient); 0 otherwise.
+    fn sharded_gradient_bytes(&self) -> usize;
+}
+
+/// The whole state of `optimizer` under the parameters' names: gathered over the ranks for a
+/// [`Sharded`] one (a collective), its own [`Optimizer::state_tensors`] otherwise.
+pub fn gathered_state(optimizer: &dyn Optimizer) -> Result<Vec<(String, Tensor)>> {
+    match optimizer.sharded() {
+        Some(sharded) => sharded.gathered_state(),
+        None => Ok(optimizer.state_tensors()),
+    }
+}
+
+/// Writes, inside an `impl Optimizer for Wrapper`, the methods named after `$field:` as calls of
+/// the same method on `self.$field` (an optimizer the wrapper holds), so that a wrapper states
+/// only what it changes. Methods neither written nor listed keep the trait's defaults.
+///
+/// ```ignore
+/// impl Optimizer for Averaging {
+///     fn step(&mut self) -> Result<()> { self.average()?; self.inner.step() }
+///     forward_to!(inner: zero_grad, lr, set_lr, state_tensors, load_state_tensors, name);
+/// }
+/// ```
+macro_rules! forward_to {
+    ($field:ident: $($method:ident),* $(,)?) => { $( $crate::optim::forward_to!(@one $field $method); )* };
+    (@one $f:ident step) => { fn step(&mut self) -> anyhow::Result<()> { self.$f.step() } };
+    (@one $f:ident synchronize) => { fn synchronize(&mut self) -> anyhow::Result<()> { self.$f.synchronize() } };
+    (@one $f:ident clip_grad_norm) => {
+        fn clip_grad_norm(&mut self, params: &[tch::Tensor], max_norm: f64, scope: $crate::optim::NormScope<'_>) -> anyhow::Result<f64> {
+            self.$f.clip_grad_norm(params, max_norm, scope)
+        }
+    };
+    (@one $f:ident sharded) => { fn sharded(&self) -> Option<&dyn $crate::optim::Sharded> { self.$f.sharded() } };
+    (@one $f:ident state_bytes) => { fn state_bytes(&self) -> usize { self.$f.state_bytes() } };
+    (@one $f:ident zero_grad) => { fn zero_grad(&mut self) { self.$f.zero_grad() } };
+    (@one $f:ident lr) => { fn lr(&self) -> f64 { self.$f.lr() } };
+    (@one $f:ident set_lr) => { fn set_lr(&mut self, lr: f64) { self.$f.set_lr(lr) } };
+    (@one $f:ident state_tensors) => { fn state_tensors(&self) -> Vec<(String, tch::Tensor)> { self.$f.state_tensors() } };
+    (@one $f:ident load_state_tensors) => {
+        fn load_state_tensors(&mut self, state: &std::collections::HashMap<String, tch::Tensor>) -> anyhow::Result<()> {
+            self.$f.load_state_tensors(state)
+        }
+    };
+    (@one $f:ident name) => { fn name(&self) -> &'static str { self.$f.name() } };
+    (@one $f:ident make_capturable) => { fn make_capturable(&mut self) -> anyhow::Result<()> { self.$f.make_capturable() } };
+}
+pub(crate) use forward_to;
 
 /// The learning rate as the fused kernels read it: a number, or (capturable) 0-dim tensors, one
 /// per device, that [`DeviceLr::set`] overwrites in place. float32 on a GPU (what the CUDA
@@ -282,7 +327,7 @@ impl NormScope<'_> {
 /// and the total norm is that of the whole model, `sqrt(Σ_ranks Σ_counted params ‖g‖²)`, so
 /// every rank scales by the same coefficient as the unpartitioned model would. Without a group
 /// it is [`clip_grad_norm`] itself (bitwise torch's). Every rank of the group must call it.
-pub fn clip_grad_norm_over(params: &[Tensor], max_norm: f64, scope: NormScope<'_>) -> Result<f64> {
+fn clip_grad_norm_over(params: &[Tensor], max_norm: f64, scope: NormScope<'_>) -> Result<f64> {
     let Some(group) = scope.model else { return Ok(clip_grad_norm(params, max_norm)) };
     tch::no_grad(|| {
         let grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();

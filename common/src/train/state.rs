@@ -23,7 +23,7 @@ use crate::precision::{GradScaler, GradScalerState};
 
 /// Epochs and optimizer steps already done when the loop starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Progress {
+pub(crate) struct Progress {
     pub epoch: usize,
     pub step: usize,
 }
@@ -32,7 +32,7 @@ pub struct Progress {
 /// every rank holding a part of replica 0's model gets its part), checking it was written for
 /// `model`; then makes every replica start from replica 0's variables and optimizer state.
 /// Every rank calls it. Returns where the run continues.
-pub fn start(
+pub(crate) fn start(
     step: &mut dyn TrainStep<'_>,
     optimizer: &mut dyn Optimizer,
     scaler: Option<&mut GradScaler>,
@@ -73,7 +73,7 @@ pub fn start(
     }
     if let Some(group) = replicas {
         broadcast_named(group, step.named_variables(), 0)?;
-        if optimizer.is_sharded() {
+        if optimizer.sharded().is_some() {
             // Each replica keeps its own share: the whole state replica 0's rank restored
             // (nothing on a fresh start) goes to all of them.
             broadcast_sharded_state(group, optimizer, 0, restored_state)?;
@@ -141,7 +141,7 @@ fn restore_replica_zero(
 
 /// Writes the checkpoint `meta` describes to `path`: replica 0's ranks send their variables and
 /// optimizer state to rank 0, which writes one file (atomically). Every rank calls it.
-pub fn save(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: &CheckpointMeta, path: &Path) -> Result<()> {
+pub(crate) fn save(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: &CheckpointMeta, path: &Path) -> Result<()> {
     // ZeRO-3's parameters whole while they are read.
     step.sync().materialize()?;
     let saved = save_whole(step, optimizer, meta, path);
@@ -152,7 +152,7 @@ pub fn save(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: &Checkpoi
 fn save_whole(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: &CheckpointMeta, path: &Path) -> Result<()> {
     let parallel = step.sync().parallel;
     // Every replica takes part where the optimizer state is sharded over them.
-    let mut state = optimizer.gathered_state()?;
+    let mut state = crate::optim::gathered_state(optimizer)?;
     if parallel.replica != 0 {
         return Ok(()); // replicas hold what replica 0 holds
     }

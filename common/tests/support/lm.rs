@@ -115,7 +115,7 @@ pub fn assert_trains_like_unpartitioned_with(
         let expected = loss.double_value(&[]);
         assert!((got - expected).abs() <= 1e-5 * expected.abs(), "{what}: loss {got} vs {expected}");
         // (A sharded optimizer holds the averaged gradient in its blocks, not in the parameters.)
-        if step == 0 && !trainer_opt.is_sharded() {
+        if step == 0 && trainer_opt.sharded().is_none() {
             let grads = by_name(models::named_parameters(reference_vs));
             for (name, p) in trainer.named_parameters() {
                 let diff = relative_difference(&p.grad(), &part_of(trainer, &name, &grads[&name].grad()));

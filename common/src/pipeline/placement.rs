@@ -3,10 +3,10 @@
 //! Megatron-LM's virtual pipeline stages) the model is cut into `devices × virtual_stages`
 //! stages and stage `s` runs on device `s mod devices`: device `d` holds stages `d`, `d + p`,
 //! `d + 2p`, …, so a micro-batch loops through the devices `virtual_stages` times. The
-//! embedding stays with stage 0 and the output layer with the last stage.
+//! embedding stays with stage 0 and the output layer with the last stage. What each schedule
+//! allows of a placement is the schedule's rule ([`super::schedule`]).
 use anyhow::Result;
 
-use super::Schedule;
 use crate::error::usage;
 
 /// `devices` devices holding `virtual_stages` stages each.
@@ -22,17 +22,6 @@ impl Placement {
         Placement { devices, virtual_stages: 1 }
     }
 
-    /// The virtual stages `--virtual-stages` asks for with `schedule`: 2 by default with the
-    /// interleaved schedule, 1 with the others (which run one stage per device).
-    pub fn virtual_stages(schedule: Schedule, flag: Option<usize>) -> Result<usize> {
-        match (schedule, flag) {
-            (_, Some(0)) => usage("--virtual-stages must be at least 1"),
-            (Schedule::Interleaved, flag) => Ok(flag.unwrap_or(2)),
-            (_, None | Some(1)) => Ok(1),
-            (_, Some(v)) => usage(format!("--virtual-stages {v} needs --schedule interleaved ({} runs one stage per device)", schedule.name())),
-        }
-    }
-
     /// The model's stages: `devices × virtual_stages`.
     pub fn stages(self) -> usize {
         self.devices * self.virtual_stages
@@ -46,24 +35,6 @@ impl Placement {
     /// The stages device `device` holds, in model order.
     pub fn stages_of(self, device: usize) -> impl Iterator<Item = usize> {
         (0..self.virtual_stages).map(move |v| v * self.devices + device)
-    }
-
-    /// Refuses what `schedule` cannot run: several stages per device without interleaving, and
-    /// for the interleaved schedule a number of micro-batches that is not a multiple of the
-    /// devices (Megatron-LM's rule: the micro-batches go through each device's stages in groups
-    /// of `devices`, and a short group would leave the pipeline waiting).
-    pub fn check(self, schedule: Schedule, micro_batches: usize) -> Result<()> {
-        if self.virtual_stages != 1 {
-            Placement::virtual_stages(schedule, Some(self.virtual_stages))?;
-        }
-        if schedule == Schedule::Interleaved && !micro_batches.is_multiple_of(self.devices) {
-            return usage(format!(
-                "--schedule interleaved needs --chunks to be a multiple of the {} pipeline devices, got {micro_batches} \
-                 (the micro-batches go through each device's stages in groups of {})",
-                self.devices, self.devices
-            ));
-        }
-        Ok(())
     }
 
     /// Refuses more virtual stages than a model of `nlayers` encoder layers can fill with one
@@ -85,6 +56,8 @@ impl Placement {
 #[cfg(test)]
 mod tests {
     use super::*;
+    // (The schedules' rules for a placement live in pipeline::schedule.)
+    use crate::pipeline::Schedule;
 
     #[test]
     fn device_d_holds_every_p_th_stage_from_d() {

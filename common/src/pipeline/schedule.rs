@@ -10,6 +10,7 @@
 use serde::Serialize;
 
 use super::Placement;
+use crate::error::usage;
 
 /// The `--schedule` flag.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -80,6 +81,38 @@ impl Op {
             true => format!("{pass}{}@{}", self.micro_batch, self.stage),
             false => format!("{pass}{}", self.micro_batch),
         }
+    }
+}
+
+/// What each schedule allows of a placement (the schedule's rules, kept with the schedules).
+impl Placement {
+    /// The virtual stages `--virtual-stages` asks for with `schedule`: 2 by default with the
+    /// interleaved schedule, 1 with the others (which run one stage per device).
+    pub fn virtual_stages(schedule: Schedule, flag: Option<usize>) -> anyhow::Result<usize> {
+        match (schedule, flag) {
+            (_, Some(0)) => usage("--virtual-stages must be at least 1"),
+            (Schedule::Interleaved, flag) => Ok(flag.unwrap_or(2)),
+            (_, None | Some(1)) => Ok(1),
+            (_, Some(v)) => usage(format!("--virtual-stages {v} needs --schedule interleaved ({} runs one stage per device)", schedule.name())),
+        }
+    }
+
+    /// Refuses what `schedule` cannot run: several stages per device without interleaving, and
+    /// for the interleaved schedule a number of micro-batches that is not a multiple of the
+    /// devices (Megatron-LM's rule: the micro-batches go through each device's stages in groups
+    /// of `devices`, and a short group would leave the pipeline waiting).
+    pub fn check(self, schedule: Schedule, micro_batches: usize) -> anyhow::Result<()> {
+        if self.virtual_stages != 1 {
+            Placement::virtual_stages(schedule, Some(self.virtual_stages))?;
+        }
+        if schedule == Schedule::Interleaved && !micro_batches.is_multiple_of(self.devices) {
+            return usage(format!(
+                "--schedule interleaved needs --chunks to be a multiple of the {} pipeline devices, got {micro_batches} \
+                 (the micro-batches go through each device's stages in groups of {})",
+                self.devices, self.devices
+            ));
+        }
+        Ok(())
     }
 }
 

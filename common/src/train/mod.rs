@@ -3,7 +3,7 @@
 //!
 //! - [`step::TrainStep`]: one optimizer step's work, the seam where the parallelism plugs in
 //!   (a local model, data-parallel or not; a pipeline in threads; one stage per process);
-//! - [`gradients`]: averaging, unscaling and clipping, one implementation for all of them;
+//! - [`StepSync::finish_gradients`]: averaging, unscaling and clipping, one implementation for all of them;
 //! - [`schedule`]: the learning rate of every step (StepLR, cosine, one-cycle, warm-up);
 //! - [`state`]: resuming from and writing checkpoints, however the model is spread over ranks;
 //! - [`events`] and [`sinks`]: what the loop reports, and what turns that into console lines,
@@ -12,7 +12,6 @@
 //! Resuming is exact: everything random in an epoch (order, augmentation, dropout) is a
 //! function of (seed, epoch, step), and a checkpoint holds the whole model and optimizer state.
 pub mod events;
-pub mod gradients;
 pub mod graph;
 pub mod schedule;
 pub mod sinks;

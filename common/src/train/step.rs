@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::Result;
 use tch::{nn, Device, Kind, Tensor};
 
-use super::{gradients, Batch, BatchSource};
+use super::{Batch, BatchSource};
 use crate::device::synchronize;
 use std::rc::Rc;
 
@@ -20,7 +20,7 @@ use crate::dist::layout::Groups;
 use crate::dist::zero::{Shards, ZeroOptimizer, ZeroStage};
 use crate::dist::{GradientSync, ProcessGroup, ReduceOp};
 use crate::models::PartedModule;
-use crate::optim::Optimizer;
+use crate::optim::{NormScope, Optimizer};
 use crate::pipeline::executor::StageTrace;
 use crate::precision::{self, GradScaler, Precision};
 
@@ -255,7 +255,28 @@ impl<'g> StepSync<'g> {
     /// `synchronize`), unscaled (float16) with one inf/NaN verdict for the whole model, clipped
     /// to `clip` by the norm over the whole model. Returns that norm when clipping.
     pub fn finish_gradients(&self, params: &[Tensor], optimizer: &mut dyn Optimizer, scaler: Option<&GradScaler>, clip: Option<f64>) -> Result<Option<f64>> {
-        gradients::finish(self.parallel, params, &self.norm_counted, optimizer, scaler, clip)
+        // The same for every kind of step, however the model is spread over ranks.
+        let parallel = self.parallel;
+        if let Some(replicas) = &parallel.replicas {
+            if replicas.sync == GradientSync::Ddp {
+                replicas.averager.average(replicas.group, params)?;
+            }
+        }
+        // A Horovod-style optimizer averages here; a local one does nothing.
+        optimizer.synchronize()?;
+        if let Some(scaler) = scaler {
+            scaler.unscale(params);
+            // One verdict for the model: a stage that saw an inf makes every stage skip the step
+            // (the replicas agree already: the inf went into their averages).
+            if let Some(model) = parallel.model {
+                scaler.agree(model)?;
+            }
+        }
+        match clip {
+            // The norm before clipping, as `torch.nn.utils.clip_grad_norm_` returns it.
+            Some(max_norm) => Ok(Some(optimizer.clip_grad_norm(params, max_norm, NormScope { model: parallel.model, counted: &self.norm_counted })?)),
+            None => Ok(None),
+        }
     }
 
     /// Makes every parameter whole in memory, to read or write it (checkpoints, the replicas'

@@ -142,8 +142,15 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
     }
     // Errors on one rank abort every rank (MPI_Abort) instead of leaving the others waiting.
     ProcessGroup::run(parallel.backend, |world| {
+        // Parameter-server hook (dist::parameter_server): the last --servers ranks serve and stop
+        // here; the workers train as data-parallel replicas over a group of their own.
+        let ps = crate::dist::parameter_server::Job::start(world, parallel.parameter_server())?;
+        if let Some(job) = ps.as_ref().filter(|job| job.is_server()) {
+            return job.serve().map(|()| Vec::new());
+        }
+        let world = ps.as_ref().map_or(world, |job| job.workers());
         let layout = exp.layout(world.world_size())?;
-        let groups = Groups::new(world, layout)?;
+        let groups = Groups::new(world, layout)?.with_parameter_servers(ps.as_ref().map(|job| job.link()));
         let device = exp.device(&groups)?;
         run.precision.check(device)?;
         let mut session = session_observers(exp, world.is_root(), listeners);
@@ -429,6 +436,9 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         check_zero(exp, stage, groups)?;
     }
     let sync = zero.map_or(preset.sync, crate::dist::GradientSync::Zero);
+    // Parameter-server hook: the workers do not average among themselves.
+    let ps = groups.parameter_servers();
+    let sync = if ps.is_some() { crate::dist::GradientSync::ParameterServer } else { sync };
     let dp = DataParallelPlan { averager: exp.parallel_args().averager(), sync };
     let replicas = groups.layout.dp;
     let sources = exp.sources(data, device, (groups.coords.replica, replicas))?;
@@ -443,6 +453,15 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         Some(replication) => replication.distribute(step.as_ref(), build)?,
         None => build(step.named_parameters()),
     };
+    // Parameter-server hook: the step pulls at each epoch's end, the optimizer runs on the servers.
+    if let Some(link) = &ps {
+        link.check(&plan, groups.layout.pp * groups.layout.tp, run.precision, run.cuda_graph)?;
+        step = link.step(step);
+        let kernel = exp.recipe_args().optimizer_kernel;
+        optimizer = link.optimizer(step.named_parameters(), recipe.optimizer, recipe.lr, recipe.momentum, recipe.weight_decay, kernel);
+    }
+    // --straggler: this rank sleeps in every step (any strategy).
+    optimizer = crate::dist::parameter_server::Straggled::wrap(optimizer, exp.parallel_args().straggler, groups.world.rank());
     // --cuda-graph records GPU steps; the CPU leg of a CPU-vs-GPU comparison trains as usual.
     let cuda_graph = run.cuda_graph && (device.is_cuda() || run.device == DeviceChoice::Cpu);
     if cuda_graph {
@@ -498,6 +517,8 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
     let before = groups.comm_stats();
     let fit = train::fit(step.as_mut(), optimizer.as_mut(), sources.train.as_ref(), sources.eval.as_ref(), &config, &mut observers)?;
     let communication = groups.comm_stats().since(before);
+    // Parameter-server hook: every worker says it is done; worker 0 gets the servers' figures.
+    let ps_report = ps.as_ref().map(|link| link.finish()).transpose()?.flatten();
     drop(observers);
     let per_step: Option<CommStats> = per_step.get();
     let replica_group = step.parallel().replica_group();
@@ -596,6 +617,12 @@ fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Dev
         json["gradient_sync"] = serde_json::to_value(preset.sync)?;
         json["bucket_mb"] = parallel.bucket_mb.into();
         json["fp16_allreduce"] = parallel.fp16_allreduce.into();
+    }
+    // Parameter-server hook: the strategy and the servers' staleness figures.
+    if let Some(report) = &ps_report {
+        session.info(report.describe())?;
+        json["gradient_sync"] = "parameter-server".into();
+        json["parameter_server"] = serde_json::to_value(report)?;
     }
     json["matmul_precision"] = run.matmul_precision.name().into();
     json["scale_lr"] = exp.recipe_args().scale_lr.into();

@@ -300,8 +300,9 @@ pub struct ParallelArgs {
     /// The servers apply each gradient on arrival (Downpour SGD): workers never wait for each other.
     #[arg(long = "async", conflicts_with = "sync")]
     pub asynchronous: bool,
-    /// With --async: no gradient is applied more than K server versions after the parameters it
-    /// was computed on; faster workers wait (bounded staleness, SSP-like; 0 = --sync).
+    /// With --async: no worker runs more than K steps ahead of the slowest (stale synchronous
+    /// parallel, SSP): the fast wait; an applied gradient is then at most (workers − 1)(2K + 1)
+    /// versions stale.
     #[arg(long, value_name = "K")]
     pub max_staleness: Option<usize>,
     /// RANK:SECONDS: rank RANK (a worker) sleeps that long in every optimizer step (a straggler,

@@ -8,7 +8,7 @@
 //!
 //! | `--sync` (default) | `--async` | `--async --max-staleness K` |
 //! |---|---|---|
-//! | each server waits for every worker's gradient, sums them in worker order, divides by W and steps once: the same model as all-reduce data parallelism (to rounding) | each gradient is applied on arrival, scaled by 1/W (Downpour): workers never wait for each other | as `--async`, but no update is applied whose staleness (below) would exceed K: the fast worker waits for the slow one (SSP-like); K = 0 is `--sync` |
+//! | each server waits for every worker's gradient, sums them in worker order, divides by W and steps once: the same model as all-reduce data parallelism (to rounding) | each gradient is applied on arrival, scaled by 1/W (Downpour): workers never wait for each other | stale synchronous parallel (SSP, Ho et al. 2013): as `--async`, but a worker more than K steps ahead of the slowest waits for its answer until the slowest catches up; an applied gradient's staleness is then at most (W − 1)(2K + 1) versions |
 //!
 //! **Staleness** of an applied gradient: the server's version (optimizer steps it has taken)
 //! when it is applied minus the version of the parameters the worker computed it on. Every
@@ -18,8 +18,7 @@
 //! **Learning rate.** An asynchronous gradient is scaled by 1/W, so W unstale asynchronous updates
 //! move an SGD model as far as one synchronous step over the same W batches: the same `--lr`
 //! means the same thing in both modes. (Adam normalises its update: there each asynchronous
-//! gradient is a whole Adam step, W per global batch.) Under `--max-staleness`, gradients that
-//! had to wait are applied together, as one step of their sum divided by W.
+//! gradient is a whole Adam step, W per global batch.)
 //!
 //! **Clipping** (`--clip`): with `--sync` the servers clip the averaged gradient by its norm
 //! over all servers (as data parallelism clips the averaged gradient); asynchronous workers
@@ -69,11 +68,19 @@ pub enum Mode {
 }
 
 impl Mode {
-    /// The staleness no applied gradient may exceed (`--sync`: 0).
+    /// `--max-staleness`: how many steps a worker may run ahead of the slowest (`--sync`: 0).
     pub fn bound(self) -> Option<usize> {
         match self {
             Mode::Sync => Some(0),
             Mode::Async { max_staleness } => max_staleness,
+        }
+    }
+
+    /// The most versions an applied gradient can be stale with `workers` workers (None: no bound).
+    pub fn staleness_bound(self, workers: usize) -> Option<usize> {
+        match self {
+            Mode::Sync => Some(0),
+            Mode::Async { max_staleness } => max_staleness.map(|k| (workers - 1) * (2 * k + 1)),
         }
     }
 
@@ -231,7 +238,10 @@ pub struct Report {
     pub mode: &'static str,
     pub workers: usize,
     pub servers: usize,
+    /// `--max-staleness` (steps ahead of the slowest worker; `--sync`: 0).
     pub max_staleness: Option<usize>,
+    /// What that bounds an applied gradient's staleness to, in versions.
+    pub staleness_bound: Option<usize>,
     /// Applied gradients by staleness, summed over the servers (each gradient is applied once
     /// per server: S times).
     pub staleness_histogram: BTreeMap<String, u64>,
@@ -258,6 +268,7 @@ impl Report {
             workers,
             servers: config.servers,
             max_staleness: config.mode.bound(),
+            staleness_bound: config.mode.staleness_bound(workers),
             mean_staleness: if total > 0 { weighted as f64 / total as f64 } else { 0.0 },
             max_staleness_seen: histogram.keys().copied().max().unwrap_or(0),
             staleness_histogram: histogram.into_iter().map(|(s, c)| (s.to_string(), c)).collect(),

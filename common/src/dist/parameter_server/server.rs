@@ -65,6 +65,8 @@ pub struct Server<'w> {
     bases: Vec<i64>,
     active: Vec<bool>,
     queue: Vec<Pending>,
+    /// Workers whose gradient was applied and who wait for their answer (`--max-staleness`).
+    unanswered: Vec<usize>,
     hold: Option<(usize, u64)>,
     applied_without_held: u64,
     stats: ServerStats,
@@ -84,6 +86,7 @@ impl<'w> Server<'w> {
             bases: vec![0; workers],
             active: vec![true; workers],
             queue: Vec::new(),
+            unanswered: Vec::new(),
             hold: hold_from_env(),
             applied_without_held: 0,
             stats,
@@ -127,7 +130,7 @@ impl<'w> Server<'w> {
                 other => bail!("a parameter server got a message of unknown kind {other} from worker {src}"),
             }
         }
-        anyhow::ensure!(self.queue.is_empty(), "workers finished with {} gradient(s) not applied", self.queue.len());
+        anyhow::ensure!(self.queue.is_empty() && self.unanswered.is_empty(), "workers finished with {} gradient(s) not applied", self.queue.len());
         self.stats.tensors = self.params.len();
         self.stats.elements = self.params.iter().map(|(_, t)| t.numel() as i64).sum();
         send_tensor(self.world, &Tensor::from_slice(&serde_json::to_vec(&self.stats)?), 0)?;
@@ -180,45 +183,68 @@ impl<'w> Server<'w> {
         self.hold.is_some_and(|(rank, _)| rank == w)
     }
 
-    /// Applies the waiting gradients the mode allows, as many rounds as it allows.
+    /// Applies the waiting gradients the mode allows and answers the workers it may, as many
+    /// rounds as that takes.
+    ///
+    /// - `--sync`: once every active worker's gradient is here, one update with their average.
+    /// - `--async`: each gradient at once, its worker answered at once.
+    /// - `--async --max-staleness K` (SSP, Ho et al. 2013): each gradient at once, but a worker
+    ///   more than K steps (pushes) ahead of the slowest active worker gets its answer, and so
+    ///   computes on, only once the slowest has caught up. The slowest is never held back, so a
+    ///   worker waiting at an epoch's end never blocks the others. An applied gradient's
+    ///   staleness (in versions) is then at most (W − 1)(2K + 1).
     fn apply_what_may(&mut self) -> Result<()> {
         loop {
             let eligible: Vec<usize> = (0..self.queue.len()).filter(|&i| !self.held(self.queue[i].worker)).collect();
-            let queued: Vec<usize> = self.queue.iter().map(|p| p.worker).collect();
-            let outstanding: Vec<usize> = (0..self.workers).filter(|&w| self.active[w] && !queued.contains(&w)).collect();
-            if eligible.is_empty() {
-                if !self.queue.is_empty() && outstanding.is_empty() && self.hold.is_some() {
-                    self.hold = None; // nothing else can move: the held gradients go
-                    continue;
+            let mut moved = false;
+            match self.config.mode {
+                Mode::Sync => {
+                    let queued: Vec<usize> = self.queue.iter().map(|p| p.worker).collect();
+                    let everyone = (0..self.workers).all(|w| !self.active[w] || queued.contains(&w));
+                    if everyone && !eligible.is_empty() && eligible.len() == self.queue.len() {
+                        let batch = std::mem::take(&mut self.queue);
+                        self.update(batch)?;
+                        moved = true;
+                    }
                 }
-                return Ok(());
+                Mode::Async { .. } => {
+                    if let Some(&first) = eligible.first() {
+                        let pending = self.queue.remove(first);
+                        self.update(vec![pending])?;
+                        moved = true;
+                    }
+                }
             }
-            match self.config.mode.bound() {
-                None => {
-                    // Each gradient alone, in the order they came.
-                    let first = eligible[0];
-                    let pending = self.queue.remove(first);
-                    self.update(vec![pending])?;
-                }
-                Some(bound) => {
-                    // One update raises the version by one: every gradient still computed on, or
-                    // kept back, must stay within the bound.
-                    let waiting = outstanding.iter().map(|&w| self.bases[w]).chain(self.queue.iter().filter(|p| self.held(p.worker)).map(|p| p.base));
-                    if waiting.min().is_some_and(|base| self.version + 1 - base > bound as i64) {
-                        if outstanding.is_empty() && self.hold.is_some() {
-                            self.hold = None;
-                            continue;
-                        }
-                        return Ok(()); // the fast wait for the slow
-                    }
-                    let mut batch = Vec::new();
-                    for i in eligible.into_iter().rev() {
-                        batch.push(self.queue.remove(i));
-                    }
-                    self.update(batch)?;
-                }
+            moved |= self.answer_who_may()?;
+            if moved {
+                continue;
+            }
+            // Nothing moves: where every active worker waits on this server and the PS_HOLD hook
+            // keeps a gradient back, the hook lets go.
+            let outstanding = (0..self.workers).any(|w| self.active[w] && !self.queue.iter().any(|p| p.worker == w) && !self.unanswered.contains(&w));
+            if self.hold.is_some() && !outstanding && !self.queue.is_empty() {
+                self.hold = None;
+                continue;
+            }
+            return Ok(());
+        }
+    }
+
+    /// Under `--max-staleness K`, answers the workers whose gradients were applied and who are
+    /// no more than K steps ahead of the slowest active worker; returns whether it answered any.
+    fn answer_who_may(&mut self) -> Result<bool> {
+        let Mode::Async { max_staleness: Some(bound) } = self.config.mode else { return Ok(false) };
+        let mut answered = false;
+        for w in std::mem::take(&mut self.unanswered) {
+            let slowest = (0..self.workers).filter(|&v| v != w && self.active[v]).map(|v| self.stats.pushes[v]).min();
+            if slowest.is_none_or(|slowest| self.stats.pushes[w] <= slowest + bound as u64) {
+                self.reply(w)?;
+                answered = true;
+            } else {
+                self.unanswered.push(w);
             }
         }
+        Ok(answered)
     }
 
     /// One optimizer step with the sum of `batch`'s gradients (in worker order) divided by the
@@ -244,7 +270,7 @@ impl<'w> Server<'w> {
             let parts = mean.split_with_sizes(&sizes, 0);
             for (i, ((_, param), grad)) in self.params.iter().zip(parts).enumerate() {
                 if batch.iter().any(|p| p.has_grad[i]) {
-                    crate::torch_ext::set_grad(param, &grad.view_as(param).contiguous())?;
+                    crate::torch_ext::set_grad(param, &grad.view_as(param).copy())?;
                 } else {
                     crate::torch_ext::clear_grad(param)?;
                 }
@@ -273,7 +299,10 @@ impl<'w> Server<'w> {
             }
         }
         for p in &batch {
-            self.reply(p.worker)?;
+            match self.config.mode {
+                Mode::Async { max_staleness: Some(_) } => self.unanswered.push(p.worker),
+                _ => self.reply(p.worker)?,
+            }
         }
         Ok(())
     }

@@ -320,7 +320,15 @@ impl ParallelArgs {
             return usage(format!("--bucket-mb must be positive, got {}", self.bucket_mb));
         }
         // Parameter-server hook: its flags, checked before any rank starts.
-        crate::dist::parameter_server::check_flags(self.strategy, self.servers, self.sync, self.asynchronous, self.max_staleness, self.zero, self.nproc_per_node)?;
+        crate::dist::parameter_server::check_flags(
+            self.strategy,
+            self.servers,
+            self.sync,
+            self.asynchronous,
+            self.max_staleness,
+            self.zero,
+            self.nproc_per_node,
+        )?;
         match self.zero {
             0..=3 => Ok(()),
             other => usage(format!("--zero {other}: ZeRO has stages 0 to 3")),

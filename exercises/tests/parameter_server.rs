@@ -146,7 +146,7 @@ fn asynchronous_servers_record_staleness_within_the_bound() {
 /// A parameter-server checkpoint is a plain one: its optimizer state is gathered from the
 /// servers under the parameters' names; resumed on 1 plain rank (with the doubled batch) it lands
 /// where 2 all-reduce replicas land after 2 epochs, and a plain 1-rank checkpoint resumed by 2
-/// workers and 2 servers (its state scattered to them) lands there too.
+/// workers and 2 servers (its state scattered to them) lands where 2 replicas resuming it land.
 #[test]
 fn checkpoints_pass_between_parameter_server_and_plain_runs() {
     let d = tempfile::tempdir().unwrap();
@@ -168,8 +168,14 @@ fn checkpoints_pass_between_parameter_server_and_plain_runs() {
     let worst = worst_relative_difference(&saved(straight.path(), "model."), &saved(ps_first.path(), "model."));
     assert!(worst <= 1e-5, "a parameter-server checkpoint resumed on 1 plain rank: {worst:e}");
 
+    // The other way: a plain 1-rank checkpoint, resumed by 2 all-reduce replicas and by 2 workers
+    // + 2 servers (its Adam state scattered to them): the same second epoch.
     let plain_first = tempfile::tempdir().unwrap();
     run(d.path(), plain_first.path(), &with(&["--epochs", "1", "--batch-size", "16"]), &[]);
+    let name = "exercise2-cnn-cpu.safetensors";
+    let replicas = tempfile::tempdir().unwrap();
+    std::fs::copy(plain_first.path().join(name), replicas.path().join(name)).unwrap();
+    run(d.path(), replicas.path(), &with(&["--epochs", "2", "--batch-size", "8", "--nproc-per-node", "2"]), &[]);
     let json = run(
         d.path(),
         plain_first.path(),
@@ -177,9 +183,9 @@ fn checkpoints_pass_between_parameter_server_and_plain_runs() {
         &[],
     );
     assert_eq!(json["resumed_epochs"].as_u64(), Some(1));
-    let worst = worst_relative_difference(&saved(straight.path(), "model."), &saved(plain_first.path(), "model."));
-    assert!(worst <= 1e-5, "a plain checkpoint resumed by 2 workers + 2 servers: {worst:e}");
-    let state = worst_relative_difference(&saved(straight.path(), "optim."), &saved(plain_first.path(), "optim."));
+    let worst = worst_relative_difference(&saved(replicas.path(), "model."), &saved(plain_first.path(), "model."));
+    assert!(worst <= 1e-5, "a plain checkpoint resumed by 2 workers + 2 servers vs by 2 replicas: {worst:e}");
+    let state = worst_relative_difference(&saved(replicas.path(), "optim."), &saved(plain_first.path(), "optim."));
     assert!(state <= 1e-5, "its optimizer state after the second epoch: {state:e}");
 }
 

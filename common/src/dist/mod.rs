@@ -110,11 +110,11 @@ pub mod data_parallel;
 pub mod group;
 pub mod launch;
 pub mod layout;
-pub mod parameter_server;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod parameter_server;
 pub mod rendezvous;
 pub mod single;
 pub mod tensor_parallel;

@@ -122,7 +122,15 @@ impl std::str::FromStr for Straggler {
 
 /// Checks the parameter-server flags against each other (before any rank starts); `ranks`: the
 /// job's size where it is known (`--nproc-per-node`).
-pub fn check_flags(strategy: Strategy, servers: Option<usize>, sync: bool, asynchronous: bool, max_staleness: Option<usize>, zero: u8, ranks: Option<usize>) -> Result<()> {
+pub fn check_flags(
+    strategy: Strategy,
+    servers: Option<usize>,
+    sync: bool,
+    asynchronous: bool,
+    max_staleness: Option<usize>,
+    zero: u8,
+    ranks: Option<usize>,
+) -> Result<()> {
     if strategy != Strategy::ParameterServer {
         if servers.is_some() || sync || asynchronous || max_staleness.is_some() {
             return usage("--servers, --sync, --async and --max-staleness configure a parameter server: add --strategy parameter-server");
@@ -140,7 +148,9 @@ pub fn check_flags(strategy: Strategy, servers: Option<usize>, sync: bool, async
         return usage("--max-staleness bounds --async updates (--sync is --max-staleness 0): drop --sync, or --max-staleness");
     }
     if zero != 0 {
-        return usage(format!("--zero {zero} shards the optimizer over data-parallel replicas; with --strategy parameter-server the servers hold it: drop one of them"));
+        return usage(format!(
+            "--zero {zero} shards the optimizer over data-parallel replicas; with --strategy parameter-server the servers hold it: drop one of them"
+        ));
     }
     if let Some(ranks) = ranks.filter(|&n| servers >= n) {
         return usage(format!("--servers {servers} leaves no worker among {ranks} rank(s): a parameter-server job needs more ranks than servers"));

@@ -105,7 +105,12 @@ impl<'w> Server<'w> {
                 op::PUSH => {
                     let flat = recv_tensor(self.world, src, Device::Cpu)?;
                     let meta = Vec::<f64>::try_from(&meta)?;
-                    anyhow::ensure!(meta.len() == 2 + self.params.len(), "a gradient for {} tensors, but this server holds {}", meta.len().saturating_sub(2), self.params.len());
+                    anyhow::ensure!(
+                        meta.len() == 2 + self.params.len(),
+                        "a gradient for {} tensors, but this server holds {}",
+                        meta.len().saturating_sub(2),
+                        self.params.len()
+                    );
                     let has_grad = meta[2..].iter().map(|&m| m != 0.0).collect();
                     self.stats.pushes[src] += 1;
                     self.queue.push(Pending { worker: src, base: label[1], lr: meta[0], clip: meta[1], has_grad, flat });
@@ -162,7 +167,13 @@ impl<'w> Server<'w> {
             .map(|(name, (v, shape))| (name.clone(), v.reshape(shape.as_slice()).copy().set_requires_grad(true)))
             .collect();
         // The learning rate arrives with every gradient.
-        self.optimizer = Some(spec.optimizer.build(self.params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect(), 0.0, spec.momentum, spec.weight_decay, spec.kernel));
+        self.optimizer = Some(spec.optimizer.build(
+            self.params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect(),
+            0.0,
+            spec.momentum,
+            spec.weight_decay,
+            spec.kernel,
+        ));
         Ok(())
     }
 

@@ -15,7 +15,7 @@ BIN       := target/release
 ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
-.PHONY: lint system-deps python-tools gpu-check report scaling exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
+.PHONY: lint system-deps python-tools gpu-check report scaling exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch bench-ps setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
         exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test test-slurm clean-results \
         notebooks notebook-kernel jupyter
 
@@ -100,6 +100,12 @@ bench: data-cifar10 data-wikitext2
 # NPROC, BATCH, EPOCHS, LR, WARMUP, MODEL); results/bench-largebatch.csv.
 bench-largebatch: build
 	$(WITH) bench/largebatch.sh
+
+# All-reduce vs synchronous vs asynchronous (and bounded-staleness) parameter servers on CPU
+# ranks, worker 1 a straggler: throughput and test accuracy after the same samples (real MNIST
+# sample; WORKERS, SERVERS, BATCH, EPOCHS, LR, STRAGGLE, K); results/bench-ps.csv.
+bench-ps: build
+	$(WITH) bench/ps.sh
 
 # DP, ZeRO-1/2/3, TP, PP and two 2-D layouts on NPROC=4 CPU ranks at one global batch: time per
 # step, bytes handed to each kind of collective, model state per rank beside ZeRO's formulas;

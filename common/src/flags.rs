@@ -295,6 +295,31 @@ pub struct ParallelArgs {
     /// pass); 3 also the parameters (FSDP: gathered layer by layer when needed).
     #[arg(long, default_value_t = 0)]
     pub zero: u8,
+    // ---- Parameter-server hook (dist::parameter_server): the strategy and its flags. ----
+    /// data-parallel: every rank a replica, gradients averaged (all-reduce, or ZeRO);
+    /// parameter-server: --servers ranks hold the parameters and run the optimizer, the others
+    /// push gradients and pull parameters (--sync, --async, --max-staleness).
+    #[arg(long, value_enum, default_value = "data-parallel")]
+    pub strategy: crate::dist::parameter_server::Strategy,
+    /// Parameter-server ranks (the job's last ones) [default: 1].
+    #[arg(long)]
+    pub servers: Option<usize>,
+    /// The servers wait for every worker's gradient and apply their average (the default):
+    /// the same model as all-reduce data parallelism.
+    #[arg(long)]
+    pub sync: bool,
+    /// The servers apply each gradient on arrival (Downpour SGD): workers never wait for each other.
+    #[arg(long = "async", conflicts_with = "sync")]
+    pub asynchronous: bool,
+    /// With --async: no worker runs more than K steps ahead of the slowest (stale synchronous
+    /// parallel, SSP): the fast wait; an applied gradient is then at most (workers − 1)(2K + 1)
+    /// versions stale.
+    #[arg(long, value_name = "K")]
+    pub max_staleness: Option<usize>,
+    /// RANK:SECONDS: rank RANK (a worker) sleeps that long in every optimizer step (a straggler,
+    /// any strategy).
+    #[arg(long, value_name = "RANK:SECONDS")]
+    pub straggler: Option<crate::dist::parameter_server::Straggler>,
 }
 
 impl ParallelArgs {
@@ -305,10 +330,27 @@ impl ParallelArgs {
         if !(self.bucket_mb > 0.0 && self.bucket_mb.is_finite()) {
             return usage(format!("--bucket-mb must be positive, got {}", self.bucket_mb));
         }
+        // Parameter-server hook: its flags, checked before any rank starts.
+        crate::dist::parameter_server::check_flags(
+            self.strategy,
+            self.servers,
+            self.sync,
+            self.asynchronous,
+            self.max_staleness,
+            self.zero,
+            self.nproc_per_node,
+        )?;
         match self.zero {
             0..=3 => Ok(()),
             other => usage(format!("--zero {other}: ZeRO has stages 0 to 3")),
         }
+    }
+
+    /// The parameter server these flags ask for (none: data parallelism). Parameter-server hook.
+    pub fn parameter_server(&self) -> Option<crate::dist::parameter_server::Config> {
+        use crate::dist::parameter_server::{Config, Mode, Strategy};
+        let mode = if self.asynchronous { Mode::Async { max_staleness: self.max_staleness } } else { Mode::Sync };
+        (self.strategy == Strategy::ParameterServer).then_some(Config { servers: self.servers.unwrap_or(1), mode })
     }
 
     /// The ZeRO stage `--zero` asks for (none for 0).

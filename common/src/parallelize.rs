@@ -173,6 +173,9 @@ impl Parallelize for TransformerPlan {
         let step: Box<dyn TrainStep<'g> + 'g> = match &self.pipeline {
             // (Token ids stay integers: only the weights change kind.)
             None => whole_model(groups, dp, device, seed, precision, |vs| Ok(Box::new(TransformerLm::new(&vs.root(), config)?) as Box<dyn PartedModule>))?,
+            Some(_) if dp.sync == GradientSync::ParameterServer => {
+                return usage("--strategy parameter-server serves whole models: pipeline stages and tensor-parallel shards are not supported with it")
+            }
             Some(_) if precision.weights_kind().is_some() => {
                 return usage(format!(
                     "--precision {} with pipeline stages or tensor-parallel shards is not built yet (their activations pass in float32): use bf16-mixed",

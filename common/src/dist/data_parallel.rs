@@ -26,6 +26,10 @@ pub enum GradientSync {
     /// during the backward pass), each rank updating its block of the parameters
     /// ([`super::zero::ZeroOptimizer`]).
     Zero(super::zero::ZeroStage),
+    /// No averaging among the replicas: they push their gradients to parameter servers, whose
+    /// optimizer updates (`--strategy parameter-server`, [`super::parameter_server`]).
+    #[serde(rename = "parameter-server")]
+    ParameterServer,
 }
 
 /// How data-parallel replicas keep their gradients equal: where they average

@@ -355,6 +355,12 @@ impl ProcessGroup {
         self.backend_for(t.device())?.recv(t, src)
     }
 
+    /// The rank of the next point-to-point message to this rank from any rank of the group, once
+    /// one is there (it stays queued for [`ProcessGroup::recv`]); CPU messages, MPI only.
+    pub fn probe_any(&self) -> Result<usize> {
+        self.cpu.probe_any_source()
+    }
+
     /// Waits until every tensor this rank sent in this group, on either device type, has been
     /// received.
     pub fn wait_sends(&self) -> Result<()> {

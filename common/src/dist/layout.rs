@@ -104,9 +104,22 @@ pub struct Groups<'w> {
     /// All ranks holding a part of this rank's replica (stages × shards): the gradient norm and
     /// the scaler's inf/NaN verdict are agreed over them.
     model: Option<ProcessGroup>,
+    /// Parameter-server hook: the servers this rank (a worker) pushes to, where there are any.
+    servers: Option<std::rc::Rc<super::parameter_server::WorkerLink<'w>>>,
 }
 
 impl<'w> Groups<'w> {
+    /// These groups, for a worker of a parameter-server job (`link`: its servers; None: none).
+    pub fn with_parameter_servers(mut self, link: Option<std::rc::Rc<super::parameter_server::WorkerLink<'w>>>) -> Groups<'w> {
+        self.servers = link;
+        self
+    }
+
+    /// The parameter servers this rank works for (`--strategy parameter-server`).
+    pub fn parameter_servers(&self) -> Option<std::rc::Rc<super::parameter_server::WorkerLink<'w>>> {
+        self.servers.clone()
+    }
+
     /// Splits `world` for `layout` (which must cover it exactly).
     pub fn new(world: &'w ProcessGroup, layout: Layout) -> Result<Groups<'w>> {
         if layout.world_size() != world.world_size() {
@@ -127,12 +140,12 @@ impl<'w> Groups<'w> {
         let pp = make(layout.pp, coords.replica * layout.tp + coords.shard, coords.stage)?;
         let tp = make(layout.tp, coords.replica * layout.pp + coords.stage, coords.shard)?;
         let model = make(layout.pp * layout.tp, coords.replica, model_index)?;
-        Ok(Groups { world, layout, coords, dp, pp, tp, model })
+        Ok(Groups { world, layout, coords, dp, pp, tp, model, servers: None })
     }
 
     /// The groups of a job of one rank.
     pub fn single(world: &'w ProcessGroup) -> Groups<'w> {
-        Groups { world, layout: Layout::SINGLE, coords: Coords { replica: 0, stage: 0, shard: 0 }, dp: None, pp: None, tp: None, model: None }
+        Groups { world, layout: Layout::SINGLE, coords: Coords { replica: 0, stage: 0, shard: 0 }, dp: None, pp: None, tp: None, model: None, servers: None }
     }
 
     /// The group whose dimension has `size` ranks: a split, the world, or this rank alone.

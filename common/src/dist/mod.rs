@@ -114,6 +114,7 @@ pub mod layout;
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod parameter_server;
 pub mod rendezvous;
 pub mod single;
 pub mod tensor_parallel;
@@ -203,6 +204,13 @@ pub trait Collectives {
     /// Returns once every message [`Collectives::send`] handed over has been received, so the
     /// sent tensors may be changed or freed (at the end of a pipeline step, say).
     fn wait_sends(&self) -> Result<()>;
+
+    /// Waits until a point-to-point message from any rank is ready and returns that rank (the
+    /// message stays queued for [`Collectives::recv`]). Only MPI can (`MPI_Probe` with
+    /// `MPI_ANY_SOURCE`); a parameter server needs it.
+    fn probe_any_source(&self) -> Result<usize> {
+        bail!("the {} engine cannot wait for a message from any rank (a parameter server needs MPI)", self.name())
+    }
 
     /// Whether the engine can reduce tensors of `kind` (MPI has no float16, for example).
     /// Checked up front where a caller chooses the kind, e.g. float16 gradient averaging.

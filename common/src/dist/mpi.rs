@@ -149,6 +149,22 @@ impl MpiCollectives {
     }
 }
 
+impl MpiCollectives {
+    /// Waits for the next point-to-point message from any rank of the communicator and returns
+    /// the sender's rank, leaving the message queued for [`Collectives::recv`] (`MPI_Probe`
+    /// with `MPI_ANY_SOURCE`): a parameter server serves whichever worker sends first.
+    pub fn probe_any(&self) -> Result<usize> {
+        self.forget_completed_sends()?;
+        let mut status = MaybeUninit::<ffi::MPI_Status>::uninit();
+        // SAFETY: a valid communicator and a status MPI writes before it returns.
+        let code = unsafe { ffi::MPI_Probe(ffi::RSMPI_ANY_SOURCE, P2P_TAG, self.comm.as_raw(), status.as_mut_ptr()) };
+        check_code(code, "MPI_Probe")?;
+        // SAFETY: MPI_Probe returned MPI_SUCCESS, so it filled the status in.
+        let status = unsafe { status.assume_init() };
+        Ok(usize::try_from(status.MPI_SOURCE)?)
+    }
+}
+
 impl Drop for MpiCollectives {
     fn drop(&mut self) {
         // Unwinding from a panic: the other ranks would wait for this one in their next
@@ -404,6 +420,10 @@ impl Collectives for MpiCollectives {
             std::mem::forget(sends);
         }
         check_code(code, "MPI_Waitall on the outstanding sends")
+    }
+
+    fn probe_any_source(&self) -> Result<usize> {
+        self.probe_any()
     }
 
     fn supports_kind(&self, kind: Kind) -> bool {

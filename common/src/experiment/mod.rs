@@ -148,8 +148,15 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
     }
     // Errors on one rank abort every rank (MPI_Abort) instead of leaving the others waiting.
     ProcessGroup::run(parallel.backend, |world| {
+        // A parameter-server job (dist::parameter_server): the last --servers ranks serve and
+        // stop here; the workers train as data-parallel replicas over a group of their own.
+        let ps = crate::dist::parameter_server::Job::start(world, parallel.parameter_server())?;
+        if let Some(job) = ps.as_ref().filter(|job| job.is_server()) {
+            return job.serve().map(|()| Vec::new());
+        }
+        let world = ps.as_ref().map_or(world, |job| job.workers());
         let layout = exp.layout(world.world_size())?;
-        let groups = Groups::new(world, layout)?;
+        let groups = Groups::new(world, layout)?.with_parameter_servers(ps.as_ref().map(|job| job.link()));
         let device = exp.device(&groups)?;
         run.precision.check(device)?;
         let mut session = session_observers(exp, world.is_root(), listeners);

@@ -28,6 +28,8 @@ pub(super) struct Measured {
     pub params: i64,
     /// Every step's mean loss on rank 0's replica (after a resume: the steps this run took).
     pub step_losses: Vec<f64>,
+    /// The servers' figures (staleness) of a parameter-server run, on worker 0.
+    pub parameter_server: Option<crate::dist::parameter_server::Report>,
 }
 
 /// The results document of a run, besides its [`RunRecord`] and the exercise's own fields.
@@ -56,6 +58,8 @@ struct RunResults<'a> {
     /// With data-parallel replicas: how they averaged.
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     replicas: Option<ReplicaResults>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parameter_server: Option<&'a crate::dist::parameter_server::Report>,
     matmul_precision: &'static str,
     scale_lr: bool,
     warmup_epochs: usize,
@@ -143,6 +147,9 @@ fn say_measurements(measured: &Measured, groups: &Groups, device: Device, sessio
             session.info(format!("rank 0's communication per training step: {}", per_step.describe()))?;
         }
     }
+    if let Some(report) = &measured.parameter_server {
+        session.info(report.describe())?;
+    }
     session.info(measured.memory.describe(device))?;
     session.info(format!("peak memory in training: {}", measured.peaks.iter().map(PeakMemory::describe).collect::<Vec<_>>().join("; ")))
 }
@@ -172,10 +179,11 @@ fn run_results<'a, E: Experiment>(exp: &E, built: &'a Built<'_, E::Model>, measu
         peak_memory: &measured.peaks,
         replicas: (replicas > 1).then(|| ReplicaResults {
             backend: groups.world.describe(),
-            gradient_sync: exp.preset().sync,
+            gradient_sync: if measured.parameter_server.is_some() { crate::dist::GradientSync::ParameterServer } else { exp.preset().sync },
             bucket_mb: parallel.bucket_mb,
             fp16_allreduce: parallel.fp16_allreduce,
         }),
+        parameter_server: measured.parameter_server.as_ref(),
         matmul_precision: run.matmul_precision.name(),
         scale_lr: exp.recipe_args().scale_lr,
         warmup_epochs: exp.recipe_args().warmup_epochs,

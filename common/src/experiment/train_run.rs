@@ -63,6 +63,8 @@ pub(super) fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, 
     let Built { step, optimizer, sources, .. } = &mut built;
     let mut fit = train::fit(step.as_mut(), optimizer.as_mut(), sources.train.as_ref(), sources.eval.as_ref(), &config, &mut observers)?;
     let communication = groups.comm_stats().since(before);
+    // Every parameter-server worker says it is done; worker 0 gets the servers' figures.
+    let parameter_server = groups.parameter_servers().map(|link| link.finish()).transpose()?.flatten();
     drop(observers);
     let test = measure_after_training(exp, &mut built, &meter, groups, &mut fit)?;
     let measured = Measured {
@@ -74,6 +76,7 @@ pub(super) fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, 
         peaks: test.peaks,
         params: test.params,
         step_losses: losses.borrow().clone(),
+        parameter_server,
     };
     if !groups.is_root() {
         return Ok(None);
@@ -116,20 +119,35 @@ fn build<'g, E: Experiment>(
     if let Some(stage) = zero {
         check_zero(exp, stage, groups)?;
     }
-    let sync = zero.map_or(preset.sync, GradientSync::Zero);
+    // The data-parallel style: the preset's, ZeRO's, or parameter servers' (the workers do not
+    // average among themselves).
+    let ps = groups.parameter_servers();
+    let sync = match (&ps, zero) {
+        (Some(_), _) => GradientSync::ParameterServer,
+        (None, zero) => zero.map_or(preset.sync, GradientSync::Zero),
+    };
     let dp = DataParallelPlan { averager: exp.parallel_args().averager(), sync };
     let replicas = groups.layout.dp;
     let sources = exp.sources(data, device, (groups.coords.replica, replicas))?;
     check_batches(exp, &sources, replicas)?;
     let meter = RefCell::new(MemoryMeter::start(&exp.devices(&plan, device))?);
-    let step = parallelize(&plan, groups, dp, device, run.seed, run.precision, session)?;
+    let mut step = parallelize(&plan, groups, dp, device, run.seed, run.precision, session)?;
     exp.describe(&plan, step.as_ref(), groups, device, session)?;
     let recipe = RunRecipe::resolve(preset, exp.recipe_args(), replicas, sources.train.batches_per_epoch(), run.epochs.unwrap_or(preset.epochs));
     let build = |named| recipe.optimizer.build(named, recipe.lr, recipe.momentum, recipe.weight_decay, exp.recipe_args().optimizer_kernel);
-    let optimizer = match step.sync().parallel.replicas {
+    let mut optimizer = match step.sync().parallel.replicas {
         Some(replication) => replication.distribute(step.as_ref(), build)?,
         None => build(step.named_parameters()),
     };
+    if let Some(link) = &ps {
+        // The optimizer runs on the servers; the step evaluates their parameters.
+        link.check(run.precision, run.cuda_graph)?;
+        step = link.step(step);
+        let kernel = exp.recipe_args().optimizer_kernel;
+        optimizer = link.optimizer(step.named_parameters(), recipe.optimizer, recipe.lr, recipe.momentum, recipe.weight_decay, kernel);
+    }
+    // --straggler: this rank sleeps in every step (any strategy).
+    let optimizer = crate::dist::parameter_server::Straggled::wrap(optimizer, exp.parallel_args().straggler, groups.world.rank());
     let name = format!("{}-{}-{}", preset.name, exp.model_name(), device::device_name(device));
     Ok((Built { plan, step, optimizer, recipe, sources, zero, name }, meter))
 }

@@ -111,6 +111,13 @@ pub trait Sharded {
     /// Bytes of gradient this rank holds when the whole gradients are freed (ZeRO-2 and -3: its
     /// block's gradient); 0 otherwise.
     fn sharded_gradient_bytes(&self) -> usize;
+
+    /// Whether the shares are the data-parallel replicas' own (ZeRO: each replica restores its
+    /// share of the whole state); false where the state lives on other ranks (parameter
+    /// servers: worker 0 hands it over).
+    fn over_replicas(&self) -> bool {
+        true
+    }
 }
 
 /// The whole state of `optimizer` under the parameters' names: gathered over the ranks for a
@@ -327,7 +334,7 @@ impl NormScope<'_> {
 /// and the total norm is that of the whole model, `sqrt(Σ_ranks Σ_counted params ‖g‖²)`, so
 /// every rank scales by the same coefficient as the unpartitioned model would. Without a group
 /// it is [`clip_grad_norm`] itself (bitwise torch's). Every rank of the group must call it.
-fn clip_grad_norm_over(params: &[Tensor], max_norm: f64, scope: NormScope<'_>) -> Result<f64> {
+pub(crate) fn clip_grad_norm_over(params: &[Tensor], max_norm: f64, scope: NormScope<'_>) -> Result<f64> {
     let Some(group) = scope.model else { return Ok(clip_grad_norm(params, max_norm)) };
     tch::no_grad(|| {
         let grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();

@@ -548,6 +548,8 @@ fn gradient_phase(sync: Option<crate::dist::GradientSync>, unscale: bool, clip: 
     let collective = match sync {
         None => 0,
         Some(GradientSync::Horovod) if !clip => 0,
+        // Parameter-server hook: the gradients go to the servers in the optimizer's step.
+        Some(GradientSync::ParameterServer) => 0,
         Some(GradientSync::Ddp | GradientSync::Horovod) => 1,
         Some(GradientSync::Zero(_)) => 2,
     };

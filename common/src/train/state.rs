@@ -73,7 +73,7 @@ pub(crate) fn start(
     }
     if let Some(group) = replicas {
         broadcast_named(group, step.named_variables(), 0)?;
-        if optimizer.sharded().is_some() {
+        if optimizer.sharded().is_some_and(|s| s.over_replicas()) {
             // Each replica keeps its own share: the whole state replica 0's rank restored
             // (nothing on a fresh start) goes to all of them.
             broadcast_sharded_state(group, optimizer, 0, restored_state)?;

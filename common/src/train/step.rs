@@ -152,6 +152,8 @@ impl<'g> Replication<'g> {
                 Box::new(ZeroOptimizer::over(shards, build))
             }
             GradientSync::Zero(stage) => Box::new(ZeroOptimizer::over(Shards::new(stage, self.group, params, None, self.averager.bucket_bytes)?, build)),
+            // Parameter-server hook: a local optimizer, which the worker's (dist::parameter_server) replaces.
+            GradientSync::ParameterServer => build(params),
         })
     }
 }

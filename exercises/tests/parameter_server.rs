@@ -209,3 +209,36 @@ fn parameter_server_flag_mistakes_are_one_clear_line_with_exit_2() {
         assert!(stderr(&out).contains(expected), "{flags:?}: {}", stderr(&out));
     }
 }
+
+/// The language model over asynchronous servers: its separate test split is evaluated after the
+/// servers stopped (on the parameters every worker took at the last epoch's end), and the
+/// servers' figures reach the results; exercise3 ddp takes the strategy too.
+#[test]
+fn the_language_model_and_exercise3_train_over_parameter_servers() {
+    let text = tempfile::tempdir().unwrap();
+    support::wikitext_sample(text.path(), [60; 3]);
+    let out_dir = tempfile::tempdir().unwrap();
+    let args = ["--device", "cpu", "--emsize", "32", "--d-hid", "64", "--nhead", "4", "--nlayers", "2", "--batch-size", "8", "--threads", "1"];
+    let out = Command::new(env!("CARGO_BIN_EXE_exercise1_nlp"))
+        .args(["--data-dir", text.path().to_str().unwrap(), "--results-dir", out_dir.path().to_str().unwrap(), "--epochs", "2", "--quiet"])
+        .args(args)
+        .args(["--nproc-per-node", "3", "--strategy", "parameter-server", "--servers", "1", "--async"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json = read_json(&out_dir.path().join("exercise1_nlp-transformer-cpu.json"));
+    assert_eq!(json["gradient_sync"], "parameter-server");
+    assert!(json["test_ppl"].as_f64().is_some_and(f64::is_finite), "{}", json["test_ppl"]);
+    assert_eq!(json["parameter_server"]["steps_per_worker"].as_array().map(Vec::len), Some(2), "{}", json["parameter_server"]);
+
+    let images = tempfile::tempdir().unwrap();
+    data(images.path(), 32);
+    let out = Command::new(env!("CARGO_BIN_EXE_exercise3"))
+        .args(["ddp", "--data-dir", images.path().to_str().unwrap(), "--results-dir", out_dir.path().to_str().unwrap()])
+        .args(["--device", "cpu", "--quiet", "--threads", "1", "--workers", "0", "--model", "cnn", "--epochs", "1", "--batch-size", "8"])
+        .args(["--nproc-per-node", "3", "--strategy", "parameter-server", "--servers", "1", "--sync"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("parameter server (sync, 2 worker(s) + 1 server(s))"), "{}", String::from_utf8_lossy(&out.stdout));
+}

@@ -37,6 +37,8 @@ struct LinkState {
     spec: Option<(OptimizerKind, f64, f64, OptimizerKernel)>,
     /// The servers were told their tensors.
     initialized: bool,
+    /// The servers were told training is over (they have stopped serving).
+    finished: bool,
     bases: Vec<i64>,
 }
 
@@ -164,6 +166,11 @@ impl<'w> WorkerLink<'w> {
         if !state.initialized {
             return Ok(()); // nothing trained yet: every worker holds worker 0's
         }
+        if state.finished {
+            // The test pass after training: the servers have stopped, and every worker took
+            // their last parameters when it evaluated the last epoch (after every push).
+            return Ok(());
+        }
         for s in 0..self.config.servers {
             send_labelled(self.world, &Tensor::zeros([0], (Kind::Double, Device::Cpu)), [op::PULL, 0, 0], self.server_rank(s))?;
         }
@@ -215,6 +222,7 @@ impl<'w> WorkerLink<'w> {
 
     /// After training, every worker: tells the servers it is done; worker 0 gets their figures.
     pub fn finish(&self) -> Result<Option<Report>> {
+        self.state.borrow_mut().finished = true;
         for s in 0..self.config.servers {
             send_labelled(self.world, &Tensor::zeros([0], (Kind::Double, Device::Cpu)), [op::DONE, 0, 0], self.server_rank(s))?;
         }

@@ -11,9 +11,14 @@ fn exercise3(command: &str, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_exercise3")).arg(command).args(args).output().expect("exercise3 runs")
 }
 
-/// The model tensors of the checkpoint in `dir`, sorted by name.
+/// The model tensors of exercise3 tp's checkpoint in `dir`, sorted by name.
 fn model_tensors(dir: &Path) -> Vec<(String, tch::Tensor)> {
-    let path = dir.join("exercise3_tp-transformer-cpu.safetensors");
+    checkpoint_tensors(dir, "exercise3_tp")
+}
+
+/// The model tensors of `exercise`'s checkpoint in `dir`, sorted by name.
+fn checkpoint_tensors(dir: &Path, exercise: &str) -> Vec<(String, tch::Tensor)> {
+    let path = dir.join(format!("{exercise}-transformer-cpu.safetensors"));
     let mut tensors: Vec<_> = common::checkpoint::load(&path).unwrap().tensors.into_iter().filter(|(k, _)| k.starts_with("model.")).collect();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     tensors
@@ -148,13 +153,7 @@ fn exercise1_nlp_on_two_shards_trains_the_model_of_one_rank() {
     run(one.path(), &["--tp", "1"]);
     let stdout = run(two.path(), &["--nproc-per-node", "2", "--tp", "2"]);
     assert!(stdout.contains("every layer cut over 2 tensor-parallel shards"), "{stdout}");
-    let tensors = |dir: &Path| {
-        let path = dir.join("exercise1_nlp-transformer-cpu.safetensors");
-        let mut tensors: Vec<_> = common::checkpoint::load(&path).unwrap().tensors.into_iter().filter(|(k, _)| k.starts_with("model.")).collect();
-        tensors.sort_by(|a, b| a.0.cmp(&b.0));
-        tensors
-    };
-    let (whole, shards) = (tensors(one.path()), tensors(two.path()));
+    let (whole, shards) = (checkpoint_tensors(one.path(), "exercise1_nlp"), checkpoint_tensors(two.path(), "exercise1_nlp"));
     assert_eq!(whole.iter().map(|t| (&t.0, t.1.size())).collect::<Vec<_>>(), shards.iter().map(|t| (&t.0, t.1.size())).collect::<Vec<_>>());
     for ((name, x), (_, y)) in whole.iter().zip(&shards) {
         let rel = (x - y).abs().max().double_value(&[]) / x.abs().max().double_value(&[]).max(1e-12);

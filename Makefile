@@ -103,7 +103,7 @@ bench-largebatch: build
 
 # All-reduce vs synchronous vs asynchronous (and bounded-staleness) parameter servers on CPU
 # ranks, worker 1 a straggler: throughput and test accuracy after the same samples (real MNIST
-# sample; WORKERS, SERVERS, BATCH, EPOCHS, LR, STRAGGLE, K); results/bench-ps.csv.
+# sample; WORKERS, SERVERS, BATCH, EPOCHS, LR, STRAGGLE, K); results/bench-ps.csv and .svg.
 bench-ps: build
 	$(WITH) bench/ps.sh
 

@@ -9,7 +9,8 @@
 #   ps-async     --strategy parameter-server --async: nobody waits (Downpour)
 #   ps-bounded   --async --max-staleness K: the fast worker waits when K versions ahead
 # Throughput (training images/s) and test accuracy after the same samples go to
-# results/bench-ps.csv and a table: asynchrony buys the first and can cost the second.
+# results/bench-ps.csv, a table, and the chart results/bench-ps.svg (`report ps`): asynchrony
+# buys the first and can cost the second.
 #
 #   make bench-ps                 WORKERS=2 SERVERS=1 BATCH=50 EPOCHS=2 LR=0.05 STRAGGLE=0.05 K=2
 set -euo pipefail
@@ -54,3 +55,4 @@ print(f"| {strategy} | {ranks} | {d['steps']} | {d['train_time_s']:.1f} | {throu
 PY
 done
 echo "appended to $csv"
+"$bin/report" ps --results-dir results

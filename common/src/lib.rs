@@ -27,6 +27,7 @@ pub mod plots;
 pub mod precision;
 pub mod presets;
 pub mod profile;
+pub mod ps_bench;
 pub mod report;
 pub mod results_page;
 pub mod scaling;

@@ -81,7 +81,7 @@ struct Axis {
     /// What the axis measures, written along it (may be empty).
     title: &'static str,
     /// A bar chart's bars, one a unit wide from 0, labelled at their middles (empty for numbers).
-    names: Vec<&'static str>,
+    names: Vec<String>,
 }
 
 impl Axis {
@@ -115,9 +115,9 @@ impl Axis {
     }
 
     /// One bar per name, in order.
-    fn names(names: &[&'static str]) -> Axis {
+    fn names<S: ToString>(names: &[S]) -> Axis {
         let ticks = (0..names.len()).map(|i| i as f64 + 0.5).collect();
-        Axis { names: names.to_vec(), ..Axis::with_ticks(0.0..names.len() as f64, ticks, false) }
+        Axis { names: names.iter().map(S::to_string).collect(), ..Axis::with_ticks(0.0..names.len() as f64, ticks, false) }
     }
 
     fn with_ticks(range: Range<f64>, ticks: Vec<f64>, log: bool) -> Axis {
@@ -141,7 +141,7 @@ impl Axis {
     /// A tick's label, from where it is drawn.
     fn label(&self, at: f64) -> String {
         if !self.names.is_empty() {
-            return self.names.get(at.floor() as usize).map_or(String::new(), |name| name.to_string());
+            return self.names.get(at.floor() as usize).cloned().unwrap_or_default();
         }
         let value = if self.log { at.exp() } else { at };
         number(value, self.decimals)
@@ -421,30 +421,82 @@ pub fn device_comparison(records: &[RunRecord], path: &Path) -> Result<()> {
 }
 
 fn draw_devices(records: &[RunRecord], path: &Path) -> Drawn {
-    let root = SVGBackend::new(path, (WIDTH / 2, HEIGHT)).into_drawing_area();
-    root.fill(&WHITE)?;
     let first = records.first();
     let unit = if first.is_some_and(RunRecord::is_language_model) { "tokens/s" } else { "images/s" };
-    let title = first.map_or(String::new(), |r| format!("{} {}: training throughput", r.exercise, r.model));
-    let x = Axis::names(&DEVICES.map(|(name, _)| name));
-    // From zero: bars compare by their lengths.
-    let y = Axis::linear(records.iter().map(|r| r.throughput).chain([0.0]), 0.0..f64::INFINITY).titled(unit);
-    let mut chart = panel(&root, &title, &x, &y)?;
-    for (slot, (device, color)) in DEVICES.into_iter().enumerate() {
-        let middle = slot as f64 + 0.5;
-        match records.iter().find(|r| r.device == device) {
-            Some(record) => {
-                let bar = Rectangle::new([(slot as f64 + 0.15, 0.0), (slot as f64 + 0.85, record.throughput)], color.mix(0.7).filled());
-                chart.draw_series(std::iter::once(bar))?;
-                text_at(&mut chart, significant(record.throughput), (middle, record.throughput), (0, -4), Pos::new(HPos::Center, VPos::Bottom))?;
-            }
-            None => {
-                let height = (y.range.start + y.range.end) / 2.0;
-                text_at(&mut chart, "not run".into(), (middle, height), (0, 0), Pos::new(HPos::Center, VPos::Center))?;
-            }
-        }
+    let caption = first.map_or(String::new(), |r| format!("{} {}: training throughput", r.exercise, r.model));
+    let bars = DEVICES.map(|(device, color)| {
+        let throughput = records.iter().find(|r| r.device == device).map_or(f64::NAN, |r| r.throughput);
+        Bar { name: device.to_string(), value: throughput, label: significant(throughput), color }
+    });
+    draw_bars(&[BarPanel { caption, unit, bars: bars.to_vec(), from_zero: true, bounds: 0.0..f64::INFINITY }], WIDTH / 2, path)
+}
+
+/// One bar of a [`BarPanel`]: its name under it, its height (NaN: did not run, said so in its
+/// place), the text over it, its colour.
+#[derive(Debug, Clone)]
+pub(crate) struct Bar {
+    pub name: String,
+    pub value: f64,
+    pub label: String,
+    pub color: RGBColor,
+}
+
+/// One panel of a bar chart, its bars in order.
+#[derive(Debug, Clone)]
+pub(crate) struct BarPanel {
+    pub caption: String,
+    pub unit: &'static str,
+    pub bars: Vec<Bar>,
+    /// Bars from zero, compared by their lengths (a throughput); otherwise points on an axis
+    /// fitted to them within `bounds`, for values whose differences are small beside their size
+    /// (accuracies of 0.91 and 0.95 would look alike as bars from zero).
+    pub from_zero: bool,
+    pub bounds: Range<f64>,
+}
+
+/// `panels` side by side, `width` pixels in all, to `path`.
+pub(crate) fn bar_chart(panels: &[BarPanel], width: u32, path: &Path) -> Result<()> {
+    draw_bars(panels, width, path).map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))
+}
+
+fn draw_bars(panels: &[BarPanel], width: u32, path: &Path) -> Drawn {
+    let root = SVGBackend::new(path, (width, HEIGHT)).into_drawing_area();
+    root.fill(&WHITE)?;
+    for (area, bars) in root.split_evenly((1, panels.len().max(1))).iter().zip(panels) {
+        draw_bar_panel(area, bars)?;
     }
     root.present()
+}
+
+fn draw_bar_panel(area: &Area, panel_bars: &BarPanel) -> Drawn {
+    let names: Vec<&str> = panel_bars.bars.iter().map(|bar| bar.name.as_str()).collect();
+    let x = Axis::names(&names);
+    let values = panel_bars.bars.iter().map(|bar| bar.value);
+    let y = match panel_bars.from_zero {
+        true => Axis::linear(values.chain([0.0]), panel_bars.bounds.clone()),
+        false => Axis::linear(values, panel_bars.bounds.clone()),
+    }
+    .titled(panel_bars.unit);
+    let mut chart = panel(area, &panel_bars.caption, &x, &y)?;
+    for (slot, bar) in panel_bars.bars.iter().enumerate() {
+        let middle = slot as f64 + 0.5;
+        if !bar.value.is_finite() {
+            let height = (y.range.start + y.range.end) / 2.0;
+            text_at(&mut chart, "not run".into(), (middle, height), (0, 0), Pos::new(HPos::Center, VPos::Center))?;
+            continue;
+        }
+        match panel_bars.from_zero {
+            true => {
+                let rectangle = Rectangle::new([(slot as f64 + 0.15, 0.0), (slot as f64 + 0.85, bar.value)], bar.color.mix(0.7).filled());
+                chart.draw_series(std::iter::once(rectangle))?;
+            }
+            false => {
+                chart.draw_series(std::iter::once(Circle::new((middle, bar.value), 5, bar.color.filled())))?;
+            }
+        }
+        text_at(&mut chart, bar.label.clone(), (middle, bar.value), (0, -7), Pos::new(HPos::Center, VPos::Bottom))?;
+    }
+    Ok(())
 }
 
 /// Where a run's training curves go: beside its results JSON.

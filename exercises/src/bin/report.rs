@@ -4,6 +4,7 @@
 //!
 //!     report [--results-dir results]
 //!     report scaling [--results-dir results] [--runs results/scaling]
+//!     report ps [--results-dir results]      (`make bench-ps`'s chart)
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
@@ -28,6 +29,9 @@ enum Command {
         #[arg(long)]
         runs: Option<PathBuf>,
     },
+    /// `make bench-ps`: the newest run of each strategy in <results-dir>/bench-ps.csv drawn
+    /// into bench-ps.svg (throughput beside test accuracy).
+    Ps,
 }
 
 fn main() -> std::process::ExitCode {
@@ -43,6 +47,10 @@ fn main() -> std::process::ExitCode {
                 let out = common::scaling::collect(&runs, &cli.results_dir)?;
                 print!("{}", common::scaling::markdown(&out.rows));
                 println!("wrote {} and {}", out.csv.display(), out.svg.display());
+            }
+            Some(Command::Ps) => {
+                let (rows, svg) = common::ps_bench::collect(&cli.results_dir)?;
+                println!("wrote {} ({} strategies)", svg.display(), rows.len());
             }
         }
         Ok(())

@@ -3,7 +3,13 @@
 //!
 //! A checkpoint is written to a temporary file beside the target, flushed to disk and then
 //! renamed over it, so a run killed at any moment leaves either the previous checkpoint or
-//! the new one, never a torn file.
+//! the new one, never a torn file. The one it replaces stays beside it as
+//! `<run>.previous.safetensors`: should the newest ever be unreadable (a disk that lost blocks,
+//! a file copied in half), [`load_newest`] falls back to it, and says so.
+//!
+//! Writing is split in two so that training need not wait for the disk: [`HostCheckpoint::new`]
+//! copies the tensors to host memory (the training thread's part), [`HostCheckpoint::write`]
+//! serialises and commits them (a background thread's, see `train::checkpointing`).
 use crate::optim::Optimizer;
 use anyhow::Context;
 use safetensors::tensor::{Dtype, SafeTensors, View};
@@ -33,6 +39,11 @@ pub struct CheckpointMeta {
     pub epoch: usize,
     /// Optimizer steps completed.
     pub step: usize,
+    /// Optimizer steps already taken in the epoch after `epoch` when the checkpoint was written
+    /// in the middle of it (`--checkpoint-every`, a preemption); 0 at an epoch's end. A resume
+    /// skips that epoch's first `epoch_step` steps' batches and goes on with the next.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub epoch_step: usize,
     pub seed: u64,
     /// The run's configuration, for the record.
     pub config: serde_json::Value,
@@ -40,6 +51,10 @@ pub struct CheckpointMeta {
     /// The float16 gradient scaler's state (`--precision 16-mixed`); absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grad_scaler: Option<crate::precision::GradScalerState>,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// A loaded checkpoint, tensors on the CPU.
@@ -105,31 +120,127 @@ pub fn save_variables(path: &Path, variables: Vec<(String, Tensor)>, optimizer: 
 /// [`save`] of a model's `variables` and an optimizer's `state` gathered from wherever they
 /// live (the ranks of a job), by their whole-model names.
 pub fn save_tensors(path: &Path, variables: Vec<(String, Tensor)>, state: Vec<(String, Tensor)>, meta: &CheckpointMeta) -> anyhow::Result<()> {
-    let mut tensors: Vec<(String, Tensor)> = variables.into_iter().map(|(name, t)| (format!("{MODEL_PREFIX}{name}"), t)).collect();
-    tensors.extend(state.into_iter().map(|(name, t)| (format!("{OPTIM_PREFIX}{name}"), t)));
-    let views = tensors
-        .iter()
-        .map(|(name, t)| Ok((name.clone(), CpuView::new(t).with_context(|| format!("cannot save tensor {name}"))?)))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let metadata = HashMap::from([(METADATA_KEY.to_string(), serde_json::to_string(meta)?)]);
+    HostCheckpoint::new(variables, state, meta.clone())?.write(path)
+}
 
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create checkpoint directory {}", dir.display()))?;
-    let tmp = path.with_extension(format!("safetensors.tmp-{}", std::process::id()));
-    let written = safetensors::serialize_to_file(views, Some(metadata), &tmp)
-        .with_context(|| format!("cannot write checkpoint {}", tmp.display()))
-        .and_then(|()| {
-            std::fs::File::open(&tmp)?.sync_all()?;
-            std::fs::rename(&tmp, path)?;
-            // Make the rename itself durable.
-            std::fs::File::open(dir)?.sync_all()?;
-            Ok(())
-        })
-        .with_context(|| format!("cannot write checkpoint {}", path.display()));
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+/// A checkpoint's tensors copied to host memory, training free to change the originals: what a
+/// background thread writes ([`HostCheckpoint::write`]).
+pub struct HostCheckpoint {
+    tensors: Vec<(String, CpuView)>,
+    meta: CheckpointMeta,
+}
+
+impl HostCheckpoint {
+    /// Copies `variables` and `state` (whole-model names) to host memory.
+    pub fn new(variables: Vec<(String, Tensor)>, state: Vec<(String, Tensor)>, meta: CheckpointMeta) -> anyhow::Result<HostCheckpoint> {
+        let named = variables
+            .into_iter()
+            .map(|(name, t)| (format!("{MODEL_PREFIX}{name}"), t))
+            .chain(state.into_iter().map(|(name, t)| (format!("{OPTIM_PREFIX}{name}"), t)));
+        let tensors = named
+            .map(|(name, t)| Ok((name.clone(), CpuView::owned(&t).with_context(|| format!("cannot save tensor {name}"))?)))
+            .collect::<anyhow::Result<_>>()?;
+        Ok(HostCheckpoint { tensors, meta })
     }
-    written
+
+    pub fn meta(&self) -> &CheckpointMeta {
+        &self.meta
+    }
+
+    /// Bytes of tensor data.
+    pub fn bytes(&self) -> usize {
+        self.tensors.iter().map(|(_, view)| view.data_len()).sum()
+    }
+
+    /// Writes the checkpoint to `path` atomically (a temporary file, flushed, renamed over the
+    /// old one, which is kept as its [`previous_path`]).
+    pub fn write(&self, path: &Path) -> anyhow::Result<()> {
+        let views = self.tensors.iter().map(|(name, view)| (name.as_str(), view));
+        let metadata = HashMap::from([(METADATA_KEY.to_string(), serde_json::to_string(&self.meta)?)]);
+        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create checkpoint directory {}", dir.display()))?;
+        let tmp = temporary_path(path);
+        let written = safetensors::serialize_to_file(views, Some(metadata), &tmp)
+            .with_context(|| format!("cannot write checkpoint {}", tmp.display()))
+            .and_then(|()| {
+                std::fs::File::open(&tmp)?.sync_all()?;
+                keep_previous(path)?;
+                std::fs::rename(&tmp, path)?;
+                // Make the rename itself durable.
+                std::fs::File::open(dir)?.sync_all()?;
+                Ok(())
+            })
+            .with_context(|| format!("cannot write checkpoint {}", path.display()));
+        if written.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        written
+    }
+}
+
+/// Where the checkpoint that `path`'s newest replaced is kept.
+pub fn previous_path(path: &Path) -> PathBuf {
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("run");
+    path.with_file_name(format!("{stem}.previous.safetensors"))
+}
+
+/// This process's temporary file for `path`; a killed writer's are [`remove_stale_temporaries`].
+fn temporary_path(path: &Path) -> PathBuf {
+    path.with_extension(format!("safetensors.tmp-{}", std::process::id()))
+}
+
+/// The checkpoint at `path`, about to be replaced, becomes its [`previous_path`] (a hard link:
+/// no copy of the bytes; the rename that follows leaves the link's file alone).
+fn keep_previous(path: &Path) -> std::io::Result<()> {
+    if !path.exists() {
+        return Ok(());
+    }
+    let previous = previous_path(path);
+    match std::fs::remove_file(&previous) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    std::fs::hard_link(path, &previous).or_else(|_| std::fs::copy(path, &previous).map(drop))
+}
+
+/// Removes the temporary files a killed writer of `path`'s checkpoint left beside it
+/// (`<run>.safetensors.tmp-<pid>`, as large as the checkpoint), except those of a process still
+/// running on this machine (a writer of the same run, which this one would race anyway).
+/// Returns what it removed.
+pub fn remove_stale_temporaries(path: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let Some(name) = path.file_name().and_then(|n| n.to_str()) else { return Ok(Vec::new()) };
+    let prefix = format!("{name}.tmp-");
+    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(Vec::new()) };
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let stale = entry.file_name().to_str().and_then(|n| n.strip_prefix(&prefix)?.parse::<u32>().ok());
+        let Some(pid) = stale else { continue };
+        if pid != std::process::id() && Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        std::fs::remove_file(entry.path()).with_context(|| format!("cannot remove the stale temporary checkpoint {}", entry.path().display()))?;
+        removed.push(entry.path());
+    }
+    Ok(removed)
+}
+
+/// The newest complete checkpoint at `path`: the file itself or, when it cannot be read (torn,
+/// corrupt), the one it replaced ([`previous_path`]), with a warning that says so; never
+/// silently. An error when neither can be read (naming the newest's problem).
+pub fn load_newest(path: &Path) -> anyhow::Result<(Checkpoint, Option<String>)> {
+    let newest = match load(path) {
+        Ok(checkpoint) => return Ok((checkpoint, None)),
+        Err(err) => err,
+    };
+    let previous = previous_path(path);
+    match previous.exists().then(|| load(&previous)) {
+        Some(Ok(checkpoint)) => {
+            let warning = format!("{newest:#}; resuming from the previous complete checkpoint {} instead", previous.display());
+            Ok((checkpoint, Some(warning)))
+        }
+        _ => Err(newest),
+    }
 }
 
 /// Reads a checkpoint, checking its format.
@@ -327,14 +438,19 @@ struct CpuView {
 }
 
 impl CpuView {
-    fn new(tensor: &Tensor) -> anyhow::Result<Self> {
-        let tensor = tensor.detach().to_device(Device::Cpu).contiguous();
+    /// A copy of `tensor` of its own on the host (a CPU tensor is copied too: training goes on
+    /// changing it while the copy is written).
+    fn owned(tensor: &Tensor) -> anyhow::Result<Self> {
+        let tensor = match tensor.device() {
+            Device::Cpu => tensor.detach().copy().contiguous(),
+            _ => tensor.detach().to_device(Device::Cpu).contiguous(),
+        };
         let shape = tensor.size().iter().map(|&d| d as usize).collect();
         Ok(CpuView { dtype: dtype_of(tensor.kind())?, tensor, shape })
     }
 }
 
-impl View for CpuView {
+impl View for &CpuView {
     fn dtype(&self) -> Dtype {
         self.dtype
     }

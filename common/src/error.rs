@@ -15,6 +15,25 @@ pub struct UsageError(pub String);
 #[error("the ranks started through mpirun failed (exit code {0})")]
 pub struct ChildExit(pub i32);
 
+/// A run stopped by a signal ends with this code: EX_TEMPFAIL of sysexits.h, "a temporary
+/// failure; the user is invited to retry", which is what a preempted run is. Neither success
+/// (the run is not finished) nor a failure (nothing went wrong): a job script or a requeue can
+/// tell it apart from both.
+pub const STOPPED_EXIT_CODE: u8 = 75;
+
+/// The run stopped at a signal's request (`train::preemption`) after `step` optimizer steps,
+/// its state checkpointed to `checkpoint` (none without `--checkpoint-dir`).
+#[derive(Debug, thiserror::Error)]
+#[error("stopped by {signal} after step {step}: {}", match checkpoint {
+    Some(path) => format!("checkpointed to {}; --resume continues from there", path.display()),
+    None => "no --checkpoint-dir, so nothing was saved".to_string(),
+})]
+pub struct Stopped {
+    pub signal: &'static str,
+    pub step: usize,
+    pub checkpoint: Option<std::path::PathBuf>,
+}
+
 /// Shorthand for returning a [`UsageError`].
 pub fn usage<T>(msg: impl Into<String>) -> anyhow::Result<T> {
     Err(UsageError(msg.into()).into())
@@ -36,8 +55,12 @@ pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
     }
 }
 
-/// 2 for a usage error, the children's code when they failed, 1 otherwise.
+/// 2 for a usage error, the children's code when they failed, [`STOPPED_EXIT_CODE`] for a run a
+/// signal stopped, 1 otherwise.
 pub fn exit_code(err: &anyhow::Error) -> u8 {
+    if err.chain().any(|cause| cause.is::<Stopped>()) {
+        return STOPPED_EXIT_CODE;
+    }
     if let Some(ChildExit(code)) = err.downcast_ref::<ChildExit>() {
         return u8::try_from(*code).ok().filter(|&c| c != 0).unwrap_or(1);
     }

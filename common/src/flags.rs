@@ -36,6 +36,14 @@ pub struct RunArgs {
     /// (Lightning's ModelCheckpoint(save_top_k=K)); the oldest is removed.
     #[arg(long, default_value_t = 0, requires = "checkpoint_dir")]
     pub keep_checkpoints: usize,
+    /// Also checkpoint every N optimizer steps, in the middle of an epoch too (a resume then
+    /// goes on with the next batch, exactly as the run would have).
+    #[arg(long, value_name = "N", requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
+    pub checkpoint_every: Option<u64>,
+    /// Also checkpoint whenever M minutes have passed since the last checkpoint (a job's time
+    /// limit in mind); fractions allowed.
+    #[arg(long, value_name = "M", requires = "checkpoint_dir")]
+    pub checkpoint_minutes: Option<f64>,
     /// Test a trained model without training: the checkpoint of --checkpoint FILE, or of
     /// --checkpoint-dir with --resume, evaluated on the evaluation and test splits
     /// (Lightning's trainer.test(ckpt_path=...)).
@@ -104,6 +112,9 @@ impl RunArgs {
         }
         if self.eval_only && self.checkpoint.is_none() && !self.resume {
             return usage("--eval-only tests a trained model: give its --checkpoint FILE, or --checkpoint-dir DIR --resume");
+        }
+        if self.checkpoint_minutes.is_some_and(|m| !(m > 0.0 && m.is_finite())) {
+            return usage(format!("--checkpoint-minutes must be a positive number, got {}", self.checkpoint_minutes.unwrap_or_default()));
         }
         if self.peak_tflops.is_some_and(|p| !(p > 0.0 && p.is_finite())) {
             return usage(format!("--peak-tflops must be a positive number, got {}", self.peak_tflops.unwrap_or_default()));

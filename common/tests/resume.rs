@@ -68,6 +68,8 @@ fn train(setup: &Setup, epochs: usize, init_seed: i64) -> Vec<(String, tch::Tens
             config: serde_json::json!({}),
             from: None,
             keep: 0,
+            every_steps: None,
+            every_minutes: None,
         }),
         metric: common::train::Metric::Accuracy,
         precision: common::precision::Precision::Full,

@@ -97,9 +97,15 @@ impl BatchSource for Loader {
     }
 
     fn epoch(&self, epoch: usize) -> Box<dyn Iterator<Item = Batch> + '_> {
+        self.epoch_from(epoch, 0)
+    }
+
+    /// Neither the skipped batches' images nor their augmentation draws are touched: each
+    /// batch's draws are a function of (seed, epoch, batch), not of the batches before it.
+    fn epoch_from(&self, epoch: usize, first: usize) -> Box<dyn Iterator<Item = Batch> + '_> {
         match &self.on_device {
-            Some(resident) => Box::new(self.resident_batches(resident, epoch)),
-            None => Box::new(self.epoch_batches(epoch)),
+            Some(resident) => Box::new(self.resident_batches(resident, epoch, first)),
+            None => Box::new(self.epoch_batches_from(epoch, first)),
         }
     }
 }
@@ -107,11 +113,11 @@ impl BatchSource for Loader {
 impl Loader {
     /// The batches of one epoch from the device-resident split: gathered, augmented and
     /// normalised on the device.
-    fn resident_batches<'a>(&'a self, (images, labels): &'a (Tensor, Tensor), epoch: usize) -> impl Iterator<Item = Batch> + 'a {
+    fn resident_batches<'a>(&'a self, (images, labels): &'a (Tensor, Tensor), epoch: usize, first: usize) -> impl Iterator<Item = Batch> + 'a {
         let indices = self.sampler.indices(epoch);
         let size = self.config.batch_size;
         let device = self.config.device;
-        (0..self.batches_per_epoch()).map(move |batch| {
+        (first.min(self.batches_per_epoch())..self.batches_per_epoch()).map(move |batch| {
             let chunk = &indices[batch * size..((batch + 1) * size).min(indices.len())];
             let index = Tensor::from_slice(&chunk.iter().map(|&i| i as i64).collect::<Vec<_>>()).to_device(device);
             let mut batch_images = images.index_select(0, &index);
@@ -125,6 +131,12 @@ impl Loader {
 
     /// The batches of one epoch, in a deterministic order.
     pub fn epoch_batches(&self, epoch: usize) -> Epoch {
+        self.epoch_batches_from(epoch, 0)
+    }
+
+    /// The batches of one epoch from batch `first` on.
+    fn epoch_batches_from(&self, epoch: usize, first: usize) -> Epoch {
+        let first = first.min(self.batches_per_epoch());
         let job = Arc::new(EpochJob {
             dataset: self.dataset.clone(),
             indices: self.sampler.indices(epoch),
@@ -140,7 +152,7 @@ impl Loader {
                 std::thread::Builder::new()
                     .name(format!("loader-{worker}"))
                     .spawn(move || {
-                        for batch in (worker..job.batches).step_by(count) {
+                        for batch in (worker..job.batches).step_by(count).filter(|&batch| batch >= first) {
                             // A closed channel means the epoch was abandoned (--max-steps): stop.
                             if sender.send(job.host_batch(batch)).is_err() {
                                 break;
@@ -151,7 +163,7 @@ impl Loader {
                 receiver
             })
             .collect();
-        Epoch { job, workers, next: 0 }
+        Epoch { job, workers, next: first }
     }
 }
 
@@ -402,6 +414,26 @@ mod tests {
                 for (x, y) in a.iter().zip(&b) {
                     assert!(x.inputs.equal(&y.inputs), "augment {augment}, shard {shard:?}, epoch {epoch}: images differ");
                     assert!(x.targets.equal(&y.targets));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn an_epoch_resumed_after_k_batches_is_the_rest_of_that_epoch() {
+        let n = 45;
+        let images: Vec<u8> = (0..n * 3 * 32 * 32).map(|i| (i * 13 % 251) as u8).collect();
+        let labels: Vec<u8> = (0..n).map(|i| (i % 10) as u8).collect();
+        let dataset = ImageDataset { kind: DatasetKind::Cifar10, images: images.into(), labels: labels.into(), generated: true };
+        for (workers, resident) in [(0, false), (3, false), (0, true)] {
+            let config = LoaderConfig { augment: true, workers, resident, ..LoaderConfig::train(4, 9, Device::Cpu) };
+            let loader = Loader::new(dataset.clone(), config);
+            let whole: Vec<Batch> = loader.epoch(1).collect();
+            for first in [0, 1, 5, whole.len() - 1, whole.len(), whole.len() + 3] {
+                let rest: Vec<Batch> = loader.epoch_from(1, first).collect();
+                assert_eq!(rest.len(), whole.len().saturating_sub(first), "workers {workers}, resident {resident}, from {first}");
+                for (x, y) in whole[first.min(whole.len())..].iter().zip(&rest) {
+                    assert!(x.inputs.equal(&y.inputs) && x.targets.equal(&y.targets), "workers {workers}, resident {resident}, from {first}");
                 }
             }
         }

@@ -342,6 +342,19 @@ impl ProcessGroup {
         self.cpu.barrier()
     }
 
+    /// For each of `flags`, whether any rank of the group raised it: the training loop's control
+    /// decisions (a stop a signal asked for, a checkpoint the clock says is due), which every rank
+    /// must take at the same step. One small CPU all-reduce; not counted in
+    /// [`ProcessGroup::comm_stats`], which are the model's traffic.
+    pub fn any_of(&self, flags: &[bool]) -> Result<Vec<bool>> {
+        if self.size == 1 {
+            return Ok(flags.to_vec());
+        }
+        let mut raised = Tensor::from_slice(&flags.iter().map(|&f| f as u8 as f64).collect::<Vec<f64>>());
+        self.cpu.all_reduce(&mut raised, ReduceOp::Max)?;
+        Ok(Vec::<f64>::try_from(&raised)?.into_iter().map(|v| v > 0.0).collect())
+    }
+
     /// Hands `t` over for rank `dst` of this group without waiting (see [`Collectives::send`]).
     pub fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
         self.count(Collective::Send, t);

@@ -176,6 +176,8 @@ fn train_config<E: Experiment>(exp: &E, built: &Built<'_, E::Model>, groups: &Gr
             config: exp.flags_json(),
             from,
             keep: run.keep_checkpoints,
+            every_steps: run.checkpoint_every.map(|n| n as usize),
+            every_minutes: run.checkpoint_minutes,
         }),
         metric: exp.metric(),
         precision: run.precision,

@@ -32,8 +32,10 @@ pub enum Event<'a> {
     /// Epoch `stats.epoch` ended (`completed`: all its batches ran; false when `--max-steps`
     /// stopped it) and was evaluated.
     EpochEnded { stats: &'a EpochStats, completed: bool, data_wait_s: f64 },
-    /// A checkpoint was written (by rank 0) after `epoch` epochs.
-    Checkpointed { path: &'a std::path::Path, epoch: usize },
+    /// A checkpoint after `step` optimizer steps (`epoch` epochs completed) was handed to the
+    /// writer (rank 0's, in the background: it is complete once the next checkpoint or the run's
+    /// end has waited for it).
+    Checkpointed { path: &'a std::path::Path, epoch: usize, step: usize },
     /// The loop is done.
     Finished(&'a FitReport),
 }
@@ -125,7 +127,7 @@ pub enum Record {
     EpochStarted { epoch: usize, lr: f64 },
     Step { epoch: usize, step: usize, loss: f64, lr: f64, bubble: Option<f64> },
     EpochEnded(EpochStats),
-    Checkpointed { epoch: usize },
+    Checkpointed { epoch: usize, step: usize },
     Finished { steps: usize, eval_loss: f64 },
 }
 
@@ -164,7 +166,7 @@ impl Observer for EventLog {
             Event::StepStarting { .. } => return Ok(Control::Continue),
             Event::Step(step) => Record::Step { epoch: step.epoch, step: step.step, loss: step.loss.double_value(&[]), lr: step.lr, bubble: step.bubble },
             Event::EpochEnded { stats, .. } => Record::EpochEnded((*stats).clone()),
-            Event::Checkpointed { epoch, .. } => Record::Checkpointed { epoch: *epoch },
+            Event::Checkpointed { epoch, step, .. } => Record::Checkpointed { epoch: *epoch, step: *step },
             Event::Finished(report) => Record::Finished { steps: report.steps, eval_loss: report.eval_loss },
         };
         self.records.borrow_mut().push(record);

@@ -11,13 +11,16 @@
 //!
 //! Resuming is exact: everything random in an epoch (order, augmentation, dropout) is a
 //! function of (seed, epoch, step), and a checkpoint holds the whole model and optimizer state.
+pub mod checkpointing;
 pub mod events;
 pub mod graph;
+pub mod preemption;
 pub mod schedule;
 pub mod sinks;
 pub mod state;
 pub mod step;
 
+pub use checkpointing::CheckpointStats;
 pub use events::{Control, Event, EventLog, Observer, Observers, Record, StepEvent};
 pub use schedule::{LrSchedule, ScheduleKind, Warmup};
 pub use sinks::TENSORBOARD_EVERY;
@@ -36,6 +39,7 @@ use crate::dist::ProcessGroup;
 use crate::models::mix_key;
 use crate::optim::Optimizer;
 use crate::precision::{GradScaler, Precision};
+use checkpointing::Checkpointer;
 
 /// One batch on the training device: model inputs and integer class (or next-token) targets.
 #[derive(Debug)]
@@ -60,6 +64,13 @@ pub trait BatchSource {
     fn batches_per_epoch(&self) -> usize;
     /// The batches of epoch `epoch` (0-based), in a deterministic order.
     fn epoch(&self, epoch: usize) -> Box<dyn Iterator<Item = Batch> + '_>;
+
+    /// The batches of epoch `epoch` after its first `first` ones (a run resumed in the middle of
+    /// the epoch): exactly what [`BatchSource::epoch`] yields from there. A source that can
+    /// start there without preparing the skipped batches says so by overriding this.
+    fn epoch_from(&self, epoch: usize, first: usize) -> Box<dyn Iterator<Item = Batch> + '_> {
+        Box::new(self.epoch(epoch).skip(first))
+    }
 }
 
 /// Where and whether a run checkpoints.
@@ -78,6 +89,10 @@ pub struct CheckpointConfig {
     /// Per-epoch copies `<run>-epoch<E>.safetensors` kept besides the latest, the oldest
     /// removed (`--keep-checkpoints`, Lightning's `save_top_k` by age); 0: the latest only.
     pub keep: usize,
+    /// Also checkpoint every this many optimizer steps (`--checkpoint-every`).
+    pub every_steps: Option<usize>,
+    /// Also checkpoint when this many minutes have passed since the last (`--checkpoint-minutes`).
+    pub every_minutes: Option<f64>,
 }
 
 /// How to train.
@@ -184,6 +199,8 @@ pub struct FitReport {
     pub eval_acc: f64,
     /// A pipeline's measured idle share, its first (warm-up) step left out when there are others.
     pub bubble_fraction: Option<f64>,
+    /// What checkpointing cost (rank 0's view).
+    pub checkpoints: CheckpointStats,
     /// The speed of the steps after the warm-up ([`TrainConfig::steady_after`]), epoch ends and
     /// evaluation left out; none when fewer than two steps followed the warm-up in an epoch.
     pub steady: Option<Steady>,
@@ -218,6 +235,7 @@ impl FitReport {
             eval_loss: f64::NAN,
             eval_acc: f64::NAN,
             bubble_fraction: None,
+            checkpoints: CheckpointStats::default(),
             steady: None,
         }
     }
@@ -380,21 +398,27 @@ pub fn fit(
     let (mut report, mut global_step, mut bubble) = (FitReport::new(start.epoch), start.step, BubbleMeter::default());
     let mut steady = SteadyMeter::new(config.steady_after);
     let mut graphed = config.cuda_graph.then(graph::GraphedStep::default);
+    let mut checkpoints = config.checkpoint.as_ref().map(|ck| Checkpointer::new(ck, &config.run));
+    let step_control = StepControl::new(step.sync().parallel, config)?;
     let (run, epochs, start_epoch, start_step) = (config.run.as_str(), config.epochs, start.epoch, start.step);
     observers.emit(&Event::Started { run, epochs, steps_per_epoch, start_epoch, start_step })?;
 
     let last_epoch = if config.eval_only { start.epoch } else { config.epochs };
+    let mut stopped_by = None;
     for epoch in start.epoch..last_epoch {
-        if config.out_of_steps(global_step) {
+        if config.out_of_steps(global_step) || stopped_by.is_some() {
             break;
         }
-        // Dropout and any other LibTorch randomness: a function of (seed, epoch).
-        tch::manual_seed(config.seed.wrapping_add(epoch as u64) as i64);
         let epoch_lr = config.lr_schedule.lr(base_lr, global_step, epoch);
         observers.emit(&Event::EpochStarted { epoch, lr: epoch_lr })?;
         let mut sums = EpochSums::new(device, step.sync().parallel.replica_count());
-        let mut batches = train.epoch(epoch);
+        // A checkpoint taken in the middle of this epoch: its steps' batches are skipped.
+        let mut epoch_step = if epoch == start.epoch { start.epoch_step } else { 0 };
+        let mut batches = train.epoch_from(epoch, epoch_step * config.accumulate);
         let completed = loop {
+            if epoch_step >= steps_per_epoch {
+                break true;
+            }
             if config.out_of_steps(global_step) {
                 break false;
             }
@@ -405,6 +429,9 @@ pub fn fit(
             }
             let fetched = Instant::now();
             observers.emit(&Event::StepStarting { step: global_step + 1 })?;
+            // Dropout and any other LibTorch randomness: a function of (seed, step), so that a
+            // run resumed at any step draws what the uninterrupted run drew.
+            tch::manual_seed(mix_key(&[config.seed, global_step as u64]) as i64);
             let lr = config.lr_schedule.lr(base_lr, global_step, epoch);
             optimizer.set_lr(lr);
             let (out, mut phases) = match graphed.as_mut() {
@@ -413,6 +440,7 @@ pub fn fit(
             };
             phases.insert(0, ("data wait", waiting, fetched));
             global_step += 1;
+            epoch_step += 1;
             // On the CPU the loss is at hand: a diverged run stops at its first bad step.
             if let Some(loss) = out.loss_sum.as_ref().filter(|l| l.device() == tch::Device::Cpu && !config.precision.needs_scaler()) {
                 finite_or_stop("training loss", loss.double_value(&[]), global_step, epoch)?;
@@ -421,9 +449,26 @@ pub fn fit(
             sums.add(&mut report, &out, &phases);
             observers.emit(&Event::Step(&sums.event(epoch, global_step, lr, &out, &phases)))?;
             steady.step_ended(out.examples * sums.replicas);
+            // The epoch's end checkpoints anyway: a step checkpoint is for the steps before it.
+            let ends_epoch = epoch_step >= steps_per_epoch;
+            let decision = step_control.after_step(checkpoints.as_ref(), global_step)?;
+            if let (true, false, Some(checkpoints)) = (decision.checkpoint, ends_epoch, checkpoints.as_mut()) {
+                let meta = checkpoint_meta(config, checkpoints.config(), optimizer.name(), (epoch, epoch_step), global_step, scaler.as_ref());
+                checkpoints.save(step, optimizer, meta)?;
+                observers.emit(&Event::Checkpointed { path: checkpoints.path(), epoch, step: global_step })?;
+                steady.pause();
+            }
+            step_control.test_exit_after(global_step, checkpoints.as_mut());
+            if let Some(signal) = decision.stop {
+                stopped_by = Some(signal);
+                break ends_epoch;
+            }
         };
         steady.pause();
         drop(batches);
+        if stopped_by.is_some() && !completed {
+            break; // checkpointed above; the epoch's evaluation waits for the resumed run
+        }
         let data_wait_s = sums.data_wait_s;
         let stats = end_epoch(step, eval, config, &mut report, sums, epoch, epoch_lr, global_step)?;
         // float16's scaler skips the steps whose loss overflowed: its epoch mean may be inf
@@ -434,15 +479,19 @@ pub fn fit(
         finite_or_stop("evaluation loss", stats.eval_loss, global_step, epoch)?;
         let control = observers.emit(&Event::EpochEnded { stats: &stats, completed, data_wait_s })?;
         report.history.push(stats);
-        if let (Control::Checkpoint, true, Some(ck)) = (control, completed, &config.checkpoint) {
-            let meta = checkpoint_meta(config, ck, optimizer.name(), epoch + 1, global_step, scaler.as_ref());
-            let path = checkpoint::path_for(&ck.dir, &config.run);
-            state::save(step, optimizer, &meta, &path)?;
-            if ck.keep > 0 && step.sync().parallel.is_root() {
-                checkpoint::keep_epoch_copy(&path, epoch + 1, ck.keep)?;
-            }
-            observers.emit(&Event::Checkpointed { path: &path, epoch: epoch + 1 })?;
+        if let (Control::Checkpoint, true, Some(checkpoints)) = (control, completed, checkpoints.as_mut()) {
+            let meta = checkpoint_meta(config, checkpoints.config(), optimizer.name(), (epoch + 1, 0), global_step, scaler.as_ref());
+            checkpoints.save(step, optimizer, meta)?;
+            observers.emit(&Event::Checkpointed { path: checkpoints.path(), epoch: epoch + 1, step: global_step })?;
         }
+    }
+    if let Some(checkpoints) = checkpoints.as_mut() {
+        checkpoints.wait()?;
+        report.checkpoints = checkpoints.stats;
+    }
+    if let Some(signal) = stopped_by {
+        let checkpoint = checkpoints.as_ref().map(|c| c.path().to_path_buf());
+        return Err(crate::error::Stopped { signal, step: global_step, checkpoint }.into());
     }
     if report.history.is_empty() {
         // Nothing left to train (a finished run resumed): still report where the model stands.
@@ -452,6 +501,74 @@ pub fn fit(
     report.steady = steady.steady();
     observers.emit(&Event::Finished(&report))?;
     Ok(report)
+}
+
+/// What the loop does after a step besides training: checkpoint (every N steps, every M minutes,
+/// the last step of a `--max-steps` run) and stop (a signal), decided alike on every rank.
+struct StepControl<'g> {
+    /// The ranks that must decide alike (none: this process alone).
+    ranks: Option<&'g ProcessGroup>,
+    max_steps: Option<usize>,
+    /// Test hook: end the process abruptly after this step, as a kill would (see
+    /// [`TEST_EXIT_AFTER_STEP`]).
+    exit_after: Option<usize>,
+}
+
+/// Test hook (an environment variable holding a step number): the process ends right after that
+/// optimizer step, its checkpoint writes complete, with exit code 137 as if killed, without
+/// unwinding or writing results. Tests of exact resumption interrupt runs with it instead of
+/// timing a kill.
+pub const TEST_EXIT_AFTER_STEP: &str = "COURSE_TEST_EXIT_AFTER_STEP";
+
+/// What [`StepControl::after_step`] decided.
+struct Decision {
+    checkpoint: bool,
+    /// The signal that stops the run here.
+    stop: Option<&'static str>,
+}
+
+impl<'g> StepControl<'g> {
+    fn new(parallel: Parallel<'g>, config: &TrainConfig) -> Result<StepControl<'g>> {
+        let exit_after = std::env::var(TEST_EXIT_AFTER_STEP).ok().and_then(|v| v.parse().ok());
+        let max_steps = config.max_steps;
+        // Asynchronous parameter-server workers never wait for each other: a per-step decision
+        // among them would make them. Such a run checkpoints at epochs' ends only (not at a
+        // --max-steps end, which each worker reaches at its own time), and a signal ends it.
+        if parallel.replicas.is_some_and(|r| r.sync == crate::dist::GradientSync::ParameterServer) {
+            if config.checkpoint.as_ref().is_some_and(|ck| ck.every_steps.is_some() || ck.every_minutes.is_some()) {
+                return crate::error::usage(
+                    "--checkpoint-every and --checkpoint-minutes need workers that step together: not with --strategy parameter-server",
+                );
+            }
+            return Ok(StepControl { ranks: None, max_steps: None, exit_after });
+        }
+        preemption::install()?;
+        Ok(StepControl { ranks: parallel.world.filter(|w| w.world_size() > 1), max_steps, exit_after })
+    }
+
+    fn after_step(&self, checkpoints: Option<&Checkpointer>, step: usize) -> Result<Decision> {
+        let by_rule = checkpoints.is_some_and(|c| c.due_by_steps(step)) || self.max_steps == Some(step);
+        // The clock and the signals differ between ranks: any rank's counts for all.
+        let local = [checkpoints.is_some_and(Checkpointer::due_by_time), preemption::requested().is_some()];
+        let agreed = match self.ranks {
+            Some(ranks) => ranks.any_of(&local)?,
+            None => local.to_vec(),
+        };
+        let stop = agreed[1].then(|| preemption::requested().unwrap_or("a signal to another rank"));
+        Ok(Decision { checkpoint: by_rule || agreed[0] || stop.is_some(), stop })
+    }
+
+    /// The [`TEST_EXIT_AFTER_STEP`] hook.
+    fn test_exit_after(&self, step: usize, checkpoints: Option<&mut Checkpointer>) {
+        if self.exit_after == Some(step) {
+            if let Some(checkpoints) = checkpoints {
+                let _ = checkpoints.wait();
+            }
+            // SAFETY: _exit ends the process at once, which is the point (no unwinding, no
+            // destructors: as a kill would).
+            unsafe { libc::_exit(137) };
+        }
+    }
 }
 
 /// A loss that is no longer a number ends the run (exit 1) before its checkpoint is
@@ -556,14 +673,23 @@ fn gradient_phase(sync: Option<crate::dist::GradientSync>, unscale: bool, clip: 
     GRADIENT_PHASES[4 * collective + 2 * unscale as usize + clip as usize]
 }
 
-/// What a checkpoint after `epoch` epochs and `step` steps records besides its tensors.
-fn checkpoint_meta(config: &TrainConfig, ck: &CheckpointConfig, optimizer: &str, epoch: usize, step: usize, scaler: Option<&GradScaler>) -> CheckpointMeta {
+/// What a checkpoint after `epoch` completed epochs and `epoch_step` steps of the next, `step`
+/// steps in all, records besides its tensors.
+fn checkpoint_meta(
+    config: &TrainConfig,
+    ck: &CheckpointConfig,
+    optimizer: &str,
+    (epoch, epoch_step): (usize, usize),
+    step: usize,
+    scaler: Option<&GradScaler>,
+) -> CheckpointMeta {
     CheckpointMeta {
         format: checkpoint::FORMAT_VERSION,
         run: config.run.clone(),
         model: ck.model.clone(),
         optimizer: optimizer.to_string(),
         epoch,
+        epoch_step,
         step,
         seed: config.seed,
         config: ck.config.clone(),

@@ -13,7 +13,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::events::Observers;
 use super::step::TrainStep;
-use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
+use crate::checkpoint::{self, Checkpoint, CheckpointMeta, HostCheckpoint};
 use crate::dist::data_parallel::{broadcast_named, broadcast_optimizer_state, broadcast_sharded_state};
 use crate::dist::transfer::{recv_named, recv_tensor, send_named, send_tensor};
 use crate::dist::ProcessGroup;
@@ -26,6 +26,8 @@ use crate::precision::{GradScaler, GradScalerState};
 pub(crate) struct Progress {
     pub epoch: usize,
     pub step: usize,
+    /// Steps already taken in epoch `epoch` (a checkpoint written in the middle of it).
+    pub epoch_step: usize,
 }
 
 /// Restores the checkpoint at `path` when `resume` asks for it and it exists (rank 0 reads it;
@@ -45,17 +47,28 @@ pub(crate) fn start(
     // ZeRO-3's parameters whole while they are restored and made the replicas' common ones.
     step.sync().materialize()?;
 
-    // Rank 0 reads the file; [resumed, epoch, step, scale, growth tracker] then go to everyone.
+    // Rank 0 reads the file; [resumed, epoch, step, scale, growth tracker, epoch step] then go
+    // to everyone.
     let mut loaded: Option<Checkpoint> = None;
-    let mut header = [0.0, 0.0, 0.0, f64::NAN, 0.0];
+    let mut header = [0.0, 0.0, 0.0, f64::NAN, 0.0, 0.0];
     if let (Some((path, identity)), true) = (resume_from, root) {
+        for removed in checkpoint::remove_stale_temporaries(path)? {
+            observers.warn(format!("removed {}, the temporary file of a checkpoint whose writer was killed", removed.display()))?;
+        }
         if path.exists() {
-            let saved = checkpoint::load(path)?;
+            let (saved, fell_back) = checkpoint::load_newest(path)?;
+            if let Some(warning) = fell_back {
+                observers.warn(warning)?;
+            }
             saved.check_model(path, identity)?;
             let meta = &saved.meta;
-            observers.info(format!("resumed {} from {} after epoch {} (step {})", meta.run, path.display(), meta.epoch, meta.step))?;
+            let within = match meta.epoch_step {
+                0 => String::new(),
+                n => format!(" and {n} steps into epoch {}", meta.epoch + 1),
+            };
+            observers.info(format!("resumed {} from {} after epoch {}{within} (step {})", meta.run, path.display(), meta.epoch, meta.step))?;
             let scale = meta.grad_scaler.map_or([f64::NAN, 0.0], |s| [s.scale, s.growth_tracker as f64]);
-            header = [1.0, meta.epoch as f64, meta.step as f64, scale[0], scale[1]];
+            header = [1.0, meta.epoch as f64, meta.step as f64, scale[0], scale[1], meta.epoch_step as f64];
             loaded = Some(saved);
         } else {
             observers.info(format!("--resume: no checkpoint at {} yet, starting from scratch", path.display()))?;
@@ -85,7 +98,7 @@ pub(crate) fn start(
     if let (Some(scaler), false) = (scaler, header[3].is_nan()) {
         scaler.load_state(GradScalerState { scale: header[3], growth_tracker: header[4] as i64 });
     }
-    Ok(Progress { epoch: header[1] as usize, step: header[2] as usize })
+    Ok(Progress { epoch: header[1] as usize, step: header[2] as usize, epoch_step: header[5] as usize })
 }
 
 /// Gives every rank of replica 0 its part of `loaded` (which rank 0 holds): rank 0's directly,
@@ -139,22 +152,23 @@ fn restore_replica_zero(
     Ok(state)
 }
 
-/// Writes the checkpoint `meta` describes to `path`: replica 0's ranks send their variables and
-/// optimizer state to rank 0, which writes one file (atomically). Every rank calls it.
-pub(crate) fn save(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: &CheckpointMeta, path: &Path) -> Result<()> {
+/// Gathers the checkpoint `meta` describes: replica 0's ranks send their variables and optimizer
+/// state to rank 0, which copies them to host memory and returns them, to be written (by a
+/// background thread, atomically); `None` on every other rank. Every rank calls it.
+pub(crate) fn gather(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: CheckpointMeta) -> Result<Option<HostCheckpoint>> {
     // ZeRO-3's parameters whole while they are read.
     step.sync().materialize()?;
-    let saved = save_whole(step, optimizer, meta, path);
+    let gathered = gather_whole(step, optimizer, meta);
     step.sync().release(false)?;
-    saved
+    gathered
 }
 
-fn save_whole(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: &CheckpointMeta, path: &Path) -> Result<()> {
+fn gather_whole(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: CheckpointMeta) -> Result<Option<HostCheckpoint>> {
     let parallel = step.sync().parallel;
     // Every replica takes part where the optimizer state is sharded over them.
     let mut state = crate::optim::gathered_state(optimizer)?;
     if parallel.replica != 0 {
-        return Ok(()); // replicas hold what replica 0 holds
+        return Ok(None); // replicas hold what replica 0 holds
     }
     let mut variables = step.named_variables();
     // Tensor-parallel shards put their parts together (every shard takes part); the first
@@ -164,13 +178,14 @@ fn save_whole(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: &Checkp
         variables = transformer_names::unshard_named(group, variables)?;
         state = transformer_names::unshard_named(group, state)?;
         if shard.index != 0 {
-            return Ok(());
+            return Ok(None);
         }
     }
     if let Some(model) = parallel.model {
         if !model.is_root() {
             send_named(model, &variables, 0)?;
-            return send_named(model, &state, 0);
+            send_named(model, &state, 0)?;
+            return Ok(None);
         }
         // The model's ranks are numbered stage × shards + shard: the first shards send.
         for rank in (1..model.world_size()).filter(|rank| rank % shards == 0) {
@@ -178,5 +193,6 @@ fn save_whole(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: &Checkp
             state.extend(recv_named(model, rank)?);
         }
     }
-    checkpoint::save_tensors(path, variables, state, meta).with_context(|| format!("after epoch {}", meta.epoch))
+    let (epoch, step) = (meta.epoch, meta.step);
+    Ok(Some(HostCheckpoint::new(variables, state, meta).with_context(|| format!("the checkpoint after epoch {epoch} (step {step})"))?))
 }

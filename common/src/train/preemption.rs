@@ -1,0 +1,59 @@
+//! Stopping cleanly when the job is told to end: Slurm's warning signal before a time limit or a
+//! preemption (`#SBATCH --signal=B:USR1@120`), the SIGTERM that `scancel`, a preemption or a
+//! node's shutdown sends, and Ctrl-C (SIGINT). The handler only raises a flag; the training
+//! loop reads it between optimizer steps, every rank agrees on the step to stop at (one small
+//! collective), the run checkpoints there and ends with [`Stopped`] (exit code
+//! [`STOPPED_EXIT_CODE`], 75). A second signal while it does so ends the process at once, as the
+//! signal's default action would have (an impatient Ctrl-C still works).
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use anyhow::Result;
+use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
+
+/// The signals that ask a run to stop, with their names.
+pub const SIGNALS: [(i32, &str); 3] = [(SIGUSR1, "SIGUSR1"), (SIGTERM, "SIGTERM"), (SIGINT, "SIGINT")];
+
+pub use crate::error::{Stopped, STOPPED_EXIT_CODE};
+
+/// The signal received (0: none yet). One per process: signals are.
+fn received() -> &'static Arc<AtomicUsize> {
+    static RECEIVED: OnceLock<Arc<AtomicUsize>> = OnceLock::new();
+    RECEIVED.get_or_init(|| Arc::new(AtomicUsize::new(0)))
+}
+
+/// Catches [`SIGNALS`] from now on (once per process; later calls do nothing).
+pub fn install() -> Result<()> {
+    static INSTALLED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    INSTALLED
+        .get_or_init(|| {
+            let (flag, armed) = (Arc::clone(received()), Arc::new(AtomicBool::new(false)));
+            for (signal, name) in SIGNALS {
+                let caught = || -> std::io::Result<()> {
+                    // In this order: a signal arriving once one has been caught takes the default
+                    // action; the first is only recorded (armed, and which signal it was).
+                    signal_hook::flag::register_conditional_default(signal, Arc::clone(&armed))?;
+                    signal_hook::flag::register(signal, Arc::clone(&armed))?;
+                    signal_hook::flag::register_usize(signal, Arc::clone(&flag), signal as usize)?;
+                    Ok(())
+                };
+                caught().map_err(|e| format!("cannot catch {name}: {e}"))?;
+            }
+            Ok(())
+        })
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+/// The signal that asked this process to stop, if one did.
+pub fn requested() -> Option<&'static str> {
+    let signal = received().load(Ordering::Relaxed) as i32;
+    SIGNALS.iter().find(|(s, _)| *s == signal).map(|(_, name)| *name)
+}
+
+/// As if `signal` had arrived (tests; a launcher that relays a stop).
+pub fn request(signal: &'static str) {
+    if let Some((number, _)) = SIGNALS.iter().find(|(_, name)| *name == signal) {
+        received().store(*number as usize, Ordering::Relaxed);
+    }
+}

@@ -22,14 +22,17 @@ pub struct ChildExit(pub i32);
 pub const STOPPED_EXIT_CODE: u8 = 75;
 
 /// The run stopped at a signal's request (`train::preemption`) after `step` optimizer steps,
-/// its state checkpointed to `checkpoint` (none without `--checkpoint-dir`).
+/// its state checkpointed to `checkpoint` (none without `--checkpoint-dir`). Not a failure:
+/// [`run_main`] says it without "error:", on the rank that caught the signal only (`signal`
+/// none: another rank's, which every rank agreed to stop for), and exits with
+/// [`STOPPED_EXIT_CODE`].
 #[derive(Debug, thiserror::Error)]
-#[error("stopped by {signal} after step {step}: {}", match checkpoint {
+#[error("stopped by {} after step {step}: {}", signal.unwrap_or("another rank's signal"), match checkpoint {
     Some(path) => format!("checkpointed to {}; --resume continues from there", path.display()),
     None => "no --checkpoint-dir, so nothing was saved".to_string(),
 })]
 pub struct Stopped {
-    pub signal: &'static str,
+    pub signal: Option<&'static str>,
     pub step: usize,
     pub checkpoint: Option<std::path::PathBuf>,
 }
@@ -49,7 +52,13 @@ pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
         Err(err) => {
             let message = format!("{err:#}");
             let first_line = message.lines().next().unwrap_or_default();
-            eprintln!("error: {first_line}");
+            match (err.downcast_ref::<Stopped>(), err.downcast_ref::<ChildExit>()) {
+                (Some(stopped), _) if stopped.signal.is_some() => eprintln!("{first_line}"),
+                // Another rank's signal, or ranks that stopped: the rank that caught it said so.
+                (Some(_), _) => {}
+                (_, Some(ChildExit(code))) if *code == STOPPED_EXIT_CODE as i32 => {}
+                _ => eprintln!("error: {first_line}"),
+            }
             ExitCode::from(exit_code(&err))
         }
     }

@@ -10,7 +10,8 @@ mod support;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use common::train::TEST_EXIT_AFTER_STEP;
+use common::error::STOPPED_EXIT_CODE;
+use common::train::{TEST_EXIT_AFTER_STEP, TEST_SIGNAL_AFTER_STEP};
 use support::{read_json, shared_data, stderr, wikitext_sample};
 
 fn run(bin: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
@@ -30,16 +31,34 @@ fn losses(json: &serde_json::Value) -> Vec<f64> {
     json["step_losses"].as_array().expect("step_losses").iter().map(|v| v.as_f64().unwrap()).collect()
 }
 
-/// A command of `bin` with `args`, writing checkpoints and results to a folder of its own, run
-/// straight through and, in another folder, ended after step `exit_after` and resumed: the
-/// resumed run's step losses are the straight run's last ones, bit for bit, and its test loss
-/// the same. `every`: its --checkpoint-every. `results`: the results JSON's file name. Returns
-/// the resumed run's output.
-fn interrupted_equals_straight(bin: &str, args: &[&str], every: &str, exit_after: usize, results: &str) -> String {
+/// How a test interrupts a run: the hook's variable and value, the step of the checkpoint the
+/// resume must start from, and the exit code the interrupted run ends with.
+struct Interruption {
+    hook: (&'static str, String),
+    restored: usize,
+    exit_code: i32,
+}
+
+/// Ended abruptly after step `k` (a kill), with checkpoints every `every` steps.
+fn killed_after(k: usize, every: usize) -> Interruption {
+    Interruption { hook: (TEST_EXIT_AFTER_STEP, k.to_string()), restored: k / every * every, exit_code: 137 }
+}
+
+/// Rank 0 sent `signal` after step `k`: every rank stops there, checkpointed, exit 75.
+fn signalled_after(k: usize, signal: &str) -> Interruption {
+    Interruption { hook: (TEST_SIGNAL_AFTER_STEP, format!("{k}:{signal}")), restored: k, exit_code: STOPPED_EXIT_CODE as i32 }
+}
+
+/// A command of `bin` with `args`, writing checkpoints (every `every` steps) and results to a
+/// folder of its own, run straight through and, in another folder, interrupted as `how` says
+/// and resumed by the same command: the resumed run's step losses are the straight run's last
+/// ones, bit for bit, and its test loss the same. `results`: the results JSON's file name.
+/// Returns what the interrupted run and the resumed one printed.
+fn interrupted_equals_straight(bin: &str, args: &[&str], every: usize, how: Interruption, results: &str) -> (String, String) {
     let with_dir = |dir: &Path| {
         let dir = dir.to_str().unwrap().to_string();
         let mut all: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-        all.extend(["--checkpoint-dir", &dir, "--resume", "--checkpoint-every", every, "--results-dir", &dir, "--quiet"].map(String::from));
+        all.extend(["--checkpoint-dir", &dir, "--resume", "--checkpoint-every", &every.to_string(), "--results-dir", &dir, "--quiet"].map(String::from));
         all
     };
     let (straight_dir, interrupted_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
@@ -50,22 +69,21 @@ fn interrupted_equals_straight(bin: &str, args: &[&str], every: &str, exit_after
 
     let interrupted_args = with_dir(interrupted_dir.path());
     let interrupted_args: Vec<&str> = interrupted_args.iter().map(String::as_str).collect();
-    let killed = run(bin, &interrupted_args, &[(TEST_EXIT_AFTER_STEP, &exit_after.to_string())]);
-    assert!(!killed.status.success(), "the hook ends the run after step {exit_after}: {}", stderr(&killed));
-    assert!(!interrupted_dir.path().join(results).exists(), "a killed run writes no results");
+    let interrupted = run(bin, &interrupted_args, &[(how.hook.0, &how.hook.1)]);
+    let said = format!("{}{}", stdout(&interrupted), stderr(&interrupted));
+    assert_eq!(interrupted.status.code(), Some(how.exit_code), "{said}");
+    assert!(!interrupted_dir.path().join(results).exists(), "an interrupted run writes no results");
     let resumed = run(bin, &interrupted_args, &[]);
     assert!(resumed.status.success(), "{}", stderr(&resumed));
     let out = stdout(&resumed);
     let resumed = read_json(&interrupted_dir.path().join(results));
 
     let (all, tail) = (losses(&straight), losses(&resumed));
-    let every: usize = every.parse().unwrap();
-    let restored = exit_after / every * every;
-    assert!(out.contains(&format!("(step {restored})")), "resumed from the checkpoint of step {restored}: {out}");
-    assert_eq!(tail.len(), all.len() - restored, "the resumed run took the steps after {restored}");
-    assert_eq!(tail, all[restored..], "the resumed run's losses are the uninterrupted run's");
+    assert!(out.contains(&format!("(step {})", how.restored)), "resumed from the checkpoint of step {}: {out}", how.restored);
+    assert_eq!(tail.len(), all.len() - how.restored, "the resumed run took the steps after {}", how.restored);
+    assert_eq!(tail, all[how.restored..], "the resumed run's losses are the uninterrupted run's");
     assert_eq!(resumed["test_loss"], straight["test_loss"]);
-    out
+    (said, out)
 }
 
 fn generated_cifar(dir: &Path, train: usize) {
@@ -83,7 +101,7 @@ fn an_image_run_killed_mid_epoch_resumes_exactly() {
     // 4,000 digits in batches of 200: 20 steps an epoch, checkpoints at 6, 12, 18; killed after
     // step 16 of epoch 1 (steps 21..40 are epoch 2): killed after 28, resumed from 24.
     let args = ["--dataset", "mnist", "--data-dir", data.to_str().unwrap(), "--device", "cpu", "--threads", "1", "--epochs", "2", "--batch-size", "200"];
-    let out = interrupted_equals_straight(env!("CARGO_BIN_EXE_exercise1"), &args, "6", 28, "exercise1-cnn-cpu.json");
+    let (_, out) = interrupted_equals_straight(env!("CARGO_BIN_EXE_exercise1"), &args, 6, killed_after(28, 6), "exercise1-cnn-cpu.json");
     assert!(out.contains("after epoch 1 and 4 steps into epoch 2 (step 24)"), "{out}");
 }
 
@@ -113,7 +131,7 @@ fn a_language_model_with_dropout_killed_mid_epoch_resumes_exactly() {
         "--dropout",
         "0.2",
     ];
-    interrupted_equals_straight(env!("CARGO_BIN_EXE_exercise1_nlp"), &args, "4", 7, "exercise1_nlp-transformer-cpu.json");
+    interrupted_equals_straight(env!("CARGO_BIN_EXE_exercise1_nlp"), &args, 4, killed_after(7, 4), "exercise1_nlp-transformer-cpu.json");
 }
 
 #[test]
@@ -141,7 +159,7 @@ fn a_pipeline_killed_mid_epoch_resumes_exactly() {
         "--threads",
         "1",
     ];
-    interrupted_equals_straight(env!("CARGO_BIN_EXE_exercise3"), &args, "3", 5, "exercise3_pipeline-transformer-cpu.json");
+    interrupted_equals_straight(env!("CARGO_BIN_EXE_exercise3"), &args, 3, killed_after(5, 3), "exercise3_pipeline-transformer-cpu.json");
 }
 
 #[test]
@@ -169,5 +187,135 @@ fn two_data_parallel_ranks_killed_mid_epoch_resume_exactly() {
         "--nproc-per-node",
         "2",
     ];
-    interrupted_equals_straight(env!("CARGO_BIN_EXE_exercise2"), &args, "3", 8, "exercise2-cnn-cpu.json");
+    interrupted_equals_straight(env!("CARGO_BIN_EXE_exercise2"), &args, 3, killed_after(8, 3), "exercise2-cnn-cpu.json");
+}
+
+/// The language model of these tests: 2 epochs of 200 lines, dropout on.
+fn small_language_model(data: &Path) -> Vec<String> {
+    let args = [
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--emsize",
+        "16",
+        "--d-hid",
+        "32",
+        "--nhead",
+        "2",
+        "--nlayers",
+        "2",
+        "--tokenizer",
+        "whitespace",
+        "--epochs",
+        "2",
+        "--dropout",
+        "0.2",
+    ];
+    args.map(String::from).to_vec()
+}
+
+#[test]
+fn sigterm_and_sigusr1_stop_at_a_step_with_a_checkpoint_that_resumes_exactly() {
+    let data = tempfile::tempdir().unwrap();
+    wikitext_sample(data.path(), [200, 40, 40]);
+    let args = small_language_model(data.path());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    for (signal, step) in [("SIGTERM", 6), ("SIGUSR1", 9)] {
+        // Checkpoints every 4 steps: the signal's own checkpoint is the one resumed from.
+        let (said, _) =
+            interrupted_equals_straight(env!("CARGO_BIN_EXE_exercise1_nlp"), &args, 4, signalled_after(step, signal), "exercise1_nlp-transformer-cpu.json");
+        assert!(said.contains(&format!("stopped by {signal} after step {step}: checkpointed to")), "{said}");
+    }
+}
+
+#[test]
+fn a_signal_to_one_rank_stops_every_rank_at_the_same_step() {
+    let data = tempfile::tempdir().unwrap();
+    generated_cifar(data.path(), 160);
+    let args = [
+        "--model",
+        "cnn",
+        "--num-classes",
+        "10",
+        "--data-dir",
+        data.path().to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--workers",
+        "0",
+        "--batch-size",
+        "16",
+        "--epochs",
+        "3",
+        "--nproc-per-node",
+        "2",
+    ];
+    // Rank 0 alone is signalled, after step 7 (mid-epoch 2); checkpoints every 5 would have
+    // given step 5: the resume starts at 7, so both ranks stopped and saved there.
+    let (said, _) = interrupted_equals_straight(env!("CARGO_BIN_EXE_exercise2"), &args, 5, signalled_after(7, "SIGTERM"), "exercise2-cnn-cpu.json");
+    assert!(said.contains("stopped by SIGTERM after step 7"), "{said}");
+}
+
+#[test]
+fn max_steps_saves_its_last_step_and_a_longer_run_resumes_from_it() {
+    let data = tempfile::tempdir().unwrap();
+    wikitext_sample(data.path(), [200, 40, 40]);
+    let base = small_language_model(data.path());
+    let (straight, stepped) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let go = |dir: &Path, max_steps: &str| {
+        let mut args: Vec<&str> = base.iter().map(String::as_str).collect();
+        let dir = dir.to_str().unwrap();
+        args.extend(["--max-steps", max_steps, "--checkpoint-dir", dir, "--resume", "--results-dir", dir, "--quiet"]);
+        let out = run(env!("CARGO_BIN_EXE_exercise1_nlp"), &args, &[]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        (read_json(&Path::new(dir).join("exercise1_nlp-transformer-cpu.json")), stdout(&out))
+    };
+    let (all, _) = go(straight.path(), "11");
+    go(stepped.path(), "5");
+    let meta = common::checkpoint::load(&stepped.path().join("exercise1_nlp-transformer-cpu.safetensors")).unwrap().meta;
+    assert_eq!((meta.step, meta.epoch), (5, 0), "--max-steps 5 saved its last step, in the first epoch");
+    assert_eq!(meta.epoch_step, 5);
+    let (rest, out) = go(stepped.path(), "11");
+    assert!(out.contains("(step 5)"), "{out}");
+    assert_eq!(losses(&rest), losses(&all)[5..]);
+}
+
+#[test]
+fn a_torn_newest_checkpoint_falls_back_to_the_previous_one_with_a_warning() {
+    let data = tempfile::tempdir().unwrap();
+    wikitext_sample(data.path(), [200, 40, 40]);
+    let base = small_language_model(data.path());
+    let (straight, torn) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let go = |dir: &Path, env: &[(&str, &str)]| {
+        let mut args: Vec<&str> = base.iter().map(String::as_str).collect();
+        let dir = dir.to_str().unwrap();
+        args.extend(["--checkpoint-every", "3", "--checkpoint-dir", dir, "--resume", "--results-dir", dir, "--quiet"]);
+        run(env!("CARGO_BIN_EXE_exercise1_nlp"), &args, env)
+    };
+    assert!(go(straight.path(), &[]).status.success());
+    let killed = go(torn.path(), &[(TEST_EXIT_AFTER_STEP, "7")]);
+    assert_eq!(killed.status.code(), Some(137));
+    // Checkpoints of steps 3 and 6 were written; the newest (6) is torn in half.
+    let newest = torn.path().join("exercise1_nlp-transformer-cpu.safetensors");
+    let previous = common::checkpoint::previous_path(&newest);
+    assert_eq!(common::checkpoint::load(&previous).unwrap().meta.step, 3);
+    let bytes = std::fs::read(&newest).unwrap();
+    std::fs::write(&newest, &bytes[..bytes.len() / 2]).unwrap();
+    // A killed writer's temporary file is removed at the start.
+    let stale = newest.with_extension("safetensors.tmp-999999999");
+    std::fs::write(&stale, b"half a checkpoint").unwrap();
+    let resumed = go(torn.path(), &[]);
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    let warned = stderr(&resumed);
+    assert!(warned.contains("is corrupt") && warned.contains("resuming from the previous complete checkpoint"), "{warned}");
+    assert!(warned.contains("tmp-999999999"), "the stale temporary file is named: {warned}");
+    assert!(!stale.exists());
+    assert!(stdout(&resumed).contains("(step 3)"));
+    let name = "exercise1_nlp-transformer-cpu.json";
+    assert_eq!(losses(&read_json(&torn.path().join(name))), losses(&read_json(&straight.path().join(name)))[3..]);
 }

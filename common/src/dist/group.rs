@@ -165,8 +165,11 @@ impl ProcessGroup {
         let group = ProcessGroup::init(backend)?;
         // A LibTorch failure (out of memory, say) panics in tch: an error like any other here.
         let result = crate::error::catch_panic(|| body(&group));
+        // A signal's stop is every rank's, agreed at one step: they end together, no abort.
         if let Err(err) = &result {
-            group.abort_on_error(err);
+            if !err.is::<crate::error::Stopped>() {
+                group.abort_on_error(err);
+            }
         }
         result
     }

@@ -332,8 +332,8 @@ pub fn relaunch_with_mpirun(nproc: usize) -> Result<ExitStatus> {
 }
 
 /// Drops Open MPI's MPI_Abort notices from the lines of a job's stderr: the dashed box that
-/// says MPI_ABORT was invoked, and the help-aggregation lines after it; every other line (and
-/// every other box) passes, in order.
+/// says MPI_ABORT was invoked, and the help-aggregation lines after it, and the boxes about ranks
+/// that exited with the stop code; every other line (and every other box) passes, in order.
 #[derive(Default)]
 struct AbortNotices {
     /// The lines of a dashed box being read (from its opening line on).
@@ -370,7 +370,11 @@ impl AbortNotices {
                     return Vec::new();
                 }
                 let lines = self.boxed.take().unwrap_or_default();
-                if lines.iter().any(|l| l.contains("MPI_ABORT was invoked")) {
+                // Also mpirun's two boxes for ranks that ended together with the stop code (a
+                // signal's checkpointed stop, which rank 0 has reported): no failure to explain.
+                let stopped = format!("Exit code:    {}", crate::error::STOPPED_EXIT_CODE);
+                let silent = ["MPI_ABORT was invoked", "Per user-direction, the job has been aborted", stopped.as_str()];
+                if lines.iter().any(|l| silent.iter().any(|s| l.contains(s))) {
                     Vec::new()
                 } else {
                     lines
@@ -518,6 +522,23 @@ last line";
         let mut kept: Vec<String> = stderr.lines().flat_map(|l| notices.pass(l.to_string())).collect();
         kept.extend(notices.finish());
         assert_eq!(kept, ["WARNING: a GENERATED stand-in", "", "error on rank 0: --zero 1"]);
+    }
+
+    #[test]
+    fn mpiruns_boxes_about_ranks_that_stopped_with_the_stop_code_are_dropped_others_kept() {
+        let rule = "-".repeat(74);
+        let stderr = format!(
+            "stopped by SIGTERM after step 7: checkpointed\n{rule}\nPrimary job  terminated normally, but 1 process returned\na non-zero exit code. Per user-direction, the job has been aborted.\n{rule}\n\
+             {rule}\nmpirun detected that one or more processes exited with non-zero status, thus causing\n  Exit code:    75\n{rule}\n\
+             {rule}\nmpirun noticed that process rank 1 exited on signal 11 (Segmentation fault).\n{rule}"
+        );
+        let mut notices = AbortNotices::default();
+        let mut kept: Vec<String> = stderr.lines().flat_map(|l| notices.pass(l.to_string())).collect();
+        kept.extend(notices.finish());
+        assert_eq!(
+            kept,
+            ["stopped by SIGTERM after step 7: checkpointed", &rule, "mpirun noticed that process rank 1 exited on signal 11 (Segmentation fault).", &rule]
+        );
     }
 
     #[test]

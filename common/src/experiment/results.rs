@@ -60,6 +60,9 @@ struct RunResults<'a> {
     replicas: Option<ReplicaResults>,
     #[serde(skip_serializing_if = "Option::is_none")]
     parameter_server: Option<&'a crate::dist::parameter_server::Report>,
+    /// What checkpointing cost: training time blocked (gathering, copying to host memory) and
+    /// the background writes' time, on rank 0.
+    checkpoints: train::CheckpointStats,
     matmul_precision: &'static str,
     scale_lr: bool,
     warmup_epochs: usize,
@@ -150,6 +153,17 @@ fn say_measurements(measured: &Measured, groups: &Groups, device: Device, sessio
     if let Some(report) = &measured.parameter_server {
         session.info(report.describe())?;
     }
+    let saved = measured.fit.checkpoints;
+    if saved.saved > 0 {
+        session.info(format!(
+            "{} checkpoints ({:.1} MB each): training blocked {:.3} s per checkpoint (at most {:.3} s), written in the background in {:.3} s each",
+            saved.saved,
+            saved.bytes as f64 / 1e6,
+            saved.blocked_s / saved.saved as f64,
+            saved.max_blocked_s,
+            saved.write_s / saved.saved as f64
+        ))?;
+    }
     session.info(measured.memory.describe(device))?;
     session.info(format!("peak memory in training: {}", measured.peaks.iter().map(PeakMemory::describe).collect::<Vec<_>>().join("; ")))
 }
@@ -173,6 +187,7 @@ fn run_results<'a, E: Experiment>(exp: &E, built: &'a Built<'_, E::Model>, measu
         allreduce_time_s: measured.fit.timings.allreduce_s,
         scaling_efficiency: report::scaling_efficiency(&csv, record),
         communication: measured.communication,
+        checkpoints: measured.fit.checkpoints,
         communication_per_step: measured.per_step,
         zero: parallel.zero,
         model_state_memory: measured.memory,

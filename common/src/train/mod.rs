@@ -512,6 +512,8 @@ struct StepControl<'g> {
     /// Test hook: end the process abruptly after this step, as a kill would (see
     /// [`TEST_EXIT_AFTER_STEP`]).
     exit_after: Option<usize>,
+    /// Test hook: rank 0 sends itself this signal after this step ([`TEST_SIGNAL_AFTER_STEP`]).
+    signal_after: Option<(usize, i32)>,
 }
 
 /// Test hook (an environment variable holding a step number): the process ends right after that
@@ -520,16 +522,26 @@ struct StepControl<'g> {
 /// timing a kill.
 pub const TEST_EXIT_AFTER_STEP: &str = "COURSE_TEST_EXIT_AFTER_STEP";
 
+/// Test hook (`STEP:SIGNAL`, e.g. `5:SIGTERM`): the job's rank 0 sends itself the signal after
+/// that optimizer step, through the real handler, as Slurm or a user would at that moment; the
+/// other ranks learn of it as they would of a real one (the per-step agreement).
+pub const TEST_SIGNAL_AFTER_STEP: &str = "COURSE_TEST_SIGNAL_AFTER_STEP";
+
 /// What [`StepControl::after_step`] decided.
 struct Decision {
     checkpoint: bool,
-    /// The signal that stops the run here.
-    stop: Option<&'static str>,
+    /// The run stops here: `Some(None)` for another rank's signal.
+    stop: Option<Option<&'static str>>,
 }
 
 impl<'g> StepControl<'g> {
     fn new(parallel: Parallel<'g>, config: &TrainConfig) -> Result<StepControl<'g>> {
         let exit_after = std::env::var(TEST_EXIT_AFTER_STEP).ok().and_then(|v| v.parse().ok());
+        let signal_after = std::env::var(TEST_SIGNAL_AFTER_STEP).ok().filter(|_| parallel.is_root()).and_then(|v| {
+            let (step, name) = v.split_once(':')?;
+            let signal = preemption::SIGNALS.iter().find(|(_, n)| *n == name)?.0;
+            Some((step.parse().ok()?, signal))
+        });
         let max_steps = config.max_steps;
         // Asynchronous parameter-server workers never wait for each other: a per-step decision
         // among them would make them. Such a run checkpoints at epochs' ends only (not at a
@@ -540,13 +552,17 @@ impl<'g> StepControl<'g> {
                     "--checkpoint-every and --checkpoint-minutes need workers that step together: not with --strategy parameter-server",
                 );
             }
-            return Ok(StepControl { ranks: None, max_steps: None, exit_after });
+            return Ok(StepControl { ranks: None, max_steps: None, exit_after, signal_after: None });
         }
         preemption::install()?;
-        Ok(StepControl { ranks: parallel.world.filter(|w| w.world_size() > 1), max_steps, exit_after })
+        Ok(StepControl { ranks: parallel.world.filter(|w| w.world_size() > 1), max_steps, exit_after, signal_after })
     }
 
     fn after_step(&self, checkpoints: Option<&Checkpointer>, step: usize) -> Result<Decision> {
+        if let Some((_, signal)) = self.signal_after.filter(|(at, _)| *at == step) {
+            // SAFETY: raise only delivers a signal to this thread; the handler sets flags.
+            unsafe { libc::raise(signal) };
+        }
         let by_rule = checkpoints.is_some_and(|c| c.due_by_steps(step)) || self.max_steps == Some(step);
         // The clock and the signals differ between ranks: any rank's counts for all.
         let local = [checkpoints.is_some_and(Checkpointer::due_by_time), preemption::requested().is_some()];
@@ -554,7 +570,8 @@ impl<'g> StepControl<'g> {
             Some(ranks) => ranks.any_of(&local)?,
             None => local.to_vec(),
         };
-        let stop = agreed[1].then(|| preemption::requested().unwrap_or("a signal to another rank"));
+        // The signal's name where it was caught; none on the ranks stopping for another's.
+        let stop = agreed[1].then(preemption::requested);
         Ok(Decision { checkpoint: by_rule || agreed[0] || stop.is_some(), stop })
     }
 

@@ -44,6 +44,11 @@ pub struct RunArgs {
     /// limit in mind); fractions allowed.
     #[arg(long, value_name = "M", requires = "checkpoint_dir")]
     pub checkpoint_minutes: Option<f64>,
+    /// After a signal stopped the run (Slurm's warning before a time limit or a preemption,
+    /// SIGTERM), put the Slurm job back in the queue (`scontrol requeue`), where it resumes from
+    /// the checkpoint with the same flags: auto = when the job may be requeued (#SBATCH --requeue).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub requeue: crate::slurm::Requeue,
     /// Test a trained model without training: the checkpoint of --checkpoint FILE, or of
     /// --checkpoint-dir with --resume, evaluated on the evaluation and test splits
     /// (Lightning's trainer.test(ckpt_path=...)).
@@ -300,6 +305,11 @@ pub struct ParallelArgs {
     /// process with its own memory).
     #[arg(long, default_value_t = 4)]
     pub max_ranks_per_core: usize,
+    /// Seconds a collective or message may wait for the other ranks before the job is declared
+    /// hung and ended, naming the ranks that did not answer (a group's first operation waits at
+    /// least 300 s: start-up and data loading). As PyTorch's NCCL watchdog; MPI engine.
+    #[arg(long, value_name = "SECONDS", default_value_t = 600.0)]
+    pub collective_timeout: f64,
     /// ZeRO stage: 0 keeps everything on every replica; 1 shards the optimizer state over the
     /// data-parallel replicas (reduce-scatter the gradients, update one's block, all-gather the
     /// parameters); 2 also the gradients (reduce-scattered in buckets during the backward
@@ -340,6 +350,9 @@ impl ParallelArgs {
         }
         if !(self.bucket_mb > 0.0 && self.bucket_mb.is_finite()) {
             return usage(format!("--bucket-mb must be positive, got {}", self.bucket_mb));
+        }
+        if !(self.collective_timeout > 0.0 && self.collective_timeout.is_finite()) {
+            return usage(format!("--collective-timeout must be a positive number of seconds, got {}", self.collective_timeout));
         }
         // Parameter-server hook: its flags, checked before any rank starts.
         crate::dist::parameter_server::check_flags(

@@ -31,6 +31,7 @@ pub mod ps_bench;
 pub mod report;
 pub mod results_page;
 pub mod scaling;
+pub mod slurm;
 pub mod tensorboard;
 pub mod torch_ext;
 pub mod train;

@@ -16,6 +16,7 @@ fn meta(model: &ModelSpec, epoch: usize) -> CheckpointMeta {
         optimizer: "adam".into(),
         epoch,
         step: epoch * 10,
+        epoch_step: 0,
         seed: 5,
         config: serde_json::json!({"lr": 1e-3}),
         torch_version: common::torch_version().into(),

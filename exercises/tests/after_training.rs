@@ -24,13 +24,21 @@ fn per_epoch_checkpoints_are_kept_and_any_of_them_tested_without_training() {
     let out = run(exercise1, &train);
     assert!(out.status.success(), "{}", stderr(&out));
 
-    // The latest, and the last two epochs' (epoch 1's removed when epoch 3's was kept).
+    // The latest, the one it replaced (the fallback should it be unreadable), and the last two
+    // epochs' (epoch 1's removed when epoch 3's was kept).
     let mut files: Vec<String> = std::fs::read_dir(&ck).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     files.sort();
-    assert_eq!(files, ["exercise1-cnn-cpu-epoch2.safetensors", "exercise1-cnn-cpu-epoch3.safetensors", "exercise1-cnn-cpu.safetensors"]);
+    let kept = [
+        "exercise1-cnn-cpu-epoch2.safetensors",
+        "exercise1-cnn-cpu-epoch3.safetensors",
+        "exercise1-cnn-cpu.previous.safetensors",
+        "exercise1-cnn-cpu.safetensors",
+    ];
+    assert_eq!(files, kept);
     let read = |name: &str| std::fs::read(ck.join(name)).unwrap();
     assert_eq!(read("exercise1-cnn-cpu-epoch3.safetensors"), read("exercise1-cnn-cpu.safetensors"));
     assert_ne!(read("exercise1-cnn-cpu-epoch2.safetensors"), read("exercise1-cnn-cpu.safetensors"));
+    assert_eq!(read("exercise1-cnn-cpu-epoch2.safetensors"), read("exercise1-cnn-cpu.previous.safetensors"));
 
     // Testing the latest gives the trained run's test figures, and trains nothing.
     let trained = read_json(&results.join("exercise1-cnn-cpu.json"));

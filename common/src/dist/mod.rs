@@ -119,6 +119,7 @@ pub mod rendezvous;
 pub mod single;
 pub mod tensor_parallel;
 pub mod transfer;
+pub mod watchdog;
 pub mod zero;
 
 pub use data_parallel::{DistributedOptimizer, GradientSync};

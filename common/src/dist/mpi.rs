@@ -13,10 +13,15 @@
 //! one whose size differs from the receiving tensor's, which MPI itself would treat as a fatal
 //! error or silently accept. Only the byte count can be checked: a tensor of another shape or
 //! kind with the same number of bytes is received as its bytes.
-use std::cell::RefCell;
+//!
+//! Nothing waits forever: every operation is started non-blocking (`MPI_Iallreduce`,
+//! `MPI_Improbe`, ...) and polled against [`watchdog`]'s deadline; a rank that never comes is
+//! named and the job ended (see [`MpiCollectives::declare_hung`]).
+use std::cell::{Cell, RefCell};
 use std::ffi::c_int;
 use std::mem::MaybeUninit;
 use std::rc::Rc;
+use std::time::{Duration, Instant};
 
 use ::mpi::collective::SystemOperation;
 use ::mpi::environment::Universe;
@@ -28,6 +33,7 @@ use ::mpi::Threading;
 use anyhow::{anyhow, bail, Result};
 use tch::{Device, Kind, Tensor};
 
+use super::watchdog::{self, Hang};
 use super::{byte_size, check_peer, check_reduce, check_root, check_scatter, Collectives, ReduceOp};
 
 /// MPI counts elements in a C `int`: longer buffers are sent in pieces of at most this many.
@@ -35,6 +41,8 @@ const MAX_COUNT: usize = i32::MAX as usize;
 
 /// The tag of every point-to-point message: one stream per pair of ranks, in order.
 const P2P_TAG: c_int = 0;
+/// The tag of the watchdog's roll call (on a communicator of its own).
+const WATCH_TAG: c_int = 7;
 
 /// One communicator of this process's MPI: `MPI_COMM_WORLD`, or a sub-communicator made by
 /// [`MpiCollectives::split`].
@@ -48,6 +56,13 @@ const P2P_TAG: c_int = 0;
 /// this value may call its collectives (LibTorch's own worker threads never call MPI).
 pub struct MpiCollectives {
     comm: SimpleCommunicator,
+    /// A duplicate of `comm` for the watchdog's roll call, so that it never meets a message of
+    /// the program's.
+    watch: SimpleCommunicator,
+    /// The job (world) rank of each rank of `comm`, to name them.
+    world_ranks: Vec<usize>,
+    /// Operations started on `comm` so far.
+    seq: Cell<u64>,
     /// Sends handed to MPI that may not have completed yet.
     pending: RefCell<Vec<PendingSend>>,
     /// Dropped after `comm` (freed first when it is a sub-communicator); the last clone's drop
@@ -71,7 +86,13 @@ impl MpiCollectives {
         if provided < Threading::Funneled {
             bail!("the MPI library offers thread level {provided:?}, but LibTorch's threads need at least Funneled");
         }
-        Ok(MpiCollectives { comm: universe.world(), pending: RefCell::default(), _universe: Rc::new(universe) })
+        Ok(MpiCollectives::on(universe.world(), Rc::new(universe)))
+    }
+
+    fn on(comm: SimpleCommunicator, universe: Rc<Universe>) -> MpiCollectives {
+        let watch = comm.duplicate();
+        let world_ranks = world_ranks(&comm);
+        MpiCollectives { comm, watch, world_ranks, seq: Cell::new(0), pending: RefCell::default(), _universe: universe }
     }
 
     /// The ranks of this communicator that pass the same `color`, ordered by `key` (ties by
@@ -82,7 +103,7 @@ impl MpiCollectives {
         let Some(comm) = self.comm.split_by_color_with_key(Color::with_value(color), key) else {
             bail!("MPI_Comm_split returned no communicator for color {color}");
         };
-        Ok(MpiCollectives { comm, pending: RefCell::default(), _universe: self._universe.clone() })
+        Ok(MpiCollectives::on(comm, self._universe.clone()))
     }
 
     /// This process's rank in the communicator.
@@ -130,8 +151,12 @@ impl MpiCollectives {
     unsafe fn receive_piece(&self, dst: *mut u8, len: usize, src: usize) -> Result<usize> {
         let mut message = ffi::RSMPI_MESSAGE_NULL;
         let mut status = MaybeUninit::<ffi::MPI_Status>::uninit();
-        let code = ffi::MPI_Mprobe(src as c_int, P2P_TAG, self.comm.as_raw(), &mut message, status.as_mut_ptr());
-        check_code(code, "MPI_Mprobe")?;
+        let comm = self.comm.as_raw();
+        self.wait_until(&format!("receive from rank {}", self.world_ranks[src]), || {
+            let mut found: c_int = 0;
+            check_code(ffi::MPI_Improbe(src as c_int, P2P_TAG, comm, &mut found, &mut message, status.as_mut_ptr()), "MPI_Improbe")?;
+            Ok(found != 0)
+        })?;
         let mut count: c_int = 0;
         let code = ffi::MPI_Get_count(status.as_ptr(), ffi::RSMPI_UINT8_T, &mut count);
         check_code(code, "MPI_Get_count")?;
@@ -143,9 +168,100 @@ impl MpiCollectives {
             scratch.resize(size, 0u8);
             scratch.as_mut_ptr()
         };
-        let code = ffi::MPI_Mrecv(into.cast(), count, ffi::RSMPI_UINT8_T, &mut message, ffi::RSMPI_STATUS_IGNORE);
-        check_code(code, "MPI_Mrecv")?;
+        let mut request = null_request();
+        check_code(ffi::MPI_Imrecv(into.cast(), count, ffi::RSMPI_UINT8_T, &mut message, &mut request), "MPI_Imrecv")?;
+        self.complete(&mut request, &format!("receive from rank {}", self.world_ranks[src]))?;
         Ok(size)
+    }
+}
+
+/// Waiting against the deadline.
+impl MpiCollectives {
+    /// Polls `ready` until it says the operation `op` (just started) is done; past the deadline
+    /// the job ends ([`MpiCollectives::declare_hung`]). Polls spin briefly, then yield (ranks
+    /// may share cores), then sleep a little (a long wait need not burn a core).
+    fn wait_until(&self, op: &str, mut ready: impl FnMut() -> Result<bool>) -> Result<()> {
+        let seq = self.seq.get() + 1;
+        self.seq.set(seq);
+        let started = Instant::now();
+        let deadline = watchdog::deadline(seq);
+        for polls in 0u64.. {
+            if ready()? {
+                return Ok(());
+            }
+            if polls % 1024 == 1023 && started.elapsed() >= deadline {
+                self.declare_hung(op, seq, started.elapsed());
+            }
+            match polls {
+                0..64 => std::hint::spin_loop(),
+                64..4096 => std::thread::yield_now(),
+                _ => std::thread::sleep(Duration::from_micros(100)),
+            }
+        }
+        unreachable!("the polls never run out")
+    }
+
+    /// Waits for the non-blocking operation `request` (just started) against the deadline.
+    fn complete(&self, request: &mut ffi::MPI_Request, op: &str) -> Result<()> {
+        self.wait_until(op, || {
+            let mut done: c_int = 0;
+            // SAFETY: a live request of this process; MPI marks it completed when done.
+            check_code(unsafe { ffi::MPI_Test(request, &mut done, ffi::RSMPI_STATUS_IGNORE) }, op)?;
+            Ok(done != 0)
+        })
+    }
+
+    /// `op`, operation `seq` of this communicator, waited past its deadline: the ranks that are
+    /// waiting too (they time out at about the same moment) call the roll on the watchdog's
+    /// communicator, each sending the others its operation number; after [`watchdog::grace`],
+    /// the lowest rank that answered says which did not ([`Hang`]) and every one of them ends
+    /// the job (the others a moment later, so that the line is out first).
+    fn declare_hung(&self, op: &str, seq: u64, waited: Duration) -> ! {
+        let (me, size) = (self.rank(), self.size());
+        let mine = [seq];
+        let mut answers = vec![[0u64]; size];
+        let mut requests = Vec::with_capacity(2 * size);
+        let comm = self.watch.as_raw();
+        for (rank, answer) in answers.iter_mut().enumerate().filter(|(rank, _)| *rank != me) {
+            let mut request = null_request();
+            // SAFETY: `answer` and `mine` outlive the requests (the process ends below).
+            unsafe {
+                ffi::MPI_Irecv(answer.as_mut_ptr().cast(), 1, ffi::RSMPI_UINT64_T, rank as c_int, WATCH_TAG, comm, &mut request);
+                requests.push((rank, request));
+                let mut send = null_request();
+                ffi::MPI_Isend(mine.as_ptr().cast(), 1, ffi::RSMPI_UINT64_T, rank as c_int, WATCH_TAG, comm, &mut send);
+            }
+        }
+        let until = Instant::now() + watchdog::grace();
+        let mut answered = vec![false; size];
+        answered[me] = true;
+        while Instant::now() < until && answered.iter().any(|a| !a) {
+            for (rank, request) in requests.iter_mut() {
+                if answered[*rank] {
+                    continue;
+                }
+                let mut done: c_int = 0;
+                // SAFETY: a live receive request of this process.
+                unsafe { ffi::MPI_Test(request, &mut done, ffi::RSMPI_STATUS_IGNORE) };
+                answered[*rank] = done != 0;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        answers[me] = mine;
+        let hang = Hang {
+            op: op.to_string(),
+            seq,
+            group_size: size,
+            waited,
+            answered: (0..size).filter(|&r| answered[r]).map(|r| (self.world_ranks[r], answers[r][0])).collect(),
+            silent: (0..size).filter(|&r| !answered[r]).map(|r| self.world_ranks[r]).collect(),
+        };
+        if answered.iter().position(|&a| a) == Some(me) {
+            eprintln!("error on rank {}: {hang}", self.world_ranks[me]);
+        } else {
+            std::thread::sleep(Duration::from_secs(2));
+        }
+        self.abort(watchdog::HUNG_EXIT_CODE)
     }
 }
 
@@ -156,10 +272,14 @@ impl MpiCollectives {
     pub fn probe_any(&self) -> Result<usize> {
         self.forget_completed_sends()?;
         let mut status = MaybeUninit::<ffi::MPI_Status>::uninit();
-        // SAFETY: a valid communicator and a status MPI writes before it returns.
-        let code = unsafe { ffi::MPI_Probe(ffi::RSMPI_ANY_SOURCE, P2P_TAG, self.comm.as_raw(), status.as_mut_ptr()) };
-        check_code(code, "MPI_Probe")?;
-        // SAFETY: MPI_Probe returned MPI_SUCCESS, so it filled the status in.
+        let comm = self.comm.as_raw();
+        self.wait_until("probe for a message from any rank", || {
+            let mut found: c_int = 0;
+            // SAFETY: a valid communicator and a status MPI writes when it finds a message.
+            check_code(unsafe { ffi::MPI_Iprobe(ffi::RSMPI_ANY_SOURCE, P2P_TAG, comm, &mut found, status.as_mut_ptr()) }, "MPI_Iprobe")?;
+            Ok(found != 0)
+        })?;
+        // SAFETY: MPI_Iprobe found a message, so it filled the status in.
         let status = unsafe { status.assume_init() };
         Ok(usize::try_from(status.MPI_SOURCE)?)
     }
@@ -180,6 +300,31 @@ impl Drop for MpiCollectives {
             eprintln!("warning: MPI rank {}: completing the outstanding sends failed: {err:#}", self.rank());
         }
     }
+}
+
+/// A request handle before MPI fills it in.
+fn null_request() -> ffi::MPI_Request {
+    // SAFETY: a constant MPI defines, read only.
+    unsafe { ffi::RSMPI_REQUEST_NULL }
+}
+
+/// The job (world) rank of each rank of `comm`.
+fn world_ranks(comm: &SimpleCommunicator) -> Vec<usize> {
+    let size = comm.size();
+    let ranks: Vec<c_int> = (0..size).collect();
+    let mut world = vec![0 as c_int; size as usize];
+    let (mut group, mut world_group) = (MaybeUninit::uninit(), MaybeUninit::uninit());
+    // SAFETY: valid communicators; MPI writes the groups and `world` (size entries) before
+    // returning; the groups are freed after.
+    unsafe {
+        ffi::MPI_Comm_group(comm.as_raw(), group.as_mut_ptr());
+        ffi::MPI_Comm_group(ffi::RSMPI_COMM_WORLD, world_group.as_mut_ptr());
+        let (mut group, mut world_group) = (group.assume_init(), world_group.assume_init());
+        ffi::MPI_Group_translate_ranks(group, size, ranks.as_ptr(), world_group, world.as_mut_ptr());
+        ffi::MPI_Group_free(&mut group);
+        ffi::MPI_Group_free(&mut world_group);
+    }
+    world.into_iter().map(|r| r.max(0) as usize).collect()
 }
 
 /// An error for an MPI return code other than `MPI_SUCCESS` (MPI's default error handler ends
@@ -294,7 +439,10 @@ impl Collectives for MpiCollectives {
             // SAFETY: both are fresh contiguous CPU tensors of kind T; `sum` is a separate allocation.
             let (src, dst) = unsafe { (elements::<T>(&send), elements_mut::<T>(&mut sum)) };
             for (src, dst) in src.chunks(MAX_COUNT).zip(dst.chunks_mut(MAX_COUNT)) {
-                self.comm.all_reduce_into(src, dst, mpi_op(op));
+                let mut request = null_request();
+                // SAFETY: both slices outlive the request, which completes before they are used.
+                check_code(unsafe { ffi::MPI_Iallreduce(src.as_ptr().cast(), dst.as_mut_ptr().cast(), src.len() as c_int, T::equivalent_datatype().as_raw(), mpi_op(op).as_raw(), self.comm.as_raw(), &mut request) }, "MPI_Iallreduce")?;
+                self.complete(&mut request, "all_reduce")?;
             }
         });
         if op == ReduceOp::Average {
@@ -311,9 +459,11 @@ impl Collectives for MpiCollectives {
         with_element_type!(buffer.kind(), T => {
             // SAFETY: `buffer` is contiguous, on the CPU, of kind T, and only MPI writes it here.
             let data = unsafe { elements_mut::<T>(&mut buffer) };
-            let root = self.comm.process_at_rank(root as i32);
             for piece in data.chunks_mut(MAX_COUNT) {
-                root.broadcast_into(piece);
+                let mut request = null_request();
+                // SAFETY: the piece outlives the request, which completes before it is used.
+                check_code(unsafe { ffi::MPI_Ibcast(piece.as_mut_ptr().cast(), piece.len() as c_int, T::equivalent_datatype().as_raw(), root as c_int, self.comm.as_raw(), &mut request) }, "MPI_Ibcast")?;
+                self.complete(&mut request, &format!("broadcast from rank {}", self.world_ranks[root]))?;
             }
         });
         copy_back(tensor, &buffer);
@@ -332,7 +482,11 @@ impl Collectives for MpiCollectives {
             // SAFETY: both are contiguous CPU tensors of kind T; `gathered` is a fresh allocation.
             let (src, dst) = unsafe { (elements::<T>(&send), elements_mut::<T>(&mut gathered)) };
             if !src.is_empty() {
-                self.comm.all_gather_into(src, dst);
+                let (count, datatype) = (src.len() as c_int, T::equivalent_datatype().as_raw());
+                let mut request = null_request();
+                // SAFETY: both slices outlive the request, which completes before they are used.
+                check_code(unsafe { ffi::MPI_Iallgather(src.as_ptr().cast(), count, datatype, dst.as_mut_ptr().cast(), count, datatype, self.comm.as_raw(), &mut request) }, "MPI_Iallgather")?;
+                self.complete(&mut request, "all_gather")?;
             }
         });
         Ok(gathered.unbind(0))
@@ -349,7 +503,10 @@ impl Collectives for MpiCollectives {
             // SAFETY: both are contiguous CPU tensors of kind T; `mine` is a fresh allocation.
             let (src, dst) = unsafe { (elements::<T>(&send), elements_mut::<T>(&mut mine)) };
             if !dst.is_empty() {
-                self.comm.reduce_scatter_block_into(src, dst, mpi_op(op));
+                let mut request = null_request();
+                // SAFETY: both slices outlive the request, which completes before they are used.
+                check_code(unsafe { ffi::MPI_Ireduce_scatter_block(src.as_ptr().cast(), dst.as_mut_ptr().cast(), dst.len() as c_int, T::equivalent_datatype().as_raw(), mpi_op(op).as_raw(), self.comm.as_raw(), &mut request) }, "MPI_Ireduce_scatter_block")?;
+                self.complete(&mut request, "reduce_scatter")?;
             }
         });
         if op == ReduceOp::Average {
@@ -359,8 +516,10 @@ impl Collectives for MpiCollectives {
     }
 
     fn barrier(&self) -> Result<()> {
-        self.comm.barrier();
-        Ok(())
+        let mut request = null_request();
+        // SAFETY: a valid communicator; the request completes before returning.
+        check_code(unsafe { ffi::MPI_Ibarrier(self.comm.as_raw(), &mut request) }, "MPI_Ibarrier")?;
+        self.complete(&mut request, "barrier")
     }
 
     fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
@@ -413,13 +572,18 @@ impl Collectives for MpiCollectives {
             return Ok(());
         }
         let mut requests: Vec<ffi::MPI_Request> = sends.iter().map(|s| s.request).collect();
-        // SAFETY: live requests of this process; MPI marks each one completed.
-        let code = unsafe { ffi::MPI_Waitall(requests.len() as c_int, requests.as_mut_ptr(), ffi::RSMPI_STATUSES_IGNORE) };
-        if code != ffi::MPI_SUCCESS as c_int {
+        let waited = self.wait_until("the outstanding sends' delivery", || {
+            let mut done: c_int = 0;
+            // SAFETY: live requests of this process; MPI marks each one completed.
+            let code = unsafe { ffi::MPI_Testall(requests.len() as c_int, requests.as_mut_ptr(), &mut done, ffi::RSMPI_STATUSES_IGNORE) };
+            check_code(code, "MPI_Testall on the outstanding sends")?;
+            Ok(done != 0)
+        });
+        if waited.is_err() {
             // MPI may still read the tensors: leak them rather than free memory in use.
             std::mem::forget(sends);
         }
-        check_code(code, "MPI_Waitall on the outstanding sends")
+        waited
     }
 
     fn probe_any_source(&self) -> Result<usize> {

@@ -111,6 +111,7 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
     run.matmul_precision.apply()?;
     exp.recipe_args().check()?;
     parallel.check()?;
+    crate::dist::watchdog::set_timeout(std::time::Duration::from_secs_f64(parallel.collective_timeout));
     exp.check()?;
     // Found before the first step, not after the last one (whose results would be lost).
     writable_dir(&run.results_dir, "--results-dir")?;

@@ -61,7 +61,10 @@ pub(super) fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, 
     observers.add(step_losses);
     let before = groups.comm_stats();
     let Built { step, optimizer, sources, .. } = &mut built;
-    let mut fit = train::fit(step.as_mut(), optimizer.as_mut(), sources.train.as_ref(), sources.eval.as_ref(), &config, &mut observers)?;
+    let mut fit = match train::fit(step.as_mut(), optimizer.as_mut(), sources.train.as_ref(), sources.eval.as_ref(), &config, &mut observers) {
+        Err(stopped) if stopped.is::<crate::error::Stopped>() && groups.is_root() => return Err(requeue_after(stopped, exp.run_args(), &mut observers)),
+        fit => fit?,
+    };
     let communication = groups.comm_stats().since(before);
     // Every parameter-server worker says it is done; worker 0 gets the servers' figures.
     let parameter_server = groups.parameter_servers().map(|link| link.finish()).transpose()?.flatten();
@@ -318,6 +321,26 @@ fn check_zero<E: Experiment>(exp: &E, stage: ZeroStage, groups: &Groups) -> Resu
         return usage(format!("--zero {n} is for whole models on each replica; with pipeline stages or tensor-parallel shards use --zero 1"));
     }
     Ok(())
+}
+
+/// A run a signal stopped: its Slurm job queued again where `--requeue` says so (it resumes from
+/// the checkpoint just written), then the stop itself, for its exit code.
+fn requeue_after(stopped: anyhow::Error, run: &RunArgs, session: &mut Observers) -> anyhow::Error {
+    let saved = stopped.downcast_ref::<crate::error::Stopped>().is_some_and(|s| s.checkpoint.is_some());
+    if !saved || !run.resume {
+        // Requeued without a checkpoint to resume from, it would start over: not asked for.
+        return stopped;
+    }
+    let said = match crate::slurm::requeue(run.requeue) {
+        Ok(Some(job)) => session.info(format!("requeued Slurm job {job}: it resumes from the checkpoint")),
+        Ok(None) => Ok(()),
+        // The checkpoint is safe and the stop still exits 75: a job script can resubmit.
+        Err(err) => session.warn(format!("{err:#}")),
+    };
+    match said {
+        Ok(()) => stopped,
+        Err(err) => err,
+    }
 }
 
 /// Where a run's checkpoints go and what it starts from: (folder, resume, a file to start from)

@@ -1,0 +1,99 @@
+//! Deadlines for communication: a rank that stops (SIGSTOP, a hung GPU, a lost node whose MPI
+//! connection stays open) would otherwise leave every other rank waiting in its collective
+//! forever. Every collective and message of the MPI engine waits against a deadline
+//! (`--collective-timeout`, 10 minutes by default, as PyTorch's NCCL watchdog; the first
+//! operation of each group waits at least [`FIRST_AT_LEAST`], start-up and data loading in
+//! mind). When it passes, the waiting ranks ask each other, on a communicator of their own, who
+//! is there ([`Hang`]): the lowest of them says in one line which operation of which group
+//! waited how long and which ranks did not answer, and the job ends (`MPI_Abort`).
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// The default deadline of one operation.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+/// The least a group's first operation waits.
+pub const FIRST_AT_LEAST: Duration = Duration::from_secs(300);
+/// The exit code of a job ended for a hang.
+pub const HUNG_EXIT_CODE: i32 = 3;
+
+static TIMEOUT_MS: AtomicU64 = AtomicU64::new(DEFAULT_TIMEOUT.as_millis() as u64);
+
+/// Sets the deadline of every later operation in this process (`--collective-timeout`).
+pub fn set_timeout(timeout: Duration) {
+    TIMEOUT_MS.store(timeout.as_millis().max(1) as u64, Ordering::Relaxed);
+}
+
+pub fn timeout() -> Duration {
+    Duration::from_millis(TIMEOUT_MS.load(Ordering::Relaxed))
+}
+
+/// How long operation number `seq` (from 1) of a group may wait.
+pub fn deadline(seq: u64) -> Duration {
+    match seq {
+        1 => timeout().max(FIRST_AT_LEAST),
+        _ => timeout(),
+    }
+}
+
+/// How long the ranks that timed out wait for each other's answers: long enough for the others
+/// to time out too (they entered the operation a little later), short beside the deadline.
+pub fn grace() -> Duration {
+    timeout().clamp(Duration::from_secs(1), Duration::from_secs(10))
+}
+
+/// What a hang looked like from the ranks that were still there.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Hang {
+    /// The operation (`all_reduce`, `recv from rank 1`, ...).
+    pub op: String,
+    /// Its number among the group's operations, from 1, on the rank that reports.
+    pub seq: u64,
+    pub group_size: usize,
+    pub waited: Duration,
+    /// Job (world) ranks that answered, with the number of the operation each waited in.
+    pub answered: Vec<(usize, u64)>,
+    /// Job ranks of the group that did not answer.
+    pub silent: Vec<usize>,
+}
+
+impl std::fmt::Display for Hang {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ranks = |ranks: &[usize]| ranks.iter().map(usize::to_string).collect::<Vec<_>>().join(", ");
+        let group = if self.group_size == 1 { String::from("1 rank") } else { format!("{} ranks", self.group_size) };
+        write!(f, "{} (operation #{} of a group of {group}) waited {:.0} s (--collective-timeout): ", self.op, self.seq, self.waited.as_secs_f64())?;
+        if self.silent.is_empty() {
+            let at: Vec<String> = self.answered.iter().map(|(rank, seq)| format!("rank {rank} at #{seq}")).collect();
+            return write!(f, "every rank is there but they wait in different operations ({}): the ranks called different collectives", at.join(", "));
+        }
+        let answered: Vec<usize> = self.answered.iter().map(|(rank, _)| *rank).collect();
+        let (s, verb) = if self.silent.len() == 1 { ("", "does") } else { ("s", "do") };
+        let waiting = if answered.len() == 1 { format!("rank {} was waiting", answered[0]) } else { format!("ranks {} were waiting", ranks(&answered)) };
+        write!(f, "rank{s} {} {verb} not answer (stopped, hung, or still busy elsewhere; {waiting}): ending the job", ranks(&self.silent))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hang_names_the_silent_ranks_and_a_mismatch_says_so() {
+        let hang = Hang {
+            op: "all_reduce".into(),
+            seq: 57,
+            group_size: 4,
+            waited: Duration::from_secs(60),
+            answered: vec![(0, 57), (2, 57), (3, 57)],
+            silent: vec![1],
+        };
+        assert_eq!(
+            hang.to_string(),
+            "all_reduce (operation #57 of a group of 4 ranks) waited 60 s (--collective-timeout): rank 1 does not answer (stopped, hung, or still busy elsewhere; ranks 0, 2, 3 were waiting): ending the job"
+        );
+        let mismatch = Hang { answered: vec![(0, 57), (1, 58)], silent: vec![], group_size: 2, ..hang };
+        assert!(mismatch.to_string().contains("rank 0 at #57, rank 1 at #58"), "{mismatch}");
+        let pair = Hang { answered: vec![(0, 9)], silent: vec![1], group_size: 2, ..mismatch };
+        assert!(pair.to_string().contains("rank 1 does not answer (stopped, hung, or still busy elsewhere; rank 0 was waiting)"), "{pair}");
+        assert_eq!(deadline(1), FIRST_AT_LEAST.max(timeout()));
+    }
+}

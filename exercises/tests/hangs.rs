@@ -1,0 +1,117 @@
+//! A rank that stops (SIGSTOP: as a hung GPU or a node whose connection stays open) no longer
+//! leaves the others waiting in their collective forever: past `--collective-timeout` the job
+//! ends, with one line naming the rank that did not answer. 2 and 4 CPU ranks under mpirun.
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use support::stderr;
+
+/// The processes under `pid` (children, theirs, ...), from /proc.
+fn descendants(pid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return found };
+    for task in tasks.flatten() {
+        let children = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+        for child in children.split_whitespace().filter_map(|c| c.parse::<u32>().ok()) {
+            found.push(child);
+            found.extend(descendants(child));
+        }
+    }
+    found
+}
+
+/// The process of MPI rank `rank` among `pid`'s descendants (its environment says so).
+fn rank_process(pid: u32, rank: usize) -> Option<u32> {
+    let wanted = format!("OMPI_COMM_WORLD_RANK={rank}");
+    descendants(pid).into_iter().find(|p| {
+        let environ = std::fs::read(format!("/proc/{p}/environ")).unwrap_or_default();
+        environ.split(|&b| b == 0).any(|var| var == wanted.as_bytes())
+    })
+}
+
+fn signal(pid: u32, signal: &str) {
+    let _ = Command::new("kill").args([signal, &pid.to_string()]).status();
+}
+
+fn generated_cifar(dir: &Path) {
+    let out = Command::new(env!("CARGO_BIN_EXE_prepare_data"))
+        .args(["generate", "--dataset", "cifar10", "--train", "64", "--test", "16", "--out"])
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+/// `ranks` ranks train; once the first epoch has ended, the last rank is stopped: the job must
+/// end (non-zero) within the timeout and a margin, naming it.
+fn a_stopped_rank_ends_the_job_naming_it(ranks: usize) {
+    let (data, results) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    generated_cifar(data.path());
+    let timeout = 3;
+    let mut job = Command::new(env!("CARGO_BIN_EXE_exercise2"))
+        .args(["--model", "cnn", "--num-classes", "10", "--device", "cpu", "--threads", "1", "--workers", "0", "--batch-size", "8", "--epochs", "100000"])
+        .args(["--nproc-per-node", &ranks.to_string(), "--max-ranks-per-core", "8", "--quiet", "--collective-timeout", &timeout.to_string()])
+        .arg("--data-dir")
+        .arg(data.path())
+        .arg("--results-dir")
+        .arg(results.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The first epoch's line: the ranks are past start-up and inside the training loop.
+    let stdout = BufReader::new(job.stdout.take().unwrap());
+    let mut said = Vec::new();
+    for line in stdout.lines().map_while(Result::ok) {
+        let started = line.contains("epoch 1/");
+        said.push(line);
+        if started {
+            break;
+        }
+    }
+    let last = ranks - 1;
+    let stopped = rank_process(job.id(), last).unwrap_or_else(|| panic!("no process of rank {last} under the launcher: {said:?}"));
+    signal(stopped, "-STOP");
+    let since = Instant::now();
+    let bound = Duration::from_secs(timeout + 40);
+    let status = loop {
+        if let Some(status) = job.try_wait().unwrap() {
+            break Some(status);
+        }
+        if since.elapsed() > bound {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let waited = since.elapsed();
+    // Whatever happened, leave nothing behind.
+    signal(stopped, "-KILL");
+    let Some(status) = status else {
+        let _ = job.kill();
+        panic!("{ranks} ranks, rank {last} stopped: the job had not ended after {waited:?}");
+    };
+    let out = job.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert!(!status.success(), "{err}");
+    let named = format!("rank {last} does not answer");
+    assert!(err.contains(&named) && err.contains("--collective-timeout"), "{ranks} ranks: no '{named}' in: {err}");
+    println!(
+        "{ranks} ranks, rank {last} stopped: the job ended after {:.1} s (timeout {timeout} s): {}",
+        waited.as_secs_f64(),
+        err.lines().find(|l| l.contains(&named)).unwrap_or_default()
+    );
+}
+
+#[test]
+fn a_stopped_rank_of_two_ends_the_job_naming_it() {
+    a_stopped_rank_ends_the_job_naming_it(2);
+}
+
+#[test]
+fn a_stopped_rank_of_four_ends_the_job_naming_it() {
+    a_stopped_rank_ends_the_job_naming_it(4);
+}

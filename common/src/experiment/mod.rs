@@ -278,7 +278,7 @@ fn run_per_device<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<V
         records.extend(train_on(exp, &data, &groups, device, &mut session)?);
     }
     if records.is_empty() {
-        return Ok(records); // --eval-only: each device said its figures
+        return Ok(records); // --eval-only, or a finished run resumed: each device said why
     }
     let missing = (run.device == DeviceChoice::Both && !device::cuda_available()).then_some("no CUDA device on this machine; the run above is CPU only");
     if run.device == DeviceChoice::Both {

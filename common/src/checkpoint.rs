@@ -1,9 +1,9 @@
 //! Checkpoints: model variables, optimizer state, progress and configuration in one
 //! `.safetensors` file, the JSON metadata in its header.
 //!
-//! A checkpoint is written to a temporary file beside the target, flushed to disk and then
-//! renamed over it, so a run killed at any moment leaves either the previous checkpoint or
-//! the new one, never a torn file.
+//! A checkpoint is written through [`crate::atomic_file`] (a temporary file beside the target,
+//! flushed to disk, then renamed over it), so a run killed at any moment leaves either the
+//! previous checkpoint or the new one, never a torn file.
 use crate::optim::Optimizer;
 use anyhow::Context;
 use safetensors::tensor::{Dtype, SafeTensors, View};
@@ -115,21 +115,7 @@ pub fn save_tensors(path: &Path, variables: Vec<(String, Tensor)>, state: Vec<(S
 
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create checkpoint directory {}", dir.display()))?;
-    let tmp = path.with_extension(format!("safetensors.tmp-{}", std::process::id()));
-    let written = safetensors::serialize_to_file(views, Some(metadata), &tmp)
-        .with_context(|| format!("cannot write checkpoint {}", tmp.display()))
-        .and_then(|()| {
-            std::fs::File::open(&tmp)?.sync_all()?;
-            std::fs::rename(&tmp, path)?;
-            // Make the rename itself durable.
-            std::fs::File::open(dir)?.sync_all()?;
-            Ok(())
-        })
-        .with_context(|| format!("cannot write checkpoint {}", path.display()));
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written
+    crate::atomic_file::write_with(path, |tmp| safetensors::serialize_to_file(views, Some(metadata), tmp).context("cannot serialise the checkpoint"))
 }
 
 /// Reads a checkpoint, checking its format.

@@ -212,7 +212,7 @@ fn estimate_memory<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<
     let path = run.results_dir.join(format!("{name}.memory-estimate.json"));
     let json =
         serde_json::json!({ "run": name, "world_size": world, "device": device, "precision": run.precision.name(), "flags": exp.flags_json(), "ranks": rows });
-    std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n").with_context(|| format!("cannot write {}", path.display()))?;
+    crate::atomic_file::write(&path, serde_json::to_string_pretty(&json)? + "\n")?;
     session.info(format!("wrote {}", path.display()))
 }
 

@@ -91,6 +91,43 @@ fn a_finished_run_resubmitted_with_resume_leaves_its_results_as_they_are() {
 }
 
 #[test]
+fn report_names_a_results_file_it_cannot_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, results) = (dir.path().join("data"), dir.path().join("results"));
+    let out = run(env!("CARGO_BIN_EXE_prepare_data"), &["generate", "--dataset", "cifar10", "--train", "40", "--test", "20", "--out", data.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = run(
+        env!("CARGO_BIN_EXE_exercise1"),
+        &[
+            "--device",
+            "cpu",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--batch-size",
+            "20",
+            "--epochs",
+            "1",
+            "--quiet",
+            "--results-dir",
+            results.to_str().unwrap(),
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    // Another run's file, torn as a write cut short leaves it (the first half of a real one).
+    let whole = std::fs::read(results.join("exercise1-cnn-cpu.json")).unwrap();
+    let torn = results.join("exercise1-resnet34-cpu.json");
+    std::fs::write(&torn, &whole[..whole.len() / 2]).unwrap();
+
+    let out = run(env!("CARGO_BIN_EXE_report"), &["--results-dir", results.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let warnings: Vec<&str> = std::str::from_utf8(&out.stderr).unwrap().lines().filter(|l| l.starts_with("warning:")).collect();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].contains(&format!("could not read {}: not valid JSON", torn.display())), "{}", warnings[0]);
+    let page = std::fs::read_to_string(results.join("README.md")).unwrap();
+    assert!(page.contains("### exercise1 · cnn") && !page.contains("resnet34"), "{page}");
+}
+
+#[test]
 fn eval_only_needs_a_checkpoint_that_exists() {
     let exercise1 = env!("CARGO_BIN_EXE_exercise1");
     let out = run(exercise1, &["--device", "cpu", "--eval-only"]);

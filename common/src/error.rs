@@ -15,6 +15,21 @@ pub struct UsageError(pub String);
 #[error("the ranks started through mpirun failed (exit code {0})")]
 pub struct ChildExit(pub i32);
 
+/// The `--nproc-per-node` launcher was told to stop (Ctrl-C, `kill`, `scancel`): it passed the
+/// signal on to mpirun, which stopped the ranks; exit with the shell's code for it, 128 + signal.
+#[derive(Debug, thiserror::Error)]
+#[error("stopped by {}: passed on to mpirun, which stopped the ranks", signal_name(*.0))]
+pub struct Interrupted(pub i32);
+
+/// `SIGINT`, `SIGTERM`, or `signal N`.
+fn signal_name(signal: i32) -> String {
+    match signal {
+        libc::SIGINT => "SIGINT".into(),
+        libc::SIGTERM => "SIGTERM".into(),
+        n => format!("signal {n}"),
+    }
+}
+
 /// Shorthand for returning a [`UsageError`].
 pub fn usage<T>(msg: impl Into<String>) -> anyhow::Result<T> {
     Err(UsageError(msg.into()).into())
@@ -36,8 +51,12 @@ pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
     }
 }
 
-/// 2 for a usage error, the children's code when they failed, 1 otherwise.
+/// 2 for a usage error, the children's code when they failed, 128 + the signal that stopped
+/// them, 1 otherwise.
 pub fn exit_code(err: &anyhow::Error) -> u8 {
+    if let Some(Interrupted(signal)) = err.downcast_ref::<Interrupted>() {
+        return u8::try_from(128 + signal).unwrap_or(1);
+    }
     if let Some(ChildExit(code)) = err.downcast_ref::<ChildExit>() {
         return u8::try_from(*code).ok().filter(|&c| c != 0).unwrap_or(1);
     }

@@ -17,6 +17,8 @@ struct Run {
     device: String,
     #[serde(default)]
     precision: Option<String>,
+    /// Records written before runs had ranks (the committed reference run) are one process.
+    #[serde(default = "one")]
     world_size: usize,
     steps: usize,
     batch_size: usize,
@@ -29,6 +31,10 @@ struct Run {
     #[serde(default)]
     data_generated: bool,
     finished_at: u64,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl Run {
@@ -187,6 +193,11 @@ mod tests {
     fn files_that_cannot_be_read_are_named_and_the_other_runs_shown() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("exercise1-cnn-cpu.json"), run_json("cpu", 500.0)).unwrap();
+        // A record from before runs had ranks is a run of one.
+        let mut older: serde_json::Value = serde_json::from_str(&run_json("cpu", 300.0)).unwrap();
+        older.as_object_mut().unwrap().remove("world_size");
+        older["model"] = "resnet34".into();
+        std::fs::write(dir.path().join("exercise1-resnet34-cpu.json"), older.to_string()).unwrap();
         // A run's file cut short, and a record that lacks what the page shows.
         let whole = run_json("cuda", 4000.0);
         std::fs::write(dir.path().join("exercise1-cnn-cuda.json"), &whole[..whole.len() / 2]).unwrap();
@@ -202,7 +213,8 @@ mod tests {
         assert!(torn.starts_with(&dir.path().join("exercise1-cnn-cuda.json").display().to_string()) && torn.contains("not valid JSON"), "{torn}");
         assert!(updated.unreadable[1].why.contains("missing field"), "{}", updated.unreadable[1]);
         let page = std::fs::read_to_string(updated.readme).unwrap();
-        assert!(page.contains("| cpu | 32 | 1 | 100 | 3 |") && !page.contains("| cuda |") && !page.contains("exercise2"), "{page}");
+        assert!(page.contains("| cpu | 32 | 1 | 100 | 3 | 1.5 | 500.0 |") && !page.contains("| cuda |") && !page.contains("exercise2"), "{page}");
+        assert!(page.contains("### exercise1 · resnet34") && page.contains("| cpu | 32 | 1 | 100 | 3 | 1.5 | 300.0 |"), "{page}");
     }
 
     #[test]

@@ -1,9 +1,9 @@
 //! Checkpoints: model variables, optimizer state, progress and configuration in one
 //! `.safetensors` file, the JSON metadata in its header.
 //!
-//! A checkpoint is written to a temporary file beside the target, flushed to disk and then
-//! renamed over it, so a run killed at any moment leaves either the previous checkpoint or
-//! the new one, never a torn file. The one it replaces stays beside it as
+//! A checkpoint is written through [`crate::atomic_file`] (a temporary file beside the target,
+//! flushed to disk, then renamed over it), so a run killed at any moment leaves either the
+//! previous checkpoint or the new one, never a torn file. The one it replaces stays beside it as
 //! `<run>.previous.safetensors`: should the newest ever be unreadable (a disk that lost blocks,
 //! a file copied in half), [`load_newest`] falls back to it, and says so.
 //!
@@ -159,22 +159,10 @@ impl HostCheckpoint {
         let metadata = HashMap::from([(METADATA_KEY.to_string(), serde_json::to_string(&self.meta)?)]);
         let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create checkpoint directory {}", dir.display()))?;
-        let tmp = temporary_path(path);
-        let written = safetensors::serialize_to_file(views, Some(metadata), &tmp)
-            .with_context(|| format!("cannot write checkpoint {}", tmp.display()))
-            .and_then(|()| {
-                std::fs::File::open(&tmp)?.sync_all()?;
-                keep_previous(path)?;
-                std::fs::rename(&tmp, path)?;
-                // Make the rename itself durable.
-                std::fs::File::open(dir)?.sync_all()?;
-                Ok(())
-            })
-            .with_context(|| format!("cannot write checkpoint {}", path.display()));
-        if written.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        written
+        crate::atomic_file::write_with(path, |tmp| {
+            safetensors::serialize_to_file(views, Some(metadata), tmp).with_context(|| format!("cannot write checkpoint {}", tmp.display()))?;
+            keep_previous(path).with_context(|| format!("cannot keep the previous checkpoint as {}", previous_path(path).display()))
+        })
     }
 }
 
@@ -182,11 +170,6 @@ impl HostCheckpoint {
 pub fn previous_path(path: &Path) -> PathBuf {
     let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("run");
     path.with_file_name(format!("{stem}.previous.safetensors"))
-}
-
-/// This process's temporary file for `path`; a killed writer's are [`remove_stale_temporaries`].
-fn temporary_path(path: &Path) -> PathBuf {
-    path.with_extension(format!("safetensors.tmp-{}", std::process::id()))
 }
 
 /// The checkpoint at `path`, about to be replaced, becomes its [`previous_path`] (a hard link:
@@ -204,7 +187,7 @@ fn keep_previous(path: &Path) -> std::io::Result<()> {
 }
 
 /// Removes the temporary files a killed writer of `path`'s checkpoint left beside it
-/// (`<run>.safetensors.tmp-<pid>`, as large as the checkpoint), except those of a process still
+/// (`<run>.safetensors.tmp-<pid>-<n>`, see [`crate::atomic_file`]; as large as the checkpoint), except those of a process still
 /// running on this machine (a writer of the same run, which this one would race anyway).
 /// Returns what it removed.
 pub fn remove_stale_temporaries(path: &Path) -> anyhow::Result<Vec<PathBuf>> {
@@ -214,7 +197,7 @@ pub fn remove_stale_temporaries(path: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let Ok(entries) = std::fs::read_dir(dir) else { return Ok(Vec::new()) };
     let mut removed = Vec::new();
     for entry in entries.flatten() {
-        let stale = entry.file_name().to_str().and_then(|n| n.strip_prefix(&prefix)?.parse::<u32>().ok());
+        let stale = entry.file_name().to_str().and_then(|n| n.strip_prefix(&prefix)?.split('-').next()?.parse::<u32>().ok());
         let Some(pid) = stale else { continue };
         if pid != std::process::id() && Path::new(&format!("/proc/{pid}")).exists() {
             continue;

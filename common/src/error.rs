@@ -37,6 +37,23 @@ pub struct Stopped {
     pub checkpoint: Option<std::path::PathBuf>,
 }
 
+/// The `--nproc-per-node` launcher was told to stop twice (Ctrl-C twice, `kill` again): it
+/// passed the second signal on to mpirun as it is, which stopped the ranks at once; exit with the
+/// shell's code for it, 128 + signal. (The first asks the ranks to stop at a step and
+/// checkpoint: see `dist::launch`.)
+#[derive(Debug, thiserror::Error)]
+#[error("stopped by {}: passed on to mpirun, which stopped the ranks", signal_name(*.0))]
+pub struct Interrupted(pub i32);
+
+/// `SIGINT`, `SIGTERM`, or `signal N`.
+fn signal_name(signal: i32) -> String {
+    match signal {
+        libc::SIGINT => "SIGINT".into(),
+        libc::SIGTERM => "SIGTERM".into(),
+        n => format!("signal {n}"),
+    }
+}
+
 /// Shorthand for returning a [`UsageError`].
 pub fn usage<T>(msg: impl Into<String>) -> anyhow::Result<T> {
     Err(UsageError(msg.into()).into())
@@ -65,10 +82,14 @@ pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
 }
 
 /// 2 for a usage error, the children's code when they failed, [`STOPPED_EXIT_CODE`] for a run a
-/// signal stopped, 1 otherwise.
+/// signal stopped, 128 + the signal for a launcher whose ranks had to be stopped at once, 1
+/// otherwise.
 pub fn exit_code(err: &anyhow::Error) -> u8 {
     if err.chain().any(|cause| cause.is::<Stopped>()) {
         return STOPPED_EXIT_CODE;
+    }
+    if let Some(Interrupted(signal)) = err.downcast_ref::<Interrupted>() {
+        return u8::try_from(128 + signal).unwrap_or(1);
     }
     if let Some(ChildExit(code)) = err.downcast_ref::<ChildExit>() {
         return u8::try_from(*code).ok().filter(|&c| c != 0).unwrap_or(1);

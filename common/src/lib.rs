@@ -5,6 +5,7 @@
 //! events and their sinks) → [`report`] (tables, CSV/JSON results), with [`checkpoint`]
 //! saving and restoring the whole training state on the way. [`experiment`] does what every
 //! exercise does around the loop; [`presets`] are the course's exercises.
+pub mod atomic_file;
 pub mod checkpoint;
 pub mod course_figures;
 pub mod course_format;

@@ -154,7 +154,7 @@ pub fn save(dir: &Path, record: &RunRecord, extra: &serde_json::Value) -> anyhow
         object.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
     }
     let path = dir.join(format!("{}.json", record.name()));
-    std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n").with_context(|| format!("cannot write {}", path.display()))?;
+    crate::atomic_file::write(&path, serde_json::to_string_pretty(&json)? + "\n")?;
     let notes = append_csv(&dir.join(format!("{}.csv", record.exercise)), record)?.into_iter().collect();
     Ok(Saved { json: path, notes })
 }

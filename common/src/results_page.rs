@@ -1,7 +1,7 @@
 //! `make report`: the tables and charts of the last runs in a results folder, rendered into a
 //! section of its README.md between two markers (the rest of the file, written by hand, stays).
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 
@@ -17,6 +17,8 @@ struct Run {
     device: String,
     #[serde(default)]
     precision: Option<String>,
+    /// Records written before runs had ranks (the committed reference run) are one process.
+    #[serde(default = "one")]
     world_size: usize,
     steps: usize,
     batch_size: usize,
@@ -31,6 +33,10 @@ struct Run {
     finished_at: u64,
 }
 
+fn one() -> usize {
+    1
+}
+
 impl Run {
     fn name(&self) -> String {
         format!("{}-{}-{}", self.exercise, self.model, self.device)
@@ -41,31 +47,62 @@ impl Run {
     }
 }
 
-/// The runs (`*.json` files with a results record) in `dir`, by exercise and model.
-fn runs(dir: &Path) -> Result<BTreeMap<(String, String), Vec<Run>>> {
-    let mut by_exercise: BTreeMap<(String, String), Vec<Run>> = BTreeMap::new();
-    let entries = std::fs::read_dir(dir).with_context(|| format!("cannot read the results folder {}", dir.display()))?;
-    for entry in entries {
-        let path = entry?.path();
-        if path.extension().is_none_or(|e| e != "json") {
-            continue;
-        }
-        let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-        // Other JSON files (traces, say) are not runs.
-        if let Ok(run) = serde_json::from_str::<Run>(&text) {
-            by_exercise.entry((run.exercise.clone(), run.model.clone())).or_default().push(run);
-        }
-    }
-    for runs in by_exercise.values_mut() {
-        runs.sort_by(|a, b| a.device.cmp(&b.device).then(a.finished_at.cmp(&b.finished_at)));
-    }
-    Ok(by_exercise)
+/// A `*.json` file of the results folder that could not be read, so the page leaves it out.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Unreadable {
+    pub path: PathBuf,
+    /// Why, in a few words (the parser's or the file system's).
+    pub why: String,
 }
 
-/// The generated section for the runs in `dir` (markers included).
-pub fn render(dir: &Path) -> Result<String> {
+impl std::fmt::Display for Unreadable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.path.display(), self.why)
+    }
+}
+
+/// The runs in a results folder, by exercise and model, and the files that could not be read.
+#[derive(Default)]
+struct Runs {
+    by_exercise: BTreeMap<(String, String), Vec<Run>>,
+    unreadable: Vec<Unreadable>,
+}
+
+/// What one `*.json` file holds for the page.
+fn read_run(path: &Path) -> Result<Option<Run>, String> {
+    let text = std::fs::read_to_string(path).map_err(|err| format!("cannot read it ({err})"))?;
+    // A run's file cut short (a full disk, a kill while an older version wrote it) is no JSON.
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|err| format!("not valid JSON ({err}): torn or truncated?"))?;
+    // Other JSON files (traces, memory estimates, --eval-only's) are not runs.
+    if value.get("exercise").is_none() {
+        return Ok(None);
+    }
+    serde_json::from_value(value).map(Some).map_err(|err| format!("not a results record this page can read ({err})"))
+}
+
+/// The runs (`*.json` files with a results record) in `dir`.
+fn runs(dir: &Path) -> Result<Runs> {
+    let mut runs = Runs::default();
+    let entries = std::fs::read_dir(dir).with_context(|| format!("cannot read the results folder {}", dir.display()))?;
+    let mut paths: Vec<PathBuf> = entries.map(|entry| entry.map(|e| e.path())).collect::<Result<_, _>>()?;
+    paths.sort();
+    for path in paths.into_iter().filter(|p| p.extension().is_some_and(|e| e == "json")) {
+        match read_run(&path) {
+            Ok(Some(run)) => runs.by_exercise.entry((run.exercise.clone(), run.model.clone())).or_default().push(run),
+            Ok(None) => {}
+            Err(why) => runs.unreadable.push(Unreadable { path, why }),
+        }
+    }
+    for runs in runs.by_exercise.values_mut() {
+        runs.sort_by(|a, b| a.device.cmp(&b.device).then(a.finished_at.cmp(&b.finished_at)));
+    }
+    Ok(runs)
+}
+
+/// The generated section for the runs in `dir` (markers included), and the files left out.
+pub fn render(dir: &Path) -> Result<(String, Vec<Unreadable>)> {
     let mut out = format!("{BEGIN}\n\n## Last runs\n\n");
-    let runs = runs(dir)?;
+    let Runs { by_exercise: runs, unreadable } = runs(dir)?;
     if runs.is_empty() {
         out += "No runs in this folder yet: run an exercise (e.g. `make exercise1`), then `make report`.\n";
     }
@@ -115,21 +152,28 @@ pub fn render(dir: &Path) -> Result<String> {
         }
     }
     out += END;
-    Ok(out)
+    Ok((out, unreadable))
 }
 
-/// Replaces (or appends) the generated section of `dir/README.md`; returns the file's path.
-pub fn update_readme(dir: &Path) -> Result<std::path::PathBuf> {
+/// What [`update_readme`] did.
+pub struct Updated {
+    pub readme: PathBuf,
+    /// The `*.json` files whose runs are not on the page: the caller says which, and why.
+    pub unreadable: Vec<Unreadable>,
+}
+
+/// Replaces (or appends) the generated section of `dir/README.md`.
+pub fn update_readme(dir: &Path) -> Result<Updated> {
     let path = dir.join("README.md");
     let old = std::fs::read_to_string(&path).unwrap_or_default();
-    let section = render(dir)?;
+    let (section, unreadable) = render(dir)?;
     let new = match (old.find(BEGIN), old.find(END)) {
         (Some(begin), Some(end)) if begin < end => format!("{}{section}{}", &old[..begin], &old[end + END.len()..]),
         _ if old.is_empty() => format!("# results/\n\n{section}\n"),
         _ => format!("{}\n\n{section}\n", old.trim_end()),
     };
-    std::fs::write(&path, new).with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(path)
+    crate::atomic_file::write(&path, new)?;
+    Ok(Updated { readme: path, unreadable })
 }
 
 #[cfg(test)]
@@ -143,6 +187,34 @@ mod tests {
             "mfu": null, "data_generated": false, "finished_at": 1,
         })
         .to_string()
+    }
+
+    #[test]
+    fn files_that_cannot_be_read_are_named_and_the_other_runs_shown() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("exercise1-cnn-cpu.json"), run_json("cpu", 500.0)).unwrap();
+        // A record from before runs had ranks is a run of one.
+        let mut older: serde_json::Value = serde_json::from_str(&run_json("cpu", 300.0)).unwrap();
+        older.as_object_mut().unwrap().remove("world_size");
+        older["model"] = "resnet34".into();
+        std::fs::write(dir.path().join("exercise1-resnet34-cpu.json"), older.to_string()).unwrap();
+        // A run's file cut short, and a record that lacks what the page shows.
+        let whole = run_json("cuda", 4000.0);
+        std::fs::write(dir.path().join("exercise1-cnn-cuda.json"), &whole[..whole.len() / 2]).unwrap();
+        std::fs::write(dir.path().join("exercise2-cnn-cpu.json"), r#"{"exercise": "exercise2", "model": "cnn"}"#).unwrap();
+        // Not runs: a trace, --eval-only's results, and a file that is not JSON by name.
+        std::fs::write(dir.path().join("exercise1-cnn-cpu.trace.json"), "{\"traceEvents\": []}").unwrap();
+        std::fs::write(dir.path().join("exercise1-cnn-cpu.eval-only.json"), r#"{"run": "exercise1-cnn-cpu", "eval_only": true}"#).unwrap();
+        std::fs::write(dir.path().join("exercise1.csv"), "not json").unwrap();
+        let updated = update_readme(dir.path()).unwrap();
+        let named: Vec<_> = updated.unreadable.iter().map(|u| u.path.file_name().unwrap().to_str().unwrap()).collect();
+        assert_eq!(named, ["exercise1-cnn-cuda.json", "exercise2-cnn-cpu.json"]);
+        let torn = updated.unreadable[0].to_string();
+        assert!(torn.starts_with(&dir.path().join("exercise1-cnn-cuda.json").display().to_string()) && torn.contains("not valid JSON"), "{torn}");
+        assert!(updated.unreadable[1].why.contains("missing field"), "{}", updated.unreadable[1]);
+        let page = std::fs::read_to_string(updated.readme).unwrap();
+        assert!(page.contains("| cpu | 32 | 1 | 100 | 3 | 1.5 | 500.0 |") && !page.contains("| cuda |") && !page.contains("exercise2"), "{page}");
+        assert!(page.contains("### exercise1 · resnet34") && page.contains("| cpu | 32 | 1 | 100 | 3 | 1.5 | 300.0 |"), "{page}");
     }
 
     #[test]

@@ -63,6 +63,79 @@ fn per_epoch_checkpoints_are_kept_and_any_of_them_tested_without_training() {
 }
 
 #[test]
+fn a_finished_run_resubmitted_with_resume_leaves_its_results_as_they_are() {
+    // What a Slurm requeue or a resubmitted job script does: the same command line again.
+    let dir = tempfile::tempdir().unwrap();
+    let (data, ck, results) = (dir.path().join("data"), dir.path().join("ck"), dir.path().join("results"));
+    let out = run(env!("CARGO_BIN_EXE_prepare_data"), &["generate", "--dataset", "cifar10", "--train", "40", "--test", "20", "--out", data.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let exercise1 = env!("CARGO_BIN_EXE_exercise1");
+    let job = |epochs: &str| {
+        let args = ["--model", "cnn", "--device", "cpu", "--data-dir", data.to_str().unwrap(), "--batch-size", "20", "--quiet", "--epochs", epochs, "--resume"];
+        run(exercise1, &[&args[..], &["--checkpoint-dir", ck.to_str().unwrap(), "--results-dir", results.to_str().unwrap()]].concat())
+    };
+    let out = job("2");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let files = ["exercise1-cnn-cpu.json", "exercise1.csv", "exercise1-cnn-cpu.svg"];
+    let read = |name: &str| std::fs::read(results.join(name)).unwrap();
+    let before: Vec<Vec<u8>> = files.iter().map(|f| read(f)).collect();
+    assert_eq!(read_json(&results.join(files[0]))["steps"], 4);
+
+    let again = job("2");
+    assert!(again.status.success(), "{}", stderr(&again));
+    let stdout = String::from_utf8_lossy(&again.stdout);
+    let line = format!("already at epoch 2 of 2, nothing to train; results left as they are ({})", results.join(files[0]).display());
+    assert_eq!(stdout.matches(&line).count(), 1, "{stdout}");
+    assert!(!stdout.contains("wrote"), "nothing is written: {stdout}");
+    for (name, bytes) in files.iter().zip(&before) {
+        assert!(read(name) == *bytes, "{name} was rewritten by the resubmitted run");
+    }
+
+    // A longer run resumed trains on and writes its results, as before.
+    let longer = job("3");
+    assert!(longer.status.success(), "{}", stderr(&longer));
+    let json = read_json(&results.join(files[0]));
+    assert_eq!((json["steps"].as_u64(), json["resumed_epochs"].as_u64(), json["history"].as_array().map(Vec::len)), (Some(2), Some(2), Some(1)));
+}
+
+#[test]
+fn report_names_a_results_file_it_cannot_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, results) = (dir.path().join("data"), dir.path().join("results"));
+    let out = run(env!("CARGO_BIN_EXE_prepare_data"), &["generate", "--dataset", "cifar10", "--train", "40", "--test", "20", "--out", data.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = run(
+        env!("CARGO_BIN_EXE_exercise1"),
+        &[
+            "--device",
+            "cpu",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--batch-size",
+            "20",
+            "--epochs",
+            "1",
+            "--quiet",
+            "--results-dir",
+            results.to_str().unwrap(),
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    // Another run's file, torn as a write cut short leaves it (the first half of a real one).
+    let whole = std::fs::read(results.join("exercise1-cnn-cpu.json")).unwrap();
+    let torn = results.join("exercise1-resnet34-cpu.json");
+    std::fs::write(&torn, &whole[..whole.len() / 2]).unwrap();
+
+    let out = run(env!("CARGO_BIN_EXE_report"), &["--results-dir", results.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let warnings: Vec<&str> = std::str::from_utf8(&out.stderr).unwrap().lines().filter(|l| l.starts_with("warning:")).collect();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].contains(&format!("could not read {}: not valid JSON", torn.display())), "{}", warnings[0]);
+    let page = std::fs::read_to_string(results.join("README.md")).unwrap();
+    assert!(page.contains("### exercise1 · cnn") && !page.contains("resnet34"), "{page}");
+}
+
+#[test]
 fn eval_only_needs_a_checkpoint_that_exists() {
     let exercise1 = env!("CARGO_BIN_EXE_exercise1");
     let out = run(exercise1, &["--device", "cpu", "--eval-only"]);

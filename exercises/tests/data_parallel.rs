@@ -485,3 +485,129 @@ fn a_zero_checkpoint_holds_the_whole_state_and_resumes_on_other_layouts() {
     run(on_one.path(), "2", "1", "32", "0");
     close("ZeRO-3's checkpoint resumed on 1 rank", &model_tensors(straight.path()), &model_tensors(on_one.path()));
 }
+
+/// A process of a job, told apart from a later one given the same id by its start time.
+#[derive(Debug, Clone, Copy)]
+struct Proc {
+    pid: u32,
+    started: u64,
+}
+
+/// A process's state letter and start time (`/proc/<pid>/stat`, fields 3 and 22).
+fn proc_stat(pid: u32) -> Option<(char, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields: Vec<&str> = text[text.rfind(')')? + 1..].split_whitespace().collect();
+    Some((fields.first()?.chars().next()?, fields.get(19)?.parse().ok()?))
+}
+
+/// Still running: not exited, nor a zombie waiting to be reaped.
+fn running(p: Proc) -> bool {
+    matches!(proc_stat(p.pid), Some((state, started)) if state != 'Z' && started == p.started)
+}
+
+fn cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline")).map(|b| String::from_utf8_lossy(&b).replace('\0', " ")).unwrap_or_default()
+}
+
+/// `pid`'s children, their children, and so on (`/proc/<pid>/task/*/children`).
+fn descendants(pid: u32) -> Vec<Proc> {
+    let (mut found, mut parents) = (Vec::new(), vec![pid]);
+    while let Some(parent) = parents.pop() {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{parent}/task")) else { continue };
+        for task in tasks.flatten() {
+            let children = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+            for child in children.split_whitespace().filter_map(|c| c.parse().ok()) {
+                if let Some((_, started)) = proc_stat(child) {
+                    found.push(Proc { pid: child, started });
+                    parents.push(child);
+                }
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn signalling_the_launcher_stops_mpirun_and_every_rank() {
+    use std::io::{BufRead, BufReader, Read};
+    use std::os::unix::process::ExitStatusExt;
+    use std::time::{Duration, Instant};
+
+    let d = tempfile::tempdir().unwrap();
+    data(d.path(), 200);
+    for (signal, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT"), (libc::SIGKILL, "SIGKILL")] {
+        let results = tempfile::tempdir().unwrap();
+        // A job of far more epochs (of 2 steps) than the test waits for.
+        let mut launcher = Command::new(env!("CARGO_BIN_EXE_exercise2"))
+            .args(["--model", "cnn", "--num-classes", "10", "--epochs", "100000", "--batch-size", "50"])
+            .args(["--device", "cpu", "--quiet", "--threads", "1", "--nproc-per-node", "2", "--data-dir"])
+            .arg(d.path())
+            .arg("--results-dir")
+            .arg(results.path())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (lines, received) = std::sync::mpsc::channel();
+        let stdout = launcher.stdout.take().unwrap();
+        std::thread::spawn(move || BufReader::new(stdout).lines().map_while(Result::ok).try_for_each(|line| lines.send(line)));
+        let mut stderr = launcher.stderr.take().unwrap();
+        let stderr = std::thread::spawn(move || {
+            let mut text = String::new();
+            stderr.read_to_string(&mut text).ok();
+            text
+        });
+
+        // Training has begun when the first epoch's line is out (the bound only keeps a broken
+        // run from hanging the test).
+        let started = Instant::now();
+        loop {
+            match received.recv_timeout(Duration::from_secs(600).saturating_sub(started.elapsed())) {
+                Ok(line) if line.contains("epoch 1/100000") => break,
+                Ok(_) => {}
+                Err(err) => {
+                    launcher.kill().ok();
+                    panic!("{name}: no epoch line ({err}): {}", stderr.join().unwrap());
+                }
+            }
+        }
+        let job = descendants(launcher.id());
+        let program = |p: &Proc| cmdline(p.pid).split(' ').next().unwrap_or_default().rsplit('/').next().unwrap_or_default().to_string();
+        let programs: Vec<String> = job.iter().map(program).collect();
+        assert!(programs.iter().filter(|p| *p == "mpirun").count() == 1 && programs.iter().filter(|p| *p == "exercise2").count() == 2, "{name}: {programs:?}");
+
+        // SAFETY: kill(2) on our own child, not yet reaped.
+        assert_eq!(unsafe { libc::kill(launcher.id() as libc::pid_t, signal) }, 0);
+        let signalled = Instant::now();
+        let bound = Duration::from_secs(30);
+        let status = loop {
+            if let Some(status) = launcher.try_wait().unwrap() {
+                break status;
+            }
+            if signalled.elapsed() > bound {
+                launcher.kill().ok();
+                panic!("{name}: the launcher still runs {bound:?} after the signal");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        while job.iter().any(|&p| running(p)) && signalled.elapsed() < bound {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let left: Vec<String> = job.iter().filter(|&&p| running(p)).map(|p| format!("{} {}", p.pid, cmdline(p.pid))).collect();
+        for p in job.iter().filter(|&&p| running(p)) {
+            // SAFETY: kill(2) on a process of the job this test started (same id, same start time).
+            unsafe { libc::kill(p.pid as libc::pid_t, libc::SIGKILL) };
+        }
+        assert!(left.is_empty(), "{name}: {bound:?} after the launcher was signalled, its job still runs: {left:?}");
+        let stderr = stderr.join().unwrap();
+        if signal == libc::SIGKILL {
+            assert_eq!(status.signal(), Some(libc::SIGKILL), "{stderr}");
+        } else {
+            // The ranks stop after a step, all at the same one (as SIGUSR1, which mpirun passes
+            // on and waits for): exit 75, and no checkpoint to say, none being asked for.
+            assert_eq!(status.code(), Some(common::error::STOPPED_EXIT_CODE as i32), "{name}: {stderr}");
+            assert!(stderr.contains(&format!("{name}: the ranks stop after their current step")), "{stderr}");
+            assert!(stderr.contains("stopped by SIGUSR1 after step") && stderr.contains("nothing was saved"), "{stderr}");
+        }
+    }
+}

@@ -18,12 +18,13 @@
 //! variables, so a misconfigured job fails at once instead of hanging in its first collective.
 use std::ffi::{OsStr, OsString};
 use std::io::{BufRead, Write};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 
 use anyhow::{Context, Result};
 
-use crate::error::{usage, UsageError};
+use crate::error::{usage, Interrupted, UsageError};
 
 /// What started this process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -298,6 +299,15 @@ const NO_MPIRUN: &str = "--nproc-per-node needs an MPI launcher (mpirun) on PATH
 /// `mp.spawn`) and, when running as root (containers), `--allow-run-as-root`.
 ///
 /// When one rank fails, mpirun stops the others and exits non-zero, which is returned here.
+///
+/// The job ends with this process. The first SIGINT or SIGTERM (Ctrl-C, `kill`, Slurm's
+/// `scancel`) reaches the ranks as SIGUSR1, which mpirun passes on and waits for (SIGTERM it
+/// would follow with a kill within a second): they stop at a step they agree on, checkpoint and
+/// exit 75, which is returned. A second one is passed on as it is: mpirun stops the ranks at
+/// once, and this returns [`Interrupted`] (exit code 128 + the signal). When this process dies
+/// otherwise (SIGKILL, a crash), the kernel sends mpirun SIGTERM (`PR_SET_PDEATHSIG`). Open MPI's ranks end when
+/// their mpirun does, whichever way it ends (seen with Open MPI 4.1 for SIGKILL to mpirun too:
+/// the ranks abort about a second later, having lost their daemon).
 pub fn relaunch_with_mpirun(nproc: usize) -> Result<ExitStatus> {
     if nproc == 0 {
         return usage("--nproc-per-node must be at least 1");
@@ -312,23 +322,116 @@ pub fn relaunch_with_mpirun(nproc: usize) -> Result<ExitStatus> {
     let args: Vec<OsString> = std::env::args_os().skip(1).collect();
     let mut command = Command::new(&launcher);
     command.args(mpirun_args(&version, is_root(), nproc)).arg(exe).args(args_without_nproc(&args));
+    let parent = std::process::id();
+    // SAFETY: the hook only makes async-signal-safe system calls (prctl, getppid) and does not
+    // allocate, as code between fork and exec must.
+    unsafe { command.pre_exec(move || die_with_parent(parent)) };
     // The ranks' stderr passes through here: Open MPI's notice that a rank called MPI_Abort
     // (a box of 8 lines, and a line per further rank) follows our own "error on rank N" line and
     // adds nothing to it.
     let mut child = command.stderr(Stdio::piped()).spawn().with_context(|| format!("could not start {}", launcher.display()))?;
-    let stderr = child.stderr.take().expect("stderr is piped");
+    let forwarding = Forwarding::start(child.id())?;
+    let Some(stderr) = child.stderr.take() else { anyhow::bail!("{}'s standard error was not connected", launcher.display()) };
     let mut notices = AbortNotices::default();
-    let mut out = std::io::stderr().lock();
+    // Locked per line, not for the whole job: the signal-forwarding thread writes here too.
     for line in std::io::BufReader::new(stderr).lines() {
         for line in notices.pass(line?) {
-            writeln!(out, "{line}").ok();
+            writeln!(std::io::stderr().lock(), "{line}").ok();
         }
     }
     for line in notices.finish() {
-        writeln!(out, "{line}").ok();
+        writeln!(std::io::stderr().lock(), "{line}").ok();
     }
-    drop(out);
-    child.wait().with_context(|| format!("waiting for {}", launcher.display()))
+    // Signals are passed on until mpirun has exited, and not once it is reaped (its process id
+    // could then be another process's).
+    wait_for_exit(child.id()).with_context(|| format!("waiting for {}", launcher.display()))?;
+    let stopped_by = forwarding.stop();
+    let status = child.wait().with_context(|| format!("waiting for {}", launcher.display()))?;
+    match stopped_by {
+        Some(signal) => Err(Interrupted(signal).into()),
+        None => Ok(status),
+    }
+}
+
+/// In mpirun's process before it starts: the kernel is to send it SIGTERM when the launcher
+/// (`parent`) dies, on which mpirun stops its ranks. (The signal follows the thread that
+/// started it: [`relaunch_with_mpirun`] waits for mpirun on that same thread.)
+fn die_with_parent(parent: u32) -> std::io::Result<()> {
+    // SAFETY: prctl(PR_SET_PDEATHSIG) and getppid have no memory preconditions.
+    unsafe {
+        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // The launcher died before the line above: there will be no signal; do not start.
+        if libc::getppid() as u32 != parent {
+            return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+        }
+    }
+    Ok(())
+}
+
+/// SIGINT and SIGTERM to this process passed on to mpirun (`pid`) while it runs, by a thread
+/// of ours (signal-hook's handler only wakes it): the first as SIGUSR1 (stop at a step, with a
+/// checkpoint), later ones as they are (stop now); the last of those is the exit's reason.
+struct Forwarding {
+    handle: signal_hook::iterator::Handle,
+    thread: Option<std::thread::JoinHandle<Option<i32>>>,
+}
+
+impl Forwarding {
+    fn start(pid: u32) -> Result<Forwarding> {
+        let mut signals =
+            signal_hook::iterator::Signals::new([libc::SIGINT, libc::SIGTERM]).context("cannot catch SIGINT and SIGTERM to pass them on to mpirun")?;
+        let handle = signals.handle();
+        let thread = std::thread::Builder::new()
+            .name("signals to mpirun".into())
+            .spawn(move || {
+                let (mut asked, mut forced) = (false, None);
+                for signal in signals.forever() {
+                    let passed = if asked { signal } else { libc::SIGUSR1 };
+                    if !asked {
+                        let name = if signal == libc::SIGINT { "SIGINT" } else { "SIGTERM" };
+                        eprintln!("{name}: the ranks stop after their current step (passed on as SIGUSR1); a second signal stops them at once");
+                    }
+                    // SAFETY: kill has no memory preconditions; `pid` is mpirun's, not yet reaped
+                    // (see [`wait_for_exit`]).
+                    unsafe { libc::kill(pid as libc::pid_t, passed) };
+                    forced = asked.then_some(signal).or(forced);
+                    asked = true;
+                }
+                forced
+            })
+            .context("cannot start the thread that passes signals on to mpirun")?;
+        Ok(Forwarding { handle, thread: Some(thread) })
+    }
+
+    /// Stops passing signals on; the last one passed on as it is (a second signal), if any.
+    fn stop(mut self) -> Option<i32> {
+        self.handle.close();
+        self.thread.take().and_then(|thread| thread.join().ok()).flatten()
+    }
+}
+
+impl Drop for Forwarding {
+    fn drop(&mut self) {
+        self.handle.close();
+    }
+}
+
+/// Waits until child `pid` has exited, leaving it to be reaped (`waitid` with `WNOWAIT`).
+fn wait_for_exit(pid: u32) -> std::io::Result<()> {
+    loop {
+        // SAFETY: `info` is a valid siginfo_t for waitid to fill.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        let done = unsafe { libc::waitid(libc::P_PID, pid as libc::id_t, &mut info, libc::WEXITED | libc::WNOWAIT) };
+        if done == 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        if err.kind() != std::io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
 }
 
 /// Drops Open MPI's MPI_Abort notices from the lines of a job's stderr: the dashed box that

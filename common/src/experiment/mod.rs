@@ -213,7 +213,7 @@ fn estimate_memory<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<
     let path = run.results_dir.join(format!("{name}.memory-estimate.json"));
     let json =
         serde_json::json!({ "run": name, "world_size": world, "device": device, "precision": run.precision.name(), "flags": exp.flags_json(), "ranks": rows });
-    std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n").with_context(|| format!("cannot write {}", path.display()))?;
+    crate::atomic_file::write(&path, serde_json::to_string_pretty(&json)? + "\n")?;
     session.info(format!("wrote {}", path.display()))
 }
 
@@ -279,7 +279,7 @@ fn run_per_device<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<V
         records.extend(train_on(exp, &data, &groups, device, &mut session)?);
     }
     if records.is_empty() {
-        return Ok(records); // --eval-only: each device said its figures
+        return Ok(records); // --eval-only, or a finished run resumed: each device said why
     }
     let missing = (run.device == DeviceChoice::Both && !device::cuda_available()).then_some("no CUDA device on this machine; the run above is CPU only");
     if run.device == DeviceChoice::Both {

@@ -1,7 +1,7 @@
 //! What rank 0 says and writes after a run: the console's lines, the run's record (CSV), and
 //! its results document, one typed [`RunResults`] serialised once (with the exercise's own
 //! fields beside it).
-use anyhow::{Context, Result};
+use anyhow::Result;
 use serde::Serialize;
 use tch::Device;
 
@@ -240,7 +240,7 @@ pub(super) fn report_evaluation<E: Experiment>(
         object.extend(extra);
     }
     let path = run.results_dir.join(format!("{name}.eval-only.json"));
-    std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n").with_context(|| format!("cannot write {}", path.display()))?;
+    crate::atomic_file::write(&path, serde_json::to_string_pretty(&json)? + "\n")?;
     session.info(format!("wrote {}", path.display()))
 }
 

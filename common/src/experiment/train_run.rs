@@ -69,6 +69,14 @@ pub(super) fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, 
     // Every parameter-server worker says it is done; worker 0 gets the servers' figures.
     let parameter_server = groups.parameter_servers().map(|link| link.finish()).transpose()?.flatten();
     drop(observers);
+    if fit.steps == 0 && !exp.run_args().eval_only {
+        // A finished run resumed (a requeued or resubmitted job): its results stay as they are,
+        // not replaced by those of a run of no steps. Every rank resumed the same checkpoint.
+        if groups.is_root() {
+            session.info(nothing_to_train(&built.name, &fit, &config, &exp.run_args().results_dir))?;
+        }
+        return Ok(None);
+    }
     let test = measure_after_training(exp, &mut built, &meter, groups, &mut fit)?;
     let measured = Measured {
         fit,
@@ -88,6 +96,15 @@ pub(super) fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, 
         return results::report_evaluation(exp, data, &built, &measured, device, session).map(|()| None);
     }
     results::write_results(exp, data, &built, &measured, groups, device, session).map(Some)
+}
+
+/// The line of a resumed run that had nothing left to train.
+fn nothing_to_train(name: &str, fit: &train::FitReport, config: &TrainConfig, results_dir: &std::path::Path) -> String {
+    let at = match config.max_steps.filter(|_| fit.resumed_epochs < config.epochs) {
+        Some(max_steps) => format!("already at --max-steps {max_steps} (after epoch {} of {})", fit.resumed_epochs, config.epochs),
+        None => format!("already at epoch {} of {}", fit.resumed_epochs, config.epochs),
+    };
+    format!("[{name}] {at}, nothing to train; results left as they are ({})", results_dir.join(format!("{name}.json")).display())
 }
 
 /// `--matmul-precision` with float32 training: what it allows, said once.

@@ -248,9 +248,7 @@ pub fn write_csv(path: &Path, rows: &[Row]) -> Result<()> {
         writer.serialize(row)?;
     }
     let bytes = writer.into_inner().map_err(|e| anyhow::anyhow!("{e}"))?;
-    let partial = path.with_extension(format!("csv.{}.partial", std::process::id()));
-    std::fs::write(&partial, bytes).with_context(|| format!("cannot write {}", partial.display()))?;
-    std::fs::rename(&partial, path).with_context(|| format!("cannot write {}", path.display()))
+    crate::atomic_file::write(path, bytes)
 }
 
 /// The rows as a Markdown table, for the terminal and README.

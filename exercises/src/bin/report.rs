@@ -39,8 +39,11 @@ fn main() -> std::process::ExitCode {
     common::error::run_main(|| {
         match cli.command {
             None => {
-                let path = common::results_page::update_readme(&cli.results_dir)?;
-                println!("wrote {}", path.display());
+                let updated = common::results_page::update_readme(&cli.results_dir)?;
+                for file in &updated.unreadable {
+                    eprintln!("warning: left out of the report, could not read {file}");
+                }
+                println!("wrote {}", updated.readme.display());
             }
             Some(Command::Scaling { runs }) => {
                 let runs = runs.unwrap_or_else(|| cli.results_dir.join("scaling"));

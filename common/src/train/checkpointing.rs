@@ -65,7 +65,7 @@ impl<'c> Checkpointer<'c> {
 
     /// Whether `--checkpoint-every` asks for a checkpoint after optimizer step `step`.
     pub fn due_by_steps(&self, step: usize) -> bool {
-        self.config.every_steps.is_some_and(|n| n > 0 && step % n == 0)
+        self.config.every_steps.is_some_and(|n| n > 0 && step.is_multiple_of(n))
     }
 
     /// Whether `--checkpoint-minutes` have passed since the last checkpoint (or the start) by

@@ -15,7 +15,7 @@ BIN       := target/release
 ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
-.PHONY: lint system-deps python-tools gpu-check report scaling exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch bench-ps setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
+.PHONY: lint system-deps python-tools gpu-check report scaling exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch bench-ps bench-checkpoint setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
         exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test test-slurm clean-results \
         notebooks notebook-kernel jupyter
 
@@ -112,6 +112,12 @@ bench-ps: build
 # results/bench-parallel.csv (NPROC, GLOBAL, STEPS, THREADS, DATA).
 bench-parallel: build
 	$(WITH) bench/parallel.sh
+
+# What checkpointing costs training: checkpoints every EVERY=2 of STEPS=12 steps of bench-parallel's
+# Transformer on NPROC=4 CPU ranks (dp, ZeRO-3, tp, pp): size, training time blocked per
+# checkpoint, background write time, step time; results/bench-checkpoint.csv.
+bench-checkpoint: build
+	$(WITH) bench/checkpoint.sh
 
 # The scaling study (JSC's, Namal's and IDRIS's slides): EXERCISE at RANKS="1 2 4" local ranks,
 # the global batch held (strong, GLOBAL=128) and the batch per rank held (weak, PER_RANK=32);

@@ -109,28 +109,8 @@ fn an_image_run_killed_mid_epoch_resumes_exactly() {
 fn a_language_model_with_dropout_killed_mid_epoch_resumes_exactly() {
     let data = tempfile::tempdir().unwrap();
     wikitext_sample(data.path(), [200, 40, 40]);
-    let args = [
-        "--data-dir",
-        data.path().to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--threads",
-        "1",
-        "--emsize",
-        "16",
-        "--d-hid",
-        "32",
-        "--nhead",
-        "2",
-        "--nlayers",
-        "2",
-        "--tokenizer",
-        "whitespace",
-        "--epochs",
-        "2",
-        "--dropout",
-        "0.2",
-    ];
+    let args = small_language_model(data.path());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     interrupted_equals_straight(env!("CARGO_BIN_EXE_exercise1_nlp"), &args, 4, killed_after(7, 4), "exercise1_nlp-transformer-cpu.json");
 }
 
@@ -167,54 +147,27 @@ fn two_data_parallel_ranks_killed_mid_epoch_resume_exactly() {
     let data = tempfile::tempdir().unwrap();
     generated_cifar(data.path(), 160);
     // 160 images over 2 ranks in batches of 16: 5 steps an epoch.
-    let args = [
-        "--model",
-        "cnn",
-        "--num-classes",
-        "10",
-        "--data-dir",
-        data.path().to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--threads",
-        "1",
-        "--workers",
-        "0",
-        "--batch-size",
-        "16",
-        "--epochs",
-        "3",
-        "--nproc-per-node",
-        "2",
-    ];
+    let args = two_cnn_ranks(data.path());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     interrupted_equals_straight(env!("CARGO_BIN_EXE_exercise2"), &args, 3, killed_after(8, 3), "exercise2-cnn-cpu.json");
+}
+
+/// exercise2's CNN on 2 ranks in batches of 16 for 3 epochs of `data` (generated, 160 images:
+/// 5 steps an epoch).
+fn two_cnn_ranks(data: &Path) -> Vec<String> {
+    let args = ["--model", "cnn", "--num-classes", "10", "--device", "cpu", "--threads", "1", "--workers", "0", "--batch-size", "16", "--epochs", "3"];
+    let mut args: Vec<String> = args.map(String::from).to_vec();
+    args.extend(["--nproc-per-node".into(), "2".into(), "--data-dir".into(), data.to_str().unwrap().into()]);
+    args
 }
 
 /// The language model of these tests: 2 epochs of 200 lines, dropout on.
 fn small_language_model(data: &Path) -> Vec<String> {
-    let args = [
-        "--data-dir",
-        data.to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--threads",
-        "1",
-        "--emsize",
-        "16",
-        "--d-hid",
-        "32",
-        "--nhead",
-        "2",
-        "--nlayers",
-        "2",
-        "--tokenizer",
-        "whitespace",
-        "--epochs",
-        "2",
-        "--dropout",
-        "0.2",
-    ];
-    args.map(String::from).to_vec()
+    let args = ["--device", "cpu", "--threads", "1", "--emsize", "16", "--d-hid", "32", "--nhead", "2", "--nlayers", "2", "--tokenizer", "whitespace"];
+    let mut args: Vec<String> = args.map(String::from).to_vec();
+    args.extend(["--epochs", "2", "--dropout", "0.2", "--data-dir"].map(String::from));
+    args.push(data.to_str().unwrap().into());
+    args
 }
 
 #[test]
@@ -235,26 +188,8 @@ fn sigterm_and_sigusr1_stop_at_a_step_with_a_checkpoint_that_resumes_exactly() {
 fn a_signal_to_one_rank_stops_every_rank_at_the_same_step() {
     let data = tempfile::tempdir().unwrap();
     generated_cifar(data.path(), 160);
-    let args = [
-        "--model",
-        "cnn",
-        "--num-classes",
-        "10",
-        "--data-dir",
-        data.path().to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--threads",
-        "1",
-        "--workers",
-        "0",
-        "--batch-size",
-        "16",
-        "--epochs",
-        "3",
-        "--nproc-per-node",
-        "2",
-    ];
+    let args = two_cnn_ranks(data.path());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     // Rank 0 alone is signalled, after step 7 (mid-epoch 2); checkpoints every 5 would have
     // given step 5: the resume starts at 7, so both ranks stopped and saved there.
     let (said, _) = interrupted_equals_straight(env!("CARGO_BIN_EXE_exercise2"), &args, 5, signalled_after(7, "SIGTERM"), "exercise2-cnn-cpu.json");

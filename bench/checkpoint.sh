@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# `make bench-checkpoint`: what checkpointing costs training, on CPU ranks, for the Transformer of
+# `make bench-parallel` (d 256, d_hid 1024, 8 heads, 4 layers, ~9M parameters with Adam's state;
+# the real WikiText-2 valid split as training text), NPROC=4 ranks, global batch GLOBAL streams,
+# STEPS steps with a checkpoint every EVERY steps, in four layouts (4 data-parallel replicas,
+# ZeRO-3 over them, tensor parallel over 4, a 4-stage pipeline). For each: checkpoints taken,
+# their size, training time blocked per checkpoint (gathering the state to rank 0 and copying it
+# to host memory; mean and worst), the background thread's write time per checkpoint, and the
+# steady time per step. Today every layout writes one whole-model file through rank 0 (the
+# "whole-file" column of issue 22's bench line; sharded per-rank files are not built yet).
+# Rows go to results/bench-checkpoint.csv; a table is printed. The ranks share this machine's
+# cores: compare the rows with each other, not with a cluster's.
+#
+#   make bench-checkpoint                        NPROC=4 GLOBAL=16 STEPS=12 EVERY=2 THREADS=1
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+NPROC="${NPROC:-4}"; GLOBAL="${GLOBAL:-16}"; STEPS="${STEPS:-12}"; EVERY="${EVERY:-2}"; THREADS="${THREADS:-1}"
+DATA="${DATA:-$root/../shared/data/wikitext-2}"
+bin="${BIN:-target/release}"
+csv="results/bench-checkpoint.csv"
+[[ -f "$DATA/valid.txt" && -f "$DATA/test.txt" ]] || { echo "error: no WikiText-2 valid/test sample in $DATA (set DATA=...)" >&2; exit 2; }
+((GLOBAL % NPROC == 0)) || { echo "error: GLOBAL=$GLOBAL streams do not divide over NPROC=$NPROC ranks" >&2; exit 2; }
+work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/data"
+cp "$DATA/valid.txt" "$work/data/train.txt"
+head -n 200 "$DATA/valid.txt" > "$work/data/valid.txt"; head -n 200 "$DATA/test.txt" > "$work/data/test.txt"
+model=(--emsize 256 --d-hid 1024 --nhead 8 --nlayers 4 --dropout 0 --bptt 35)
+common=(--device cpu --threads "$THREADS" --quiet --data-dir "$work/data" --optimizer adam --lr 1e-4 --epochs 1
+        --max-steps "$STEPS" --steady-after 2 --eval-batch-size 16 --nproc-per-node "$NPROC" --checkpoint-every "$EVERY" "${model[@]}")
+
+[[ -f "$csv" ]] || echo "finished_at,layout,ranks,params,files,checkpoints,bytes,blocked_ms_mean,blocked_ms_max,write_ms_mean,step_ms" > "$csv"
+echo "Transformer d 256, 4 layers, $NPROC CPU ranks, global batch $GLOBAL × 35 tokens, Adam, a checkpoint every $EVERY of $STEPS steps:"
+echo "| layout | files | checkpoints | MiB each | training blocked per checkpoint, mean / worst (ms) | background write per checkpoint (ms) | step (ms) |"
+echo "|---|---|---:|---:|---:|---:|---:|"
+run() {
+    local name="$1"; shift
+    rm -rf "$work/results" "$work/ck"
+    "$@" "${common[@]}" --checkpoint-dir "$work/ck" --results-dir "$work/results" > "$work/log" 2>&1 \
+        || { echo "error: $name failed:" >&2; tail -n 20 "$work/log" >&2; exit 1; }
+    python3 - "$work/results"/*-cpu.json "$csv" "$name" <<'PY'
+import json, sys, time
+d = json.load(open(sys.argv[1]))
+csv, name = sys.argv[2], sys.argv[3]
+ck = d["checkpoints"]
+n = max(ck["saved"], 1)
+tokens = d["global_batch"] * d["bptt"]
+step_ms = 1e3 * tokens / d["steady_throughput"] if d.get("steady_throughput") else float("nan")
+blocked, worst, write = 1e3 * ck["blocked_s"] / n, 1e3 * ck["max_blocked_s"], 1e3 * ck["write_s"] / n
+row = [int(time.time()), name, d["world_size"], d["params"], "whole", ck["saved"], ck["bytes"], round(blocked, 1), round(worst, 1), round(write, 1), round(step_ms, 1)]
+open(csv, "a").write(",".join(map(str, row)) + "\n")
+print(f"| {name} | whole (rank 0) | {ck['saved']} | {ck['bytes'] / 2**20:.1f} | {blocked:.1f} / {worst:.1f} | {write:.1f} | {step_ms:.0f} |")
+PY
+}
+per_rank=$((GLOBAL / NPROC))
+run dp "$bin/exercise1_nlp" --batch-size "$per_rank" --pad-vocab 128
+run zero3 "$bin/exercise1_nlp" --batch-size "$per_rank" --zero 3 --pad-vocab 128
+run tp "$bin/exercise3" tp --tp "$NPROC" --batch-size "$GLOBAL" --pad-vocab 128
+run pp "$bin/exercise3" pipeline --pp "$NPROC" --batch-size "$GLOBAL" --chunks 8 --schedule 1f1b --pad-vocab 128
+echo "appended to $csv"

@@ -147,15 +147,15 @@ fn two_data_parallel_ranks_killed_mid_epoch_resume_exactly() {
     let data = tempfile::tempdir().unwrap();
     generated_cifar(data.path(), 160);
     // 160 images over 2 ranks in batches of 16: 5 steps an epoch.
-    let args = two_cnn_ranks(data.path());
+    let args = two_cnn_ranks(data.path(), "3");
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     interrupted_equals_straight(env!("CARGO_BIN_EXE_exercise2"), &args, 3, killed_after(8, 3), "exercise2-cnn-cpu.json");
 }
 
-/// exercise2's CNN on 2 ranks in batches of 16 for 3 epochs of `data` (generated, 160 images:
-/// 5 steps an epoch).
-fn two_cnn_ranks(data: &Path) -> Vec<String> {
-    let args = ["--model", "cnn", "--num-classes", "10", "--device", "cpu", "--threads", "1", "--workers", "0", "--batch-size", "16", "--epochs", "3"];
+/// exercise2's CNN on 2 ranks in batches of 16 for `epochs` epochs of `data` (generated, 160
+/// images: 5 steps an epoch).
+fn two_cnn_ranks(data: &Path, epochs: &str) -> Vec<String> {
+    let args = ["--model", "cnn", "--num-classes", "10", "--device", "cpu", "--threads", "1", "--workers", "0", "--batch-size", "16", "--epochs", epochs];
     let mut args: Vec<String> = args.map(String::from).to_vec();
     args.extend(["--nproc-per-node".into(), "2".into(), "--data-dir".into(), data.to_str().unwrap().into()]);
     args
@@ -188,7 +188,7 @@ fn sigterm_and_sigusr1_stop_at_a_step_with_a_checkpoint_that_resumes_exactly() {
 fn a_signal_to_one_rank_stops_every_rank_at_the_same_step() {
     let data = tempfile::tempdir().unwrap();
     generated_cifar(data.path(), 160);
-    let args = two_cnn_ranks(data.path());
+    let args = two_cnn_ranks(data.path(), "3");
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     // Rank 0 alone is signalled, after step 7 (mid-epoch 2); checkpoints every 5 would have
     // given step 5: the resume starts at 7, so both ranks stopped and saved there.
@@ -253,4 +253,26 @@ fn a_torn_newest_checkpoint_falls_back_to_the_previous_one_with_a_warning() {
     assert!(stdout(&resumed).contains("(step 3)"));
     let name = "exercise1_nlp-transformer-cpu.json";
     assert_eq!(losses(&read_json(&torn.path().join(name))), losses(&read_json(&straight.path().join(name)))[3..]);
+}
+
+#[test]
+fn checkpoint_minutes_agreed_over_the_ranks_checkpoint_when_due() {
+    let data = tempfile::tempdir().unwrap();
+    generated_cifar(data.path(), 160);
+    let ck = tempfile::tempdir().unwrap();
+    let mut args = two_cnn_ranks(data.path(), "1");
+    // A period shorter than any step: due after every one, on every rank's clock.
+    let dir = ck.path().to_str().unwrap().to_string();
+    args.extend(["--checkpoint-minutes", "1e-9", "--checkpoint-dir", &dir, "--results-dir", &dir, "--quiet"].map(String::from));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = run(env!("CARGO_BIN_EXE_exercise2"), &args, &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json = read_json(&ck.path().join("exercise2-cnn-cpu.json"));
+    // 5 steps: after steps 1 to 4 by the clock, and the epoch's end (which step 5 is).
+    assert_eq!(json["steps"], 5);
+    assert_eq!(json["checkpoints"]["saved"], 5, "{}", json["checkpoints"]);
+    let meta = common::checkpoint::load(&ck.path().join("exercise2-cnn-cpu.safetensors")).unwrap().meta;
+    assert_eq!((meta.epoch, meta.epoch_step, meta.step), (1, 0, 5));
+    let previous = common::checkpoint::load(&common::checkpoint::previous_path(&ck.path().join("exercise2-cnn-cpu.safetensors"))).unwrap().meta;
+    assert_eq!((previous.epoch, previous.epoch_step, previous.step), (0, 4, 4), "the one before: step 4, by the clock");
 }

@@ -88,6 +88,13 @@ fn synchronous_servers_train_what_all_reduce_trains() {
             assert_eq!(json["parameter_server"]["mode"], "sync");
             assert_eq!(json["parameter_server"]["steps_per_worker"], serde_json::json!([4, 4]));
             assert_eq!(json["parameter_server"]["staleness_histogram"], serde_json::json!({ "0": 8 * s.parse::<u64>().unwrap() }));
+            // The pushes and pulls count in the worker's traffic: every step at least the
+            // gradients out (float32) and the parameters back.
+            let per_step = &json["communication_per_step"];
+            let params = json["params"].as_u64().unwrap();
+            for kind in ["send", "recv"] {
+                assert!(per_step[kind]["bytes"].as_u64().unwrap() >= 4 * params, "{kind}: {per_step}");
+            }
             let (a, b) = (losses(&all_reduce), losses(&json));
             assert_eq!(a.len(), b.len());
             for (x, y) in a.iter().zip(&b) {

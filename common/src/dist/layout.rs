@@ -182,12 +182,14 @@ impl<'w> Groups<'w> {
         crate::dist::tensor_parallel::Shard { index: self.coords.shard, count: self.layout.tp }
     }
 
-    /// What this rank's groups moved so far (the world's and each split's, counted once).
+    /// What this rank's groups moved so far (the world's and each split's, counted once), and a
+    /// parameter-server worker's pushes and pulls.
     pub fn comm_stats(&self) -> super::group::CommStats {
+        let servers = self.servers.as_ref().map(|link| link.comm_stats()).unwrap_or_default();
         [Some(self.world), self.dp.as_ref(), self.pp.as_ref(), self.tp.as_ref(), self.model.as_ref()]
             .into_iter()
             .flatten()
-            .fold(Default::default(), |sum, group| sum.plus(group.comm_stats()))
+            .fold(servers, |sum, group| sum.plus(group.comm_stats()))
     }
 
     /// Whether this rank prints, writes results and checkpoints (the world's rank 0).

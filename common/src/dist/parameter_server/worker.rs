@@ -48,6 +48,11 @@ impl<'w> WorkerLink<'w> {
         WorkerLink { world, workers, config, state: RefCell::new(state) }
     }
 
+    /// What this worker's messages to and from the servers moved so far.
+    pub fn comm_stats(&self) -> crate::dist::CommStats {
+        self.world.comm_stats()
+    }
+
     fn server_rank(&self, s: usize) -> usize {
         self.workers + s
     }

@@ -208,6 +208,7 @@ fn parameter_server_flag_mistakes_are_one_clear_line_with_exit_2() {
         (&["--strategy", "parameter-server", "--zero", "1", "--nproc-per-node", "3"][..], "--zero 1 shards the optimizer"),
         (&["--strategy", "parameter-server", "--sync", "--max-staleness", "1"][..], "--max-staleness bounds --async"),
         (&["--straggler", "1"][..], "expected RANK:SECONDS"),
+        (&["--strategy", "parameter-server", "--checkpoint-dir", dir, "--checkpoint-every", "2"][..], "need workers that step together"),
     ] {
         let mut args = vec!["--data-dir", dir, "--max-steps", "1"];
         args.extend_from_slice(flags);

@@ -111,6 +111,10 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
     run.matmul_precision.apply()?;
     exp.recipe_args().check()?;
     parallel.check()?;
+    if parallel.parameter_server().is_some() && (run.checkpoint_every.is_some() || run.checkpoint_minutes.is_some()) {
+        // Said before the ranks start; train::fit refuses it too (its workers never step together).
+        return usage("--checkpoint-every and --checkpoint-minutes need workers that step together: not with --strategy parameter-server (it checkpoints at epochs' ends)");
+    }
     crate::dist::watchdog::set_timeout(std::time::Duration::from_secs_f64(parallel.collective_timeout));
     exp.check()?;
     // Found before the first step, not after the last one (whose results would be lost).

@@ -16,18 +16,11 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 NPROC="${NPROC:-4}"; GLOBAL="${GLOBAL:-16}"; STEPS="${STEPS:-12}"; EVERY="${EVERY:-2}"; THREADS="${THREADS:-1}"
-DATA="${DATA:-$root/../shared/data/wikitext-2}"
 bin="${BIN:-target/release}"
 csv="results/bench-checkpoint.csv"
-[[ -f "$DATA/valid.txt" && -f "$DATA/test.txt" ]] || { echo "error: no WikiText-2 valid/test sample in $DATA (set DATA=...)" >&2; exit 2; }
-((GLOBAL % NPROC == 0)) || { echo "error: GLOBAL=$GLOBAL streams do not divide over NPROC=$NPROC ranks" >&2; exit 2; }
-work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/data"
-cp "$DATA/valid.txt" "$work/data/train.txt"
-head -n 200 "$DATA/valid.txt" > "$work/data/valid.txt"; head -n 200 "$DATA/test.txt" > "$work/data/test.txt"
-model=(--emsize 256 --d-hid 1024 --nhead 8 --nlayers 4 --dropout 0 --bptt 35)
-common=(--device cpu --threads "$THREADS" --quiet --data-dir "$work/data" --optimizer adam --lr 1e-4 --epochs 1
-        --max-steps "$STEPS" --steady-after 2 --eval-batch-size 16 --nproc-per-node "$NPROC" --checkpoint-every "$EVERY" "${model[@]}")
+# shellcheck source=bench/transformer.sh
+source "$root/bench/transformer.sh"
+common=("${transformer_flags[@]}" --nproc-per-node "$NPROC" --checkpoint-every "$EVERY")
 
 [[ -f "$csv" ]] || echo "finished_at,layout,ranks,params,files,checkpoints,bytes,blocked_ms_mean,blocked_ms_max,write_ms_mean,step_ms" > "$csv"
 echo "Transformer d 256, 4 layers, $NPROC CPU ranks, global batch $GLOBAL × 35 tokens, Adam, a checkpoint every $EVERY of $STEPS steps:"

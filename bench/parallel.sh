@@ -21,20 +21,11 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 NPROC="${NPROC:-4}"; GLOBAL="${GLOBAL:-16}"; STEPS="${STEPS:-12}"; THREADS="${THREADS:-1}"
-DATA="${DATA:-$root/../shared/data/wikitext-2}"
 bin="${BIN:-target/release}"
 csv="results/bench-parallel.csv"
-[[ -f "$DATA/valid.txt" && -f "$DATA/test.txt" ]] || { echo "error: no WikiText-2 valid/test sample in $DATA (set DATA=...)" >&2; exit 2; }
-((GLOBAL % NPROC == 0)) || { echo "error: GLOBAL=$GLOBAL streams do not divide over NPROC=$NPROC ranks" >&2; exit 2; }
-work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
-# The real valid split as training text; 200 lines of each split to evaluate on (the bench
-# times training steps, and a whole split's evaluation would dwarf them).
-mkdir -p "$work/data"
-cp "$DATA/valid.txt" "$work/data/train.txt"
-head -n 200 "$DATA/valid.txt" > "$work/data/valid.txt"; head -n 200 "$DATA/test.txt" > "$work/data/test.txt"
-model=(--emsize 256 --d-hid 1024 --nhead 8 --nlayers 4 --dropout 0 --bptt 35)
-common=(--device cpu --threads "$THREADS" --quiet --data-dir "$work/data" --optimizer adam --lr 1e-4 --epochs 1
-        --max-steps "$STEPS" --steady-after 2 --eval-batch-size 16 "${model[@]}")
+# shellcheck source=bench/transformer.sh
+source "$root/bench/transformer.sh"
+common=("${transformer_flags[@]}")
 
 header="finished_at,layout,ranks,dp,pp,tp,zero,global_batch,params,step_ms,all_reduce_bytes,reduce_scatter_bytes,all_gather_bytes,send_bytes,model_state_bytes,formula_bytes,formula,peak_rank,peak_training_bytes,estimated_bytes"
 if [[ -f "$csv" && "$(head -n 1 "$csv")" != "$header" ]]; then

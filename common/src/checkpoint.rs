@@ -143,10 +143,6 @@ impl HostCheckpoint {
         Ok(HostCheckpoint { tensors, meta })
     }
 
-    pub fn meta(&self) -> &CheckpointMeta {
-        &self.meta
-    }
-
     /// Bytes of tensor data.
     pub fn bytes(&self) -> usize {
         self.tensors.iter().map(|(_, view)| view.data_len()).sum()

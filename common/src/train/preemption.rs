@@ -50,10 +50,3 @@ pub fn requested() -> Option<&'static str> {
     let signal = received().load(Ordering::Relaxed) as i32;
     SIGNALS.iter().find(|(s, _)| *s == signal).map(|(_, name)| *name)
 }
-
-/// As if `signal` had arrived (tests; a launcher that relays a stop).
-pub fn request(signal: &'static str) {
-    if let Some((number, _)) = SIGNALS.iter().find(|(_, name)| *name == signal) {
-        received().store(*number as usize, Ordering::Relaxed);
-    }
-}

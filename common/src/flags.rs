@@ -44,6 +44,12 @@ pub struct RunArgs {
     /// limit in mind); fractions allowed.
     #[arg(long, value_name = "M", requires = "checkpoint_dir")]
     pub checkpoint_minutes: Option<f64>,
+    /// auto: sharded where ZeRO, tensor or pipeline parallelism spread the model state over
+    /// ranks (every rank writes its part into <run>.shards/, in parallel), one file
+    /// <run>.safetensors otherwise; whole: always one file, gathered to rank 0; sharded: always
+    /// the folder. Either format resumes on any layout.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub checkpoint_format: crate::train::CheckpointFormat,
     /// After a signal stopped the run (Slurm's warning before a time limit or a preemption,
     /// SIGTERM), put the Slurm job back in the queue (`scontrol requeue`), where it resumes from
     /// the checkpoint with the same flags: auto = when the job may be requeued (#SBATCH --requeue).

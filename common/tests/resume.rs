@@ -70,6 +70,7 @@ fn train(setup: &Setup, epochs: usize, init_seed: i64) -> Vec<(String, tch::Tens
             keep: 0,
             every_steps: None,
             every_minutes: None,
+            format: Default::default(),
         }),
         metric: common::train::Metric::Accuracy,
         precision: common::precision::Precision::Full,

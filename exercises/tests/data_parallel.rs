@@ -33,7 +33,7 @@ fn data(dir: &Path, train: usize) {
 }
 
 fn model_tensors(dir: &Path) -> Vec<(String, tch::Tensor)> {
-    let ck = checkpoint::load(&checkpoint::path_for(dir, "exercise2-cnn-cpu")).unwrap();
+    let ck = checkpoint::load_run(dir, "exercise2-cnn-cpu").unwrap();
     let mut tensors: Vec<_> = ck.tensors.into_iter().filter(|(k, _)| k.starts_with("model.")).collect();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     tensors
@@ -214,7 +214,7 @@ fn resnet34_replicas_agree_including_batch_norm_statistics() {
 
 /// The model tensors of the checkpoint `<dir>/<run>.safetensors`, sorted by name.
 fn checkpoint_model(dir: &Path, run: &str) -> Vec<(String, tch::Tensor)> {
-    let ck = checkpoint::load(&checkpoint::path_for(dir, run)).unwrap();
+    let ck = checkpoint::load_run(dir, run).unwrap();
     let mut tensors: Vec<_> = ck.tensors.into_iter().filter(|(k, _)| k.starts_with("model.")).collect();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     tensors
@@ -438,10 +438,10 @@ fn a_zero_checkpoint_holds_the_whole_state_and_resumes_on_other_layouts() {
         assert!(out.status.success(), "{}", stderr(&out));
         stdout(&out)
     };
-    let name = "exercise2-cnn-cpu.safetensors";
+    // The checkpoints, one file or sharded (ZeRO's).
     let copy = |from: &Path| {
         let to = tempfile::tempdir().unwrap();
-        std::fs::copy(from.join(name), to.path().join(name)).unwrap();
+        support::copy_checkpoints(from, to.path());
         to
     };
     let close = |what: &str, a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]| {
@@ -450,7 +450,7 @@ fn a_zero_checkpoint_holds_the_whole_state_and_resumes_on_other_layouts() {
         assert!(worst <= 1e-5, "{what}: {worst:e}");
     };
     let state = |dir: &Path| {
-        let ck = checkpoint::load(&checkpoint::path_for(dir, "exercise2-cnn-cpu")).unwrap();
+        let ck = checkpoint::load_run(dir, "exercise2-cnn-cpu").unwrap();
         let mut tensors: Vec<_> = ck.tensors.into_iter().filter(|(k, _)| !k.starts_with("model.")).collect();
         tensors.sort_by(|a, b| a.0.cmp(&b.0));
         tensors

@@ -140,9 +140,11 @@ fn a_two_stage_pipeline_learns_real_wikitext_and_reports_its_bubble() {
     assert!(ppl < 0.85 * unigram, "the pipelined model did not learn: test perplexity {ppl} vs unigram {unigram}");
 }
 
-/// The model tensors of a checkpoint, sorted by name.
-fn model_tensors(path: &Path) -> Vec<(String, tch::Tensor)> {
-    let mut tensors: Vec<_> = common::checkpoint::load(path).unwrap().tensors.into_iter().filter(|(k, _)| k.starts_with("model.")).collect();
+/// The model tensors of the newest checkpoint in `dir` (one file, or sharded by stages in
+/// processes), sorted by name.
+fn model_tensors(dir: &Path) -> Vec<(String, tch::Tensor)> {
+    let run = "exercise3_pipeline-transformer-cpu";
+    let mut tensors: Vec<_> = common::checkpoint::load_run(dir, run).unwrap().tensors.into_iter().filter(|(k, _)| k.starts_with("model.")).collect();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     tensors
 }
@@ -150,8 +152,7 @@ fn model_tensors(path: &Path) -> Vec<(String, tch::Tensor)> {
 /// The checkpoints `exercise3 pipeline` wrote in `straight` and in `resumed` hold the same
 /// model variables, each within `tolerance` of its largest value; `what` says how the runs went.
 fn assert_same_model(straight: &Path, resumed: &Path, tolerance: f64, what: &str) {
-    let name = "exercise3_pipeline-transformer-cpu.safetensors";
-    let (a, b) = (model_tensors(&straight.join(name)), model_tensors(&resumed.join(name)));
+    let (a, b) = (model_tensors(straight), model_tensors(resumed));
     assert_eq!(a.len(), b.len(), "the gathered checkpoint holds every variable");
     for ((name, x), (_, y)) in a.iter().zip(&b) {
         let rel = (x - y).abs().max().double_value(&[]) / x.abs().max().double_value(&[]).max(1e-12);

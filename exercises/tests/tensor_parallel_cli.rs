@@ -18,8 +18,8 @@ fn model_tensors(dir: &Path) -> Vec<(String, tch::Tensor)> {
 
 /// The model tensors of `exercise`'s checkpoint in `dir`, sorted by name.
 fn checkpoint_tensors(dir: &Path, exercise: &str) -> Vec<(String, tch::Tensor)> {
-    let path = dir.join(format!("{exercise}-transformer-cpu.safetensors"));
-    let mut tensors: Vec<_> = common::checkpoint::load(&path).unwrap().tensors.into_iter().filter(|(k, _)| k.starts_with("model.")).collect();
+    let run = format!("{exercise}-transformer-cpu");
+    let mut tensors: Vec<_> = common::checkpoint::load_run(dir, &run).unwrap().tensors.into_iter().filter(|(k, _)| k.starts_with("model.")).collect();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     tensors
 }

@@ -114,7 +114,7 @@ struct Trained {
 /// What the run of `preset` (`exercise1`, `exercise3_ddp`, ...) left in `dir`.
 fn trained(setup: &Setup, dir: &Path, preset: &str) -> Trained {
     let run = format!("{preset}-{}-cpu", setup.arch.name());
-    let ck = checkpoint::load(&checkpoint::path_for(dir, &run)).unwrap();
+    let ck = checkpoint::load_run(dir, &run).unwrap();
     let model = ck.tensors.iter().filter_map(|(k, t)| k.strip_prefix("model.").map(|n| (n.to_string(), t.shallow_clone()))).collect();
     // Optimizer entries are `optim.<entry>.<parameter>`.
     let optimizer_state_of = ck.tensors.keys().filter_map(|k| k.strip_prefix("optim.")?.split_once('.').map(|(_, p)| p.to_string())).collect();

@@ -25,7 +25,7 @@
 use std::ffi::c_void;
 
 use anyhow::Result;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 use torch_sys::C_tensor;
 
@@ -34,7 +34,7 @@ use crate::error::UsageError;
 use crate::torch_ext;
 
 /// This rank's share of every tensor-parallel layer: shard `index` of `count`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Shard {
     pub index: usize,
     pub count: usize,
@@ -71,7 +71,8 @@ impl Shard {
 }
 
 /// How one of the Transformer's variables is cut over the shards.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Split {
     /// The same on every shard (layer norms, the biases added after a row-parallel sum).
     Replicated,

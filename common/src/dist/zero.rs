@@ -152,6 +152,25 @@ impl Buckets {
             .collect()
     }
 
+    /// Where rank `rank`'s block holds each parameter's elements (the parameters its slices of
+    /// the buckets overlap), in block order.
+    fn spans(&self, rank: i64) -> Vec<Span> {
+        let mut spans = Vec::new();
+        for bucket in &self.buckets {
+            let (slice_start, slice_end) = (rank * bucket.slice, (rank + 1) * bucket.slice);
+            let mut at = 0;
+            for &param in &bucket.params {
+                let (first, end) = (at, at + self.sizes[param]);
+                let (lo, hi) = (first.max(slice_start), end.min(slice_end));
+                if lo < hi {
+                    spans.push(Span { param, start: lo - first, len: hi - lo, offset: bucket.offset + lo - slice_start });
+                }
+                at = end;
+            }
+        }
+        spans
+    }
+
     /// Every parameter, flat, from all ranks' blocks (in rank order).
     fn unblock(&self, blocks: &[Tensor]) -> Vec<Tensor> {
         let mut whole: Vec<Option<Tensor>> = (0..self.sizes.len()).map(|_| None).collect();
@@ -163,6 +182,27 @@ impl Buckets {
         }
         whole.into_iter().map(|t| t.expect("every parameter is in a bucket")).collect()
     }
+}
+
+/// Part of a block: elements `[start, start + len)` of parameter `param` (flattened) sit at
+/// `offset` in the block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    pub param: usize,
+    pub start: i64,
+    pub len: i64,
+    pub offset: i64,
+}
+
+/// Which elements of which parameters a rank's block holds: what a sharded checkpoint writes of
+/// it and reads into it, without the whole parameters or state ever being put together.
+#[derive(Debug, Clone)]
+pub struct BlockLayout {
+    /// The parameters by their whole-model names, and their shapes on this rank.
+    pub params: Vec<(String, Vec<i64>)>,
+    pub spans: Vec<Span>,
+    /// Elements of the block (its spans and the buckets' padding).
+    pub len: i64,
 }
 
 /// What the gradient hooks of one step have done so far (stages 2 and 3).
@@ -414,6 +454,26 @@ impl<'g> Shards<'g> {
         unsafe { torch_ext::notify_in_backward(&output, gather_for_backward, Rc::as_ptr(self) as *mut c_void, part as i64) }
     }
 
+    /// Which parameters' elements this rank's block holds.
+    pub fn layout(&self) -> BlockLayout {
+        let params = self.names.iter().zip(&self.params).map(|(n, p)| (n.clone(), p.size())).collect();
+        BlockLayout { params, spans: self.buckets.spans(self.group.rank() as i64), len: self.buckets.block_len }
+    }
+
+    /// This rank's block of the parameters (stage 3: the parameters themselves).
+    pub fn block(&self) -> Tensor {
+        self.block.detach()
+    }
+
+    /// Stage 3: this rank's share of the parameters from `block` (read from a checkpoint); the
+    /// parts are gathered from the blocks when next run.
+    pub fn load_block(&self, block: &Tensor) -> Result<()> {
+        ensure!(block.size() == self.block.size(), "ZeRO: a block of {:?} elements for one of {:?}", block.size(), self.block.size());
+        self.free_all()?;
+        tch::no_grad(|| self.block.shallow_clone().copy_(block));
+        Ok(())
+    }
+
     /// Copies this rank's share of the (whole, restored or broadcast) parameters into its block.
     pub fn refresh_block(&self) {
         let fresh = self.buckets.block(self.group.rank() as i64, self.block.device(), &|p| Some(self.params[p].detach()));
@@ -462,6 +522,10 @@ unsafe fn callback(context: *mut c_void, message: *mut u8, size: usize, work: im
 }
 
 /// An optimizer over this rank's block of a model's parameters (see the module docs).
+/// The name the block's optimizer knows it by: its state entries are `<entry>.zero_block`.
+pub const BLOCK_NAME: &str = "zero_block";
+const BLOCK_SUFFIX: &str = ".zero_block";
+
 pub struct ZeroOptimizer<'g> {
     shards: Rc<Shards<'g>>,
     inner: Box<dyn Optimizer + 'g>,
@@ -476,7 +540,7 @@ impl<'g> ZeroOptimizer<'g> {
 
     /// The optimizer of `shards`' block.
     pub fn over(shards: Rc<Shards<'g>>, build: impl FnOnce(Vec<(String, Tensor)>) -> Box<dyn Optimizer + 'g>) -> Self {
-        let inner = build(vec![("zero_block".to_string(), shards.block.shallow_clone())]);
+        let inner = build(vec![(BLOCK_NAME.to_string(), shards.block.shallow_clone())]);
         ZeroOptimizer { shards, inner }
     }
 }
@@ -541,8 +605,18 @@ impl Optimizer for ZeroOptimizer<'_> {
     /// Takes the whole state (by the parameters' names, as [`Sharded::gathered_state`] and
     /// an unsharded optimizer write it) and keeps this rank's block of each entry; refreshes the
     /// block of parameters from the (restored, whole) parameters first.
+    ///
+    /// Also takes this rank's blocks themselves (`<entry>.zero_block`, as a sharded checkpoint
+    /// reads them): the parameters' block is then refreshed only where the parameters are whole
+    /// (stages 1 and 2; at stage 3 the block was read already).
     fn load_state_tensors(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
         let shards = &self.shards;
+        if !state.is_empty() && state.keys().all(|k| k.ends_with(BLOCK_SUFFIX)) {
+            if shards.stage != ZeroStage::Parameters {
+                shards.refresh_block();
+            }
+            return self.inner.load_state_tensors(state);
+        }
         shards.refresh_block();
         let mut entries: Vec<&str> = state.keys().filter_map(|k| k.split_once('.').map(|(e, _)| e)).collect();
         entries.sort_unstable();
@@ -564,7 +638,7 @@ impl Optimizer for ZeroOptimizer<'_> {
                 }
                 shards.buckets.block(shards.group.rank() as i64, shards.block.device(), &|p| Some(present[p].to_device(shards.block.device())))
             };
-            blocks.insert(format!("{entry}.zero_block"), block);
+            blocks.insert(format!("{entry}.{BLOCK_NAME}"), block);
         }
         ensure!(used == state.len(), "ZeRO: {} state tensors belong to no parameter of this model", state.len() - used);
         self.inner.load_state_tensors(&blocks)
@@ -583,7 +657,7 @@ impl Sharded for ZeroOptimizer<'_> {
         let shards = &self.shards;
         let mut whole = Vec::new();
         for (name, block) in self.inner.state_tensors() {
-            let entry = name.strip_suffix(".zero_block").unwrap_or(&name).to_string();
+            let entry = name.strip_suffix(BLOCK_SUFFIX).unwrap_or(&name).to_string();
             if block.dim() == 0 {
                 whole.extend(shards.names.iter().map(|p| (format!("{entry}.{p}"), block.copy())));
                 continue;
@@ -594,6 +668,10 @@ impl Sharded for ZeroOptimizer<'_> {
             }
         }
         Ok(whole)
+    }
+
+    fn block_layout(&self) -> Option<BlockLayout> {
+        Some(self.shards.layout())
     }
 
     /// From stage 2, the block's gradient (the whole gradients are freed).
@@ -620,6 +698,18 @@ mod tests {
         for (whole, param) in buckets.unblock(&blocks).iter().zip(&params) {
             assert!(whole.equal(param));
         }
+        // The spans say where each rank's block holds which elements: every element of every
+        // parameter once, over the ranks.
+        let mut held = vec![0; 3];
+        for (rank, block) in blocks.iter().enumerate() {
+            for span in buckets.spans(rank as i64) {
+                let elements = params[span.param].narrow(0, span.start, span.len);
+                assert!(block.narrow(0, span.offset, span.len).equal(&elements), "rank {rank}: {span:?}");
+                held[span.param] += span.len;
+            }
+        }
+        assert_eq!(held, vec![3, 5, 2]);
+        assert_eq!(buckets.spans(1)[0], Span { param: 0, start: 1, len: 2, offset: 0 });
         assert_eq!(ZeroStage::from_flag(2).map(ZeroStage::number), Some(2));
         assert_eq!(ZeroStage::from_flag(0), None);
     }

@@ -198,6 +198,7 @@ fn train_config<E: Experiment>(exp: &E, built: &Built<'_, E::Model>, groups: &Gr
             keep: run.keep_checkpoints,
             every_steps: run.checkpoint_every.map(|n| n as usize),
             every_minutes: run.checkpoint_minutes,
+            format: run.checkpoint_format,
         }),
         metric: exp.metric(),
         precision: run.precision,

@@ -112,6 +112,13 @@ pub trait Sharded {
     /// block's gradient); 0 otherwise.
     fn sharded_gradient_bytes(&self) -> usize;
 
+    /// ZeRO: which parameters' elements this rank's share of the state holds (its
+    /// [`Optimizer::state_tensors`] are then blocks, `<entry>.zero_block`, laid out so); none
+    /// where the shares are not blocks (parameter servers).
+    fn block_layout(&self) -> Option<crate::dist::zero::BlockLayout> {
+        None
+    }
+
     /// Whether the shares are the data-parallel replicas' own (ZeRO: each replica restores its
     /// share of the whole state); false where the state lives on other ranks (parameter
     /// servers: worker 0 hands it over).

@@ -6,10 +6,15 @@
 //! many of its steps were taken, and a resume goes on with the next batch: the losses are then
 //! those of a run that was never interrupted.
 //!
-//! Saving gathers the state to rank 0 and copies it to host memory (the time training is
-//! blocked, measured); a background thread writes and commits the file. At most one write is
-//! in flight: the next checkpoint, and the run's end, first wait for it, and a write that
-//! failed (a full disk) fails the run there, its previous checkpoint intact.
+//! A checkpoint is one file or, where ZeRO, tensor or pipeline parallelism spread the model
+//! state over ranks, sharded ([`crate::checkpoint::sharded`], `--checkpoint-format`). One file:
+//! the state is gathered to rank 0 and copied to host memory there (the time training is
+//! blocked, measured), and a background thread writes and commits it. Sharded: every rank
+//! copies only what it owns and its own background thread writes its file; once every rank's
+//! is complete (the ranks learn it in the per-step agreement, without waiting for it), rank 0
+//! commits the checkpoint by writing its index. At most one write is in flight: the next
+//! checkpoint, and the run's end, first wait for it, and a write that failed (a full disk) fails
+//! the run there, on every rank, its previous checkpoint intact.
 use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -18,8 +23,10 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use super::step::TrainStep;
-use super::{state, CheckpointConfig};
+use super::{owned_state, state, CheckpointConfig};
+use crate::checkpoint::sharded::{self, HostShard};
 use crate::checkpoint::{self, CheckpointMeta};
+use crate::dist::ProcessGroup;
 use crate::optim::Optimizer;
 
 /// What checkpointing cost a run, on the rank that writes (rank 0).
@@ -34,31 +41,76 @@ pub struct CheckpointStats {
     pub max_blocked_s: f64,
     /// Time the background thread spent writing them, while training went on.
     pub write_s: f64,
-    /// Bytes of tensor data in the last one.
+    /// Bytes of tensor data in the last one that this rank copied and wrote: the whole
+    /// checkpoint where it is one file, this rank's own part where it is sharded.
     pub bytes: usize,
+    /// Whether the checkpoints were sharded (every rank writing its part).
+    pub sharded: bool,
 }
 
 /// A background write: the seconds it took and the bytes it wrote.
 type Write = JoinHandle<Result<(f64, usize)>>;
 
+/// How a checkpoint is written: `--checkpoint-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckpointFormat {
+    /// Sharded where ZeRO, tensor or pipeline parallelism spread the model state over ranks,
+    /// one file otherwise.
+    #[default]
+    Auto,
+    /// One file, the state gathered to rank 0.
+    Whole,
+    /// A folder, every rank writing the part it owns.
+    Sharded,
+}
+
 /// Decides when to checkpoint besides the epochs' ends, and saves.
-pub(crate) struct Checkpointer<'c> {
+pub(crate) struct Checkpointer<'c, 'g> {
     config: &'c CheckpointConfig,
+    /// The single-file checkpoint's path (sharded: the folder of the run's checkpoints).
     path: PathBuf,
     last: Instant,
     writing: Option<Write>,
+    /// A failed write, kept until every rank has heard of it.
+    failed: Option<anyhow::Error>,
+    /// Sharded checkpoints: the job's ranks, and the checkpoint written but not yet committed.
+    sharded: Option<Sharding<'g>>,
     pub stats: CheckpointStats,
 }
 
-impl<'c> Checkpointer<'c> {
-    pub fn new(config: &'c CheckpointConfig, run: &str) -> Checkpointer<'c> {
-        Checkpointer { config, path: checkpoint::path_for(&config.dir, run), last: Instant::now(), writing: None, stats: CheckpointStats::default() }
+struct Sharding<'g> {
+    world: Option<&'g ProcessGroup>,
+    /// Its folder and what the index will say.
+    pending: Option<(PathBuf, CheckpointMeta)>,
+}
+
+impl<'c, 'g> Checkpointer<'c, 'g> {
+    /// `sharded`: the ranks of `world` each write their part (else rank 0 the whole).
+    pub fn new(config: &'c CheckpointConfig, run: &str, sharded: bool, world: Option<&'g ProcessGroup>) -> Checkpointer<'c, 'g> {
+        let path = checkpoint::path_for(&config.dir, run);
+        let (path, sharded) = match sharded {
+            true => (sharded::run_folder_of(&path), Some(Sharding { world, pending: None })),
+            false => (path, None),
+        };
+        let stats = CheckpointStats { sharded: sharded.is_some(), ..CheckpointStats::default() };
+        Checkpointer { config, path, last: Instant::now(), writing: None, failed: None, sharded, stats }
+    }
+
+    /// Whether the checkpoint of `step` and `optimizer` is sharded, as `format` asks.
+    pub fn shards(format: CheckpointFormat, step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer) -> bool {
+        match format {
+            CheckpointFormat::Auto => owned_state::spread(step, optimizer),
+            CheckpointFormat::Whole => false,
+            CheckpointFormat::Sharded => true,
+        }
     }
 
     pub fn config(&self) -> &CheckpointConfig {
         self.config
     }
 
+    /// The checkpoint file, or the folder of a sharded run's checkpoints.
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -76,25 +128,15 @@ impl<'c> Checkpointer<'c> {
     }
 
     /// Saves the checkpoint `meta` describes (every rank calls it): blocks while the state is
-    /// gathered and copied to host memory, then rank 0 writes it in the background. After an
-    /// epoch with `--keep-checkpoints`, the background thread also keeps the epoch's copy.
+    /// gathered (one file) or this rank's part (sharded) is copied to host memory, then writes it
+    /// in the background. After an epoch with `--keep-checkpoints`, a single file's background
+    /// thread also keeps the epoch's copy.
     pub fn save(&mut self, step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: CheckpointMeta) -> Result<()> {
         let started = Instant::now();
-        // At most one write in flight (and one copy of the state in host memory besides it).
-        self.wait()?;
-        let keep = (meta.epoch_step == 0 && self.config.keep > 0).then_some((meta.epoch, self.config.keep));
-        if let Some(host) = state::gather(step, optimizer, meta)? {
-            let path = self.path.clone();
-            let write = move || -> Result<(f64, usize)> {
-                let writing = Instant::now();
-                host.write(&path)?;
-                if let Some((epoch, keep)) = keep {
-                    checkpoint::keep_epoch_copy(&path, epoch, keep)?;
-                }
-                Ok((writing.elapsed().as_secs_f64(), host.bytes()))
-            };
-            self.writing =
-                Some(std::thread::Builder::new().name("checkpoint-writer".into()).spawn(write).context("cannot start the checkpoint writer thread")?);
+        if self.sharded.is_some() {
+            self.save_part(step, optimizer, meta)?;
+        } else {
+            self.save_whole(step, optimizer, meta)?;
         }
         let blocked = started.elapsed().as_secs_f64();
         self.stats.saved += 1;
@@ -104,19 +146,122 @@ impl<'c> Checkpointer<'c> {
         Ok(())
     }
 
-    /// Waits for the write in flight, if any; its error, if it failed.
-    pub fn wait(&mut self) -> Result<()> {
-        let Some(writing) = self.writing.take() else { return Ok(()) };
-        let (seconds, bytes) = writing.join().map_err(|_| anyhow::anyhow!("the checkpoint writer thread panicked"))??;
-        self.stats.write_s += seconds;
-        self.stats.bytes = bytes;
+    fn save_whole(&mut self, step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: CheckpointMeta) -> Result<()> {
+        // At most one write in flight (and one copy of the state in host memory besides it).
+        self.finish()?;
+        let keep = (meta.epoch_step == 0 && self.config.keep > 0).then_some((meta.epoch, self.config.keep));
+        if let Some(host) = state::gather(step, optimizer, meta)? {
+            let path = self.path.clone();
+            self.spawn(move || {
+                let writing = Instant::now();
+                host.write(&path)?;
+                if let Some((epoch, keep)) = keep {
+                    checkpoint::keep_epoch_copy(&path, epoch, keep)?;
+                }
+                Ok((writing.elapsed().as_secs_f64(), host.bytes()))
+            })?;
+        }
         Ok(())
+    }
+
+    /// Sharded: this rank copies its own part and writes it into the step's folder.
+    fn save_part(&mut self, step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: CheckpointMeta) -> Result<()> {
+        let folder = sharded::step_folder(&self.path, meta.step);
+        let world = self.sharded.as_ref().and_then(|s| s.world);
+        let rank = world.map_or(0, ProcessGroup::rank);
+        // The same step saved again (an epoch's end after its last step's checkpoint): rank 0
+        // clears the older one before the ranks agree to go on (in `finish`) and write.
+        if rank == 0 && folder.exists() {
+            std::fs::remove_dir_all(&folder).with_context(|| format!("cannot replace the checkpoint {}", folder.display()))?;
+        }
+        self.finish()?;
+        let host = HostShard::new(owned_state::owned_pieces(step, optimizer)?)
+            .with_context(|| format!("the checkpoint after epoch {} (step {})", meta.epoch, meta.step))?;
+        let into = folder.clone();
+        self.spawn(move || {
+            let writing = Instant::now();
+            host.write(&into, rank)?;
+            Ok((writing.elapsed().as_secs_f64(), host.bytes()))
+        })?;
+        if let Some(sharding) = self.sharded.as_mut() {
+            sharding.pending = Some((folder, meta));
+        }
+        Ok(())
+    }
+
+    fn spawn(&mut self, write: impl FnOnce() -> Result<(f64, usize)> + Send + 'static) -> Result<()> {
+        self.writing = Some(std::thread::Builder::new().name("checkpoint-writer".into()).spawn(write).context("cannot start the checkpoint writer thread")?);
+        Ok(())
+    }
+
+    /// Collects this rank's write if it has ended (without waiting); returns whether it is
+    /// still going and whether a write failed: this rank's part of the per-step agreement.
+    pub fn poll(&mut self) -> (bool, bool) {
+        if self.writing.as_ref().is_some_and(JoinHandle::is_finished) {
+            self.join();
+        }
+        (self.writing.is_some(), self.failed.is_some())
+    }
+
+    /// Acts on what the ranks agreed after a step ([`Checkpointer::poll`] on each): a write
+    /// that failed anywhere fails the run on every rank; once no rank is still writing, rank 0
+    /// commits the sharded checkpoint.
+    pub fn settle(&mut self, writing: bool, failed: bool) -> Result<()> {
+        if failed {
+            return Err(self.failed.take().unwrap_or_else(|| {
+                anyhow::anyhow!("another rank could not write its part of the checkpoint in {}; the previous one is intact", self.path.display())
+            }));
+        }
+        let Some(sharding) = self.sharded.as_mut() else { return Ok(()) };
+        let (false, Some((folder, meta))) = (writing, sharding.pending.take()) else { return Ok(()) };
+        let ranks = sharding.world.map_or(1, ProcessGroup::world_size);
+        let committed = match sharding.world.is_none_or(ProcessGroup::is_root) {
+            true => sharded::commit(&folder, ranks, &meta),
+            false => Ok(()),
+        };
+        // Rank 0's commit can fail too (a full disk): every rank hears of it.
+        let failed = match sharding.world {
+            Some(world) => world.any_of(&[committed.is_err()])?[0],
+            None => committed.is_err(),
+        };
+        match (committed, failed) {
+            (Err(err), _) => Err(err),
+            (Ok(()), true) => anyhow::bail!("rank 0 could not commit the checkpoint in {}; the previous one is intact", folder.display()),
+            (Ok(()), false) => Ok(()),
+        }
+    }
+
+    /// Waits for the write in flight, if any, and (sharded; every rank calls it) for every
+    /// rank's, then commits it; an error where any failed.
+    pub fn finish(&mut self) -> Result<()> {
+        if self.writing.is_some() {
+            self.join();
+        }
+        let failed = self.failed.is_some();
+        let failed = match self.sharded.as_ref().and_then(|s| s.world) {
+            Some(world) => world.any_of(&[failed])?[0],
+            None => failed,
+        };
+        self.settle(false, failed)
+    }
+
+    /// Joins the writer thread, recording what it wrote or how it failed.
+    fn join(&mut self) {
+        let Some(writing) = self.writing.take() else { return };
+        match writing.join().map_err(|_| anyhow::anyhow!("the checkpoint writer thread panicked")).and_then(|r| r) {
+            Ok((seconds, bytes)) => {
+                self.stats.write_s += seconds;
+                self.stats.bytes = bytes;
+            }
+            Err(err) => self.failed = Some(err),
+        }
     }
 }
 
-impl Drop for Checkpointer<'_> {
-    /// A run that fails still leaves the checkpoint it handed over complete (or not at all).
+impl Drop for Checkpointer<'_, '_> {
+    /// A run that fails still leaves the checkpoint it handed over complete (or not at all):
+    /// this rank's write ends (no commit: that takes every rank).
     fn drop(&mut self) {
-        let _ = self.wait();
+        self.join();
     }
 }

@@ -14,6 +14,7 @@
 pub mod checkpointing;
 pub mod events;
 pub mod graph;
+mod owned_state;
 pub mod preemption;
 pub mod schedule;
 pub mod sinks;
@@ -39,6 +40,7 @@ use crate::dist::ProcessGroup;
 use crate::models::mix_key;
 use crate::optim::Optimizer;
 use crate::precision::{GradScaler, Precision};
+pub use checkpointing::CheckpointFormat;
 use checkpointing::Checkpointer;
 
 /// One batch on the training device: model inputs and integer class (or next-token) targets.
@@ -93,6 +95,8 @@ pub struct CheckpointConfig {
     pub every_steps: Option<usize>,
     /// Also checkpoint when this many minutes have passed since the last (`--checkpoint-minutes`).
     pub every_minutes: Option<f64>,
+    /// One file, or every rank writing its part (`--checkpoint-format`).
+    pub format: CheckpointFormat,
 }
 
 /// How to train.
@@ -389,7 +393,7 @@ pub fn fit(
     let resume =
         config.checkpoint.as_ref().filter(|ck| ck.resume).map(|ck| (ck.from.clone().unwrap_or_else(|| checkpoint::path_for(&ck.dir, &config.run)), &ck.model));
     if let (Some((path, _)), true) = (&resume, config.eval_only) {
-        if !path.is_file() {
+        if !path.exists() && !checkpoint::sharded::run_folder_of(path).is_dir() {
             return crate::error::usage(format!("--eval-only: no checkpoint at {} to evaluate", path.display()));
         }
     }
@@ -398,7 +402,8 @@ pub fn fit(
     let (mut report, mut global_step, mut bubble) = (FitReport::new(start.epoch), start.step, BubbleMeter::default());
     let mut steady = SteadyMeter::new(config.steady_after);
     let mut graphed = config.cuda_graph.then(graph::GraphedStep::default);
-    let mut checkpoints = config.checkpoint.as_ref().map(|ck| Checkpointer::new(ck, &config.run));
+    let world = step.sync().parallel.world;
+    let mut checkpoints = config.checkpoint.as_ref().map(|ck| Checkpointer::new(ck, &config.run, Checkpointer::shards(ck.format, step, optimizer), world));
     let step_control = StepControl::new(step.sync().parallel, config)?;
     let (run, epochs, start_epoch, start_step) = (config.run.as_str(), config.epochs, start.epoch, start.step);
     observers.emit(&Event::Started { run, epochs, steps_per_epoch, start_epoch, start_step })?;
@@ -451,7 +456,7 @@ pub fn fit(
             steady.step_ended(out.examples * sums.replicas);
             // The epoch's end checkpoints anyway: a step checkpoint is for the steps before it.
             let ends_epoch = epoch_step >= steps_per_epoch;
-            let decision = step_control.after_step(checkpoints.as_ref(), global_step)?;
+            let decision = step_control.after_step(checkpoints.as_mut(), global_step)?;
             if let (true, false, Some(checkpoints)) = (decision.checkpoint, ends_epoch, checkpoints.as_mut()) {
                 let meta = checkpoint_meta(config, checkpoints.config(), optimizer.name(), (epoch, epoch_step), global_step, scaler.as_ref());
                 checkpoints.save(step, optimizer, meta)?;
@@ -486,7 +491,7 @@ pub fn fit(
         }
     }
     if let Some(checkpoints) = checkpoints.as_mut() {
-        checkpoints.wait()?;
+        checkpoints.finish()?;
         report.checkpoints = checkpoints.stats;
     }
     if let Some(signal) = stopped_by {
@@ -558,18 +563,23 @@ impl<'g> StepControl<'g> {
         Ok(StepControl { ranks: parallel.world.filter(|w| w.world_size() > 1), max_steps, exit_after, signal_after })
     }
 
-    fn after_step(&self, checkpoints: Option<&Checkpointer>, step: usize) -> Result<Decision> {
+    fn after_step(&self, mut checkpoints: Option<&mut Checkpointer>, step: usize) -> Result<Decision> {
         if let Some((_, signal)) = self.signal_after.filter(|(at, _)| *at == step) {
             // SAFETY: raise only delivers a signal to this thread; the handler sets flags.
             unsafe { libc::raise(signal) };
         }
-        let by_rule = checkpoints.is_some_and(|c| c.due_by_steps(step)) || self.max_steps == Some(step);
-        // The clock and the signals differ between ranks: any rank's counts for all.
-        let local = [checkpoints.is_some_and(Checkpointer::due_by_time), preemption::requested().is_some()];
+        let by_rule = checkpoints.as_ref().is_some_and(|c| c.due_by_steps(step)) || self.max_steps == Some(step);
+        // The clock, the signals and the background writes differ between ranks: any rank's
+        // counts for all.
+        let (writing, failed) = checkpoints.as_mut().map_or((false, false), |c| c.poll());
+        let local = [checkpoints.as_ref().is_some_and(|c| c.due_by_time()), preemption::requested().is_some(), writing, failed];
         let agreed = match self.ranks {
             Some(ranks) => ranks.any_of(&local)?,
             None => local.to_vec(),
         };
+        if let Some(checkpoints) = checkpoints {
+            checkpoints.settle(agreed[2], agreed[3])?;
+        }
         // The signal's name where it was caught; none on the ranks stopping for another's.
         let stop = agreed[1].then(preemption::requested);
         Ok(Decision { checkpoint: by_rule || agreed[0] || stop.is_some(), stop })
@@ -579,7 +589,7 @@ impl<'g> StepControl<'g> {
     fn test_exit_after(&self, step: usize, checkpoints: Option<&mut Checkpointer>) {
         if self.exit_after == Some(step) {
             if let Some(checkpoints) = checkpoints {
-                let _ = checkpoints.wait();
+                let _ = checkpoints.finish();
             }
             // SAFETY: _exit ends the process at once, which is the point (no unwinding, no
             // destructors: as a kill would).

@@ -12,8 +12,9 @@ use anyhow::{Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::events::Observers;
+use super::owned_state;
 use super::step::TrainStep;
-use crate::checkpoint::{self, Checkpoint, CheckpointMeta, HostCheckpoint};
+use crate::checkpoint::{self, Checkpoint, CheckpointMeta, Found, HostCheckpoint};
 use crate::dist::data_parallel::{broadcast_named, broadcast_optimizer_state, broadcast_sharded_state};
 use crate::dist::transfer::{recv_named, recv_tensor, send_named, send_tensor};
 use crate::dist::ProcessGroup;
@@ -30,10 +31,13 @@ pub(crate) struct Progress {
     pub epoch_step: usize,
 }
 
-/// Restores the checkpoint at `path` when `resume` asks for it and it exists (rank 0 reads it;
-/// every rank holding a part of replica 0's model gets its part), checking it was written for
-/// `model`; then makes every replica start from replica 0's variables and optimizer state.
-/// Every rank calls it. Returns where the run continues.
+/// Restores the newest checkpoint of the run whose single-file checkpoint is `path` (one file or
+/// sharded) when `resume` asks for it and one exists, checking it was written for `model`; then
+/// makes every replica start from replica 0's variables and optimizer state. Rank 0 finds the
+/// checkpoint. A single file read into a layout that does not spread its state over ranks is
+/// read by rank 0, which hands each rank of replica 0 its part; otherwise (a sharded checkpoint,
+/// or a layout that is) every rank reads its own part. Every rank calls it. Returns where the
+/// run continues.
 pub(crate) fn start(
     step: &mut dyn TrainStep<'_>,
     optimizer: &mut dyn Optimizer,
@@ -42,36 +46,20 @@ pub(crate) fn start(
     observers: &mut Observers,
 ) -> Result<Progress> {
     let parallel = step.sync().parallel;
-    let (root, world, model, first_replica) = (parallel.is_root(), parallel.world, parallel.model, parallel.replica == 0);
-    let replicas = parallel.replica_group();
-    // ZeRO-3's parameters whole while they are restored and made the replicas' common ones.
-    step.sync().materialize()?;
+    let (root, world) = (parallel.is_root(), parallel.world);
+    let spread = owned_state::spread(step, optimizer);
 
-    // Rank 0 reads the file; [resumed, epoch, step, scale, growth tracker, epoch step] then go
-    // to everyone.
-    let mut loaded: Option<Checkpoint> = None;
-    let mut header = [0.0, 0.0, 0.0, f64::NAN, 0.0, 0.0];
+    // Rank 0 finds the checkpoint; [resumed, epoch, step, scale, growth tracker, epoch step,
+    // every rank reads] then go to everyone.
+    let mut found: Option<Found> = None;
+    let mut header = [0.0, 0.0, 0.0, f64::NAN, 0.0, 0.0, 0.0];
     if let (Some((path, identity)), true) = (resume_from, root) {
-        for removed in checkpoint::remove_stale_temporaries(path)? {
-            observers.warn(format!("removed {}, the temporary file of a checkpoint whose writer was killed", removed.display()))?;
-        }
-        if path.exists() {
-            let (saved, fell_back) = checkpoint::load_newest(path)?;
-            if let Some(warning) = fell_back {
-                observers.warn(warning)?;
-            }
-            saved.check_model(path, identity)?;
-            let meta = &saved.meta;
-            let within = match meta.epoch_step {
-                0 => String::new(),
-                n => format!(" and {n} steps into epoch {}", meta.epoch + 1),
-            };
-            observers.info(format!("resumed {} from {} after epoch {}{within} (step {})", meta.run, path.display(), meta.epoch, meta.step))?;
+        found = find(path, identity, observers)?;
+        if let Some(found) = &found {
+            let meta = &found.meta;
             let scale = meta.grad_scaler.map_or([f64::NAN, 0.0], |s| [s.scale, s.growth_tracker as f64]);
-            header = [1.0, meta.epoch as f64, meta.step as f64, scale[0], scale[1], meta.epoch_step as f64];
-            loaded = Some(saved);
-        } else {
-            observers.info(format!("--resume: no checkpoint at {} yet, starting from scratch", path.display()))?;
+            let each_reads = (found.sharded || spread) as u8 as f64;
+            header = [1.0, meta.epoch as f64, meta.step as f64, scale[0], scale[1], meta.epoch_step as f64, each_reads];
         }
     }
     if let Some(world) = world {
@@ -79,10 +67,64 @@ pub(crate) fn start(
         world.broadcast(&mut shared, 0)?;
         header.copy_from_slice(&Vec::<f64>::try_from(&shared)?);
     }
+    let (resumed, each_reads) = (header[0] == 1.0, header[6] == 1.0);
+    if resumed && each_reads {
+        let mut location = found.as_ref().map_or(Vec::new(), |f| f.path.as_os_str().as_encoded_bytes().to_vec());
+        if let Some(world) = world {
+            location = world.broadcast_bytes(&location, 0)?;
+        }
+        let location = std::path::PathBuf::from(String::from_utf8(location).context("the checkpoint's path is not UTF-8")?);
+        let source = checkpoint::sharded::Source::open(&location)?;
+        owned_state::restore_owned(step, optimizer, &source)?;
+    } else {
+        let loaded = match &found {
+            Some(found) => Some((found.path.as_path(), checkpoint::load(&found.path)?)),
+            None => None,
+        };
+        restore_from_root(step, optimizer, loaded.as_ref().map(|(path, ck)| (*path, ck)), resumed)?;
+    }
+    if let (Some(scaler), false) = (scaler, header[3].is_nan()) {
+        scaler.load_state(GradScalerState { scale: header[3], growth_tracker: header[4] as i64 });
+    }
+    Ok(Progress { epoch: header[1] as usize, step: header[2] as usize, epoch_step: header[5] as usize })
+}
+
+/// Rank 0: the newest complete checkpoint at `path` (see [`checkpoint::find_newest`]), checked
+/// to be `identity`'s, after removing what killed writers left; says what it resumes.
+fn find(path: &Path, identity: &serde_json::Value, observers: &mut Observers) -> Result<Option<Found>> {
+    let mut removed = checkpoint::remove_stale_temporaries(path)?;
+    removed.extend(checkpoint::sharded::remove_interrupted(&checkpoint::sharded::run_folder_of(path))?);
+    for removed in removed {
+        observers.warn(format!("removed {}, what the writer of an interrupted checkpoint left", removed.display()))?;
+    }
+    let Some(found) = checkpoint::find_newest(path)? else {
+        observers.info(format!("--resume: no checkpoint at {} yet, starting from scratch", path.display()))?;
+        return Ok(None);
+    };
+    for warning in &found.warnings {
+        observers.warn(warning.clone())?;
+    }
+    found.meta.check_model(&found.path, identity)?;
+    let meta = &found.meta;
+    let within = match meta.epoch_step {
+        0 => String::new(),
+        n => format!(" and {n} steps into epoch {}", meta.epoch + 1),
+    };
+    observers.info(format!("resumed {} from {} after epoch {}{within} (step {})", meta.run, found.path.display(), meta.epoch, meta.step))?;
+    Ok(Some(found))
+}
+
+/// Rank 0 holds the checkpoint it read (`loaded`, when `resumed`): every rank of replica 0
+/// gets its part from it; then every replica takes replica 0's variables and optimizer state.
+fn restore_from_root(step: &mut dyn TrainStep<'_>, optimizer: &mut dyn Optimizer, loaded: Option<(&Path, &Checkpoint)>, resumed: bool) -> Result<()> {
+    let parallel = step.sync().parallel;
+    let replicas = parallel.replica_group();
+    // ZeRO-3's parameters whole while they are restored and made the replicas' common ones.
+    step.sync().materialize()?;
     let mut restored_state = Vec::new();
-    if header[0] == 1.0 && first_replica {
-        let what = resume_from.map_or(String::new(), |(p, _)| p.display().to_string());
-        restored_state = restore_replica_zero(step, optimizer, loaded.as_ref(), &what, model)?;
+    if resumed && parallel.replica == 0 {
+        let what = loaded.map_or(String::new(), |(path, _)| path.display().to_string());
+        restored_state = restore_replica_zero(step, optimizer, loaded.map(|(_, ck)| ck), &what, parallel.model)?;
     }
     if let Some(group) = replicas {
         broadcast_named(group, step.named_variables(), 0)?;
@@ -94,11 +136,7 @@ pub(crate) fn start(
             broadcast_optimizer_state(group, optimizer, 0)?;
         }
     }
-    step.sync().release(true)?;
-    if let (Some(scaler), false) = (scaler, header[3].is_nan()) {
-        scaler.load_state(GradScalerState { scale: header[3], growth_tracker: header[4] as i64 });
-    }
-    Ok(Progress { epoch: header[1] as usize, step: header[2] as usize, epoch_step: header[5] as usize })
+    step.sync().release(true)
 }
 
 /// Gives every rank of replica 0 its part of `loaded` (which rank 0 holds): rank 0's directly,

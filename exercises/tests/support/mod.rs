@@ -32,3 +32,24 @@ pub fn wikitext_sample(dir: &Path, lines: [usize; 3]) {
     std::fs::write(dir.join("valid.txt"), take(&valid, lines[1])).unwrap();
     std::fs::write(dir.join("test.txt"), take(&test, lines[2])).unwrap();
 }
+
+/// Copies the checkpoints in `from` (single files `*.safetensors`, sharded folders `*.shards`)
+/// into `to`, as a user moves a run's checkpoints to resume elsewhere.
+pub fn copy_checkpoints(from: &Path, to: &Path) {
+    fn copy_tree(from: &Path, to: &Path) {
+        if from.is_dir() {
+            std::fs::create_dir_all(to).unwrap();
+            for entry in std::fs::read_dir(from).unwrap().flatten() {
+                copy_tree(&entry.path(), &to.join(entry.file_name()));
+            }
+        } else {
+            std::fs::copy(from, to).unwrap();
+        }
+    }
+    for entry in std::fs::read_dir(from).unwrap().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".safetensors") || name.ends_with(".shards") {
+            copy_tree(&entry.path(), &to.join(&name));
+        }
+    }
+}

@@ -10,6 +10,9 @@
 //! Writing is split in two so that training need not wait for the disk: [`HostCheckpoint::new`]
 //! copies the tensors to host memory (the training thread's part), [`HostCheckpoint::write`]
 //! serialises and commits them (a background thread's, see `train::checkpointing`).
+pub mod region;
+pub mod sharded;
+
 use crate::optim::Optimizer;
 use anyhow::Context;
 use safetensors::tensor::{Dtype, SafeTensors, View};
@@ -222,6 +225,93 @@ pub fn load_newest(path: &Path) -> anyhow::Result<(Checkpoint, Option<String>)> 
     }
 }
 
+/// A complete checkpoint found to resume from: one file, or a sharded checkpoint's folder.
+pub struct Found {
+    pub path: PathBuf,
+    pub sharded: bool,
+    pub meta: CheckpointMeta,
+    /// Newer checkpoints that could not be read, passed over (to be said, never silently).
+    pub warnings: Vec<String>,
+}
+
+/// The newest complete checkpoint of the run whose single-file checkpoint is `path`: that file
+/// (or, torn or corrupt, the one it replaced) or the newest committed folder of its sharded
+/// checkpoints (or, unreadable, the one before), whichever has taken more steps; none when the
+/// run has none. `path` may also name a sharded checkpoint's folder, or a run's folder of them.
+/// An error, naming the newest's problem, when none of its checkpoints can be read.
+pub fn find_newest(path: &Path) -> anyhow::Result<Option<Found>> {
+    let mut warnings = Vec::new();
+    let (file, folder) = match path.is_dir() {
+        true => (None, path.to_path_buf()),
+        false => (Some(path), sharded::run_folder_of(path)),
+    };
+    let mut candidates: Vec<(PathBuf, bool)> = Vec::new();
+    if let Some(file) = file.filter(|f| f.exists()) {
+        candidates.extend([(file.to_path_buf(), false), (previous_path(file), false)]);
+    }
+    let mut newest: Option<Found> = None;
+    let mut unreadable = Vec::new();
+    for group in [candidates, sharded_candidates(&folder)] {
+        let mut problem: Option<anyhow::Error> = None;
+        for (candidate, is_sharded) in group.into_iter().filter(|(p, _)| p.exists()) {
+            let opened = if is_sharded { sharded::Source::open_sharded(&candidate) } else { sharded::Source::open_whole(&candidate) };
+            match opened {
+                Ok(source) => {
+                    if let Some(err) = problem.take() {
+                        warnings.push(format!("{err:#}; resuming from the previous complete checkpoint {} instead", candidate.display()));
+                    }
+                    let found = Found { path: candidate, sharded: is_sharded, meta: source.meta, warnings: Vec::new() };
+                    if newest.as_ref().is_none_or(|n| later(&found, n)) {
+                        newest = Some(found);
+                    }
+                    break;
+                }
+                Err(err) => {
+                    problem.get_or_insert(err);
+                }
+            }
+        }
+        unreadable.extend(problem);
+    }
+    let Some(newest) = newest else {
+        return unreadable.into_iter().next().map_or(Ok(None), Err);
+    };
+    warnings.extend(unreadable.iter().map(|err| format!("{err:#}; resuming from {} instead", newest.path.display())));
+    Ok(Some(Found { warnings, ..newest }))
+}
+
+/// A sharded run folder's committed checkpoints, newest first (or the folder itself, one).
+fn sharded_candidates(folder: &Path) -> Vec<(PathBuf, bool)> {
+    let folders = match folder.join(sharded::INDEX).exists() {
+        true => vec![folder.to_path_buf()],
+        false => sharded::committed(folder),
+    };
+    folders.into_iter().map(|f| (f, true)).collect()
+}
+
+/// Whether `a` was taken after `b`: more steps, or as many and written later.
+fn later(a: &Found, b: &Found) -> bool {
+    let written = |f: &Found| {
+        let at = if f.sharded { f.path.join(sharded::INDEX) } else { f.path.clone() };
+        std::fs::metadata(at).and_then(|m| m.modified()).ok()
+    };
+    (a.meta.step, a.meta.epoch, written(a)) > (b.meta.step, b.meta.epoch, written(b))
+}
+
+/// The newest complete checkpoint of run `run` in `dir`, one file or sharded (see
+/// [`find_newest`]), with every tensor whole: to look at or compare checkpoints whatever layout
+/// wrote them. A sharded one is put together in memory: for small models.
+pub fn load_run(dir: &Path, run: &str) -> anyhow::Result<Checkpoint> {
+    let path = path_for(dir, run);
+    let found = find_newest(&path)?.with_context(|| format!("no checkpoint of {run} in {}", dir.display()))?;
+    if !found.sharded {
+        return load(&found.path);
+    }
+    let source = sharded::Source::open(&found.path)?;
+    let tensors = source.keys().map(|key| Ok((key.to_string(), source.read_whole(key)?))).collect::<anyhow::Result<_>>()?;
+    Ok(Checkpoint { meta: source.meta, tensors })
+}
+
 /// Reads a checkpoint, checking its format.
 pub fn load(path: &Path) -> anyhow::Result<Checkpoint> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read checkpoint {}", path.display()))?;
@@ -261,14 +351,7 @@ impl Checkpoint {
         optimizer: &mut dyn Optimizer,
         model: &serde_json::Value,
     ) -> anyhow::Result<()> {
-        if &self.meta.model != model {
-            anyhow::bail!(
-                "checkpoint {} was written for model {}, but this run builds {}; use another --checkpoint-dir or the same flags",
-                path.display(),
-                self.meta.model,
-                model
-            );
-        }
+        self.meta.check_model(path, model)?;
         let mut problems = Vec::new();
         variables.sort_by(|a, b| a.0.cmp(&b.0));
         tch::no_grad(|| {
@@ -289,18 +372,25 @@ impl Checkpoint {
     }
 }
 
-impl Checkpoint {
-    /// Fails, naming the file, when the checkpoint was written for another model than `model`.
+impl CheckpointMeta {
+    /// Fails, naming the checkpoint, when it was written for another model than `model`.
     pub fn check_model(&self, path: &Path, model: &serde_json::Value) -> anyhow::Result<()> {
-        if &self.meta.model != model {
+        if &self.model != model {
             anyhow::bail!(
                 "checkpoint {} was written for model {}, but this run builds {}; use another --checkpoint-dir or the same flags",
                 path.display(),
-                self.meta.model,
+                self.model,
                 model
             );
         }
         Ok(())
+    }
+}
+
+impl Checkpoint {
+    /// Fails, naming the file, when the checkpoint was written for another model than `model`.
+    pub fn check_model(&self, path: &Path, model: &serde_json::Value) -> anyhow::Result<()> {
+        self.meta.check_model(path, model)
     }
 
     /// The model variables named `names` and the optimizer state of the parameters among them:

@@ -1,0 +1,178 @@
+//! Which elements of a whole-model tensor a piece of a sharded checkpoint holds: the whole
+//! tensor, a tensor-parallel shard's cut of it, and within either a flat range (a ZeRO rank's
+//! share of the flattened tensor). One description for what a rank writes and what a rank
+//! wants to read, whatever the layout of either: reading is matching the two by the elements'
+//! positions in the whole tensor (row-major), which every region lists in increasing order.
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+use crate::dist::tensor_parallel::{shard_tensor, Shard, Split};
+
+/// Part of a whole tensor of shape `shape` (given beside it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Region {
+    /// The tensor-parallel cut the piece is (a part of); none: the whole tensor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cut: Option<(Split, Shard)>,
+    /// The elements `[start, start + len)` of the cut, flattened; none: all of it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flat: Option<(i64, i64)>,
+}
+
+impl Region {
+    pub const WHOLE: Region = Region { cut: None, flat: None };
+
+    /// The part of a tensor cut as `split` that `shard` holds (the whole tensor when the shard
+    /// is whole or the tensor is replicated).
+    pub fn cut(split: Split, shard: Shard) -> Region {
+        let cut = (split != Split::Replicated && !shard.is_whole()).then_some((split, shard));
+        Region { cut, flat: None }
+    }
+
+    /// Elements `[start, start + len)` of this region, flattened.
+    pub fn flat(self, start: i64, len: i64) -> Region {
+        let flat = match self.flat {
+            Some((outer, _)) => (outer + start, len),
+            None => (start, len),
+        };
+        Region { flat: Some(flat), ..self }
+    }
+
+    /// The shape of the cut of a whole tensor of `shape` (before any flat range).
+    pub fn cut_shape(self, shape: &[i64]) -> Vec<i64> {
+        let mut cut = shape.to_vec();
+        if let Some((split, shard)) = self.cut {
+            cut[usize::from(split == Split::Columns)] /= shard.count as i64;
+        }
+        cut
+    }
+
+    /// The whole tensor's shape, from the shape of this region's cut (a shard's tensor).
+    pub fn whole_shape(self, cut_shape: &[i64]) -> Vec<i64> {
+        let mut whole = cut_shape.to_vec();
+        if let Some((split, shard)) = self.cut {
+            whole[usize::from(split == Split::Columns)] *= shard.count as i64;
+        }
+        whole
+    }
+
+    /// Elements the region holds of a whole tensor of `shape`.
+    pub fn numel(self, shape: &[i64]) -> i64 {
+        self.flat.map_or_else(|| self.cut_shape(shape).iter().product(), |(_, len)| len)
+    }
+
+    /// The shape a rank holding this region sees: the cut's, or a flat range's length.
+    pub fn local_shape(self, shape: &[i64]) -> Vec<i64> {
+        match self.flat {
+            Some((_, len)) => vec![len],
+            None => self.cut_shape(shape),
+        }
+    }
+
+    /// `[first, end)` when the region's elements are consecutive in the whole tensor (the
+    /// whole, a cut by rows, a flat range of either): read without listing them.
+    pub fn contiguous(self, shape: &[i64]) -> Option<(i64, i64)> {
+        let numel: i64 = shape.iter().product();
+        let (start, len) = match self.cut {
+            None => (0, numel),
+            Some((Split::Rows | Split::PackedRows(1), shard)) => {
+                let row: i64 = shape[1..].iter().product();
+                let (first, rows) = shard.range(shape[0]);
+                (first * row, rows * row)
+            }
+            Some(_) => return None,
+        };
+        Some(match self.flat {
+            Some((at, len)) => (start + at, len),
+            None => (start, len),
+        })
+    }
+
+    /// The positions in the whole tensor (flattened, row-major) of the region's elements, in
+    /// the order the region holds them: increasing. Built from the rows or columns the cut
+    /// keeps (`shard_tensor`, the cut itself, applied to their numbers), never from the whole.
+    pub fn positions(self, shape: &[i64]) -> Tensor {
+        if let Some((first, len)) = self.contiguous(shape) {
+            return Tensor::arange_start(first, first + len, (Kind::Int64, Device::Cpu));
+        }
+        let int = (Kind::Int64, Device::Cpu);
+        let (split, shard) = self.cut.expect("a region that is not contiguous is a cut");
+        let rows = shape[0];
+        let row: i64 = shape[1..].iter().product();
+        let all = match split {
+            Split::Columns => {
+                let cols = shape[1];
+                let inner: i64 = shape[2..].iter().product();
+                let kept = shard_tensor(&Tensor::arange(cols, int).unsqueeze(0), split, shard).squeeze_dim(0);
+                // Row r, kept column c, inner element i: (r · cols + c) · inner + i.
+                let at = (Tensor::arange(rows, int) * cols).unsqueeze(1) + kept.unsqueeze(0);
+                ((at * inner).unsqueeze(2) + Tensor::arange(inner, int).view([1, 1, inner])).reshape([-1])
+            }
+            _ => {
+                let kept = shard_tensor(&Tensor::arange(rows, int).unsqueeze(1), split, shard).squeeze_dim(1);
+                ((kept * row).unsqueeze(1) + Tensor::arange(row, int).unsqueeze(0)).reshape([-1])
+            }
+        };
+        match self.flat {
+            Some((start, len)) => all.narrow(0, start, len),
+            None => all,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The elements `region` holds of `whole`, cut as the layouts cut tensors.
+    fn held(whole: &Tensor, region: Region) -> Tensor {
+        let cut = match region.cut {
+            Some((split, shard)) => shard_tensor(whole, split, shard),
+            None => whole.copy(),
+        };
+        let flat = cut.reshape([-1]);
+        match region.flat {
+            Some((start, len)) => flat.narrow(0, start, len),
+            None => flat,
+        }
+    }
+
+    #[test]
+    fn positions_name_exactly_the_elements_each_cut_and_range_holds_in_increasing_order() {
+        let shape = [12i64, 6];
+        let whole = Tensor::arange(72, (Kind::Int64, Device::Cpu)).view(shape);
+        let mut regions = vec![Region::WHOLE, Region::WHOLE.flat(5, 30)];
+        for split in [Split::Rows, Split::Columns, Split::PackedRows(3), Split::Replicated] {
+            for index in 0..2 {
+                let region = Region::cut(split, Shard { index, count: 2 });
+                regions.push(region);
+                regions.push(region.flat(7, 20).flat(3, 10));
+            }
+        }
+        for region in regions {
+            let positions = region.positions(&shape);
+            let expected = held(&whole, region);
+            assert_eq!(positions, expected, "{region:?}");
+            assert_eq!(positions.size(), [region.numel(&shape)], "{region:?}");
+            let steps = positions.diff(1, 0, None::<Tensor>, None::<Tensor>);
+            assert!(steps.numel() == 0 || steps.min().int64_value(&[]) > 0, "{region:?}: increasing");
+            if let Some((first, len)) = region.contiguous(&shape) {
+                assert_eq!(positions, Tensor::arange_start(first, first + len, (Kind::Int64, Device::Cpu)), "{region:?}");
+            }
+        }
+        assert_eq!(Region::cut(Split::PackedRows(3), Shard { index: 1, count: 2 }).contiguous(&shape), None);
+        assert_eq!(Region::cut(Split::Rows, Shard { index: 1, count: 2 }).contiguous(&shape), Some((36, 36)));
+    }
+
+    #[test]
+    fn a_cut_of_a_three_dimensional_tensor_keeps_whole_inner_rows() {
+        let shape = [4i64, 6, 2];
+        let whole = Tensor::arange(48, (Kind::Int64, Device::Cpu)).view(shape);
+        for split in [Split::Rows, Split::Columns] {
+            let region = Region::cut(split, Shard { index: 1, count: 2 });
+            assert_eq!(region.positions(&shape), held(&whole, region), "{split:?}");
+            assert_eq!(region.cut_shape(&shape), shard_tensor(&whole, split, Shard { index: 1, count: 2 }).size());
+            assert_eq!(region.whole_shape(&region.cut_shape(&shape)), shape);
+        }
+    }
+}

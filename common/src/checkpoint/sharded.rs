@@ -1,0 +1,469 @@
+//! Sharded checkpoints: every rank writes only what it owns, and any layout reads them.
+//!
+//! A checkpoint is a folder `<dir>/<run>.shards/step-<S>/`: one safetensors file per rank
+//! (`rank-<r>.safetensors`: the pieces it owns, each piece's whole shape and [`Region`] in its
+//! header), written by the ranks in parallel, and `checkpoint.json`, written last by rank 0 once
+//! every rank's file is complete: the commit point (as PyTorch's distributed checkpoint writes
+//! its `.metadata` last). The index lists, for every tensor under its whole-model key
+//! (`model.<variable>`, `optim.<entry>.<variable>`), its whole shape and where its pieces are.
+//! A folder without an index is a checkpoint whose writing was interrupted: never read, removed
+//! at the next start. The newest committed folder and the one before it are kept.
+//!
+//! Reading ([`Source`]) maps the files and copies, for the region a rank asks for, the elements
+//! of the pieces that overlap it: a rank of any layout reads only the slices it needs, and no
+//! rank holds more than its own part. A single-file checkpoint is read the same way (one file
+//! whose pieces are whole), so either format resumes on any layout.
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use anyhow::{ensure, Context, Result};
+use safetensors::tensor::{Metadata, SafeTensors, View};
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+use super::region::Region;
+use super::{kind_of, CheckpointMeta, CpuView, FORMAT_VERSION, METADATA_KEY, MODEL_PREFIX};
+
+/// The index file, written last: a folder holding it is a complete checkpoint.
+pub const INDEX: &str = "checkpoint.json";
+/// The key, in a rank file's header, of its pieces' shapes and regions.
+const PIECES_KEY: &str = "pieces";
+
+/// Part of a whole-model tensor that a rank owns, to be written: `tensor` holds the elements of
+/// `region` of a whole tensor of `shape`, in the region's order.
+pub struct Piece {
+    /// `model.<variable>` or `optim.<entry>.<variable>`.
+    pub key: String,
+    pub shape: Vec<i64>,
+    pub region: Region,
+    pub tensor: Tensor,
+}
+
+impl Piece {
+    pub fn model(name: &str, shape: Vec<i64>, region: Region, tensor: Tensor) -> Piece {
+        Piece { key: format!("{MODEL_PREFIX}{name}"), shape, region, tensor }
+    }
+
+    /// Optimizer state `name` (`<entry>.<variable>`).
+    pub fn state(name: &str, shape: Vec<i64>, region: Region, tensor: Tensor) -> Piece {
+        Piece { key: format!("{}{name}", super::OPTIM_PREFIX), shape, region, tensor }
+    }
+}
+
+/// What a rank file's header says of one piece.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct PieceInfo {
+    shape: Vec<i64>,
+    region: Region,
+}
+
+/// The commit file's content.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Index {
+    meta: CheckpointMeta,
+    /// Rank files, `rank-<r>.safetensors` for r below this.
+    ranks: usize,
+    tensors: BTreeMap<String, TensorEntry>,
+}
+
+/// One whole-model tensor: its shape and where its pieces are.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct TensorEntry {
+    shape: Vec<i64>,
+    pieces: Vec<PieceRef>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct PieceRef {
+    file: String,
+    region: Region,
+}
+
+/// Where run `run`'s sharded checkpoints live in `dir`.
+pub fn run_folder(dir: &Path, run: &str) -> PathBuf {
+    dir.join(format!("{run}.shards"))
+}
+
+/// The folder of the sharded checkpoints of the run whose single-file checkpoint is `path`
+/// (`<run>.safetensors` → `<run>.shards`).
+pub fn run_folder_of(path: &Path) -> PathBuf {
+    path.with_extension("shards")
+}
+
+/// The folder of the checkpoint after optimizer step `step`.
+pub fn step_folder(run_folder: &Path, step: usize) -> PathBuf {
+    run_folder.join(format!("step-{step:09}"))
+}
+
+fn rank_file(rank: usize) -> String {
+    format!("rank-{rank:05}.safetensors")
+}
+
+/// One rank's pieces copied to host memory (training free to change the originals), to be
+/// written by a background thread.
+pub struct HostShard {
+    pieces: Vec<(String, PieceInfo, CpuView)>,
+}
+
+impl HostShard {
+    pub fn new(pieces: Vec<Piece>) -> Result<HostShard> {
+        let pieces = pieces
+            .into_iter()
+            .map(|p| {
+                let view = CpuView::owned(&p.tensor).with_context(|| format!("cannot save tensor {}", p.key))?;
+                ensure!(
+                    view.tensor.numel() as i64 == p.region.numel(&p.shape),
+                    "{}: {} elements for a region of {}",
+                    p.key,
+                    view.tensor.numel(),
+                    p.region.numel(&p.shape)
+                );
+                Ok((p.key, PieceInfo { shape: p.shape, region: p.region }, view))
+            })
+            .collect::<Result<_>>()?;
+        Ok(HostShard { pieces })
+    }
+
+    /// Bytes of tensor data.
+    pub fn bytes(&self) -> usize {
+        self.pieces.iter().map(|(_, _, view)| (&view).data_len()).sum()
+    }
+
+    /// Writes this rank's file into `folder` atomically.
+    pub fn write(&self, folder: &Path, rank: usize) -> Result<()> {
+        std::fs::create_dir_all(folder).with_context(|| format!("cannot create checkpoint folder {}", folder.display()))?;
+        let infos: BTreeMap<&str, &PieceInfo> = self.pieces.iter().map(|(key, info, _)| (key.as_str(), info)).collect();
+        let metadata = HashMap::from([(PIECES_KEY.to_string(), serde_json::to_string(&infos)?)]);
+        let views = self.pieces.iter().map(|(key, _, view)| (key.as_str(), view));
+        let path = folder.join(rank_file(rank));
+        crate::atomic_file::write_with(&path, |tmp| {
+            safetensors::serialize_to_file(views, Some(metadata), tmp).with_context(|| format!("cannot write checkpoint shard {}", tmp.display()))
+        })
+    }
+}
+
+/// Commits the checkpoint in `folder` that `ranks` ranks wrote (rank 0, once every rank's file is
+/// complete): reads their headers, checks that the pieces cover every tensor exactly, and writes
+/// the index. Then removes the run's older checkpoints but the newest one before this.
+pub fn commit(folder: &Path, ranks: usize, meta: &CheckpointMeta) -> Result<()> {
+    let mut tensors: BTreeMap<String, TensorEntry> = BTreeMap::new();
+    for rank in 0..ranks {
+        let file = rank_file(rank);
+        let (_, header) = MappedFile::open(&folder.join(&file))?.header()?;
+        let infos: BTreeMap<String, PieceInfo> = match header.metadata().as_ref().and_then(|m| m.get(PIECES_KEY)) {
+            Some(json) => serde_json::from_str(json).with_context(|| format!("{}: unreadable piece list", folder.join(&file).display()))?,
+            None => anyhow::bail!("{} is not a checkpoint shard (no piece list)", folder.join(&file).display()),
+        };
+        for (key, info) in infos {
+            let entry = tensors.entry(key.clone()).or_insert_with(|| TensorEntry { shape: info.shape.clone(), pieces: Vec::new() });
+            ensure!(entry.shape == info.shape, "{key}: rank {rank} holds a piece of a {:?} tensor, another of a {:?} one", info.shape, entry.shape);
+            entry.pieces.push(PieceRef { file: file.clone(), region: info.region });
+        }
+    }
+    for (key, entry) in &tensors {
+        let held: i64 = entry.pieces.iter().map(|p| p.region.numel(&entry.shape)).sum();
+        let whole: i64 = entry.shape.iter().product();
+        ensure!(held == whole, "the ranks' pieces of {key} hold {held} elements, the tensor has {whole}: the layout wrote overlapping or missing parts");
+    }
+    let index = Index { meta: meta.clone(), ranks, tensors };
+    crate::atomic_file::write(&folder.join(INDEX), serde_json::to_string(&index)?.as_bytes())?;
+    if let Some(run_folder) = folder.parent() {
+        prune(run_folder, folder)?;
+    }
+    Ok(())
+}
+
+/// The committed checkpoints in `run_folder`, newest (highest step) first.
+pub fn committed(run_folder: &Path) -> Vec<PathBuf> {
+    let mut found: Vec<PathBuf> = step_folders(run_folder).into_iter().filter(|f| f.join(INDEX).exists()).collect();
+    found.sort();
+    found.reverse();
+    found
+}
+
+fn step_folders(run_folder: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(run_folder) else { return Vec::new() };
+    entries.flatten().map(|e| e.path()).filter(|p| p.is_dir() && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("step-"))).collect()
+}
+
+/// Keeps `newest` and the committed checkpoint before it; removes the rest (older committed
+/// ones, and interrupted ones, which no one reads).
+fn prune(run_folder: &Path, newest: &Path) -> Result<()> {
+    let previous = committed(run_folder).into_iter().find(|f| f.as_path() != newest);
+    for folder in step_folders(run_folder) {
+        if folder.as_path() != newest && Some(&folder) != previous.as_ref() {
+            std::fs::remove_dir_all(&folder).with_context(|| format!("cannot remove the old checkpoint {}", folder.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Removes the checkpoint folders of `run_folder` whose writing was interrupted (no index):
+/// what a killed job left. Returns them.
+pub fn remove_interrupted(run_folder: &Path) -> Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    for folder in step_folders(run_folder) {
+        if !folder.join(INDEX).exists() {
+            std::fs::remove_dir_all(&folder).with_context(|| format!("cannot remove the interrupted checkpoint {}", folder.display()))?;
+            removed.push(folder);
+        }
+    }
+    Ok(removed)
+}
+
+/// A checkpoint file mapped into memory: its pages are read when a slice of them is.
+struct MappedFile {
+    path: PathBuf,
+    map: memmap2::Mmap,
+}
+
+impl MappedFile {
+    fn open(path: &Path) -> Result<MappedFile> {
+        let file = std::fs::File::open(path).with_context(|| format!("cannot read checkpoint {}", path.display()))?;
+        // SAFETY: checkpoint files are written to a temporary name and renamed, never changed in
+        // place, so the mapped bytes stay as they are while mapped.
+        let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot map checkpoint {}", path.display()))?;
+        Ok(MappedFile { path: path.to_path_buf(), map })
+    }
+
+    /// The header's length and content; an error naming the file when it is torn or not a
+    /// safetensors file.
+    fn header(&self) -> Result<(usize, Metadata)> {
+        SafeTensors::read_metadata(&self.map).map_err(|e| anyhow::anyhow!("checkpoint {} is corrupt or not a checkpoint: {e:?}", self.path.display()))
+    }
+}
+
+/// A file of a [`Source`], mapped, its header parsed.
+struct OpenFile {
+    file: MappedFile,
+    data_start: usize,
+    header: Metadata,
+}
+
+/// A checkpoint to read from, single-file or sharded: its progress, and every tensor's parts.
+pub struct Source {
+    pub meta: CheckpointMeta,
+    /// What the checkpoint is, for messages (the file or the folder).
+    pub path: PathBuf,
+    root: PathBuf,
+    tensors: BTreeMap<String, TensorEntry>,
+    files: RefCell<HashMap<String, std::rc::Rc<OpenFile>>>,
+}
+
+impl Source {
+    /// The checkpoint at `path`: a sharded checkpoint's folder, or a single file.
+    pub fn open(path: &Path) -> Result<Source> {
+        match path.is_dir() {
+            true => Source::open_sharded(path),
+            false => Source::open_whole(path),
+        }
+    }
+
+    /// The sharded checkpoint in `folder` (a step folder with its index). Every rank file's
+    /// header is read: a file missing or torn is an error here, not in the middle of reading.
+    pub fn open_sharded(folder: &Path) -> Result<Source> {
+        let index_path = folder.join(INDEX);
+        let json = std::fs::read(&index_path).with_context(|| format!("cannot read checkpoint index {}", index_path.display()))?;
+        let index: Index = serde_json::from_slice(&json).with_context(|| format!("checkpoint index {} is corrupt", index_path.display()))?;
+        check_format(&index.meta, folder)?;
+        let source = Source { meta: index.meta, path: folder.to_path_buf(), root: folder.to_path_buf(), tensors: index.tensors, files: RefCell::default() };
+        for rank in 0..index.ranks {
+            source.file(&rank_file(rank))?;
+        }
+        Ok(source)
+    }
+
+    /// A single-file checkpoint, read as one whose every piece is whole.
+    pub fn open_whole(path: &Path) -> Result<Source> {
+        let file = MappedFile::open(path)?;
+        let (_, header) = file.header()?;
+        let meta_json = header
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get(METADATA_KEY))
+            .with_context(|| format!("checkpoint {} is corrupt or not a checkpoint: no checkpoint metadata", path.display()))?;
+        let meta: CheckpointMeta =
+            serde_json::from_str(meta_json).with_context(|| format!("checkpoint {} is corrupt or not a checkpoint: unreadable metadata", path.display()))?;
+        check_format(&meta, path)?;
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+        let tensors = header
+            .tensors()
+            .into_iter()
+            .map(|(key, info)| {
+                let shape = info.shape.iter().map(|&d| d as i64).collect();
+                (key, TensorEntry { shape, pieces: vec![PieceRef { file: name.clone(), region: Region::WHOLE }] })
+            })
+            .collect();
+        let root = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+        Ok(Source { meta, path: path.to_path_buf(), root, tensors, files: RefCell::default() })
+    }
+
+    /// "one file", or "sharded: N rank files"; and its tensors' bytes.
+    pub fn describe(&self) -> String {
+        let files: std::collections::BTreeSet<&str> = self.tensors.values().flat_map(|e| e.pieces.iter().map(|p| p.file.as_str())).collect();
+        let bytes: u64 =
+            self.tensors.keys().filter_map(|k| Some(self.shape(k)?.iter().product::<i64>() as u64 * self.dtype(k).ok()?.bitsize() as u64 / 8)).sum();
+        let layout = if self.path.is_dir() { format!("sharded: {} rank files", files.len()) } else { "one file".to_string() };
+        format!("{layout}, {} tensors, {:.1} MiB", self.tensors.len(), bytes as f64 / (1 << 20) as f64)
+    }
+
+    /// Every tensor's key (`model.<variable>`, `optim.<entry>.<variable>`).
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    /// The whole shape of the tensor `key`; none when the checkpoint has no such tensor.
+    pub fn shape(&self, key: &str) -> Option<&[i64]> {
+        self.tensors.get(key).map(|e| e.shape.as_slice())
+    }
+
+    /// The elements `region` names of the whole tensor `key`, in the region's shape (the cut's,
+    /// or a flat range's length), gathered from the pieces that hold them.
+    pub fn read(&self, key: &str, region: Region) -> Result<Tensor> {
+        let entry = self.tensors.get(key).with_context(|| format!("checkpoint {} has no {key}", self.path.display()))?;
+        let shape = &entry.shape;
+        let wanted = region.numel(shape);
+        let want_range = region.contiguous(shape);
+        let want_positions = RefCell::new(None::<Tensor>);
+        let positions = || want_positions.borrow_mut().get_or_insert_with(|| region.positions(shape)).shallow_clone();
+        let mut out: Option<Tensor> = None;
+        let mut covered = 0;
+        for piece in &entry.pieces {
+            let file = self.file(&piece.file)?;
+            let info = file.header.info(key).with_context(|| format!("checkpoint {}: {} has no {key}", self.path.display(), piece.file))?;
+            let kind = kind_of(info.dtype)?;
+            let bytes = &file.file.map[file.data_start + info.data_offsets.0..file.data_start + info.data_offsets.1];
+            let size = kind.elt_size_in_bytes() as i64;
+            let out = out.get_or_insert_with(|| Tensor::zeros([wanted], (kind, Device::Cpu)));
+            let elements = |first: i64, count: i64| -> Result<Tensor> {
+                let slice = &bytes[(first * size) as usize..((first + count) * size) as usize];
+                Ok(Tensor::f_from_data_size(slice, &[count], kind)?)
+            };
+            match (piece.region.contiguous(shape), want_range) {
+                (Some((at, len)), Some((want_at, want_len))) => {
+                    let (lo, hi) = (at.max(want_at), (at + len).min(want_at + want_len));
+                    if lo < hi {
+                        out.narrow(0, lo - want_at, hi - lo).copy_(&elements(lo - at, hi - lo)?);
+                        covered += hi - lo;
+                    }
+                }
+                (Some((at, len)), None) => {
+                    let wanted_positions = positions();
+                    let bounds = Tensor::from_slice(&[at, at + len]);
+                    let ends = Vec::<i64>::try_from(bounds.searchsorted(&wanted_positions, false, false, "left", None::<Tensor>))?;
+                    let (lo, count) = (ends[0], ends[1] - ends[0]);
+                    if count > 0 {
+                        let inside = wanted_positions.narrow(0, lo, count) - at;
+                        let first = inside.int64_value(&[0]);
+                        let last = inside.int64_value(&[count - 1]);
+                        let data = elements(first, last - first + 1)?;
+                        out.narrow(0, lo, count).copy_(&data.index_select(0, &(inside - first)));
+                        covered += count;
+                    }
+                }
+                (None, _) => {
+                    // A cut that is not consecutive: its elements are this rank's own part of
+                    // another layout's shard, read whole and matched by position.
+                    let held = piece.region.positions(shape);
+                    let wanted_positions = positions();
+                    // (tch's `a.searchsorted(sorted)`: where each of `a` sits in `sorted`.)
+                    let at = wanted_positions.searchsorted(&held, false, false, "left", None::<Tensor>).clamp_max(held.numel() as i64 - 1);
+                    let found = held.index_select(0, &at).eq_tensor(&wanted_positions).nonzero().squeeze_dim(1);
+                    if found.numel() > 0 {
+                        let data = elements(0, held.numel() as i64)?;
+                        let _ = out.index_copy_(0, &found, &data.index_select(0, &at.index_select(0, &found)));
+                        covered += found.numel() as i64;
+                    }
+                }
+            }
+        }
+        ensure!(
+            covered == wanted,
+            "checkpoint {}: its pieces of {key} hold {covered} of the {wanted} elements asked for ({region:?} of {shape:?})",
+            self.path.display()
+        );
+        let out = out.unwrap_or_else(|| Tensor::zeros([0], (Kind::Float, Device::Cpu)));
+        Ok(out.view(region.local_shape(shape).as_slice()))
+    }
+
+    /// The type of the tensor `key`'s elements (its first piece's).
+    pub fn dtype(&self, key: &str) -> Result<safetensors::Dtype> {
+        let entry = self.tensors.get(key).with_context(|| format!("checkpoint {} has no {key}", self.path.display()))?;
+        let piece = entry.pieces.first().with_context(|| format!("checkpoint {}: no piece of {key}", self.path.display()))?;
+        let file = self.file(&piece.file)?;
+        Ok(file.header.info(key).with_context(|| format!("checkpoint {}: {} has no {key}", self.path.display(), piece.file))?.dtype)
+    }
+
+    /// The whole tensor `key`.
+    pub fn read_whole(&self, key: &str) -> Result<Tensor> {
+        self.read(key, Region::WHOLE)
+    }
+
+    fn file(&self, name: &str) -> Result<std::rc::Rc<OpenFile>> {
+        if let Some(open) = self.files.borrow().get(name) {
+            return Ok(open.clone());
+        }
+        let file = MappedFile::open(&self.root.join(name))?;
+        let (header_len, header) = file.header()?;
+        let open = std::rc::Rc::new(OpenFile { file, data_start: 8 + header_len, header });
+        self.files.borrow_mut().insert(name.to_string(), open.clone());
+        Ok(open)
+    }
+}
+
+fn check_format(meta: &CheckpointMeta, path: &Path) -> Result<()> {
+    ensure!(meta.format == FORMAT_VERSION, "checkpoint {} has format {}, this build reads format {FORMAT_VERSION}", path.display(), meta.format);
+    Ok(())
+}
+
+/// Writes the model of the checkpoint `source` as one safetensors file of whole tensors under
+/// their torch names (`conv1.weight`, no prefix, no optimizer state): what `--weights` and
+/// PyTorch's `safetensors.torch.load_file` read. One tensor is in memory at a time. Returns the
+/// number of tensors written.
+pub fn export_model(source: &Source, out: &Path) -> Result<usize> {
+    /// A tensor read when the writer asks for its bytes; a read that fails is kept and fails the
+    /// export (`View` cannot return an error), the output then never committed.
+    struct Lazy<'s> {
+        source: &'s Source,
+        key: String,
+        shape: Vec<usize>,
+        dtype: safetensors::Dtype,
+        failed: &'s RefCell<Option<anyhow::Error>>,
+    }
+    impl safetensors::View for &Lazy<'_> {
+        fn dtype(&self) -> safetensors::Dtype {
+            self.dtype
+        }
+        fn shape(&self) -> &[usize] {
+            &self.shape
+        }
+        fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+            let mut bytes = vec![0u8; self.data_len()];
+            match self.source.read_whole(&self.key) {
+                Ok(whole) => whole.contiguous().copy_data_u8(&mut bytes, whole.numel()),
+                Err(err) => {
+                    self.failed.borrow_mut().get_or_insert(err);
+                }
+            }
+            std::borrow::Cow::Owned(bytes)
+        }
+        fn data_len(&self) -> usize {
+            self.shape.iter().product::<usize>() * self.dtype.bitsize() / 8
+        }
+    }
+    let failed = RefCell::new(None);
+    let mut lazies = Vec::new();
+    for key in source.keys().filter(|k| k.starts_with(MODEL_PREFIX)) {
+        let shape = source.shape(key).unwrap_or_default().iter().map(|&d| d as usize).collect();
+        let dtype = source.dtype(key)?;
+        lazies.push((key[MODEL_PREFIX.len()..].to_string(), Lazy { source, key: key.to_string(), shape, dtype, failed: &failed }));
+    }
+    let count = lazies.len();
+    let views = lazies.iter().map(|(name, lazy)| (name.as_str(), lazy));
+    crate::atomic_file::write_with(out, |tmp| {
+        safetensors::serialize_to_file(views, None, tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
+        failed.take().map_or(Ok(()), Err)
+    })?;
+    Ok(count)
+}

@@ -114,8 +114,9 @@ bench-parallel: build
 	$(WITH) bench/parallel.sh
 
 # What checkpointing costs training: checkpoints every EVERY=2 of STEPS=12 steps of bench-parallel's
-# Transformer on NPROC=4 CPU ranks (dp, ZeRO-3, tp, pp): size, training time blocked per
-# checkpoint, background write time, step time; results/bench-checkpoint.csv.
+# Transformer on NPROC=4 CPU ranks (dp, ZeRO-3, tp, pp), each as one file and sharded: bytes
+# through rank 0, training time blocked per checkpoint, background write time, step time;
+# results/bench-checkpoint.csv.
 bench-checkpoint: build
 	$(WITH) bench/checkpoint.sh
 

@@ -3,13 +3,14 @@
 # `make bench-parallel` (d 256, d_hid 1024, 8 heads, 4 layers, ~9M parameters with Adam's state;
 # the real WikiText-2 valid split as training text), NPROC=4 ranks, global batch GLOBAL streams,
 # STEPS steps with a checkpoint every EVERY steps, in four layouts (4 data-parallel replicas,
-# ZeRO-3 over them, tensor parallel over 4, a 4-stage pipeline). For each: checkpoints taken,
-# their size, training time blocked per checkpoint (gathering the state to rank 0 and copying it
-# to host memory; mean and worst), the background thread's write time per checkpoint, and the
-# steady time per step. Today every layout writes one whole-model file through rank 0 (the
-# "whole-file" column of issue 22's bench line; sharded per-rank files are not built yet).
-# Rows go to results/bench-checkpoint.csv; a table is printed. The ranks share this machine's
-# cores: compare the rows with each other, not with a cluster's.
+# ZeRO-3 over them, tensor parallel over 4, a 4-stage pipeline), each written as one whole-model
+# file through rank 0 (--checkpoint-format whole) and sharded (every rank writes its part; the
+# default for the last three). For each: checkpoints taken, the bytes rank 0 copies and writes
+# per checkpoint (the whole state, or its own part), training time blocked per checkpoint
+# (gathering the state to rank 0, or not, and copying it to host memory; mean and worst), rank
+# 0's background write time per checkpoint, and the steady time per step. Rows go to
+# results/bench-checkpoint.csv; a table is printed. The ranks share this machine's cores:
+# compare the rows with each other, not with a cluster's.
 #
 #   make bench-checkpoint                        NPROC=4 GLOBAL=16 STEPS=12 EVERY=2 THREADS=1
 set -euo pipefail
@@ -24,25 +25,32 @@ common=("${transformer_flags[@]}" --nproc-per-node "$NPROC" --checkpoint-every "
 
 [[ -f "$csv" ]] || echo "finished_at,layout,ranks,params,files,checkpoints,bytes,blocked_ms_mean,blocked_ms_max,write_ms_mean,step_ms" > "$csv"
 echo "Transformer d 256, 4 layers, $NPROC CPU ranks, global batch $GLOBAL × 35 tokens, Adam, a checkpoint every $EVERY of $STEPS steps:"
-echo "| layout | files | checkpoints | MiB each | training blocked per checkpoint, mean / worst (ms) | background write per checkpoint (ms) | step (ms) |"
+echo "| layout | format | checkpoints | MiB through rank 0 | training blocked per checkpoint, mean / worst (ms) | rank 0's background write per checkpoint (ms) | step (ms) |"
 echo "|---|---|---:|---:|---:|---:|---:|"
 run() {
     local name="$1"; shift
-    rm -rf "$work/results" "$work/ck"
-    "$@" "${common[@]}" --checkpoint-dir "$work/ck" --results-dir "$work/results" > "$work/log" 2>&1 \
-        || { echo "error: $name failed:" >&2; tail -n 20 "$work/log" >&2; exit 1; }
-    python3 - "$work/results"/*-cpu.json "$csv" "$name" <<'PY'
+    for format in whole sharded; do
+        rm -rf "$work/results" "$work/ck"
+        "$@" "${common[@]}" --checkpoint-format "$format" --checkpoint-dir "$work/ck" --results-dir "$work/results" > "$work/log" 2>&1 \
+            || { echo "error: $name ($format) failed:" >&2; tail -n 20 "$work/log" >&2; exit 1; }
+        report "$name" "$format"
+    done
+}
+report() {
+    python3 - "$work/results"/*-cpu.json "$csv" "$1" "$2" <<'PY'
 import json, sys, time
 d = json.load(open(sys.argv[1]))
-csv, name = sys.argv[2], sys.argv[3]
+csv, name, form = sys.argv[2], sys.argv[3], sys.argv[4]
 ck = d["checkpoints"]
 n = max(ck["saved"], 1)
 tokens = d["global_batch"] * d["bptt"]
 step_ms = 1e3 * tokens / d["steady_throughput"] if d.get("steady_throughput") else float("nan")
 blocked, worst, write = 1e3 * ck["blocked_s"] / n, 1e3 * ck["max_blocked_s"], 1e3 * ck["write_s"] / n
-row = [int(time.time()), name, d["world_size"], d["params"], "whole", ck["saved"], ck["bytes"], round(blocked, 1), round(worst, 1), round(write, 1), round(step_ms, 1)]
+assert ck["sharded"] == (form == "sharded"), (form, ck)
+row = [int(time.time()), name, d["world_size"], d["params"], form, ck["saved"], ck["bytes"], round(blocked, 1), round(worst, 1), round(write, 1), round(step_ms, 1)]
 open(csv, "a").write(",".join(map(str, row)) + "\n")
-print(f"| {name} | whole (rank 0) | {ck['saved']} | {ck['bytes'] / 2**20:.1f} | {blocked:.1f} / {worst:.1f} | {write:.1f} | {step_ms:.0f} |")
+shown = "one file (rank 0)" if form == "whole" else f"sharded ({d['world_size']} files)"
+print(f"| {name} | {shown} | {ck['saved']} | {ck['bytes'] / 2**20:.1f} | {blocked:.1f} / {worst:.1f} | {write:.1f} | {step_ms:.0f} |")
 PY
 }
 per_rank=$((GLOBAL / NPROC))

@@ -8,7 +8,9 @@
 # default for the last three). For each: checkpoints taken, the bytes rank 0 copies and writes
 # per checkpoint (the whole state, or its own part), training time blocked per checkpoint
 # (gathering the state to rank 0, or not, and copying it to host memory; mean and worst), rank
-# 0's background write time per checkpoint, and the steady time per step. Rows go to
+# 0's background write time per checkpoint, and the steady time per step; then one more step
+# resumed from the last checkpoint in the same layout: the bytes of the checkpoint rank 0 read
+# into memory to resume (a single file: all of it, for every rank; sharded: its part). Rows go to
 # results/bench-checkpoint.csv; a table is printed. The ranks share this machine's cores:
 # compare the rows with each other, not with a cluster's.
 #
@@ -23,34 +25,41 @@ csv="results/bench-checkpoint.csv"
 source "$root/bench/transformer.sh"
 common=("${transformer_flags[@]}" --nproc-per-node "$NPROC" --checkpoint-every "$EVERY")
 
-[[ -f "$csv" ]] || echo "finished_at,layout,ranks,params,files,checkpoints,bytes,blocked_ms_mean,blocked_ms_max,write_ms_mean,step_ms" > "$csv"
+header="finished_at,layout,ranks,params,files,checkpoints,bytes,blocked_ms_mean,blocked_ms_max,write_ms_mean,step_ms,resume_read_bytes"
+if [[ -f "$csv" && "$(head -n 1 "$csv")" != "$header" ]]; then
+    sed -i "1s/.*/$header/; 2,\$s/\$/,/" "$csv"  # rows from before the resume column: left empty
+fi
+[[ -f "$csv" ]] || echo "$header" > "$csv"
 echo "Transformer d 256, 4 layers, $NPROC CPU ranks, global batch $GLOBAL × 35 tokens, Adam, a checkpoint every $EVERY of $STEPS steps:"
-echo "| layout | format | checkpoints | MiB through rank 0 | training blocked per checkpoint, mean / worst (ms) | rank 0's background write per checkpoint (ms) | step (ms) |"
-echo "|---|---|---:|---:|---:|---:|---:|"
+echo "| layout | format | checkpoints | MiB through rank 0 | training blocked per checkpoint, mean / worst (ms) | rank 0's background write per checkpoint (ms) | step (ms) | MiB rank 0 read to resume |"
+echo "|---|---|---:|---:|---:|---:|---:|---:|"
 run() {
     local name="$1"; shift
     for format in whole sharded; do
-        rm -rf "$work/results" "$work/ck"
-        "$@" "${common[@]}" --checkpoint-format "$format" --checkpoint-dir "$work/ck" --results-dir "$work/results" > "$work/log" 2>&1 \
-            || { echo "error: $name ($format) failed:" >&2; tail -n 20 "$work/log" >&2; exit 1; }
+        rm -rf "$work/results" "$work/ck" "$work/resumed"
+        "$@" "${common[@]}" --max-steps "$STEPS" --checkpoint-format "$format" --checkpoint-dir "$work/ck" --results-dir "$work/results" \
+            > "$work/log" 2>&1 || { echo "error: $name ($format) failed:" >&2; tail -n 20 "$work/log" >&2; exit 1; }
+        "$@" "${common[@]}" --max-steps "$((STEPS + 1))" --resume --checkpoint-format "$format" --checkpoint-dir "$work/ck" \
+            --results-dir "$work/resumed" > "$work/log" 2>&1 || { echo "error: $name ($format) resumed failed:" >&2; tail -n 20 "$work/log" >&2; exit 1; }
         report "$name" "$format"
     done
 }
 report() {
-    python3 - "$work/results"/*-cpu.json "$csv" "$1" "$2" <<'PY'
+    python3 - "$work/results"/*-cpu.json "$csv" "$1" "$2" "$work/resumed"/*-cpu.json <<'PY'
 import json, sys, time
 d = json.load(open(sys.argv[1]))
 csv, name, form = sys.argv[2], sys.argv[3], sys.argv[4]
+resumed = json.load(open(sys.argv[5]))["checkpoints"]["resumed_bytes"]
 ck = d["checkpoints"]
 n = max(ck["saved"], 1)
 tokens = d["global_batch"] * d["bptt"]
 step_ms = 1e3 * tokens / d["steady_throughput"] if d.get("steady_throughput") else float("nan")
 blocked, worst, write = 1e3 * ck["blocked_s"] / n, 1e3 * ck["max_blocked_s"], 1e3 * ck["write_s"] / n
 assert ck["sharded"] == (form == "sharded"), (form, ck)
-row = [int(time.time()), name, d["world_size"], d["params"], form, ck["saved"], ck["bytes"], round(blocked, 1), round(worst, 1), round(write, 1), round(step_ms, 1)]
+row = [int(time.time()), name, d["world_size"], d["params"], form, ck["saved"], ck["bytes"], round(blocked, 1), round(worst, 1), round(write, 1), round(step_ms, 1), resumed]
 open(csv, "a").write(",".join(map(str, row)) + "\n")
 shown = "one file (rank 0)" if form == "whole" else f"sharded ({d['world_size']} files)"
-print(f"| {name} | {shown} | {ck['saved']} | {ck['bytes'] / 2**20:.1f} | {blocked:.1f} / {worst:.1f} | {write:.1f} | {step_ms:.0f} |")
+print(f"| {name} | {shown} | {ck['saved']} | {ck['bytes'] / 2**20:.1f} | {blocked:.1f} / {worst:.1f} | {write:.1f} | {step_ms:.0f} | {resumed / 2**20:.1f} |")
 PY
 }
 per_rank=$((GLOBAL / NPROC))

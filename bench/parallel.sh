@@ -25,7 +25,7 @@ bin="${BIN:-target/release}"
 csv="results/bench-parallel.csv"
 # shellcheck source=bench/transformer.sh
 source "$root/bench/transformer.sh"
-common=("${transformer_flags[@]}")
+common=("${transformer_flags[@]}" --max-steps "$STEPS")
 
 header="finished_at,layout,ranks,dp,pp,tp,zero,global_batch,params,step_ms,all_reduce_bytes,reduce_scatter_bytes,all_gather_bytes,send_bytes,model_state_bytes,formula_bytes,formula,peak_rank,peak_training_bytes,estimated_bytes"
 if [[ -f "$csv" && "$(head -n 1 "$csv")" != "$header" ]]; then

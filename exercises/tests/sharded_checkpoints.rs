@@ -200,9 +200,17 @@ fn an_interrupted_or_damaged_sharded_checkpoint_is_passed_over_and_said() {
     let ck = tempfile::tempdir().unwrap();
     let run_name = ZERO3_ON_2.run();
     let folders = || common::checkpoint::sharded::committed(&ck.path().join(format!("{run_name}.shards")));
-    run(data.path(), ck.path(), "2", &ZERO3_ON_2);
+    run(data.path(), ck.path(), "2", &Layout { flags: &["--zero", "3", "--keep-checkpoints", "1"], ..ZERO3_ON_2 });
     let kept = folders();
     assert_eq!(kept.len(), 2, "the newest and the one before: {kept:?}");
+    // --keep-checkpoints 1: the last epoch's copy beside them (hard links of the newest's files).
+    let run_folder = ck.path().join(format!("{run_name}.shards"));
+    let mut copies: Vec<String> = std::fs::read_dir(&run_folder).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    copies.retain(|n| n.starts_with("epoch-"));
+    assert_eq!(copies, ["epoch-000002"]);
+    for file in ["checkpoint.json", "rank-00000.safetensors", "rank-00001.safetensors"] {
+        assert_eq!(std::fs::read(run_folder.join("epoch-000002").join(file)).unwrap(), std::fs::read(kept[0].join(file)).unwrap(), "{file}");
+    }
     // A writer killed mid-checkpoint: a folder without its index, never read, removed.
     let interrupted = ck.path().join(format!("{run_name}.shards/step-999999999"));
     std::fs::create_dir_all(&interrupted).unwrap();

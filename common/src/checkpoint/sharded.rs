@@ -174,6 +174,35 @@ pub fn commit(folder: &Path, ranks: usize, meta: &CheckpointMeta) -> Result<()> 
     Ok(())
 }
 
+/// Keeps the committed checkpoint in `folder` as the copy of epoch `epoch`,
+/// `<run>.shards/epoch-<E>/` beside the step folders (hard links: no second copy of the bytes),
+/// and removes all but the `keep` newest such copies (`--keep-checkpoints`).
+pub fn keep_epoch_copy(folder: &Path, epoch: usize, keep: usize) -> Result<()> {
+    let run_folder = folder.parent().unwrap_or(Path::new("."));
+    let copy = run_folder.join(format!("epoch-{epoch:06}"));
+    if copy.exists() {
+        std::fs::remove_dir_all(&copy).with_context(|| format!("cannot replace {}", copy.display()))?;
+    }
+    std::fs::create_dir_all(&copy).with_context(|| format!("cannot keep the checkpoint of epoch {epoch} as {}", copy.display()))?;
+    for entry in std::fs::read_dir(folder).with_context(|| format!("cannot list {}", folder.display()))?.flatten() {
+        let to = copy.join(entry.file_name());
+        std::fs::hard_link(entry.path(), &to)
+            .or_else(|_| std::fs::copy(entry.path(), &to).map(drop))
+            .with_context(|| format!("cannot keep the checkpoint of epoch {epoch} as {}", copy.display()))?;
+    }
+    let mut kept: Vec<PathBuf> = std::fs::read_dir(run_folder)
+        .with_context(|| format!("cannot list {}", run_folder.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("epoch-")))
+        .collect();
+    kept.sort();
+    for old in kept.iter().rev().skip(keep) {
+        std::fs::remove_dir_all(old).with_context(|| format!("cannot remove the old checkpoint {}", old.display()))?;
+    }
+    Ok(())
+}
+
 /// The committed checkpoints in `run_folder`, newest (highest step) first.
 pub fn committed(run_folder: &Path) -> Vec<PathBuf> {
     let mut found: Vec<PathBuf> = step_folders(run_folder).into_iter().filter(|f| f.join(INDEX).exists()).collect();
@@ -249,6 +278,8 @@ pub struct Source {
     root: PathBuf,
     tensors: BTreeMap<String, TensorEntry>,
     files: RefCell<HashMap<String, std::rc::Rc<OpenFile>>>,
+    /// Bytes of tensor data read so far: what this rank took of the checkpoint.
+    read_bytes: std::cell::Cell<u64>,
 }
 
 impl Source {
@@ -267,7 +298,14 @@ impl Source {
         let json = std::fs::read(&index_path).with_context(|| format!("cannot read checkpoint index {}", index_path.display()))?;
         let index: Index = serde_json::from_slice(&json).with_context(|| format!("checkpoint index {} is corrupt", index_path.display()))?;
         check_format(&index.meta, folder)?;
-        let source = Source { meta: index.meta, path: folder.to_path_buf(), root: folder.to_path_buf(), tensors: index.tensors, files: RefCell::default() };
+        let source = Source {
+            meta: index.meta,
+            path: folder.to_path_buf(),
+            root: folder.to_path_buf(),
+            tensors: index.tensors,
+            files: RefCell::default(),
+            read_bytes: Default::default(),
+        };
         for rank in 0..index.ranks {
             source.file(&rank_file(rank))?;
         }
@@ -296,7 +334,7 @@ impl Source {
             })
             .collect();
         let root = path.parent().unwrap_or(Path::new(".")).to_path_buf();
-        Ok(Source { meta, path: path.to_path_buf(), root, tensors, files: RefCell::default() })
+        Ok(Source { meta, path: path.to_path_buf(), root, tensors, files: RefCell::default(), read_bytes: Default::default() })
     }
 
     /// "one file", or "sharded: N rank files"; and its tensors' bytes.
@@ -338,6 +376,7 @@ impl Source {
             let out = out.get_or_insert_with(|| Tensor::zeros([wanted], (kind, Device::Cpu)));
             let elements = |first: i64, count: i64| -> Result<Tensor> {
                 let slice = &bytes[(first * size) as usize..((first + count) * size) as usize];
+                self.read_bytes.set(self.read_bytes.get() + slice.len() as u64);
                 Ok(Tensor::f_from_data_size(slice, &[count], kind)?)
             };
             match (piece.region.contiguous(shape), want_range) {
@@ -385,6 +424,11 @@ impl Source {
         );
         let out = out.unwrap_or_else(|| Tensor::zeros([0], (Kind::Float, Device::Cpu)));
         Ok(out.view(region.local_shape(shape).as_slice()))
+    }
+
+    /// Bytes of tensor data read from the checkpoint so far.
+    pub fn read_bytes(&self) -> u64 {
+        self.read_bytes.get()
     }
 
     /// The type of the tensor `key`'s elements (its first piece's).

@@ -46,6 +46,8 @@ pub struct CheckpointStats {
     pub bytes: usize,
     /// Whether the checkpoints were sharded (every rank writing its part).
     pub sharded: bool,
+    /// Bytes of the checkpoint this rank read into memory to resume (0: not resumed).
+    pub resumed_bytes: u64,
 }
 
 /// A background write: the seconds it took and the bytes it wrote.
@@ -83,6 +85,12 @@ struct Sharding<'g> {
     world: Option<&'g ProcessGroup>,
     /// Its folder and what the index will say.
     pending: Option<(PathBuf, CheckpointMeta)>,
+}
+
+/// The epoch whose copy `--keep-checkpoints` keeps of the checkpoint `meta` describes, and how
+/// many such copies: at an epoch's end only.
+fn epoch_copy(config: &CheckpointConfig, meta: &CheckpointMeta) -> Option<(usize, usize)> {
+    (meta.epoch_step == 0 && config.keep > 0).then_some((meta.epoch, config.keep))
 }
 
 impl<'c, 'g> Checkpointer<'c, 'g> {
@@ -129,8 +137,8 @@ impl<'c, 'g> Checkpointer<'c, 'g> {
 
     /// Saves the checkpoint `meta` describes (every rank calls it): blocks while the state is
     /// gathered (one file) or this rank's part (sharded) is copied to host memory, then writes it
-    /// in the background. After an epoch with `--keep-checkpoints`, a single file's background
-    /// thread also keeps the epoch's copy.
+    /// in the background. After an epoch with `--keep-checkpoints`, the epoch's copy is kept too
+    /// (by the background thread, or by rank 0 when it commits a sharded one).
     pub fn save(&mut self, step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: CheckpointMeta) -> Result<()> {
         let started = Instant::now();
         if self.sharded.is_some() {
@@ -149,7 +157,7 @@ impl<'c, 'g> Checkpointer<'c, 'g> {
     fn save_whole(&mut self, step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: CheckpointMeta) -> Result<()> {
         // At most one write in flight (and one copy of the state in host memory besides it).
         self.finish()?;
-        let keep = (meta.epoch_step == 0 && self.config.keep > 0).then_some((meta.epoch, self.config.keep));
+        let keep = epoch_copy(self.config, &meta);
         if let Some(host) = state::gather(step, optimizer, meta)? {
             let path = self.path.clone();
             self.spawn(move || {
@@ -215,8 +223,9 @@ impl<'c, 'g> Checkpointer<'c, 'g> {
         let Some(sharding) = self.sharded.as_mut() else { return Ok(()) };
         let (false, Some((folder, meta))) = (writing, sharding.pending.take()) else { return Ok(()) };
         let ranks = sharding.world.map_or(1, ProcessGroup::world_size);
+        let keep = epoch_copy(self.config, &meta);
         let committed = match sharding.world.is_none_or(ProcessGroup::is_root) {
-            true => sharded::commit(&folder, ranks, &meta),
+            true => sharded::commit(&folder, ranks, &meta).and_then(|()| keep.map_or(Ok(()), |(epoch, keep)| sharded::keep_epoch_copy(&folder, epoch, keep))),
             false => Ok(()),
         };
         // Rank 0's commit can fail too (a full disk): every rank hears of it.

@@ -404,6 +404,9 @@ pub fn fit(
     let mut graphed = config.cuda_graph.then(graph::GraphedStep::default);
     let world = step.sync().parallel.world;
     let mut checkpoints = config.checkpoint.as_ref().map(|ck| Checkpointer::new(ck, &config.run, Checkpointer::shards(ck.format, step, optimizer), world));
+    if let Some(checkpoints) = checkpoints.as_mut() {
+        checkpoints.stats.resumed_bytes = start.read_bytes;
+    }
     let step_control = StepControl::new(step.sync().parallel, config)?;
     let (run, epochs, start_epoch, start_step) = (config.run.as_str(), config.epochs, start.epoch, start.step);
     observers.emit(&Event::Started { run, epochs, steps_per_epoch, start_epoch, start_step })?;

@@ -29,6 +29,9 @@ pub(crate) struct Progress {
     pub step: usize,
     /// Steps already taken in epoch `epoch` (a checkpoint written in the middle of it).
     pub epoch_step: usize,
+    /// Bytes of the checkpoint this rank read into memory to resume (rank 0 reading a single
+    /// file for everyone: all of it; every rank reading its own part: that part).
+    pub read_bytes: u64,
 }
 
 /// Restores the newest checkpoint of the run whose single-file checkpoint is `path` (one file or
@@ -68,6 +71,7 @@ pub(crate) fn start(
         header.copy_from_slice(&Vec::<f64>::try_from(&shared)?);
     }
     let (resumed, each_reads) = (header[0] == 1.0, header[6] == 1.0);
+    let read_bytes;
     if resumed && each_reads {
         let mut location = found.as_ref().map_or(Vec::new(), |f| f.path.as_os_str().as_encoded_bytes().to_vec());
         if let Some(world) = world {
@@ -76,17 +80,19 @@ pub(crate) fn start(
         let location = std::path::PathBuf::from(String::from_utf8(location).context("the checkpoint's path is not UTF-8")?);
         let source = checkpoint::sharded::Source::open(&location)?;
         owned_state::restore_owned(step, optimizer, &source)?;
+        read_bytes = source.read_bytes();
     } else {
         let loaded = match &found {
             Some(found) => Some((found.path.as_path(), checkpoint::load(&found.path)?)),
             None => None,
         };
+        read_bytes = loaded.as_ref().map_or(0, |(_, ck)| ck.tensors.values().map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum());
         restore_from_root(step, optimizer, loaded.as_ref().map(|(path, ck)| (*path, ck)), resumed)?;
     }
     if let (Some(scaler), false) = (scaler, header[3].is_nan()) {
         scaler.load_state(GradScalerState { scale: header[3], growth_tracker: header[4] as i64 });
     }
-    Ok(Progress { epoch: header[1] as usize, step: header[2] as usize, epoch_step: header[5] as usize })
+    Ok(Progress { epoch: header[1] as usize, step: header[2] as usize, epoch_step: header[5] as usize, read_bytes })
 }
 
 /// Rank 0: the newest complete checkpoint at `path` (see [`checkpoint::find_newest`]), checked

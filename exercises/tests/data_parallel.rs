@@ -611,3 +611,79 @@ fn signalling_the_launcher_stops_mpirun_and_every_rank() {
         }
     }
 }
+
+/// A second signal to the launcher stops the job at once: the ranks, stopped (SIGSTOP) so that
+/// the first signal cannot end them at a step, are ended by mpirun, and the launcher exits with
+/// 128 + the signal. Nothing here waits on timing: each signal follows what the launcher said.
+#[test]
+fn a_second_signal_to_the_launcher_ends_the_job_at_once() {
+    use std::io::{BufRead, BufReader};
+    use std::time::{Duration, Instant};
+
+    let d = tempfile::tempdir().unwrap();
+    data(d.path(), 200);
+    let results = tempfile::tempdir().unwrap();
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_exercise2"))
+        .args(["--model", "cnn", "--num-classes", "10", "--epochs", "100000", "--batch-size", "50"])
+        .args(["--device", "cpu", "--quiet", "--threads", "1", "--nproc-per-node", "2", "--data-dir"])
+        .arg(d.path())
+        .arg("--results-dir")
+        .arg(results.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (lines, received) = std::sync::mpsc::channel();
+    let (stdout, stderr) = (launcher.stdout.take().unwrap(), launcher.stderr.take().unwrap());
+    let out_lines = lines.clone();
+    std::thread::spawn(move || BufReader::new(stdout).lines().map_while(Result::ok).try_for_each(|line| out_lines.send(line)));
+    std::thread::spawn(move || BufReader::new(stderr).lines().map_while(Result::ok).try_for_each(|line| lines.send(line)));
+    let mut seen = Vec::new();
+    let mut wait_for = |text: &str, launcher: &mut std::process::Child| {
+        let started = Instant::now();
+        loop {
+            match received.recv_timeout(Duration::from_secs(600).saturating_sub(started.elapsed())) {
+                Ok(line) if line.contains(text) => return,
+                Ok(line) => seen.push(line),
+                Err(err) => {
+                    launcher.kill().ok();
+                    panic!("no line with {text:?} ({err}): {seen:?}");
+                }
+            }
+        }
+    };
+    wait_for("epoch 1/100000", &mut launcher);
+    let job = descendants(launcher.id());
+    let ranks: Vec<Proc> = job.iter().copied().filter(|p| cmdline(p.pid).split(' ').next().unwrap_or_default().ends_with("exercise2")).collect();
+    assert_eq!(ranks.len(), 2, "{:?}", job.iter().map(|p| cmdline(p.pid)).collect::<Vec<_>>());
+    for rank in &ranks {
+        // SAFETY: kill(2) on a rank of the job this test started.
+        assert_eq!(unsafe { libc::kill(rank.pid as libc::pid_t, libc::SIGSTOP) }, 0);
+    }
+    // SAFETY: kill(2) on our own child, not yet reaped.
+    assert_eq!(unsafe { libc::kill(launcher.id() as libc::pid_t, libc::SIGTERM) }, 0);
+    wait_for("the ranks stop after their current step", &mut launcher);
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(launcher.id() as libc::pid_t, libc::SIGTERM) }, 0);
+    let (signalled, bound) = (Instant::now(), Duration::from_secs(60));
+    let status = loop {
+        if let Some(status) = launcher.try_wait().unwrap() {
+            break status;
+        }
+        if signalled.elapsed() > bound {
+            launcher.kill().ok();
+            panic!("the launcher still runs {bound:?} after the second signal");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    while job.iter().any(|&p| running(p)) && signalled.elapsed() < bound {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<String> = job.iter().filter(|&&p| running(p)).map(|p| format!("{} {}", p.pid, cmdline(p.pid))).collect();
+    for p in job.iter().filter(|&&p| running(p)) {
+        // SAFETY: kill(2) on a process of the job this test started (same id, same start time).
+        unsafe { libc::kill(p.pid as libc::pid_t, libc::SIGKILL) };
+    }
+    assert!(left.is_empty(), "{bound:?} after the second signal, the job still runs: {left:?}");
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{seen:?}");
+}

@@ -220,8 +220,8 @@ impl<'c, 'g> Checkpointer<'c, 'g> {
                 anyhow::anyhow!("another rank could not write its part of the checkpoint in {}; the previous one is intact", self.path.display())
             }));
         }
-        let Some(sharding) = self.sharded.as_mut() else { return Ok(()) };
-        let (false, Some((folder, meta))) = (writing, sharding.pending.take()) else { return Ok(()) };
+        let Some(sharding) = self.sharded.as_mut().filter(|_| !writing) else { return Ok(()) };
+        let Some((folder, meta)) = sharding.pending.take() else { return Ok(()) };
         let ranks = sharding.world.map_or(1, ProcessGroup::world_size);
         let keep = epoch_copy(self.config, &meta);
         let committed = match sharding.world.is_none_or(ProcessGroup::is_root) {
@@ -272,5 +272,65 @@ impl Drop for Checkpointer<'_, '_> {
     /// this rank's write ends (no commit: that takes every rank).
     fn drop(&mut self) {
         self.join();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::region::Region;
+    use crate::checkpoint::sharded::Piece;
+    use tch::{Device, Kind, Tensor};
+
+    fn meta(step: usize) -> CheckpointMeta {
+        CheckpointMeta {
+            format: checkpoint::FORMAT_VERSION,
+            run: "run".into(),
+            model: serde_json::json!({}),
+            optimizer: "sgd".into(),
+            epoch: 1,
+            step,
+            epoch_step: 0,
+            seed: 0,
+            config: serde_json::json!({}),
+            torch_version: String::new(),
+            grad_scaler: None,
+        }
+    }
+
+    /// A sharded checkpoint written while a rank was still writing is committed at the first
+    /// step where none is, never dropped (a step's agreement saying "still writing" once must
+    /// not lose it).
+    #[test]
+    fn a_sharded_checkpoint_waits_for_every_rank_then_is_committed() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = CheckpointConfig {
+            dir: dir.path().to_path_buf(),
+            resume: false,
+            model: serde_json::json!({}),
+            config: serde_json::json!({}),
+            from: None,
+            keep: 0,
+            every_steps: None,
+            every_minutes: None,
+            format: CheckpointFormat::Sharded,
+        };
+        let mut checkpointer = Checkpointer::new(&config, "run", true, None);
+        let folder = sharded::step_folder(checkpointer.path(), 3);
+        let weight = Tensor::arange(6, (Kind::Float, Device::Cpu));
+        HostShard::new(vec![Piece::model("w", vec![6], Region::WHOLE, weight)]).unwrap().write(&folder, 0).unwrap();
+        checkpointer.sharded.as_mut().unwrap().pending = Some((folder.clone(), meta(3)));
+
+        checkpointer.settle(true, false).unwrap();
+        assert!(!folder.join(sharded::INDEX).exists(), "not committed while a rank writes");
+        checkpointer.settle(false, false).unwrap();
+        assert!(folder.join(sharded::INDEX).exists(), "committed once no rank writes");
+        let source = sharded::Source::open(&folder).unwrap();
+        assert_eq!(source.meta.step, 3);
+        assert_eq!(Vec::<f32>::try_from(source.read_whole("model.w").unwrap()).unwrap(), vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+
+        // A failure on any rank fails every rank, naming the folder where it is not its own.
+        let err = checkpointer.settle(false, true).unwrap_err().to_string();
+        assert!(err.contains("another rank could not write its part") && err.contains("run.shards"), "{err}");
     }
 }

@@ -527,6 +527,34 @@ fn descendants(pid: u32) -> Vec<Proc> {
     found
 }
 
+/// Waits, at most `bound` after `what` was sent, for the launcher to exit and every process of
+/// its `job` with it; returns the launcher's status. Fails, ending what is left (by id and start
+/// time: only this test's processes), when any outlives the bound.
+fn job_end(launcher: &mut std::process::Child, job: &[Proc], bound: std::time::Duration, what: &str) -> std::process::ExitStatus {
+    use std::time::{Duration, Instant};
+    let signalled = Instant::now();
+    let status = loop {
+        if let Some(status) = launcher.try_wait().unwrap() {
+            break status;
+        }
+        if signalled.elapsed() > bound {
+            launcher.kill().ok();
+            panic!("{what}: the launcher still runs {bound:?} after it");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    while job.iter().any(|&p| running(p)) && signalled.elapsed() < bound {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<String> = job.iter().filter(|&&p| running(p)).map(|p| format!("{} {}", p.pid, cmdline(p.pid))).collect();
+    for p in job.iter().filter(|&&p| running(p)) {
+        // SAFETY: kill(2) on a process of the job this test started (same id, same start time).
+        unsafe { libc::kill(p.pid as libc::pid_t, libc::SIGKILL) };
+    }
+    assert!(left.is_empty(), "{what}: {bound:?} after it, the launcher's job still runs: {left:?}");
+    status
+}
+
 #[test]
 fn signalling_the_launcher_stops_mpirun_and_every_rank() {
     use std::io::{BufRead, BufReader, Read};
@@ -578,27 +606,7 @@ fn signalling_the_launcher_stops_mpirun_and_every_rank() {
 
         // SAFETY: kill(2) on our own child, not yet reaped.
         assert_eq!(unsafe { libc::kill(launcher.id() as libc::pid_t, signal) }, 0);
-        let signalled = Instant::now();
-        let bound = Duration::from_secs(30);
-        let status = loop {
-            if let Some(status) = launcher.try_wait().unwrap() {
-                break status;
-            }
-            if signalled.elapsed() > bound {
-                launcher.kill().ok();
-                panic!("{name}: the launcher still runs {bound:?} after the signal");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        while job.iter().any(|&p| running(p)) && signalled.elapsed() < bound {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let left: Vec<String> = job.iter().filter(|&&p| running(p)).map(|p| format!("{} {}", p.pid, cmdline(p.pid))).collect();
-        for p in job.iter().filter(|&&p| running(p)) {
-            // SAFETY: kill(2) on a process of the job this test started (same id, same start time).
-            unsafe { libc::kill(p.pid as libc::pid_t, libc::SIGKILL) };
-        }
-        assert!(left.is_empty(), "{name}: {bound:?} after the launcher was signalled, its job still runs: {left:?}");
+        let status = job_end(&mut launcher, &job, Duration::from_secs(30), name);
         let stderr = stderr.join().unwrap();
         if signal == libc::SIGKILL {
             assert_eq!(status.signal(), Some(libc::SIGKILL), "{stderr}");
@@ -665,25 +673,6 @@ fn a_second_signal_to_the_launcher_ends_the_job_at_once() {
     wait_for("the ranks stop after their current step", &mut launcher);
     // SAFETY: as above.
     assert_eq!(unsafe { libc::kill(launcher.id() as libc::pid_t, libc::SIGTERM) }, 0);
-    let (signalled, bound) = (Instant::now(), Duration::from_secs(60));
-    let status = loop {
-        if let Some(status) = launcher.try_wait().unwrap() {
-            break status;
-        }
-        if signalled.elapsed() > bound {
-            launcher.kill().ok();
-            panic!("the launcher still runs {bound:?} after the second signal");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    while job.iter().any(|&p| running(p)) && signalled.elapsed() < bound {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let left: Vec<String> = job.iter().filter(|&&p| running(p)).map(|p| format!("{} {}", p.pid, cmdline(p.pid))).collect();
-    for p in job.iter().filter(|&&p| running(p)) {
-        // SAFETY: kill(2) on a process of the job this test started (same id, same start time).
-        unsafe { libc::kill(p.pid as libc::pid_t, libc::SIGKILL) };
-    }
-    assert!(left.is_empty(), "{bound:?} after the second signal, the job still runs: {left:?}");
+    let status = job_end(&mut launcher, &job, Duration::from_secs(60), "the second SIGTERM");
     assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{seen:?}");
 }

@@ -360,70 +360,26 @@ impl Source {
     /// or a flat range's length), gathered from the pieces that hold them.
     pub fn read(&self, key: &str, region: Region) -> Result<Tensor> {
         let entry = self.tensors.get(key).with_context(|| format!("checkpoint {} has no {key}", self.path.display()))?;
-        let shape = &entry.shape;
-        let wanted = region.numel(shape);
-        let want_range = region.contiguous(shape);
-        let want_positions = RefCell::new(None::<Tensor>);
-        let positions = || want_positions.borrow_mut().get_or_insert_with(|| region.positions(shape)).shallow_clone();
+        let want = Wanted { region, shape: &entry.shape, range: region.contiguous(&entry.shape), positions: RefCell::default() };
+        let wanted = region.numel(&entry.shape);
         let mut out: Option<Tensor> = None;
         let mut covered = 0;
         for piece in &entry.pieces {
             let file = self.file(&piece.file)?;
             let info = file.header.info(key).with_context(|| format!("checkpoint {}: {} has no {key}", self.path.display(), piece.file))?;
-            let kind = kind_of(info.dtype)?;
             let bytes = &file.file.map[file.data_start + info.data_offsets.0..file.data_start + info.data_offsets.1];
-            let size = kind.elt_size_in_bytes() as i64;
-            let out = out.get_or_insert_with(|| Tensor::zeros([wanted], (kind, Device::Cpu)));
-            let elements = |first: i64, count: i64| -> Result<Tensor> {
-                let slice = &bytes[(first * size) as usize..((first + count) * size) as usize];
-                self.read_bytes.set(self.read_bytes.get() + slice.len() as u64);
-                Ok(Tensor::f_from_data_size(slice, &[count], kind)?)
-            };
-            match (piece.region.contiguous(shape), want_range) {
-                (Some((at, len)), Some((want_at, want_len))) => {
-                    let (lo, hi) = (at.max(want_at), (at + len).min(want_at + want_len));
-                    if lo < hi {
-                        out.narrow(0, lo - want_at, hi - lo).copy_(&elements(lo - at, hi - lo)?);
-                        covered += hi - lo;
-                    }
-                }
-                (Some((at, len)), None) => {
-                    let wanted_positions = positions();
-                    let bounds = Tensor::from_slice(&[at, at + len]);
-                    let ends = Vec::<i64>::try_from(bounds.searchsorted(&wanted_positions, false, false, "left", None::<Tensor>))?;
-                    let (lo, count) = (ends[0], ends[1] - ends[0]);
-                    if count > 0 {
-                        let inside = wanted_positions.narrow(0, lo, count) - at;
-                        let first = inside.int64_value(&[0]);
-                        let last = inside.int64_value(&[count - 1]);
-                        let data = elements(first, last - first + 1)?;
-                        out.narrow(0, lo, count).copy_(&data.index_select(0, &(inside - first)));
-                        covered += count;
-                    }
-                }
-                (None, _) => {
-                    // A cut that is not consecutive: its elements are this rank's own part of
-                    // another layout's shard, read whole and matched by position.
-                    let held = piece.region.positions(shape);
-                    let wanted_positions = positions();
-                    // (tch's `a.searchsorted(sorted)`: where each of `a` sits in `sorted`.)
-                    let at = wanted_positions.searchsorted(&held, false, false, "left", None::<Tensor>).clamp_max(held.numel() as i64 - 1);
-                    let found = held.index_select(0, &at).eq_tensor(&wanted_positions).nonzero().squeeze_dim(1);
-                    if found.numel() > 0 {
-                        let data = elements(0, held.numel() as i64)?;
-                        let _ = out.index_copy_(0, &found, &data.index_select(0, &at.index_select(0, &found)));
-                        covered += found.numel() as i64;
-                    }
-                }
-            }
+            let stored = Stored { bytes, kind: kind_of(info.dtype)?, region: piece.region, read: &self.read_bytes };
+            let out = out.get_or_insert_with(|| Tensor::zeros([wanted], (stored.kind, Device::Cpu)));
+            covered += stored.copy_into(out, &want)?;
         }
         ensure!(
             covered == wanted,
-            "checkpoint {}: its pieces of {key} hold {covered} of the {wanted} elements asked for ({region:?} of {shape:?})",
-            self.path.display()
+            "checkpoint {}: its pieces of {key} hold {covered} of the {wanted} elements asked for ({region:?} of {:?})",
+            self.path.display(),
+            entry.shape
         );
         let out = out.unwrap_or_else(|| Tensor::zeros([0], (Kind::Float, Device::Cpu)));
-        Ok(out.view(region.local_shape(shape).as_slice()))
+        Ok(out.view(region.local_shape(&entry.shape).as_slice()))
     }
 
     /// Bytes of tensor data read from the checkpoint so far.
@@ -453,6 +409,87 @@ impl Source {
         let open = std::rc::Rc::new(OpenFile { file, data_start: 8 + header_len, header });
         self.files.borrow_mut().insert(name.to_string(), open.clone());
         Ok(open)
+    }
+}
+
+/// What a rank asks of one tensor: a region of a whole tensor of `shape`, its elements'
+/// positions listed only when a piece needs them.
+struct Wanted<'s> {
+    region: Region,
+    shape: &'s [i64],
+    /// `[first, end)` where the region's elements are consecutive.
+    range: Option<(i64, i64)>,
+    positions: RefCell<Option<Tensor>>,
+}
+
+impl Wanted<'_> {
+    fn positions(&self) -> Tensor {
+        self.positions.borrow_mut().get_or_insert_with(|| self.region.positions(self.shape)).shallow_clone()
+    }
+}
+
+/// One piece of a tensor in a mapped file: its elements' bytes, of `kind`, in `region`'s order.
+struct Stored<'f> {
+    bytes: &'f [u8],
+    kind: Kind,
+    region: Region,
+    /// The source's count of bytes read.
+    read: &'f std::cell::Cell<u64>,
+}
+
+impl Stored<'_> {
+    /// The piece's elements `[first, first + count)`: only their bytes are read.
+    fn elements(&self, first: i64, count: i64) -> Result<Tensor> {
+        let size = self.kind.elt_size_in_bytes() as i64;
+        let slice = &self.bytes[(first * size) as usize..((first + count) * size) as usize];
+        self.read.set(self.read.get() + slice.len() as u64);
+        Ok(Tensor::f_from_data_size(slice, &[count], self.kind)?)
+    }
+
+    /// Copies the elements of `want` this piece holds into `out` (flat, in `want`'s order);
+    /// returns how many.
+    fn copy_into(&self, out: &Tensor, want: &Wanted) -> Result<i64> {
+        match (self.region.contiguous(want.shape), want.range) {
+            // Both consecutive: one overlapping range.
+            (Some((at, len)), Some((want_at, want_len))) => {
+                let (lo, hi) = (at.max(want_at), (at + len).min(want_at + want_len));
+                if lo >= hi {
+                    return Ok(0);
+                }
+                out.narrow(0, lo - want_at, hi - lo).copy_(&self.elements(lo - at, hi - lo)?);
+                Ok(hi - lo)
+            }
+            // The piece consecutive: the wanted positions inside its range, read between the
+            // first and the last of them.
+            (Some((at, len)), None) => {
+                let positions = want.positions();
+                let bounds = Tensor::from_slice(&[at, at + len]);
+                let ends = Vec::<i64>::try_from(bounds.searchsorted(&positions, false, false, "left", None::<Tensor>))?;
+                let (lo, count) = (ends[0], ends[1] - ends[0]);
+                if count == 0 {
+                    return Ok(0);
+                }
+                let inside = positions.narrow(0, lo, count) - at;
+                let (first, last) = (inside.int64_value(&[0]), inside.int64_value(&[count - 1]));
+                let data = self.elements(first, last - first + 1)?;
+                out.narrow(0, lo, count).copy_(&data.index_select(0, &(inside - first)));
+                Ok(count)
+            }
+            // A cut that is not consecutive (another layout's tensor-parallel shard): read whole,
+            // its elements matched to the wanted ones by position.
+            (None, _) => {
+                let (held, positions) = (self.region.positions(want.shape), want.positions());
+                // (tch's `a.searchsorted(sorted)`: where each of `a` sits in `sorted`.)
+                let at = positions.searchsorted(&held, false, false, "left", None::<Tensor>).clamp_max(held.numel() as i64 - 1);
+                let found = held.index_select(0, &at).eq_tensor(&positions).nonzero().squeeze_dim(1);
+                if found.numel() == 0 {
+                    return Ok(0);
+                }
+                let data = self.elements(0, held.numel() as i64)?;
+                let _ = out.shallow_clone().index_copy_(0, &found, &data.index_select(0, &at.index_select(0, &found)));
+                Ok(found.numel() as i64)
+            }
+        }
     }
 }
 

@@ -1,11 +1,12 @@
 //! Checkpoints: model variables, optimizer state, progress and configuration in one
-//! `.safetensors` file, the JSON metadata in its header.
+//! `.safetensors` file, the JSON metadata in its header; or, where the state is spread over
+//! ranks, one file per rank and an index ([`sharded`]).
 //!
 //! A checkpoint is written through [`crate::atomic_file`] (a temporary file beside the target,
 //! flushed to disk, then renamed over it), so a run killed at any moment leaves either the
 //! previous checkpoint or the new one, never a torn file. The one it replaces stays beside it as
 //! `<run>.previous.safetensors`: should the newest ever be unreadable (a disk that lost blocks,
-//! a file copied in half), [`load_newest`] falls back to it, and says so.
+//! a file copied in half), [`find_newest`] passes over it to the previous one, and says so.
 //!
 //! Writing is split in two so that training need not wait for the disk: [`HostCheckpoint::new`]
 //! copies the tensors to host memory (the training thread's part), [`HostCheckpoint::write`]
@@ -205,24 +206,6 @@ pub fn remove_stale_temporaries(path: &Path) -> anyhow::Result<Vec<PathBuf>> {
         removed.push(entry.path());
     }
     Ok(removed)
-}
-
-/// The newest complete checkpoint at `path`: the file itself or, when it cannot be read (torn,
-/// corrupt), the one it replaced ([`previous_path`]), with a warning that says so; never
-/// silently. An error when neither can be read (naming the newest's problem).
-pub fn load_newest(path: &Path) -> anyhow::Result<(Checkpoint, Option<String>)> {
-    let newest = match load(path) {
-        Ok(checkpoint) => return Ok((checkpoint, None)),
-        Err(err) => err,
-    };
-    let previous = previous_path(path);
-    match previous.exists().then(|| load(&previous)) {
-        Some(Ok(checkpoint)) => {
-            let warning = format!("{newest:#}; resuming from the previous complete checkpoint {} instead", previous.display());
-            Ok((checkpoint, Some(warning)))
-        }
-        _ => Err(newest),
-    }
 }
 
 /// A complete checkpoint found to resume from: one file, or a sharded checkpoint's folder.

@@ -64,12 +64,13 @@
 //! the order queued, and NCCL matches the sends and receives of a pair in order). NCCL cannot
 //! check sizes: the receiving tensor must have exactly the sent byte count, or the ranks hang
 //! or get garbage; an empty tensor sends nothing.
-use super::{byte_size, check_peer, Collectives, ReduceOp};
+use super::{byte_size, check_peer, watchdog, Collectives, ReduceOp};
 use anyhow::{anyhow, bail, Context};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 
 #[cfg(not(target_os = "linux"))]
@@ -90,6 +91,10 @@ type CudaStream = *mut c_void; // cudaStream_t
 type CudaError = c_int; // cudaError_t
 
 const NCCL_SUCCESS: NcclResult = 0;
+/// `ncclInProgress` (NCCL ≥ 2.14): an operation of a non-blocking communicator still going.
+const NCCL_IN_PROGRESS: NcclResult = 7;
+/// `cudaErrorNotReady`: `cudaStreamQuery`'s "work still queued".
+const CUDA_ERROR_NOT_READY: CudaError = 600;
 
 /// `ncclDataType_t`.
 mod dtype {
@@ -138,12 +143,17 @@ struct NcclApi {
     get_error_string: unsafe extern "C" fn(NcclResult) -> *const c_char,
     /// NCCL ≥ 2.13.
     get_last_error: Option<unsafe extern "C" fn(NcclComm) -> *const c_char>,
+    /// `ncclCommGetAsyncError(comm, &state)`: an error the communicator met in the background
+    /// (a peer's connection lost), while its kernels wait.
+    comm_get_async_error: unsafe extern "C" fn(NcclComm, *mut NcclResult) -> NcclResult,
 }
 
 struct CudartApi {
     _lib: libloading::Library,
     set_device: unsafe extern "C" fn(c_int) -> CudaError,
     device_synchronize: unsafe extern "C" fn() -> CudaError,
+    /// `cudaStreamQuery(stream)`: 0 when its work is done, `cudaErrorNotReady` while not.
+    stream_query: unsafe extern "C" fn(CudaStream) -> CudaError,
     get_error_string: unsafe extern "C" fn(CudaError) -> *const c_char,
 }
 
@@ -220,6 +230,7 @@ fn load_nccl() -> anyhow::Result<NcclApi> {
             group_end: symbol(&lib, "ncclGroupEnd", o)?,
             get_error_string: symbol(&lib, "ncclGetErrorString", o)?,
             get_last_error: symbol(&lib, "ncclGetLastError", o).ok(),
+            comm_get_async_error: symbol(&lib, "ncclCommGetAsyncError", o)?,
             origin,
             _lib: lib,
         })
@@ -238,6 +249,7 @@ fn load_cudart() -> anyhow::Result<CudartApi> {
         Ok(CudartApi {
             set_device: symbol(&lib, "cudaSetDevice", o)?,
             device_synchronize: symbol(&lib, "cudaDeviceSynchronize", o)?,
+            stream_query: symbol(&lib, "cudaStreamQuery", o)?,
             get_error_string: symbol(&lib, "cudaGetErrorString", o)?,
             _lib: lib,
         })
@@ -355,6 +367,8 @@ pub struct NcclCollectives {
     lock: Mutex<()>,
     /// Set once an NCCL call failed: the communicator is then aborted, not destroyed, on drop.
     failed: AtomicBool,
+    /// Operations launched so far (the watchdog's sequence numbers).
+    ops: AtomicU64,
     /// Sends not yet issued: they go out with the next receive or `wait_sends` (module docs).
     queued: Mutex<Vec<QueuedSend>>,
 }
@@ -430,7 +444,16 @@ impl NcclCollectives {
         if comm.is_null() {
             bail!("NCCL rank {rank}: ncclCommInitRank returned success but no communicator");
         }
-        Ok(NcclCollectives { comm, rank, world_size, device_index, lock: Mutex::new(()), failed: AtomicBool::new(false), queued: Mutex::default() })
+        Ok(NcclCollectives {
+            comm,
+            rank,
+            world_size,
+            device_index,
+            lock: Mutex::new(()),
+            failed: AtomicBool::new(false),
+            ops: AtomicU64::new(0),
+            queued: Mutex::default(),
+        })
     }
 
     pub fn rank(&self) -> usize {
@@ -493,7 +516,56 @@ impl NcclCollectives {
                 nccl_error_text(api, r, self.comm)
             )));
         }
+        self.wait_done(api, cuda, what)?;
         cuda_check("cudaDeviceSynchronize after the collective", unsafe { (cuda.device_synchronize)() })
+    }
+
+    /// Waits for the operation just launched (on the legacy default stream) against the
+    /// watchdog's deadline, as PyTorch's NCCL watchdog does: polls the stream and the
+    /// communicator's background error; past the deadline (a peer stopped, hung or lost), says
+    /// so in one line, aborts the communicator (which frees its kernels) and ends the process
+    /// with [`watchdog::HUNG_EXIT_CODE`], the other ranks doing the same at their deadline.
+    fn wait_done(&self, api: &NcclApi, cuda: &CudartApi, what: &str) -> anyhow::Result<()> {
+        let seq = self.ops.fetch_add(1, Ordering::Relaxed) + 1;
+        let (started, deadline) = (Instant::now(), watchdog::deadline(seq));
+        loop {
+            // SAFETY: a query of the legacy default stream (null), where the call was launched.
+            match unsafe { (cuda.stream_query)(std::ptr::null_mut()) } {
+                0 => return Ok(()),
+                CUDA_ERROR_NOT_READY => {}
+                err => return Err(self.fail(format!("NCCL {what} on rank {} (cuda:{}): {}", self.rank, self.device_index, cuda_error_text(cuda, err)))),
+            }
+            let mut state: NcclResult = NCCL_SUCCESS;
+            // SAFETY: a live communicator; `state` receives its background error.
+            unsafe { (api.comm_get_async_error)(self.comm, &mut state) };
+            if state != NCCL_SUCCESS && state != NCCL_IN_PROGRESS {
+                return Err(self.fail(format!(
+                    "NCCL {what} on rank {} of {}: {} (a peer's connection lost; set NCCL_DEBUG=WARN for details)",
+                    self.rank,
+                    self.world_size,
+                    nccl_error_text(api, state, self.comm)
+                )));
+            }
+            let waited = started.elapsed();
+            if waited > deadline {
+                eprintln!(
+                    "error on rank {}: NCCL {what} (operation {seq} of this communicator of {} ranks) did not complete in {:.0} s (--collective-timeout): a rank did not take part (stopped, hung, or its node lost); ending the job",
+                    self.rank,
+                    self.world_size,
+                    waited.as_secs_f64()
+                );
+                // SAFETY: aborting a live communicator ends its kernels; the process ends next.
+                unsafe { (api.comm_abort)(self.comm) };
+                std::process::exit(watchdog::HUNG_EXIT_CODE);
+            }
+            // Spin briefly (a collective usually ends within microseconds of its last peer),
+            // then let the core go.
+            if waited < Duration::from_micros(200) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
     }
 
     /// The queued sends, in order, leaving the queue empty.

@@ -5,7 +5,10 @@
 //! operation of each group waits at least [`FIRST_AT_LEAST`], start-up and data loading in
 //! mind). When it passes, the waiting ranks ask each other, on a communicator of their own, who
 //! is there ([`Hang`]): the lowest of them says in one line which operation of which group
-//! waited how long and which ranks did not answer, and the job ends (`MPI_Abort`).
+//! waited how long and which ranks did not answer, and the job ends (`MPI_Abort`). The NCCL
+//! engine polls each operation's stream and the communicator's background error against the
+//! same deadline and, past it, aborts the communicator and ends the process (NCCL has no side
+//! channel for a roll call: the line names the operation, not the missing rank).
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 

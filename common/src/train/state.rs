@@ -1,11 +1,13 @@
 //! Where a run starts and what it leaves behind: the checkpoint it resumes from and the ones it
 //! writes, for a model on one rank or spread over several (pipeline stages), replicated or not.
 //!
-//! A checkpoint is one file with every variable and optimizer state under its whole-model
-//! name, written by the job's rank 0 (with the other stages' parts gathered to it) and read by
-//! it alone (each stage's part sent to the rank that holds it): so a run resumes on another
-//! number of stages, processes or replicas than the one that wrote it. Replicas then start from
-//! replica 0's state, as Horovod broadcasts rank 0's.
+//! Every variable and optimizer state is saved under its whole-model name, so a run resumes on
+//! another number of stages, shards, processes or replicas than the one that wrote it. One file
+//! is written by the job's rank 0 (with the other ranks' parts gathered to it, [`gather`]);
+//! where the state is spread over ranks, each writes its own part (`owned_state`). Resuming, a
+//! layout that spreads its state, or a sharded checkpoint, is read by every rank for itself
+//! (`owned_state`); otherwise rank 0 reads the file and sends each rank of replica 0 its part,
+//! and the replicas then start from replica 0's state, as Horovod broadcasts rank 0's.
 use std::path::Path;
 
 use anyhow::{Context, Result};

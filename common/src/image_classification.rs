@@ -1,6 +1,6 @@
 //! The image-classification exercises (exercise1, exercise2, exercise3 ddp): their flags,
-//! CIFAR-10 or MNIST, the CNN, ResNet34 or VGG19, and what their results add. Everything around
-//! the training loop is [`crate::experiment`]'s.
+//! CIFAR-10 or MNIST, the CNN, ResNet34, ResNet50 or VGG19, and what their results add.
+//! Everything around the training loop is [`crate::experiment`]'s.
 use std::path::PathBuf;
 
 use anyhow::Result;
@@ -43,7 +43,7 @@ pub struct ImageArgs {
     #[arg(long)]
     pub weights: Option<PathBuf>,
     /// Size of the classification head [default: the data set's classes for cnn and for
-    /// --freeze/--train-last, 1000 for resnet34/vgg19 otherwise, as in the course].
+    /// --freeze/--train-last, 1000 for resnet34/resnet50/vgg19 otherwise, as in the course].
     #[arg(long)]
     pub num_classes: Option<i64>,
     /// Feature extraction: `backbone` freezes everything but the head (the classifier's last
@@ -51,9 +51,9 @@ pub struct ImageArgs {
     /// running statistics.
     #[arg(long, value_enum, conflicts_with = "train_last")]
     pub freeze: Option<FreezeChoice>,
-    /// Fine-tuning: only the last N blocks train, the ones before them frozen (ResNet34: 18
-    /// blocks, the stem, its 16 BasicBlocks and fc, so 4 is layer4 and fc; VGG19: 19, its 16
-    /// convolutions and 3 classifier layers).
+    /// Fine-tuning: only the last N blocks train, the ones before them frozen (ResNet34 and
+    /// ResNet50: 18 blocks, the stem, 16 residual blocks and fc, so 4 is layer4 and fc; VGG19:
+    /// 19, its 16 convolutions and 3 classifier layers).
     #[arg(long, value_name = "N")]
     pub train_last: Option<usize>,
     /// Random crop (padding 4) and horizontal flip on the training images.
@@ -117,7 +117,7 @@ impl ImageExperiment<'_> {
         // The course keeps ImageNet's 1000-way head; transfer learning puts a head for the
         // data set's classes on the pretrained backbone.
         let default_classes = match (self.arch(), self.trainable()) {
-            (Arch::Resnet34 | Arch::Vgg19, Trainable::All) => 1000,
+            (Arch::Resnet34 | Arch::Resnet50 | Arch::Vgg19, Trainable::All) => 1000,
             _ => self.args.dataset.num_classes() as i64,
         };
         ModelSpec { arch: self.arch(), in_channels: channels as i64, image_size: size as i64, num_classes: self.args.num_classes.unwrap_or(default_classes) }

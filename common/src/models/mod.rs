@@ -10,7 +10,7 @@ use tch::Tensor;
 mod blocks;
 mod cnn;
 mod freeze;
-mod resnet;
+pub(crate) mod resnet;
 pub mod transformer;
 pub mod transformer_names;
 mod vgg;
@@ -33,16 +33,19 @@ pub enum Arch {
     Cnn,
     /// torchvision ResNet34
     Resnet34,
+    /// torchvision ResNet50 (Bottleneck blocks, stride on the 3×3 convolution: v1.5)
+    Resnet50,
     /// torchvision VGG19 (with adaptive average pooling to 7×7)
     Vgg19,
 }
 
 impl Arch {
-    /// The flag spelling: `cnn`, `resnet34`, `vgg19`.
+    /// The flag spelling: `cnn`, `resnet34`, `resnet50`, `vgg19`.
     pub fn name(self) -> &'static str {
         match self {
             Arch::Cnn => "cnn",
             Arch::Resnet34 => "resnet34",
+            Arch::Resnet50 => "resnet50",
             Arch::Vgg19 => "vgg19",
         }
     }
@@ -65,7 +68,8 @@ pub struct ModelSpec {
 pub fn build(root: &nn::Path, spec: &ModelSpec) -> Box<dyn nn::ModuleT> {
     match spec.arch {
         Arch::Cnn => Box::new(cnn::Cnn::new(root, spec)),
-        Arch::Resnet34 => Box::new(resnet::ResNet::resnet34(root, spec)),
+        Arch::Resnet34 => Box::new(resnet::ResNet::new(root, spec, resnet::ResNetLayout::RESNET34)),
+        Arch::Resnet50 => Box::new(resnet::ResNet::new(root, spec, resnet::ResNetLayout::RESNET50)),
         Arch::Vgg19 => Box::new(vgg::Vgg::vgg19(root, spec)),
     }
 }
@@ -75,7 +79,8 @@ impl Blocks {
     pub fn of(spec: &ModelSpec) -> Blocks {
         Blocks::new(match spec.arch {
             Arch::Cnn => cnn::blocks(),
-            Arch::Resnet34 => resnet::blocks(),
+            Arch::Resnet34 => resnet::blocks(resnet::ResNetLayout::RESNET34),
+            Arch::Resnet50 => resnet::blocks(resnet::ResNetLayout::RESNET50),
             Arch::Vgg19 => vgg::blocks(),
         })
     }

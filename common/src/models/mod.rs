@@ -49,6 +49,17 @@ impl Arch {
             Arch::Vgg19 => "vgg19",
         }
     }
+
+    /// The smallest image side the model takes as it is (`--image-size`): the CNN's two k5
+    /// convolutions and 2×2 max-pools leave nothing of less than 16×16; the ImageNet models
+    /// pad smaller images to 32×32 ([`imagenet_input`]), which an image resized to less would
+    /// only undo.
+    pub fn min_image_size(self) -> i64 {
+        match self {
+            Arch::Cnn => cnn::MIN_SIDE,
+            Arch::Resnet34 | Arch::Resnet50 | Arch::Vgg19 => MIN_IMAGENET_SIDE,
+        }
+    }
 }
 
 /// Everything needed to build a model for a data set.

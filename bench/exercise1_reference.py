@@ -7,7 +7,7 @@ target/release/exercise1, reporting training images/s.
 Prints one JSON line: {"impl": "pytorch", "images_per_s": ..., "params": ..., ...}.
 
 The configuration is the Rust binary's (common/src/image_classification.rs): the course's CNN
-(10-way head) or torchvision's ResNet34 / VGG19 (1000-way heads), CIFAR-10 from the binary
+(10-way head) or torchvision's ResNet34 / ResNet50 / VGG19 (1000-way heads), CIFAR-10 from the binary
 batches in --data-dir, fp32, batch 100, Adam lr 1e-3 as `torch.optim.Adam` chooses its
 implementation by default (a per-parameter loop on the CPU, the foreach kernels on a GPU),
 cross-entropy, shuffled every epoch, no augmentation, cudnn.benchmark on a GPU.
@@ -146,11 +146,11 @@ def _one_thread(_worker):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="cnn", choices=["cnn", "resnet34", "vgg19"])
+    p.add_argument("--model", default="cnn", choices=["cnn", "resnet34", "resnet50", "vgg19"])
     p.add_argument("--data-dir", default="data/cifar10")
     p.add_argument("--batch-size", type=int, default=100)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--num-classes", type=int, default=None, help="default: 10 for cnn, 1000 for resnet34/vgg19")
+    p.add_argument("--num-classes", type=int, default=None, help="default: 10 for cnn, 1000 for resnet34/resnet50/vgg19")
     p.add_argument("--max-steps", type=int, default=30)
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
     p.add_argument("--device", default="cpu")
@@ -159,7 +159,7 @@ def main():
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes (--loader dataloader)")
     p.add_argument("--prefetch", type=int, default=4, help="batches each worker prepares ahead")
     p.add_argument("--layouts", default="auto", choices=["auto", "torchvision", "builtin"],
-                   help="where ResNet34/VGG19 come from: torchvision when installed (auto), or bench/vision_models.py")
+                   help="where ResNet34/ResNet50/VGG19 come from: torchvision when installed (auto), or bench/vision_models.py")
     p.add_argument("--steady-after", type=int, default=2,
                    help="steps left out of the steady-state throughput (as the Rust binaries' --steady-after)")
     p.add_argument("--precision", default="32", choices=["32", "bf16-mixed"],
@@ -168,6 +168,9 @@ def main():
     p.add_argument("--compile", action="store_true", help="torch.compile the model (default mode)")
     p.add_argument("--describe", action="store_true",
                    help="print the model's parameter count and state_dict shapes as JSON, and exit (no data, no training)")
+    p.add_argument("--forward", metavar="FILE",
+                   help="load the model's state_dict and an input batch (`input`) from the .safetensors FILE, print "
+                        "the eval-mode logits and the state_dict keys the file lacked or had beyond it as JSON, and exit")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -176,6 +179,16 @@ def main():
     torch.manual_seed(a.seed)
     model, source = vision_models.build(a.model, num_classes, a.layouts)
     params = sum(p.numel() for p in model.parameters())
+    if a.forward:
+        tensors = vision_models.read_safetensors(a.forward)
+        inputs = tensors.pop("input")
+        result = model.load_state_dict(tensors, strict=False)
+        model.eval()
+        with torch.no_grad():
+            logits = model(inputs)
+        print(json.dumps({"model": a.model, "layouts": source, "missing": result.missing_keys,
+                          "unexpected": result.unexpected_keys, "logits": logits.tolist()}))
+        return
     if a.describe:
         print(json.dumps({"model": a.model, "params": params, "layouts": source,
                           "state_dict": {k: list(v.shape) for k, v in model.state_dict().items()}}))

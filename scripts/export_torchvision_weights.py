@@ -7,6 +7,7 @@ torchvision (and either network access or the weights already in the torch hub c
 ~/.cache/torch/hub/checkpoints), then copy the file to where training runs:
 
     python scripts/export_torchvision_weights.py --model resnet34 --out resnet34.safetensors
+    python scripts/export_torchvision_weights.py --model resnet50 --out resnet50.safetensors
     python scripts/export_torchvision_weights.py --model vgg19 --out vgg19.safetensors
 
 Needs: torch, torchvision, safetensors (pip install torchvision safetensors).
@@ -23,7 +24,7 @@ import sys
 
 import torchvision
 
-MODELS = {"resnet34": torchvision.models.resnet34, "vgg19": torchvision.models.vgg19}
+MODELS = {"resnet34": torchvision.models.resnet34, "resnet50": torchvision.models.resnet50, "vgg19": torchvision.models.vgg19}
 
 
 def main() -> int:

@@ -9,6 +9,7 @@
 //! embedding lookup is none), plus the attention's 12·layers·d_model·seq_len (PaLM's formula).
 use tch::Device;
 
+use crate::models::resnet::{ConvShape, ResNetLayout, STEM_CHANNELS};
 use crate::models::{Arch, ModelSpec, TransformerConfig};
 use crate::precision::{MatmulPrecision, Precision};
 
@@ -16,7 +17,7 @@ use crate::precision::{MatmulPrecision, Precision};
 pub fn forward_macs(spec: &ModelSpec) -> f64 {
     match spec.arch {
         Arch::Cnn => cnn_macs(spec),
-        Arch::Resnet34 => resnet34_macs(spec),
+        Arch::Resnet34 | Arch::Resnet50 => resnet_macs(spec, ResNetLayout::of(spec.arch).expect("a ResNet")),
         Arch::Vgg19 => vgg19_macs(spec),
     }
 }
@@ -58,23 +59,28 @@ fn imagenet_side(spec: &ModelSpec) -> i64 {
     spec.image_size.max(32)
 }
 
-fn resnet34_macs(spec: &ModelSpec) -> f64 {
+/// The stem, every convolution of the residual blocks (their projections included) as
+/// [`ResNetLayout::blocks`] lays them out, and `fc`.
+fn resnet_macs(spec: &ModelSpec, layout: ResNetLayout) -> f64 {
     let mut side = out_side(imagenet_side(spec), 7, 2, 3);
-    let mut macs = conv_macs(3, 64, 7, side);
+    let mut macs = conv_macs(3, STEM_CHANNELS, 7, side);
     side = out_side(side, 3, 2, 1); // max pool
-    let mut channels = 64;
-    for (stage, (blocks, width)) in [(3, 64), (4, 128), (6, 256), (3, 512)].into_iter().enumerate() {
-        for block in 0..blocks {
-            let stride = if stage > 0 && block == 0 { 2 } else { 1 };
-            let out = out_side(side, 3, stride, 1);
-            macs += conv_macs(channels, width, 3, out) + conv_macs(width, width, 3, out);
-            if stride != 1 || channels != width {
-                macs += conv_macs(channels, width, 1, out); // downsample projection
-            }
-            (side, channels) = (out, width);
+
+    // A convolution on a `side`×`side` map: its multiply-adds and the side of its output.
+    let conv = |side: i64, c: &ConvShape| {
+        let out = out_side(side, c.kernel, c.stride, c.kernel / 2);
+        (conv_macs(c.in_dim, c.out_dim, c.kernel, out), out)
+    };
+    for block in layout.blocks() {
+        if let Some(projection) = &block.downsample {
+            macs += conv(side, projection).0;
+        }
+        for c in &block.convs {
+            let (m, out) = conv(side, c);
+            (macs, side) = (macs + m, out);
         }
     }
-    macs + (512 * spec.num_classes) as f64
+    macs + (layout.features() * spec.num_classes) as f64
 }
 
 fn vgg19_macs(spec: &ModelSpec) -> f64 {
@@ -135,10 +141,12 @@ mod tests {
 
     #[test]
     fn imagenet_models_match_torchvisions_published_multiply_adds() {
-        // torchvision's model tables (224×224, 1000 classes): ResNet34 3.66 G, VGG19 19.63 G
-        // (they count the convolutions and linear layers, as here).
+        // torchvision's model tables (224×224, 1000 classes): ResNet34 3.66 G, ResNet50 4.09 G,
+        // VGG19 19.63 G (they count the convolutions and linear layers, as here).
         let resnet = forward_macs(&spec(Arch::Resnet34, 3, 224, 1000));
         assert!((resnet / 1e9 - 3.66).abs() < 0.01, "ResNet34: {resnet:e}");
+        let resnet50 = forward_macs(&spec(Arch::Resnet50, 3, 224, 1000));
+        assert!((resnet50 / 1e9 - 4.09).abs() < 0.01, "ResNet50: {resnet50:e}");
         let vgg = forward_macs(&spec(Arch::Vgg19, 3, 224, 1000));
         assert!((vgg / 1e9 - 19.63).abs() < 0.01, "VGG19: {vgg:e}");
         // On CIFAR-10's 32×32 images they are far cheaper; MNIST is padded to 32×32.

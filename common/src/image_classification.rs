@@ -1,6 +1,6 @@
 //! The image-classification exercises (exercise1, exercise2, exercise3 ddp): their flags,
-//! CIFAR-10 or MNIST, the CNN, ResNet34 or VGG19, and what their results add. Everything around
-//! the training loop is [`crate::experiment`]'s.
+//! CIFAR-10 or MNIST (at `--image-size`), the CNN, ResNet34, ResNet50 or VGG19, and what their
+//! results add. Everything around the training loop is [`crate::experiment`]'s.
 use std::path::PathBuf;
 
 use anyhow::Result;
@@ -43,7 +43,7 @@ pub struct ImageArgs {
     #[arg(long)]
     pub weights: Option<PathBuf>,
     /// Size of the classification head [default: the data set's classes for cnn and for
-    /// --freeze/--train-last, 1000 for resnet34/vgg19 otherwise, as in the course].
+    /// --freeze/--train-last, 1000 for resnet34/resnet50/vgg19 otherwise, as in the course].
     #[arg(long)]
     pub num_classes: Option<i64>,
     /// Feature extraction: `backbone` freezes everything but the head (the classifier's last
@@ -51,14 +51,19 @@ pub struct ImageArgs {
     /// running statistics.
     #[arg(long, value_enum, conflicts_with = "train_last")]
     pub freeze: Option<FreezeChoice>,
-    /// Fine-tuning: only the last N blocks train, the ones before them frozen (ResNet34: 18
-    /// blocks, the stem, its 16 BasicBlocks and fc, so 4 is layer4 and fc; VGG19: 19, its 16
-    /// convolutions and 3 classifier layers).
+    /// Fine-tuning: only the last N blocks train, the ones before them frozen (ResNet34 and
+    /// ResNet50: 18 blocks, the stem, 16 residual blocks and fc, so 4 is layer4 and fc; VGG19:
+    /// 19, its 16 convolutions and 3 classifier layers).
     #[arg(long, value_name = "N")]
     pub train_last: Option<usize>,
     /// Random crop (padding 4) and horizontal flip on the training images.
     #[arg(long)]
     pub augment: bool,
+    /// Train and evaluate on the images resized to N×N (bilinear, antialiased, as torchvision's
+    /// `Resize((N, N))`; on the training device, after augmentation), e.g. 128 for CIFAR-10
+    /// at ResNet50's scale [default: the data set's size, 32 for CIFAR-10, 28 for MNIST].
+    #[arg(long, value_name = "N")]
+    pub image_size: Option<i64>,
     /// Background threads preparing batches [default: 2 for a GPU; 0 for the CPU, whose cores
     /// LibTorch's threads already use: measured on 2 cores, loader threads beside them made
     /// ResNet34 8% slower].
@@ -74,6 +79,10 @@ pub struct ImageArgs {
     #[arg(long)]
     pub channels_last: bool,
 }
+
+/// The largest `--image-size`: over four times ImageNet's usual 224, where a batch of a few
+/// images already fills a GPU's memory with ResNet50's activations; beyond it is a typo.
+const MAX_IMAGE_SIZE: i64 = 1024;
 
 /// What `--freeze` freezes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -117,10 +126,18 @@ impl ImageExperiment<'_> {
         // The course keeps ImageNet's 1000-way head; transfer learning puts a head for the
         // data set's classes on the pretrained backbone.
         let default_classes = match (self.arch(), self.trainable()) {
-            (Arch::Resnet34 | Arch::Vgg19, Trainable::All) => 1000,
+            (Arch::Resnet34 | Arch::Resnet50 | Arch::Vgg19, Trainable::All) => 1000,
             _ => self.args.dataset.num_classes() as i64,
         };
-        ModelSpec { arch: self.arch(), in_channels: channels as i64, image_size: size as i64, num_classes: self.args.num_classes.unwrap_or(default_classes) }
+        let image_size = self.args.image_size.unwrap_or(size as i64);
+        ModelSpec { arch: self.arch(), in_channels: channels as i64, image_size, num_classes: self.args.num_classes.unwrap_or(default_classes) }
+    }
+
+    /// The side the loaders resize the images to: `--image-size`, where it differs from the
+    /// data set's.
+    fn resize(&self) -> Option<i64> {
+        let [_, size, _] = self.args.dataset.image_shape();
+        self.args.image_size.filter(|&side| side != size as i64)
     }
 
     fn batch_size(&self) -> usize {
@@ -169,6 +186,15 @@ impl Experiment for ImageExperiment<'_> {
         if self.args.num_classes.is_some_and(|n| n < dataset.num_classes() as i64) {
             return usage(format!("--num-classes must be at least {} for {}", dataset.num_classes(), dataset.name()));
         }
+        if let Some(side) = self.args.image_size {
+            let (arch, least) = (self.arch(), self.arch().min_image_size());
+            if side < least {
+                return usage(format!("--image-size {side}: {} needs images of at least {least}×{least}", arch.name()));
+            }
+            if side > MAX_IMAGE_SIZE {
+                return usage(format!("--image-size {side}: at most {MAX_IMAGE_SIZE}"));
+            }
+        }
         let trainable = self.trainable();
         if trainable != Trainable::All {
             if self.args.weights.is_none() && !self.args.run.resume {
@@ -197,13 +223,14 @@ impl Experiment for ImageExperiment<'_> {
                 ))?;
             }
             observers.info(format!(
-                "{}: {} on {} ({} train / {} test images from {}), batch {}, LibTorch {}",
+                "{}: {} on {} ({} train / {} test images from {}{}), batch {}, LibTorch {}",
                 self.preset.name,
                 self.arch().name(),
                 args.dataset.name(),
                 train.len(),
                 test.len(),
                 dir.display(),
+                self.resize().map_or(String::new(), |side| format!(", resized to {side}×{side}")),
                 self.batch_size(),
                 crate::torch_version()
             ))?;
@@ -266,6 +293,9 @@ impl Experiment for ImageExperiment<'_> {
             per_image / crate::memory::MIB
         ))?;
         let [channels, size, _] = self.args.dataset.image_shape();
+        // Bytes of one image in a batch: the data set's floats, and the resized ones.
+        let resized = self.resize().map_or(0, |side| side * side) as usize;
+        let image_bytes = 4 * channels * (size * size + resized);
         // The loader's batches: on the CPU every worker's prefetched ones and the one training;
         // on a GPU (the rest wait in host memory) the one training and the next one copied.
         let loader = LoaderConfig::train(recipe.batch_size, 0, Device::Cpu);
@@ -279,7 +309,7 @@ impl Experiment for ImageExperiment<'_> {
             zero: self.args.parallel.zero_stage(),
             optimizer_k: crate::memory::optimizer_bytes_per_parameter(recipe.optimizer, recipe.momentum),
             bucket_bytes: self.args.parallel.bucket_mb * crate::memory::MIB,
-            input_batch_bytes: (recipe.batch_size * (4 * channels * size * size + 8)) as f64,
+            input_batch_bytes: (recipe.batch_size * (image_bytes + 8)) as f64,
             batches_held,
         };
         Ok(vec![job.estimate()])
@@ -303,12 +333,13 @@ impl Experiment for ImageExperiment<'_> {
                 workers: self.workers(device),
                 shard,
                 resident: args.data_on_device,
+                resize: self.resize(),
                 ..LoaderConfig::train(batch, args.run.seed, device)
             },
         );
         let eval = Loader::new(
             data.test.clone(),
-            LoaderConfig { workers: self.workers(device), shard, resident: args.data_on_device, ..LoaderConfig::eval(batch, device) },
+            LoaderConfig { workers: self.workers(device), shard, resident: args.data_on_device, resize: self.resize(), ..LoaderConfig::eval(batch, device) },
         );
         // The course evaluates on the test set every epoch: the last evaluation is the test.
         Ok(Sources { train: Box::new(train), eval: Box::new(eval), test: None, examples_per_epoch: data.train.len() })
@@ -326,6 +357,7 @@ impl Experiment for ImageExperiment<'_> {
             Trainable::All => serde_json::Value::Null,
             Trainable::Last(n) => n.into(),
         };
-        (vec![table], serde_json::json!({ "memory_format": memory_format, "trained_blocks": trained_blocks }))
+        let image_size = self.model_spec().image_size;
+        (vec![table], serde_json::json!({ "memory_format": memory_format, "trained_blocks": trained_blocks, "image_size": image_size }))
     }
 }

@@ -173,26 +173,28 @@ fn channels_last_is_the_same_model_in_another_memory_order() {
     let (untrained, _) = train_model(dir.path(), &Training { epochs: 0, ..Training::default() }, &mut Observers::new());
     assert!(max_relative_difference(&untrained, &nchw) > 1e-3, "the weights moved: not two untrained models");
 
-    // ResNet34 (batch norm, residual adds, adaptive pooling), evaluated: the same logits. (Its
-    // training at a batch of 4 is not compared: batch norm over 4 values per channel in the last
-    // stages amplifies the layouts' different summation orders to 1e-3 in the gradients, in
-    // PyTorch as here.)
-    let spec = ModelSpec { arch: Arch::Resnet34, in_channels: 3, image_size: 32, num_classes: 10 };
+    // ResNet34 and ResNet50 (batch norm, residual adds, adaptive pooling), evaluated: the same
+    // logits. (Their training at a batch of 4 is not compared: batch norm over 4 values per
+    // channel in the last stages amplifies the layouts' different summation orders to 1e-3 in
+    // the gradients, in PyTorch as here.)
     let images = Tensor::randn([4, 3, 32, 32], (Kind::Float, Device::Cpu));
-    let logits: Vec<Tensor> = [false, true]
-        .into_iter()
-        .map(|channels_last| {
-            tch::manual_seed(11);
-            let vs = nn::VarStore::new(Device::Cpu);
-            let mut model = models::build(&vs.root(), &spec);
-            if channels_last {
-                model = Box::new(models::ChannelsLast::new(&vs, model).unwrap());
-            }
-            model.forward_t(&images, false)
-        })
-        .collect();
-    let diff = (&logits[0] - &logits[1]).abs().max().double_value(&[]) / logits[0].abs().max().double_value(&[]);
-    assert!(diff <= 1e-5, "ResNet34's logits differ by {diff:e} in channels-last");
+    for arch in [Arch::Resnet34, Arch::Resnet50] {
+        let spec = ModelSpec { arch, in_channels: 3, image_size: 32, num_classes: 10 };
+        let logits: Vec<Tensor> = [false, true]
+            .into_iter()
+            .map(|channels_last| {
+                tch::manual_seed(11);
+                let vs = nn::VarStore::new(Device::Cpu);
+                let mut model = models::build(&vs.root(), &spec);
+                if channels_last {
+                    model = Box::new(models::ChannelsLast::new(&vs, model).unwrap());
+                }
+                model.forward_t(&images, false)
+            })
+            .collect();
+        let diff = (&logits[0] - &logits[1]).abs().max().double_value(&[]) / logits[0].abs().max().double_value(&[]);
+        assert!(diff <= 1e-5, "{arch:?}'s logits differ by {diff:e} in channels-last");
+    }
 }
 
 #[test]

@@ -52,6 +52,8 @@ fn shape(vs: &nn::VarStore, name: &str) -> Vec<i64> {
 }
 
 const RESNET34_PARAMS: i64 = 21_797_672;
+/// torchvision's ResNet50 (its documentation's figure).
+const RESNET50_PARAMS: i64 = 25_557_032;
 const VGG19_PARAMS: i64 = 143_667_240;
 
 /// The same network with a `classes`-way instead of a 1000-way head of `head_in` inputs.
@@ -127,6 +129,18 @@ fn resnet34_parameter_counts_and_shapes() {
 }
 
 #[test]
+fn resnet50_parameter_counts_and_shapes() {
+    check_model(&cifar(Arch::Resnet50, 1000), RESNET50_PARAMS);
+    let ten = with_head(RESNET50_PARAMS, 2048, 10);
+    check_model(&cifar(Arch::Resnet50, 10), ten);
+    check_model(&mnist(Arch::Resnet50, 10), ten);
+    // At other image sizes (--image-size): the same parameters, logits of the same shape.
+    for image_size in [50, 64] {
+        check_model(&ModelSpec { image_size, ..cifar(Arch::Resnet50, 10) }, ten);
+    }
+}
+
+#[test]
 fn vgg19_parameter_counts_and_shapes() {
     check_model(&cifar(Arch::Vgg19, 1000), VGG19_PARAMS);
     let ten = with_head(VGG19_PARAMS, 4096, 10);
@@ -170,6 +184,65 @@ fn resnet34_variables_are_torchvision_state_dict_keys() {
     assert_eq!(params.len(), 182 - 2 * 36);
     assert!(params.iter().all(|(name, _)| !name.contains("running")));
     assert!(params.windows(2).all(|w| w[0].0 < w[1].0), "sorted by name");
+}
+
+#[test]
+fn resnet50_variables_are_torchvision_state_dict_keys() {
+    let (vs, _) = build(&cifar(Arch::Resnet50, 1000));
+    // torchvision's resnet50 state_dict has 320 entries; 53 of them are the batch norms'
+    // num_batches_tracked (stem 1 + 16 Bottlenecks × 3 + 4 downsamples), which tch does not keep.
+    // (Every name and shape against PyTorch: exercises/tests/bench_reference.rs.)
+    assert_eq!(vs.len(), 320 - 53);
+    let expected: &[(&str, &[i64])] = &[
+        ("conv1.weight", &[64, 3, 7, 7]),
+        ("bn1.running_var", &[64]),
+        // Bottleneck: 1×1 to the width, 3×3, 1×1 to 4× the width.
+        ("layer1.0.conv1.weight", &[64, 64, 1, 1]),
+        ("layer1.0.conv2.weight", &[64, 64, 3, 3]),
+        ("layer1.0.conv3.weight", &[256, 64, 1, 1]),
+        ("layer1.0.bn3.weight", &[256]),
+        // layer1 keeps the stride but widens 64 → 256: its first block projects too.
+        ("layer1.0.downsample.0.weight", &[256, 64, 1, 1]),
+        ("layer1.0.downsample.1.running_mean", &[256]),
+        ("layer1.1.conv1.weight", &[64, 256, 1, 1]),
+        ("layer2.0.conv1.weight", &[128, 256, 1, 1]),
+        ("layer2.0.conv2.weight", &[128, 128, 3, 3]),
+        ("layer2.0.downsample.0.weight", &[512, 256, 1, 1]),
+        ("layer2.3.conv3.weight", &[512, 128, 1, 1]),
+        ("layer3.0.downsample.0.weight", &[1024, 512, 1, 1]),
+        ("layer3.5.bn3.running_var", &[1024]),
+        ("layer4.0.conv1.weight", &[512, 1024, 1, 1]),
+        ("layer4.0.downsample.1.bias", &[2048]),
+        ("layer4.2.conv3.weight", &[2048, 512, 1, 1]),
+        ("fc.weight", &[1000, 2048]),
+        ("fc.bias", &[1000]),
+    ];
+    for &(name, size) in expected {
+        assert_eq!(shape(&vs, name), size, "{name}");
+    }
+    let names = names(&vs);
+    for absent in [
+        "layer1.1.downsample.0.weight",
+        "layer2.1.downsample.0.weight",
+        "layer4.3.conv1.weight",
+        "layer3.6.conv1.weight",
+        "conv1.bias",
+        "layer1.0.conv4.weight",
+    ] {
+        assert!(!names.contains(absent), "unexpected {absent}");
+    }
+    // Every block's variables: 3 convolutions, 3 batch norms (4 entries each), and the
+    // projection in the first block of each stage.
+    for (stage, blocks) in [3, 4, 6, 3].into_iter().enumerate() {
+        for block in 0..blocks {
+            let prefix = format!("layer{}.{block}.", stage + 1);
+            let count = names.iter().filter(|n| n.starts_with(&prefix)).count();
+            assert_eq!(count, if block == 0 { 3 + 3 * 4 + 1 + 4 } else { 3 + 3 * 4 }, "{prefix}");
+        }
+    }
+    let params = named_parameters(&vs);
+    assert_eq!(params.len(), 53 + 2 * 53 + 2);
+    assert!(params.iter().all(|(name, _)| !name.contains("running")));
 }
 
 #[test]

@@ -42,7 +42,7 @@ fn imagenet_file(arch: Arch, path: &Path) -> BTreeMap<String, Tensor> {
 
 #[test]
 fn blocks_hold_every_variable_once_in_forward_order_with_the_head_last() {
-    let expected = [(Arch::Cnn, 4, "fc2"), (Arch::Resnet34, 18, "fc"), (Arch::Vgg19, 19, "classifier.6")];
+    let expected = [(Arch::Cnn, 4, "fc2"), (Arch::Resnet34, 18, "fc"), (Arch::Resnet50, 18, "fc"), (Arch::Vgg19, 19, "classifier.6")];
     for (arch, count, head) in expected {
         let spec = cifar(arch, 10);
         let (vs, _) = build(&spec, 0);
@@ -60,6 +60,7 @@ fn blocks_hold_every_variable_once_in_forward_order_with_the_head_last() {
     let resnet = names(Arch::Resnet34);
     assert_eq!(resnet[..5], ["stem", "layer1.0", "layer1.1", "layer1.2", "layer2.0"]);
     assert_eq!(resnet[14..], ["layer4.0", "layer4.1", "layer4.2", "fc"]);
+    assert_eq!(names(Arch::Resnet50), resnet, "the same blocks, Bottlenecks instead of BasicBlocks");
     let vgg = names(Arch::Vgg19);
     assert_eq!(vgg[..4], ["features.0", "features.2", "features.5", "features.7"]);
     assert_eq!(vgg[15..], ["features.34", "classifier.0", "classifier.3", "classifier.6"]);
@@ -96,6 +97,12 @@ fn imagenet_weights_start_a_ten_class_model(arch: Arch, loaded: usize, head: [&s
 #[test]
 fn resnet34_imagenet_weights_start_a_ten_class_model_with_a_new_fc() {
     imagenet_weights_start_a_ten_class_model(Arch::Resnet34, 180, ["fc.bias", "fc.weight"]);
+}
+
+#[test]
+fn resnet50_imagenet_weights_start_a_ten_class_model_with_a_new_fc() {
+    // 267 variables (320 state_dict entries less 53 num_batches_tracked), the head's 2 new.
+    imagenet_weights_start_a_ten_class_model(Arch::Resnet50, 265, ["fc.bias", "fc.weight"]);
 }
 
 #[test]

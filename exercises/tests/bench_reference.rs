@@ -60,15 +60,16 @@ fn exercise1_params(model: &str, data: &Path) -> i64 {
     read_json(&results.path().join(format!("exercise1-{model}-cpu.json")))["params"].as_i64().unwrap()
 }
 
+fn arch(model: &str) -> common::models::Arch {
+    use common::models::Arch;
+    [Arch::Cnn, Arch::Resnet34, Arch::Resnet50, Arch::Vgg19].into_iter().find(|arch| arch.name() == model).unwrap_or_else(|| panic!("no model {model}"))
+}
+
 /// Our var store's names and shapes for `model` with exercise1's default head, and its
 /// trainable parameter count.
 fn var_store_layout(model: &str) -> (BTreeMap<String, Vec<i64>>, i64) {
-    use common::models::{build, param_count, Arch, ModelSpec};
-    let arch = match model {
-        "cnn" => Arch::Cnn,
-        "resnet34" => Arch::Resnet34,
-        _ => Arch::Vgg19,
-    };
+    use common::models::{build, param_count, ModelSpec};
+    let arch = arch(model);
     let spec = ModelSpec { arch, in_channels: 3, image_size: 32, num_classes: if model == "cnn" { 10 } else { 1000 } };
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let _model = build(&vs.root(), &spec);
@@ -79,9 +80,9 @@ fn var_store_layout(model: &str) -> (BTreeMap<String, Vec<i64>>, i64) {
 fn the_exercise1_reference_trains_the_same_models() {
     let data = tempfile::tempdir().unwrap();
     generated_cifar(data.path());
-    // The three models side by side: the check is then as long as VGG19's.
+    // The four models side by side: the check is then as long as VGG19's.
     std::thread::scope(|scope| {
-        let checks: Vec<_> = ["cnn", "resnet34", "vgg19"]
+        let checks: Vec<_> = ["cnn", "resnet34", "resnet50", "vgg19"]
             .into_iter()
             .map(|model| {
                 let data = data.path();
@@ -111,6 +112,45 @@ fn the_exercise1_reference_trains_the_same_models() {
             }
         }
     });
+}
+
+/// The ResNets compute what torchvision's code computes: our model's variables (batch-norm
+/// statistics moved by a training pass) and a 64×64 batch, written under torchvision's names,
+/// load into the reference's module without a missing or an unexpected key besides batch
+/// norm's step counters, and its eval-mode logits are ours. This is what the names alone
+/// cannot show: where each block strides (ResNet50's Bottleneck on its 3×3 convolution, "v1.5"),
+/// the ReLUs, the residual sums and the pooling.
+#[test]
+fn the_reference_computes_the_same_resnet_logits_from_our_weights() {
+    use common::models::{build, ModelSpec};
+    use tch::{Device, Kind, Tensor};
+    for model in ["resnet34", "resnet50"] {
+        tch::manual_seed(5);
+        let spec = ModelSpec { arch: arch(model), in_channels: 3, image_size: 64, num_classes: 1000 };
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = build(&vs.root(), &spec);
+        let _ = tch::no_grad(|| net.forward_t(&Tensor::randn([4, 3, 64, 64], (Kind::Float, Device::Cpu)), true));
+        let input = Tensor::randn([2, 3, 64, 64], (Kind::Float, Device::Cpu));
+        let ours = tch::no_grad(|| net.forward_t(&input, false));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("weights.safetensors");
+        let mut tensors: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        tensors.push(("input".into(), input));
+        Tensor::write_safetensors(&tensors, &path).unwrap();
+
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/exercise1_reference.py");
+        let out = Command::new(python()).arg(&script).args(["--model", model, "--forward"]).arg(&path).output().unwrap();
+        assert!(out.status.success(), "{model}: {}", stderr(&out));
+        let reply: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().last().unwrap()).unwrap();
+        let missing: Vec<&str> = reply["missing"].as_array().unwrap().iter().map(|k| k.as_str().unwrap()).collect();
+        assert!(missing.iter().all(|k| k.ends_with("num_batches_tracked")), "{model}: missing from our weights: {missing:?}");
+        assert_eq!(reply["unexpected"].as_array().unwrap().len(), 0, "{model}: not in the reference: {}", reply["unexpected"]);
+        let theirs: Vec<f32> =
+            reply["logits"].as_array().unwrap().iter().flat_map(|row| row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32)).collect();
+        let theirs = Tensor::from_slice(&theirs).view([2, 1000]);
+        let diff = ((&ours - &theirs).abs().max() / theirs.abs().max()).double_value(&[]);
+        assert!(diff < 1e-4, "{model}: logits differ from the reference's by {diff:e} (relative to the largest)");
+    }
 }
 
 /// `make bench`'s harness itself, on the CPU with the CNN: an untimed warm-up run per side, then

@@ -195,7 +195,7 @@ fn an_unknown_model_is_a_usage_error() {
     let out = exercise1(&["--model", "alexnet"]);
     assert_eq!(out.status.code(), Some(2));
     let err = stderr(&out);
-    assert!(err.contains("invalid value 'alexnet'") && err.contains("cnn, resnet34, vgg19"), "{err}");
+    assert!(err.contains("invalid value 'alexnet'") && err.contains("cnn, resnet34, resnet50, vgg19"), "{err}");
 }
 
 #[test]

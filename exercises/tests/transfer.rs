@@ -1,4 +1,4 @@
-//! Transfer learning as a user runs it: ResNet34 and VGG19 from torchvision-named files with
+//! Transfer learning as a user runs it: ResNet34, ResNet50 and VGG19 from torchvision-named files with
 //! ImageNet's 1000-way head (written here from the models' own names and shapes; nothing is
 //! downloaded), a new 10-way head for CIFAR-10, feature extraction (`--freeze backbone`) and
 //! fine-tuning (`--train-last N`), alone and on 2 data-parallel ranks, judged from the
@@ -190,6 +190,27 @@ fn fine_tuning_trains_the_last_blocks_and_keeps_the_rest() {
     let out = setup.run_without_weights("exercise1", &["--train-last", "4", "--lr", "1e-4", "--epochs", "2", "--resume", "--batch-size", "20"], out_dir.path());
     let said = output(&out);
     assert!(out.status.success() && said.contains("after epoch 1 (step 2)"), "{said}");
+    check_trained(&setup, &trained(&setup, out_dir.path(), "exercise1"), 4);
+}
+
+/// ResNet50 from a torchvision-named ImageNet file: its 265 backbone tensors loaded, layer4's
+/// three Bottlenecks and a new 10-way fc trained, the rest kept.
+#[test]
+fn resnet50_fine_tuning_trains_layer4_and_a_new_fc() {
+    let setup = Setup::new(Arch::Resnet50);
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = setup.run("exercise1", &["--train-last", "4", "--batch-size", "20"], out_dir.path());
+    let said = output(&out);
+    assert!(out.status.success(), "{said}");
+    for line in [
+        "weights: 265 tensors loaded from",
+        "a new head, freshly initialised (the file's is for another number of classes): fc.bias, fc.weight",
+        "training the last 4 of 18 blocks (layer4.0, layer4.1, layer4.2, fc)",
+        // layer4: 6,039,552 (with its projection) + 2 × 4,462,592; fc 2048·10 + 10.
+        "resnet50 with a 10-way head: 23,528,522 parameters, 14,985,226 of them trained",
+    ] {
+        assert!(said.contains(line), "'{line}' not in:\n{said}");
+    }
     check_trained(&setup, &trained(&setup, out_dir.path(), "exercise1"), 4);
 }
 

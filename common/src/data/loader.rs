@@ -10,6 +10,8 @@
 //! there: no worker threads, no copies per step. The order and the augmentation draws are the
 //! same as the host path's (the same sampler and random streams), so the two give identical
 //! batches (tested).
+//!
+//! With `resize` (`--image-size`), every batch is resized on the device, as the last step.
 use super::{DatasetKind, ImageDataset, Sampler};
 use crate::train::BatchSource;
 use rand::{Rng, SeedableRng};
@@ -39,12 +41,27 @@ pub struct LoaderConfig {
     pub shard: (usize, usize),
     /// Keep the whole split on the device and assemble batches there (see the module docs).
     pub resident: bool,
+    /// Resize every image to this side × side on the training device, after augmentation and
+    /// normalisation ([`resize`]); `None` keeps the data set's size.
+    pub resize: Option<i64>,
 }
 
 impl LoaderConfig {
     /// The course's training loader: shuffled, 2 workers, 4 batches ahead each.
     pub fn train(batch_size: usize, seed: u64, device: Device) -> Self {
-        LoaderConfig { batch_size, shuffle: true, augment: false, drop_last: false, workers: 2, prefetch: 4, seed, device, shard: (0, 1), resident: false }
+        LoaderConfig {
+            batch_size,
+            shuffle: true,
+            augment: false,
+            drop_last: false,
+            workers: 2,
+            prefetch: 4,
+            seed,
+            device,
+            shard: (0, 1),
+            resident: false,
+            resize: None,
+        }
     }
 
     /// An evaluation loader: data set order, no augmentation, nothing dropped.
@@ -125,7 +142,7 @@ impl Loader {
                 let draws = augmentation_draws(&self.config, epoch, batch, chunk.len());
                 batch_images = crop_flip_on_device(&batch_images, &draws, AUGMENT_PADDING);
             }
-            Batch { inputs: normalize(&batch_images, self.dataset.kind), targets: labels.index_select(0, &index) }
+            Batch { inputs: resize(&normalize(&batch_images, self.dataset.kind), self.config.resize), targets: labels.index_select(0, &index) }
         })
     }
 
@@ -246,15 +263,18 @@ impl EpochJob {
         }
     }
 
+    /// On the training thread: the copy to the device, and there the conversion to floats
+    /// and the resize (LibTorch operations, which the workers leave alone).
     fn to_device(&self, host: HostBatch) -> Batch {
-        match self.config.device {
+        let batch = match self.config.device {
             Device::Cpu => Batch { inputs: host.images, targets: host.labels },
             device => {
                 let images = host.images.to_device_(device, Kind::Uint8, true, false);
                 let labels = host.labels.to_device_(device, Kind::Int64, true, false);
                 Batch { inputs: normalize(&images, self.dataset.kind), targets: labels }
             }
-        }
+        };
+        Batch { inputs: resize(&batch.inputs, self.config.resize), ..batch }
     }
 }
 
@@ -266,6 +286,22 @@ pub fn normalize(images: &Tensor, kind: DatasetKind) -> Tensor {
     let mean = Tensor::from_slice(mean).to_kind(Kind::Float).to_device(options.1).view(shape);
     let std = Tensor::from_slice(std).to_kind(Kind::Float).to_device(options.1).view(shape);
     (images.to_kind(Kind::Float) / 255.0 - mean) / std
+}
+
+/// Normalised images `[B, C, H, W]` resized to `side`×`side` on their device, as torchvision's
+/// `Resize((side, side))` resizes each image: bilinear, half-pixel centres
+/// (`align_corners=False`), antialiased when shrinking (PIL's filter, and torchvision's
+/// `antialias=True` on tensors; when enlarging it is plain bilinear). The images themselves
+/// unchanged when they already have that size or `side` is `None`.
+///
+/// After normalisation rather than before it, on floats rather than bytes: normalising is a
+/// per-channel `a·x + b` and bilinear weights sum to 1, so the order changes nothing but
+/// torchvision's rounding of the resized image to bytes.
+pub fn resize(images: &Tensor, side: Option<i64>) -> Tensor {
+    match side {
+        Some(side) if images.size()[2..] != [side, side] => images.internal_upsample_bilinear2d_aa([side, side], false, None, None),
+        _ => images.shallow_clone(),
+    }
 }
 
 /// [`normalize`] on the host, without LibTorch: bytes of `[B, C, H, W]` images (`plane` = H·W
@@ -416,6 +452,52 @@ mod tests {
                     assert!(x.targets.equal(&y.targets));
                 }
             }
+        }
+    }
+
+    /// Values from PyTorch 2.11: `F.interpolate(x, size, mode="bilinear", align_corners=False,
+    /// antialias=True)`, what torchvision's `Resize` runs on tensors.
+    #[test]
+    fn resize_is_torchvisions_antialiased_bilinear() {
+        let values = |t: &Tensor| Vec::<f32>::try_from(t.flatten(0, -1)).unwrap();
+        let close = |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-4 * y.abs().max(1.0));
+        // Enlarging: plain bilinear with half-pixel centres.
+        let small = Tensor::from_slice(&[1f32, 2., 3., 4.]).view([1, 1, 2, 2]);
+        let enlarged = resize(&small, Some(4));
+        assert_eq!(enlarged.size(), [1, 1, 4, 4]);
+        let expected = [1.0, 1.25, 1.75, 2.0, 1.5, 1.75, 2.25, 2.5, 2.5, 2.75, 3.25, 3.5, 3.0, 3.25, 3.75, 4.0];
+        assert!(close(&values(&enlarged), &expected), "{:?}", values(&enlarged));
+        // Shrinking: antialiased (plain bilinear would give 10.5, 24.5, 114.5, 160.5).
+        let large = Tensor::arange(16, (Kind::Float, Device::Cpu)).square().view([1, 1, 4, 4]);
+        let shrunk = values(&resize(&large, Some(2)));
+        assert!(close(&shrunk, &[21.081633, 34.775513, 105.48979, 138.93877]), "{shrunk:?}");
+        let six = Tensor::arange(36, (Kind::Float, Device::Cpu)).square().view([1, 1, 6, 6]);
+        let four = values(&resize(&six, Some(4)));
+        assert!(close(&four[..4], &[15.5625, 25.05556, 38.77778, 55.9375]) && close(&four[12..], &[799.6875, 880.7223, 968.1111, 1056.8125]), "{four:?}");
+        // Batches and channels resize image by image; nothing to do keeps the tensor.
+        let batch = Tensor::randn([3, 2, 5, 5], (Kind::Float, Device::Cpu));
+        let resized = resize(&batch, Some(9));
+        assert_eq!(resized.size(), [3, 2, 9, 9]);
+        assert!(resized.get(2).get(1).equal(&resize(&batch.narrow(0, 2, 1).narrow(1, 1, 1), Some(9)).view([9, 9])));
+        assert!(resize(&batch, Some(5)).equal(&batch) && resize(&batch, None).equal(&batch));
+    }
+
+    #[test]
+    fn resized_batches_are_the_same_from_the_host_and_the_device_resident_split() {
+        let n = 21;
+        let images: Vec<u8> = (0..n * 3 * 32 * 32).map(|i| (i * 11 % 253) as u8).collect();
+        let labels: Vec<u8> = (0..n).map(|i| (i % 10) as u8).collect();
+        let dataset = ImageDataset { kind: DatasetKind::Cifar10, images: images.into(), labels: labels.into(), generated: true };
+        let config = LoaderConfig { augment: true, workers: 2, resize: Some(48), ..LoaderConfig::train(8, 5, Device::Cpu) };
+        let host: Vec<Batch> = Loader::new(dataset.clone(), config.clone()).epoch(0).collect();
+        let resident: Vec<Batch> = Loader::new(dataset.clone(), LoaderConfig { resident: true, workers: 0, ..config.clone() }).epoch(0).collect();
+        let plain: Vec<Batch> = Loader::new(dataset, LoaderConfig { resize: None, ..config }).epoch(0).collect();
+        assert_eq!(host.len(), 3);
+        for ((h, r), p) in host.iter().zip(&resident).zip(&plain) {
+            assert_eq!(h.inputs.size()[1..], [3, 48, 48]);
+            assert!(h.inputs.allclose(&r.inputs, 1e-5, 1e-5, false) && h.targets.equal(&r.targets));
+            // The same images as without the resize, resized.
+            assert!(h.inputs.equal(&resize(&p.inputs, Some(48))));
         }
     }
 

@@ -14,7 +14,7 @@ use anyhow::Context;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub use loader::{Batch, Loader, LoaderConfig};
+pub use loader::{resize, Batch, Loader, LoaderConfig};
 pub use sampler::Sampler;
 
 /// Name of the marker file that [`generate`] leaves beside generated data, so that every run

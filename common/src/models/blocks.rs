@@ -6,10 +6,11 @@
 //! | model | blocks, in order | count |
 //! |---|---|---|
 //! | ResNet34 | the stem (`conv1`, `bn1`), the 16 BasicBlocks (`layer1.0` .. `layer4.2`), `fc` | 18 |
+//! | ResNet50 | the stem (`conv1`, `bn1`), the 16 Bottlenecks (`layer1.0` .. `layer4.2`), `fc` | 18 |
 //! | VGG19 | the 16 convolutions (`features.0` .. `features.34`), `classifier.0`, `.3`, `.6` | 19 |
 //! | CNN | `conv1`, `conv2`, `fc1`, `fc2` | 4 |
 //!
-//! ResNet's unit is the BasicBlock rather than the stage (`layer1` .. `layer4`): it is the
+//! ResNet's unit is the residual block (BasicBlock or Bottleneck) rather than the stage (`layer1` .. `layer4`): it is the
 //! residual unit the network is built from, and it still says "the last stage and the head"
 //! (`--train-last 4`: `layer4`'s 3 blocks and `fc`), while also allowing less. VGG19's blocks
 //! are its 19 weight layers, the ones its name counts.

@@ -31,6 +31,9 @@ fn torch_conv(vs: nn::Path, in_dim: i64, out_dim: i64) -> nn::Conv2D {
     nn::conv2d(vs, in_dim, out_dim, KERNEL, config)
 }
 
+/// The smallest image side that leaves a 1×1 map after both convolutions and max-pools.
+pub(super) const MIN_SIDE: i64 = 16;
+
 /// Side of the feature map after one unpadded k5 convolution and a 2×2 max-pool (floor).
 fn conv_pool_side(side: i64) -> i64 {
     (side - (KERNEL - 1)) / 2
@@ -40,7 +43,7 @@ impl Cnn {
     pub(super) fn new(vs: &nn::Path, spec: &ModelSpec) -> Cnn {
         // CIFAR-10: 32 → 14 → 5, MNIST: 28 → 12 → 4.
         let side = conv_pool_side(conv_pool_side(spec.image_size));
-        assert!(side > 0, "the CNN needs images of at least 16×16, got {}", spec.image_size);
+        assert!(side > 0, "the CNN needs images of at least {MIN_SIDE}×{MIN_SIDE}, got {}", spec.image_size);
         Cnn {
             conv1: torch_conv(vs / "conv1", spec.in_channels, CONV1_CHANNELS),
             conv2: torch_conv(vs / "conv2", CONV1_CHANNELS, CONV2_CHANNELS),

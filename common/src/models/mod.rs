@@ -10,7 +10,7 @@ use tch::Tensor;
 mod blocks;
 mod cnn;
 mod freeze;
-mod resnet;
+pub(crate) mod resnet;
 pub mod transformer;
 pub mod transformer_names;
 mod vgg;
@@ -33,17 +33,31 @@ pub enum Arch {
     Cnn,
     /// torchvision ResNet34
     Resnet34,
+    /// torchvision ResNet50 (Bottleneck blocks, stride on the 3×3 convolution: v1.5)
+    Resnet50,
     /// torchvision VGG19 (with adaptive average pooling to 7×7)
     Vgg19,
 }
 
 impl Arch {
-    /// The flag spelling: `cnn`, `resnet34`, `vgg19`.
+    /// The flag spelling: `cnn`, `resnet34`, `resnet50`, `vgg19`.
     pub fn name(self) -> &'static str {
         match self {
             Arch::Cnn => "cnn",
             Arch::Resnet34 => "resnet34",
+            Arch::Resnet50 => "resnet50",
             Arch::Vgg19 => "vgg19",
+        }
+    }
+
+    /// The smallest image side the model takes as it is (`--image-size`): the CNN's two k5
+    /// convolutions and 2×2 max-pools leave nothing of less than 16×16; the ImageNet models
+    /// pad smaller images to 32×32 ([`imagenet_input`]), which an image resized to less would
+    /// only undo.
+    pub fn min_image_size(self) -> i64 {
+        match self {
+            Arch::Cnn => cnn::MIN_SIDE,
+            Arch::Resnet34 | Arch::Resnet50 | Arch::Vgg19 => MIN_IMAGENET_SIDE,
         }
     }
 }
@@ -65,7 +79,8 @@ pub struct ModelSpec {
 pub fn build(root: &nn::Path, spec: &ModelSpec) -> Box<dyn nn::ModuleT> {
     match spec.arch {
         Arch::Cnn => Box::new(cnn::Cnn::new(root, spec)),
-        Arch::Resnet34 => Box::new(resnet::ResNet::resnet34(root, spec)),
+        Arch::Resnet34 => Box::new(resnet::ResNet::new(root, spec, resnet::ResNetLayout::RESNET34)),
+        Arch::Resnet50 => Box::new(resnet::ResNet::new(root, spec, resnet::ResNetLayout::RESNET50)),
         Arch::Vgg19 => Box::new(vgg::Vgg::vgg19(root, spec)),
     }
 }
@@ -75,7 +90,8 @@ impl Blocks {
     pub fn of(spec: &ModelSpec) -> Blocks {
         Blocks::new(match spec.arch {
             Arch::Cnn => cnn::blocks(),
-            Arch::Resnet34 => resnet::blocks(),
+            Arch::Resnet34 => resnet::blocks(resnet::ResNetLayout::RESNET34),
+            Arch::Resnet50 => resnet::blocks(resnet::ResNetLayout::RESNET50),
             Arch::Vgg19 => vgg::blocks(),
         })
     }

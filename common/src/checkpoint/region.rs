@@ -88,6 +88,45 @@ impl Region {
         })
     }
 
+    /// The region's elements as runs of consecutive positions in the whole tensor (flattened,
+    /// row-major), `(first, len)` in increasing order: a handful per cut (one per row of a
+    /// column cut), whatever the tensor's size.
+    pub fn runs(self, shape: &[i64]) -> Vec<(i64, i64)> {
+        let numel: i64 = shape.iter().product();
+        let cut: Vec<(i64, i64)> = match self.cut {
+            None => vec![(0, numel)],
+            Some((Split::Columns, shard)) => {
+                let (cols, inner): (i64, i64) = (shape[1], shape[2..].iter().product());
+                let (first, len) = shard.range(cols);
+                (0..shape[0]).map(|r| ((r * cols + first) * inner, len * inner)).collect()
+            }
+            Some((split, shard)) => {
+                let blocks = match split {
+                    Split::PackedRows(n) => n,
+                    _ => 1,
+                };
+                let (block_rows, row) = (shape[0] / blocks, shape[1..].iter().product::<i64>());
+                let (first, len) = shard.range(block_rows);
+                (0..blocks).map(|b| ((b * block_rows + first) * row, len * row)).collect()
+            }
+        };
+        let Some((mut skip, mut take)) = self.flat else { return cut };
+        let mut runs = Vec::new();
+        for (first, len) in cut {
+            if take == 0 {
+                break;
+            }
+            if skip >= len {
+                skip -= len;
+                continue;
+            }
+            let n = (len - skip).min(take);
+            runs.push((first + skip, n));
+            (skip, take) = (0, take - n);
+        }
+        runs
+    }
+
     /// The positions in the whole tensor (flattened, row-major) of the region's elements, in
     /// the order the region holds them: increasing. Built from the rows or columns the cut
     /// keeps (`shard_tensor`, the cut itself, applied to their numbers), never from the whole.
@@ -156,6 +195,8 @@ mod tests {
             assert_eq!(positions.size(), [region.numel(&shape)], "{region:?}");
             let steps = positions.diff(1, 0, None::<Tensor>, None::<Tensor>);
             assert!(steps.numel() == 0 || steps.min().int64_value(&[]) > 0, "{region:?}: increasing");
+            let from_runs: Vec<i64> = region.runs(&shape).into_iter().flat_map(|(first, len)| first..first + len).collect();
+            assert_eq!(Vec::<i64>::try_from(&positions).unwrap(), from_runs, "{region:?}: runs");
             if let Some((first, len)) = region.contiguous(&shape) {
                 assert_eq!(positions, Tensor::arange_start(first, first + len, (Kind::Int64, Device::Cpu)), "{region:?}");
             }

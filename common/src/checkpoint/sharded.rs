@@ -162,9 +162,20 @@ pub fn commit(folder: &Path, ranks: usize, meta: &CheckpointMeta) -> Result<()> 
         }
     }
     for (key, entry) in &tensors {
-        let held: i64 = entry.pieces.iter().map(|p| p.region.numel(&entry.shape)).sum();
+        let mut runs: Vec<(i64, i64)> = entry.pieces.iter().flat_map(|p| p.region.runs(&entry.shape)).collect();
+        runs.sort_unstable();
+        // Every element exactly once: the runs, in order, each start where the last ended.
+        let mut end = 0;
+        for (first, len) in runs {
+            ensure!(
+                first == end,
+                "the ranks' pieces of {key} leave out or repeat the elements from {}: the layout wrote overlapping or missing parts",
+                first.min(end)
+            );
+            end = first + len;
+        }
         let whole: i64 = entry.shape.iter().product();
-        ensure!(held == whole, "the ranks' pieces of {key} hold {held} elements, the tensor has {whole}: the layout wrote overlapping or missing parts");
+        ensure!(end == whole, "the ranks' pieces of {key} end at element {end} of {whole}: the layout wrote overlapping or missing parts");
     }
     let index = Index { meta: meta.clone(), ranks, tensors };
     crate::atomic_file::write(&folder.join(INDEX), serde_json::to_string(&index)?.as_bytes())?;
@@ -438,12 +449,47 @@ struct Stored<'f> {
 }
 
 impl Stored<'_> {
-    /// The piece's elements `[first, first + count)`: only their bytes are read.
-    fn elements(&self, first: i64, count: i64) -> Result<Tensor> {
-        let size = self.kind.elt_size_in_bytes() as i64;
-        let slice = &self.bytes[(first * size) as usize..((first + count) * size) as usize];
-        self.read.set(self.read.get() + slice.len() as u64);
-        Ok(Tensor::f_from_data_size(slice, &[count], self.kind)?)
+    /// The piece's elements as a tensor over the mapped bytes (no copy), where they are aligned
+    /// for their type; none where the piece sits at an odd offset (after a byte-sized tensor).
+    ///
+    /// SAFETY (of the callers' use): the mapping outlives the view (the source holds it) and is
+    /// never written; every caller only copies out of the view and drops it before returning.
+    fn view(&self) -> Result<Option<Tensor>> {
+        let size = self.kind.elt_size_in_bytes();
+        if !(self.bytes.as_ptr() as usize).is_multiple_of(size) {
+            return Ok(None);
+        }
+        // SAFETY: see above; `bytes` holds `len / size` elements of `kind`.
+        Ok(Some(unsafe { Tensor::f_from_blob(self.bytes.as_ptr(), &[(self.bytes.len() / size) as i64], &[1], self.kind, Device::Cpu)? }))
+    }
+
+    /// `count` elements of `bytes` from `first`, copied from the file (a copy of their own).
+    fn copied(&self, first: i64, count: i64) -> Result<Tensor> {
+        let size = self.kind.elt_size_in_bytes();
+        Ok(Tensor::f_from_data_size(&self.bytes[first as usize * size..(first + count) as usize * size], &[count], self.kind)?)
+    }
+
+    /// Copies the piece's elements `[first, first + count)` into `out` (as many); only their
+    /// bytes are read.
+    fn copy_range(&self, out: &Tensor, first: i64, count: i64) -> Result<()> {
+        self.read.set(self.read.get() + (count as usize * self.kind.elt_size_in_bytes()) as u64);
+        let source = match self.view()? {
+            Some(view) => view.narrow(0, first, count),
+            None => self.copied(first, count)?,
+        };
+        Ok(out.shallow_clone().f_copy_(&source)?)
+    }
+
+    /// The piece's elements at `index` (increasing positions in the piece), copied out: only
+    /// they are copied and only their pages read, never the span between them.
+    fn gather(&self, index: &Tensor) -> Result<Tensor> {
+        let count = index.numel() as i64;
+        self.read.set(self.read.get() + (count as usize * self.kind.elt_size_in_bytes()) as u64);
+        if let Some(view) = self.view()? {
+            return Ok(view.f_index_select(0, index)?);
+        }
+        let (first, last) = (index.int64_value(&[0]), index.int64_value(&[count - 1]));
+        Ok(self.copied(first, last - first + 1)?.f_index_select(0, &(index - first))?)
     }
 
     /// Copies the elements of `want` this piece holds into `out` (flat, in `want`'s order);
@@ -456,11 +502,10 @@ impl Stored<'_> {
                 if lo >= hi {
                     return Ok(0);
                 }
-                out.narrow(0, lo - want_at, hi - lo).copy_(&self.elements(lo - at, hi - lo)?);
+                self.copy_range(&out.narrow(0, lo - want_at, hi - lo), lo - at, hi - lo)?;
                 Ok(hi - lo)
             }
-            // The piece consecutive: the wanted positions inside its range, read between the
-            // first and the last of them.
+            // The piece consecutive: the wanted positions inside its range.
             (Some((at, len)), None) => {
                 let positions = want.positions();
                 let bounds = Tensor::from_slice(&[at, at + len]);
@@ -469,14 +514,11 @@ impl Stored<'_> {
                 if count == 0 {
                     return Ok(0);
                 }
-                let inside = positions.narrow(0, lo, count) - at;
-                let (first, last) = (inside.int64_value(&[0]), inside.int64_value(&[count - 1]));
-                let data = self.elements(first, last - first + 1)?;
-                out.narrow(0, lo, count).copy_(&data.index_select(0, &(inside - first)));
+                out.narrow(0, lo, count).copy_(&self.gather(&(positions.narrow(0, lo, count) - at))?);
                 Ok(count)
             }
-            // A cut that is not consecutive (another layout's tensor-parallel shard): read whole,
-            // its elements matched to the wanted ones by position.
+            // A cut that is not consecutive (another layout's tensor-parallel shard): its
+            // elements matched to the wanted ones by position.
             (None, _) => {
                 let (held, positions) = (self.region.positions(want.shape), want.positions());
                 // (tch's `a.searchsorted(sorted)`: where each of `a` sits in `sorted`.)
@@ -485,8 +527,7 @@ impl Stored<'_> {
                 if found.numel() == 0 {
                     return Ok(0);
                 }
-                let data = self.elements(0, held.numel() as i64)?;
-                let _ = out.shallow_clone().index_copy_(0, &found, &data.index_select(0, &at.index_select(0, &found)));
+                let _ = out.shallow_clone().index_copy_(0, &found, &self.gather(&at.index_select(0, &found))?);
                 Ok(found.numel() as i64)
             }
         }
@@ -547,4 +588,90 @@ pub fn export_model(source: &Source, out: &Path) -> Result<usize> {
         failed.take().map_or(Ok(()), Err)
     })?;
     Ok(count)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dist::tensor_parallel::{shard_tensor, Shard, Split};
+
+    fn meta() -> CheckpointMeta {
+        CheckpointMeta {
+            format: FORMAT_VERSION,
+            run: "run".into(),
+            model: serde_json::json!({}),
+            optimizer: "sgd".into(),
+            epoch: 0,
+            step: 1,
+            epoch_step: 0,
+            seed: 0,
+            config: serde_json::json!({}),
+            torch_version: String::new(),
+            grad_scaler: None,
+        }
+    }
+
+    /// Writes `whole` cut as `split` over 2 ranks (rank r's file holds shard r), with a byte
+    /// tensor beside it, and commits; returns the folder.
+    fn written(dir: &Path, whole: &Tensor, split: Split) -> PathBuf {
+        let folder = step_folder(&dir.join(format!("{split:?}.shards")), 1);
+        for index in 0..2 {
+            let shard = Shard { index, count: 2 };
+            let region = Region::cut(split, shard);
+            let flag = Tensor::from_slice(&[1u8, 2, 3]);
+            let pieces = vec![
+                Piece::model("w", whole.size(), region, shard_tensor(whole, split, shard)),
+                Piece::model(&format!("flag{index}"), vec![3], Region::WHOLE, flag),
+            ];
+            HostShard::new(pieces).unwrap().write(&folder, index).unwrap();
+        }
+        commit(&folder, 2, &meta()).unwrap();
+        folder
+    }
+
+    #[test]
+    fn any_region_reads_from_pieces_cut_any_other_way() {
+        let dir = tempfile::tempdir().unwrap();
+        let whole = Tensor::arange(48, (Kind::Float, Device::Cpu)).view([8, 6]);
+        let wanted = [
+            Region::WHOLE,
+            Region::WHOLE.flat(5, 30),
+            Region::cut(Split::Rows, Shard { index: 1, count: 2 }),
+            Region::cut(Split::Columns, Shard { index: 0, count: 2 }),
+            Region::cut(Split::PackedRows(2), Shard { index: 1, count: 2 }).flat(3, 11),
+        ];
+        for split in [Split::Rows, Split::Columns, Split::PackedRows(2)] {
+            let source = Source::open(&written(dir.path(), &whole, split)).unwrap();
+            assert_eq!(Vec::<u8>::try_from(source.read_whole("model.flag1").unwrap()).unwrap(), vec![1, 2, 3]);
+            for region in wanted {
+                let expected = match region.cut {
+                    Some((split, shard)) => shard_tensor(&whole, split, shard),
+                    None => whole.copy(),
+                };
+                let expected = match region.flat {
+                    Some((start, len)) => expected.reshape([-1]).narrow(0, start, len),
+                    None => expected,
+                };
+                let before = source.read_bytes();
+                let read = source.read("model.w", region).unwrap();
+                assert!(read.equal(&expected), "{region:?} from pieces cut as {split:?}: {read} vs {expected}");
+                assert_eq!(source.read_bytes() - before, 4 * expected.numel() as u64, "{region:?} from {split:?}: only its own elements read");
+            }
+        }
+    }
+
+    #[test]
+    fn pieces_that_overlap_or_leave_a_gap_are_refused_at_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let folder = step_folder(dir.path(), 1);
+        let whole = Tensor::arange(8, (Kind::Float, Device::Cpu));
+        // Both ranks write the first half: half the tensor twice, the other half never.
+        for rank in 0..2 {
+            let region = Region::WHOLE.flat(0, 4);
+            HostShard::new(vec![Piece::model("w", vec![8], region, whole.narrow(0, 0, 4))]).unwrap().write(&folder, rank).unwrap();
+        }
+        let err = commit(&folder, 2, &meta()).unwrap_err().to_string();
+        assert!(err.contains("model.w") && err.contains("overlapping or missing"), "{err}");
+        assert!(!folder.join(INDEX).exists(), "nothing committed");
+    }
 }

@@ -555,6 +555,21 @@ fn job_end(launcher: &mut std::process::Child, job: &[Proc], bound: std::time::D
     status
 }
 
+/// exercise2 on 2 ranks through the launcher, with far more epochs (of 2 steps) than a test
+/// waits for, its output piped.
+fn endless_job(data: &Path, results: &Path) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_exercise2"))
+        .args(["--model", "cnn", "--num-classes", "10", "--epochs", "100000", "--batch-size", "50"])
+        .args(["--device", "cpu", "--quiet", "--threads", "1", "--nproc-per-node", "2", "--data-dir"])
+        .arg(data)
+        .arg("--results-dir")
+        .arg(results)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 #[test]
 fn signalling_the_launcher_stops_mpirun_and_every_rank() {
     use std::io::{BufRead, BufReader, Read};
@@ -565,17 +580,7 @@ fn signalling_the_launcher_stops_mpirun_and_every_rank() {
     data(d.path(), 200);
     for (signal, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT"), (libc::SIGKILL, "SIGKILL")] {
         let results = tempfile::tempdir().unwrap();
-        // A job of far more epochs (of 2 steps) than the test waits for.
-        let mut launcher = Command::new(env!("CARGO_BIN_EXE_exercise2"))
-            .args(["--model", "cnn", "--num-classes", "10", "--epochs", "100000", "--batch-size", "50"])
-            .args(["--device", "cpu", "--quiet", "--threads", "1", "--nproc-per-node", "2", "--data-dir"])
-            .arg(d.path())
-            .arg("--results-dir")
-            .arg(results.path())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut launcher = endless_job(d.path(), results.path());
         let (lines, received) = std::sync::mpsc::channel();
         let stdout = launcher.stdout.take().unwrap();
         std::thread::spawn(move || BufReader::new(stdout).lines().map_while(Result::ok).try_for_each(|line| lines.send(line)));
@@ -631,16 +636,7 @@ fn a_second_signal_to_the_launcher_ends_the_job_at_once() {
     let d = tempfile::tempdir().unwrap();
     data(d.path(), 200);
     let results = tempfile::tempdir().unwrap();
-    let mut launcher = Command::new(env!("CARGO_BIN_EXE_exercise2"))
-        .args(["--model", "cnn", "--num-classes", "10", "--epochs", "100000", "--batch-size", "50"])
-        .args(["--device", "cpu", "--quiet", "--threads", "1", "--nproc-per-node", "2", "--data-dir"])
-        .arg(d.path())
-        .arg("--results-dir")
-        .arg(results.path())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut launcher = endless_job(d.path(), results.path());
     let (lines, received) = std::sync::mpsc::channel();
     let (stdout, stderr) = (launcher.stdout.take().unwrap(), launcher.stderr.take().unwrap());
     let out_lines = lines.clone();

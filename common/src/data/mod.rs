@@ -5,6 +5,7 @@
 //! become float tensors only batch by batch, on the loader's worker threads.
 pub mod cifar10;
 pub mod generate;
+pub mod image_folder;
 pub mod loader;
 pub mod mnist;
 pub mod sampler;

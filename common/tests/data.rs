@@ -161,7 +161,7 @@ fn loader(dir: &Path, config: LoaderConfig) -> Loader {
 
 /// (labels, pixel sum) of every batch of an epoch: a fingerprint of its order and contents.
 fn labels_and_sums(loader: &Loader, epoch: usize) -> Vec<(Vec<i64>, f64)> {
-    loader.epoch(epoch).map(|b| (Vec::<i64>::try_from(&b.targets).unwrap(), b.inputs.sum(Kind::Double).double_value(&[]))).collect()
+    loader.epoch(epoch).map(Result::unwrap).map(|b| (Vec::<i64>::try_from(&b.targets).unwrap(), b.inputs.sum(Kind::Double).double_value(&[]))).collect()
 }
 
 #[test]
@@ -170,14 +170,14 @@ fn loader_visits_every_image_once_per_epoch_in_a_seeded_order() {
     let config = LoaderConfig { workers: 0, ..LoaderConfig::train(10, 3, Device::Cpu) };
     let plain = loader(dir.path(), config.clone());
     assert_eq!(plain.batches_per_epoch(), 10);
-    let batches: Vec<_> = plain.epoch(0).collect();
+    let batches: Vec<_> = plain.epoch(0).map(Result::unwrap).collect();
     assert_eq!(batches.last().unwrap().len(), 5, "the last, smaller batch is kept");
     assert_eq!(batches[0].inputs.size(), vec![10, 3, 32, 32]);
     assert_eq!(batches[0].inputs.kind(), Kind::Float);
 
     // Each image exactly once: the per-image sums of the epoch are the data set's, permuted.
     let dataset = plain.dataset();
-    let all = data::loader::normalize(&Tensor::from_slice(&dataset.images[..]).view([95, 3, 32, 32]), DatasetKind::Cifar10);
+    let all = data::loader::normalize(&Tensor::from_slice(&dataset.images[..]).view([95, 3, 32, 32]), DatasetKind::Cifar10.normalization());
     let expected: HashSet<i64> = (0..95).map(|i| (all.get(i).sum(Kind::Double).double_value(&[]) * 1e3) as i64).collect();
     let seen: HashSet<i64> = batches
         .iter()
@@ -204,7 +204,7 @@ fn worker_threads_deliver_exactly_what_the_training_thread_would() {
     let inline = loader(dir.path(), LoaderConfig { workers: 0, ..base.clone() });
     let threaded = loader(dir.path(), LoaderConfig { workers: 3, prefetch: 2, ..base.clone() });
     for epoch in 0..2 {
-        for (a, b) in inline.epoch(epoch).zip(threaded.epoch(epoch)) {
+        for (a, b) in inline.epoch(epoch).map(Result::unwrap).zip(threaded.epoch(epoch).map(Result::unwrap)) {
             assert!(a.inputs.equal(&b.inputs) && a.targets.equal(&b.targets), "epoch {epoch}");
         }
     }
@@ -214,7 +214,7 @@ fn worker_threads_deliver_exactly_what_the_training_thread_would() {
     drop(early);
     // Augmentation changes the images but keeps the labels.
     let plain = loader(dir.path(), LoaderConfig { augment: false, workers: 0, ..base });
-    let (a, p) = (inline.epoch(0).next().unwrap(), plain.epoch(0).next().unwrap());
+    let (a, p) = (inline.epoch(0).next().unwrap().unwrap(), plain.epoch(0).next().unwrap().unwrap());
     assert!(a.targets.equal(&p.targets));
     assert!(!a.inputs.equal(&p.inputs));
 }
@@ -224,10 +224,10 @@ fn worker_threads_deliver_exactly_what_the_training_thread_would() {
 #[test]
 fn host_normalisation_is_libtorch_normalisation_bit_for_bit() {
     for kind in [DatasetKind::Cifar10, DatasetKind::Mnist] {
-        let channels = kind.normalization().0.len();
+        let channels = kind.normalization().mean.len();
         let bytes: Vec<u8> = (0..channels).flat_map(|_| 0..=255u8).collect();
-        let host = data::loader::normalize_bytes(&bytes, kind, 256);
-        let torch = data::loader::normalize(&Tensor::from_slice(&bytes).view([1, channels as i64, 16, 16]), kind);
+        let host = data::loader::normalize_bytes(&bytes, kind.normalization(), 256);
+        let torch = data::loader::normalize(&Tensor::from_slice(&bytes).view([1, channels as i64, 16, 16]), kind.normalization());
         let torch = Vec::<f32>::try_from(torch.flatten(0, -1)).unwrap();
         assert_eq!(host.len(), torch.len());
         for (i, (h, t)) in host.iter().zip(&torch).enumerate() {
@@ -237,15 +237,15 @@ fn host_normalisation_is_libtorch_normalisation_bit_for_bit() {
         let shape = [7, channels as i64, 33, 31];
         let batch = Tensor::randint(256, shape, (Kind::Uint8, Device::Cpu));
         let bytes = Vec::<u8>::try_from(batch.flatten(0, -1)).unwrap();
-        let host = Tensor::from_slice(&data::loader::normalize_bytes(&bytes, kind, 33 * 31)).view(shape);
-        assert!(host.equal(&data::loader::normalize(&batch, kind)), "{kind:?}: a batch");
+        let host = Tensor::from_slice(&data::loader::normalize_bytes(&bytes, kind.normalization(), 33 * 31)).view(shape);
+        assert!(host.equal(&data::loader::normalize(&batch, kind.normalization())), "{kind:?}: a batch");
     }
 }
 
 #[test]
 fn normalisation_uses_the_dataset_statistics() {
     let bytes = Tensor::from_slice(&[0u8, 255, 0, 255, 128, 128]).view([1, 3, 1, 2]);
-    let out = data::loader::normalize(&bytes, DatasetKind::Cifar10);
+    let out = data::loader::normalize(&bytes, DatasetKind::Cifar10.normalization());
     let got = Vec::<f32>::try_from(out.flatten(0, -1)).unwrap();
     let expected = [
         (0.0 - 0.4914) / 0.2470,

@@ -308,12 +308,13 @@ fn grouped_evaluation_windows_give_the_same_losses_in_fewer_passes() {
     let plain = TokenBatches::new(&tokens, 10, 7, tch::Device::Cpu);
     let grouped = TokenBatches::new(&tokens, 10, 7, tch::Device::Cpu).grouped(4);
     assert_eq!((plain.batches_per_epoch(), grouped.batches_per_epoch()), (15, 5), "4 + 4 + 4 + 2 full, then the short one");
-    let shapes: Vec<Vec<i64>> = grouped.epoch(0).map(|b| b.inputs.size()).collect();
+    let shapes: Vec<Vec<i64>> = grouped.epoch(0).map(Result::unwrap).map(|b| b.inputs.size()).collect();
     assert_eq!(shapes, [vec![7, 40], vec![7, 40], vec![7, 40], vec![7, 20], vec![1, 10]]);
     // Every (input, target) pair of the plain windows is in the grouped batches, once.
     let pairs = |source: &TokenBatches| {
         let mut pairs: Vec<(i64, i64)> = source
             .epoch(0)
+            .map(Result::unwrap)
             .flat_map(|b| {
                 let inputs = ids(&b.inputs);
                 inputs.into_iter().zip(ids(&b.targets)).collect::<Vec<_>>()

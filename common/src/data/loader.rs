@@ -12,11 +12,11 @@
 //! batches (tested).
 //!
 //! With `resize` (`--image-size`), every batch is resized on the device, as the last step.
-use super::{DatasetKind, ImageDataset, Sampler};
-use crate::train::BatchSource;
+use super::workers::ordered_map;
+use super::{ImageDataset, Normalization, Sampler};
+use crate::train::{BatchSource, Batches};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
@@ -113,16 +113,16 @@ impl BatchSource for Loader {
         }
     }
 
-    fn epoch(&self, epoch: usize) -> Box<dyn Iterator<Item = Batch> + '_> {
+    fn epoch(&self, epoch: usize) -> Batches<'_> {
         self.epoch_from(epoch, 0)
     }
 
     /// Neither the skipped batches' images nor their augmentation draws are touched: each
     /// batch's draws are a function of (seed, epoch, batch), not of the batches before it.
-    fn epoch_from(&self, epoch: usize, first: usize) -> Box<dyn Iterator<Item = Batch> + '_> {
+    fn epoch_from(&self, epoch: usize, first: usize) -> Batches<'_> {
         match &self.on_device {
-            Some(resident) => Box::new(self.resident_batches(resident, epoch, first)),
-            None => Box::new(self.epoch_batches_from(epoch, first)),
+            Some(resident) => Box::new(self.resident_batches(resident, epoch, first).map(Ok)),
+            None => self.epoch_batches_from(epoch, first),
         }
     }
 }
@@ -142,87 +142,75 @@ impl Loader {
                 let draws = augmentation_draws(&self.config, epoch, batch, chunk.len());
                 batch_images = crop_flip_on_device(&batch_images, &draws, AUGMENT_PADDING);
             }
-            Batch { inputs: resize(&normalize(&batch_images, self.dataset.kind), self.config.resize), targets: labels.index_select(0, &index) }
+            Batch { inputs: resize(&normalize(&batch_images, self.dataset.kind.normalization()), self.config.resize), targets: labels.index_select(0, &index) }
         })
     }
 
     /// The batches of one epoch, in a deterministic order.
-    pub fn epoch_batches(&self, epoch: usize) -> Epoch {
+    pub fn epoch_batches(&self, epoch: usize) -> Batches<'static> {
         self.epoch_batches_from(epoch, 0)
     }
 
-    /// The batches of one epoch from batch `first` on.
-    fn epoch_batches_from(&self, epoch: usize, first: usize) -> Epoch {
-        let first = first.min(self.batches_per_epoch());
-        let job = Arc::new(EpochJob {
-            dataset: self.dataset.clone(),
-            indices: self.sampler.indices(epoch),
-            batches: self.batches_per_epoch(),
-            epoch,
-            config: self.config.clone(),
-        });
-        let workers = (0..self.config.workers.min(job.batches))
-            .map(|worker| {
-                let (sender, receiver) = sync_channel(self.config.prefetch.max(1));
-                let job = Arc::clone(&job);
-                let count = self.config.workers;
-                std::thread::Builder::new()
-                    .name(format!("loader-{worker}"))
-                    .spawn(move || {
-                        for batch in (worker..job.batches).step_by(count).filter(|&batch| batch >= first) {
-                            // A closed channel means the epoch was abandoned (--max-steps): stop.
-                            if sender.send(job.host_batch(batch)).is_err() {
-                                break;
-                            }
-                        }
-                    })
-                    .expect("cannot start a data loader thread");
-                receiver
-            })
-            .collect();
-        Epoch { job, workers, next: first }
+    /// The batches of one epoch from batch `first` on: made on the worker threads, staged on
+    /// the host, then copied to the device on the training thread.
+    fn epoch_batches_from(&self, epoch: usize, first: usize) -> Batches<'static> {
+        let job = Arc::new(EpochJob { dataset: self.dataset.clone(), indices: self.sampler.indices(epoch), epoch, config: self.config.clone() });
+        let batches = first.min(self.batches_per_epoch())..self.batches_per_epoch();
+        let maker = Arc::clone(&job);
+        let staged = ordered_map(batches, self.config.workers, self.config.prefetch, move |batch| Ok(maker.host_batch(batch)));
+        let (device, normalization, side) = (self.config.device, self.dataset.kind.normalization(), self.config.resize);
+        Box::new(staged.map(move |host| host.map(|host| host.to_device(device, normalization, side))))
     }
 }
 
-/// Iterator over one epoch's batches.
-pub struct Epoch {
-    job: Arc<EpochJob>,
-    /// One channel per worker; batch `b` comes from worker `b % workers`, which keeps the order.
-    workers: Vec<Receiver<HostBatch>>,
-    next: usize,
-}
-
-impl Iterator for Epoch {
-    type Item = Batch;
-
-    fn next(&mut self) -> Option<Batch> {
-        let b = self.next;
-        if b >= self.job.batches {
-            return None;
-        }
-        self.next += 1;
-        let host =
-            if self.workers.is_empty() { self.job.host_batch(b) } else { self.workers[b % self.workers.len()].recv().expect("a data loader thread died") };
-        Some(self.job.to_device(host))
-    }
-
-    fn size_hint(&self) -> (usize, Option<usize>) {
-        let left = self.job.batches - self.next;
-        (left, Some(left))
-    }
-}
-
-/// A batch as a worker leaves it: on the CPU, ready to be copied.
-struct HostBatch {
+/// A batch as a worker leaves it: on the host, ready to be copied to the device (see [`stage`]).
+pub(crate) struct HostBatch {
     images: Tensor,
     labels: Tensor,
+}
+
+/// Images `[B, C, H, W]` as bytes and their labels, as a worker hands them to the training
+/// thread for `device`: on the CPU already as normalised floats; for a GPU left as bytes, in
+/// pinned memory, for [`HostBatch::to_device`] to copy asynchronously (four times fewer bytes)
+/// and normalise there.
+pub(crate) fn stage(bytes: Vec<u8>, labels: Vec<i64>, shape: [i64; 4], normalization: Normalization, device: Device) -> HostBatch {
+    let labels = Tensor::from_slice(&labels);
+    let plane = (shape[2] * shape[3]) as usize;
+    match device {
+        // Plain Rust, not LibTorch operations: a worker thread running LibTorch's parallel
+        // kernels would start an OpenMP team of its own and compete with the training
+        // thread's for the cores.
+        Device::Cpu => HostBatch { images: Tensor::from_slice(&normalize_bytes(&bytes, normalization, plane)).view(shape), labels },
+        // Pinned, so that the copy to the GPU runs asynchronously; should pinning ever fail
+        // (it needs the CUDA runtime that the GPU run has), the copy just waits.
+        Device::Cuda(_) => {
+            let pin = |t: Tensor| crate::torch_ext::pin_memory(&t).unwrap_or(t);
+            HostBatch { images: pin(Tensor::from_slice(&bytes).view(shape)), labels: pin(labels) }
+        }
+        Device::Mps | Device::Vulkan => HostBatch { images: Tensor::from_slice(&bytes).view(shape), labels },
+    }
+}
+
+impl HostBatch {
+    /// On the training thread: the copy to the device, and there the conversion to floats and
+    /// the resize to `side` (LibTorch operations, which the workers leave alone).
+    pub(crate) fn to_device(self, device: Device, normalization: Normalization, side: Option<i64>) -> Batch {
+        let batch = match device {
+            Device::Cpu => Batch { inputs: self.images, targets: self.labels },
+            device => {
+                let images = self.images.to_device_(device, Kind::Uint8, true, false);
+                let labels = self.labels.to_device_(device, Kind::Int64, true, false);
+                Batch { inputs: normalize(&images, normalization), targets: labels }
+            }
+        };
+        Batch { inputs: resize(&batch.inputs, side), ..batch }
+    }
 }
 
 /// What the workers of one epoch share.
 struct EpochJob {
     dataset: ImageDataset,
     indices: Vec<usize>,
-    batches: usize,
     epoch: usize,
     config: LoaderConfig,
 }
@@ -246,41 +234,13 @@ impl EpochJob {
             }
         }
         let labels: Vec<i64> = indices.iter().map(|&i| self.dataset.labels[i] as i64).collect();
-        let labels = Tensor::from_slice(&labels);
         let shape = [indices.len() as i64, c as i64, h as i64, w as i64];
-        match self.config.device {
-            // Plain Rust, not LibTorch operations: a worker thread running LibTorch's parallel
-            // kernels would start an OpenMP team of its own and compete with the training
-            // thread's for the cores.
-            Device::Cpu => HostBatch { images: Tensor::from_slice(&normalize_bytes(&bytes, self.dataset.kind, h * w)).view(shape), labels },
-            // Pinned, so that the copy to the GPU runs asynchronously; should pinning ever fail
-            // (it needs the CUDA runtime that the GPU run has), the copy just waits.
-            Device::Cuda(_) => {
-                let pin = |t: Tensor| crate::torch_ext::pin_memory(&t).unwrap_or(t);
-                HostBatch { images: pin(Tensor::from_slice(&bytes).view(shape)), labels: pin(labels) }
-            }
-            Device::Mps | Device::Vulkan => HostBatch { images: Tensor::from_slice(&bytes).view(shape), labels },
-        }
-    }
-
-    /// On the training thread: the copy to the device, and there the conversion to floats
-    /// and the resize (LibTorch operations, which the workers leave alone).
-    fn to_device(&self, host: HostBatch) -> Batch {
-        let batch = match self.config.device {
-            Device::Cpu => Batch { inputs: host.images, targets: host.labels },
-            device => {
-                let images = host.images.to_device_(device, Kind::Uint8, true, false);
-                let labels = host.labels.to_device_(device, Kind::Int64, true, false);
-                Batch { inputs: normalize(&images, self.dataset.kind), targets: labels }
-            }
-        };
-        Batch { inputs: resize(&batch.inputs, self.config.resize), ..batch }
+        stage(bytes, labels, shape, self.dataset.kind.normalization(), self.config.device)
     }
 }
 
 /// Bytes `[B, C, H, W]` → floats scaled to [0, 1] and standardised per channel, on the tensor's device.
-pub fn normalize(images: &Tensor, kind: DatasetKind) -> Tensor {
-    let (mean, std) = kind.normalization();
+pub fn normalize(images: &Tensor, Normalization { mean, std }: Normalization) -> Tensor {
     let options = (Kind::Float, images.device());
     let shape = [1, mean.len() as i64, 1, 1];
     let mean = Tensor::from_slice(mean).to_kind(Kind::Float).to_device(options.1).view(shape);
@@ -307,8 +267,7 @@ pub fn resize(images: &Tensor, side: Option<i64>) -> Tensor {
 /// [`normalize`] on the host, without LibTorch: bytes of `[B, C, H, W]` images (`plane` = H·W
 /// bytes per channel) → floats, the same float operations in the same order, so the same
 /// floats bit for bit (tested for every byte value and channel).
-pub fn normalize_bytes(bytes: &[u8], kind: DatasetKind, plane: usize) -> Vec<f32> {
-    let (mean, std) = kind.normalization();
+pub fn normalize_bytes(bytes: &[u8], Normalization { mean, std }: Normalization, plane: usize) -> Vec<f32> {
     let (mean, std): (Vec<f32>, Vec<f32>) = (mean.iter().map(|&m| m as f32).collect(), std.iter().map(|&s| s as f32).collect());
     let mut out = Vec::with_capacity(bytes.len());
     for (i, channel) in bytes.chunks_exact(plane).enumerate() {
@@ -388,6 +347,7 @@ fn mix(seed: u64, epoch: u64, batch: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::DatasetKind;
 
     #[test]
     fn crop_without_shift_or_flip_is_identity_and_flip_mirrors() {
@@ -445,7 +405,7 @@ mod tests {
             let host = Loader::new(dataset.clone(), config.clone());
             let resident = Loader::new(dataset.clone(), LoaderConfig { resident: true, ..config });
             for epoch in 0..2 {
-                let (a, b): (Vec<Batch>, Vec<Batch>) = (host.epoch(epoch).collect(), resident.epoch(epoch).collect());
+                let (a, b): (Vec<Batch>, Vec<Batch>) = (host.epoch(epoch).map(Result::unwrap).collect(), resident.epoch(epoch).map(Result::unwrap).collect());
                 assert_eq!(a.len(), b.len());
                 for (x, y) in a.iter().zip(&b) {
                     assert!(x.inputs.equal(&y.inputs), "augment {augment}, shard {shard:?}, epoch {epoch}: images differ");
@@ -489,9 +449,10 @@ mod tests {
         let labels: Vec<u8> = (0..n).map(|i| (i % 10) as u8).collect();
         let dataset = ImageDataset { kind: DatasetKind::Cifar10, images: images.into(), labels: labels.into(), generated: true };
         let config = LoaderConfig { augment: true, workers: 2, resize: Some(48), ..LoaderConfig::train(8, 5, Device::Cpu) };
-        let host: Vec<Batch> = Loader::new(dataset.clone(), config.clone()).epoch(0).collect();
-        let resident: Vec<Batch> = Loader::new(dataset.clone(), LoaderConfig { resident: true, workers: 0, ..config.clone() }).epoch(0).collect();
-        let plain: Vec<Batch> = Loader::new(dataset, LoaderConfig { resize: None, ..config }).epoch(0).collect();
+        let host: Vec<Batch> = Loader::new(dataset.clone(), config.clone()).epoch(0).map(Result::unwrap).collect();
+        let resident: Vec<Batch> =
+            Loader::new(dataset.clone(), LoaderConfig { resident: true, workers: 0, ..config.clone() }).epoch(0).map(Result::unwrap).collect();
+        let plain: Vec<Batch> = Loader::new(dataset, LoaderConfig { resize: None, ..config }).epoch(0).map(Result::unwrap).collect();
         assert_eq!(host.len(), 3);
         for ((h, r), p) in host.iter().zip(&resident).zip(&plain) {
             assert_eq!(h.inputs.size()[1..], [3, 48, 48]);
@@ -510,9 +471,9 @@ mod tests {
         for (workers, resident) in [(0, false), (3, false), (0, true)] {
             let config = LoaderConfig { augment: true, workers, resident, ..LoaderConfig::train(4, 9, Device::Cpu) };
             let loader = Loader::new(dataset.clone(), config);
-            let whole: Vec<Batch> = loader.epoch(1).collect();
+            let whole: Vec<Batch> = loader.epoch(1).map(Result::unwrap).collect();
             for first in [0, 1, 5, whole.len() - 1, whole.len(), whole.len() + 3] {
-                let rest: Vec<Batch> = loader.epoch_from(1, first).collect();
+                let rest: Vec<Batch> = loader.epoch_from(1, first).map(Result::unwrap).collect();
                 assert_eq!(rest.len(), whole.len().saturating_sub(first), "workers {workers}, resident {resident}, from {first}");
                 for (x, y) in whole[first.min(whole.len())..].iter().zip(&rest) {
                     assert!(x.inputs.equal(&y.inputs) && x.targets.equal(&y.targets), "workers {workers}, resident {resident}, from {first}");

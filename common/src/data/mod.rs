@@ -10,6 +10,7 @@ pub mod loader;
 pub mod mnist;
 pub mod sampler;
 pub mod text;
+pub mod workers;
 
 use anyhow::Context;
 use std::path::{Path, PathBuf};
@@ -51,10 +52,10 @@ impl DatasetKind {
     }
 
     /// Per-channel mean and standard deviation of the training set (the usual torchvision values).
-    pub fn normalization(self) -> (&'static [f64], &'static [f64]) {
+    pub fn normalization(self) -> Normalization {
         match self {
-            DatasetKind::Cifar10 => (&[0.4914, 0.4822, 0.4465], &[0.2470, 0.2435, 0.2616]),
-            DatasetKind::Mnist => (&[0.1307], &[0.3081]),
+            DatasetKind::Cifar10 => Normalization { mean: &[0.4914, 0.4822, 0.4465], std: &[0.2470, 0.2435, 0.2616] },
+            DatasetKind::Mnist => Normalization { mean: &[0.1307], std: &[0.3081] },
         }
     }
 
@@ -63,6 +64,17 @@ impl DatasetKind {
         PathBuf::from("data").join(self.name())
     }
 }
+
+/// What standardises an image data set's channels: `(x / 255 − mean) / std`, per channel.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Normalization {
+    pub mean: &'static [f64],
+    pub std: &'static [f64],
+}
+
+/// ImageNet's, as in torchvision's recipes (and for any image folder or shard set: the usual
+/// choice for photographs, and what ImageNet-pretrained weights expect).
+pub const IMAGENET_NORMALIZATION: Normalization = Normalization { mean: &[0.485, 0.456, 0.406], std: &[0.229, 0.224, 0.225] };
 
 /// Train or test part of a data set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -114,6 +114,7 @@ impl StepReport {
 fn evaluate_batches(source: &dyn BatchSource, mut run: impl FnMut(&Tensor, &Tensor) -> Result<StepReport>) -> Result<EvalSums> {
     let mut sums = EvalSums::default();
     for batch in source.epoch(0) {
+        let batch = batch?;
         let targets = batch.targets.reshape(batch.inputs.size());
         let report = run(&batch.inputs, &targets)?;
         let tokens = targets.numel() as f64;

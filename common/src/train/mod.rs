@@ -61,16 +61,20 @@ impl Batch {
     }
 }
 
+/// One epoch's batches, each of which may fail to be made (an image file that does not decode,
+/// a shard cut short): the run then stops with that error, naming the file.
+pub type Batches<'a> = Box<dyn Iterator<Item = Result<Batch>> + 'a>;
+
 /// Anything that yields an epoch of batches.
 pub trait BatchSource {
     fn batches_per_epoch(&self) -> usize;
     /// The batches of epoch `epoch` (0-based), in a deterministic order.
-    fn epoch(&self, epoch: usize) -> Box<dyn Iterator<Item = Batch> + '_>;
+    fn epoch(&self, epoch: usize) -> Batches<'_>;
 
     /// The batches of epoch `epoch` after its first `first` ones (a run resumed in the middle of
     /// the epoch): exactly what [`BatchSource::epoch`] yields from there. A source that can
     /// start there without preparing the skipped batches says so by overriding this.
-    fn epoch_from(&self, epoch: usize, first: usize) -> Box<dyn Iterator<Item = Batch> + '_> {
+    fn epoch_from(&self, epoch: usize, first: usize) -> Batches<'_> {
         Box::new(self.epoch(epoch).skip(first))
     }
 }
@@ -431,7 +435,7 @@ pub fn fit(
                 break false;
             }
             let waiting = Instant::now();
-            let micro: Vec<Batch> = batches.by_ref().take(config.accumulate).collect();
+            let micro: Vec<Batch> = batches.by_ref().take(config.accumulate).collect::<Result<_>>()?;
             if micro.is_empty() {
                 break true;
             }

@@ -493,6 +493,7 @@ impl<'g> TrainStep<'g> for LocalStep<'g> {
         tch::no_grad(|| {
             let mut sums = EvalSums::default();
             for batch in source.epoch(0) {
+                let batch = batch?;
                 let device = batch.inputs.device();
                 let (loss, hits) = precision::autocast(precision, device, || -> Result<_> {
                     let logits = self.run(&batch.inputs, false)?;

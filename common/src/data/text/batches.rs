@@ -1,7 +1,7 @@
 //! The language model's batch source: a split batchified into streams on the device, cut
 //! into `bptt`-long windows in order, as the tutorial's training loop does.
 use super::{batch_starts, batchify, get_batch};
-use crate::train::{Batch, BatchSource};
+use crate::train::{Batch, BatchSource, Batches};
 use tch::{Device, Tensor};
 
 pub struct TokenBatches {
@@ -55,7 +55,7 @@ impl BatchSource for TokenBatches {
     }
 
     /// The same windows every epoch: the tutorial does not shuffle a language-model corpus.
-    fn epoch(&self, _epoch: usize) -> Box<dyn Iterator<Item = Batch> + '_> {
+    fn epoch(&self, _epoch: usize) -> Batches<'_> {
         let starts: Vec<i64> = batch_starts(&self.data, self.bptt).collect();
         let batches: Vec<Batch> = self
             .chunks(&starts)
@@ -72,6 +72,6 @@ impl BatchSource for TokenBatches {
                 Batch { inputs: Tensor::cat(&inputs, 1), targets: Tensor::cat(&targets, 1).reshape([-1]) }
             })
             .collect();
-        Box::new(batches.into_iter())
+        Box::new(batches.into_iter().map(Ok))
     }
 }

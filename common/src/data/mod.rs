@@ -9,6 +9,7 @@ pub mod image_folder;
 pub mod loader;
 pub mod mnist;
 pub mod sampler;
+pub mod shards;
 pub mod text;
 pub mod workers;
 

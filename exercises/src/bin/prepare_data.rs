@@ -1,12 +1,15 @@
-//! Data chores for `make data`: generate a stand-in data set in the official format, or check
-//! that a folder holds a readable data set.
+//! Data chores for `make data`: generate a stand-in data set in the official format, check
+//! that a folder holds a readable data set, or pack an image folder into tar shards.
+use anyhow::Context;
 use clap::{Parser, Subcommand};
+use common::data::image_folder::{split_folder, ImageFolder};
+use common::data::shards;
 use common::data::text::{self, Tokenizer, WikitextSizes};
 use common::data::{self, generate, DatasetKind, Split};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(Parser)]
-#[command(version, about = "Generate or check the exercises' data sets (CIFAR-10, MNIST, WikiText-2)")]
+#[command(version, about = "Generate, check or pack the exercises' data sets (CIFAR-10, MNIST, WikiText-2, image folders)")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -50,6 +53,23 @@ enum Command {
         /// The folder (--data-dir, as the exercises call it, works too) [default: data/<data set>].
         #[arg(long, visible_alias = "data-dir")]
         dir: Option<PathBuf>,
+    },
+    /// Pack an image folder (DIR/train/<class>/<image>, and DIR/val likewise if present) into tar
+    /// shards in WebDataset's format, OUT/train-NNNNNN.tar and OUT/val-NNNNNN.tar, indexed by
+    /// OUT/shards.json: a few large files that each rank streams, instead of millions of small ones.
+    Pack {
+        /// The image folder.
+        #[arg(long)]
+        data_dir: PathBuf,
+        /// The folder the shards go to.
+        #[arg(long)]
+        out: PathBuf,
+        /// Samples per shard (the last shard of a split may hold fewer).
+        #[arg(long, default_value_t = 1000)]
+        shard_size: usize,
+        /// Seed of the order the samples are packed in (random, so that every shard mixes classes).
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
     },
 }
 
@@ -103,5 +123,40 @@ fn main() -> std::process::ExitCode {
             );
             Ok(())
         }
+        Command::Pack { data_dir, out, shard_size, seed } => {
+            if shard_size == 0 {
+                return common::error::usage("--shard-size 0: a shard holds at least one sample");
+            }
+            // Both splits listed (and checked) first: a bad val/ fails before hours of packing train/.
+            let train = ImageFolder::scan_split(&data_dir, Split::Train, None)?;
+            let has_val = data_dir.join(split_folder(Split::Test)).is_dir();
+            let val = has_val.then(|| ImageFolder::scan_split(&data_dir, Split::Test, Some(&train.classes))).transpose()?;
+            pack_split(&train, &out, Split::Train, shard_size, seed)?;
+            if let Some(val) = &val {
+                pack_split(val, &out, Split::Test, shard_size, seed)?;
+            }
+            Ok(())
+        }
     })
+}
+
+/// Packs one split, adds it to the index, and says what was written.
+fn pack_split(folder: &ImageFolder, out: &Path, split: Split, shard_size: usize, seed: u64) -> anyhow::Result<()> {
+    let written = shards::pack(folder, out, split, shard_size, seed)?;
+    shards::write_index(out, split, &folder.classes, &written)?;
+    let mut bytes = 0;
+    for shard in &written {
+        let path = out.join(&shard.file);
+        bytes += std::fs::metadata(&path).with_context(|| format!("cannot read {}", path.display()))?.len();
+    }
+    println!(
+        "{}: {} samples of {} classes in {} shards, {:.1} MB, in {}",
+        split_folder(split),
+        folder.len(),
+        folder.classes.len(),
+        written.len(),
+        bytes as f64 / 1e6,
+        out.display()
+    );
+    Ok(())
 }

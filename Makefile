@@ -15,7 +15,7 @@ BIN       := target/release
 ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
-.PHONY: lint system-deps python-tools gpu-check report scaling exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch bench-ps bench-checkpoint setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
+.PHONY: lint system-deps python-tools gpu-check report scaling exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch bench-ps bench-checkpoint bench-data setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
         exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test test-slurm clean-results \
         notebooks notebook-kernel jupyter
 
@@ -94,6 +94,13 @@ bench-allreduce: data-cifar10
 # (see bench/bench.sh).
 bench: data-cifar10 data-wikitext2
 	$(WITH) bench/bench.sh
+
+# The input pipeline alone, ours vs torchvision's DataLoader(ImageFolder), side by side A B A B:
+# images/s from generated ImageNet-like JPEGs to normalised batches (decode, RandomResizedCrop,
+# flip), at WORKERS="1 <all cores>"; how close our eval transform is to PIL's; installs
+# torchvision and Pillow into .venv; results/bench-data.csv (see bench/data.sh).
+bench-data: build
+	$(WITH) bench/data.sh
 
 # Large batches on CPU ranks: effective batches 100, 800, 3,200 (--accumulate), plain vs scaled
 # learning rate with warm-up vs LARS, test accuracy after the same samples (real MNIST sample;

@@ -420,7 +420,7 @@ mod tests {
         assert_eq!(args.run.max_steps, Some(7));
         assert_eq!(args.run.results_dir, PathBuf::from("/tmp/r"));
         // Defaults are the binary's: its preset's, resolved where the run starts.
-        let exercise1 = crate::image_classification::ImageExperiment { preset: &crate::presets::EXERCISE1, args: &args };
+        let exercise1 = crate::image_classification::ImageExperiment::new(&crate::presets::EXERCISE1, &args);
         let recipe = crate::experiment::RunRecipe::resolve(exercise1.preset, &args.recipe, 1, 10, 5);
         assert_eq!((recipe.batch_size, recipe.lr, exercise1.arch()), (100, 1e-3, Arch::Vgg19));
         assert_eq!(args.run.seed, 42);

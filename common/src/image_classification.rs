@@ -1,13 +1,18 @@
 //! The image-classification exercises (exercise1, exercise2, exercise3 ddp): their flags,
-//! CIFAR-10 or MNIST (at `--image-size`), the CNN, ResNet34, ResNet50 or VGG19, and what their
+//! CIFAR-10 or MNIST (at `--image-size`) or image files (an image folder or tar shards, with
+//! torchvision's ImageNet transforms), the CNN, ResNet34, ResNet50 or VGG19, and what their
 //! results add. Everything around the training loop is [`crate::experiment`]'s.
 use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 
 use anyhow::Result;
 use serde::Serialize;
 use tch::Device;
 
-use crate::data::{self, DatasetKind, ImageDataset, Loader, LoaderConfig, Split};
+use crate::data::image_files::{ImageFileLoader, ImageFiles};
+use crate::data::image_folder::{self, ImageFolder};
+use crate::data::transforms::Transform;
+use crate::data::{self, DatasetChoice, ImageDataset, Loader, LoaderConfig, Split};
 use crate::device;
 use crate::dist::layout::Groups;
 use crate::error::usage;
@@ -19,7 +24,7 @@ use crate::models::{Arch, Blocks, ModelSpec, Trainable};
 use crate::parallelize::ImagePlan;
 use crate::presets::{ModelPreset, Preset};
 use crate::report::{self, RunRecord};
-use crate::train::{EvalSums, FitReport, Metric, Observers, TrainStep};
+use crate::train::{BatchSource, EvalSums, FitReport, Metric, Observers, TrainStep};
 
 /// The flags every image-classification exercise shares (names are a contract).
 #[derive(Debug, Clone, clap::Args, Serialize)]
@@ -36,8 +41,21 @@ pub struct ImageArgs {
     /// Network to train [default: the preset's].
     #[arg(long, value_enum)]
     pub model: Option<Arch>,
+    /// Data set: CIFAR-10 or MNIST (their binary files, read into memory), or image files
+    /// decoded batch by batch: `imagefolder` (DIR/train/<class>/*.jpg and DIR/val/<class>/*,
+    /// torchvision's ImageFolder layout) or `shards` (tar shards from `prepare_data pack`).
     #[arg(long, value_enum, default_value = "cifar10")]
-    pub dataset: DatasetKind,
+    pub dataset: DatasetChoice,
+    /// How image files become the model's input: `imagenet` (training: RandomResizedCrop and a
+    /// random horizontal flip; evaluation: Resize(N / 0.875) and CenterCrop(N); N is
+    /// --image-size, 224 by default) or `resize` (the JSC course's Resize((N, N)) for both, N
+    /// 256 by default) [default: imagenet].
+    #[arg(long, value_enum)]
+    pub transform: Option<TransformChoice>,
+    /// Shards: samples held in the shuffle buffer that mixes the shards' streams (WebDataset's
+    /// `shuffle(N)`); 0 reads them in their order [default: 1000].
+    #[arg(long, value_name = "N")]
+    pub shuffle_buffer: Option<usize>,
     /// Initial weights in torchvision's names (.safetensors or .ot), e.g. ImageNet-pretrained;
     /// a head for another number of classes is left out and starts freshly initialised.
     #[arg(long)]
@@ -64,11 +82,15 @@ pub struct ImageArgs {
     /// at ResNet50's scale [default: the data set's size, 32 for CIFAR-10, 28 for MNIST].
     #[arg(long, value_name = "N")]
     pub image_size: Option<i64>,
-    /// Background threads preparing batches [default: 2 for a GPU; 0 for the CPU, whose cores
-    /// LibTorch's threads already use: measured on 2 cores, loader threads beside them made
-    /// ResNet34 8% slower].
+    /// Background threads preparing batches [default: for image files, decoding, every core
+    /// this process may use for a GPU (SLURM_CPUS_PER_TASK under Slurm) and 1 for the CPU; for
+    /// data in memory, 2 for a GPU and 0 for the CPU, whose cores LibTorch's threads already use:
+    /// measured on 2 cores, loader threads beside them made ResNet34 8% slower].
     #[arg(long)]
     pub workers: Option<usize>,
+    /// Batches each loader thread prepares ahead of the training [default: 4].
+    #[arg(long, value_name = "N")]
+    pub prefetch: Option<usize>,
     /// Keep the whole data set on the training device and crop, flip and normalise batches
     /// there (no loader threads, no copies per step); the same batches as without.
     #[arg(long)]
@@ -84,6 +106,16 @@ pub struct ImageArgs {
 /// images already fills a GPU's memory with ResNet50's activations; beyond it is a typo.
 const MAX_IMAGE_SIZE: i64 = 1024;
 
+/// What `--transform` names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransformChoice {
+    /// torchvision's ImageNet recipe.
+    Imagenet,
+    /// JSC's `Resize((N, N))`.
+    Resize,
+}
+
 /// What `--freeze` freezes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -96,14 +128,20 @@ pub enum FreezeChoice {
 pub struct ImageExperiment<'a> {
     pub preset: &'a Preset,
     pub args: &'a ImageArgs,
+    /// The image files' classes, counted once when the head's size depends on them.
+    file_classes: OnceLock<usize>,
 }
 
 /// Runs the image exercise `preset` with `args` (see [`experiment::run`]).
 pub fn run(preset: &Preset, args: &ImageArgs, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
-    experiment::run(&ImageExperiment { preset, args }, listeners)
+    experiment::run(&ImageExperiment::new(preset, args), listeners)
 }
 
-impl ImageExperiment<'_> {
+impl<'a> ImageExperiment<'a> {
+    pub fn new(preset: &'a Preset, args: &'a ImageArgs) -> Self {
+        ImageExperiment { preset, args, file_classes: OnceLock::new() }
+    }
+
     pub fn arch(&self) -> Arch {
         match (self.args.model, self.preset.model) {
             (Some(arch), _) => arch,
@@ -121,40 +159,121 @@ impl ImageExperiment<'_> {
         }
     }
 
-    pub fn model_spec(&self) -> ModelSpec {
-        let [channels, size, _] = self.args.dataset.image_shape();
+    /// The model, its input and its head. The head's size may depend on the classes of image
+    /// files, which are then listed (once): an error if they cannot be.
+    pub fn model_spec(&self) -> Result<ModelSpec> {
         // The course keeps ImageNet's 1000-way head; transfer learning puts a head for the
         // data set's classes on the pretrained backbone.
-        let default_classes = match (self.arch(), self.trainable()) {
-            (Arch::Resnet34 | Arch::Resnet50 | Arch::Vgg19, Trainable::All) => 1000,
-            _ => self.args.dataset.num_classes() as i64,
+        let num_classes = match (self.args.num_classes, self.arch(), self.trainable()) {
+            (Some(n), _, _) => n,
+            (None, Arch::Resnet34 | Arch::Resnet50 | Arch::Vgg19, Trainable::All) => 1000,
+            (None, _, _) => self.data_classes()? as i64,
         };
-        let image_size = self.args.image_size.unwrap_or(size as i64);
-        ModelSpec { arch: self.arch(), in_channels: channels as i64, image_size, num_classes: self.args.num_classes.unwrap_or(default_classes) }
+        let (channels, size) = self.input_shape();
+        Ok(ModelSpec { arch: self.arch(), in_channels: channels as i64, image_size: self.args.image_size.unwrap_or(size), num_classes })
+    }
+
+    /// [`Self::model_spec`] once [`Experiment::check`] has made it (and listed what it needs).
+    fn spec(&self) -> ModelSpec {
+        self.model_spec().expect("the model spec is made in Experiment::check before anything else")
+    }
+
+    /// Channels of the images, and their side unless --image-size says otherwise.
+    fn input_shape(&self) -> (usize, i64) {
+        match (self.args.dataset.in_memory(), self.args.transform) {
+            (Some(kind), _) => {
+                let [channels, size, _] = kind.image_shape();
+                (channels, size as i64)
+            }
+            (None, Some(TransformChoice::Resize)) => (3, 256),
+            (None, _) => (3, 224),
+        }
+    }
+
+    /// The classes of the data set (binary sets: 10; image files: their class folders, or the
+    /// shards' index).
+    fn data_classes(&self) -> Result<usize> {
+        if let Some(kind) = self.args.dataset.in_memory() {
+            return Ok(kind.num_classes());
+        }
+        if let Some(&n) = self.file_classes.get() {
+            return Ok(n);
+        }
+        let dir = self.data_dir();
+        let n = match self.args.dataset {
+            DatasetChoice::Shards => crate::data::shards::ShardSet::open(&dir, Split::Train)?.classes().len(),
+            _ => image_folder::find_classes(&dir.join(image_folder::split_folder(Split::Train)))?.len(),
+        };
+        Ok(*self.file_classes.get_or_init(|| n))
+    }
+
+    fn data_dir(&self) -> PathBuf {
+        self.args.run.data_dir_or(self.args.dataset.name())
     }
 
     /// The side the loaders resize the images to: `--image-size`, where it differs from the
-    /// data set's.
+    /// data set's (image files are cropped and resized to it by their transform instead).
     fn resize(&self) -> Option<i64> {
-        let [_, size, _] = self.args.dataset.image_shape();
+        let kind = self.args.dataset.in_memory()?;
+        let [_, size, _] = kind.image_shape();
         self.args.image_size.filter(|&side| side != size as i64)
+    }
+
+    /// What the image files' loaders do to every image, for training or evaluation.
+    fn transform(&self, train: bool) -> Transform {
+        let side = self.spec().image_size as u32;
+        match self.args.transform.unwrap_or(TransformChoice::Imagenet) {
+            TransformChoice::Imagenet => Transform::imagenet(side, train),
+            TransformChoice::Resize => Transform::Resize { size: side },
+        }
     }
 
     fn batch_size(&self) -> usize {
         self.args.recipe.batch_size.unwrap_or(self.preset.recipe_for(&self.args.recipe).batch_size)
     }
 
-    /// Loader threads for training on `device`: `--workers`, or 2 for a GPU and none for the CPU
-    /// (where they would take cores from LibTorch's own threads, all busy with the training).
+    /// Loader threads for training on `device`: `--workers`, else for data in memory 2 for a
+    /// GPU and none for the CPU (where they would take cores from LibTorch's own threads, all
+    /// busy with the training); for image files, whose decoding is the work, every usable core
+    /// for a GPU and one for the CPU (decoding the next batch while this one trains).
     fn workers(&self, device: Device) -> usize {
-        self.args.workers.unwrap_or(if device.is_cuda() { 2 } else { 0 })
+        let files = self.args.dataset.in_memory().is_none();
+        self.args.workers.unwrap_or(match (files, device.is_cuda()) {
+            (false, true) => 2,
+            (false, false) => 0,
+            (true, true) => device::usable_cores(),
+            (true, false) => 1,
+        })
     }
 }
 
-/// The train and test splits.
-pub struct ImageData {
-    pub train: ImageDataset,
-    pub test: ImageDataset,
+/// The train and test splits: in memory, or image files.
+pub enum ImageData {
+    Memory { train: ImageDataset, test: ImageDataset },
+    Files { train: ImageFiles, test: ImageFiles, generated: bool },
+}
+
+impl ImageData {
+    fn train_len(&self) -> usize {
+        match self {
+            ImageData::Memory { train, .. } => train.len(),
+            ImageData::Files { train, .. } => train.len(),
+        }
+    }
+
+    fn test_len(&self) -> usize {
+        match self {
+            ImageData::Memory { test, .. } => test.len(),
+            ImageData::Files { test, .. } => test.len(),
+        }
+    }
+
+    fn generated(&self) -> bool {
+        match self {
+            ImageData::Memory { train, .. } => train.generated,
+            ImageData::Files { generated, .. } => *generated,
+        }
+    }
 }
 
 impl Experiment for ImageExperiment<'_> {
@@ -182,10 +301,39 @@ impl Experiment for ImageExperiment<'_> {
     }
 
     fn check(&self) -> Result<()> {
-        let dataset = self.args.dataset;
-        if self.args.num_classes.is_some_and(|n| n < dataset.num_classes() as i64) {
-            return usage(format!("--num-classes must be at least {} for {}", dataset.num_classes(), dataset.name()));
+        let (args, dataset) = (self.args, self.args.dataset);
+        match dataset.in_memory() {
+            Some(_) => {
+                if args.transform.is_some() || args.shuffle_buffer.is_some() {
+                    return usage(format!(
+                        "--transform and --shuffle-buffer apply to image files (--dataset imagefolder or shards), not to {}",
+                        dataset.name()
+                    ));
+                }
+            }
+            None => {
+                if args.augment {
+                    return usage("--augment is CIFAR's padded random crop; image files have --transform imagenet (random resized crops and flips) instead");
+                }
+                if args.data_on_device {
+                    return usage(format!("--data-on-device keeps a binary data set on the device; {} is decoded from files batch by batch", dataset.name()));
+                }
+                if args.shuffle_buffer.is_some() && dataset != DatasetChoice::Shards {
+                    return usage("--shuffle-buffer mixes the samples streamed from tar shards: it needs --dataset shards");
+                }
+            }
         }
+        let classes = match (args.num_classes, dataset.in_memory()) {
+            (Some(_), None) => Some(self.data_classes()?),
+            (Some(_), Some(kind)) => Some(kind.num_classes()),
+            (None, _) => None,
+        };
+        if let (Some(n), Some(classes)) = (args.num_classes, classes) {
+            if n < classes as i64 {
+                return usage(format!("--num-classes must be at least {classes} for {} (its classes)", dataset.name()));
+            }
+        }
+        self.model_spec()?;
         if let Some(side) = self.args.image_size {
             let (arch, least) = (self.arch(), self.arch().min_image_size());
             if side < least {
@@ -201,7 +349,7 @@ impl Experiment for ImageExperiment<'_> {
                 let flag = if self.args.freeze.is_some() { "--freeze backbone" } else { "--train-last" };
                 return usage(format!("{flag} keeps pretrained blocks as they are: give them with --weights FILE (or continue a run with --resume)"));
             }
-            if let Err(err) = trainable.check(&Blocks::of(&self.model_spec()), self.arch().name()) {
+            if let Err(err) = trainable.check(&Blocks::of(&self.spec()), self.arch().name()) {
                 return usage(err.to_string());
             }
         }
@@ -210,11 +358,13 @@ impl Experiment for ImageExperiment<'_> {
 
     fn load(&self, observers: &mut Observers, announce: bool) -> Result<ImageData> {
         let args = self.args;
-        let dir = args.run.data_dir_or(args.dataset.name());
-        let train = data::load(args.dataset, &dir, Split::Train)?;
-        let test = data::load(args.dataset, &dir, Split::Test)?;
+        let dir = self.data_dir();
+        let data = match args.dataset.in_memory() {
+            Some(kind) => ImageData::Memory { train: data::load(kind, &dir, Split::Train)?, test: data::load(kind, &dir, Split::Test)? },
+            None => self.load_files(&dir)?,
+        };
         if announce {
-            if train.generated {
+            if data.generated() {
                 observers.warn(format!(
                     "WARNING: {} in {} is a GENERATED stand-in, not the real data set (see {}); accuracies are not comparable to the course's",
                     args.dataset.name(),
@@ -222,20 +372,25 @@ impl Experiment for ImageExperiment<'_> {
                     data::GENERATED_MARKER
                 ))?;
             }
+            let how = match &data {
+                ImageData::Memory { .. } => self.resize().map_or(String::new(), |side| format!(", resized to {side}×{side}")),
+                ImageData::Files { train, .. } => {
+                    format!(", {} classes; {}; {}", train.classes().len(), describe_transform(self.transform(true)), describe_transform(self.transform(false)))
+                }
+            };
             observers.info(format!(
-                "{}: {} on {} ({} train / {} test images from {}{}), batch {}, LibTorch {}",
+                "{}: {} on {} ({} train / {} test images from {}{how}), batch {}, LibTorch {}",
                 self.preset.name,
                 self.arch().name(),
                 args.dataset.name(),
-                train.len(),
-                test.len(),
+                data.train_len(),
+                data.test_len(),
                 dir.display(),
-                self.resize().map_or(String::new(), |side| format!(", resized to {side}×{side}")),
                 self.batch_size(),
                 crate::torch_version()
             ))?;
         }
-        Ok(ImageData { train, test })
+        Ok(data)
     }
 
     fn model_name(&self) -> String {
@@ -253,14 +408,14 @@ impl Experiment for ImageExperiment<'_> {
     fn model(&self, _data: &ImageData, _groups: &Groups, _device: Device, _observers: &mut Observers) -> Result<ImagePlan> {
         // Every rank loads the weights (rank 0's win: they are broadcast at the start), so that a
         // bad file fails everywhere with the same message.
-        Ok(ImagePlan { spec: self.model_spec(), weights: self.args.weights.clone(), trainable: self.trainable(), channels_last: self.args.channels_last })
+        Ok(ImagePlan { spec: self.model_spec()?, weights: self.args.weights.clone(), trainable: self.trainable(), channels_last: self.args.channels_last })
     }
 
     fn describe(&self, _plan: &ImagePlan, step: &dyn TrainStep<'_>, groups: &Groups, device: Device, observers: &mut Observers) -> Result<()> {
         if !groups.is_root() {
             return Ok(());
         }
-        let spec = self.model_spec();
+        let spec = self.spec();
         let trained: i64 = step.named_parameters().iter().map(|(_, t)| t.numel() as i64).sum();
         let frozen: i64 = step.sync().frozen().iter().map(|t| t.numel() as i64).sum();
         let replicas = groups.layout.dp;
@@ -277,7 +432,7 @@ impl Experiment for ImageExperiment<'_> {
 
     fn memory_estimate(&self, world: usize, cuda: bool, observers: &mut Observers) -> Result<Vec<RankEstimate>> {
         let layout = self.layout(world)?;
-        let spec = self.model_spec();
+        let spec = self.model_spec()?;
         let recipe = experiment::RunRecipe::resolve(self.preset, &self.args.recipe, layout.dp, 1, 1);
         let (params, largest, per_image) = crate::memory::estimate::probe_image_activations(&spec, self.args.run.precision)?;
         observers.info(format!(
@@ -292,7 +447,8 @@ impl Experiment for ImageExperiment<'_> {
             layout.describe(),
             per_image / crate::memory::MIB
         ))?;
-        let [channels, size, _] = self.args.dataset.image_shape();
+        let (channels, size) = self.input_shape();
+        let size = self.args.image_size.filter(|_| self.args.dataset.in_memory().is_none()).unwrap_or(size) as usize;
         // Bytes of one image in a batch: the data set's floats, and the resized ones.
         let resized = self.resize().map_or(0, |side| side * side) as usize;
         let image_bytes = 4 * channels * (size * size + resized);
@@ -316,37 +472,48 @@ impl Experiment for ImageExperiment<'_> {
     }
 
     fn model_identity(&self, _plan: &ImagePlan) -> serde_json::Value {
-        serde_json::to_value(self.model_spec()).expect("a model spec serialises")
+        serde_json::to_value(self.spec()).expect("a model spec serialises")
     }
 
     fn flops_per_example(&self, _plan: &ImagePlan) -> f64 {
-        flops::training_flops_per_image(&self.model_spec())
+        flops::training_flops_per_image(&self.spec())
     }
 
     fn sources(&self, data: &ImageData, device: Device, shard: (usize, usize)) -> Result<Sources> {
         let args = self.args;
         let batch = self.batch_size();
-        let train = Loader::new(
-            data.train.clone(),
-            LoaderConfig {
-                augment: args.augment,
-                workers: self.workers(device),
-                shard,
-                resident: args.data_on_device,
-                resize: self.resize(),
-                ..LoaderConfig::train(batch, args.run.seed, device)
-            },
-        );
-        let eval = Loader::new(
-            data.test.clone(),
-            LoaderConfig { workers: self.workers(device), shard, resident: args.data_on_device, resize: self.resize(), ..LoaderConfig::eval(batch, device) },
-        );
+        let workers = self.workers(device);
+        let prefetch = args.prefetch.unwrap_or(LoaderConfig::train(batch, 0, device).prefetch);
+        let train = LoaderConfig { workers, prefetch, shard, ..LoaderConfig::train(batch, args.run.seed, device) };
+        let eval = LoaderConfig { workers, prefetch, shard, ..LoaderConfig::eval(batch, device) };
+        let (train, eval): (Box<dyn BatchSource>, Box<dyn BatchSource>) = match data {
+            ImageData::Memory { train: train_set, test } => {
+                let (resident, resize) = (args.data_on_device, self.resize());
+                (
+                    Box::new(Loader::new(train_set.clone(), LoaderConfig { augment: args.augment, resident, resize, ..train })),
+                    Box::new(Loader::new(test.clone(), LoaderConfig { resident, resize, ..eval })),
+                )
+            }
+            ImageData::Files { train: train_files, test, .. } => {
+                let shuffle_buffer = args.shuffle_buffer.unwrap_or(DEFAULT_SHUFFLE_BUFFER);
+                let train = ImageFileLoader::new(train_files.clone(), self.transform(true), train).with_shuffle_buffer(shuffle_buffer);
+                if let (ImageFiles::Shards(set), 0) = (train_files, train.samples_per_epoch()) {
+                    return usage(format!(
+                        "{} holds {} training shards for {} replicas: every replica streams shards of its own; pack with a smaller --shard-size",
+                        set.dir().display(),
+                        set.shards().len(),
+                        shard.1
+                    ));
+                }
+                (Box::new(train), Box::new(ImageFileLoader::new(test.clone(), self.transform(false), eval)))
+            }
+        };
         // The course evaluates on the test set every epoch: the last evaluation is the test.
-        Ok(Sources { train: Box::new(train), eval: Box::new(eval), test: None, examples_per_epoch: data.train.len() })
+        Ok(Sources { train, eval, test: None, examples_per_epoch: data.train_len() })
     }
 
     fn data_generated(&self, data: &ImageData) -> bool {
-        data.train.generated
+        data.generated()
     }
 
     fn report(&self, _data: &ImageData, _plan: &ImagePlan, _fit: &FitReport, test: &EvalSums, _device: Device) -> (Vec<String>, serde_json::Value) {
@@ -357,7 +524,44 @@ impl Experiment for ImageExperiment<'_> {
             Trainable::All => serde_json::Value::Null,
             Trainable::Last(n) => n.into(),
         };
-        let image_size = self.model_spec().image_size;
+        let image_size = self.spec().image_size;
         (vec![table], serde_json::json!({ "memory_format": memory_format, "trained_blocks": trained_blocks, "image_size": image_size }))
+    }
+}
+
+/// Samples WebDataset-style shuffle buffers hold unless `--shuffle-buffer` says otherwise (the
+/// size of its examples): a few hundred MB of JPEG bytes per rank at ImageNet's sizes.
+const DEFAULT_SHUFFLE_BUFFER: usize = 1000;
+
+impl ImageExperiment<'_> {
+    /// The image files of both splits: a folder listed as torchvision lists it, or a shard set.
+    fn load_files(&self, dir: &std::path::Path) -> Result<ImageData> {
+        let generated = dir.join(data::GENERATED_MARKER).exists();
+        let (train, test) = match self.args.dataset {
+            DatasetChoice::Shards => {
+                let train = crate::data::shards::ShardSet::open(dir, Split::Train)?;
+                let test = crate::data::shards::ShardSet::open(dir, Split::Test)?;
+                (ImageFiles::Shards(Arc::new(train)), ImageFiles::Shards(Arc::new(test)))
+            }
+            _ => {
+                let train = ImageFolder::scan_split(dir, Split::Train, None)?;
+                let test = ImageFolder::scan_split(dir, Split::Test, Some(&train.classes))?;
+                (ImageFiles::Folder(Arc::new(train)), ImageFiles::Folder(Arc::new(test)))
+            }
+        };
+        let classes = train.classes().len();
+        if let Some(head) = self.args.num_classes.filter(|&n| n < classes as i64) {
+            return usage(format!("--num-classes {head}: {} has {classes} classes", dir.display()));
+        }
+        Ok(ImageData::Files { train, test, generated })
+    }
+}
+
+/// A transform as torchvision would write it.
+fn describe_transform(transform: Transform) -> String {
+    match transform {
+        Transform::RandomResizedCrop { size } => format!("training RandomResizedCrop({size}) + flip"),
+        Transform::ResizeCenterCrop { resize, size } => format!("evaluation Resize({resize}) + CenterCrop({size})"),
+        Transform::Resize { size } => format!("Resize(({size}, {size}))"),
     }
 }

@@ -106,3 +106,103 @@ fn gaussian(rng: &mut ChaCha8Rng) -> f64 {
     let u2: f64 = rng.random();
     (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
 }
+
+/// How big the images of a generated image folder are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PhotoSizes {
+    /// About ImageNet's: 500×375 give or take a fifth, a fifth of them portrait, some square;
+    /// JPEG quality 90 (what `make bench-data` decodes).
+    Imagenet,
+    /// 40 to 90 pixels a side, for tests and CI-sized runs.
+    Small,
+}
+
+/// What [`image_folder`] writes.
+#[derive(Debug, Clone, Copy)]
+pub struct FolderConfig {
+    pub classes: usize,
+    /// Images per class in `train/` and in `val/`.
+    pub train_per_class: usize,
+    pub val_per_class: usize,
+    pub sizes: PhotoSizes,
+    /// Besides RGB JPEGs, a grey-scale JPEG and an RGBA PNG in every class (the cases a
+    /// decoder must turn into RGB, as PIL's `convert("RGB")` does).
+    pub mixed_formats: bool,
+    pub seed: u64,
+}
+
+/// JPEG quality of the generated photographs (torchvision's and ImageNet's usual range).
+pub const JPEG_QUALITY: u8 = 90;
+
+/// Writes a generated image folder into `dir`: `train/<class>/*` and `val/<class>/*` in
+/// torchvision's `ImageFolder` layout, classes `c000`, `c001`, … with ImageNet's `.JPEG`
+/// extension. Each image is its class's plane wave (as in the binary stand-ins) at a random
+/// phase, over smooth random shading and pixel noise, so that JPEG files come out about as
+/// large and slow to decode as photographs of the same size.
+pub fn image_folder(dir: &Path, config: FolderConfig) -> anyhow::Result<()> {
+    for (split, per_class, salt) in [("train", config.train_per_class, 0u64), ("val", config.val_per_class, 1 << 40)] {
+        let jobs: Vec<(usize, usize)> = (0..config.classes).flat_map(|class| (0..per_class).map(move |i| (class, i))).collect();
+        jobs.par_iter().try_for_each(|&(class, i)| -> anyhow::Result<()> {
+            let folder = dir.join(split).join(format!("c{class:03}"));
+            std::fs::create_dir_all(&folder).with_context(|| format!("cannot create {}", folder.display()))?;
+            let mut rng = ChaCha8Rng::seed_from_u64(config.seed ^ salt ^ ((class * per_class + i) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let (width, height) = photo_size(&mut rng, config.sizes);
+            let photo = draw_photo(&mut rng, class, width, height);
+            let (name, bytes) = match (config.mixed_formats, i) {
+                (true, 0) => ("png", encode(&image::DynamicImage::ImageRgba8(image::DynamicImage::ImageRgb8(photo).into_rgba8()), image::ImageFormat::Png)?),
+                (true, 1) => ("jpg", encode(&image::DynamicImage::ImageLuma8(image::DynamicImage::ImageRgb8(photo).into_luma8()), image::ImageFormat::Jpeg)?),
+                _ => ("JPEG", encode(&image::DynamicImage::ImageRgb8(photo), image::ImageFormat::Jpeg)?),
+            };
+            let path = folder.join(format!("c{class:03}_{i:06}.{name}"));
+            std::fs::write(&path, bytes).with_context(|| format!("cannot write {}", path.display()))
+        })?;
+    }
+    let note = format!(
+        "GENERATED stand-in image folder (not a real data set): {} classes, {} train + {} val images per class, seed {}.\n\
+         Each class is a noisy plane wave of its own orientation and colour, written as JPEG (quality {JPEG_QUALITY}).\n",
+        config.classes, config.train_per_class, config.val_per_class, config.seed
+    );
+    let marker = dir.join(GENERATED_MARKER);
+    std::fs::write(&marker, note).with_context(|| format!("cannot write {}", marker.display()))
+}
+
+fn photo_size(rng: &mut ChaCha8Rng, sizes: PhotoSizes) -> (u32, u32) {
+    match sizes {
+        PhotoSizes::Imagenet => {
+            let scale = rng.random_range(0.8..1.2);
+            let (long, short) = ((500.0 * scale) as u32, (375.0 * scale) as u32);
+            match rng.random_range(0..10) {
+                0..=6 => (long, short),
+                7..=8 => (short, long),
+                _ => (short, short),
+            }
+        }
+        PhotoSizes::Small => (rng.random_range(40..=90), rng.random_range(40..=90)),
+    }
+}
+
+fn draw_photo(rng: &mut ChaCha8Rng, class: usize, width: u32, height: u32) -> image::RgbImage {
+    use std::f64::consts::TAU;
+    let angle = class as f64 * std::f64::consts::PI / 10.0;
+    let cycles = 3.0 + (class % 4) as f64;
+    let (fx, fy) = (cycles * angle.cos() / width as f64, cycles * angle.sin() / height as f64);
+    let phase = rng.random::<f64>() * TAU;
+    // Smooth shading: a slow wave of random direction, the same for every class.
+    let (sx, sy, shade_phase) = (rng.random_range(-1.5..1.5) / width as f64, rng.random_range(-1.5..1.5) / height as f64, rng.random::<f64>() * TAU);
+    let colours: Vec<f64> = (0..3).map(|c| 0.6 + 0.4 * ((class + c * 3) as f64 * 1.3).sin()).collect();
+    image::RgbImage::from_fn(width, height, |x, y| {
+        let (x, y) = (x as f64, y as f64);
+        let wave = (TAU * (fx * x + fy * y) + phase).cos();
+        let shade = 40.0 * (TAU * (sx * x + sy * y) + shade_phase).sin();
+        image::Rgb(std::array::from_fn(|c| (128.0 + shade + 50.0 * colours[c] * wave + 10.0 * gaussian(rng)).round().clamp(0.0, 255.0) as u8))
+    })
+}
+
+fn encode(image: &image::DynamicImage, format: image::ImageFormat) -> anyhow::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    match format {
+        image::ImageFormat::Jpeg => image.write_with_encoder(image::codecs::jpeg::JpegEncoder::new_with_quality(&mut bytes, JPEG_QUALITY))?,
+        format => image.write_to(&mut std::io::Cursor::new(&mut bytes), format)?,
+    }
+    Ok(bytes)
+}

@@ -159,7 +159,7 @@ impl Loader {
         let maker = Arc::clone(&job);
         let staged = ordered_map(batches, self.config.workers, self.config.prefetch, move |batch| Ok(maker.host_batch(batch)));
         let (device, normalization, side) = (self.config.device, self.dataset.kind.normalization(), self.config.resize);
-        Box::new(staged.map(move |host| host.map(|host| host.to_device(device, normalization, side))))
+        Box::new(staged.map(move |host| host.map(|host| host.into_device(device, normalization, side))))
     }
 }
 
@@ -171,7 +171,7 @@ pub(crate) struct HostBatch {
 
 /// Images `[B, C, H, W]` as bytes and their labels, as a worker hands them to the training
 /// thread for `device`: on the CPU already as normalised floats; for a GPU left as bytes, in
-/// pinned memory, for [`HostBatch::to_device`] to copy asynchronously (four times fewer bytes)
+/// pinned memory, for [`HostBatch::into_device`] to copy asynchronously (four times fewer bytes)
 /// and normalise there.
 pub(crate) fn stage(bytes: Vec<u8>, labels: Vec<i64>, shape: [i64; 4], normalization: Normalization, device: Device) -> HostBatch {
     let labels = Tensor::from_slice(&labels);
@@ -194,7 +194,7 @@ pub(crate) fn stage(bytes: Vec<u8>, labels: Vec<i64>, shape: [i64; 4], normaliza
 impl HostBatch {
     /// On the training thread: the copy to the device, and there the conversion to floats and
     /// the resize to `side` (LibTorch operations, which the workers leave alone).
-    pub(crate) fn to_device(self, device: Device, normalization: Normalization, side: Option<i64>) -> Batch {
+    pub(crate) fn into_device(self, device: Device, normalization: Normalization, side: Option<i64>) -> Batch {
         let batch = match device {
             Device::Cpu => Batch { inputs: self.images, targets: self.labels },
             device => {
@@ -291,11 +291,16 @@ struct Draw {
 /// Draws the augmentation of the `n` images of `batch` in `epoch`: a random stream per (seed,
 /// epoch, batch), so a batch gets the same draws whichever thread (or device) makes it.
 fn augmentation_draws(config: &LoaderConfig, epoch: usize, batch: usize, n: usize) -> Vec<Draw> {
+    let mut rng = batch_rng(config, epoch, batch);
+    (0..n).map(|_| draw(&mut rng, AUGMENT_PADDING)).collect()
+}
+
+/// The random stream of the augmentation of `batch` in `epoch` on this replica.
+pub(crate) fn batch_rng(config: &LoaderConfig, epoch: usize, batch: usize) -> ChaCha8Rng {
     // Each rank's batch b holds other images: give it other draws too (rank 0 keeps the
     // single-process stream).
     let seed = config.seed ^ (config.shard.0 as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93);
-    let mut rng = ChaCha8Rng::seed_from_u64(mix(seed, epoch as u64, batch as u64));
-    (0..n).map(|_| draw(&mut rng, AUGMENT_PADDING)).collect()
+    ChaCha8Rng::seed_from_u64(mix(seed, epoch as u64, batch as u64))
 }
 
 fn draw(rng: &mut ChaCha8Rng, pad: usize) -> Draw {
@@ -337,7 +342,7 @@ fn crop_flip(src: &[u8], out: &mut [u8], [channels, height, width]: [usize; 3], 
 }
 
 /// A seed for (seed, epoch, batch), so each batch's augmentation is fixed whatever thread makes it.
-fn mix(seed: u64, epoch: u64, batch: u64) -> u64 {
+pub(crate) fn mix(seed: u64, epoch: u64, batch: u64) -> u64 {
     let mut z = seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ batch.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);

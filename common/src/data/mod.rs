@@ -5,12 +5,14 @@
 //! become float tensors only batch by batch, on the loader's worker threads.
 pub mod cifar10;
 pub mod generate;
+pub mod image_files;
 pub mod image_folder;
 pub mod loader;
 pub mod mnist;
 pub mod sampler;
 pub mod shards;
 pub mod text;
+pub mod transforms;
 pub mod workers;
 
 use anyhow::Context;
@@ -23,6 +25,40 @@ pub use sampler::Sampler;
 /// Name of the marker file that [`generate`] leaves beside generated data, so that every run
 /// on it can say so.
 pub const GENERATED_MARKER: &str = "GENERATED.txt";
+
+/// What `--dataset` names: a binary data set read whole into memory, or image files decoded
+/// batch by batch (an image folder or tar shards, ImageNet-style).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DatasetChoice {
+    Cifar10,
+    Mnist,
+    /// torchvision's ImageFolder layout: `train/<class>/<image>`, `val/<class>/<image>`.
+    Imagefolder,
+    /// WebDataset-style tar shards (`train-000000.tar`: `<key>.jpg` + `<key>.cls`), as
+    /// `prepare_data pack` writes them from an image folder.
+    Shards,
+}
+
+impl DatasetChoice {
+    pub fn name(self) -> &'static str {
+        match self {
+            DatasetChoice::Cifar10 => "cifar10",
+            DatasetChoice::Mnist => "mnist",
+            DatasetChoice::Imagefolder => "imagefolder",
+            DatasetChoice::Shards => "shards",
+        }
+    }
+
+    /// The binary data set, for those read into memory; `None` for image files.
+    pub fn in_memory(self) -> Option<DatasetKind> {
+        match self {
+            DatasetChoice::Cifar10 => Some(DatasetKind::Cifar10),
+            DatasetChoice::Mnist => Some(DatasetKind::Mnist),
+            DatasetChoice::Imagefolder | DatasetChoice::Shards => None,
+        }
+    }
+}
 
 /// The image data sets the exercises know.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]

@@ -31,12 +31,13 @@ where
         return Box::new(jobs.map(make));
     }
     let make = Arc::new(make);
+    let mut threads = Vec::with_capacity(workers);
     let (inputs, outputs): (Vec<_>, Vec<_>) = (0..workers)
         .map(|worker| {
             let (job_sender, job_receiver) = sync_channel::<J>(1);
             let (result_sender, result_receiver) = sync_channel(prefetch.max(1));
             let make = Arc::clone(&make);
-            std::thread::Builder::new()
+            let thread = std::thread::Builder::new()
                 .name(format!("loader-{worker}"))
                 .spawn(move || {
                     for job in job_receiver {
@@ -48,6 +49,7 @@ where
                     }
                 })
                 .expect("cannot start a data loader thread");
+            threads.push(thread);
             (job_sender, result_receiver)
         })
         .unzip();
@@ -61,13 +63,27 @@ where
             }
         })
         .expect("cannot start a data loader thread");
-    Box::new(InOrder { outputs, next: 0 })
+    Box::new(InOrder { outputs, next: 0, workers: threads })
 }
 
 /// The consumer's side: result `i` from worker `i % workers`.
 struct InOrder<T> {
     outputs: Vec<Receiver<Result<T>>>,
     next: usize,
+    workers: Vec<std::thread::JoinHandle<()>>,
+}
+
+/// Dropped before the epoch's end (`--max-steps`, an error, the process ending): the workers
+/// are waited for, each finishing at most the job in its hands. They make LibTorch tensors,
+/// which must not happen while a returning `main` tears LibTorch down. (The feeder, which
+/// touches no tensor, is left to stop at its next job.)
+impl<T> Drop for InOrder<T> {
+    fn drop(&mut self) {
+        self.outputs.clear();
+        for worker in self.workers.drain(..) {
+            let _ = worker.join();
+        }
+    }
 }
 
 impl<T> Iterator for InOrder<T> {

@@ -33,6 +33,27 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+    /// Write a generated image folder (train/<class>/*.JPEG, val/<class>/*.JPEG, torchvision's
+    /// ImageFolder layout), marked as generated: for `--dataset imagefolder`, `pack` and `make bench-data`.
+    GenerateImages {
+        #[arg(long, default_value = "data/imagefolder")]
+        out: PathBuf,
+        #[arg(long, default_value_t = 10)]
+        classes: usize,
+        /// Training images per class.
+        #[arg(long, default_value_t = 100)]
+        train: usize,
+        /// Validation images per class.
+        #[arg(long, default_value_t = 20)]
+        val: usize,
+        #[arg(long, value_enum, default_value = "imagenet")]
+        sizes: generate::PhotoSizes,
+        /// Also a grey-scale JPEG and an RGBA PNG in every class.
+        #[arg(long)]
+        mixed_formats: bool,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
     /// Write a generated WikiText-2 stand-in (wiki.{train,valid,test}.tokens), marked as generated.
     GenerateText {
         #[arg(long, default_value = "data/wikitext-2")]
@@ -82,6 +103,18 @@ fn main() -> std::process::ExitCode {
             let out = out.unwrap_or_else(|| dataset.default_dir());
             generate::generate(dataset, &out, config)?;
             println!("wrote a GENERATED {} stand-in ({} train + {} test images) to {}", dataset.name(), config.train, config.test, out.display());
+            Ok(())
+        }
+        Command::GenerateImages { out, classes, train, val, sizes, mixed_formats, seed } => {
+            if classes == 0 || train == 0 {
+                return common::error::usage("--classes and --train must be at least 1");
+            }
+            if mixed_formats && train < 2 {
+                return common::error::usage("--mixed-formats needs --train 2 or more (a PNG and a grey JPEG per class)");
+            }
+            let config = generate::FolderConfig { classes, train_per_class: train, val_per_class: val, sizes, mixed_formats, seed };
+            generate::image_folder(&out, config)?;
+            println!("wrote a GENERATED image folder ({classes} classes × {train} train + {val} val images) to {}", out.display());
             Ok(())
         }
         Command::GenerateText { out, seed } => {

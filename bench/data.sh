@@ -35,9 +35,9 @@ work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
 
 header="finished_at,loader,workers,batch,images,images_per_s"
 [[ -f "$csv" ]] || echo "$header" > "$csv"
-common=(--data-dir "$photos" --batch-size "$BATCH" --batches "$BATCHES" --warmup 2)
-rust() { "$bin/bench_data" "${common[@]}" --workers "$1"; }
-torchvision() { "$python" bench/data_loader.py "${common[@]}" --workers "$1"; }
+common=(--data-dir "$photos" --batch-size "$BATCH")
+rust() { "$bin/bench_data" "${common[@]}" --batches "$BATCHES" --warmup 2 --workers "$1"; }
+torchvision() { "$python" bench/data_loader.py "${common[@]}" --batches "$BATCHES" --warmup 2 --workers "$1"; }
 rate() { "$python" -c "import json, sys; print(json.loads(sys.stdin.read().strip().splitlines()[-1])['images_per_s'])"; }
 
 echo "$(nproc) cores; $((CLASSES * PER_CLASS)) JPEGs in $photos ($(du -sh "$photos" | cut -f1)); batch $BATCH, $BATCHES batches timed after 2, $ROUNDS rounds A B A B"

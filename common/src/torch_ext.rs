@@ -13,6 +13,8 @@
 //!   as `torch.profiler.profile` and `record_function`.
 //! - [`cpu_memory`], [`cuda_memory`]: bytes held by tensors now and at their peak, from the CUDA
 //!   caching allocator's statistics and from a counting wrapper around the CPU allocator.
+//! - [`filled_by`]: a new CPU tensor whose elements plain Rust writes in place (tch's
+//!   `from_slice` zero-fills a tensor and then copies into it).
 use anyhow::{bail, Result};
 use std::ffi::c_void;
 use tch::{Device, Tensor};
@@ -132,6 +134,20 @@ fn tensor(ptr: *mut C_tensor, what: &str) -> Result<Tensor> {
 pub fn pin_memory(tensor_: &Tensor) -> Result<Tensor> {
     // SAFETY: a valid tensor pointer for the duration of the call.
     tensor(unsafe { ffi::torch_ext_pin_memory(tensor_.as_ptr()) }, "pin_memory")
+}
+
+/// A new contiguous CPU tensor of `shape` whose elements `fill` writes, in place: one pass over
+/// the memory where `Tensor::from_slice` of a prepared buffer makes three (the buffer, LibTorch's
+/// zero fill, the copy), and no LibTorch kernel, so no OpenMP team, in the calling thread (the
+/// data loader's workers). `fill` must write every element: what it leaves is undefined.
+pub fn filled_by<T: tch::kind::Element>(shape: &[i64], fill: impl FnOnce(&mut [T])) -> Tensor {
+    let tensor = Tensor::empty(shape, (T::KIND, Device::Cpu));
+    let elements = tensor.numel();
+    // SAFETY: a new contiguous tensor of `elements` elements of type T on the CPU, whose storage
+    // nothing else refers to yet; the slice lives only during `fill`.
+    let slice = unsafe { std::slice::from_raw_parts_mut(tensor.data_ptr() as *mut T, elements) };
+    fill(slice);
+    tensor
 }
 
 /// Whether `tensor` lives in pinned host memory.

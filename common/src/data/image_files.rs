@@ -25,7 +25,7 @@
 use super::image_folder::ImageFolder;
 use super::loader::{batch_rng, stage, HostBatch, LoaderConfig};
 use super::shards::{shuffle_buffer, EncodedSample, ShardSet};
-use super::transforms::Transform;
+use super::transforms::{Scratch, Transform};
 use super::workers::ordered_map;
 use super::{Normalization, Sampler, IMAGENET_NORMALIZATION};
 use crate::train::{BatchSource, Batches};
@@ -187,12 +187,12 @@ impl BatchMaker {
         let mut bytes = vec![0u8; images.len() * per_image];
         let mut labels = Vec::with_capacity(images.len());
         let seed = batch_rng(&self.config, self.epoch, batch).get_seed();
-        let mut resizer = fast_image_resize::Resizer::new();
+        let mut scratch = Scratch::default();
         for (i, (image, out)) in images.zip(bytes.chunks_exact_mut(per_image)).enumerate() {
             let image = image?;
             let mut rng = ChaCha8Rng::from_seed(seed);
             rng.set_stream(i as u64);
-            self.transform.apply(&image.bytes, out, &mut rng, &mut resizer).with_context(|| image.name.clone())?;
+            self.transform.apply(&image.bytes, out, &mut rng, &mut scratch).with_context(|| image.name.clone())?;
             labels.push(image.label as i64);
         }
         let shape = [labels.len() as i64, 3, side as i64, side as i64];

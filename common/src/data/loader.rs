@@ -174,20 +174,21 @@ pub(crate) struct HostBatch {
 /// pinned memory, for [`HostBatch::into_device`] to copy asynchronously (four times fewer bytes)
 /// and normalise there.
 pub(crate) fn stage(bytes: Vec<u8>, labels: Vec<i64>, shape: [i64; 4], normalization: Normalization, device: Device) -> HostBatch {
+    use crate::torch_ext::filled_by;
     let labels = Tensor::from_slice(&labels);
     let plane = (shape[2] * shape[3]) as usize;
     match device {
         // Plain Rust, not LibTorch operations: a worker thread running LibTorch's parallel
         // kernels would start an OpenMP team of its own and compete with the training
         // thread's for the cores.
-        Device::Cpu => HostBatch { images: Tensor::from_slice(&normalize_bytes(&bytes, normalization, plane)).view(shape), labels },
+        Device::Cpu => HostBatch { images: filled_by(&shape, |floats| normalize_bytes_into(&bytes, normalization, plane, floats)), labels },
         // Pinned, so that the copy to the GPU runs asynchronously; should pinning ever fail
         // (it needs the CUDA runtime that the GPU run has), the copy just waits.
         Device::Cuda(_) => {
             let pin = |t: Tensor| crate::torch_ext::pin_memory(&t).unwrap_or(t);
-            HostBatch { images: pin(Tensor::from_slice(&bytes).view(shape)), labels: pin(labels) }
+            HostBatch { images: pin(filled_by(&shape, |out: &mut [u8]| out.copy_from_slice(&bytes))), labels: pin(labels) }
         }
-        Device::Mps | Device::Vulkan => HostBatch { images: Tensor::from_slice(&bytes).view(shape), labels },
+        Device::Mps | Device::Vulkan => HostBatch { images: filled_by(&shape, |out: &mut [u8]| out.copy_from_slice(&bytes)), labels },
     }
 }
 
@@ -267,14 +268,30 @@ pub fn resize(images: &Tensor, side: Option<i64>) -> Tensor {
 /// [`normalize`] on the host, without LibTorch: bytes of `[B, C, H, W]` images (`plane` = H·W
 /// bytes per channel) → floats, the same float operations in the same order, so the same
 /// floats bit for bit (tested for every byte value and channel).
-pub fn normalize_bytes(bytes: &[u8], Normalization { mean, std }: Normalization, plane: usize) -> Vec<f32> {
-    let (mean, std): (Vec<f32>, Vec<f32>) = (mean.iter().map(|&m| m as f32).collect(), std.iter().map(|&s| s as f32).collect());
-    let mut out = Vec::with_capacity(bytes.len());
-    for (i, channel) in bytes.chunks_exact(plane).enumerate() {
-        let (m, s) = (mean[i % mean.len()], std[i % std.len()]);
-        out.extend(channel.iter().map(|&b| (b as f32 / 255.0 - m) / s));
-    }
+pub fn normalize_bytes(bytes: &[u8], normalization: Normalization, plane: usize) -> Vec<f32> {
+    let mut out = vec![0.0; bytes.len()];
+    normalize_bytes_into(bytes, normalization, plane, &mut out);
     out
+}
+
+/// [`normalize_bytes`] into `out` (as long as `bytes`): each channel through a table of its 256
+/// values, computed by the same float operations (so the same floats).
+pub fn normalize_bytes_into(bytes: &[u8], Normalization { mean, std }: Normalization, plane: usize, out: &mut [f32]) {
+    assert_eq!(bytes.len(), out.len(), "one float per byte");
+    let tables: Vec<[f32; 256]> = mean
+        .iter()
+        .zip(std)
+        .map(|(&m, &s)| {
+            let (m, s) = (m as f32, s as f32);
+            std::array::from_fn(|b| (b as f32 / 255.0 - m) / s)
+        })
+        .collect();
+    for (i, (channel, out)) in bytes.chunks_exact(plane).zip(out.chunks_exact_mut(plane)).enumerate() {
+        let table = &tables[i % tables.len()];
+        for (out, &b) in out.iter_mut().zip(channel) {
+            *out = table[b as usize];
+        }
+    }
 }
 
 /// Zero padding of the random crop (torchvision's `RandomCrop(32, padding=4)`).

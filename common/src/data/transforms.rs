@@ -62,21 +62,22 @@ impl Transform {
     }
 
     /// Decodes `encoded` and writes the transformed image into `out` (`3 × S × S` bytes, channel
-    /// planes), drawing what is random from `rng`. `resizer` keeps its buffers from one image to
-    /// the next.
-    pub fn apply(self, encoded: &[u8], out: &mut [u8], rng: &mut ChaCha8Rng, resizer: &mut Resizer) -> Result<()> {
-        let image = decode(encoded)?;
-        let (width, height) = image.dimensions();
-        let source = ImageRef::new(width, height, image.as_raw(), PixelType::U8x3).map_err(|e| anyhow!("{e}"))?;
+    /// planes), drawing what is random from `rng`, in the buffers of `scratch`.
+    pub fn apply(self, encoded: &[u8], out: &mut [u8], rng: &mut ChaCha8Rng, scratch: &mut Scratch) -> Result<()> {
+        let Scratch { resizer, decoded, resized } = scratch;
+        let (width, height) = decode_into(encoded, decoded)?;
+        let source = ImageRef::new(width, height, decoded, PixelType::U8x3).map_err(|e| anyhow!("{e}"))?;
         let size = self.size();
-        let mut resized = Image::new(size, size, PixelType::U8x3);
+        if (resized.width(), resized.height()) != (size, size) {
+            *resized = Image::new(size, size, PixelType::U8x3);
+        }
         let bilinear = ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::Bilinear));
         let flip = match self {
             Transform::RandomResizedCrop { .. } => {
                 // torchvision crops first, then resizes the crop: the filter stops at the crop's edges.
                 let crop = random_resized_crop(width, height, rng);
                 let cropped = CroppedImage::new(&source, crop.left, crop.top, crop.width, crop.height).map_err(|e| anyhow!("{e}"))?;
-                resizer.resize(&cropped, &mut resized, &bilinear)?;
+                resizer.resize(&cropped, resized, &bilinear)?;
                 rng.random_bool(0.5)
             }
             Transform::ResizeCenterCrop { resize, size } => {
@@ -90,11 +91,11 @@ impl Transform {
                 }
                 let (sx, sy) = (width as f64 / scaled_w as f64, height as f64 / scaled_h as f64);
                 let options = bilinear.crop(left as f64 * sx, top as f64 * sy, size as f64 * sx, size as f64 * sy);
-                resizer.resize(&source, &mut resized, &options)?;
+                resizer.resize(&source, resized, &options)?;
                 false
             }
             Transform::Resize { .. } => {
-                resizer.resize(&source, &mut resized, &bilinear)?;
+                resizer.resize(&source, resized, &bilinear)?;
                 false
             }
         };
@@ -103,23 +104,57 @@ impl Transform {
     }
 }
 
+/// The buffers a worker's transforms reuse from one image to the next: the resizer's, the
+/// decoded image's and the resized one's (fresh buffers of half a megabyte per image cost page
+/// faults that showed in profiles).
+pub struct Scratch {
+    resizer: Resizer,
+    decoded: Vec<u8>,
+    resized: Image<'static>,
+}
+
+impl Default for Scratch {
+    fn default() -> Self {
+        Scratch { resizer: Resizer::new(), decoded: Vec::new(), resized: Image::new(1, 1, PixelType::U8x3) }
+    }
+}
+
 /// An image file's bytes decoded to 8-bit RGB (the format recognised from the bytes).
 pub fn decode(encoded: &[u8]) -> Result<image::RgbImage> {
+    let mut pixels = Vec::new();
+    let (width, height) = decode_into(encoded, &mut pixels)?;
+    Ok(image::RgbImage::from_raw(width, height, pixels).expect("width × height × 3 bytes"))
+}
+
+/// [`decode`] into `pixels` (`width × height × 3` bytes, resized to fit): returns the size.
+fn decode_into(encoded: &[u8], pixels: &mut Vec<u8>) -> Result<(u32, u32)> {
+    use image::ImageDecoder;
     let reader = image::ImageReader::new(std::io::Cursor::new(encoded)).with_guessed_format().context("cannot read the image")?;
     if reader.format() == Some(image::ImageFormat::Jpeg) && !jpeg_is_complete(encoded) {
         // The decoder fills what is missing with grey and says nothing; PIL refuses ("image file
         // is truncated"), and so do we: a file cut short is a copy gone wrong, to be named.
         return Err(anyhow!("cannot decode the image: the JPEG is cut short (no end marker after its last scan)"));
     }
-    Ok(reader.decode().context("cannot decode the image")?.into_rgb8())
+    let decoder = reader.into_decoder().context("cannot decode the image")?;
+    let (width, height) = decoder.dimensions();
+    if decoder.color_type() == image::ColorType::Rgb8 {
+        pixels.resize(decoder.total_bytes() as usize, 0);
+        decoder.read_image(pixels).context("cannot decode the image")?;
+    } else {
+        let rgb = image::DynamicImage::from_decoder(decoder).context("cannot decode the image")?.into_rgb8();
+        pixels.clear();
+        pixels.extend_from_slice(rgb.as_raw());
+    }
+    Ok((width, height))
 }
 
-/// Whether a JPEG's last scan (after its last start-of-scan marker, FF DA) is followed by the
-/// end-of-image marker (FF D9). Inside a scan a data byte FF is always followed by 00 (or by a
-/// restart marker, FF D0–D7), so FF D9 there can only be the real end.
+/// Whether a JPEG ends with an end-of-image marker (FF D9) after its last scan (FF DA). Inside a
+/// scan a data byte FF is always followed by 00 or a restart marker (FF D0–D7), so FF D9 can
+/// only be an end: the main image's, or, before the main image's scans, an embedded thumbnail's.
+/// Searched from the end, where it is.
 fn jpeg_is_complete(bytes: &[u8]) -> bool {
-    let last_scan = bytes.windows(2).rposition(|pair| pair == [0xFF, 0xDA]);
-    last_scan.is_some_and(|start| bytes[start..].windows(2).any(|pair| pair == [0xFF, 0xD9]))
+    let end = bytes.windows(2).rposition(|pair| pair == [0xFF, 0xD9]);
+    end.is_some_and(|end| !bytes[end..].windows(2).any(|pair| pair == [0xFF, 0xDA]))
 }
 
 /// torchvision's `RandomResizedCrop.get_params`: ten tries at a random area share and aspect
@@ -241,12 +276,12 @@ mod tests {
         // A horizontal ramp in red, constant green and blue: resizing keeps the ramp's direction,
         // the flip reverses it.
         let png = encode_png(40, 30, |x, _| [(x * 6) as u8, 100, 200]);
-        let mut resizer = Resizer::new();
+        let mut scratch = Scratch::default();
         for transform in [Transform::Resize { size: 16 }, Transform::ResizeCenterCrop { resize: 20, size: 16 }, Transform::RandomResizedCrop { size: 16 }] {
             let mut flipped_seen = (false, false);
             for seed in 0..20 {
                 let mut out = vec![0u8; 3 * 16 * 16];
-                transform.apply(&png, &mut out, &mut ChaCha8Rng::seed_from_u64(seed), &mut resizer).unwrap();
+                transform.apply(&png, &mut out, &mut ChaCha8Rng::seed_from_u64(seed), &mut scratch).unwrap();
                 assert!(out[256..512].iter().all(|&g| g == 100) && out[512..].iter().all(|&b| b == 200), "{transform:?}: green and blue planes");
                 let row = &out[16 * 8..16 * 9];
                 let rising = row.windows(2).all(|w| w[0] <= w[1]) && row[0] < row[15];
@@ -265,12 +300,11 @@ mod tests {
         // equals resampling just that middle: compare against the whole resize, then the crop.
         let png = encode_png(40, 30, |x, y| [(x * 6) as u8, (y * 8) as u8, ((x * y) % 251) as u8]);
         let mut out = vec![0u8; 3 * 16 * 16];
-        let mut resizer = Resizer::new();
-        Transform::ResizeCenterCrop { resize: 20, size: 16 }.apply(&png, &mut out, &mut ChaCha8Rng::seed_from_u64(0), &mut resizer).unwrap();
+        Transform::ResizeCenterCrop { resize: 20, size: 16 }.apply(&png, &mut out, &mut ChaCha8Rng::seed_from_u64(0), &mut Scratch::default()).unwrap();
         let decoded = decode(&png).unwrap();
         let mut whole = Image::new(26, 20, PixelType::U8x3);
         let source = ImageRef::new(40, 30, decoded.as_raw(), PixelType::U8x3).unwrap();
-        resizer.resize(&source, &mut whole, &ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::Bilinear))).unwrap();
+        Resizer::new().resize(&source, &mut whole, &ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::Bilinear))).unwrap();
         let (top, left) = (center_offset(20, 16) as usize, center_offset(26, 16) as usize);
         for y in 0..16 {
             for x in 0..16 {

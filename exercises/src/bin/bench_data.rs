@@ -43,6 +43,8 @@ struct Cli {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     common::error::run_main(|| {
+        // As the exercises run (experiment::run): freed batches stay with the process.
+        common::device::keep_freed_host_memory();
         let train = match cli.transform.as_str() {
             "train" => true,
             "eval" => false,

@@ -202,7 +202,7 @@ impl<'a> ImageExperiment<'a> {
         let dir = self.data_dir();
         let n = match self.args.dataset {
             DatasetChoice::Shards => crate::data::shards::ShardSet::open(&dir, Split::Train)?.classes().len(),
-            _ => image_folder::find_classes(&dir.join(image_folder::split_folder(Split::Train)))?.len(),
+            _ => image_folder::find_classes(&image_folder::split_root(&dir, Split::Train)?)?.len(),
         };
         Ok(*self.file_classes.get_or_init(|| n))
     }

@@ -61,15 +61,7 @@ impl ImageFolder {
     /// Lists split `split` of the data set in `dir` (`dir/train` or `dir/val`), checking that
     /// its classes are `classes` when given (the training split's).
     pub fn scan_split(dir: &Path, split: super::Split, classes: Option<&[String]>) -> Result<ImageFolder> {
-        let root = dir.join(split_folder(split));
-        if !root.is_dir() {
-            bail!(
-                "{} does not exist: an image folder holds train/<class>/<image> and val/<class>/<image> \
-                 (torchvision's ImageFolder layout; `prepare_data generate-images` writes a stand-in)",
-                root.display()
-            );
-        }
-        let folder = ImageFolder::scan(&root)?;
+        let folder = ImageFolder::scan(&split_root(dir, split)?)?;
         if let Some(expected) = classes {
             check_same_classes(&folder, expected)?;
         }
@@ -83,6 +75,19 @@ impl ImageFolder {
     pub fn is_empty(&self) -> bool {
         self.samples.is_empty()
     }
+}
+
+/// The folder of split `split` in the data set `dir`, which must exist.
+pub fn split_root(dir: &Path, split: super::Split) -> Result<PathBuf> {
+    let root = dir.join(split_folder(split));
+    if !root.is_dir() {
+        bail!(
+            "{} does not exist: an image folder holds train/<class>/<image> and val/<class>/<image> \
+             (torchvision's ImageFolder layout; `prepare_data generate-images` writes a stand-in)",
+            root.display()
+        );
+    }
+    Ok(root)
 }
 
 /// The class folders of `root`, sorted (torchvision's `find_classes`).

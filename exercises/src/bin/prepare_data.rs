@@ -168,6 +168,11 @@ fn main() -> std::process::ExitCode {
             if let Some(val) = &val {
                 pack_split(val, &out, Split::Test, shard_size, seed)?;
             }
+            // Generated photographs stay marked as such in their shards (runs on them say so).
+            let marker = data_dir.join(data::GENERATED_MARKER);
+            if marker.exists() {
+                std::fs::copy(&marker, out.join(data::GENERATED_MARKER)).with_context(|| format!("cannot copy {} into {}", marker.display(), out.display()))?;
+            }
             Ok(())
         }
     })

@@ -15,7 +15,7 @@ BIN       := target/release
 ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
-.PHONY: lint system-deps python-tools gpu-check report scaling exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch bench-ps bench-checkpoint bench-data setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
+.PHONY: exercise1-imagenet data-imagefolder lint system-deps python-tools gpu-check report scaling exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch bench-ps bench-checkpoint bench-data setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
         exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test test-slurm clean-results \
         notebooks notebook-kernel jupyter
 
@@ -50,6 +50,18 @@ exercise1-cpu: data-cifar10
 
 exercise1-gpu: data-cifar10
 	$(WITH) $(BIN)/exercise1 --device cuda $(ARGS)
+
+# The JSC exercise: ResNet50 on an ImageNet-style image folder (IMAGENET=/path/to/imagenet with
+# train/<class>/ and val/<class>/; default a generated stand-in, data/imagefolder), the course's
+# Resize((256, 256)), CPU then GPU as exercise1; on a cluster, sbatch/resnet50_imagenet.sbatch.
+IMAGENET ?= data/imagefolder
+exercise1-imagenet: $(if $(filter data/imagefolder,$(IMAGENET)),data-imagefolder,build)
+	$(WITH) $(BIN)/exercise1 --device both --model resnet50 --dataset imagefolder --transform resize --data-dir $(IMAGENET) $(ARGS)
+
+# A generated stand-in image folder (10 classes × 100 train + 20 val JPEGs of ImageNet's sizes),
+# marked GENERATED: there is no ImageNet to download without an account.
+data-imagefolder: build
+	@test -f data/imagefolder/GENERATED.txt || $(WITH) $(BIN)/prepare_data generate-images --out data/imagefolder
 
 exercise1_nlp: data-wikitext2
 	$(WITH) $(BIN)/exercise1_nlp --device both $(ARGS)

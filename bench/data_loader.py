@@ -4,12 +4,13 @@ torchvision's ImageNet transforms (RandomResizedCrop(224) + RandomHorizontalFlip
 Normalize; or Resize(256) + CenterCrop(224) + ToTensor + Normalize), nothing trained: what
 target/release/bench_data measures of ours, on the same files. Prints one JSON line.
 
---compare FILE: also read the first batch our loader wrote with the eval transform (raw
+--compare FILE: instead, read the first batch our loader wrote with the eval transform (raw
 float32 [B, 3, 224, 224], the folder's order) and print how far it is from torchvision's, in
 units of one byte of the image before normalisation.
 """
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -38,15 +39,26 @@ def main():
     torch.set_num_threads(1)
     folder = datasets.ImageFolder(f"{args.data_dir}/train", transform(args.transform == "train"))
     if args.compare:
-        compare(folder.samples, args)
+        return compare(folder.samples, args)
     loader = DataLoader(folder, batch_size=args.batch_size, shuffle=True, num_workers=args.workers, prefetch_factor=2 if args.workers else None)
     batches = iter(loader)
     for _ in range(args.warmup):
         next(batches)
-    started = time.perf_counter()
+    # CPU time of this process and of its worker processes, all alive while timed.
+    pids = [os.getpid()] + [w.pid for w in getattr(batches, "_workers", [])]
+    started, cpu_started = time.perf_counter(), cpu_seconds(pids)
     images = sum(len(next(batches)[1]) for _ in range(args.batches))
-    seconds = time.perf_counter() - started
-    print(json.dumps({"loader": "torchvision", "workers": args.workers, "images": images, "seconds": seconds, "images_per_s": images / seconds}))
+    seconds, cpu = time.perf_counter() - started, cpu_seconds(pids) - cpu_started
+    print(json.dumps({"loader": "torchvision", "workers": args.workers, "images": images, "seconds": seconds, "images_per_s": images / seconds, "cpu_seconds": round(cpu, 3)}))
+
+
+def cpu_seconds(pids):
+    """User + system CPU time of these processes (all their threads), from /proc/<pid>/stat."""
+    total = 0
+    for pid in pids:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def compare(samples, args):

@@ -259,3 +259,15 @@ fn normalisation_uses_the_dataset_statistics() {
         assert!((*g as f64 - e).abs() < 1e-5, "{got:?}");
     }
 }
+
+/// A CMYK JPEG (Adobe's inverted CMYK, as Pillow 13 writes it) decodes to the RGB that PIL's
+/// `convert("RGB")` gives (`reference/cmyk.pil-rgb`, written by Pillow from the same file).
+#[test]
+fn a_cmyk_jpeg_decodes_to_pils_rgb() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference");
+    let ours = data::transforms::decode(&std::fs::read(dir.join("cmyk.jpg")).unwrap()).unwrap();
+    let pil = std::fs::read(dir.join("cmyk.pil-rgb")).unwrap();
+    assert_eq!(ours.dimensions(), (16, 12));
+    let worst = ours.as_raw().iter().zip(&pil).map(|(&a, &b)| (a as i32 - b as i32).abs()).max().unwrap();
+    assert!(worst <= 2, "largest difference from PIL's RGB: {worst}");
+}

@@ -120,19 +120,15 @@ impl ImageFileLoader {
 
 impl BatchSource for ImageFileLoader {
     fn batches_per_epoch(&self) -> usize {
-        let (n, size) = (self.samples_per_epoch(), self.config.batch_size);
-        if self.config.drop_last {
-            n / size
-        } else {
-            n.div_ceil(size)
-        }
+        self.config.batches(self.samples_per_epoch())
     }
 
     fn epoch(&self, epoch: usize) -> Batches<'_> {
         self.epoch_from(epoch, 0)
     }
 
-    /// The skipped batches are neither read nor decoded.
+    /// The skipped batches are not decoded (a folder's files not even read; a shard stream is
+    /// read past them).
     fn epoch_from(&self, epoch: usize, first: usize) -> Batches<'_> {
         let size = self.config.batch_size;
         let batches = first.min(self.batches_per_epoch())..self.batches_per_epoch();

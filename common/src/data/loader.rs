@@ -68,6 +68,14 @@ impl LoaderConfig {
     pub fn eval(batch_size: usize, device: Device) -> Self {
         LoaderConfig { shuffle: false, ..Self::train(batch_size, 0, device) }
     }
+
+    /// Batches an epoch of `samples` makes: the last, smaller one kept unless `drop_last`.
+    pub fn batches(&self, samples: usize) -> usize {
+        match self.drop_last {
+            true => samples / self.batch_size,
+            false => samples.div_ceil(self.batch_size),
+        }
+    }
 }
 
 pub use crate::train::Batch;
@@ -105,12 +113,7 @@ impl Loader {
 
 impl BatchSource for Loader {
     fn batches_per_epoch(&self) -> usize {
-        let n = self.sampler.len();
-        if self.config.drop_last {
-            n / self.config.batch_size
-        } else {
-            n.div_ceil(self.config.batch_size)
-        }
+        self.config.batches(self.sampler.len())
     }
 
     fn epoch(&self, epoch: usize) -> Batches<'_> {

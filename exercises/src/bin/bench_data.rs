@@ -40,6 +40,17 @@ struct Cli {
     dump: Option<PathBuf>,
 }
 
+/// CPU time this process has used, all its threads (user + system, from /proc/self/stat): what
+/// "per core" compares, whatever the threads and processes each loader runs.
+fn cpu_seconds() -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat")?;
+    // The fields after the command name (which is in parentheses and may hold spaces).
+    let fields: Vec<&str> = stat.rsplit_once(')').map_or("", |(_, rest)| rest).split_whitespace().collect();
+    let ticks: f64 =
+        fields.get(11..13).ok_or_else(|| anyhow::anyhow!("/proc/self/stat: no utime and stime"))?.iter().map(|f| f.parse::<f64>().unwrap_or(0.0)).sum();
+    Ok(ticks / 100.0)
+}
+
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     common::error::run_main(|| {
@@ -75,14 +86,17 @@ fn main() -> std::process::ExitCode {
         for batch in batches.by_ref().take(cli.warmup) {
             batch?;
         }
-        let started = Instant::now();
+        let (started, cpu_started) = (Instant::now(), cpu_seconds()?);
         let mut images = 0;
         for batch in batches.by_ref().take(cli.batches) {
             images += batch?.len();
         }
-        let seconds = started.elapsed().as_secs_f64();
+        let (seconds, cpu) = (started.elapsed().as_secs_f64(), cpu_seconds()? - cpu_started);
         let rate = images as f64 / seconds;
-        println!(r#"{{"loader": "rust", "workers": {}, "images": {images}, "seconds": {seconds:.4}, "images_per_s": {rate:.2}}}"#, cli.workers);
+        println!(
+            r#"{{"loader": "rust", "workers": {}, "images": {images}, "seconds": {seconds:.4}, "images_per_s": {rate:.2}, "cpu_seconds": {cpu:.3}}}"#,
+            cli.workers
+        );
         Ok(())
     })
 }

@@ -109,9 +109,9 @@ bench: data-cifar10 data-wikitext2
 
 # The input pipeline alone, ours vs torchvision's DataLoader(ImageFolder), side by side A B A B:
 # images/s from generated ImageNet-like JPEGs to normalised batches (decode, RandomResizedCrop,
-# flip), at WORKERS="1 <all cores>"; how close our eval transform is to PIL's; installs
-# torchvision and Pillow into .venv; results/bench-data.csv (see bench/data.sh).
-bench-data: build
+# flip), at WORKERS="1 <all cores>"; how close our eval transform is to PIL's; torchvision and
+# Pillow from python-tools; results/bench-data.csv (see bench/data.sh).
+bench-data: build python-tools
 	$(WITH) bench/data.sh
 
 # Large batches on CPU ranks: effective batches 100, 800, 3,200 (--accumulate), plain vs scaled
@@ -159,7 +159,8 @@ bench-nlp: data-wikitext2
 gpu-check: build
 	$(WITH) sh -c '"$$TORCH_PYTHON" bench/gpu_check.py $(ARGS)'
 
-# Python packages the tests read our outputs with (TensorBoard's event reader), into .venv.
+# Python packages the tests read our outputs with (TensorBoard's event reader; torchvision and
+# Pillow for the image-file loader's checks), into .venv.
 python-tools: setup
 	$(WITH) scripts/python-tools
 

@@ -9,7 +9,7 @@
 # process; torchvision's: the main process and its workers). Also how far our evaluation transform (Resize(256) + CenterCrop(224)) is from
 # torchvision's (PIL's) on the same images. The photographs are generated once into
 # data/bench-photos (CLASSES × PER_CLASS JPEGs, 3,000 by default, of about 500×375, quality 90, ~125 KB each, like
-# ImageNet's); torchvision and Pillow are installed into .venv when missing. Rows go to
+# ImageNet's); torchvision and Pillow come from scripts/python-tools. Rows go to
 # results/bench-data.csv; a table is printed.
 #
 #   make bench-data        WORKERS="1 $(nproc)" ROUNDS=2 BATCH=64 BATCHES=36 WARMUP=6 CLASSES=10 PER_CLASS=300
@@ -23,11 +23,6 @@ bin="${BIN:-target/release}"
 photos="data/bench-photos"
 csv="results/bench-data.csv"
 
-TORCHVISION_VERSION=0.26.0; PILLOW_VERSION=13.0.0
-if ! "$python" -c "import sys, torchvision, PIL; sys.exit(not torchvision.__version__.startswith('$TORCHVISION_VERSION') or PIL.__version__ != '$PILLOW_VERSION')" 2>/dev/null; then
-    echo ">> installing torchvision==$TORCHVISION_VERSION and pillow==$PILLOW_VERSION for $python (the loader compared against)"
-    "$python" -m pip install --quiet --disable-pip-version-check --no-deps "torchvision==$TORCHVISION_VERSION" "pillow==$PILLOW_VERSION"
-fi
 if [[ ! -f "$photos/train/c$(printf %03d $((CLASSES - 1)))/c$(printf %03d $((CLASSES - 1)))_$(printf %06d $((PER_CLASS - 1))).JPEG" ]]; then
     rm -rf "$photos"
     "$bin/prepare_data" generate-images --out "$photos" --classes "$CLASSES" --train "$PER_CLASS" --val 1 --sizes imagenet

@@ -128,3 +128,50 @@ fn mistakes_with_image_files_get_one_line_and_an_exit_code() {
     assert!(err.contains("c001_000002.JPEG") && err.contains("cut short"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// torchvision itself (installed by `make test`'s scripts/python-tools): its `ImageFolder` lists
+/// the same files with the same labels (nested folders, upper-case extensions, files that are no
+/// images), and its evaluation transform through PIL gives our batch to within 3 grey levels
+/// (99.9% of values within 1: the two resizers round differently), the grey-scale JPEGs and RGBA
+/// PNGs included, these small images enlarged (bench/data_loader.py --compare).
+#[test]
+fn the_listing_and_the_evaluation_transform_are_torchvisions() {
+    let python = std::env::var_os("TORCH_PYTHON").expect("run through scripts/with-torch (make test does), which sets TORCH_PYTHON");
+    let data = tempfile::tempdir().unwrap();
+    let photos = data.path().join("photos");
+    folder(&photos, 3, 5);
+    let train = photos.join("train");
+    let some_jpeg = train.join("c000/c000_000002.JPEG");
+    for extra in ["c001/deeper/er/z.jpeg", "c001/A.Jpg", "c002/sub/b.JPEG"] {
+        std::fs::create_dir_all(train.join(extra).parent().unwrap()).unwrap();
+        std::fs::copy(&some_jpeg, train.join(extra)).unwrap();
+    }
+    std::fs::write(train.join("c002/notes.txt"), "not an image").unwrap();
+
+    let ours: Vec<(String, usize)> = common::data::image_folder::ImageFolder::scan(&train)
+        .unwrap()
+        .samples
+        .iter()
+        .map(|s| (s.path.strip_prefix(&train).unwrap().to_string_lossy().into_owned(), s.label))
+        .collect();
+    let listing = Command::new(&python)
+        .args(["-c", "import json, os, sys\nfrom torchvision.datasets import ImageFolder\nroot = sys.argv[1]\nprint(json.dumps([[os.path.relpath(p, root), c] for p, c in ImageFolder(root).samples]))"])
+        .arg(&train)
+        .output()
+        .unwrap();
+    assert!(listing.status.success(), "torchvision's ImageFolder (is torchvision installed? scripts/python-tools installs it): {}", stderr(&listing));
+    let theirs: Vec<(String, usize)> = serde_json::from_slice(&listing.stdout).unwrap();
+    assert_eq!(ours, theirs);
+    assert_eq!(ours.len(), 18);
+
+    let dump = data.path().join("ours.f32");
+    let flags = ["--data-dir", photos.to_str().unwrap(), "--batch-size", "18", "--batches", "1", "--warmup", "0", "--workers", "2"];
+    let out = Command::new(env!("CARGO_BIN_EXE_bench_data")).args(flags).arg("--dump").arg(&dump).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/data_loader.py");
+    let out = Command::new(&python).arg(script).args(flags).arg("--compare").arg(&dump).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let compared: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(compared["images"], 18, "{compared}");
+    assert!(compared["max_byte_diff"].as_f64().unwrap() <= 3.0 && compared["share_within_1"].as_f64().unwrap() >= 0.999, "{compared}");
+}

@@ -372,6 +372,15 @@ impl Experiment for ImageExperiment<'_> {
                     data::GENERATED_MARKER
                 ))?;
             }
+            if let ImageData::Files { train: ImageFiles::Shards(set), .. } = &data {
+                if !set.has_index() {
+                    observers.warn(format!(
+                        "{}: no {}, so the shards' headers were read for their counts, and the classes are numbered, not named",
+                        dir.display(),
+                        crate::data::shards::INDEX_FILE
+                    ))?;
+                }
+            }
             let how = match &data {
                 ImageData::Memory { .. } => self.resize().map_or(String::new(), |side| format!(", resized to {side}×{side}")),
                 ImageData::Files { train, .. } => {

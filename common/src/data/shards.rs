@@ -253,7 +253,12 @@ fn send_shard(path: &Path, shard: &ShardInfo, num_classes: usize, sender: &SyncS
 /// with their sample counts; and the largest label in them.
 fn scan(dir: &Path, split: &str) -> Result<(Vec<ShardInfo>, Option<usize>)> {
     let files = list_shard_files(dir, split)?;
-    ensure!(!files.is_empty(), "{}: no {INDEX_FILE} and no {split}-*.tar shard in it", dir.display());
+    ensure!(
+        !files.is_empty(),
+        "{}: no {INDEX_FILE} and no {split}-*.tar shard in it (`prepare_data pack --data-dir IMAGE_FOLDER --out {}` writes them)",
+        dir.display(),
+        dir.display()
+    );
     // In parallel: on a parallel file system each shard's reads wait on its servers.
     let scanned: Vec<(ShardInfo, Option<usize>)> = files
         .into_par_iter()

@@ -26,6 +26,10 @@ Data path (--loader):
   dataloader  torch.utils.data.DataLoader with --workers processes (default 2, prefetch 4
               batches each, as the Rust loader's threads): a BatchSampler over a RandomSampler,
               each worker gathering and normalising a whole batch (no per-image collation).
+  imagefolder --data-dir is an image folder (train/<class>/*.JPEG): torchvision's
+              DataLoader(ImageFolder) with RandomResizedCrop(--image-size) + RandomHorizontalFlip
+              + ToTensor + Normalize (ImageNet's), --workers processes, pinned memory on a GPU:
+              what `exercise1 --dataset imagefolder` is compared with (the JSC exercise).
 On a GPU both leave the gathered batch as bytes in pinned memory, copy it asynchronously and
 normalise on the GPU, as the Rust loader does.
 """
@@ -140,6 +144,25 @@ class DataLoaderLoader:
                 yield normalize(images, self.mean, self.std), labels
 
 
+class ImageFolderLoader:
+    """torchvision's DataLoader(ImageFolder) with the ImageNet training transforms."""
+
+    def __init__(self, data_dir, image_size, batch_size, seed, device, workers, prefetch):
+        from torchvision import datasets, transforms
+        transform = transforms.Compose([transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
+                                        transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+        self.dataset = datasets.ImageFolder(os.path.join(data_dir, "train"), transform)
+        self.batch_size, self.seed, self.device, self.workers, self.prefetch = batch_size, seed, device, workers, prefetch
+
+    def epoch(self, epoch):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        extra = {"prefetch_factor": self.prefetch, "worker_init_fn": _one_thread} if self.workers else {}
+        loader = torch.utils.data.DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True, generator=g, num_workers=self.workers,
+                                             pin_memory=self.device.type == "cuda", **extra)
+        for images, labels in loader:
+            yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
+
 def _one_thread(_worker):
     torch.set_num_threads(1)
 
@@ -155,7 +178,8 @@ def main():
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--loader", default="memory", choices=["memory", "dataloader"])
+    p.add_argument("--loader", default="memory", choices=["memory", "dataloader", "imagefolder"])
+    p.add_argument("--image-size", type=int, default=224, help="the crop side (--loader imagefolder)")
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes (--loader dataloader)")
     p.add_argument("--prefetch", type=int, default=4, help="batches each worker prepares ahead")
     p.add_argument("--layouts", default="auto", choices=["auto", "torchvision", "builtin"],
@@ -194,7 +218,11 @@ def main():
                           "state_dict": {k: list(v.shape) for k, v in model.state_dict().items()}}))
         return
 
-    images, labels, generated = read_cifar10_train(a.data_dir)
+    if a.loader == "imagefolder":
+        images = labels = None
+        generated = os.path.exists(os.path.join(a.data_dir, "GENERATED.txt"))
+    else:
+        images, labels, generated = read_cifar10_train(a.data_dir)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # as the Rust binary sets it
     model = model.to(device)
@@ -208,6 +236,8 @@ def main():
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.precision == "bf16-mixed")
     if a.loader == "memory":
         loader = MemoryLoader(images, labels, a.batch_size, a.seed, device)
+    elif a.loader == "imagefolder":
+        loader = ImageFolderLoader(a.data_dir, a.image_size, a.batch_size, a.seed, device, a.workers, a.prefetch)
     else:
         loader = DataLoaderLoader(images, labels, a.batch_size, a.seed, device, a.workers, a.prefetch)
 
@@ -265,7 +295,7 @@ def main():
     print(json.dumps({
         "impl": "pytorch", "exercise": "exercise1", "model": a.model, "params": params, "layouts": source,
         "device": a.device, "threads": torch.get_num_threads(), "loader": a.loader,
-        "workers": a.workers if a.loader == "dataloader" else 0, "batch_size": a.batch_size,
+        "workers": a.workers if a.loader != "memory" else 0, "batch_size": a.batch_size,
         "steps": step, "images": seen, "train_time_s": train_time, "images_per_s": seen / train_time,
         "steady_throughput": steady_images / steady_s if steady_steps else None, "steady_steps": steady_steps,
         "precision": a.precision, "channels_last": a.channels_last, "compile": a.compile,

@@ -86,7 +86,7 @@ fn the_harness_checks_what_it_claims_on_the_cpu() {
         "| exercise1 checkpoint + --resume | pass | epoch 2 after --resume = straight",
         "| exercise3 pipeline 1f1b, both stages on cpu | pass | ",
         "| --profile: LibTorch's profiler, operators and kernels | pass | ",
-        "| exercise1 resnet50 from JPEG files, batch 8: the loader keeps up | pass | ",
+        "| exercise1 resnet50 from JPEG files, batch 4: the loader keeps up | pass | ",
     ] {
         assert!(stdout.contains(row), "no row {row:?}: {stdout}");
     }

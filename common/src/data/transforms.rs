@@ -1,7 +1,9 @@
 //! From an image file's bytes to the `3 × S × S` bytes of a batch: decoding and torchvision's
 //! ImageNet transforms, in plain Rust so that they run on the loader's worker threads.
 //!
-//! - Decoding: the `image` crate (JPEG through zune-jpeg, PNG, BMP, PPM/PGM, TIFF, WebP), then
+//! - Decoding: the `image` crate (JPEG through zune-jpeg, PNG, BMP, PPM/PGM, WebP; TIFF, which
+//!   torchvision lists but no image data set uses, is not built in: such a file is an error
+//!   naming it), then
 //!   to RGB as PIL's `convert("RGB")` does (grey replicated, alpha dropped, CMYK converted).
 //! - Resizing: `fast_image_resize`'s convolution with Pillow's bilinear filter, widened when
 //!   shrinking (what PIL's `resize(..., BILINEAR)` computes, on SIMD).

@@ -103,10 +103,6 @@ impl ImageFileLoader {
         ImageFileLoader { shuffle_buffer: size, ..self }
     }
 
-    pub fn files(&self) -> &ImageFiles {
-        &self.files
-    }
-
     /// Images this replica takes per epoch (see the module docs).
     pub fn samples_per_epoch(&self) -> usize {
         let (rank, world) = self.config.shard;

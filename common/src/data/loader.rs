@@ -374,6 +374,13 @@ mod tests {
     use super::*;
     use crate::data::DatasetKind;
 
+    /// `n` CIFAR-10-shaped images of distinct bytes (`(i · step) mod modulus`), labels 0..9 in turn.
+    fn cifar_like(n: usize, step: usize, modulus: usize) -> ImageDataset {
+        let images: Vec<u8> = (0..n * 3 * 32 * 32).map(|i| (i * step % modulus) as u8).collect();
+        let labels: Vec<u8> = (0..n).map(|i| (i % 10) as u8).collect();
+        ImageDataset { kind: DatasetKind::Cifar10, images: images.into(), labels: labels.into(), generated: true }
+    }
+
     #[test]
     fn crop_without_shift_or_flip_is_identity_and_flip_mirrors() {
         let [c, h, w] = [1, 2, 3];
@@ -421,10 +428,7 @@ mod tests {
     fn device_resident_batches_equal_the_host_loaders() {
         // A small generated CIFAR-10-like set; on the CPU the resident path runs the same code
         // as on a GPU (gather, pad, index, normalise as tensors).
-        let n = 37;
-        let images: Vec<u8> = (0..n * 3 * 32 * 32).map(|i| (i * 7 % 251) as u8).collect();
-        let labels: Vec<u8> = (0..n).map(|i| (i % 10) as u8).collect();
-        let dataset = ImageDataset { kind: DatasetKind::Cifar10, images: images.into(), labels: labels.into(), generated: true };
+        let dataset = cifar_like(37, 7, 251);
         for (augment, shard) in [(false, (0, 1)), (true, (0, 1)), (true, (1, 2))] {
             let config = LoaderConfig { augment, shard, workers: 0, ..LoaderConfig::train(8, 5, Device::Cpu) };
             let host = Loader::new(dataset.clone(), config.clone());
@@ -469,10 +473,7 @@ mod tests {
 
     #[test]
     fn resized_batches_are_the_same_from_the_host_and_the_device_resident_split() {
-        let n = 21;
-        let images: Vec<u8> = (0..n * 3 * 32 * 32).map(|i| (i * 11 % 253) as u8).collect();
-        let labels: Vec<u8> = (0..n).map(|i| (i % 10) as u8).collect();
-        let dataset = ImageDataset { kind: DatasetKind::Cifar10, images: images.into(), labels: labels.into(), generated: true };
+        let dataset = cifar_like(21, 11, 253);
         let config = LoaderConfig { augment: true, workers: 2, resize: Some(48), ..LoaderConfig::train(8, 5, Device::Cpu) };
         let host: Vec<Batch> = Loader::new(dataset.clone(), config.clone()).epoch(0).map(Result::unwrap).collect();
         let resident: Vec<Batch> =
@@ -489,10 +490,7 @@ mod tests {
 
     #[test]
     fn an_epoch_resumed_after_k_batches_is_the_rest_of_that_epoch() {
-        let n = 45;
-        let images: Vec<u8> = (0..n * 3 * 32 * 32).map(|i| (i * 13 % 251) as u8).collect();
-        let labels: Vec<u8> = (0..n).map(|i| (i % 10) as u8).collect();
-        let dataset = ImageDataset { kind: DatasetKind::Cifar10, images: images.into(), labels: labels.into(), generated: true };
+        let dataset = cifar_like(45, 13, 251);
         for (workers, resident) in [(0, false), (3, false), (0, true)] {
             let config = LoaderConfig { augment: true, workers, resident, ..LoaderConfig::train(4, 9, Device::Cpu) };
             let loader = Loader::new(dataset.clone(), config);

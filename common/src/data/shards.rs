@@ -85,7 +85,6 @@ pub struct EncodedSample {
 #[derive(Debug, Clone)]
 pub struct ShardSet {
     dir: PathBuf,
-    split: Split,
     shards: Vec<ShardInfo>,
     classes: Vec<String>,
     /// Whether the shards and classes come from [`INDEX_FILE`] (else from reading the shards).
@@ -125,12 +124,12 @@ impl ShardSet {
                 if let Some(missing) = shards.iter().find(|shard| !dir.join(&shard.file).is_file()) {
                     bail!("{}: names {}, which does not exist in {}", index_path.display(), missing.file, dir.display());
                 }
-                ShardSet { dir: dir.to_path_buf(), split, shards, classes: index.classes, indexed: true }
+                ShardSet { dir: dir.to_path_buf(), shards, classes: index.classes, indexed: true }
             }
             None => {
                 let (shards, largest_label) = scan(dir, name)?;
                 let classes = (0..largest_label.map_or(0, |label| label + 1)).map(|label| label.to_string()).collect();
-                ShardSet { dir: dir.to_path_buf(), split, shards, classes, indexed: false }
+                ShardSet { dir: dir.to_path_buf(), shards, classes, indexed: false }
             }
         };
         ensure!(!set.is_empty(), "{}: the {name} shards hold no sample", dir.display());
@@ -140,10 +139,6 @@ impl ShardSet {
     /// The folder the shards are in.
     pub fn dir(&self) -> &Path {
         &self.dir
-    }
-
-    pub fn split(&self) -> Split {
-        self.split
     }
 
     /// Whether the set was opened from its index (else from reading the shards, with classes
@@ -720,7 +715,7 @@ mod tests {
     /// A set of shards with these sample counts (no files: only the arithmetic is used).
     fn set_of(counts: &[usize]) -> ShardSet {
         let shards = counts.iter().enumerate().map(|(n, &samples)| ShardInfo { file: shard_file_name("train", n), samples }).collect();
-        ShardSet { dir: PathBuf::from("nowhere"), split: Split::Train, shards, classes: vec!["0".into()], indexed: true }
+        ShardSet { dir: PathBuf::from("nowhere"), shards, classes: vec!["0".into()], indexed: true }
     }
 
     #[test]

@@ -79,6 +79,7 @@ fn bf16_true_language_model_learns_close_to_float32() {
     // across them (AMX the highest, above the bar), after 4 epochs 5.99-6.12 (ONEDNN_MAX_CPU_ISA
     // and ATEN_CPU_CAPABILITY set to each on one machine). 4 epochs keep the bar (0.85 ln V = 6.74)
     // well clear on every CPU.
+    const EPOCHS: &str = "4";
     let data = tempfile::tempdir().unwrap();
     wikitext_sample(data.path(), [200, 40, 40]);
     let train = |precision: &str| {
@@ -106,7 +107,7 @@ fn bf16_true_language_model_learns_close_to_float32() {
                 "--tokenizer",
                 "whitespace",
                 "--epochs",
-                "4",
+                EPOCHS,
                 "--results-dir",
                 results.path().to_str().unwrap(),
             ],
@@ -117,7 +118,7 @@ fn bf16_true_language_model_learns_close_to_float32() {
     let (full, bf16) = (train("32"), train("bf16-true"));
     assert_eq!(bf16["precision"], "bf16-true");
     let (a, b) = (full["test_loss"].as_f64().unwrap(), bf16["test_loss"].as_f64().unwrap());
-    println!("4 epochs, d 32: test loss float32 {a:.4}, bf16-true {b:.4}, ln V {:.4}", bf16["vocab"].as_f64().unwrap().ln());
+    println!("{EPOCHS} epochs, d 32: test loss float32 {a:.4}, bf16-true {b:.4}, ln V {:.4}", bf16["vocab"].as_f64().unwrap().ln());
     assert!(a != b, "bf16-true changed nothing: was the model cast?");
     let uniform = (bf16["vocab"].as_f64().unwrap()).ln();
     assert!(b < 0.85 * uniform, "bf16-true did not learn: test loss {b} vs ln V = {uniform}");

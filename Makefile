@@ -16,7 +16,7 @@ ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
 .PHONY: exercise1-imagenet data-imagefolder lint system-deps python-tools gpu-check report scaling exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch bench-ps bench-checkpoint bench-data setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
-        exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test test-slurm clean-results \
+        exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test test-isa test-slurm clean-results \
         notebooks notebook-kernel jupyter
 
 system-deps:
@@ -183,6 +183,13 @@ test: build python-tools lint
 	    echo ">> cargo-nextest not found: running the tests one at a time (cargo install cargo-nextest for a faster make test)"; \
 	    $(CARGO) test --release --workspace --no-fail-fast -- --test-threads 1; \
 	fi
+
+# The tests whose bars rest on floating-point arithmetic (learning, precision, layouts compared
+# within a tolerance) under every CPU path this machine has: OMP_NUM_THREADS 1 and 2 ×
+# ATEN_CPU_CAPABILITY unset and avx2 × ONEDNN_MAX_CPU_ISA AVX2 … AMX (scripts/test-isa). Not part
+# of `make test` (12 passes of about 60 tests).
+test-isa: build
+	$(WITH) scripts/test-isa
 
 # The sbatch/ scripts through a real one-node Slurm on this machine (root; installs Debian's
 # slurm-wlm and munge when missing): every script submitted with CPU overrides and tiny data,

@@ -233,13 +233,19 @@ fn worst_relative_difference(a: &[(String, tch::Tensor)], b: &[(String, tch::Ten
 
 #[test]
 fn the_language_model_data_parallel_equals_one_rank_with_the_doubled_batch() {
+    // 4 optimizer steps: the two runs add the same gradients in another order, so they are equal
+    // to float32 rounding only while no ReLU of the model changes sides between them; once one
+    // does, that unit's gradient jumps. Over the epoch's 16 steps that happened on the AVX2 path
+    // (ATEN_CPU_CAPABILITY=avx2: relative difference 7.9e-3, at the 8th step; 3.8e-7 on AVX512).
+    // After 4 steps the runs have drifted by rounding alone (about 1e-7), too little to flip one.
+    const STEPS: &str = "4";
     let data = tempfile::tempdir().unwrap();
     support::wikitext_sample(data.path(), [80; 3]);
     let (one, two) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let run = |ck: &Path, batch: &str, extra: &[&str]| {
         let out = Command::new(env!("CARGO_BIN_EXE_exercise1_nlp"))
             .args(["--device", "cpu", "--quiet", "--threads", "1", "--emsize", "16", "--d-hid", "32", "--nhead", "2", "--nlayers", "1"])
-            .args(["--dropout", "0", "--epochs", "1", "--batch-size", batch, "--data-dir", data.path().to_str().unwrap()])
+            .args(["--dropout", "0", "--epochs", "1", "--max-steps", STEPS, "--batch-size", batch, "--data-dir", data.path().to_str().unwrap()])
             .args(["--checkpoint-dir", ck.to_str().unwrap(), "--results-dir", ck.to_str().unwrap()])
             .args(extra)
             .output()
@@ -362,7 +368,16 @@ fn zero_stages_train_the_data_parallel_model_with_less_state_per_rank() {
             assert!((a - b).abs() <= 1e-5 * a.abs(), "{key}: ZeRO-{stage} {b} vs plain {a}");
         }
         let worst = worst_relative_difference(&plain_params, params);
-        assert!(worst <= 1e-5, "ZeRO-{stage}: parameters after an epoch differ from plain data parallelism by {worst:e}");
+        println!("ZeRO-{stage} vs plain data parallelism after an epoch: largest relative parameter difference {worst:e}");
+        // Adam divides each gradient by its own root mean square, so where the two runs' sums
+        // (one all-reduce against one reduce-scatter, added in another order) cancel to near zero,
+        // their rounding difference reaches the update at full size: the largest difference was
+        // 1.3e-5 on oneDNN's AVX2 convolutions and 8.2e-6-9.5e-6 on its AVX512 ones (12 CPU paths,
+        // `make test-isa`), the same for all three stages. A shard stepped with another shard's
+        // gradient, or not at all, is off by about the learning rate each step: 1e-3 against
+        // initial weights of at most 0.14 (PyTorch's default initialisation of this CNN), 7e-3
+        // relative. The bar sits between the two.
+        assert!(worst <= 1e-3, "ZeRO-{stage}: parameters after an epoch differ from plain data parallelism by {worst:e}");
         let (measured, formula) = (memory(sharded, "total_bytes"), memory(sharded, "formula_bytes"));
         assert!((measured - formula).abs() <= 0.1 * formula, "ZeRO-{stage}: {measured} bytes vs the formula's {formula}");
     }

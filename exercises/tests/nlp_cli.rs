@@ -4,7 +4,7 @@ mod support;
 
 use std::path::Path;
 use std::process::{Command, Output};
-use support::{read_json, stderr, wikitext_sample};
+use support::{read_json, stderr, wikitext_sample, PRECISION_TEST_EPOCHS, PRECISION_TEST_LR};
 
 fn exercise1_nlp(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_exercise1_nlp")).args(args).output().expect("exercise1_nlp runs")
@@ -100,9 +100,10 @@ fn resume_through_the_flags_matches_a_straight_run() {
 
 #[test]
 fn bf16_mixed_precision_trains_on_the_cpu_close_to_float32() {
-    // The same small model and data in float32 and in bfloat16 autocast: both learn (well
-    // below the uniform model's ln V), and the bfloat16 run's test loss stays within 10% of the
-    // float32 one (SGD at lr 5 on a small corpus amplifies rounding differences).
+    // The same small model and data in float32 and in bfloat16 autocast. The first step's loss
+    // (same weights, same batch) differs only by bfloat16's rounding of the logits (one part in
+    // 2^8); the trained models end within 1% of each other (measured: 0.02% at most), and well
+    // below the uniform model's ln V.
     let data = tempfile::tempdir().unwrap();
     wikitext_sample(data.path(), [200, 40, 40]);
     let run = |precision: &str| {
@@ -127,8 +128,10 @@ fn bf16_mixed_precision_trains_on_the_cpu_close_to_float32() {
             "0",
             "--tokenizer",
             "whitespace",
+            "--lr",
+            PRECISION_TEST_LR,
             "--epochs",
-            "2",
+            PRECISION_TEST_EPOCHS,
             "--results-dir",
             results.path().to_str().unwrap(),
         ]);
@@ -137,11 +140,18 @@ fn bf16_mixed_precision_trains_on_the_cpu_close_to_float32() {
     };
     let (full, bf16) = (run("32"), run("bf16-mixed"));
     assert_eq!((full["precision"].as_str(), bf16["precision"].as_str()), (Some("32"), Some("bf16-mixed")));
+    let first = |run: &serde_json::Value| run["step_losses"][0].as_f64().unwrap();
     let (a, b) = (full["test_loss"].as_f64().unwrap(), bf16["test_loss"].as_f64().unwrap());
-    println!("2 epochs, d 32: test loss float32 {a:.4}, bf16-mixed {b:.4}");
-    assert!(a != b, "bf16-mixed changed nothing: was autocast on?");
-    assert!((a - b).abs() <= 0.1 * a, "float32 {a} vs bf16-mixed {b}");
     let uniform = (bf16["vocab"].as_f64().unwrap()).ln();
+    println!(
+        "{PRECISION_TEST_EPOCHS} epochs at lr {PRECISION_TEST_LR}, d 32: first step's loss float32 {:.6}, bf16-mixed {:.6}; \
+         test loss float32 {a:.4}, bf16-mixed {b:.4}; ln V {uniform:.4}",
+        first(&full),
+        first(&bf16)
+    );
+    assert!(a != b, "bf16-mixed changed nothing: was autocast on?");
+    assert!((first(&full) - first(&bf16)).abs() <= first(&full) / 256.0, "first step: float32 {} vs bf16-mixed {}", first(&full), first(&bf16));
+    assert!((a - b).abs() <= 0.01 * a, "float32 {a} vs bf16-mixed {b}");
     assert!(b < 0.85 * uniform, "bf16-mixed did not learn: test loss {b} vs ln V = {uniform}");
 }
 

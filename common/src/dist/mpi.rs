@@ -185,8 +185,9 @@ impl MpiCollectives {
         self.seq.set(seq);
         let started = Instant::now();
         let deadline = watchdog::deadline(seq);
+        let stalled = watchdog::stalled(self.world_ranks[self.rank()], seq);
         for polls in 0u64.. {
-            if ready()? {
+            if ready()? && !stalled {
                 return Ok(());
             }
             if polls % 1024 == 1023 && started.elapsed() >= deadline {

@@ -528,11 +528,12 @@ impl NcclCollectives {
     fn wait_done(&self, api: &NcclApi, cuda: &CudartApi, what: &str) -> anyhow::Result<()> {
         let seq = self.ops.fetch_add(1, Ordering::Relaxed) + 1;
         let (started, deadline) = (Instant::now(), watchdog::deadline(seq));
+        let stalled = watchdog::stalled(self.rank, seq);
         loop {
             // SAFETY: a query of the legacy default stream (null), where the call was launched.
             match unsafe { (cuda.stream_query)(std::ptr::null_mut()) } {
-                0 => return Ok(()),
-                CUDA_ERROR_NOT_READY => {}
+                0 if !stalled => return Ok(()),
+                0 | CUDA_ERROR_NOT_READY => {}
                 err => return Err(self.fail(format!("NCCL {what} on rank {} (cuda:{}): {}", self.rank, self.device_index, cuda_error_text(cuda, err)))),
             }
             let mut state: NcclResult = NCCL_SUCCESS;

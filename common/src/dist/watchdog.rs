@@ -44,6 +44,25 @@ pub fn grace() -> Duration {
     timeout().clamp(Duration::from_secs(1), Duration::from_secs(10))
 }
 
+/// Test hook (`COURSE_TEST_STALL_COLLECTIVE=RANK:SEQ`): on rank RANK, the operation of a group
+/// numbered SEQ (the first is 1) never completes as far as that rank can tell, as if a peer had
+/// stopped, so that the watchdog's firing path runs on a real engine, with one rank or many
+/// (`make gpu-check` over NCCL). The operation itself runs; only its completion is never seen.
+/// RANK is the job rank on MPI and the rank in the communicator on NCCL (the same for the job's
+/// whole group).
+pub const TEST_STALL_COLLECTIVE: &str = "COURSE_TEST_STALL_COLLECTIVE";
+
+/// Whether operation `seq` of a group is to be stalled on rank `rank` ([`TEST_STALL_COLLECTIVE`]).
+pub fn stalled(rank: usize, seq: u64) -> bool {
+    static STALL: std::sync::OnceLock<Option<(usize, u64)>> = std::sync::OnceLock::new();
+    *STALL.get_or_init(|| std::env::var(TEST_STALL_COLLECTIVE).ok().and_then(|v| parse_stall(&v))) == Some((rank, seq))
+}
+
+fn parse_stall(value: &str) -> Option<(usize, u64)> {
+    let (rank, seq) = value.trim().split_once(':')?;
+    Some((rank.parse().ok()?, seq.parse().ok()?))
+}
+
 /// What a hang looked like from the ranks that were still there.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Hang {
@@ -78,6 +97,15 @@ impl std::fmt::Display for Hang {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_stall_hook_names_one_rank_and_one_operation() {
+        assert_eq!(parse_stall("1:3"), Some((1, 3)));
+        assert_eq!(parse_stall(" 0:12\n"), Some((0, 12)));
+        for bad in ["", "1", "a:3", "1:b", "1:3:4", "-1:3"] {
+            assert_eq!(parse_stall(bad), None, "{bad:?}");
+        }
+    }
 
     #[test]
     fn a_hang_names_the_silent_ranks_and_a_mismatch_says_so() {

@@ -15,7 +15,7 @@ BIN       := target/release
 ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
-.PHONY: exercise1-imagenet data-imagefolder lint system-deps python-tools gpu-check report scaling exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch bench-ps bench-checkpoint bench-data setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
+.PHONY: gpu-bundle exercise1-imagenet data-imagefolder lint system-deps python-tools gpu-check report scaling exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch bench-ps bench-checkpoint bench-data setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
         exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test test-isa test-slurm clean-results \
         notebooks notebook-kernel jupyter
 
@@ -158,6 +158,12 @@ bench-nlp: data-wikitext2
 # Without a GPU: one line, exit 2. From prebuilt binaries (no Rust on the GPU node), see README.
 gpu-check: build
 	$(WITH) sh -c '"$$TORCH_PYTHON" bench/gpu_check.py $(ARGS)'
+
+# The folder that checks this commit on a bare GPU node (no Rust, no network, 64 MiB at most):
+# stripped binaries, the MPI they load, bench/ and run.sh (scripts/gpu-bundle). On the node:
+#   .gpu-bundle/run.sh --budget 420 --out results        (--device cpu: its self-test, anywhere)
+gpu-bundle: build
+	$(WITH) scripts/gpu-bundle
 
 # Python packages the tests read our outputs with (TensorBoard's event reader; torchvision and
 # Pillow for the image-file loader's checks), into .venv.

@@ -219,6 +219,8 @@ class Harness:
         if ok and code != 0:
             tail = (stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
             raise CheckFailed(f"exit {code}: {tail}")
+        if ok:
+            self.foreign(run)  # every run a check relies on, not only those whose losses it reads
         return run
 
     def check(self, path, body, group, estimate, needs=None, limit=None):

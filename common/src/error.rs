@@ -59,6 +59,13 @@ pub fn usage<T>(msg: impl Into<String>) -> anyhow::Result<T> {
     Err(UsageError(msg.into()).into())
 }
 
+/// Writes `line` and its newline to stderr in one write: ranks share mpirun's pipe, and a line
+/// written in pieces interleaves with another rank's, character by character.
+pub fn say(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().lock().write_all(format!("{line}\n").as_bytes());
+}
+
 /// Runs a binary's body, printing its error as one line (with its causes) and mapping it to an exit code.
 pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
     // LibTorch errors carry a C++ backtrace; only its first line is useful to a user.
@@ -70,11 +77,11 @@ pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
             let message = format!("{err:#}");
             let first_line = message.lines().next().unwrap_or_default();
             match (err.downcast_ref::<Stopped>(), err.downcast_ref::<ChildExit>()) {
-                (Some(stopped), _) if stopped.signal.is_some() => eprintln!("{first_line}"),
+                (Some(stopped), _) if stopped.signal.is_some() => say(first_line),
                 // Another rank's signal, or ranks that stopped: the rank that caught it said so.
                 (Some(_), _) => {}
                 (_, Some(ChildExit(code))) if *code == STOPPED_EXIT_CODE as i32 => {}
-                _ => eprintln!("error: {first_line}"),
+                _ => say(&format!("error: {first_line}")),
             }
             ExitCode::from(exit_code(&err))
         }

@@ -133,6 +133,13 @@ impl RunArgs {
         if self.cuda_graph && self.device == DeviceChoice::Cpu {
             return usage("--cuda-graph records GPU work, but --device cpu trains on the CPU: drop one of them");
         }
+        // Said before training, not after the signal that would need it.
+        if self.requeue == crate::slurm::Requeue::On && crate::slurm::job_id().is_none() {
+            return usage("--requeue on: not running in a Slurm job (no SLURM_JOB_ID), so there is nothing to requeue; use --requeue auto or off");
+        }
+        if let Some(dir) = self.tensorboard.as_ref().filter(|d| d.exists() && !d.is_dir()) {
+            return usage(format!("--tensorboard {}: a file, not a folder; choose a folder for the event files", dir.display()));
+        }
         Ok(())
     }
 

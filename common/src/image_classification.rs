@@ -236,14 +236,26 @@ impl<'a> ImageExperiment<'a> {
     /// GPU and none for the CPU (where they would take cores from LibTorch's own threads, all
     /// busy with the training); for image files, whose decoding is the work, every usable core
     /// for a GPU and one for the CPU (decoding the next batch while this one trains).
+    /// More than the usable cores decode no faster and each holds a decoder's memory: `--workers`
+    /// is capped there, as `--threads` is ([`ImageExperiment::workers_warning`] says so).
     fn workers(&self, device: Device) -> usize {
         let files = self.args.dataset.in_memory().is_none();
-        self.args.workers.unwrap_or(match (files, device.is_cuda()) {
-            (false, true) => 2,
-            (false, false) => 0,
-            (true, true) => device::usable_cores(),
-            (true, false) => 1,
-        })
+        let cores = device::usable_cores();
+        self.args
+            .workers
+            .unwrap_or(match (files, device.is_cuda()) {
+                (false, true) => 2,
+                (false, false) => 0,
+                (true, true) => cores,
+                (true, false) => 1,
+            })
+            .min(cores)
+    }
+
+    /// The warning for a `--workers` above the usable cores.
+    fn workers_warning(&self) -> Option<String> {
+        let cores = device::usable_cores();
+        self.args.workers.filter(|&n| n > cores).map(|n| format!("warning: --workers {n} is more than the {cores} cores this process may use: using {cores}"))
     }
 }
 
@@ -364,6 +376,9 @@ impl Experiment for ImageExperiment<'_> {
             None => self.load_files(&dir)?,
         };
         if announce {
+            if let Some(warning) = self.workers_warning() {
+                observers.warn(warning)?;
+            }
             if data.generated() {
                 observers.warn(format!(
                     "WARNING: {} in {} is a GENERATED stand-in, not the real data set (see {}); accuracies are not comparable to the course's",
@@ -371,6 +386,16 @@ impl Experiment for ImageExperiment<'_> {
                     dir.display(),
                     data::GENERATED_MARKER
                 ))?;
+            }
+            if let ImageData::Files { train, test, .. } = &data {
+                for folder in [train, test] {
+                    if let Some(note) = match folder {
+                        ImageFiles::Folder(folder) => folder.skipped_note(),
+                        ImageFiles::Shards(_) => None,
+                    } {
+                        observers.warn(note)?;
+                    }
+                }
             }
             if let ImageData::Files { train: ImageFiles::Shards(set), .. } = &data {
                 if !set.has_index() {

@@ -523,6 +523,14 @@ impl Experiment for LmExperiment<'_> {
         Ok(())
     }
 
+    /// The vocabulary (its words in id order), as a checksum: the same corpus, tokenizer and
+    /// vocabulary rules give the same one.
+    fn data_identity(&self, data: &LmData) -> serde_json::Value {
+        let words = data.corpus.vocab.itos();
+        let checksum = words.iter().fold(0u32, |crc, word| crc32c::crc32c_append(crc32c::crc32c_append(crc, word.as_bytes()), b"\n"));
+        serde_json::json!({ "vocabulary": words.len(), "vocabulary_crc32c": format!("{checksum:08x}") })
+    }
+
     fn model_identity(&self, plan: &TransformerPlan) -> serde_json::Value {
         let config = &plan.config;
         // Whatever the partition: checkpoints resume on another number of stages.

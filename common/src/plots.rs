@@ -306,12 +306,16 @@ const METRIC: RGBColor = RGBColor(0, 140, 60);
 /// (`step_losses`, faint) under its smoothed trend, and the evaluation loss where each epoch of
 /// `history` ended; on the right, those evaluations' accuracy or perplexity (log scale), and
 /// the course's published figure where `course` gives one.
+/// Drawn in memory and written whole (the atomic writer: never half a chart, never through a
+/// link planted at the chart's name).
 fn training_curves(title: &str, step_losses: &[f64], history: &[EpochPoint], metric: Metric, course: Option<CourseMark>, path: &Path) -> Result<()> {
-    draw_curves(title, step_losses, history, metric, course, path).map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))
+    let mut svg = String::new();
+    draw_curves(title, step_losses, history, metric, course, &mut svg).map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))?;
+    crate::atomic_file::write(path, svg)
 }
 
-fn draw_curves(title: &str, step_losses: &[f64], history: &[EpochPoint], metric: Metric, course: Option<CourseMark>, path: &Path) -> Drawn {
-    let root = SVGBackend::new(path, (WIDTH, HEIGHT)).into_drawing_area();
+fn draw_curves(title: &str, step_losses: &[f64], history: &[EpochPoint], metric: Metric, course: Option<CourseMark>, svg: &mut String) -> Drawn {
+    let root = SVGBackend::with_string(svg, (WIDTH, HEIGHT)).into_drawing_area();
     root.fill(&WHITE)?;
     let root = root.titled(title, ("sans-serif", 18))?;
     if step_losses.is_empty() && history.is_empty() {
@@ -417,10 +421,12 @@ const DEVICES: [(&str, RGBColor); 2] = [("cpu", BLUE), ("cuda", METRIC)];
 /// The course slide's chart: training throughput per device, one bar each, a device that did
 /// not run (no GPU on the machine) marked "not run", to `path`.
 pub fn device_comparison(records: &[RunRecord], path: &Path) -> Result<()> {
-    draw_devices(records, path).map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))
+    let mut svg = String::new();
+    draw_devices(records, &mut svg).map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))?;
+    crate::atomic_file::write(path, svg)
 }
 
-fn draw_devices(records: &[RunRecord], path: &Path) -> Drawn {
+fn draw_devices(records: &[RunRecord], svg: &mut String) -> Drawn {
     let first = records.first();
     let unit = if first.is_some_and(RunRecord::is_language_model) { "tokens/s" } else { "images/s" };
     let caption = first.map_or(String::new(), |r| format!("{} {}: training throughput", r.exercise, r.model));
@@ -428,7 +434,7 @@ fn draw_devices(records: &[RunRecord], path: &Path) -> Drawn {
         let throughput = records.iter().find(|r| r.device == device).map_or(f64::NAN, |r| r.throughput);
         Bar { name: device.to_string(), value: throughput, label: significant(throughput), color }
     });
-    draw_bars(&[BarPanel { caption, unit, bars: bars.to_vec(), from_zero: true, bounds: 0.0..f64::INFINITY }], WIDTH / 2, path)
+    draw_bars(&[BarPanel { caption, unit, bars: bars.to_vec(), from_zero: true, bounds: 0.0..f64::INFINITY }], WIDTH / 2, svg)
 }
 
 /// One bar of a [`BarPanel`]: its name under it, its height (NaN: did not run, said so in its
@@ -456,11 +462,13 @@ pub(crate) struct BarPanel {
 
 /// `panels` side by side, `width` pixels in all, to `path`.
 pub(crate) fn bar_chart(panels: &[BarPanel], width: u32, path: &Path) -> Result<()> {
-    draw_bars(panels, width, path).map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))
+    let mut svg = String::new();
+    draw_bars(panels, width, &mut svg).map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))?;
+    crate::atomic_file::write(path, svg)
 }
 
-fn draw_bars(panels: &[BarPanel], width: u32, path: &Path) -> Drawn {
-    let root = SVGBackend::new(path, (width, HEIGHT)).into_drawing_area();
+fn draw_bars(panels: &[BarPanel], width: u32, svg: &mut String) -> Drawn {
+    let root = SVGBackend::with_string(svg, (width, HEIGHT)).into_drawing_area();
     root.fill(&WHITE)?;
     for (area, bars) in root.split_evenly((1, panels.len().max(1))).iter().zip(panels) {
         draw_bar_panel(area, bars)?;

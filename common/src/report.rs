@@ -178,7 +178,7 @@ fn append_csv(path: &Path, record: &RunRecord) -> anyhow::Result<Option<String>>
         }
     }
     let is_new = std::fs::metadata(path).map(|m| m.len() == 0).unwrap_or(true);
-    let file = std::fs::OpenOptions::new().create(true).append(true).open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let file = crate::atomic_file::append(path)?;
     let mut writer = csv::WriterBuilder::new().has_headers(is_new).from_writer(file);
     writer.serialize(record).and_then(|()| Ok(writer.flush()?)).with_context(|| format!("cannot write {}", path.display()))?;
     Ok(note)

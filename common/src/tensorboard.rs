@@ -66,7 +66,7 @@ impl SummaryWriter {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "localhost".into());
         let seconds = now().floor() as u64;
         let path = dir.join(format!("events.out.tfevents.{seconds}.{host}.{}", std::process::id()));
-        let file = File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
+        let file = crate::atomic_file::create_new(&path)?;
         let mut writer = SummaryWriter { path, out: BufWriter::new(file) };
         writer.write_event(&Event { wall_time: now(), step: 0, file_version: Some("brain.Event:2".into()), summary: None })?;
         Ok(writer)

@@ -21,6 +21,7 @@ fn meta(model: &ModelSpec, epoch: usize) -> CheckpointMeta {
         config: serde_json::json!({"lr": 1e-3}),
         torch_version: common::torch_version().into(),
         grad_scaler: None,
+        data: serde_json::Value::Null,
     }
 }
 

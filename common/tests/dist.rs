@@ -524,7 +524,7 @@ fn rank_errors() -> usize {
 fn relaunch() -> usize {
     let env = LaunchEnv::detect().unwrap();
     if env.source == LaunchSource::Single {
-        let status = relaunch_with_mpirun(2).unwrap();
+        let status = relaunch_with_mpirun(2, common::dist::launch::StopsAt::Step).unwrap();
         assert!(status.success(), "the ranks failed: {status}");
         // Both ranks printed their lines; nothing is left to do here.
         std::process::exit(0);
@@ -538,7 +538,7 @@ fn relaunch() -> usize {
 
 /// `MPIRUN` names no program: a usage error saying what to install.
 fn no_launcher() -> usize {
-    let err = relaunch_with_mpirun(2).unwrap_err();
+    let err = relaunch_with_mpirun(2, common::dist::launch::StopsAt::Step).unwrap_err();
     assert!(err.is::<UsageError>());
     assert!(format!("{err}").contains("--nproc-per-node needs an MPI launcher (mpirun) on PATH"), "{err}");
     0

@@ -36,6 +36,7 @@ fn config(epochs: usize, accumulate: usize) -> TrainConfig {
         steady_after: 2,
         cuda_graph: false,
         eval_only: false,
+        lockstep: true,
     }
 }
 

@@ -65,6 +65,7 @@ fn train(setup: &Setup, epochs: usize, init_seed: i64) -> Vec<(String, tch::Tens
             dir: setup.checkpoint_dir.to_path_buf(),
             resume: true,
             model: serde_json::json!({ "arch": format!("{:?}", setup.arch) }),
+            data: serde_json::Value::Null,
             config: serde_json::json!({}),
             from: None,
             keep: 0,
@@ -78,6 +79,7 @@ fn train(setup: &Setup, epochs: usize, init_seed: i64) -> Vec<(String, tch::Tens
         steady_after: 2,
         cuda_graph: false,
         eval_only: false,
+        lockstep: true,
     };
     let mut step = LocalStep::new(vs, model, Parallel::default());
     let mut observers = Observers::new().with(train::sinks::CheckpointEveryEpoch);

@@ -242,13 +242,13 @@ fn a_torn_newest_checkpoint_falls_back_to_the_previous_one_with_a_warning() {
     let bytes = std::fs::read(&newest).unwrap();
     std::fs::write(&newest, &bytes[..bytes.len() / 2]).unwrap();
     // A killed writer's temporary file is removed at the start.
-    let stale = newest.with_extension("safetensors.tmp-999999999");
+    let stale = newest.with_file_name(format!("{}AbC123.tmp", common::atomic_file::temporary_prefix(&newest, 999_999_999)));
     std::fs::write(&stale, b"half a checkpoint").unwrap();
     let resumed = go(torn.path(), &[]);
     assert!(resumed.status.success(), "{}", stderr(&resumed));
     let warned = stderr(&resumed);
     assert!(warned.contains("is corrupt") && warned.contains("resuming from the previous complete checkpoint"), "{warned}");
-    assert!(warned.contains("tmp-999999999"), "the stale temporary file is named: {warned}");
+    assert!(warned.contains(".999999999.AbC123.tmp"), "the stale temporary file is named: {warned}");
     assert!(!stale.exists());
     assert!(stdout(&resumed).contains("(step 3)"));
     let name = "exercise1_nlp-transformer-cpu.json";

@@ -55,6 +55,11 @@ pub struct CheckpointMeta {
     /// The float16 gradient scaler's state (`--precision 16-mixed`); absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grad_scaler: Option<crate::precision::GradScalerState>,
+    /// What the model was trained on, where its meaning depends on it (a language model's
+    /// vocabulary: word ids are embedding rows); absent in older checkpoints and for data whose
+    /// layout the model's shapes already pin down.
+    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+    pub data: serde_json::Value,
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -110,6 +115,61 @@ pub fn path_for(dir: &Path, run: &str) -> PathBuf {
     dir.join(format!("{run}.safetensors"))
 }
 
+/// One writer per run in a checkpoint folder: two jobs given the same `--checkpoint-dir` and run
+/// would overwrite each other's checkpoints (the last writer wins), and with sharded checkpoints
+/// one's pruning would delete the other's step folder in the middle of its commit. The writer
+/// holds an advisory lock (`flock`) on `<dir>/<run>.lock`, which says who holds it; the kernel
+/// releases it when the process ends, however it ends, so a killed run leaves no stale lock
+/// (the file stays, unlocked).
+pub struct RunLock {
+    _file: std::fs::File,
+}
+
+impl RunLock {
+    pub fn acquire(dir: &Path, run: &str) -> anyhow::Result<RunLock> {
+        use std::io::{Read, Seek, Write};
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = dir.join(format!("{run}.lock"));
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create checkpoint directory {}", dir.display()))?;
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o666)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+            .with_context(|| format!("cannot open the run's lock {}", path.display()))?;
+        match file.try_lock() {
+            Ok(()) => {
+                let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
+                file.set_len(0)
+                    .and_then(|()| file.rewind())
+                    .and_then(|()| writeln!(file, "{} {host}", std::process::id()))
+                    .with_context(|| format!("cannot write the run's lock {}", path.display()))?;
+                Ok(RunLock { _file: file })
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let mut holder = String::new();
+                let _ = file.read_to_string(&mut holder);
+                let mut words = holder.split_whitespace();
+                let who = match (words.next(), words.next()) {
+                    (Some(pid), Some(host)) => format!("process {pid} on {host}"),
+                    (Some(pid), None) => format!("process {pid}"),
+                    _ => "another process".to_string(),
+                };
+                crate::error::usage(format!(
+                    "--checkpoint-dir {}: run {run} is being written there by {who} (it holds {}); two runs writing one run's checkpoints \
+                     would overwrite each other: wait for it to end, or choose another --checkpoint-dir",
+                    dir.display(),
+                    path.display()
+                ))
+            }
+            Err(std::fs::TryLockError::Error(err)) => Err(err).with_context(|| format!("cannot lock {}", path.display())),
+        }
+    }
+}
+
 /// Saves the model's variables (parameters and buffers) and the optimizer's state atomically.
 pub fn save(path: &Path, vs: &nn::VarStore, optimizer: &dyn Optimizer, meta: &CheckpointMeta) -> anyhow::Result<()> {
     save_variables(path, vs.variables().into_iter().collect(), optimizer, meta)
@@ -160,7 +220,7 @@ impl HostCheckpoint {
         let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create checkpoint directory {}", dir.display()))?;
         crate::atomic_file::write_with(path, |tmp| {
-            safetensors::serialize_to_file(views, Some(metadata), tmp).with_context(|| format!("cannot write checkpoint {}", tmp.display()))?;
+            safetensors::serialize_to_file(views, Some(metadata), tmp)?;
             keep_previous(path).with_context(|| format!("cannot keep the previous checkpoint as {}", previous_path(path).display()))
         })
     }
@@ -187,17 +247,21 @@ fn keep_previous(path: &Path) -> std::io::Result<()> {
 }
 
 /// Removes the temporary files a killed writer of `path`'s checkpoint left beside it
-/// (`<run>.safetensors.tmp-<pid>-<n>`, see [`crate::atomic_file`]; as large as the checkpoint), except those of a process still
-/// running on this machine (a writer of the same run, which this one would race anyway).
-/// Returns what it removed.
+/// (`.<run>.safetensors.<pid>.<random>.tmp`, see [`crate::atomic_file`]; as large as the
+/// checkpoint), except those of a process still running on this machine (a writer of the same
+/// run, which this one would race anyway). Returns what it removed.
 pub fn remove_stale_temporaries(path: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let Some(name) = path.file_name().and_then(|n| n.to_str()) else { return Ok(Vec::new()) };
-    let prefix = format!("{name}.tmp-");
+    let prefix = format!(".{name}.");
     let Ok(entries) = std::fs::read_dir(dir) else { return Ok(Vec::new()) };
     let mut removed = Vec::new();
     for entry in entries.flatten() {
-        let stale = entry.file_name().to_str().and_then(|n| n.strip_prefix(&prefix)?.split('-').next()?.parse::<u32>().ok());
+        // Regular files only: a link planted under such a name is not ours to follow or remove.
+        if !entry.file_type().is_ok_and(|t| t.is_file()) {
+            continue;
+        }
+        let stale = entry.file_name().to_str().filter(|n| n.ends_with(".tmp")).and_then(|n| n.strip_prefix(&prefix)?.split('.').next()?.parse::<u32>().ok());
         let Some(pid) = stale else { continue };
         if pid != std::process::id() && Path::new(&format!("/proc/{pid}")).exists() {
             continue;
@@ -357,6 +421,22 @@ impl Checkpoint {
 
 impl CheckpointMeta {
     /// Fails, naming the checkpoint, when it was written for another model than `model`.
+    /// Fails, naming the file, when the checkpoint was trained on other data than `data` says
+    /// this run has, where both say (see [`CheckpointMeta::data`]): the same shapes would take
+    /// it without complaint and go on with every word id meaning another word.
+    pub fn check_data(&self, path: &Path, data: &serde_json::Value) -> anyhow::Result<()> {
+        if !self.data.is_null() && !data.is_null() && &self.data != data {
+            return crate::error::usage(format!(
+                "checkpoint {} was trained on other data ({}) than this run reads ({}): its word ids would mean other words; \
+                 use the same --data-dir and --tokenizer, or another --checkpoint-dir",
+                path.display(),
+                self.data,
+                data
+            ));
+        }
+        Ok(())
+    }
+
     pub fn check_model(&self, path: &Path, model: &serde_json::Value) -> anyhow::Result<()> {
         if &self.model != model {
             anyhow::bail!(
@@ -499,6 +579,20 @@ impl CpuView {
         };
         let shape = tensor.size().iter().map(|&d| d as usize).collect();
         Ok(CpuView { dtype: dtype_of(tensor.kind())?, tensor, shape })
+    }
+}
+
+impl CpuView {
+    /// CRC-32C of the bytes the view writes (kept in sharded checkpoints, checked when read).
+    pub(crate) fn crc32c(&self) -> u32 {
+        let len = self.data_len();
+        if len == 0 {
+            return crc32c::crc32c(&[]);
+        }
+        // SAFETY: `tensor` is a contiguous CPU tensor of its own, `len` bytes long, alive and
+        // unchanged while the slice is read.
+        let bytes = unsafe { std::slice::from_raw_parts(self.tensor.data_ptr() as *const u8, len) };
+        crc32c::crc32c(bytes)
     }
 }
 

@@ -56,6 +56,37 @@ impl Region {
         whole
     }
 
+    /// Why the region does not fit a whole tensor of `shape`, if it does not: a cut of a dimension
+    /// the tensor lacks or that does not divide, a shard beyond its count, a flat range past the
+    /// cut's end. (A region read from someone else's index is checked before it is used.)
+    pub fn misfit(self, shape: &[i64]) -> Option<String> {
+        if shape.iter().any(|&d| d < 0) {
+            return Some(format!("a shape {shape:?} with a negative dimension"));
+        }
+        if let Some((split, shard)) = self.cut {
+            if shard.count == 0 || shard.index >= shard.count {
+                return Some(format!("shard {} of {}", shard.index, shard.count));
+            }
+            let count = shard.count as i64;
+            let fits = match split {
+                Split::Replicated => true,
+                Split::Rows => !shape.is_empty() && shape[0] % count == 0,
+                Split::Columns => shape.len() >= 2 && shape[1] % count == 0,
+                Split::PackedRows(blocks) => blocks > 0 && !shape.is_empty() && shape[0] % blocks == 0 && (shape[0] / blocks) % count == 0,
+            };
+            if !fits {
+                return Some(format!("a cut {split:?} into {count} of a {shape:?} tensor"));
+            }
+        }
+        if let Some((start, len)) = self.flat {
+            let cut: i64 = self.cut_shape(shape).iter().product();
+            if start < 0 || len < 0 || start.checked_add(len).is_none_or(|end| end > cut) {
+                return Some(format!("elements [{start}, {start} + {len}) of a cut of {cut}"));
+            }
+        }
+        None
+    }
+
     /// Elements the region holds of a whole tensor of `shape`.
     pub fn numel(self, shape: &[i64]) -> i64 {
         self.flat.map_or_else(|| self.cut_shape(shape).iter().product(), |(_, len)| len)
@@ -162,6 +193,25 @@ impl Region {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_region_that_does_not_fit_its_tensor_says_why() {
+        let shape = [8, 6];
+        assert_eq!(Region::WHOLE.misfit(&shape), None);
+        assert_eq!(Region::cut(Split::Columns, Shard { index: 1, count: 2 }).flat(3, 21).misfit(&shape), None);
+        for (region, why) in [
+            (Region::WHOLE.flat(40, 9), "elements [40, 40 + 9) of a cut of 48"),
+            (Region::WHOLE.flat(-1, 2), "elements [-1"),
+            (Region { cut: Some((Split::Rows, Shard { index: 3, count: 2 })), flat: None }, "shard 3 of 2"),
+            (Region { cut: Some((Split::Rows, Shard { index: 0, count: 0 })), flat: None }, "shard 0 of 0"),
+            (Region { cut: Some((Split::Columns, Shard { index: 0, count: 4 })), flat: None }, "a cut Columns into 4"),
+            (Region { cut: Some((Split::PackedRows(3), Shard { index: 0, count: 2 })), flat: None }, "a cut PackedRows(3) into 2"),
+        ] {
+            let said = region.misfit(&shape).unwrap_or_default();
+            assert!(said.contains(why), "{region:?}: {said}");
+        }
+        assert!(Region::cut(Split::Columns, Shard { index: 0, count: 2 }).misfit(&[8]).is_some(), "a vector has no columns");
+    }
 
     /// The elements `region` holds of `whole`, cut as the layouts cut tensors.
     fn held(whole: &Tensor, region: Region) -> Tensor {

@@ -56,6 +56,9 @@ impl Piece {
 struct PieceInfo {
     shape: Vec<i64>,
     region: Region,
+    /// CRC-32C of the piece's stored bytes (absent in checkpoints written before it was kept).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    crc32c: Option<u32>,
 }
 
 /// The commit file's content.
@@ -78,6 +81,9 @@ struct TensorEntry {
 struct PieceRef {
     file: String,
     region: Region,
+    /// The piece's [`PieceInfo::crc32c`], checked when the piece is read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    crc32c: Option<u32>,
 }
 
 /// Where run `run`'s sharded checkpoints live in `dir`.
@@ -119,7 +125,8 @@ impl HostShard {
                     view.tensor.numel(),
                     p.region.numel(&p.shape)
                 );
-                Ok((p.key, PieceInfo { shape: p.shape, region: p.region }, view))
+                let crc32c = Some(view.crc32c());
+                Ok((p.key, PieceInfo { shape: p.shape, region: p.region, crc32c }, view))
             })
             .collect::<Result<_>>()?;
         Ok(HostShard { pieces })
@@ -137,9 +144,7 @@ impl HostShard {
         let metadata = HashMap::from([(PIECES_KEY.to_string(), serde_json::to_string(&infos)?)]);
         let views = self.pieces.iter().map(|(key, _, view)| (key.as_str(), view));
         let path = folder.join(rank_file(rank));
-        crate::atomic_file::write_with(&path, |tmp| {
-            safetensors::serialize_to_file(views, Some(metadata), tmp).with_context(|| format!("cannot write checkpoint shard {}", tmp.display()))
-        })
+        crate::atomic_file::write_with(&path, |tmp| Ok(safetensors::serialize_to_file(views, Some(metadata), tmp)?))
     }
 }
 
@@ -158,29 +163,39 @@ pub fn commit(folder: &Path, ranks: usize, meta: &CheckpointMeta) -> Result<()> 
         for (key, info) in infos {
             let entry = tensors.entry(key.clone()).or_insert_with(|| TensorEntry { shape: info.shape.clone(), pieces: Vec::new() });
             ensure!(entry.shape == info.shape, "{key}: rank {rank} holds a piece of a {:?} tensor, another of a {:?} one", info.shape, entry.shape);
-            entry.pieces.push(PieceRef { file: file.clone(), region: info.region });
+            entry.pieces.push(PieceRef { file: file.clone(), region: info.region, crc32c: info.crc32c });
         }
     }
     for (key, entry) in &tensors {
-        let mut runs: Vec<(i64, i64)> = entry.pieces.iter().flat_map(|p| p.region.runs(&entry.shape)).collect();
-        runs.sort_unstable();
-        // Every element exactly once: the runs, in order, each start where the last ended.
-        let mut end = 0;
-        for (first, len) in runs {
-            ensure!(
-                first == end,
-                "the ranks' pieces of {key} leave out or repeat the elements from {}: the layout wrote overlapping or missing parts",
-                first.min(end)
-            );
-            end = first + len;
-        }
-        let whole: i64 = entry.shape.iter().product();
-        ensure!(end == whole, "the ranks' pieces of {key} end at element {end} of {whole}: the layout wrote overlapping or missing parts");
+        check_tiling(key, entry).map_err(|why| anyhow::anyhow!("the ranks' pieces of {key} {why}: the layout wrote overlapping or missing parts"))?;
     }
     let index = Index { meta: meta.clone(), ranks, tensors };
     crate::atomic_file::write(&folder.join(INDEX), serde_json::to_string(&index)?.as_bytes())?;
     if let Some(run_folder) = folder.parent() {
         prune(run_folder, folder)?;
+    }
+    Ok(())
+}
+
+/// Whether `entry`'s pieces hold every element of its tensor exactly once, each within the
+/// tensor: why not, if they do not.
+fn check_tiling(key: &str, entry: &TensorEntry) -> std::result::Result<(), String> {
+    if let Some(why) = entry.pieces.iter().find_map(|p| p.region.misfit(&entry.shape)) {
+        return Err(format!("have a piece that does not fit ({why}) in {key}"));
+    }
+    let mut runs: Vec<(i64, i64)> = entry.pieces.iter().flat_map(|p| p.region.runs(&entry.shape)).collect();
+    runs.sort_unstable();
+    // Every element exactly once: the runs, in order, each start where the last ended.
+    let mut end = 0;
+    for (first, len) in runs {
+        if first != end {
+            return Err(format!("leave out or repeat the elements from {}", first.min(end)));
+        }
+        end = first + len;
+    }
+    let whole: i64 = entry.shape.iter().product();
+    if end != whole {
+        return Err(format!("end at element {end} of {whole}"));
     }
     Ok(())
 }
@@ -270,7 +285,7 @@ impl MappedFile {
     /// The header's length and content; an error naming the file when it is torn or not a
     /// safetensors file.
     fn header(&self) -> Result<(usize, Metadata)> {
-        SafeTensors::read_metadata(&self.map).map_err(|e| anyhow::anyhow!("checkpoint {} is corrupt or not a checkpoint: {e:?}", self.path.display()))
+        SafeTensors::read_metadata(&self.map).map_err(|e| anyhow::anyhow!("checkpoint {} is corrupt or not a checkpoint: {e}", self.path.display()))
     }
 }
 
@@ -291,9 +306,42 @@ pub struct Source {
     files: RefCell<HashMap<String, std::rc::Rc<OpenFile>>>,
     /// Bytes of tensor data read so far: what this rank took of the checkpoint.
     read_bytes: std::cell::Cell<u64>,
+    /// The (file, key) pieces whose checksums were checked.
+    verified: RefCell<std::collections::HashSet<(String, String)>>,
 }
 
 impl Source {
+    /// What `path` is to this checkpoint's run, where writing it would destroy part of the run's
+    /// checkpoints: the checkpoint itself, a file in its folder, or a file of the run beside it
+    /// (`<run>.safetensors`, `<run>.previous.safetensors`, `<run>-epoch3.safetensors`,
+    /// `<run>.shards/...`). Links and `..` resolved; None for any other path.
+    pub fn owns(&self, path: &Path) -> Option<String> {
+        let resolve = |p: &Path| -> Option<PathBuf> {
+            p.canonicalize().ok().or_else(|| {
+                let parent = p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+                Some(parent.canonicalize().ok()?.join(p.file_name()?))
+            })
+        };
+        let (target, checkpoint) = (resolve(path)?, resolve(&self.path)?);
+        if target == checkpoint {
+            return Some(format!("the checkpoint being exported ({})", self.path.display()));
+        }
+        if target.starts_with(&checkpoint) {
+            return Some(format!("inside the checkpoint being exported ({})", self.path.display()));
+        }
+        // The run's folder: a single file's, or the one holding `<run>.shards/`.
+        let run_folder = match checkpoint.parent() {
+            Some(parent) if parent.file_name().is_some_and(|n| n.to_string_lossy().ends_with(".shards")) => parent.parent()?.to_path_buf(),
+            Some(parent) => parent.to_path_buf(),
+            None => return None,
+        };
+        let relative = target.strip_prefix(&run_folder).ok()?;
+        let first = relative.components().next()?.as_os_str().to_string_lossy().into_owned();
+        let run = &self.meta.run;
+        let of_run = first.strip_prefix(run.as_str()).is_some_and(|rest| rest.starts_with('.') || rest.starts_with('-'));
+        of_run.then(|| format!("a checkpoint file of run {run} in {}", run_folder.display()))
+    }
+
     /// The checkpoint at `path`: a sharded checkpoint's folder, or a single file.
     pub fn open(path: &Path) -> Result<Source> {
         match path.is_dir() {
@@ -309,6 +357,15 @@ impl Source {
         let json = std::fs::read(&index_path).with_context(|| format!("cannot read checkpoint index {}", index_path.display()))?;
         let index: Index = serde_json::from_slice(&json).with_context(|| format!("checkpoint index {} is corrupt", index_path.display()))?;
         check_format(&index.meta, folder)?;
+        // An index is a file anyone with access to the folder may have changed: its pieces must
+        // name this checkpoint's own rank files and tile each tensor exactly.
+        let files: std::collections::HashSet<String> = (0..index.ranks).map(rank_file).collect();
+        for (key, entry) in &index.tensors {
+            if let Some(piece) = entry.pieces.iter().find(|p| !files.contains(&p.file)) {
+                anyhow::bail!("checkpoint index {} is corrupt: {key} names {:?}, not one of its {} rank files", index_path.display(), piece.file, index.ranks);
+            }
+            check_tiling(key, entry).map_err(|why| anyhow::anyhow!("checkpoint index {} is corrupt: the pieces of {key} {why}", index_path.display()))?;
+        }
         let source = Source {
             meta: index.meta,
             path: folder.to_path_buf(),
@@ -316,6 +373,7 @@ impl Source {
             tensors: index.tensors,
             files: RefCell::default(),
             read_bytes: Default::default(),
+            verified: RefCell::default(),
         };
         for rank in 0..index.ranks {
             source.file(&rank_file(rank))?;
@@ -341,11 +399,11 @@ impl Source {
             .into_iter()
             .map(|(key, info)| {
                 let shape = info.shape.iter().map(|&d| d as i64).collect();
-                (key, TensorEntry { shape, pieces: vec![PieceRef { file: name.clone(), region: Region::WHOLE }] })
+                (key, TensorEntry { shape, pieces: vec![PieceRef { file: name.clone(), region: Region::WHOLE, crc32c: None }] })
             })
             .collect();
         let root = path.parent().unwrap_or(Path::new(".")).to_path_buf();
-        Ok(Source { meta, path: path.to_path_buf(), root, tensors, files: RefCell::default(), read_bytes: Default::default() })
+        Ok(Source { meta, path: path.to_path_buf(), root, tensors, files: RefCell::default(), read_bytes: Default::default(), verified: RefCell::default() })
     }
 
     /// "one file", or "sharded: N rank files"; and its tensors' bytes.
@@ -378,8 +436,20 @@ impl Source {
         for piece in &entry.pieces {
             let file = self.file(&piece.file)?;
             let info = file.header.info(key).with_context(|| format!("checkpoint {}: {} has no {key}", self.path.display(), piece.file))?;
-            let bytes = &file.file.map[file.data_start + info.data_offsets.0..file.data_start + info.data_offsets.1];
-            let stored = Stored { bytes, kind: kind_of(info.dtype)?, region: piece.region, read: &self.read_bytes };
+            let (begin, end) = (file.data_start + info.data_offsets.0, file.data_start + info.data_offsets.1);
+            let bytes =
+                file.file.map.get(begin..end).with_context(|| format!("checkpoint {}: {key} lies past the end of {}", self.path.display(), piece.file))?;
+            let kind = kind_of(info.dtype)?;
+            let expected = piece.region.numel(&entry.shape) as usize * kind.elt_size_in_bytes();
+            ensure!(
+                bytes.len() == expected,
+                "checkpoint {}: {} holds {} bytes of {key}, its region needs {expected}",
+                self.path.display(),
+                piece.file,
+                bytes.len()
+            );
+            self.verify(piece, key, bytes)?;
+            let stored = Stored { bytes, kind, region: piece.region, read: &self.read_bytes };
             let out = out.get_or_insert_with(|| Tensor::zeros([wanted], (stored.kind, Device::Cpu)));
             covered += stored.copy_into(out, &want)?;
         }
@@ -409,6 +479,19 @@ impl Source {
     /// The whole tensor `key`.
     pub fn read_whole(&self, key: &str) -> Result<Tensor> {
         self.read(key, Region::WHOLE)
+    }
+
+    /// Checks a piece's bytes against the checksum its writer kept, the first time it is read:
+    /// a flipped bit on a disk or in a copy is an error naming the piece, not a model trained on.
+    fn verify(&self, piece: &PieceRef, key: &str, bytes: &[u8]) -> Result<()> {
+        let Some(expected) = piece.crc32c else { return Ok(()) };
+        if self.verified.borrow().contains(&(piece.file.clone(), key.to_string())) {
+            return Ok(());
+        }
+        let found = crc32c::crc32c(bytes);
+        ensure!(found == expected, "checkpoint {}: {key} in {} is damaged (checksum {found:08x}, written as {expected:08x})", self.path.display(), piece.file);
+        self.verified.borrow_mut().insert((piece.file.clone(), key.to_string()));
+        Ok(())
     }
 
     fn file(&self, name: &str) -> Result<std::rc::Rc<OpenFile>> {
@@ -544,6 +627,9 @@ fn check_format(meta: &CheckpointMeta, path: &Path) -> Result<()> {
 /// PyTorch's `safetensors.torch.load_file` read. One tensor is in memory at a time. Returns the
 /// number of tensors written.
 pub fn export_model(source: &Source, out: &Path) -> Result<usize> {
+    if let Some(what) = source.owns(out) {
+        return crate::error::usage(format!("{} is {what}: exporting there would replace what the export reads; choose another file", out.display()));
+    }
     /// A tensor read when the writer asks for its bytes; a read that fails is kept and fails the
     /// export (`View` cannot return an error), the output then never committed.
     struct Lazy<'s> {
@@ -584,7 +670,7 @@ pub fn export_model(source: &Source, out: &Path) -> Result<usize> {
     let count = lazies.len();
     let views = lazies.iter().map(|(name, lazy)| (name.as_str(), lazy));
     crate::atomic_file::write_with(out, |tmp| {
-        safetensors::serialize_to_file(views, None, tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
+        safetensors::serialize_to_file(views, None, tmp)?;
         failed.take().map_or(Ok(()), Err)
     })?;
     Ok(count)
@@ -608,6 +694,7 @@ mod tests {
             config: serde_json::json!({}),
             torch_version: String::new(),
             grad_scaler: None,
+            data: serde_json::Value::Null,
         }
     }
 

@@ -2,7 +2,6 @@
 //! and `test_batch.bin`, each a sequence of 3,073-byte records: one label byte, then the
 //! 32×32 red, green and blue planes.
 use super::{check_labels, read_file, Split};
-use anyhow::Context;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -43,6 +42,21 @@ pub fn read(dir: &Path, split: Split) -> anyhow::Result<(Vec<u8>, Vec<u8>)> {
                 TRAIN_FILES.join(", ")
             );
         }
+    }
+    // The split's images in one piece, reserved before the first file is read: short of memory,
+    // one line saying how much, not an abort.
+    let bytes: u64 = file_names(split).iter().map(|name| std::fs::metadata(dir.join(name)).map_or(0, |m| m.len())).sum();
+    let records = (bytes / RECORD_BYTES as u64) as usize;
+    images.try_reserve_exact(records * IMAGE_BYTES).and_then(|()| labels.try_reserve_exact(records)).map_err(|_| {
+        anyhow::anyhow!(
+            "cannot read CIFAR-10's {} split from {}: its {:.0} MiB of images do not fit in the memory left to this process",
+            if matches!(split, Split::Train) { "training" } else { "test" },
+            dir.display(),
+            (records * IMAGE_BYTES) as f64 / (1 << 20) as f64
+        )
+    })?;
+    for name in file_names(split) {
+        let path = dir.join(name);
         let bytes = read_file(&path)?;
         parse_records(&bytes, &path, &mut images, &mut labels)?;
     }
@@ -69,11 +83,12 @@ fn parse_records(bytes: &[u8], path: &Path, images: &mut Vec<u8>, labels: &mut V
 /// Writes records in the official format (used by the generator and by tests).
 pub fn write(path: &Path, images: &[u8], labels: &[u8]) -> anyhow::Result<()> {
     assert_eq!(images.len(), labels.len() * IMAGE_BYTES, "images and labels disagree in length");
-    let file = std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
-    let mut out = std::io::BufWriter::new(file);
-    for (label, image) in labels.iter().zip(images.chunks_exact(IMAGE_BYTES)) {
-        out.write_all(&[*label])?;
-        out.write_all(image)?;
-    }
-    out.flush().with_context(|| format!("cannot write {}", path.display()))
+    crate::atomic_file::write_with(path, |tmp| {
+        let mut out = std::io::BufWriter::new(std::fs::File::create(tmp)?);
+        for (label, image) in labels.iter().zip(images.chunks_exact(IMAGE_BYTES)) {
+            out.write_all(&[*label])?;
+            out.write_all(image)?;
+        }
+        Ok(out.flush()?)
+    })
 }

@@ -12,6 +12,7 @@
 //! (torchvision would silently number them differently).
 use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
+use std::collections::HashSet;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
@@ -34,6 +35,11 @@ pub struct ImageFolder {
     /// Class names; a sample's label indexes this list.
     pub classes: Vec<String>,
     pub samples: Vec<Sample>,
+    /// Folders reached again through a symbolic link (a loop such as `ln -s .. loop`, or two
+    /// links to one folder): listed once, at the first path found, and named here so a user
+    /// can be told. torchvision follows such a loop until the path gets too long, listing the
+    /// same images over and over under other labels.
+    pub skipped: Vec<PathBuf>,
 }
 
 /// An image file and its class.
@@ -49,13 +55,24 @@ impl ImageFolder {
     /// not on this machine.
     pub fn scan(root: &Path) -> Result<ImageFolder> {
         let classes = find_classes(root)?;
-        let files: Vec<Vec<PathBuf>> = classes.par_iter().map(|class| image_files(&root.join(class))).collect::<Result<_>>()?;
-        let empty: Vec<&str> = classes.iter().zip(&files).filter(|(_, files)| files.is_empty()).map(|(class, _)| class.as_str()).collect();
+        // The split's folder and every class folder are where they are: a link back to one of
+        // them (`ln -s .. loop`) is a loop, not more images of this class.
+        let mut fixed = HashSet::from([identity(root)?]);
+        for class in &classes {
+            fixed.insert(identity(&root.join(class))?);
+        }
+        let listed: Vec<(Vec<PathBuf>, Vec<PathBuf>)> = classes.par_iter().map(|class| image_files(&root.join(class), &fixed)).collect::<Result<_>>()?;
+        let empty: Vec<&str> = classes.iter().zip(&listed).filter(|(_, (files, _))| files.is_empty()).map(|(class, _)| class.as_str()).collect();
         if !empty.is_empty() {
             bail!("{}: no image in the class folder(s) {} (images are files ending in {})", root.display(), empty.join(", "), IMAGE_EXTENSIONS.join(" "));
         }
-        let samples = files.into_iter().enumerate().flat_map(|(label, paths)| paths.into_iter().map(move |path| Sample { path, label })).collect();
-        Ok(ImageFolder { root: root.to_path_buf(), classes, samples })
+        let mut skipped = Vec::new();
+        let mut samples = Vec::new();
+        for (label, (paths, loops)) in listed.into_iter().enumerate() {
+            samples.extend(paths.into_iter().map(|path| Sample { path, label }));
+            skipped.extend(loops);
+        }
+        Ok(ImageFolder { root: root.to_path_buf(), classes, samples, skipped })
     }
 
     /// Lists split `split` of the data set in `dir` (`dir/train` or `dir/val`), checking that
@@ -66,6 +83,25 @@ impl ImageFolder {
             check_same_classes(&folder, expected)?;
         }
         Ok(folder)
+    }
+
+    /// The warning for [`ImageFolder::skipped`], when there is something to say.
+    pub fn skipped_note(&self) -> Option<String> {
+        const SHOWN: usize = 5;
+        if self.skipped.is_empty() {
+            return None;
+        }
+        let mut names: Vec<String> = self.skipped.iter().take(SHOWN).map(|p| p.strip_prefix(&self.root).unwrap_or(p).display().to_string()).collect();
+        if self.skipped.len() > SHOWN {
+            names.push(format!("and {} more", self.skipped.len() - SHOWN));
+        }
+        Some(format!(
+            "WARNING: {}: {} folder(s) reached again through a symbolic link were skipped (a loop, or a second path to a folder already listed; \
+             torchvision would list their images again): {}",
+            self.root.display(),
+            self.skipped.len(),
+            names.join(", ")
+        ))
     }
 
     pub fn len(&self) -> usize {
@@ -109,27 +145,61 @@ pub fn find_classes(root: &Path) -> Result<Vec<String>> {
 }
 
 /// The image files under `dir`, in torchvision's order: folders by sorted path, files by
-/// sorted name.
-fn image_files(dir: &Path) -> Result<Vec<PathBuf>> {
+/// sorted name; and the folders skipped because they were reached before (through a link).
+/// Symbolic links are followed, as torchvision follows them, but each folder is listed once
+/// (by device and inode), and the split's and class folders (`fixed`) only where they are. An entry with an image's name that is not a regular file (a FIFO, a
+/// device, a socket, a dangling link) is an error naming it: reading it would block, never end,
+/// or fail in the middle of training.
+fn image_files(dir: &Path, fixed: &HashSet<(u64, u64)>) -> Result<(Vec<PathBuf>, Vec<PathBuf>)> {
+    let mut visited = fixed.clone();
+    let mut skipped = Vec::new();
     // (folder, its file names), for every folder below `dir`.
     let mut folders: Vec<(PathBuf, Vec<OsString>)> = Vec::new();
     let mut pending = vec![dir.to_path_buf()];
     while let Some(folder) = pending.pop() {
-        let mut names = Vec::new();
+        let mut entries = Vec::new();
         for entry in std::fs::read_dir(&folder).with_context(|| format!("cannot list {}", folder.display()))? {
             let entry = entry.with_context(|| format!("cannot list {}", folder.display()))?;
-            let path = entry.path();
-            if path.is_dir() {
-                pending.push(path);
-            } else {
-                names.push(entry.file_name());
+            // The entry's own type costs no system call; a link is followed with one.
+            let kind = entry.file_type().with_context(|| format!("cannot list {}", entry.path().display()))?;
+            let kind = if kind.is_symlink() { std::fs::metadata(entry.path()).map(|m| m.file_type()).ok() } else { Some(kind) };
+            entries.push((entry.file_name(), kind));
+        }
+        // In name order, so that which of two paths to one folder is listed does not depend on
+        // the order the file system returns them in.
+        entries.sort_by(|(a, _), (b, _)| a.as_encoded_bytes().cmp(b.as_encoded_bytes()));
+        let (mut names, mut below) = (Vec::new(), Vec::new());
+        for (name, kind) in entries {
+            let path = folder.join(&name);
+            match kind {
+                Some(kind) if kind.is_dir() => {
+                    if visited.insert(identity(&path)?) {
+                        below.push(path);
+                    } else {
+                        skipped.push(path);
+                    }
+                }
+                Some(kind) if kind.is_file() => names.push(name),
+                _ if is_image_file(&name) => {
+                    bail!("{} is not a regular file (a FIFO, a device, a socket or a dangling link): remove it from the data", path.display())
+                }
+                _ => {}
             }
         }
-        names.sort_by(|a, b| a.as_encoded_bytes().cmp(b.as_encoded_bytes()));
+        pending.extend(below.into_iter().rev());
         folders.push((folder, names));
     }
     folders.sort_by(|(a, _), (b, _)| a.as_os_str().as_encoded_bytes().cmp(b.as_os_str().as_encoded_bytes()));
-    Ok(folders.into_iter().flat_map(|(folder, names)| names.into_iter().filter(|name| is_image_file(name)).map(move |name| folder.join(name))).collect())
+    skipped.sort();
+    let files =
+        folders.into_iter().flat_map(|(folder, names)| names.into_iter().filter(|name| is_image_file(name)).map(move |name| folder.join(name))).collect();
+    Ok((files, skipped))
+}
+
+/// A folder's device and inode (links followed): the same folder under two paths is one.
+fn identity(path: &Path) -> Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).map(|m| (m.dev(), m.ino())).with_context(|| format!("cannot list {}", path.display()))
 }
 
 /// Whether a file name ends, in any case, with one of [`IMAGE_EXTENSIONS`].

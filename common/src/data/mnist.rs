@@ -82,15 +82,18 @@ pub fn write_idx(path: &Path, dims: &[usize], data: &[u8]) -> anyhow::Result<()>
         bytes.extend_from_slice(&(d as u32).to_be_bytes());
     }
     bytes.extend_from_slice(data);
-    let file = std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
-    let result = if path.extension().is_some_and(|e| e == "gz") {
-        let mut gz = flate2::write::GzEncoder::new(file, flate2::Compression::fast());
-        gz.write_all(&bytes).and_then(|_| gz.finish().map(|_| ()))
-    } else {
-        let mut file = file;
-        file.write_all(&bytes)
-    };
-    result.with_context(|| format!("cannot write {}", path.display()))
+    let gzip = path.extension().is_some_and(|e| e == "gz");
+    crate::atomic_file::write_with(path, |tmp| {
+        let mut file = std::fs::File::create(tmp)?;
+        if gzip {
+            let mut gz = flate2::write::GzEncoder::new(file, flate2::Compression::fast());
+            gz.write_all(&bytes)?;
+            gz.finish()?;
+        } else {
+            file.write_all(&bytes)?;
+        }
+        Ok(())
+    })
 }
 
 /// Writes a whole split as `.gz` IDX files in `dir`.

@@ -121,6 +121,13 @@ impl ShardSet {
                 let shards = index.splits.get(name).cloned().unwrap_or_default();
                 ensure!(!shards.is_empty(), "{}: lists no {name} shard", index_path.display());
                 ensure!(!index.classes.is_empty(), "{}: lists no class", index_path.display());
+                // Names, not paths: an index from someone else must not reach outside its folder
+                // (`../x.tar`, `/data/y.tar`) or count a shard twice.
+                let mut seen = std::collections::HashSet::new();
+                for shard in &shards {
+                    ensure!(is_plain_name(&shard.file), "{}: names {:?}, not a file name in its folder (no '/', no '..')", index_path.display(), shard.file);
+                    ensure!(seen.insert(shard.file.as_str()), "{}: lists {} twice", index_path.display(), shard.file);
+                }
                 if let Some(missing) = shards.iter().find(|shard| !dir.join(&shard.file).is_file()) {
                     bail!("{}: names {}, which does not exist in {}", index_path.display(), missing.file, dir.display());
                 }
@@ -414,6 +421,13 @@ fn is_image_extension(extension: &str) -> bool {
 /// without complaint.
 fn read_member<R: Read>(entry: &mut tar::Entry<'_, R>, path: &Path, name: &str) -> Result<Vec<u8>> {
     let size = entry.size();
+    // A member's header may claim anything: no more than an image file may have is read.
+    ensure!(
+        size <= super::MAX_IMAGE_FILE_BYTES,
+        "{}: {name} claims {size} bytes, more than the {} an image may have",
+        path.display(),
+        super::MAX_IMAGE_FILE_BYTES
+    );
     let mut bytes = Vec::new();
     entry.read_to_end(&mut bytes).with_context(|| format!("{}: cannot read {name}", path.display()))?;
     ensure!(bytes.len() as u64 == size, "{}: cut short in {name} ({} of its {size} bytes)", path.display(), bytes.len());
@@ -488,22 +502,21 @@ pub fn pack(folder: &ImageFolder, out: &Path, split: Split, per_shard: usize, se
     Ok(shards)
 }
 
-/// Writes the tar file of the folder's samples `samples` (positions in its listing) to `path`.
+/// Writes the tar file of the folder's samples `samples` (positions in its listing) to `path`
+/// (the atomic writer's temporary file: its errors name the shard).
 fn write_shard(path: &Path, folder: &ImageFolder, samples: &[usize]) -> Result<()> {
-    let file = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
-    let mut tar = tar::Builder::new(BufWriter::with_capacity(STREAM_BUFFER, file));
-    let written = || format!("cannot write {}", path.display());
+    let mut tar = tar::Builder::new(BufWriter::with_capacity(STREAM_BUFFER, File::create(path)?));
     for &position in samples {
         let sample = &folder.samples[position];
-        let bytes = super::read_file(&sample.path)?;
+        let bytes = super::read_regular_file(&sample.path, super::MAX_IMAGE_FILE_BYTES)?;
         let extension = sample.path.extension().unwrap_or_default().to_string_lossy().to_lowercase();
         let key = format!("{position:09}");
-        append(&mut tar, &format!("{key}.{extension}"), &bytes).with_context(written)?;
-        append(&mut tar, &format!("{key}.{LABEL_EXTENSION}"), sample.label.to_string().as_bytes()).with_context(written)?;
+        append(&mut tar, &format!("{key}.{extension}"), &bytes)?;
+        append(&mut tar, &format!("{key}.{LABEL_EXTENSION}"), sample.label.to_string().as_bytes())?;
     }
     // A BufWriter dropped unflushed would hide a failed write (a full disk): flush it here.
-    let buffered = tar.into_inner().with_context(written)?;
-    buffered.into_inner().map_err(|err| err.into_error()).with_context(written)?;
+    let buffered = tar.into_inner()?;
+    buffered.into_inner().map_err(|err| err.into_error())?;
     Ok(())
 }
 
@@ -550,6 +563,11 @@ pub fn write_index(out: &Path, split: Split, classes: &[String], shards: &[Shard
     let mut json = serde_json::to_string_pretty(&index)?;
     json.push('\n');
     atomic_file::write(&path, json)
+}
+
+/// Whether `name` names a file in its folder: not empty, no path separator, not `.` or `..`.
+pub(crate) fn is_plain_name(name: &str) -> bool {
+    !name.is_empty() && name != "." && name != ".." && !name.contains('/') && !name.contains('\0')
 }
 
 /// The index at `path`, none when there is no such file.

@@ -131,7 +131,12 @@ pub fn decode(encoded: &[u8]) -> Result<image::RgbImage> {
 /// [`decode`] into `pixels` (`width × height × 3` bytes, resized to fit): returns the size.
 fn decode_into(encoded: &[u8], pixels: &mut Vec<u8>) -> Result<(u32, u32)> {
     use image::ImageDecoder;
-    let reader = image::ImageReader::new(std::io::Cursor::new(encoded)).with_guessed_format().context("cannot read the image")?;
+    let mut reader = image::ImageReader::new(std::io::Cursor::new(encoded)).with_guessed_format().context("cannot read the image")?;
+    // The decoder's own allocations bounded too (the largest image allowed, 4 bytes a pixel):
+    // image's default, 512 MiB, would refuse images PIL takes.
+    let mut limits = image::Limits::default();
+    limits.max_alloc = Some(4 * crate::data::MAX_IMAGE_PIXELS + (64 << 20));
+    reader.limits(limits);
     if reader.format() == Some(image::ImageFormat::Jpeg) && !jpeg_is_complete(encoded) {
         // The decoder fills what is missing with grey and says nothing; PIL refuses ("image file
         // is truncated"), and so do we: a file cut short is a copy gone wrong, to be named.
@@ -139,6 +144,13 @@ fn decode_into(encoded: &[u8], pixels: &mut Vec<u8>) -> Result<(u32, u32)> {
     }
     let decoder = reader.into_decoder().context("cannot decode the image")?;
     let (width, height) = decoder.dimensions();
+    let pixels_claimed = width as u64 * height as u64;
+    if pixels_claimed > crate::data::MAX_IMAGE_PIXELS {
+        return Err(anyhow!(
+            "the image claims {width} × {height} = {pixels_claimed} pixels, more than the {} allowed (PIL refuses it too: a decompression bomb?)",
+            crate::data::MAX_IMAGE_PIXELS
+        ));
+    }
     if decoder.color_type() == image::ColorType::Rgb8 {
         pixels.resize(decoder.total_bytes() as usize, 0);
         decoder.read_image(pixels).context("cannot decode the image")?;
@@ -316,6 +328,23 @@ mod tests {
                     assert!((expected - got).abs() <= 1, "({x}, {y}) channel {c}: {got} vs {expected}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn an_image_claiming_more_pixels_than_pils_limit_is_refused_before_decoding() {
+        let photo = image::RgbImage::from_fn(16, 16, |x, y| image::Rgb([x as u8 * 8, y as u8 * 8, 0]));
+        let mut jpeg = Vec::new();
+        photo.write_to(&mut std::io::Cursor::new(&mut jpeg), image::ImageFormat::Jpeg).unwrap();
+        let sof = jpeg.windows(2).position(|w| w == [0xFF, 0xC0]).unwrap();
+        for (width, height, refused) in [(60000u16, 60000u16, true), (13377, 13378, true), (13377, 13377, false)] {
+            let mut claimed = jpeg.clone();
+            claimed[sof + 5..sof + 7].copy_from_slice(&height.to_be_bytes());
+            claimed[sof + 7..sof + 9].copy_from_slice(&width.to_be_bytes());
+            let err = decode(&claimed).map(|_| ()).unwrap_err().to_string();
+            // Over the limit: refused by the pixel count, with nothing allocated. Under it, the
+            // decoder finds the data too short for such a frame (an ordinary error).
+            assert_eq!(err.contains("more than the 178956970 allowed"), refused, "{width} × {height}: {err}");
         }
     }
 

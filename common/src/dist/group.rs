@@ -504,14 +504,21 @@ fn cuda_index(local_rank: usize) -> usize {
 #[cfg(feature = "mpi")]
 fn abort_job(mpi: &MpiCollectives, rank: usize, err: &anyhow::Error) -> ! {
     let code = crate::error::exit_code(err);
-    // A usage error is most often every rank's (the same flags): rank 0 says it and ends the
-    // job. The others wait first (20 s: long enough for a loaded rank 0 to get there), so that
-    // one line reaches the user, not one per rank; a mistake only they see is still said, later.
-    if code == 2 && rank != 0 {
-        std::thread::sleep(std::time::Duration::from_secs(20));
-    }
+    // One line reaches the user, not one per rank: the job ends (MPI_Abort) as soon as the rank
+    // that reports has written it. A usage error is most often every rank's (the same flags):
+    // rank 0 says it, the others wait 20 s first (long enough for a loaded rank 0 to get there; a
+    // mistake only they see is still said, later). Any other error may be seen by several ranks
+    // at once (one failed, the others then lost it): the lowest of them says it, each higher rank
+    // waiting a moment longer (0.2 s a rank, at most 2 s), so that the rank that failed first,
+    // or the lowest that saw it, is the one heard.
+    let wait = match code {
+        2 if rank != 0 => std::time::Duration::from_secs(20),
+        2 => std::time::Duration::ZERO,
+        _ => std::time::Duration::from_millis(200 * rank.min(10) as u64),
+    };
+    std::thread::sleep(wait);
     let message = format!("{err:#}");
-    eprintln!("error on rank {rank}: {}", message.lines().next().unwrap_or_default());
+    crate::error::say(&format!("error on rank {rank}: {}", message.lines().next().unwrap_or_default()));
     mpi.abort(code.into())
 }
 

@@ -308,7 +308,26 @@ const NO_MPIRUN: &str = "--nproc-per-node needs an MPI launcher (mpirun) on PATH
 /// otherwise (SIGKILL, a crash), the kernel sends mpirun SIGTERM (`PR_SET_PDEATHSIG`). Open MPI's ranks end when
 /// their mpirun does, whichever way it ends (seen with Open MPI 4.1 for SIGKILL to mpirun too:
 /// the ranks abort about a second later, having lost their daemon).
-pub fn relaunch_with_mpirun(nproc: usize) -> Result<ExitStatus> {
+/// Where the ranks stop when the launcher passes a stop signal on: what it tells the user.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopsAt {
+    /// After a step they agree on (every strategy whose ranks step together).
+    Step,
+    /// At the end of the epoch (asynchronous parameter-server workers: they never wait for
+    /// each other, so they can only meet there).
+    EpochEnd,
+}
+
+impl StopsAt {
+    fn says(self) -> &'static str {
+        match self {
+            StopsAt::Step => "the ranks stop after their current step",
+            StopsAt::EpochEnd => "the asynchronous workers stop at the end of this epoch",
+        }
+    }
+}
+
+pub fn relaunch_with_mpirun(nproc: usize, stops: StopsAt) -> Result<ExitStatus> {
     if nproc == 0 {
         return usage("--nproc-per-node must be at least 1");
     }
@@ -330,7 +349,7 @@ pub fn relaunch_with_mpirun(nproc: usize) -> Result<ExitStatus> {
     // (a box of 8 lines, and a line per further rank) follows our own "error on rank N" line and
     // adds nothing to it.
     let mut child = command.stderr(Stdio::piped()).spawn().with_context(|| format!("could not start {}", launcher.display()))?;
-    let forwarding = Forwarding::start(child.id())?;
+    let forwarding = Forwarding::start(child.id(), stops)?;
     let Some(stderr) = child.stderr.take() else { anyhow::bail!("{}'s standard error was not connected", launcher.display()) };
     let mut notices = AbortNotices::default();
     // Locked per line, not for the whole job: the signal-forwarding thread writes here too.
@@ -379,7 +398,7 @@ struct Forwarding {
 }
 
 impl Forwarding {
-    fn start(pid: u32) -> Result<Forwarding> {
+    fn start(pid: u32, stops: StopsAt) -> Result<Forwarding> {
         let mut signals =
             signal_hook::iterator::Signals::new([libc::SIGINT, libc::SIGTERM]).context("cannot catch SIGINT and SIGTERM to pass them on to mpirun")?;
         let handle = signals.handle();
@@ -391,7 +410,7 @@ impl Forwarding {
                     let passed = if asked { signal } else { libc::SIGUSR1 };
                     if !asked {
                         let name = if signal == libc::SIGINT { "SIGINT" } else { "SIGTERM" };
-                        eprintln!("{name}: the ranks stop after their current step (passed on as SIGUSR1); a second signal stops them at once");
+                        eprintln!("{name}: {} (passed on as SIGUSR1); a second signal stops them at once", stops.says());
                     }
                     // SAFETY: kill has no memory preconditions; `pid` is mpirun's, not yet reaped
                     // (see [`wait_for_exit`]).
@@ -464,7 +483,9 @@ impl AbortNotices {
                 self.boxed = Some(vec![line]);
                 Vec::new()
             }
-            None if line.contains("help-mpi-api.txt / mpi-abort") || line.contains("orte_base_help_aggregate") => Vec::new(),
+            // And Open MPI's own error logs about the abort's aftermath (`ORTE_ERROR_LOG: Out of
+            // resource in file ...show_help.c`): said by mpirun, about mpirun, after our line.
+            None if line.contains("help-mpi-api.txt / mpi-abort") || line.contains("orte_base_help_aggregate") || line.contains("ORTE_ERROR_LOG") => Vec::new(),
             None => vec![line],
             Some(lines) => {
                 let closes = Self::is_rule(&line);
@@ -560,12 +581,12 @@ pub fn args_without_nproc(args: &[OsString]) -> Vec<OsString> {
 /// waits for them. Returns `true` when this process only started the ranks (they have run, and
 /// succeeded), `false` when it is to run itself (no flag, or already a rank of a launcher).
 /// Failed ranks have reported why; their exit code comes back as a [`ChildExit`] error.
-pub fn start_ranks_if_asked(nproc_per_node: Option<usize>) -> anyhow::Result<bool> {
+pub fn start_ranks_if_asked(nproc_per_node: Option<usize>, stops: StopsAt) -> anyhow::Result<bool> {
     let Some(n) = nproc_per_node else { return Ok(false) };
     if LaunchEnv::detect()?.world_size > 1 {
         return Ok(false);
     }
-    match relaunch_with_mpirun(n)?.code() {
+    match relaunch_with_mpirun(n, stops)?.code() {
         Some(0) => Ok(true),
         code => Err(crate::error::ChildExit(code.unwrap_or(1)).into()),
     }
@@ -603,6 +624,7 @@ NOTE: invoking MPI_ABORT causes Open MPI to kill all MPI processes.
 --------------------------------------------------------------------------
 [vm:07783] 1 more process has sent help message help-mpi-api.txt / mpi-abort
 [vm:07783] Set MCA parameter \"orte_base_help_aggregate\" to 0 to see all help / error messages
+[vm:07783] [[41221,0],0] ORTE_ERROR_LOG: Out of resource in file ../../orte/util/show_help.c at line 501
 --------------------------------------------------------------------------
 A process failed to start: not an abort
 --------------------------------------------------------------------------

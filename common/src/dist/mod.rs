@@ -90,7 +90,7 @@
 //!         // `--nproc-per-node N` without a launcher: become N ranks under mpirun, and wait.
 //!         if let Some(n) = args.nproc_per_node {
 //!             if LaunchEnv::detect()?.source == LaunchSource::Single {
-//!                 let status = launch::relaunch_with_mpirun(n)?;
+//!                 let status = launch::relaunch_with_mpirun(n, launch::StopsAt::Step)?;
 //!                 anyhow::ensure!(status.success(), "the {n} ranks failed ({status})");
 //!                 return Ok(());
 //!             }

@@ -190,8 +190,11 @@ impl MpiCollectives {
             if ready()? && !stalled {
                 return Ok(());
             }
-            if polls % 1024 == 1023 && started.elapsed() >= deadline {
-                self.declare_hung(op, seq, started.elapsed());
+            if polls % 1024 == 1023 {
+                if started.elapsed() >= deadline {
+                    self.declare_hung(op, seq, started.elapsed());
+                }
+                self.answer_roll_call(seq);
             }
             match polls {
                 0..64 => std::hint::spin_loop(),
@@ -210,6 +213,29 @@ impl MpiCollectives {
             check_code(unsafe { ffi::MPI_Test(request, &mut done, ffi::RSMPI_STATUS_IGNORE) }, op)?;
             Ok(done != 0)
         })
+    }
+
+    /// Another rank of this communicator waited past its deadline and calls the roll
+    /// ([`MpiCollectives::declare_hung`]): this one, waiting too but not (yet) past its own
+    /// deadline, answers at once with the number of the operation it waits in, so that the roll
+    /// call need not wait for it to time out and blames only the ranks that are really absent.
+    /// Then it goes on waiting; the caller ends the job.
+    fn answer_roll_call(&self, seq: u64) {
+        let comm = self.watch.as_raw();
+        let (mut found, mut status) = (0 as c_int, MaybeUninit::<ffi::MPI_Status>::uninit());
+        // SAFETY: a valid communicator; MPI fills `status` in when it finds a message.
+        unsafe { ffi::MPI_Iprobe(ffi::RSMPI_ANY_SOURCE, WATCH_TAG, comm, &mut found, status.as_mut_ptr()) };
+        if found == 0 {
+            return;
+        }
+        // SAFETY: found, so filled in.
+        let source = unsafe { status.assume_init() }.MPI_SOURCE;
+        let (mut theirs, mine) = ([0u64], [seq]);
+        // SAFETY: one u64 each way; a send of one word completes eagerly on every MPI.
+        unsafe {
+            ffi::MPI_Recv(theirs.as_mut_ptr().cast(), 1, ffi::RSMPI_UINT64_T, source, WATCH_TAG, comm, ffi::RSMPI_STATUS_IGNORE);
+            ffi::MPI_Send(mine.as_ptr().cast(), 1, ffi::RSMPI_UINT64_T, source, WATCH_TAG, comm);
+        }
     }
 
     /// `op`, operation `seq` of this communicator, waited past its deadline: the ranks that are
@@ -258,7 +284,7 @@ impl MpiCollectives {
             silent: (0..size).filter(|&r| !answered[r]).map(|r| self.world_ranks[r]).collect(),
         };
         if answered.iter().position(|&a| a) == Some(me) {
-            eprintln!("error on rank {}: {hang}", self.world_ranks[me]);
+            crate::error::say(&format!("error on rank {}: {hang}", self.world_ranks[me]));
         } else {
             std::thread::sleep(Duration::from_secs(2));
         }

@@ -549,12 +549,12 @@ impl NcclCollectives {
             }
             let waited = started.elapsed();
             if waited > deadline {
-                eprintln!(
+                crate::error::say(&format!(
                     "error on rank {}: NCCL {what} (operation {seq} of this communicator of {} ranks) did not complete in {:.0} s (--collective-timeout): a rank did not take part (stopped, hung, or its node lost); ending the job",
                     self.rank,
                     self.world_size,
                     waited.as_secs_f64()
-                );
+                ));
                 // SAFETY: aborting a live communicator ends its kernels; the process ends next.
                 unsafe { (api.comm_abort)(self.comm) };
                 std::process::exit(watchdog::HUNG_EXIT_CODE);

@@ -4,8 +4,9 @@
 //! (`--collective-timeout`, 10 minutes by default, as PyTorch's NCCL watchdog; the first
 //! operation of each group waits at least [`FIRST_AT_LEAST`], start-up and data loading in
 //! mind). When it passes, the waiting ranks ask each other, on a communicator of their own, who
-//! is there ([`Hang`]): the lowest of them says in one line which operation of which group
-//! waited how long and which ranks did not answer, and the job ends (`MPI_Abort`). The NCCL
+//! is there ([`Hang`]; ranks still waiting short of their own deadline answer too): the lowest
+//! of them says in one line which operation of which group waited how long and which ranks did
+//! not answer, and the job ends (`MPI_Abort`), at most [`grace`] (2 s) after the deadline. The NCCL
 //! engine polls each operation's stream and the communicator's background error against the
 //! same deadline and, past it, aborts the communicator and ends the process (NCCL has no side
 //! channel for a roll call: the line names the operation, not the missing rank).
@@ -38,10 +39,12 @@ pub fn deadline(seq: u64) -> Duration {
     }
 }
 
-/// How long the ranks that timed out wait for each other's answers: long enough for the others
-/// to time out too (they entered the operation a little later), short beside the deadline.
+/// How long the ranks that timed out wait for the others' answers to their roll call: ranks
+/// waiting in an operation of the same group answer within a tenth of a second, past or not past
+/// their own deadline ([`crate::dist::mpi`]); one that does not answer in this time is stopped,
+/// hung, or busy elsewhere. So a hung job ends within `--collective-timeout` plus this.
 pub fn grace() -> Duration {
-    timeout().clamp(Duration::from_secs(1), Duration::from_secs(10))
+    timeout().clamp(Duration::from_millis(500), Duration::from_secs(2))
 }
 
 /// Test hook (`COURSE_TEST_STALL_COLLECTIVE=RANK:SEQ`): on rank RANK, the operation of a group
@@ -97,6 +100,15 @@ impl std::fmt::Display for Hang {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hung_job_ends_within_the_timeout_and_two_seconds() {
+        for seconds in [0.1, 1.0, 5.0, 12.0, 600.0] {
+            set_timeout(Duration::from_secs_f64(seconds));
+            assert!(grace() <= Duration::from_secs(2) && grace() >= Duration::from_millis(500), "{seconds} s: grace {:?}", grace());
+        }
+        set_timeout(DEFAULT_TIMEOUT);
+    }
 
     #[test]
     fn the_stall_hook_names_one_rank_and_one_operation() {

@@ -80,6 +80,11 @@ pub trait Experiment {
     fn describe(&self, plan: &Self::Model, step: &dyn train::TrainStep<'_>, groups: &Groups, device: Device, observers: &mut Observers) -> Result<()>;
     /// What a checkpoint must have been written for to resume this run.
     fn model_identity(&self, plan: &Self::Model) -> serde_json::Value;
+    /// What the data mean to the model, where the model's shapes do not pin it down (a
+    /// vocabulary: which word each embedding row is); a resume on other data is refused.
+    fn data_identity(&self, _data: &Self::Data) -> serde_json::Value {
+        serde_json::Value::Null
+    }
     /// Training FLOPs per example.
     fn flops_per_example(&self, plan: &Self::Model) -> f64;
     /// This replica's batches (`shard` = (replica, replicas)) on `device`.
@@ -119,6 +124,12 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
     exp.check()?;
     // Found before the first step, not after the last one (whose results would be lost).
     writable_dir(&run.results_dir, "--results-dir")?;
+    // The exercise's table, which every run appends to: a link planted at its name would make
+    // the run append to any file its user can write (refused at the end too; said here first).
+    let table = run.results_dir.join(format!("{}.csv", exp.preset().name));
+    if std::fs::symlink_metadata(&table).is_ok_and(|m| m.file_type().is_symlink()) {
+        return usage(format!("{} is a symbolic link: not writing through it (remove it, or choose another --results-dir)", table.display()));
+    }
     if let Some(dir) = &run.checkpoint_dir {
         writable_dir(dir, "--checkpoint-dir")?;
     }
@@ -144,7 +155,9 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
             session_observers(exp, true, listeners).warn(warning)?;
         }
     }
-    if launch::start_ranks_if_asked(parallel.nproc_per_node)? {
+    let asynchronous = parallel.parameter_server().is_some_and(|ps| !matches!(ps.mode, crate::dist::parameter_server::Mode::Sync));
+    let stops = if asynchronous { launch::StopsAt::EpochEnd } else { launch::StopsAt::Step };
+    if launch::start_ranks_if_asked(parallel.nproc_per_node, stops)? {
         return Ok(Vec::new());
     }
     let env = env?;
@@ -224,9 +237,7 @@ fn estimate_memory<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<
 /// Creates `dir` if needed and writes a file there and removes it: a usage error naming `flag`
 /// where that fails (read-only, not a folder, no permission, a full disk).
 fn writable_dir(dir: &std::path::Path, flag: &str) -> Result<()> {
-    let probe = dir.join(format!(".write-test-{}", std::process::id()));
-    let written = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&probe, b"x")).and_then(|()| std::fs::remove_file(&probe));
-    match written {
+    match crate::atomic_file::probe_folder(dir) {
         Ok(()) => Ok(()),
         Err(err) => usage(format!("{flag} {}: cannot write there ({err}); choose another folder", dir.display())),
     }

@@ -36,6 +36,8 @@ pub(super) struct Built<'g, M> {
     pub zero: Option<ZeroStage>,
     /// `<exercise>-<model>-<device>`: the results' and checkpoints' name.
     pub name: String,
+    /// [`Experiment::data_identity`], kept in its checkpoints.
+    pub data_identity: serde_json::Value,
 }
 
 /// One training run on `device`: built, trained, measured; rank 0's record.
@@ -169,7 +171,7 @@ fn build<'g, E: Experiment>(
     // --straggler: this rank sleeps in every step (any strategy).
     let optimizer = crate::dist::parameter_server::Straggled::wrap(optimizer, exp.parallel_args().straggler, groups.world.rank());
     let name = format!("{}-{}-{}", preset.name, exp.model_name(), device::device_name(device));
-    Ok((Built { plan, step, optimizer, recipe, sources, zero, name }, meter))
+    Ok((Built { plan, step, optimizer, recipe, sources, zero, name, data_identity: exp.data_identity(data) }, meter))
 }
 
 /// The loop's configuration for `built` (with `--cuda-graph`, the optimizer made capturable).
@@ -193,6 +195,7 @@ fn train_config<E: Experiment>(exp: &E, built: &Built<'_, E::Model>, groups: &Gr
             dir,
             resume,
             model: exp.model_identity(&built.plan),
+            data: built.data_identity.clone(),
             config: exp.flags_json(),
             from,
             keep: run.keep_checkpoints,
@@ -206,6 +209,7 @@ fn train_config<E: Experiment>(exp: &E, built: &Built<'_, E::Model>, groups: &Gr
         steady_after: run.steady_after,
         cuda_graph,
         eval_only: run.eval_only,
+        lockstep: groups.parameter_servers().is_none_or(|link| link.lockstep()),
     })
 }
 

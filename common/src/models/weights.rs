@@ -100,6 +100,9 @@ pub fn load_weights(vs: &nn::VarStore, path: &Path, head: &Block) -> anyhow::Res
 
 /// Reads all named tensors of a weights file, by its extension.
 fn read_named_tensors(path: &Path) -> anyhow::Result<Vec<(String, Tensor)>> {
+    if path.is_dir() {
+        bail!("--weights {} is a folder, not a weights file (a .safetensors or .ot file)", path.display());
+    }
     if !path.is_file() {
         bail!("weights file {} not found", path.display());
     }

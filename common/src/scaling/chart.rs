@@ -140,13 +140,20 @@ where
     Ok(())
 }
 
-/// The study's chart of `rows` (as [`super::rows`] orders them) to `path`.
+/// The study's chart of `rows` (as [`super::rows`] orders them) to `path`, drawn in memory and
+/// written whole (the atomic writer).
 pub fn draw(rows: &[Row], path: &Path) -> Result<()> {
     if rows.is_empty() {
         anyhow::bail!("no runs to chart in {}", path.display());
     }
+    let mut svg = String::new();
+    draw_into(rows, path, &mut svg)?;
+    crate::atomic_file::write(path, svg)
+}
+
+fn draw_into(rows: &[Row], path: &Path, svg: &mut String) -> Result<()> {
     let fail = |e: String| anyhow!("cannot draw {}: {e}", path.display());
-    let root = SVGBackend::new(path, (WIDTH, HEIGHT)).into_drawing_area();
+    let root = SVGBackend::with_string(svg, (WIDTH, HEIGHT)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(format!("{e:?}")))?;
     let first = &rows[0];
     let title = format!("{} · {} · {}: scaling over ranks", first.exercise, first.model, first.device);

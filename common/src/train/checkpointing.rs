@@ -295,6 +295,7 @@ mod tests {
             config: serde_json::json!({}),
             torch_version: String::new(),
             grad_scaler: None,
+            data: serde_json::Value::Null,
         }
     }
 
@@ -308,6 +309,7 @@ mod tests {
             dir: dir.path().to_path_buf(),
             resume: false,
             model: serde_json::json!({}),
+            data: serde_json::Value::Null,
             config: serde_json::json!({}),
             from: None,
             keep: 0,

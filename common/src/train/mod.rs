@@ -87,6 +87,8 @@ pub struct CheckpointConfig {
     pub resume: bool,
     /// Identity of the model (a resume must build the same one).
     pub model: serde_json::Value,
+    /// What the data mean to the model (a resume must read the same; [`CheckpointMeta::data`]).
+    pub data: serde_json::Value,
     /// The run's configuration, stored for the record.
     pub config: serde_json::Value,
     /// A checkpoint file to start from (`--checkpoint`) instead of the run's own in `dir`; it
@@ -130,6 +132,10 @@ pub struct TrainConfig {
     pub cuda_graph: bool,
     /// `--eval-only`: restore the checkpoint and evaluate, training nothing.
     pub eval_only: bool,
+    /// Whether the replicas take their optimizer steps together (every strategy but
+    /// asynchronous parameter servers), so that a stop or a checkpoint can be agreed at any
+    /// step; otherwise a signal stops the run at the end of the epoch it arrives in.
+    pub lockstep: bool,
 }
 
 impl TrainConfig {
@@ -186,8 +192,16 @@ pub struct EpochStats {
     pub examples: usize,
     /// Optimizer steps done in the run at the epoch's end.
     pub end_step: usize,
+    /// Steps of the epoch taken before this process resumed it in the middle: `train_loss` and
+    /// `train_acc` are then the means of the `steps` after them only (0, absent: all of them).
+    #[serde(skip_serializing_if = "is_zero_usize")]
+    pub resumed_after_steps: usize,
     #[serde(skip)]
     pub eval_interval: Option<(Instant, Instant)>,
+}
+
+fn is_zero_usize(n: &usize) -> bool {
+    *n == 0
 }
 
 /// What a call of [`fit`] did.
@@ -395,13 +409,25 @@ pub fn fit(
     config.precision.check(device)?;
     let mut scaler = config.precision.needs_scaler().then(|| GradScaler::new(device));
     let resume =
-        config.checkpoint.as_ref().filter(|ck| ck.resume).map(|ck| (ck.from.clone().unwrap_or_else(|| checkpoint::path_for(&ck.dir, &config.run)), &ck.model));
+        config.checkpoint.as_ref().filter(|ck| ck.resume).map(|ck| (ck.from.clone().unwrap_or_else(|| checkpoint::path_for(&ck.dir, &config.run)), ck));
     if let (Some((path, _)), true) = (&resume, config.eval_only) {
-        if !path.exists() && !checkpoint::sharded::run_folder_of(path).is_dir() {
+        // Evaluating a freshly initialised model and calling it the checkpoint's is the one
+        // thing --eval-only must not do: a path with no complete checkpoint at it (a missing
+        // file, an empty folder, a folder of something else) is refused here.
+        let exists = path.exists() || checkpoint::sharded::run_folder_of(path).is_dir();
+        if !exists || checkpoint::find_newest(path).is_ok_and(|found| found.is_none()) {
             return crate::error::usage(format!("--eval-only: no checkpoint at {} to evaluate", path.display()));
         }
     }
-    let start = state::start(step, optimizer, scaler.as_mut(), resume.as_ref().map(|(p, m)| (p.as_path(), *m)), observers)?;
+    // The run's checkpoints are this job's alone while it writes them (rank 0 holds the lock for
+    // the job): taken before the checkpoint to resume from is read.
+    let writes_checkpoints = !config.eval_only && step.sync().parallel.world.is_none_or(ProcessGroup::is_root);
+    let _lock = config.checkpoint.as_ref().filter(|_| writes_checkpoints).map(|ck| checkpoint::RunLock::acquire(&ck.dir, &config.run)).transpose()?;
+    let expected = resume.as_ref().map(|(path, ck)| state::Expected { path, model: &ck.model, data: &ck.data, seed: config.seed });
+    let start = state::start(step, optimizer, scaler.as_mut(), expected, observers)?;
+    if let Some((path, _)) = &resume {
+        check_finite_weights(step, path, config.eval_only)?;
+    }
     let (base_lr, steps_per_epoch) = (optimizer.lr(), train.batches_per_epoch().div_ceil(config.accumulate));
     let (mut report, mut global_step, mut bubble) = (FitReport::new(start.epoch), start.step, BubbleMeter::default());
     let mut steady = SteadyMeter::new(config.steady_after);
@@ -482,7 +508,10 @@ pub fn fit(
             break; // checkpointed above; the epoch's evaluation waits for the resumed run
         }
         let data_wait_s = sums.data_wait_s;
-        let stats = end_epoch(step, eval, config, &mut report, sums, epoch, epoch_lr, global_step)?;
+        let mut stats = end_epoch(step, eval, config, &mut report, sums, epoch, epoch_lr, global_step)?;
+        if epoch == start.epoch {
+            stats.resumed_after_steps = start.epoch_step;
+        }
         // float16's scaler skips the steps whose loss overflowed: its epoch mean may be inf
         // while the model is fine; the evaluation says whether it is.
         if !config.precision.needs_scaler() {
@@ -495,6 +524,9 @@ pub fn fit(
             let meta = checkpoint_meta(config, checkpoints.config(), optimizer.name(), (epoch + 1, 0), global_step, scaler.as_ref());
             checkpoints.save(step, optimizer, meta)?;
             observers.emit(&Event::Checkpointed { path: checkpoints.path(), epoch: epoch + 1, step: global_step })?;
+        }
+        if let (None, Some(signal)) = (stopped_by, step_control.stop_at_epoch_end()?) {
+            stopped_by = Some(signal);
         }
     }
     if let Some(checkpoints) = checkpoints.as_mut() {
@@ -526,6 +558,10 @@ struct StepControl<'g> {
     exit_after: Option<usize>,
     /// Test hook: rank 0 sends itself this signal after this step ([`TEST_SIGNAL_AFTER_STEP`]).
     signal_after: Option<(usize, i32)>,
+    /// [`TrainConfig::lockstep`]: a signal stops the run at a step the ranks agree on;
+    /// otherwise at the end of the epoch, agreed among `at_epoch_ends`.
+    lockstep: bool,
+    at_epoch_ends: Option<&'g ProcessGroup>,
 }
 
 /// Test hook (an environment variable holding a step number): the process ends right after that
@@ -555,19 +591,37 @@ impl<'g> StepControl<'g> {
             Some((step.parse().ok()?, signal))
         });
         let max_steps = config.max_steps;
-        // Asynchronous parameter-server workers never wait for each other: a per-step decision
-        // among them would make them. Such a run checkpoints at epochs' ends only (not at a
-        // --max-steps end, which each worker reaches at its own time), and a signal ends it.
-        if parallel.replicas.is_some_and(|r| r.sync == crate::dist::GradientSync::ParameterServer) {
-            if config.checkpoint.as_ref().is_some_and(|ck| ck.every_steps.is_some() || ck.every_minutes.is_some()) {
-                return crate::error::usage(
-                    "--checkpoint-every and --checkpoint-minutes need workers that step together: not with --strategy parameter-server",
-                );
-            }
-            return Ok(StepControl { ranks: None, max_steps: None, exit_after, signal_after: None });
+        let ranks = parallel.world.filter(|w| w.world_size() > 1);
+        if parallel.replicas.is_some_and(|r| r.sync == crate::dist::GradientSync::ParameterServer)
+            && config.checkpoint.as_ref().is_some_and(|ck| ck.every_steps.is_some() || ck.every_minutes.is_some())
+        {
+            return crate::error::usage("--checkpoint-every and --checkpoint-minutes need workers that step together: not with --strategy parameter-server");
         }
+        // Every run catches the stop signals (Slurm's warning, SIGTERM, the launcher's
+        // forwarded Ctrl-C): their default action would end the ranks with nothing saved.
         preemption::install()?;
-        Ok(StepControl { ranks: parallel.world.filter(|w| w.world_size() > 1), max_steps, exit_after, signal_after })
+        if !config.lockstep {
+            // Asynchronous parameter-server workers never wait for each other: a per-step decision
+            // among them would make them. Such a run checkpoints at epochs' ends only (not at a
+            // --max-steps end, which each worker reaches at its own time), and stops there.
+            return Ok(StepControl { ranks: None, max_steps: None, exit_after, signal_after, at_epoch_ends: ranks, lockstep: false });
+        }
+        Ok(StepControl { ranks, max_steps, exit_after, signal_after, at_epoch_ends: None, lockstep: true })
+    }
+
+    /// Replicas that do not step together ([`TrainConfig::lockstep`]) stop at the end of the
+    /// epoch in which any of them was signalled: what they agree at that end (they meet there,
+    /// in the evaluation). The signal's name where it was caught; `Some(None)` for another's.
+    fn stop_at_epoch_end(&self) -> Result<Option<Option<&'static str>>> {
+        if self.lockstep {
+            return Ok(None);
+        }
+        let local = [preemption::requested().is_some()];
+        let agreed = match self.at_epoch_ends {
+            Some(ranks) => ranks.any_of(&local)?,
+            None => local.to_vec(),
+        };
+        Ok(agreed[0].then(preemption::requested))
     }
 
     fn after_step(&self, mut checkpoints: Option<&mut Checkpointer>, step: usize) -> Result<Decision> {
@@ -588,7 +642,8 @@ impl<'g> StepControl<'g> {
             checkpoints.settle(agreed[2], agreed[3])?;
         }
         // The signal's name where it was caught; none on the ranks stopping for another's.
-        let stop = agreed[1].then(preemption::requested);
+        // (Replicas not in lockstep stop at the epoch's end instead: stop_at_epoch_end.)
+        let stop = agreed[1].then(preemption::requested).filter(|_| self.lockstep);
         Ok(Decision { checkpoint: by_rule || agreed[0] || stop.is_some(), stop })
     }
 
@@ -729,6 +784,7 @@ fn checkpoint_meta(
         config: ck.config.clone(),
         torch_version: crate::torch_version().to_string(),
         grad_scaler: scaler.map(GradScaler::state),
+        data: ck.data.clone(),
     }
 }
 
@@ -764,6 +820,7 @@ fn end_epoch(
         train_time_s,
         examples: train.examples as usize,
         end_step: global_step,
+        resumed_after_steps: 0,
         eval_interval: Some(eval_interval),
     })
 }
@@ -783,6 +840,18 @@ pub fn fingerprint(variables: &[(String, Tensor)]) -> [f64; 2] {
         }
     }
     [(hash >> 32) as f64, (hash & 0xffff_ffff) as f64]
+}
+
+/// A checkpoint whose weights hold NaN or infinity came from a run that diverged: evaluating it
+/// would report a NaN loss as a result, resuming it would train NaN. Refused, naming the first
+/// such tensor (this rank's part of it).
+fn check_finite_weights(step: &dyn TrainStep<'_>, path: &std::path::Path, eval_only: bool) -> Result<()> {
+    let bad = tch::no_grad(|| step.named_parameters().into_iter().find(|(_, t)| t.isfinite().all().int64_value(&[]) == 0));
+    if let Some((name, _)) = bad {
+        let doing = if eval_only { "evaluating" } else { "resuming" };
+        anyhow::bail!("checkpoint {} holds NaN or infinite values in {name}: the run that wrote it diverged; not {doing} it", path.display());
+    }
+    Ok(())
 }
 
 /// Checks that every replica in `group` holds bit-identical `variables` (data parallelism's

@@ -59,7 +59,11 @@ impl Observer for ConsoleLog {
                     self.header.run,
                     stats.epoch,
                     self.header.epochs,
-                    if *completed { "" } else { " (stopped by --max-steps)" },
+                    match (*completed, stats.resumed_after_steps) {
+                        (false, _) => String::from(" (stopped by --max-steps)"),
+                        (true, 0) => String::new(),
+                        (true, n) => format!(" (resumed after its step {n}: train figures over the steps since)"),
+                    },
                     stats.steps,
                     stats.train_time_s,
                     100.0 * data_wait_s / stats.train_time_s.max(f64::EPSILON),

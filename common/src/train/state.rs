@@ -47,7 +47,7 @@ pub(crate) fn start(
     step: &mut dyn TrainStep<'_>,
     optimizer: &mut dyn Optimizer,
     scaler: Option<&mut GradScaler>,
-    resume_from: Option<(&Path, &serde_json::Value)>,
+    resume_from: Option<Expected<'_>>,
     observers: &mut Observers,
 ) -> Result<Progress> {
     let parallel = step.sync().parallel;
@@ -58,8 +58,8 @@ pub(crate) fn start(
     // every rank reads] then go to everyone.
     let mut found: Option<Found> = None;
     let mut header = [0.0, 0.0, 0.0, f64::NAN, 0.0, 0.0, 0.0];
-    if let (Some((path, identity)), true) = (resume_from, root) {
-        found = find(path, identity, observers)?;
+    if let (Some(expected), true) = (resume_from, root) {
+        found = find(&expected, observers)?;
         if let Some(found) = &found {
             let meta = &found.meta;
             let scale = meta.grad_scaler.map_or([f64::NAN, 0.0], |s| [s.scale, s.growth_tracker as f64]);
@@ -97,9 +97,18 @@ pub(crate) fn start(
     Ok(Progress { epoch: header[1] as usize, step: header[2] as usize, epoch_step: header[5] as usize, read_bytes })
 }
 
+/// What a run resumes from (`path`) and what the checkpoint there must have been written for.
+pub(crate) struct Expected<'a> {
+    pub path: &'a Path,
+    pub model: &'a serde_json::Value,
+    pub data: &'a serde_json::Value,
+    pub seed: u64,
+}
+
 /// Rank 0: the newest complete checkpoint at `path` (see [`checkpoint::find_newest`]), checked
 /// to be `identity`'s, after removing what killed writers left; says what it resumes.
-fn find(path: &Path, identity: &serde_json::Value, observers: &mut Observers) -> Result<Option<Found>> {
+fn find(expected: &Expected<'_>, observers: &mut Observers) -> Result<Option<Found>> {
+    let path = expected.path;
     let mut removed = checkpoint::remove_stale_temporaries(path)?;
     removed.extend(checkpoint::sharded::remove_interrupted(&checkpoint::sharded::run_folder_of(path))?);
     for removed in removed {
@@ -112,8 +121,18 @@ fn find(path: &Path, identity: &serde_json::Value, observers: &mut Observers) ->
     for warning in &found.warnings {
         observers.warn(warning.clone())?;
     }
-    found.meta.check_model(&found.path, identity)?;
+    found.meta.check_model(&found.path, expected.model)?;
+    found.meta.check_data(&found.path, expected.data)?;
     let meta = &found.meta;
+    if meta.seed != expected.seed {
+        observers.warn(format!(
+            "warning: {} was written by a run with --seed {}, this one has --seed {}: its data order, augmentation and dropout from here on \
+             differ from the run's",
+            found.path.display(),
+            meta.seed,
+            expected.seed
+        ))?;
+    }
     let within = match meta.epoch_step {
         0 => String::new(),
         n => format!(" and {n} steps into epoch {}", meta.epoch + 1),

@@ -38,7 +38,7 @@ struct Cli {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     common::error::run_main(|| {
-        if launch::start_ranks_if_asked(cli.nproc_per_node)? {
+        if launch::start_ranks_if_asked(cli.nproc_per_node, launch::StopsAt::Step)? {
             return Ok(());
         }
         ProcessGroup::run(cli.backend, |group| bench(&cli, group))
@@ -92,7 +92,7 @@ fn write_csv(cli: &Cli, world: usize, device: Device, rows: &[(usize, f64, f64, 
         std::fs::create_dir_all(dir)?;
     }
     let new = !cli.csv.exists();
-    let mut out = csv::Writer::from_writer(std::fs::OpenOptions::new().create(true).append(true).open(&cli.csv)?);
+    let mut out = csv::Writer::from_writer(common::atomic_file::append(&cli.csv)?);
     if new {
         out.write_record(["finished_at", "device", "ranks", "bytes", "time_s", "algbw_gb_s", "busbw_gb_s"])?;
     }

@@ -164,6 +164,9 @@ fn main() -> std::process::ExitCode {
             let train = ImageFolder::scan_split(&data_dir, Split::Train, None)?;
             let has_val = data_dir.join(split_folder(Split::Test)).is_dir();
             let val = has_val.then(|| ImageFolder::scan_split(&data_dir, Split::Test, Some(&train.classes))).transpose()?;
+            for note in std::iter::once(&train).chain(&val).filter_map(ImageFolder::skipped_note) {
+                eprintln!("{note}");
+            }
             pack_split(&train, &out, Split::Train, shard_size, seed)?;
             if let Some(val) = &val {
                 pack_split(val, &out, Split::Test, shard_size, seed)?;

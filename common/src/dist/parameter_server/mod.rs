@@ -198,6 +198,10 @@ impl<'w> Job<'w> {
 
     /// Serves until every worker is done (a server rank).
     pub fn serve(&self) -> Result<()> {
+        // A stop signal reaches the servers too (the launcher forwards Ctrl-C to every rank;
+        // Slurm signals every task): they go on serving until the workers, who checkpoint
+        // through them, say they are done.
+        crate::train::preemption::install()?;
         let threads = (crate::device::usable_cores() / self.world.local_world_size().max(1)).max(1);
         crate::device::set_threads(threads)?;
         server::Server::new(self.world, &self.group, self.workers, self.config).run()

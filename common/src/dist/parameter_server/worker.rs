@@ -61,6 +61,12 @@ impl<'w> WorkerLink<'w> {
         self.world.rank() == 0
     }
 
+    /// Whether the workers take their steps together (synchronous servers), so that a stop can be
+    /// agreed at any step ([`crate::train::TrainConfig::lockstep`]).
+    pub fn lockstep(&self) -> bool {
+        matches!(self.config.mode, super::Mode::Sync)
+    }
+
     /// What the parameter server cannot train (yet), refused before anything trains (a model
     /// in parts: by the plan that would cut it, [`crate::parallelize`]).
     pub fn check(&self, precision: Precision, cuda_graph: bool) -> Result<()> {

@@ -1,0 +1,489 @@
+//! Safe on a shared cluster, where folders are shared with a project group and data come from
+//! others: outputs never written through a planted link, images that would exhaust the memory or
+//! block refused, indexes that reach outside their folder refused, one writer per run's
+//! checkpoints, nothing evaluated that is not what it claims, every stop signal honoured, and one
+//! clear line where something is wrong. Each test here failed on the tree the sweep looked at.
+mod support;
+
+use std::os::unix::fs::symlink;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+use support::{read_json, stderr, wikitext_sample};
+
+fn binary(name: &str) -> &'static str {
+    match name {
+        "exercise1" => env!("CARGO_BIN_EXE_exercise1"),
+        "exercise1_nlp" => env!("CARGO_BIN_EXE_exercise1_nlp"),
+        "exercise2" => env!("CARGO_BIN_EXE_exercise2"),
+        "prepare_data" => env!("CARGO_BIN_EXE_prepare_data"),
+        "checkpoint" => env!("CARGO_BIN_EXE_checkpoint"),
+        other => panic!("no binary {other}"),
+    }
+}
+
+fn run(name: &str, args: &[&str]) -> Output {
+    Command::new(binary(name)).args(args).env_remove("RUST_BACKTRACE").output().unwrap()
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn is_link(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink())
+}
+
+/// A generated CIFAR-10 of `train` images in `dir`.
+fn cifar(dir: &Path, train: usize) {
+    let out = run("prepare_data", &["generate", "--dataset", "cifar10", "--train", &train.to_string(), "--test", "20", "--out", dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+/// A generated image folder of 2 classes × `train` small JPEGs (2 validation ones each).
+fn photos(dir: &Path, train: usize) {
+    let out = run(
+        "prepare_data",
+        &["generate-images", "--sizes", "small", "--classes", "2", "--train", &train.to_string(), "--val", "2", "--out", dir.to_str().unwrap()],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+/// exercise1 on the CPU for a step or two.
+fn exercise1(data: &Path, results: &Path, more: &[&str]) -> Output {
+    let mut args =
+        vec!["--device", "cpu", "--quiet", "--threads", "1", "--epochs", "1", "--data-dir", data.to_str().unwrap(), "--results-dir", results.to_str().unwrap()];
+    args.extend(more);
+    run("exercise1", &args)
+}
+
+/// The one error line of a failed run, checked to name every part of `says`.
+fn one_error(out: &Output, code: i32, says: &[&str]) -> String {
+    let err = stderr(out);
+    assert_eq!(out.status.code(), Some(code), "{err}");
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
+    assert_eq!(errors.len(), 1, "one error line:\n{err}");
+    for part in says {
+        assert!(errors[0].contains(part), "'{part}' not in: {}", errors[0]);
+    }
+    assert!(!err.contains("panicked") && !err.contains("memory allocation of"), "{err}");
+    errors[0].to_string()
+}
+
+/// Runs `command` to its end, or kills it after `limit` (a run that blocks forever fails the
+/// test instead of hanging it).
+fn within(mut command: Command, limit: Duration) -> Output {
+    let child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let pid = child.id();
+    let started = Instant::now();
+    let waiter = std::thread::spawn(move || child.wait_with_output().unwrap());
+    while !waiter.is_finished() {
+        if started.elapsed() > limit {
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            let out = waiter.join().unwrap();
+            panic!("still running after {limit:?} (killed): {}", stderr(&out));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    waiter.join().unwrap()
+}
+
+#[test]
+fn outputs_are_never_written_through_links_planted_in_a_shared_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, res, victim) = (dir.path().join("data"), dir.path().join("res"), dir.path().join("victim"));
+    cifar(&data, 40);
+    std::fs::create_dir(&res).unwrap();
+    std::fs::write(&victim, "precious\n").unwrap();
+    // What the writer used to name its temporary files (`<file>.tmp-<pid>-<n>`), planted for
+    // the run's own pid (the shell's, which exec keeps), and links at the charts' final names.
+    let plant = "for n in 0 1 2 3 4 5 6 7; do for f in exercise1-cnn-cpu.json exercise1-cnn-cpu.safetensors; do ln -s \"$V\" \"$R/$f.tmp-$$-$n\"; done; done; \
+                 ln -s \"$V\" \"$R/exercise1-cnn-cpu.svg\"; exec \"$@\"";
+    let out = Command::new("sh")
+        .args(["-c", plant, "plant", binary("exercise1"), "--device", "cpu", "--quiet", "--threads", "1", "--epochs", "1", "--max-steps", "2"])
+        .args(["--data-dir", data.to_str().unwrap(), "--results-dir", res.to_str().unwrap(), "--checkpoint-dir", res.to_str().unwrap()])
+        .env("V", &victim)
+        .env("R", &res)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n", "a planted link was written through");
+    for name in ["exercise1-cnn-cpu.json", "exercise1-cnn-cpu.safetensors", "exercise1-cnn-cpu.svg"] {
+        assert!(!is_link(&res.join(name)) && res.join(name).is_file(), "{name} is the run's own file");
+    }
+    assert!(std::fs::read_to_string(res.join("exercise1-cnn-cpu.svg")).unwrap().starts_with("<svg"));
+    assert!(!std::fs::read_dir(&res).unwrap().flatten().any(|e| e.file_name().to_string_lossy().starts_with(".write-test")), "the folder probe is gone");
+
+    // The results table that runs append to: a link there is refused before training.
+    let res2 = dir.path().join("res2");
+    std::fs::create_dir(&res2).unwrap();
+    symlink(&victim, res2.join("exercise1.csv")).unwrap();
+    let out = exercise1(&data, &res2, &["--max-steps", "2"]);
+    one_error(&out, 2, &["exercise1.csv is a symbolic link"]);
+    assert!(!res2.join("exercise1-cnn-cpu.json").exists(), "refused before training");
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n");
+}
+
+/// A copy of `jpeg` whose frame header claims `width` × `height` pixels.
+fn claiming(jpeg: &[u8], width: u16, height: u16) -> Vec<u8> {
+    let mut bytes = jpeg.to_vec();
+    let sof = bytes.windows(2).position(|w| w[0] == 0xFF && (0xC0..=0xC2).contains(&w[1])).expect("a JPEG frame header");
+    bytes[sof + 5..sof + 7].copy_from_slice(&height.to_be_bytes());
+    bytes[sof + 7..sof + 9].copy_from_slice(&width.to_be_bytes());
+    bytes
+}
+
+#[test]
+fn images_that_would_exhaust_the_memory_or_block_are_refused_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("photos");
+    photos(&data, 3);
+    let class = data.join("train/class000");
+    let first = std::fs::read_dir(&class).unwrap().flatten().map(|e| e.path()).min().unwrap();
+    let results = dir.path().join("results");
+    let train = |extra: &Path| {
+        let mut command = Command::new("sh");
+        // 3 GB of address space: the 60000 × 60000 image alone would take 10.8 GB decoded.
+        command
+            .args(["-c", "ulimit -v 3000000 && exec \"$@\"", "limited", binary("exercise1")])
+            .args(["--device", "cpu", "--quiet", "--threads", "1", "--workers", "1", "--model", "resnet50", "--image-size", "32", "--batch-size", "4"])
+            .args(["--max-steps", "2", "--epochs", "1", "--dataset", "imagefolder", "--data-dir", data.to_str().unwrap(), "--results-dir"])
+            .arg(&results)
+            .env_remove("RUST_BACKTRACE");
+        let out = within(command, Duration::from_secs(300));
+        std::fs::remove_file(extra).unwrap();
+        out
+    };
+
+    // A 5 kB JPEG whose header claims 60000 × 60000 pixels: refused before it is decoded.
+    let bomb = class.join("aaa-bomb.jpg");
+    std::fs::write(&bomb, claiming(&std::fs::read(&first).unwrap(), 60000, 60000)).unwrap();
+    one_error(&train(&bomb), 1, &["aaa-bomb.jpg", "60000 × 60000", "more than the 178956970 allowed"]);
+
+    // An image file larger than any image (an 8 GB sparse file): refused, not read.
+    let sparse = class.join("aaa-sparse.jpg");
+    std::fs::File::create(&sparse).unwrap().set_len(8 << 30).unwrap();
+    one_error(&train(&sparse), 1, &["aaa-sparse.jpg is 8589934592 bytes, more than the 268435456"]);
+
+    // A link to /dev/zero and a FIFO with an image's name: refused at the listing (a FIFO
+    // used to block the run forever).
+    let zero = class.join("aaa-zero.jpg");
+    symlink("/dev/zero", &zero).unwrap();
+    one_error(&train(&zero), 1, &["aaa-zero.jpg is not a regular file"]);
+    let fifo = class.join("aaa-fifo.jpg");
+    let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success());
+    one_error(&train(&fifo), 1, &["aaa-fifo.jpg is not a regular file"]);
+}
+
+#[test]
+fn a_symbolic_link_loop_in_an_image_folder_is_listed_once_and_said() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("photos");
+    photos(&data, 6);
+    symlink("..", data.join("train/class000/loop")).unwrap();
+    let shards = dir.path().join("shards");
+    let out = run("prepare_data", &["pack", "--data-dir", data.to_str().unwrap(), "--out", shards.to_str().unwrap(), "--shard-size", "100"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // 2 classes × 6 images, not the same images again and again under class000's label.
+    assert!(stdout(&out).contains("train: 12 samples of 2 classes"), "{}", stdout(&out));
+    assert!(
+        stderr(&out).contains("1 folder(s) reached again through a symbolic link were skipped") && stderr(&out).contains("class000/loop"),
+        "{}",
+        stderr(&out)
+    );
+    let results = dir.path().join("results");
+    let out = exercise1(&data, &results, &["--model", "resnet50", "--image-size", "32", "--batch-size", "4", "--max-steps", "1", "--dataset", "imagefolder"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("were skipped"), "{}", stderr(&out));
+}
+
+#[test]
+fn checkpoint_export_never_replaces_a_checkpoint_of_its_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, ck) = (dir.path().join("data"), dir.path().join("ck"));
+    cifar(&data, 40);
+    // Two epochs: the first checkpoint is kept as the previous one.
+    let out = exercise1(&data, &ck, &["--batch-size", "20", "--max-steps", "4", "--epochs", "2", "--checkpoint-dir", ck.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let checkpoint = ck.join("exercise1-cnn-cpu.safetensors");
+    let previous = ck.join("exercise1-cnn-cpu.previous.safetensors");
+    let before = (std::fs::read(&checkpoint).unwrap(), std::fs::read(&previous).unwrap());
+    let same_through_dots = ck.join("..").join("ck").join("exercise1-cnn-cpu.safetensors");
+    for out_path in [&checkpoint, &previous, &same_through_dots, &ck.join("exercise1-cnn-cpu-epoch1.safetensors")] {
+        let out = run("checkpoint", &["export", checkpoint.to_str().unwrap(), out_path.to_str().unwrap()]);
+        one_error(&out, 2, &["exporting there would replace what the export reads"]);
+    }
+    assert_eq!((std::fs::read(&checkpoint).unwrap(), std::fs::read(&previous).unwrap()), before, "nothing was touched");
+    let model = dir.path().join("model.safetensors");
+    let out = run("checkpoint", &["export", checkpoint.to_str().unwrap(), model.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+#[test]
+fn a_second_run_on_one_runs_checkpoints_is_refused_while_the_first_writes_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, ck) = (dir.path().join("data"), dir.path().join("ck"));
+    cifar(&data, 200);
+    let args = |results: &str| -> Vec<String> {
+        let mut args: Vec<String> =
+            ["--device", "cpu", "--quiet", "--threads", "1", "--batch-size", "10", "--epochs", "30"].iter().map(|s| s.to_string()).collect();
+        args.extend(["--data-dir".into(), data.display().to_string(), "--checkpoint-dir".into(), ck.display().to_string()]);
+        args.extend(["--results-dir".into(), dir.path().join(results).display().to_string()]);
+        args
+    };
+    let mut first = Command::new(binary("exercise1")).args(args("first")).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    // Stopped (SIGSTOP) once it holds the run's lock: whatever this machine's speed, it is
+    // writing that run when the second starts.
+    let lock = ck.join("exercise1-cnn-cpu.lock");
+    let started = Instant::now();
+    while !std::fs::read_to_string(&lock).is_ok_and(|t| t.starts_with(&first.id().to_string())) {
+        assert!(started.elapsed() < Duration::from_secs(300) && first.try_wait().unwrap().is_none(), "the first run never took its lock");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(unsafe { libc::kill(first.id() as libc::pid_t, libc::SIGSTOP) }, 0);
+    let second = Command::new(binary("exercise1")).args(args("second")).env_remove("RUST_BACKTRACE").output().unwrap();
+    unsafe { libc::kill(first.id() as libc::pid_t, libc::SIGCONT) };
+    let line = one_error(&second, 2, &["run exercise1-cnn-cpu is being written there by process", &first.id().to_string(), "exercise1-cnn-cpu.lock"]);
+    println!("{line}");
+    unsafe { libc::kill(first.id() as libc::pid_t, libc::SIGTERM) };
+    let status = first.wait().unwrap();
+    // The first run, stopped by its SIGTERM, checkpointed and ended as a stopped run does.
+    assert_eq!(status.code(), Some(75), "{status:?}");
+    // Its lock went with it: a third run takes the run's checkpoints and resumes them.
+    let mut third = args("third");
+    third.extend(["--resume".into(), "--max-steps".into(), "1".into()]);
+    let out = Command::new(binary("exercise1")).args(third).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+/// A sharded checkpoint of a small language model (2 ZeRO-3 ranks) in `ck`; its step folder.
+fn sharded_checkpoint(data: &Path, ck: &Path) -> PathBuf {
+    let out = run(
+        "exercise1_nlp",
+        &["--device", "cpu", "--quiet", "--emsize", "16", "--d-hid", "32", "--nhead", "2", "--nlayers", "1", "--tokenizer", "whitespace", "--max-steps", "3"]
+            .iter()
+            .copied()
+            .chain(["--epochs", "1", "--nproc-per-node", "2", "--zero", "3", "--checkpoint-format", "sharded", "--data-dir", data.to_str().unwrap()])
+            .chain(["--checkpoint-dir", ck.to_str().unwrap(), "--results-dir", ck.to_str().unwrap()])
+            .collect::<Vec<_>>(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let run_folder = ck.join("exercise1_nlp-transformer-cpu.shards");
+    std::fs::read_dir(&run_folder).unwrap().flatten().map(|e| e.path()).find(|p| p.join("checkpoint.json").exists()).expect("a committed step")
+}
+
+#[test]
+fn indexes_that_reach_outside_their_folder_or_were_tampered_with_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    // Shards: a name outside the folder, and a shard listed twice.
+    let data = dir.path().join("photos");
+    photos(&data, 4);
+    let shards = dir.path().join("shards");
+    let out = run("prepare_data", &["pack", "--data-dir", data.to_str().unwrap(), "--out", shards.to_str().unwrap(), "--shard-size", "2"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let index_path = shards.join("shards.json");
+    let index: serde_json::Value = read_json(&index_path);
+    let tampered = |edit: &dyn Fn(&mut serde_json::Value), says: &str| {
+        let mut copy = index.clone();
+        edit(&mut copy);
+        std::fs::write(&index_path, copy.to_string()).unwrap();
+        let out = exercise1(
+            &shards,
+            &dir.path().join("r"),
+            &["--model", "resnet50", "--image-size", "32", "--batch-size", "2", "--max-steps", "1", "--dataset", "shards"],
+        );
+        one_error(&out, 1, &["shards.json", says]);
+    };
+    tampered(&|i| i["splits"]["train"][0]["file"] = "../outside.tar".into(), "\"../outside.tar\", not a file name in its folder");
+    tampered(&|i| i["splits"]["train"][0]["file"] = "/etc/passwd".into(), "not a file name in its folder");
+    tampered(
+        &|i| {
+            let first = i["splits"]["train"][0].clone();
+            i["splits"]["train"][1] = first;
+        },
+        "twice",
+    );
+
+    // A sharded checkpoint's index: a piece in another folder, a region past its tensor, and
+    // a flipped byte in a rank file.
+    let text = dir.path().join("text");
+    std::fs::create_dir(&text).unwrap();
+    wikitext_sample(&text, [120, 20, 20]);
+    let ck = dir.path().join("ck");
+    let step = sharded_checkpoint(&text, &ck);
+    let index_path = step.join("checkpoint.json");
+    let original = std::fs::read_to_string(&index_path).unwrap();
+    let export = |says: &str| {
+        let out = run("checkpoint", &["export", step.to_str().unwrap(), dir.path().join("model.safetensors").to_str().unwrap()]);
+        one_error(&out, 1, &[says]);
+    };
+    let mut index: serde_json::Value = serde_json::from_str(&original).unwrap();
+    let piece = &mut index["tensors"]["model.embedding.weight"]["pieces"][0];
+    piece["file"] = "../step-elsewhere/rank-00000.safetensors".into();
+    std::fs::write(&index_path, index.to_string()).unwrap();
+    export("not one of its 2 rank files");
+    let mut index: serde_json::Value = serde_json::from_str(&original).unwrap();
+    index["tensors"]["model.embedding.weight"]["pieces"][0]["region"]["flat"] = serde_json::json!([0, 1_000_000_000]);
+    std::fs::write(&index_path, index.to_string()).unwrap();
+    export("does not fit");
+    std::fs::write(&index_path, &original).unwrap();
+    let rank_file = step.join("rank-00001.safetensors");
+    let mut bytes = std::fs::read(&rank_file).unwrap();
+    let last = bytes.len() - 5;
+    bytes[last] ^= 0x40;
+    std::fs::write(&rank_file, bytes).unwrap();
+    export("is damaged (checksum");
+}
+
+#[test]
+fn eval_only_and_resume_refuse_what_is_not_the_checkpoint_they_claim() {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, ck, results) = (dir.path().join("data"), dir.path().join("ck"), dir.path().join("results"));
+    cifar(&data, 40);
+    // A folder without a checkpoint: nothing to evaluate (a fresh model used to be).
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let out = exercise1(&data, &results, &["--eval-only", "--checkpoint", empty.to_str().unwrap()]);
+    one_error(&out, 2, &["--eval-only: no checkpoint at", "empty"]);
+    assert!(!results.join("exercise1-cnn-cpu.eval-only.json").exists());
+
+    // A checkpoint whose weights hold a NaN (a diverged run's).
+    let out = exercise1(&data, &ck, &["--batch-size", "20", "--max-steps", "2", "--checkpoint-dir", ck.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let checkpoint = ck.join("exercise1-cnn-cpu.safetensors");
+    let mut bytes = std::fs::read(&checkpoint).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let start = header["model.fc1.weight"]["data_offsets"][0].as_u64().unwrap() as usize + 8 + header_len;
+    bytes[start..start + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&checkpoint, bytes).unwrap();
+    let out = exercise1(&data, &results, &["--eval-only", "--checkpoint", checkpoint.to_str().unwrap()]);
+    one_error(&out, 1, &["holds NaN or infinite values in fc1.weight", "not evaluating it"]);
+    assert!(!results.join("exercise1-cnn-cpu.eval-only.json").exists());
+}
+
+#[test]
+fn a_language_model_resumes_only_on_the_vocabulary_it_was_trained_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let (text, ck) = (dir.path().join("text"), dir.path().join("ck"));
+    std::fs::create_dir(&text).unwrap();
+    wikitext_sample(&text, [120, 20, 20]);
+    let lm = |more: &[&str]| {
+        let mut args = vec!["--device", "cpu", "--quiet", "--emsize", "16", "--d-hid", "32", "--nhead", "2", "--nlayers", "1", "--tokenizer", "whitespace"];
+        args.extend(["--epochs", "1", "--max-steps", "2", "--data-dir", text.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap()]);
+        args.extend(["--results-dir", ck.to_str().unwrap()]);
+        args.extend(more);
+        run("exercise1_nlp", &args)
+    };
+    let out = lm(&[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // Another seed: resumed, and said.
+    let out = lm(&["--resume", "--epochs", "2", "--max-steps", "3", "--seed", "7"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("was written by a run with --seed 42, this one has --seed 7"), "{}", stderr(&out));
+    // The same number of words, but one of them another word: every id past it means another.
+    for split in ["train.txt", "valid.txt", "test.txt"] {
+        let path = text.join(split);
+        let changed = std::fs::read_to_string(&path).unwrap().replace(" the ", " thé ");
+        std::fs::write(&path, changed).unwrap();
+    }
+    let out = lm(&["--resume", "--epochs", "3", "--max-steps", "4"]);
+    one_error(&out, 2, &["was trained on other data", "vocabulary_crc32c", "use the same --data-dir and --tokenizer"]);
+}
+
+#[test]
+fn stop_signals_end_parameter_server_runs_with_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    cifar(&data, 200);
+    let ps = |mode: &str, ck: &Path, more: &[&str], env: &[(&str, &str)]| {
+        let mut command = Command::new(binary("exercise2"));
+        command
+            .args(["--device", "cpu", "--quiet", "--model", "cnn", "--batch-size", "10", "--nproc-per-node", "3", "--strategy", "parameter-server", mode])
+            .args(["--data-dir", data.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap(), "--results-dir", ck.to_str().unwrap()])
+            .args(more)
+            .env_remove("RUST_BACKTRACE");
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        command.output().unwrap()
+    };
+    // Synchronous workers step together: Slurm's warning signal to rank 0 after step 3 stops
+    // every rank there, with a checkpoint (exit 75), and the run resumes from it.
+    let ck = dir.path().join("sync");
+    let out = ps("--sync", &ck, &["--epochs", "2"], &[("COURSE_TEST_SIGNAL_AFTER_STEP", "3:SIGUSR1")]);
+    assert_eq!(out.status.code(), Some(75), "{}", stderr(&out));
+    assert!(stderr(&out).contains("stopped by SIGUSR1"), "{}", stderr(&out));
+    let meta = |ck: &Path| {
+        let out = run("checkpoint", &["show", ck.join("exercise2-cnn-cpu.safetensors").to_str().unwrap()]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out)
+    };
+    assert!(meta(&ck).contains("step 3"), "{}", meta(&ck));
+    let out = ps("--sync", &ck, &["--epochs", "2", "--resume"], &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // Asynchronous workers never wait for each other: they stop at the end of the epoch the
+    // signal came in, with that epoch's checkpoint.
+    let ck = dir.path().join("async");
+    let out = ps("--async", &ck, &["--epochs", "3"], &[("COURSE_TEST_SIGNAL_AFTER_STEP", "2:SIGUSR1")]);
+    assert_eq!(out.status.code(), Some(75), "{}", stderr(&out));
+    assert!(meta(&ck).contains("epoch 1"), "{}", meta(&ck));
+}
+
+#[test]
+fn what_can_be_said_before_training_is_said_then_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    cifar(&data, 40);
+    let results = dir.path().join("results");
+    // A file given as the data folder, or a folder as the weights file.
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    one_error(&exercise1(&file, &results, &[]), 1, &["is a file, not a folder"]);
+    one_error(&exercise1(&data, &results, &["--weights", dir.path().to_str().unwrap()]), 1, &["is a folder, not a weights file"]);
+    // --requeue on outside Slurm, --tensorboard on a file: usage errors before the first step.
+    let out = Command::new(binary("exercise1"))
+        .args(["--device", "cpu", "--quiet", "--max-steps", "1", "--requeue", "on", "--data-dir", data.to_str().unwrap(), "--results-dir"])
+        .arg(&results)
+        .env_remove("SLURM_JOB_ID")
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    one_error(&out, 2, &["--requeue on: not running in a Slurm job"]);
+    one_error(&exercise1(&data, &results, &["--max-steps", "1", "--tensorboard", file.to_str().unwrap()]), 2, &["--tensorboard", "a file, not a folder"]);
+    assert!(!results.join("exercise1-cnn-cpu.json").exists(), "nothing trained");
+    // --workers far beyond the cores: capped, with a warning, and the run goes on.
+    let images = dir.path().join("photos");
+    photos(&images, 2);
+    let out = exercise1(
+        &images,
+        &results,
+        &["--model", "resnet50", "--image-size", "32", "--batch-size", "2", "--max-steps", "1", "--dataset", "imagefolder", "--workers", "100000"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("warning: --workers 100000 is more than the"), "{}", stderr(&out));
+}
+
+#[test]
+fn a_data_set_larger_than_the_memory_left_is_one_line_not_an_abort() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let out = run("prepare_data", &["generate", "--dataset", "cifar10", "--out", data.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // The full training split (150 MB) in an address space LibTorch leaves too little of.
+    let out = Command::new("sh")
+        .args(["-c", "ulimit -v 2900000 && exec \"$@\"", "limited", binary("exercise1"), "--device", "cpu", "--quiet", "--max-steps", "1", "--data-dir"])
+        .arg(&data)
+        .arg("--results-dir")
+        .arg(dir.path().join("results"))
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    if out.status.success() {
+        println!("this machine's LibTorch left room for the data set under 2.9 GB: nothing to refuse here");
+        return;
+    }
+    let line = one_error(&out, 1, &[]);
+    assert!(line.contains("do not fit in the memory") || line.contains("out of memory"), "{line}");
+}

@@ -74,8 +74,8 @@ pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
     match catch_panic(body) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            let message = format!("{err:#}");
-            let first_line = message.lines().next().unwrap_or_default();
+            let message = first_line(&err);
+            let first_line = message.as_str();
             match (err.downcast_ref::<Stopped>(), err.downcast_ref::<ChildExit>()) {
                 (Some(stopped), _) if stopped.signal.is_some() => say(first_line),
                 // Another rank's signal, or ranks that stopped: the rank that caught it said so.
@@ -127,6 +127,21 @@ pub fn catch_panic<T>(body: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Resul
     }
 }
 
+/// What a user is told of `err`: its first line, with its causes; LibTorch's failure to
+/// allocate, returned rather than panicked (`Internal torch error: [enforce fail at
+/// alloc_cpu.cpp:127] ...`), as the [`OutOfMemory`] line, saying what to lower.
+pub fn first_line(err: &anyhow::Error) -> String {
+    let message = format!("{err:#}");
+    let line = message.lines().next().unwrap_or_default();
+    if !err.chain().any(|cause| cause.is::<OutOfMemory>()) && OOM_PHRASES.iter().any(|phrase| line.contains(phrase)) {
+        return OutOfMemory(torch_message(line)).to_string();
+    }
+    line.to_string()
+}
+
+/// What LibTorch and the C++ runtime say when an allocation fails.
+const OOM_PHRASES: [&str; 4] = ["out of memory", "not enough memory", "can't allocate memory", "std::bad_alloc"];
+
 /// LibTorch could not allocate: what it said, and what to lower.
 #[derive(Debug, thiserror::Error)]
 #[error("out of memory: {0}; lower --batch-size (or the model's size: --emsize, --nlayers, --model), or train in bf16-mixed, with --checkpoint-activations, or on more ranks")]
@@ -136,8 +151,7 @@ pub struct OutOfMemory(pub String);
 pub fn panic_error(payload: &(dyn std::any::Any + Send)) -> anyhow::Error {
     let text = payload.downcast_ref::<String>().map(String::as_str).or_else(|| payload.downcast_ref::<&str>().copied()).unwrap_or("a panic without a message");
     let what = torch_message(text);
-    let oom = ["out of memory", "not enough memory", "can't allocate memory", "std::bad_alloc"];
-    if oom.iter().any(|o| what.contains(o)) {
+    if OOM_PHRASES.iter().any(|o| what.contains(o)) {
         OutOfMemory(what).into()
     } else {
         anyhow::anyhow!("internal error: {what} (RUST_BACKTRACE=1 shows where)")

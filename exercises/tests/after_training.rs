@@ -25,12 +25,13 @@ fn per_epoch_checkpoints_are_kept_and_any_of_them_tested_without_training() {
     assert!(out.status.success(), "{}", stderr(&out));
 
     // The latest, the one it replaced (the fallback should it be unreadable), and the last two
-    // epochs' (epoch 1's removed when epoch 3's was kept).
+    // epochs' (epoch 1's removed when epoch 3's was kept); and the run's lock (one writer).
     let mut files: Vec<String> = std::fs::read_dir(&ck).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     files.sort();
     let kept = [
         "exercise1-cnn-cpu-epoch2.safetensors",
         "exercise1-cnn-cpu-epoch3.safetensors",
+        "exercise1-cnn-cpu.lock",
         "exercise1-cnn-cpu.previous.safetensors",
         "exercise1-cnn-cpu.safetensors",
     ];

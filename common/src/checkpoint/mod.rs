@@ -382,7 +382,25 @@ pub fn load(path: &Path) -> anyhow::Result<Checkpoint> {
     Ok(Checkpoint { meta, tensors })
 }
 
+/// A checkpoint whose weights hold NaN or infinity came from a run that diverged: evaluating it
+/// would report a NaN loss as a result, resuming it would train NaN (`doing`: "evaluating" or
+/// "resuming"). The error names the first such tensor.
+pub fn non_finite(path: &Path, key: &str, tensor: &Tensor, doing: &str) -> anyhow::Result<()> {
+    if tensor.is_floating_point() && tensor.numel() > 0 && tch::no_grad(|| tensor.isfinite().all().int64_value(&[])) == 0 {
+        let name = key.strip_prefix(MODEL_PREFIX).unwrap_or(key);
+        anyhow::bail!("checkpoint {} holds NaN or infinite values in {name}: the run that wrote it diverged; not {doing} it", path.display());
+    }
+    Ok(())
+}
+
 impl Checkpoint {
+    /// [`non_finite`] over the model's tensors.
+    pub fn check_finite_model(&self, path: &Path, doing: &str) -> anyhow::Result<()> {
+        let mut keys: Vec<&String> = self.tensors.keys().filter(|k| k.starts_with(MODEL_PREFIX)).collect();
+        keys.sort();
+        keys.into_iter().try_for_each(|key| non_finite(path, key, &self.tensors[key], doing))
+    }
+
     /// Copies the checkpoint into a freshly built model and optimizer. Fails, naming the
     /// file's model and this one, when the checkpoint was written for another model or shape.
     pub fn restore(&self, path: &Path, vs: &nn::VarStore, optimizer: &mut dyn Optimizer, model: &serde_json::Value) -> anyhow::Result<()> {

@@ -308,6 +308,8 @@ pub struct Source {
     read_bytes: std::cell::Cell<u64>,
     /// The (file, key) pieces whose checksums were checked.
     verified: RefCell<std::collections::HashSet<(String, String)>>,
+    /// Set by [`Source::refuse_non_finite_model`]: what the reader does with the checkpoint.
+    finite_model_for: Option<&'static str>,
 }
 
 impl Source {
@@ -374,6 +376,7 @@ impl Source {
             files: RefCell::default(),
             read_bytes: Default::default(),
             verified: RefCell::default(),
+            finite_model_for: None,
         };
         for rank in 0..index.ranks {
             source.file(&rank_file(rank))?;
@@ -403,7 +406,16 @@ impl Source {
             })
             .collect();
         let root = path.parent().unwrap_or(Path::new(".")).to_path_buf();
-        Ok(Source { meta, path: path.to_path_buf(), root, tensors, files: RefCell::default(), read_bytes: Default::default(), verified: RefCell::default() })
+        Ok(Source {
+            meta,
+            path: path.to_path_buf(),
+            root,
+            tensors,
+            files: RefCell::default(),
+            read_bytes: Default::default(),
+            verified: RefCell::default(),
+            finite_model_for: None,
+        })
     }
 
     /// "one file", or "sharded: N rank files"; and its tensors' bytes.
@@ -460,6 +472,9 @@ impl Source {
             entry.shape
         );
         let out = out.unwrap_or_else(|| Tensor::zeros([0], (Kind::Float, Device::Cpu)));
+        if let (Some(doing), true) = (self.finite_model_for, key.starts_with(MODEL_PREFIX)) {
+            super::non_finite(&self.path, key, &out, doing)?;
+        }
         Ok(out.view(region.local_shape(&entry.shape).as_slice()))
     }
 
@@ -479,6 +494,12 @@ impl Source {
     /// The whole tensor `key`.
     pub fn read_whole(&self, key: &str) -> Result<Tensor> {
         self.read(key, Region::WHOLE)
+    }
+
+    /// From now on, a model tensor read with a NaN or infinity in it is an error
+    /// ([`super::non_finite`]; `doing`: "evaluating" or "resuming").
+    pub fn refuse_non_finite_model(&mut self, doing: &'static str) {
+        self.finite_model_for = Some(doing);
     }
 
     /// Checks a piece's bytes against the checksum its writer kept, the first time it is read:

@@ -378,7 +378,7 @@ mod tests {
     fn cifar_like(n: usize, step: usize, modulus: usize) -> ImageDataset {
         let images: Vec<u8> = (0..n * 3 * 32 * 32).map(|i| (i * step % modulus) as u8).collect();
         let labels: Vec<u8> = (0..n).map(|i| (i % 10) as u8).collect();
-        ImageDataset { kind: DatasetKind::Cifar10, images: images.into(), labels: labels.into(), generated: true }
+        ImageDataset { kind: DatasetKind::Cifar10, images: std::sync::Arc::new(images), labels: labels.into(), generated: true }
     }
 
     #[test]

@@ -125,7 +125,9 @@ pub enum Split {
 pub struct ImageDataset {
     pub kind: DatasetKind,
     /// `len × C × H × W` bytes, shared with the loader's worker threads.
-    pub images: Arc<[u8]>,
+    /// (A `Vec` behind the `Arc`, not a slice: turning the read bytes into an `Arc<[u8]>` would
+    /// copy all of them, 150 MB for CIFAR-10, at the moment memory is shortest.)
+    pub images: Arc<Vec<u8>>,
     pub labels: Arc<[u8]>,
     /// True when the files were made by [`generate`], not downloaded.
     pub generated: bool,
@@ -172,7 +174,7 @@ pub fn load(kind: DatasetKind, dir: &Path, split: Split) -> anyhow::Result<Image
         }
         DatasetKind::Mnist => (dir.to_path_buf(), mnist::read(dir, split)?),
     };
-    Ok(ImageDataset { kind, images: images.into(), labels: labels.into(), generated: dir.join(GENERATED_MARKER).exists() })
+    Ok(ImageDataset { kind, images: Arc::new(images), labels: labels.into(), generated: dir.join(GENERATED_MARKER).exists() })
 }
 
 /// The most bytes an image file may have (a JPEG of the most pixels allowed is far smaller): an

@@ -517,8 +517,7 @@ fn abort_job(mpi: &MpiCollectives, rank: usize, err: &anyhow::Error) -> ! {
         _ => std::time::Duration::from_millis(200 * rank.min(10) as u64),
     };
     std::thread::sleep(wait);
-    let message = format!("{err:#}");
-    crate::error::say(&format!("error on rank {rank}: {}", message.lines().next().unwrap_or_default()));
+    crate::error::say(&format!("error on rank {rank}: {}", crate::error::first_line(err)));
     mpi.abort(code.into())
 }
 

@@ -63,7 +63,15 @@ pub(super) fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, 
     observers.add(step_losses);
     let before = groups.comm_stats();
     let Built { step, optimizer, sources, .. } = &mut built;
-    let mut fit = match train::fit(step.as_mut(), optimizer.as_mut(), sources.train.as_ref(), sources.eval.as_ref(), &config, &mut observers) {
+    let fit = train::fit(step.as_mut(), optimizer.as_mut(), sources.train.as_ref(), sources.eval.as_ref(), &config, &mut observers);
+    if let (Err(stopped), Some(link)) = (&fit, groups.parameter_servers()) {
+        // Workers stopped by a signal (with their checkpoint) are done too: the servers, which
+        // serve until every worker says so, must hear it, or the job never ends.
+        if stopped.is::<crate::error::Stopped>() {
+            link.finish()?;
+        }
+    }
+    let mut fit = match fit {
         Err(stopped) if stopped.is::<crate::error::Stopped>() && groups.is_root() => return Err(requeue_after(stopped, exp.run_args(), &mut observers)),
         fit => fit?,
     };

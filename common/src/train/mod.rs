@@ -423,11 +423,8 @@ pub fn fit(
     // the job): taken before the checkpoint to resume from is read.
     let writes_checkpoints = !config.eval_only && step.sync().parallel.world.is_none_or(ProcessGroup::is_root);
     let _lock = config.checkpoint.as_ref().filter(|_| writes_checkpoints).map(|ck| checkpoint::RunLock::acquire(&ck.dir, &config.run)).transpose()?;
-    let expected = resume.as_ref().map(|(path, ck)| state::Expected { path, model: &ck.model, data: &ck.data, seed: config.seed });
+    let expected = resume.as_ref().map(|(path, ck)| state::Expected { path, model: &ck.model, data: &ck.data, seed: config.seed, eval_only: config.eval_only });
     let start = state::start(step, optimizer, scaler.as_mut(), expected, observers)?;
-    if let Some((path, _)) = &resume {
-        check_finite_weights(step, path, config.eval_only)?;
-    }
     let (base_lr, steps_per_epoch) = (optimizer.lr(), train.batches_per_epoch().div_ceil(config.accumulate));
     let (mut report, mut global_step, mut bubble) = (FitReport::new(start.epoch), start.step, BubbleMeter::default());
     let mut steady = SteadyMeter::new(config.steady_after);
@@ -840,18 +837,6 @@ pub fn fingerprint(variables: &[(String, Tensor)]) -> [f64; 2] {
         }
     }
     [(hash >> 32) as f64, (hash & 0xffff_ffff) as f64]
-}
-
-/// A checkpoint whose weights hold NaN or infinity came from a run that diverged: evaluating it
-/// would report a NaN loss as a result, resuming it would train NaN. Refused, naming the first
-/// such tensor (this rank's part of it).
-fn check_finite_weights(step: &dyn TrainStep<'_>, path: &std::path::Path, eval_only: bool) -> Result<()> {
-    let bad = tch::no_grad(|| step.named_parameters().into_iter().find(|(_, t)| t.isfinite().all().int64_value(&[]) == 0));
-    if let Some((name, _)) = bad {
-        let doing = if eval_only { "evaluating" } else { "resuming" };
-        anyhow::bail!("checkpoint {} holds NaN or infinite values in {name}: the run that wrote it diverged; not {doing} it", path.display());
-    }
-    Ok(())
 }
 
 /// Checks that every replica in `group` holds bit-identical `variables` (data parallelism's

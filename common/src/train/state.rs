@@ -58,6 +58,7 @@ pub(crate) fn start(
     // every rank reads] then go to everyone.
     let mut found: Option<Found> = None;
     let mut header = [0.0, 0.0, 0.0, f64::NAN, 0.0, 0.0, 0.0];
+    let doing = if resume_from.as_ref().is_some_and(|e| e.eval_only) { "evaluating" } else { "resuming" };
     if let (Some(expected), true) = (resume_from, root) {
         found = find(&expected, observers)?;
         if let Some(found) = &found {
@@ -80,12 +81,17 @@ pub(crate) fn start(
             location = world.broadcast_bytes(&location, 0)?;
         }
         let location = std::path::PathBuf::from(String::from_utf8(location).context("the checkpoint's path is not UTF-8")?);
-        let source = checkpoint::sharded::Source::open(&location)?;
+        let mut source = checkpoint::sharded::Source::open(&location)?;
+        source.refuse_non_finite_model(doing);
         owned_state::restore_owned(step, optimizer, &source)?;
         read_bytes = source.read_bytes();
     } else {
         let loaded = match &found {
-            Some(found) => Some((found.path.as_path(), checkpoint::load(&found.path)?)),
+            Some(found) => {
+                let loaded = checkpoint::load(&found.path)?;
+                loaded.check_finite_model(&found.path, doing)?;
+                Some((found.path.as_path(), loaded))
+            }
             None => None,
         };
         read_bytes = loaded.as_ref().map_or(0, |(_, ck)| ck.tensors.values().map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum());
@@ -103,6 +109,8 @@ pub(crate) struct Expected<'a> {
     pub model: &'a serde_json::Value,
     pub data: &'a serde_json::Value,
     pub seed: u64,
+    /// `--eval-only` (said when the checkpoint is refused).
+    pub eval_only: bool,
 }
 
 /// Rank 0: the newest complete checkpoint at `path` (see [`checkpoint::find_newest`]), checked

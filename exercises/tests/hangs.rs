@@ -49,6 +49,12 @@ fn generated_cifar(dir: &Path) {
 /// `ranks` ranks train; once the first epoch has ended, the last rank is stopped: the job must
 /// end (non-zero) within the timeout and a margin, naming it.
 fn a_stopped_rank_ends_the_job_naming_it(ranks: usize) {
+    a_stopped_rank_is_blamed(ranks, ranks - 1, &[]);
+}
+
+/// `ranks` ranks of exercise2 with `extra` flags; once the first epoch has ended, rank `last`
+/// is stopped: the job ends within the timeout and a margin, blaming that rank and no other.
+fn a_stopped_rank_is_blamed(ranks: usize, last: usize, extra: &[&str]) {
     let (data, results) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     generated_cifar(data.path());
     let timeout = 3;
@@ -59,6 +65,7 @@ fn a_stopped_rank_ends_the_job_naming_it(ranks: usize) {
         .arg(data.path())
         .arg("--results-dir")
         .arg(results.path())
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -73,7 +80,6 @@ fn a_stopped_rank_ends_the_job_naming_it(ranks: usize) {
             break;
         }
     }
-    let last = ranks - 1;
     let stopped = rank_process(job.id(), last).unwrap_or_else(|| panic!("no process of rank {last} under the launcher: {said:?}"));
     signal(stopped, "-STOP");
     let since = Instant::now();
@@ -99,11 +105,20 @@ fn a_stopped_rank_ends_the_job_naming_it(ranks: usize) {
     assert!(!status.success(), "{err}");
     let named = format!("rank {last} does not answer");
     assert!(err.contains(&named) && err.contains("--collective-timeout"), "{ranks} ranks: no '{named}' in: {err}");
+    assert_eq!(err.lines().filter(|l| l.starts_with("error on rank")).count(), 1, "one rank reports: {err}");
     println!(
         "{ranks} ranks, rank {last} stopped: the job ended after {:.1} s (timeout {timeout} s): {}",
         waited.as_secs_f64(),
         err.lines().find(|l| l.contains(&named)).unwrap_or_default()
     );
+}
+
+/// An asynchronous parameter-server job (workers 0 and 1, the server 2) whose worker 1 stops:
+/// the other worker waits in its own group's collective, not the server's, and still answers
+/// the server's roll call, so only worker 1 is blamed (the server used to blame ranks 0 and 1).
+#[test]
+fn a_stopped_asynchronous_worker_is_the_only_one_blamed() {
+    a_stopped_rank_is_blamed(3, 1, &["--strategy", "parameter-server", "--async"]);
 }
 
 #[test]

@@ -44,6 +44,17 @@ const P2P_TAG: c_int = 0;
 /// The tag of the watchdog's roll call (on a communicator of its own).
 const WATCH_TAG: c_int = 7;
 
+/// Marks a roll-call answer from a rank that is waiting but has not timed out itself
+/// ([`MpiCollectives::answer_roll_call`]); the rest of the word is its operation's number.
+const WAITING: u64 = 1 << 63;
+
+thread_local! {
+    /// Every live communicator's watch (the roll call's communicator) and its operation counter,
+    /// so that a rank waiting in any of them answers a roll call on any of them. MPI is used from
+    /// one thread ([`Threading::Funneled`]): this thread's.
+    static WATCHES: RefCell<Vec<(ffi::MPI_Comm, Rc<Cell<u64>>)>> = const { RefCell::new(Vec::new()) };
+}
+
 /// One communicator of this process's MPI: `MPI_COMM_WORLD`, or a sub-communicator made by
 /// [`MpiCollectives::split`].
 ///
@@ -61,8 +72,8 @@ pub struct MpiCollectives {
     watch: SimpleCommunicator,
     /// The job (world) rank of each rank of `comm`, to name them.
     world_ranks: Vec<usize>,
-    /// Operations started on `comm` so far.
-    seq: Cell<u64>,
+    /// Operations started on `comm` so far (shared with [`WATCHES`], which answers roll calls).
+    seq: Rc<Cell<u64>>,
     /// Sends handed to MPI that may not have completed yet.
     pending: RefCell<Vec<PendingSend>>,
     /// Dropped after `comm` (freed first when it is a sub-communicator); the last clone's drop
@@ -92,7 +103,9 @@ impl MpiCollectives {
     fn on(comm: SimpleCommunicator, universe: Rc<Universe>) -> MpiCollectives {
         let watch = comm.duplicate();
         let world_ranks = world_ranks(&comm);
-        MpiCollectives { comm, watch, world_ranks, seq: Cell::new(0), pending: RefCell::default(), _universe: universe }
+        let seq = Rc::new(Cell::new(0));
+        WATCHES.with(|w| w.borrow_mut().push((watch.as_raw(), seq.clone())));
+        MpiCollectives { comm, watch, world_ranks, seq, pending: RefCell::default(), _universe: universe }
     }
 
     /// The ranks of this communicator that pass the same `color`, ordered by `key` (ties by
@@ -194,7 +207,7 @@ impl MpiCollectives {
                 if started.elapsed() >= deadline {
                     self.declare_hung(op, seq, started.elapsed());
                 }
-                self.answer_roll_call(seq);
+                self.answer_roll_call(None);
             }
             match polls {
                 0..64 => std::hint::spin_loop(),
@@ -215,27 +228,35 @@ impl MpiCollectives {
         })
     }
 
-    /// Another rank of this communicator waited past its deadline and calls the roll
-    /// ([`MpiCollectives::declare_hung`]): this one, waiting too but not (yet) past its own
-    /// deadline, answers at once with the number of the operation it waits in, so that the roll
-    /// call need not wait for it to time out and blames only the ranks that are really absent.
-    /// Then it goes on waiting; the caller ends the job.
-    fn answer_roll_call(&self, seq: u64) {
-        let comm = self.watch.as_raw();
-        let (mut found, mut status) = (0 as c_int, MaybeUninit::<ffi::MPI_Status>::uninit());
-        // SAFETY: a valid communicator; MPI fills `status` in when it finds a message.
-        unsafe { ffi::MPI_Iprobe(ffi::RSMPI_ANY_SOURCE, WATCH_TAG, comm, &mut found, status.as_mut_ptr()) };
-        if found == 0 {
-            return;
+    /// A rank of some communicator this process belongs to waited past its deadline and calls
+    /// the roll ([`MpiCollectives::declare_hung`]): this rank, waiting in an operation of any of
+    /// its communicators (a sub-group's, say, while the roll is called on the world's) but not
+    /// past its own deadline, answers at once, so that the roll call blames only the ranks that
+    /// are really absent. The answer carries [`WAITING`]: it is not one of the ranks that timed
+    /// out, and so not the one to report. Then it goes on waiting; the caller ends the job.
+    /// Returns whether it answered one. (`except`: a communicator whose roll call this rank is
+    /// calling itself, its answers already awaited by receives of their own.)
+    fn answer_roll_call(&self, except: Option<ffi::MPI_Comm>) -> bool {
+        let watches: Vec<(ffi::MPI_Comm, Rc<Cell<u64>>)> = WATCHES.with(|w| w.borrow().clone());
+        let mut answered = false;
+        for (comm, seq) in watches.into_iter().filter(|(comm, _)| Some(*comm) != except) {
+            let (mut found, mut status) = (0 as c_int, MaybeUninit::<ffi::MPI_Status>::uninit());
+            // SAFETY: a live communicator of this process; MPI fills `status` in when it finds a message.
+            unsafe { ffi::MPI_Iprobe(ffi::RSMPI_ANY_SOURCE, WATCH_TAG, comm, &mut found, status.as_mut_ptr()) };
+            if found == 0 {
+                continue;
+            }
+            // SAFETY: found, so filled in.
+            let source = unsafe { status.assume_init() }.MPI_SOURCE;
+            let (mut theirs, mine) = ([0u64], [seq.get() | WAITING]);
+            // SAFETY: one u64 each way; a send of one word completes eagerly on every MPI.
+            unsafe {
+                ffi::MPI_Recv(theirs.as_mut_ptr().cast(), 1, ffi::RSMPI_UINT64_T, source, WATCH_TAG, comm, ffi::RSMPI_STATUS_IGNORE);
+                ffi::MPI_Send(mine.as_ptr().cast(), 1, ffi::RSMPI_UINT64_T, source, WATCH_TAG, comm);
+            }
+            answered = true;
         }
-        // SAFETY: found, so filled in.
-        let source = unsafe { status.assume_init() }.MPI_SOURCE;
-        let (mut theirs, mine) = ([0u64], [seq]);
-        // SAFETY: one u64 each way; a send of one word completes eagerly on every MPI.
-        unsafe {
-            ffi::MPI_Recv(theirs.as_mut_ptr().cast(), 1, ffi::RSMPI_UINT64_T, source, WATCH_TAG, comm, ffi::RSMPI_STATUS_IGNORE);
-            ffi::MPI_Send(mine.as_ptr().cast(), 1, ffi::RSMPI_UINT64_T, source, WATCH_TAG, comm);
-        }
+        answered
     }
 
     /// `op`, operation `seq` of this communicator, waited past its deadline: the ranks that are
@@ -262,7 +283,11 @@ impl MpiCollectives {
         let until = Instant::now() + watchdog::grace();
         let mut answered = vec![false; size];
         answered[me] = true;
-        while Instant::now() < until && answered.iter().any(|a| !a) {
+        // A roll call on another of this process's communicators (the world's, while this one is
+        // a sub-group's) is answered too; its caller, who sees the whole job, then reports.
+        let mut another_reports = false;
+        while Instant::now() < until && (answered.iter().any(|a| !a) || !another_reports) {
+            another_reports |= self.answer_roll_call(Some(comm));
             for (rank, request) in requests.iter_mut() {
                 if answered[*rank] {
                     continue;
@@ -280,10 +305,13 @@ impl MpiCollectives {
             seq,
             group_size: size,
             waited,
-            answered: (0..size).filter(|&r| answered[r]).map(|r| (self.world_ranks[r], answers[r][0])).collect(),
+            answered: (0..size).filter(|&r| answered[r]).map(|r| (self.world_ranks[r], answers[r][0] & !WAITING)).collect(),
             silent: (0..size).filter(|&r| !answered[r]).map(|r| self.world_ranks[r]).collect(),
         };
-        if answered.iter().position(|&a| a) == Some(me) {
+        // The lowest of the ranks that timed out reports (one that only answered, waiting short
+        // of its deadline, goes on waiting and is ended with the job).
+        let timed_out = |r: usize| answered[r] && answers[r][0] & WAITING == 0;
+        if (0..size).find(|&r| timed_out(r)) == Some(me) && !another_reports {
             crate::error::say(&format!("error on rank {}: {hang}", self.world_ranks[me]));
         } else {
             std::thread::sleep(Duration::from_secs(2));
@@ -314,6 +342,8 @@ impl MpiCollectives {
 
 impl Drop for MpiCollectives {
     fn drop(&mut self) {
+        let watch = self.watch.as_raw();
+        WATCHES.with(|w| w.borrow_mut().retain(|(comm, _)| *comm != watch));
         // Unwinding from a panic: the other ranks would wait for this one in their next
         // collective (or in MPI_Finalize) forever. Take the whole job down instead.
         if std::thread::panicking() {

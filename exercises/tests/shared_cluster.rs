@@ -439,12 +439,35 @@ fn stop_signals_end_parameter_server_runs_with_a_checkpoint() {
     assert!(meta(&ck).contains("step 3"), "{}", meta(&ck));
     let out = ps("--sync", &ck, &["--epochs", "2", "--resume"], &[]);
     assert!(out.status.success(), "{}", stderr(&out));
+    // Its first epoch's figures are over the steps since the resume, and it says so.
+    assert!(stdout(&out).contains("(resumed after its step 3: train figures over the steps since)"), "{}", stdout(&out));
     // Asynchronous workers never wait for each other: they stop at the end of the epoch the
     // signal came in, with that epoch's checkpoint.
     let ck = dir.path().join("async");
     let out = ps("--async", &ck, &["--epochs", "3"], &[("COURSE_TEST_SIGNAL_AFTER_STEP", "2:SIGUSR1")]);
     assert_eq!(out.status.code(), Some(75), "{}", stderr(&out));
     assert!(meta(&ck).contains("epoch 1"), "{}", meta(&ck));
+
+    // Ctrl-C to the launcher: it says where asynchronous workers stop, and they stop there.
+    use std::io::{BufRead, BufReader};
+    let ck = dir.path().join("launcher");
+    let mut job = Command::new(binary("exercise2"))
+        .args(["--device", "cpu", "--model", "cnn", "--batch-size", "10", "--nproc-per-node", "3", "--strategy", "parameter-server", "--async"])
+        .args(["--epochs", "100000", "--data-dir", data.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap(), "--results-dir", ck.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = BufReader::new(job.stdout.take().unwrap()).lines().map_while(Result::ok);
+    for line in lines {
+        if line.contains("epoch 1/") {
+            break;
+        }
+    }
+    assert_eq!(unsafe { libc::kill(job.id() as libc::pid_t, libc::SIGINT) }, 0);
+    let out = job.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(75), "{}", stderr(&out));
+    assert!(stderr(&out).contains("SIGINT: the asynchronous workers stop at the end of this epoch"), "{}", stderr(&out));
 }
 
 #[test]

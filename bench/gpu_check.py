@@ -682,16 +682,20 @@ class Harness:
         reference = [self.python, os.path.join(ROOT, "bench", "exercise1_reference.py"), "--model", "resnet50", "--loader", "imagefolder", "--data-dir", photos,
                      "--device", self.device, "--image-size", str(side), "--batch-size", str(batch), "--max-steps", str(steps), "--workers", workers,
                      "--steady-after", "2"] + (["--precision", "bf16-mixed", "--channels-last"] if fast else [])
-        ours, theirs = [], []
-        for round in range(self.args.rounds):
-            run = self.run(f"r50-files-{round}", "exercise1", [*common, "--dataset", "imagefolder", "--data-dir", photos, "--workers", workers])
-            ours.append(run["json"]["steady_throughput"])
+        a, b = self.alternate("r50-files", [*common, "--dataset", "imagefolder", "--data-dir", photos, "--workers", workers], reference, "PyTorch")
+        return (PASS if a >= b else BELOW), f"{a:,.0f} vs {b:,.0f} images/s (goal 1.0x)", a / b
+
+    def alternate(self, key, ours, reference, peer):
+        """exercise1 with the flags `ours` and the `reference` command, alternately (A B A B,
+        --rounds rounds): the medians of their steady throughputs."""
+        mine, theirs = [], []
+        for round in range(max(1, self.args.rounds)):
+            mine.append(self.run(f"{key}-{round}", "exercise1", ours)["json"]["steady_throughput"])
             code, out, err, _ = self.spawn(reference)
             if code != 0:
-                raise CheckFailed("the PyTorch reference failed: " + (err.strip().splitlines() or ["?"])[-1])
+                raise CheckFailed(f"the {peer} reference failed: " + (err.strip().splitlines() or ["?"])[-1])
             theirs.append(json.loads(out.strip().splitlines()[-1])["steady_throughput"])
-        a, b = sorted(ours)[len(ours) // 2], sorted(theirs)[len(theirs) // 2]
-        return (PASS if a >= b else BELOW), f"{a:,.0f} vs {b:,.0f} images/s (goal 1.0x)", a / b
+        return sorted(mine)[len(mine) // 2], sorted(theirs)[len(theirs) // 2]
 
     def has_lightning(self):
         if self.lightning is None:
@@ -709,14 +713,7 @@ class Harness:
         flags = ["--device", self.device, "--model", "cnn", "--data-dir", self.cifar, "--max-steps", str(steps), "--epochs", "1000", "--steady-after", "3"]
         reference = [self.python, os.path.join(ROOT, "bench", "exercise1_lightning.py"), "--data-dir", self.cifar, "--device", self.device,
                      "--max-steps", str(steps), "--steady-after", "3"]
-        ours, theirs = [], []
-        for round in range(max(1, self.args.rounds)):
-            ours.append(self.run(f"e1-vs-lightning-{round}", "exercise1", flags)["json"]["steady_throughput"])
-            code, out, err, _ = self.spawn(reference)
-            if code != 0:
-                raise CheckFailed("the Lightning reference failed: " + (err.strip().splitlines() or ["?"])[-1])
-            theirs.append(json.loads(out.strip().splitlines()[-1])["steady_throughput"])
-        a, b = sorted(ours)[len(ours) // 2], sorted(theirs)[len(theirs) // 2]
+        a, b = self.alternate("e1-vs-lightning", flags, reference, "Lightning")
         return (PASS if a >= b else BELOW), f"{a:,.0f} vs {b:,.0f} images/s over {steps} steps (goal 1.0x)", a / b
 
     def big_model_checks(self):

@@ -207,7 +207,8 @@ mod tests {
     #[test]
     fn the_fill_writes_the_file_it_was_given_even_if_its_name_is_swapped() {
         // Another user removes the temporary file while it is being written and puts a link to
-        // the victim in its place: the writer's bytes still go to the run's file.
+        // the victim in its place: the writer's bytes go to the file it created (its descriptor),
+        // never through the link, and the link is not moved to the target's name.
         let dir = tempfile::tempdir().unwrap();
         let victim = dir.path().join("victim");
         std::fs::write(&victim, "precious\n").unwrap();

@@ -687,3 +687,21 @@ fn a_second_signal_to_the_launcher_ends_the_job_at_once() {
     let status = job_end(&mut launcher, &job, Duration::from_secs(60), "the second SIGTERM");
     assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{seen:?}");
 }
+
+/// Ranks on two hosts: `scripts/test-two-hosts` makes two network namespaces with their own
+/// addresses and host names, starts 2 ranks with `mpirun -H node1:1,node2:1` from node1 (Open
+/// MPI's TCP transport between the addresses) and the same 2 ranks on node1 alone, and checks
+/// the hosts in the results, the placement line, and that the losses are the same.
+#[test]
+fn ranks_on_two_hosts_train_as_they_do_on_one() {
+    let work = tempfile::tempdir().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let out = Command::new(root.join("scripts/test-two-hosts")).arg(work.path()).output().expect("scripts/test-two-hosts runs");
+    let (stdout, stderr) = (stdout(&out), stderr(&out));
+    if out.status.code() == Some(77) {
+        println!("not run here: {}", stdout.trim());
+        return;
+    }
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains("ok: 2 ranks on node1 and node2"), "{stdout}{stderr}");
+}

@@ -108,6 +108,7 @@
 
 pub mod data_parallel;
 pub mod group;
+pub mod hosts;
 pub mod launch;
 pub mod layout;
 #[cfg(feature = "mpi")]

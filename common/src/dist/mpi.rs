@@ -97,7 +97,19 @@ impl MpiCollectives {
         if provided < Threading::Funneled {
             bail!("the MPI library offers thread level {provided:?}, but LibTorch's threads need at least Funneled");
         }
-        Ok(MpiCollectives::on(universe.world(), Rc::new(universe)))
+        let world = MpiCollectives::on(universe.world(), Rc::new(universe));
+        super::hosts::record(world.gather_hosts());
+        Ok(world)
+    }
+
+    /// Every rank's host name, in rank order: one blocking `MPI_Allgather` of fixed-size names
+    /// at start-up, outside the watchdog's numbering (MPI_Init itself blocks the same way), so
+    /// that a hang's line and the results can say where each rank ran.
+    fn gather_hosts(&self) -> Vec<String> {
+        let mine = super::hosts::to_bytes(&super::hosts::this_host());
+        let mut all = vec![0u8; mine.len() * self.size()];
+        self.comm.all_gather_into(&mine[..], &mut all[..]);
+        all.chunks(mine.len()).map(super::hosts::from_bytes).collect()
     }
 
     fn on(comm: SimpleCommunicator, universe: Rc<Universe>) -> MpiCollectives {

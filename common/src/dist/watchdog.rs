@@ -83,11 +83,12 @@ pub struct Hang {
 
 impl std::fmt::Display for Hang {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let ranks = |ranks: &[usize]| ranks.iter().map(usize::to_string).collect::<Vec<_>>().join(", ");
+        // On several hosts, each rank with its host: "rank 5 (node2) does not answer".
+        let ranks = |ranks: &[usize]| ranks.iter().map(|&rank| super::hosts::number_on_host(rank)).collect::<Vec<_>>().join(", ");
         let group = if self.group_size == 1 { String::from("1 rank") } else { format!("{} ranks", self.group_size) };
         write!(f, "{} (operation #{} of a group of {group}) waited {:.0} s (--collective-timeout): ", self.op, self.seq, self.waited.as_secs_f64())?;
         if self.silent.is_empty() {
-            let at: Vec<String> = self.answered.iter().map(|(rank, seq)| format!("rank {rank} at #{seq}")).collect();
+            let at: Vec<String> = self.answered.iter().map(|(rank, seq)| format!("rank {} at #{seq}", super::hosts::number_on_host(*rank))).collect();
             return write!(f, "every rank is there but they wait in different operations ({}): the ranks called different collectives", at.join(", "));
         }
         let answered: Vec<usize> = self.answered.iter().map(|(rank, _)| *rank).collect();

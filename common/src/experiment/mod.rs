@@ -178,6 +178,9 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
         let device = exp.device(&groups)?;
         run.precision.check(device)?;
         let mut session = session_observers(exp, world.is_root(), listeners);
+        if let Some(placement) = crate::dist::hosts::placement() {
+            session.info(placement)?;
+        }
         if run.threads == 0 && world.local_world_size() > 1 && device == Device::Cpu {
             // Ranks sharing a node share its cores (torchrun sets OMP_NUM_THREADS=1 for the same reason).
             device::set_threads((device::usable_cores() / world.local_world_size()).max(1))?;

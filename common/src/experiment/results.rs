@@ -39,6 +39,8 @@ struct RunResults<'a> {
     step_losses: &'a [f64],
     resumed_epochs: usize,
     world_size: usize,
+    /// The host each job rank ran on (parameter servers included), by job rank.
+    hosts: Vec<String>,
     layout: Layout,
     dp: usize,
     per_rank_batch: usize,
@@ -177,6 +179,7 @@ fn run_results<'a, E: Experiment>(exp: &E, built: &'a Built<'_, E::Model>, measu
         step_losses: &measured.step_losses,
         resumed_epochs: measured.fit.resumed_epochs,
         world_size: groups.world.world_size(),
+        hosts: crate::dist::hosts::for_results(groups.world.env().world_size),
         layout: groups.layout,
         dp: replicas,
         per_rank_batch: recipe.batch_size,

@@ -15,7 +15,7 @@ BIN       := target/release
 ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
-.PHONY: gpu-bundle exercise1-imagenet data-imagefolder lint system-deps python-tools gpu-check report scaling exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch bench-ps bench-checkpoint bench-data setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
+.PHONY: test-cluster gpu-bundle exercise1-imagenet data-imagefolder lint system-deps python-tools gpu-check report scaling exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch bench-ps bench-checkpoint bench-data setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
         exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test test-isa test-slurm clean-results \
         notebooks notebook-kernel jupyter
 
@@ -202,6 +202,13 @@ test-isa: build
 # exit codes and outputs checked. Not part of `make test` (a few minutes; see README).
 test-slurm: build
 	scripts/test-slurm
+
+# A multi-host Slurm cluster on this machine (root; network namespaces as hosts, a slurmd on each,
+# links shaped with tc): the multi-node sbatch scripts across 2 and 4 nodes, each rank's host and
+# the numbers checked against one node. Not part of `make test` (its two-host launch check is).
+# NODES=4 and LINK_RATE=1gbit by default.
+test-cluster: build
+	scripts/test-cluster --nodes $(or $(NODES),4) --link-rate $(or $(LINK_RATE),1gbit)
 
 # The evcxr notebooks (notebooks/*.ipynb): builds the Rust Jupyter kernel (evcxr_jupyter, pinned)
 # and installs Jupyter's runner into .venv, then executes every notebook headless (nbconvert

@@ -8,6 +8,8 @@
 #   on_host NAME CMD...      runs CMD on host NAME (node1.., head), in the foreground
 #   link_rate NAME RATE      shapes NAME's link to RATE (tc tbf, both directions), e.g. 1gbit
 #   link_down NAME           takes NAME's link down (its processes stay, its packets go nowhere)
+#   link_up NAME             brings it back
+#   host_dies NAME           SIGKILLs every process on NAME
 #   hosts_down               stops every process on the hosts, removes namespaces and bridge
 #   hosts_left               prints what of this run is still there (nothing when clean)
 #
@@ -62,20 +64,28 @@ hosts_up() {
         ip -n "$ns" addr add "$(hosts_addr "$name")/24" dev eth0
         ip -n "$ns" link set lo up
         ip -n "$ns" link set eth0 up
-        # `ip netns exec` mounts /etc/netns/NS/* over /etc/*: every host knows the others by name.
+        # on_host mounts it over /etc/hosts (as `ip netns exec` would): hosts know each other by name.
         mkdir -p "/etc/netns/$ns"
         {
             printf '127.0.0.1\tlocalhost\n'
             local other
             for other in $(hosts_names); do printf '%s\t%s\n' "$(hosts_addr "$other")" "$other"; done
         } >"/etc/netns/$ns/hosts"
-        echo "$name" >"/etc/netns/$ns/hostname"
     done
 }
 
+# Not `ip netns exec`: it mounts a sysfs of the namespace's own over /sys, which hides
+# /sys/fs/cgroup, and slurmd will not start without it. nsenter joins the network namespace; a
+# mount namespace of the process's own gets the host's /etc/hosts; a UTS namespace its name.
+# With HOSTS_PRIVATE_TMP=DIR, each node's /tmp is DIR/NAME, node-local as on a cluster (Slurm's
+# PMIx plugin, for one, keeps a job step's files under /tmp by a name every node uses).
 on_host() {
-    local name="$1"; shift
-    ip netns exec "$(hosts_ns "$name")" unshare --uts sh -c 'hostname "$0" && exec "$@"' "$name" "$@"
+    local name="$1" ns tmp=""; shift
+    ns="$(hosts_ns "$name")"
+    [[ -n "${HOSTS_PRIVATE_TMP:-}" && "$name" == node* ]] && { tmp="$HOSTS_PRIVATE_TMP/$name"; mkdir -p "$tmp"; chmod 1777 "$tmp"; }
+    nsenter --net="/run/netns/$ns" unshare --uts --mount sh -c \
+        'mount --bind "$1" /etc/hosts && { [ -z "$2" ] || mount --bind "$2" /tmp; } && hostname "$0" && shift 2 && exec "$@"' \
+        "$name" "/etc/netns/$ns/hosts" "$tmp" "$@"
 }
 
 # The machine's end of a host's link (traffic to the host leaves the bridge there) and the
@@ -89,6 +99,15 @@ link_rate() {
 }
 
 link_down() { ip -n "$(hosts_ns "$1")" link set eth0 down; }
+link_up() { ip -n "$(hosts_ns "$1")" link set eth0 up; }
+
+# host_dies NAME: every process on host NAME is SIGKILLed at once (its daemons too), as when a
+# node loses power; its address stays, with nothing behind it.
+host_dies() {
+    local pids
+    pids="$(ip netns pids "$(hosts_ns "$1")" 2>/dev/null || true)"
+    [[ -z "$pids" ]] || kill -KILL $pids 2>/dev/null || true
+}
 
 hosts_kill_all() {
     local name ns pids

@@ -42,7 +42,7 @@ fn make_scaling_runs_both_modes_and_tabulates_the_runs_it_wrote() {
         .expect("bench/scaling.sh runs");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", stderr(&out));
-    assert!(stdout.contains("| mode | precision | ranks | global batch |"), "the table is printed: {stdout}");
+    assert!(stdout.contains("| mode | precision | ranks | nodes | global batch |"), "the table is printed: {stdout}");
 
     let rows = csv_rows(&results.path().join("scaling.csv"));
     assert_eq!(rows.len(), 4, "strong and weak at 1 and 2 ranks: {rows:?}");
@@ -62,6 +62,7 @@ fn make_scaling_runs_both_modes_and_tabulates_the_runs_it_wrote() {
             close(num(r, "step_time_s"), global as f64 / speed(j), "time per step");
             close(num(r, "epoch_time_s"), 64.0 / speed(j), "time per epoch: 64 images at that speed");
             close(num(r, "allreduce_share"), j["allreduce_time_s"].as_f64().unwrap() / j["train_time_s"].as_f64().unwrap(), "all-reduce share");
+            assert_eq!(num(r, "nodes"), 1.0, "{mode} at {ranks} ranks: all on this host");
         }
         assert!(num(row(&rows, mode, 2), "allreduce_share") > 0.0, "2 ranks average their gradients");
     }
@@ -82,6 +83,8 @@ fn run_json(ranks: usize, per_rank: usize, steady: f64) -> serde_json::Value {
         "threads": 1, "seed": 42, "torch_version": "2.11.0", "finished_at": 1,
         "dp": ranks, "per_rank_batch": per_rank, "accumulate": 1, "global_batch": ranks * per_rank,
         "examples_per_epoch": 6000, "allreduce_time_s": 0.5 * (ranks - 1) as f64, "history": [],
+        // Two ranks per node, as on a cluster of 2-GPU nodes.
+        "hosts": (0..ranks).map(|r| format!("node{}", r / 2 + 1)).collect::<Vec<_>>(),
     })
 }
 
@@ -129,11 +132,14 @@ fn speedup_and_efficiency_follow_from_the_throughputs() {
         close(num(r, "allreduce_share"), 0.05 * (ranks - 1) as f64, "all-reduce share: 0.5 s per extra rank of 10 s");
     }
     let table = common::scaling::markdown(&out.rows);
-    assert!(table.contains("| strong | 32 | 4 | 64 | 16 | 20.00 | 213.3 | 300.0 | 3.00× | 4× | 75% | 15.0% |"), "{table}");
+    assert!(table.contains("| strong | 32 | 4 | 2 | 64 | 16 | 20.00 | 213.3 | 300.0 | 3.00× | 4× | 75% | 15.0% |"), "{table}");
+    for (ranks, nodes) in [(1, 1.0), (2, 1.0), (4, 2.0)] {
+        assert_eq!(num(row(&rows, "weak", ranks), "nodes"), nodes, "the nodes of {ranks} ranks, from their hosts");
+    }
 
     // Two series, four panels: a solid line each in every panel, dashed ideals in three.
     let svg = std::fs::read_to_string(&out.svg).unwrap();
-    for text in ["strong: global batch 64", "weak: 16 per rank", "time per epoch", "speed-up", "efficiency", "all-reduce share", "ideal (dashed)"] {
+    for text in ["strong: global batch 64", "weak: 16 per rank", "time per epoch", "speed-up", "efficiency", "all-reduce share", "ideal (dashed)", "4 (2 nodes)", "ranks (nodes)"] {
         assert!(svg.contains(text), "no `{text}` in the chart");
     }
     assert!(svg.matches("<polyline").count() >= 2 * 4 + 2 * 3, "{} lines", svg.matches("<polyline").count());

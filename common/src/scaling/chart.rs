@@ -84,16 +84,26 @@ fn extent(values: impl Iterator<Item = f64>) -> (f64, f64) {
     crate::plots::extent(values.filter(|v| v.is_finite())).unwrap_or((1.0, 1.0))
 }
 
+/// The x axis's tick marks: each number of ranks with its number of nodes.
+type Ticks = Vec<(f64, usize)>;
+
 /// Draws `curves` on `area` against the ranks (`ranks`: the tick marks), `y` the vertical axis.
-fn panel<Y>(area: &DrawingArea<SVGBackend, Shift>, caption: &str, y: Y, y_desc: &str, ranks: &[f64], curves: &[Curve], legend: bool) -> Result<(), String>
+fn panel<Y>(area: &DrawingArea<SVGBackend, Shift>, caption: &str, y: Y, y_desc: &str, ranks: &Ticks, curves: &[Curve], legend: bool) -> Result<(), String>
 where
     Y: AsRangedCoord<Value = f64>,
     Y::CoordDescType: ValueFormatter<f64>,
 {
     let fail = |e: &dyn std::fmt::Debug| format!("{caption}: {e:?}");
-    let top = ranks.iter().copied().fold(1.0, f64::max);
-    let bottom = ranks.iter().copied().fold(top, f64::min);
-    let x = ((bottom / 1.3)..(top * 1.3)).log_scale().with_key_points(ranks.to_vec());
+    let ranks_at: Vec<f64> = ranks.iter().map(|(r, _)| *r).collect();
+    let top = ranks_at.iter().copied().fold(1.0, f64::max);
+    let bottom = ranks_at.iter().copied().fold(top, f64::min);
+    let x = ((bottom / 1.3)..(top * 1.3)).log_scale().with_key_points(ranks_at);
+    // On several nodes each tick says how many: "8 (2 nodes)".
+    let multi_node = ranks.iter().any(|(_, nodes)| *nodes > 1);
+    let label = |r: &f64| match ranks.iter().find(|(at, _)| (at - r).abs() < 1e-9) {
+        Some((_, nodes)) if multi_node => format!("{r:.0} ({nodes} node{})", if *nodes == 1 { "" } else { "s" }),
+        _ => format!("{r:.0}"),
+    };
     let mut chart = ChartBuilder::on(area)
         .caption(caption, ("sans-serif", 14))
         .margin(10)
@@ -103,9 +113,9 @@ where
         .map_err(|e| fail(&e))?;
     chart
         .configure_mesh()
-        .x_desc("ranks")
+        .x_desc(if multi_node { "ranks (nodes)" } else { "ranks" })
         .y_desc(y_desc)
-        .x_label_formatter(&|r| format!("{r:.0}"))
+        .x_label_formatter(&label)
         // A log axis's light lines, one per unit, would grey the panel out.
         .max_light_lines(0)
         .draw()
@@ -159,9 +169,9 @@ fn draw_into(rows: &[Row], path: &Path, svg: &mut String) -> Result<()> {
     let title = format!("{} · {} · {}: scaling over ranks", first.exercise, first.model, first.device);
     let root = root.titled(&title, ("sans-serif", 18)).map_err(|e| fail(format!("{e:?}")))?;
     let panels = root.split_evenly((2, 2));
-    let mut ranks: Vec<f64> = rows.iter().map(|r| r.ranks as f64).collect();
-    ranks.sort_by(f64::total_cmp);
-    ranks.dedup();
+    let mut ranks: Ticks = rows.iter().map(|r| (r.ranks as f64, r.nodes)).collect();
+    ranks.sort_by(|a, b| a.0.total_cmp(&b.0));
+    ranks.dedup_by(|a, b| a.0 == b.0);
 
     // Time: per epoch where every run knows its epoch's size, else per step; perfect scaling
     // divides the baseline's time by the ranks' growth (an epoch is fixed work in both modes).

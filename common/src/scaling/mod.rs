@@ -82,9 +82,17 @@ pub struct Run {
     /// Where it was read from, for messages.
     #[serde(skip)]
     pub path: PathBuf,
+    /// The host of every rank (absent in results written before runs named their hosts).
+    #[serde(default)]
+    pub hosts: Vec<String>,
 }
 
 impl Run {
+    /// The nodes the run's ranks ran on (1 where the results do not say).
+    pub fn nodes(&self) -> usize {
+        self.hosts.iter().collect::<std::collections::BTreeSet<_>>().len().max(1)
+    }
+
     /// The speed the study compares: the steady state's when it was measured (a short CPU run's
     /// first steps are slow for reasons other than the ranks), else the whole run's.
     pub fn speed(&self) -> f64 {
@@ -137,6 +145,9 @@ pub struct Row {
     pub efficiency: f64,
     /// Rank 0's share of its training time spent averaging the gradients.
     pub allreduce_share: f64,
+    /// The nodes (hosts) the ranks ran on: the study's second axis on a cluster (last, so that
+    /// the columns before keep their places).
+    pub nodes: usize,
 }
 
 /// Reads every run under `dir` (`<dir>/<mode>/<folder>/<run>.json`); other JSON files (traces,
@@ -234,6 +245,7 @@ pub fn rows(runs: &[(Mode, Run)]) -> Result<Vec<Row>> {
                 ideal_speedup: ideal,
                 efficiency: speedup / ideal,
                 allreduce_share: run.allreduce_time_s / run.train_time_s.max(f64::MIN_POSITIVE),
+                nodes: run.nodes(),
             });
         }
     }
@@ -255,16 +267,17 @@ pub fn write_csv(path: &Path, rows: &[Row]) -> Result<()> {
 pub fn markdown(rows: &[Row]) -> String {
     let unit = if rows.iter().any(|r| r.model == "transformer") { "tokens/s" } else { "images/s" };
     let mut out = format!(
-        "| mode | precision | ranks | global batch | per-rank batch | time/epoch (s) | time/step (ms) | {unit} | speed-up | ideal | efficiency | all-reduce share |\n\
-         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| mode | precision | ranks | nodes | global batch | per-rank batch | time/epoch (s) | time/step (ms) | {unit} | speed-up | ideal | efficiency | all-reduce share |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     );
     for r in rows {
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {:.1} | {:.1} | {:.2}× | {:.0}× | {:.0}% | {:.1}% |",
+            "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {:.1} | {:.2}× | {:.0}× | {:.0}% | {:.1}% |",
             r.mode.name(),
             r.precision,
             r.ranks,
+            r.nodes,
             r.global_batch,
             r.per_rank_batch,
             r.epoch_time_s.map_or("-".into(), |t| format!("{t:.2}")),

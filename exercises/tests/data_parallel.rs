@@ -705,3 +705,39 @@ fn ranks_on_two_hosts_train_as_they_do_on_one() {
     assert!(out.status.success(), "{stdout}{stderr}");
     assert!(stdout.contains("ok: 2 ranks on node1 and node2"), "{stdout}{stderr}");
 }
+
+/// A rank slower than the others (its every step 250 ms longer, `COURSE_TEST_SLOW_RANK`): the
+/// others wait for it in the gradients' averaging, and the run says which rank that was, from
+/// each rank's time there (the results' `allreduce_time_s_by_rank`).
+#[test]
+fn the_rank_the_others_waited_for_is_named() {
+    let d = tempfile::tempdir().unwrap();
+    data(d.path(), 64);
+    let results = d.path().join("results");
+    let out = exercise2(
+        &[
+            "--nproc-per-node",
+            "2",
+            "--model",
+            "cnn",
+            "--epochs",
+            "1",
+            "--max-steps",
+            "6",
+            "--batch-size",
+            "4",
+            "--data-dir",
+            d.path().to_str().unwrap(),
+            "--results-dir",
+            results.to_str().unwrap(),
+        ],
+        &[("COURSE_TEST_SLOW_RANK", "1:250")],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("the others waited for rank 1 (up to"), "{}", stdout(&out));
+    let json = read_json(&results.join("exercise2-cnn-cpu.json"));
+    let times: Vec<f64> = json["allreduce_time_s_by_rank"].as_array().unwrap().iter().map(|t| t.as_f64().unwrap()).collect();
+    assert_eq!(times.len(), 2);
+    // Rank 0 waited about 6 × 250 ms for rank 1 in the averaging.
+    assert!(times[0] - times[1] > 1.0, "{times:?}");
+}

@@ -139,7 +139,17 @@ fn speedup_and_efficiency_follow_from_the_throughputs() {
 
     // Two series, four panels: a solid line each in every panel, dashed ideals in three.
     let svg = std::fs::read_to_string(&out.svg).unwrap();
-    for text in ["strong: global batch 64", "weak: 16 per rank", "time per epoch", "speed-up", "efficiency", "all-reduce share", "ideal (dashed)", "4 (2 nodes)", "ranks (nodes)"] {
+    for text in [
+        "strong: global batch 64",
+        "weak: 16 per rank",
+        "time per epoch",
+        "speed-up",
+        "efficiency",
+        "all-reduce share",
+        "ideal (dashed)",
+        "4 (2 nodes)",
+        "ranks (nodes)",
+    ] {
         assert!(svg.contains(text), "no `{text}` in the chart");
     }
     assert!(svg.matches("<polyline").count() >= 2 * 4 + 2 * 3, "{} lines", svg.matches("<polyline").count());

@@ -10,6 +10,7 @@
 #   link_down NAME           takes NAME's link down (its processes stay, its packets go nowhere)
 #   link_up NAME             brings it back
 #   host_dies NAME           SIGKILLs every process on NAME
+#   host_pids NAME PATTERN   the processes on NAME whose command line has PATTERN
 #   hosts_down               stops every process on the hosts, removes namespaces and bridge
 #   hosts_left               prints what of this run is still there (nothing when clean)
 #
@@ -100,6 +101,15 @@ link_rate() {
 
 link_down() { ip -n "$(hosts_ns "$1")" link set eth0 down; }
 link_up() { ip -n "$(hosts_ns "$1")" link set eth0 up; }
+
+# host_pids NAME PATTERN: the processes on host NAME whose command line has PATTERN.
+host_pids() {
+    local pid
+    for pid in $(ip netns pids "$(hosts_ns "$1")" 2>/dev/null); do
+        tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$2" && echo "$pid"
+    done
+    return 0
+}
 
 # host_dies NAME: every process on host NAME is SIGKILLed at once (its daemons too), as when a
 # node loses power; its address stays, with nothing behind it.

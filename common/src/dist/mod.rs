@@ -120,6 +120,7 @@ pub mod rendezvous;
 pub mod single;
 pub mod tensor_parallel;
 pub mod transfer;
+pub mod waits;
 pub mod watchdog;
 pub mod zero;
 

@@ -30,6 +30,8 @@ pub(super) struct Measured {
     pub step_losses: Vec<f64>,
     /// The servers' figures (staleness) of a parameter-server run, on worker 0.
     pub parameter_server: Option<crate::dist::parameter_server::Report>,
+    /// Every rank's time in the gradients' averaging, by rank of the training group.
+    pub allreduce_by_rank: Vec<f64>,
 }
 
 /// The results document of a run, besides its [`RunRecord`] and the exercise's own fields.
@@ -51,6 +53,9 @@ struct RunResults<'a> {
     examples_per_epoch: usize,
     lr_schedule: LrSchedule,
     allreduce_time_s: f64,
+    /// Each rank's time in the gradients' averaging: the rank that spent the least is the one
+    /// the others waited for.
+    allreduce_time_s_by_rank: &'a [f64],
     scaling_efficiency: Option<f64>,
     communication: CommStats,
     communication_per_step: Option<CommStats>,
@@ -147,6 +152,9 @@ fn say_measurements(measured: &Measured, groups: &Groups, device: Device, sessio
         session.info(format!("parameters bit-identical on all {} ranks after training", groups.layout.dp))?;
     }
     if groups.world.world_size() > 1 {
+        if let Some(line) = crate::dist::waits::describe(&measured.allreduce_by_rank, groups.world) {
+            session.info(line)?;
+        }
         session.info(format!("rank 0's communication in training and evaluation: {}", measured.communication.describe()))?;
         if let Some(per_step) = measured.per_step {
             session.info(format!("rank 0's communication per training step: {}", per_step.describe()))?;
@@ -188,6 +196,7 @@ fn run_results<'a, E: Experiment>(exp: &E, built: &'a Built<'_, E::Model>, measu
         examples_per_epoch: built.sources.examples_per_epoch,
         lr_schedule: recipe.schedule,
         allreduce_time_s: measured.fit.timings.allreduce_s,
+        allreduce_time_s_by_rank: &measured.allreduce_by_rank,
         scaling_efficiency: report::scaling_efficiency(&csv, record),
         communication: measured.communication,
         checkpoints: measured.fit.checkpoints,

@@ -88,6 +88,7 @@ pub(super) fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, 
         return Ok(None);
     }
     let test = measure_after_training(exp, &mut built, &meter, groups, &mut fit)?;
+    let allreduce_by_rank = crate::dist::waits::gather(groups.world, fit.timings.allreduce_s)?;
     let measured = Measured {
         fit,
         test: test.sums,
@@ -98,6 +99,7 @@ pub(super) fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, 
         params: test.params,
         step_losses: losses.borrow().clone(),
         parameter_server,
+        allreduce_by_rank,
     };
     if !groups.is_root() {
         return Ok(None);

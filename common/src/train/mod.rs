@@ -469,6 +469,9 @@ pub fn fit(
             tch::manual_seed(mix_key(&[config.seed, global_step as u64]) as i64);
             let lr = config.lr_schedule.lr(base_lr, global_step, epoch);
             optimizer.set_lr(lr);
+            if let Some(slow_by) = step_control.slow_by {
+                std::thread::sleep(slow_by);
+            }
             let (out, mut phases) = match graphed.as_mut() {
                 Some(graphed) if graphed.takes(&micro) => graphed.step(step, optimizer, &micro[0], config, global_step)?,
                 _ => optimizer_step(step, optimizer, scaler.as_mut(), &micro, config, global_step)?,
@@ -555,6 +558,8 @@ struct StepControl<'g> {
     exit_after: Option<usize>,
     /// Test hook: rank 0 sends itself this signal after this step ([`TEST_SIGNAL_AFTER_STEP`]).
     signal_after: Option<(usize, i32)>,
+    /// Test hook: this rank's every step takes this much longer ([`TEST_SLOW_RANK`]).
+    slow_by: Option<std::time::Duration>,
     /// [`TrainConfig::lockstep`]: a signal stops the run at a step the ranks agree on;
     /// otherwise at the end of the epoch, agreed among `at_epoch_ends`.
     lockstep: bool,
@@ -572,6 +577,11 @@ pub const TEST_EXIT_AFTER_STEP: &str = "COURSE_TEST_EXIT_AFTER_STEP";
 /// other ranks learn of it as they would of a real one (the per-step agreement).
 pub const TEST_SIGNAL_AFTER_STEP: &str = "COURSE_TEST_SIGNAL_AFTER_STEP";
 
+/// Test hook (`RANK:MS`, e.g. `1:200`): on job rank RANK every training step waits MS
+/// milliseconds before its forward pass, as on a slower node, so that the others wait for it in
+/// the gradients' averaging (which [`crate::dist::waits`] reports).
+pub const TEST_SLOW_RANK: &str = "COURSE_TEST_SLOW_RANK";
+
 /// What [`StepControl::after_step`] decided.
 struct Decision {
     checkpoint: bool,
@@ -587,6 +597,11 @@ impl<'g> StepControl<'g> {
             let signal = preemption::SIGNALS.iter().find(|(_, n)| *n == name)?.0;
             Some((step.parse().ok()?, signal))
         });
+        let job_rank = parallel.world.map_or(0, |w| w.env().rank);
+        let slow_by = std::env::var(TEST_SLOW_RANK).ok().and_then(|v| {
+            let (rank, ms) = v.split_once(':')?;
+            (rank.trim().parse::<usize>().ok()? == job_rank).then_some(std::time::Duration::from_millis(ms.trim().parse().ok()?))
+        });
         let max_steps = config.max_steps;
         let ranks = parallel.world.filter(|w| w.world_size() > 1);
         if parallel.replicas.is_some_and(|r| r.sync == crate::dist::GradientSync::ParameterServer)
@@ -601,9 +616,9 @@ impl<'g> StepControl<'g> {
             // Asynchronous parameter-server workers never wait for each other: a per-step decision
             // among them would make them. Such a run checkpoints at epochs' ends only (not at a
             // --max-steps end, which each worker reaches at its own time), and stops there.
-            return Ok(StepControl { ranks: None, max_steps: None, exit_after, signal_after, at_epoch_ends: ranks, lockstep: false });
+            return Ok(StepControl { ranks: None, max_steps: None, exit_after, signal_after, slow_by, at_epoch_ends: ranks, lockstep: false });
         }
-        Ok(StepControl { ranks, max_steps, exit_after, signal_after, at_epoch_ends: None, lockstep: true })
+        Ok(StepControl { ranks, max_steps, exit_after, signal_after, slow_by, at_epoch_ends: None, lockstep: true })
     }
 
     /// Replicas that do not step together ([`TrainConfig::lockstep`]) stop at the end of the

@@ -106,6 +106,10 @@ fn a_stopped_rank_is_blamed(ranks: usize, last: usize, extra: &[&str]) {
     let named = format!("rank {last} does not answer");
     assert!(err.contains(&named) && err.contains("--collective-timeout"), "{ranks} ranks: no '{named}' in: {err}");
     assert_eq!(err.lines().filter(|l| l.starts_with("error on rank")).count(), 1, "one rank reports: {err}");
+    if extra.is_empty() {
+        // A training rank reports, and says what a resume would train again (no --checkpoint-dir here).
+        assert!(err.contains("(after step ") && err.contains("no checkpoint committed in this run"), "{err}");
+    }
     println!(
         "{ranks} ranks, rank {last} stopped: the job ended after {:.1} s (timeout {timeout} s): {}",
         waited.as_secs_f64(),

@@ -324,7 +324,8 @@ impl MpiCollectives {
         // of its deadline, goes on waiting and is ended with the job).
         let timed_out = |r: usize| answered[r] && answers[r][0] & WAITING == 0;
         if (0..size).find(|&r| timed_out(r)) == Some(me) && !another_reports {
-            crate::error::say(&format!("error on rank {}: {hang}", self.world_ranks[me]));
+            let stake = watchdog::at_stake().map(|s| format!(" ({s})")).unwrap_or_default();
+            crate::error::say(&format!("error on rank {}: {hang}{stake}", self.world_ranks[me]));
         } else {
             std::thread::sleep(Duration::from_secs(2));
         }

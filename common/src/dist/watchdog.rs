@@ -22,6 +22,46 @@ pub const HUNG_EXIT_CODE: i32 = 3;
 
 static TIMEOUT_MS: AtomicU64 = AtomicU64::new(DEFAULT_TIMEOUT.as_millis() as u64);
 
+/// The training loop's progress, for a hang's line to say what the job loses: the last step
+/// taken, and the step of the last checkpoint committed ([`NONE`] while there is none).
+static STEP: AtomicU64 = AtomicU64::new(NONE);
+static COMMITTED: AtomicU64 = AtomicU64::new(NONE);
+const NONE: u64 = u64::MAX;
+
+/// The training loop took optimizer step `step` (from 1).
+pub fn note_step(step: usize) {
+    STEP.store(step as u64, Ordering::Relaxed);
+}
+
+/// The checkpoint of step `step` is committed: a resume would start there.
+pub fn note_committed(step: usize) {
+    COMMITTED.store(step as u64, Ordering::Relaxed);
+}
+
+/// This process does not see the job's checkpoints committed (another rank writes them).
+pub fn note_committed_elsewhere() {
+    COMMITTED.store(ELSEWHERE, Ordering::Relaxed);
+}
+const ELSEWHERE: u64 = u64::MAX - 1;
+
+/// What a job ended now loses, where this process trains: `after step 20; the last checkpoint
+/// is of step 14: a resume trains the 6 steps since again`.
+pub fn at_stake() -> Option<String> {
+    let step = STEP.load(Ordering::Relaxed);
+    if step == NONE {
+        return None;
+    }
+    Some(match COMMITTED.load(Ordering::Relaxed) {
+        ELSEWHERE => format!("after step {step}; rank 0 writes the checkpoints: a resume starts from its last"),
+        NONE => format!("after step {step}; no checkpoint committed in this run: a resume starts where this run started"),
+        at if at >= step => format!("after step {step}, its checkpoint committed: nothing is lost"),
+        at => {
+            let since = step - at;
+            format!("after step {step}; the last checkpoint is of step {at}: a resume trains the {since} step{} since again", if since == 1 { "" } else { "s" })
+        }
+    })
+}
+
 /// Sets the deadline of every later operation in this process (`--collective-timeout`).
 pub fn set_timeout(timeout: Duration) {
     TIMEOUT_MS.store(timeout.as_millis().max(1) as u64, Ordering::Relaxed);
@@ -109,6 +149,19 @@ mod tests {
             assert!(grace() <= Duration::from_secs(2) && grace() >= Duration::from_millis(500), "{seconds} s: grace {:?}", grace());
         }
         set_timeout(DEFAULT_TIMEOUT);
+    }
+
+    #[test]
+    fn a_hang_says_what_a_resume_trains_again() {
+        assert_eq!(at_stake(), None, "no training step yet");
+        note_step(20);
+        assert!(at_stake().unwrap().contains("no checkpoint committed in this run"));
+        note_committed(14);
+        assert_eq!(at_stake().unwrap(), "after step 20; the last checkpoint is of step 14: a resume trains the 6 steps since again");
+        note_committed(19);
+        assert!(at_stake().unwrap().ends_with("the 1 step since again"), "{:?}", at_stake());
+        note_committed(20);
+        assert!(at_stake().unwrap().contains("nothing is lost"));
     }
 
     #[test]

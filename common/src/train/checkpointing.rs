@@ -74,6 +74,8 @@ pub(crate) struct Checkpointer<'c, 'g> {
     path: PathBuf,
     last: Instant,
     writing: Option<Write>,
+    /// The step of the whole checkpoint being written (committed when its write ends well).
+    writing_step: Option<usize>,
     /// A failed write, kept until every rank has heard of it.
     failed: Option<anyhow::Error>,
     /// Sharded checkpoints: the job's ranks, and the checkpoint written but not yet committed.
@@ -102,7 +104,7 @@ impl<'c, 'g> Checkpointer<'c, 'g> {
             false => (path, None),
         };
         let stats = CheckpointStats { sharded: sharded.is_some(), ..CheckpointStats::default() };
-        Checkpointer { config, path, last: Instant::now(), writing: None, failed: None, sharded, stats }
+        Checkpointer { config, path, last: Instant::now(), writing: None, writing_step: None, failed: None, sharded, stats }
     }
 
     /// Whether the checkpoint of `step` and `optimizer` is sharded, as `format` asks.
@@ -158,7 +160,13 @@ impl<'c, 'g> Checkpointer<'c, 'g> {
         // At most one write in flight (and one copy of the state in host memory besides it).
         self.finish()?;
         let keep = epoch_copy(self.config, &meta);
-        if let Some(host) = state::gather(step, optimizer, meta)? {
+        let at_step = meta.step;
+        let gathered = state::gather(step, optimizer, meta)?;
+        if gathered.is_none() {
+            crate::dist::watchdog::note_committed_elsewhere();
+        }
+        if let Some(host) = gathered {
+            self.writing_step = Some(at_step);
             let path = self.path.clone();
             self.spawn(move || {
                 let writing = Instant::now();
@@ -236,7 +244,10 @@ impl<'c, 'g> Checkpointer<'c, 'g> {
         match (committed, failed) {
             (Err(err), _) => Err(err),
             (Ok(()), true) => anyhow::bail!("rank 0 could not commit the checkpoint in {}; the previous one is intact", folder.display()),
-            (Ok(()), false) => Ok(()),
+            (Ok(()), false) => {
+                crate::dist::watchdog::note_committed(meta.step);
+                Ok(())
+            }
         }
     }
 
@@ -261,6 +272,9 @@ impl<'c, 'g> Checkpointer<'c, 'g> {
             Ok((seconds, bytes)) => {
                 self.stats.write_s += seconds;
                 self.stats.bytes = bytes;
+                if let Some(step) = self.writing_step.take() {
+                    crate::dist::watchdog::note_committed(step);
+                }
             }
             Err(err) => self.failed = Some(err),
         }

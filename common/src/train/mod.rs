@@ -479,6 +479,7 @@ pub fn fit(
             phases.insert(0, ("data wait", waiting, fetched));
             global_step += 1;
             epoch_step += 1;
+            crate::dist::watchdog::note_step(global_step);
             // On the CPU the loss is at hand: a diverged run stops at its first bad step.
             if let Some(loss) = out.loss_sum.as_ref().filter(|l| l.device() == tch::Device::Cpu && !config.precision.needs_scaler()) {
                 finite_or_stop("training loss", loss.double_value(&[]), global_step, epoch)?;

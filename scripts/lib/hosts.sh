@@ -43,9 +43,15 @@ hosts_names() {
 hosts_can() {
     [[ $(id -u) == 0 ]] || { echo "needs root (network namespaces)"; return 1; }
     command -v ip >/dev/null || { echo "needs iproute2's ip"; return 1; }
-    command -v unshare >/dev/null || { echo "needs util-linux's unshare"; return 1; }
+    command -v unshare >/dev/null && command -v nsenter >/dev/null || { echo "needs util-linux's unshare and nsenter"; return 1; }
     local probe="hp$$"
     ip netns add "$probe" 2>/dev/null || { echo "this machine cannot make network namespaces (ip netns add failed)"; return 1; }
+    # What on_host does: join the namespace, then a mount and a UTS namespace of its own.
+    if ! nsenter --net="/run/netns/$probe" unshare --uts --mount sh -c 'mount --bind /etc/hosts /etc/hosts && hostname probe' 2>/dev/null; then
+        ip netns del "$probe"
+        echo "this machine cannot give a process its own mounts and host name (unshare --uts --mount, mount --bind failed)"
+        return 1
+    fi
     ip netns del "$probe"
     ip link add "${probe}b" type bridge 2>/dev/null || { echo "this machine cannot make a bridge (ip link add type bridge failed)"; return 1; }
     ip link del "${probe}b"

@@ -74,8 +74,6 @@ pub(crate) struct Checkpointer<'c, 'g> {
     path: PathBuf,
     last: Instant,
     writing: Option<Write>,
-    /// The step of the whole checkpoint being written (committed when its write ends well).
-    writing_step: Option<usize>,
     /// A failed write, kept until every rank has heard of it.
     failed: Option<anyhow::Error>,
     /// Sharded checkpoints: the job's ranks, and the checkpoint written but not yet committed.
@@ -104,7 +102,7 @@ impl<'c, 'g> Checkpointer<'c, 'g> {
             false => (path, None),
         };
         let stats = CheckpointStats { sharded: sharded.is_some(), ..CheckpointStats::default() };
-        Checkpointer { config, path, last: Instant::now(), writing: None, writing_step: None, failed: None, sharded, stats }
+        Checkpointer { config, path, last: Instant::now(), writing: None, failed: None, sharded, stats }
     }
 
     /// Whether the checkpoint of `step` and `optimizer` is sharded, as `format` asks.
@@ -166,11 +164,13 @@ impl<'c, 'g> Checkpointer<'c, 'g> {
             crate::dist::watchdog::note_committed_elsewhere();
         }
         if let Some(host) = gathered {
-            self.writing_step = Some(at_step);
             let path = self.path.clone();
             self.spawn(move || {
                 let writing = Instant::now();
                 host.write(&path)?;
+                // Renamed into place: a resume starts here from now on (said the moment it is
+                // true, for a hang's line: a node may die before the next step's poll).
+                crate::dist::watchdog::note_committed(at_step);
                 if let Some((epoch, keep)) = keep {
                     checkpoint::keep_epoch_copy(&path, epoch, keep)?;
                 }
@@ -233,7 +233,12 @@ impl<'c, 'g> Checkpointer<'c, 'g> {
         let ranks = sharding.world.map_or(1, ProcessGroup::world_size);
         let keep = epoch_copy(self.config, &meta);
         let committed = match sharding.world.is_none_or(ProcessGroup::is_root) {
-            true => sharded::commit(&folder, ranks, &meta).and_then(|()| keep.map_or(Ok(()), |(epoch, keep)| sharded::keep_epoch_copy(&folder, epoch, keep))),
+            true => sharded::commit(&folder, ranks, &meta).and_then(|()| {
+                // The index is written: a resume starts here (rank 0 says so at once; the others
+                // after the agreement below, which a dead node may never let end).
+                crate::dist::watchdog::note_committed(meta.step);
+                keep.map_or(Ok(()), |(epoch, keep)| sharded::keep_epoch_copy(&folder, epoch, keep))
+            }),
             false => Ok(()),
         };
         // Rank 0's commit can fail too (a full disk): every rank hears of it.
@@ -272,9 +277,6 @@ impl<'c, 'g> Checkpointer<'c, 'g> {
             Ok((seconds, bytes)) => {
                 self.stats.write_s += seconds;
                 self.stats.bytes = bytes;
-                if let Some(step) = self.writing_step.take() {
-                    crate::dist::watchdog::note_committed(step);
-                }
             }
             Err(err) => self.failed = Some(err),
         }

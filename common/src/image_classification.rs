@@ -20,7 +20,7 @@ use crate::experiment::{self, Experiment, Sources};
 use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
 use crate::flops;
 use crate::memory::estimate::RankEstimate;
-use crate::models::{Arch, Blocks, ModelSpec, Trainable};
+use crate::models::{self, Arch, Blocks, ModelSpec, Trainable};
 use crate::parallelize::ImagePlan;
 use crate::presets::{ModelPreset, Preset};
 use crate::report::{self, RunRecord};
@@ -56,10 +56,13 @@ pub struct ImageArgs {
     /// `shuffle(N)`); 0 reads them in their order [default: 1000].
     #[arg(long, value_name = "N")]
     pub shuffle_buffer: Option<usize>,
-    /// Initial weights in torchvision's names (.safetensors or .ot), e.g. ImageNet-pretrained;
-    /// a head for another number of classes is left out and starts freshly initialised.
-    #[arg(long)]
-    pub weights: Option<PathBuf>,
+    /// Initial weights: `imagenet` (torchvision's published ImageNet weights of resnet34,
+    /// resnet50 or vgg19, fetched once into torchvision's cache and checked against their hash;
+    /// `prepare_data weights MODEL` fetches them ahead), or a file in torchvision's names
+    /// (.safetensors, .pth/.pt as torch.save wrote a state_dict, or .ot). A head for another
+    /// number of classes is left out and starts freshly initialised.
+    #[arg(long, value_name = "imagenet|FILE", value_parser = parse_weights)]
+    pub weights: Option<WeightsArg>,
     /// Size of the classification head [default: the data set's classes for cnn and for
     /// --freeze/--train-last, 1000 for resnet34/resnet50/vgg19 otherwise, as in the course].
     #[arg(long)]
@@ -355,11 +358,14 @@ impl Experiment for ImageExperiment<'_> {
                 return usage(format!("--image-size {side}: at most {MAX_IMAGE_SIZE}"));
             }
         }
+        if self.args.weights == Some(WeightsArg::Imagenet) && models::pretrained::published_file(self.arch()).is_none() {
+            return usage(format!("--weights imagenet: torchvision publishes no ImageNet weights for {} (only resnet34, resnet50 and vgg19)", self.arch().name()));
+        }
         let trainable = self.trainable();
         if trainable != Trainable::All {
             if self.args.weights.is_none() && !self.args.run.resume {
                 let flag = if self.args.freeze.is_some() { "--freeze backbone" } else { "--train-last" };
-                return usage(format!("{flag} keeps pretrained blocks as they are: give them with --weights FILE (or continue a run with --resume)"));
+                return usage(format!("{flag} keeps pretrained blocks as they are: give them with --weights imagenet or --weights FILE (or continue a run with --resume)"));
             }
             if let Err(err) = trainable.check(&Blocks::of(&self.spec()), self.arch().name()) {
                 return usage(err.to_string());
@@ -439,10 +445,16 @@ impl Experiment for ImageExperiment<'_> {
         Metric::Accuracy
     }
 
-    fn model(&self, _data: &ImageData, _groups: &Groups, _device: Device, _observers: &mut Observers) -> Result<ImagePlan> {
+    fn model(&self, _data: &ImageData, groups: &Groups, _device: Device, _observers: &mut Observers) -> Result<ImagePlan> {
         // Every rank loads the weights (rank 0's win: they are broadcast at the start), so that a
         // bad file fails everywhere with the same message.
-        Ok(ImagePlan { spec: self.model_spec()?, weights: self.args.weights.clone(), trainable: self.trainable(), channels_last: self.args.channels_last })
+        let weights = match &self.args.weights {
+            None => None,
+            Some(WeightsArg::File(path)) => Some(path.clone()),
+            // One rank alone may fetch them; several would each download the same file.
+            Some(WeightsArg::Imagenet) => Some(models::pretrained::imagenet_weights(self.arch(), groups.world.world_size() == 1)?),
+        };
+        Ok(ImagePlan { spec: self.model_spec()?, weights, trainable: self.trainable(), channels_last: self.args.channels_last })
     }
 
     fn describe(&self, _plan: &ImagePlan, step: &dyn TrainStep<'_>, groups: &Groups, device: Device, observers: &mut Observers) -> Result<()> {
@@ -597,5 +609,30 @@ fn describe_transform(transform: Transform) -> String {
         Transform::RandomResizedCrop { size } => format!("training RandomResizedCrop({size}) + flip"),
         Transform::ResizeCenterCrop { resize, size } => format!("evaluation Resize({resize}) + CenterCrop({size})"),
         Transform::Resize { size } => format!("Resize(({size}, {size}))"),
+    }
+}
+
+/// `--weights`: torchvision's ImageNet weights for the model, or a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WeightsArg {
+    Imagenet,
+    File(PathBuf),
+}
+
+/// As it was given: `imagenet` or the file's path.
+impl Serialize for WeightsArg {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            WeightsArg::Imagenet => serializer.serialize_str("imagenet"),
+            WeightsArg::File(path) => path.serialize(serializer),
+        }
+    }
+}
+
+fn parse_weights(value: &str) -> std::result::Result<WeightsArg, String> {
+    match value {
+        "" => Err("give `imagenet` or a weights file".into()),
+        "imagenet" => Ok(WeightsArg::Imagenet),
+        file => Ok(WeightsArg::File(PathBuf::from(file))),
     }
 }

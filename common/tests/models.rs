@@ -1,5 +1,7 @@
 //! The course models: parameter counts and variable names against torchvision's, forward
 //! shapes on CIFAR-10- and MNIST-sized batches, and loading weights by name.
+mod support;
+
 use common::models::{self, named_parameters, param_count, Arch, Blocks, LoadedWeights, ModelSpec};
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -414,13 +416,49 @@ fn weights_missing_and_unexpected_tensors_are_listed() {
 fn weights_unknown_extension_and_missing_file() {
     let (vs, _) = build(&cifar(Arch::Cnn, 10));
     let dir = tempfile::tempdir().unwrap();
+    let bin = dir.path().join("weights.bin");
+    std::fs::write(&bin, b"not a checkpoint").unwrap();
+    let spec = cifar(Arch::Cnn, 10);
+    let message = load_weights(&vs, &spec, &bin).unwrap_err().to_string();
+    assert!(message.contains("weights.bin") && message.contains("expected a .safetensors, .pth, .pt"), "{message}");
+    // A .pth that torch.save did not write, a torn one: one line each, nothing loaded.
     let pt = dir.path().join("weights.pt");
     std::fs::write(&pt, b"not a checkpoint").unwrap();
-    let spec = cifar(Arch::Cnn, 10);
     let message = load_weights(&vs, &spec, &pt).unwrap_err().to_string();
-    assert!(message.contains("weights.pt") && message.contains(".safetensors or .ot"), "{message}");
+    assert!(message.contains("weights.pt is not a file torch.save wrote"), "{message}");
 
     let absent = dir.path().join("absent.safetensors");
     let message = load_weights(&vs, &spec, &absent).unwrap_err().to_string();
     assert!(message.contains(&absent.display().to_string()) && message.contains("not found"), "{message}");
+}
+
+/// torchvision's own models saved with `torch.save(model.state_dict())`, as its published ImageNet
+/// files are: resnet34 in the zip layout (read by LibTorch's `torch::pickle_load`), vgg19 in the
+/// legacy layout of 2017 that `vgg19-dcbb9e9d.pth` has (read by `models::torch_save`). Both load by
+/// name with every tensor as torchvision's, and the models give torchvision's logits on the same
+/// input. Torn and truncated copies of both are refused in one line.
+#[test]
+fn torchvision_pth_files_load_and_give_torchvisions_logits() {
+    for (arch, layout) in [(Arch::Resnet34, "zip"), (Arch::Vgg19, "legacy")] {
+        let dir = tempfile::tempdir().unwrap();
+        let reference = support::Reference::compute("torchvision_pth.py", &[arch.name(), layout, dir.path().to_str().unwrap()]);
+        let file = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().path()).find(|p| p.extension().is_some_and(|e| e == "pth")).unwrap();
+        let spec = ModelSpec { arch, in_channels: 3, image_size: 64, num_classes: 1000 };
+        let (vs, model) = build(&spec);
+        let loaded = load_weights(&vs, &spec, &file).unwrap();
+        assert!(loaded.new_head.is_empty(), "{arch:?}");
+        let ours: std::collections::HashMap<String, Tensor> = vs.variables().into_iter().collect();
+        for (name, theirs) in reference.with_prefix("sd.") {
+            assert_eq!(ours[&name].to_kind(theirs.kind()), *theirs, "{arch:?} {name}");
+        }
+        let logits = tch::no_grad(|| model.forward_t(reference.get("x"), false));
+        let diff = f64::try_from((logits - reference.get("logits")).abs().max()).unwrap();
+        assert!(diff < 1e-4, "{arch:?} ({layout}): logits differ from torchvision's by {diff}");
+
+        let bytes = std::fs::read(&file).unwrap();
+        let torn = dir.path().join("torn.pth");
+        std::fs::write(&torn, &bytes[..bytes.len() * 2 / 3]).unwrap();
+        let message = format!("{:#}", load_weights(&vs, &spec, &torn).unwrap_err());
+        assert!(message.contains("torn.pth is not a state_dict torch.save wrote") && !message.contains('\n'), "{arch:?}: {message}");
+    }
 }

@@ -1,8 +1,8 @@
 //! Models of the course, in torchvision's parameter layout.
 //!
 //! Variable names follow PyTorch's `state_dict` keys exactly (`layer2.0.downsample.0.weight`,
-//! `features.34.bias`, ...), so that ImageNet weights exported from torchvision (see
-//! `scripts/export_torchvision_weights.py`) load with [`load_weights`], and checkpoints line up
+//! `features.34.bias`, ...), so that torchvision's ImageNet weights
+//! ([`pretrained`], `--weights imagenet`) load with [`load_weights`], and checkpoints line up
 //! name for name with the PyTorch reference code.
 use tch::nn::{self, Init};
 use tch::Tensor;
@@ -10,9 +10,11 @@ use tch::Tensor;
 mod blocks;
 mod cnn;
 mod freeze;
+pub mod pretrained;
 pub(crate) mod resnet;
 pub mod transformer;
 pub mod transformer_names;
+pub mod torch_save;
 mod vgg;
 mod weights;
 

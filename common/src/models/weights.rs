@@ -1,5 +1,5 @@
-//! Loading pretrained weights by name (torchvision's `state_dict` names, see
-//! `scripts/export_torchvision_weights.py`).
+//! Loading pretrained weights by name (torchvision's `state_dict` names; ImageNet's come from
+//! [`super::pretrained`]).
 //!
 //! The file must hold exactly the model's variables with the model's shapes, with one
 //! exception: the head (the classifier's last layer, [`Blocks::head`]) of a file made for
@@ -101,7 +101,7 @@ pub fn load_weights(vs: &nn::VarStore, path: &Path, head: &Block) -> anyhow::Res
 /// Reads all named tensors of a weights file, by its extension.
 fn read_named_tensors(path: &Path) -> anyhow::Result<Vec<(String, Tensor)>> {
     if path.is_dir() {
-        bail!("--weights {} is a folder, not a weights file (a .safetensors or .ot file)", path.display());
+        bail!("--weights {} is a folder, not a weights file (a .safetensors, .pth, .pt or .ot file)", path.display());
     }
     if !path.is_file() {
         bail!("weights file {} not found", path.display());
@@ -109,7 +109,9 @@ fn read_named_tensors(path: &Path) -> anyhow::Result<Vec<(String, Tensor)>> {
     let read = match path.extension().and_then(|ext| ext.to_str()) {
         Some("safetensors") => Tensor::read_safetensors(path),
         Some("ot") => Tensor::load_multi(path),
-        _ => bail!("weights file {} has an unsupported format: expected a .safetensors or .ot file", path.display()),
+        // What Python's torch.save wrote: torchvision's published weights, a state_dict.
+        Some("pth" | "pt") => return super::torch_save::read_state_dict(path),
+        _ => bail!("weights file {} has an unsupported format: expected a .safetensors, .pth, .pt (torch.save's state_dict) or .ot file", path.display()),
     };
     read.with_context(|| format!("cannot read weights file {}", path.display()))
 }

@@ -9,7 +9,7 @@ use common::data::{self, generate, DatasetKind, Split};
 use std::path::{Path, PathBuf};
 
 #[derive(Parser)]
-#[command(version, about = "Generate, check or pack the exercises' data sets (CIFAR-10, MNIST, WikiText-2, image folders)")]
+#[command(version, about = "Generate, check or pack the exercises' data sets (CIFAR-10, MNIST, WikiText-2, image folders), or fetch ImageNet weights")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -75,6 +75,14 @@ enum Command {
         #[arg(long, visible_alias = "data-dir")]
         dir: Option<PathBuf>,
     },
+    /// Fetch torchvision's published ImageNet weights of MODEL (resnet34, resnet50 or vgg19, as
+    /// `--weights imagenet` uses them) into torchvision's cache ($TORCH_HOME/hub/checkpoints,
+    /// ~/.cache/torch/hub/checkpoints by default), checked against the hash in their name; a
+    /// file already there is checked and kept. COURSE_WEIGHTS_URL names a mirror's folder.
+    Weights {
+        #[arg(value_enum)]
+        model: common::models::Arch,
+    },
     /// Pack an image folder (DIR/train/<class>/<image>, and DIR/val likewise if present) into tar
     /// shards in WebDataset's format, OUT/train-NNNNNN.tar and OUT/val-NNNNNN.tar, indexed by
     /// OUT/shards.json: a few large files that each rank streams, instead of millions of small ones.
@@ -115,6 +123,14 @@ fn main() -> std::process::ExitCode {
             let config = generate::FolderConfig { classes, train_per_class: train, val_per_class: val, sizes, mixed_formats, seed };
             generate::image_folder(&out, config)?;
             println!("wrote a GENERATED image folder ({classes} classes × {train} train + {val} val images) to {}", out.display());
+            Ok(())
+        }
+        Command::Weights { model } => {
+            if common::models::pretrained::published_file(model).is_none() {
+                return common::error::usage(format!("torchvision publishes no ImageNet weights for {} (only resnet34, resnet50 and vgg19)", model.name()));
+            }
+            let path = common::models::pretrained::imagenet_weights(model, true)?;
+            println!("ImageNet weights of {}: {} (checked)", model.name(), path.display());
             Ok(())
         }
         Command::GenerateText { out, seed } => {

@@ -10,11 +10,17 @@
 use tch::Device;
 
 use crate::models::resnet::{ConvShape, ResNetLayout, STEM_CHANNELS};
-use crate::models::{Arch, ModelSpec, TransformerConfig};
+use crate::models::{Arch, ModelSpec, Trainable, TransformerConfig};
 use crate::precision::{MatmulPrecision, Precision};
 
 /// Multiply-adds of one forward pass of one image through `spec`'s model.
 pub fn forward_macs(spec: &ModelSpec) -> f64 {
+    forward_macs_by_block(spec).iter().sum()
+}
+
+/// Multiply-adds of one image's forward pass through each block of `spec`'s model, in the order
+/// of [`crate::models::Blocks::of`] (what `--train-last` and `--freeze` count in).
+pub fn forward_macs_by_block(spec: &ModelSpec) -> Vec<f64> {
     match spec.arch {
         Arch::Cnn => cnn_macs(spec),
         Arch::Resnet34 | Arch::Resnet50 => resnet_macs(spec, ResNetLayout::of(spec.arch).expect("a ResNet")),
@@ -22,9 +28,17 @@ pub fn forward_macs(spec: &ModelSpec) -> f64 {
     }
 }
 
-/// Training FLOPs per image (forward and backward).
-pub fn training_flops_per_image(spec: &ModelSpec) -> f64 {
-    6.0 * forward_macs(spec)
+/// Training FLOPs per image (forward and backward) of a model whose blocks train as
+/// `trainable` says. A trained block costs 3 forward passes (6 FLOPs per multiply-add); a
+/// frozen one, always before the trained ones, only its forward pass (2): nothing flows back
+/// through it, since no gradient is wanted there.
+pub fn training_flops_per_image(spec: &ModelSpec, trainable: Trainable) -> f64 {
+    let blocks = forward_macs_by_block(spec);
+    let first_trained = match trainable {
+        Trainable::All => 0,
+        Trainable::Last(n) => blocks.len().saturating_sub(n),
+    };
+    blocks.iter().enumerate().map(|(i, macs)| if i < first_trained { 2.0 } else { 6.0 } * macs).sum()
 }
 
 /// Training FLOPs per token of the Transformer language model with `seq_len`-token windows.
@@ -47,11 +61,11 @@ fn out_side(side: i64, kernel: i64, stride: i64, padding: i64) -> i64 {
 }
 
 /// The course CNN: conv(C→50, k5) → pool 2 → conv(50→75, k5) → pool 2 → fc(→50) → fc.
-fn cnn_macs(spec: &ModelSpec) -> f64 {
+fn cnn_macs(spec: &ModelSpec) -> Vec<f64> {
     let s1 = out_side(spec.image_size, 5, 1, 0);
     let s2 = out_side(s1 / 2, 5, 1, 0);
     let flat = 75 * (s2 / 2) * (s2 / 2);
-    conv_macs(spec.in_channels, 50, 5, s1) + conv_macs(50, 75, 5, s2) + (flat * 50 + 50 * spec.num_classes) as f64
+    vec![conv_macs(spec.in_channels, 50, 5, s1), conv_macs(50, 75, 5, s2), (flat * 50) as f64, (50 * spec.num_classes) as f64]
 }
 
 /// Side of the ImageNet models' input: small images are padded to 32 (see `models`).
@@ -61,9 +75,9 @@ fn imagenet_side(spec: &ModelSpec) -> i64 {
 
 /// The stem, every convolution of the residual blocks (their projections included) as
 /// [`ResNetLayout::blocks`] lays them out, and `fc`.
-fn resnet_macs(spec: &ModelSpec, layout: ResNetLayout) -> f64 {
+fn resnet_macs(spec: &ModelSpec, layout: ResNetLayout) -> Vec<f64> {
     let mut side = out_side(imagenet_side(spec), 7, 2, 3);
-    let mut macs = conv_macs(3, STEM_CHANNELS, 7, side);
+    let mut blocks = vec![conv_macs(3, STEM_CHANNELS, 7, side)];
     side = out_side(side, 3, 2, 1); // max pool
 
     // A convolution on a `side`×`side` map: its multiply-adds and the side of its output.
@@ -72,29 +86,30 @@ fn resnet_macs(spec: &ModelSpec, layout: ResNetLayout) -> f64 {
         (conv_macs(c.in_dim, c.out_dim, c.kernel, out), out)
     };
     for block in layout.blocks() {
-        if let Some(projection) = &block.downsample {
-            macs += conv(side, projection).0;
-        }
+        let mut macs = block.downsample.as_ref().map_or(0.0, |projection| conv(side, projection).0);
         for c in &block.convs {
             let (m, out) = conv(side, c);
             (macs, side) = (macs + m, out);
         }
+        blocks.push(macs);
     }
-    macs + (layout.features() * spec.num_classes) as f64
+    blocks.push((layout.features() * spec.num_classes) as f64);
+    blocks
 }
 
-fn vgg19_macs(spec: &ModelSpec) -> f64 {
+fn vgg19_macs(spec: &ModelSpec) -> Vec<f64> {
     let mut side = imagenet_side(spec);
-    let (mut macs, mut channels) = (0.0, 3);
+    let (mut blocks, mut channels) = (Vec::new(), 3);
     for width in [[64, 64, 0, 0], [128, 128, 0, 0], [256; 4], [512; 4], [512; 4]] {
         for width in width.into_iter().filter(|&w| w > 0) {
-            macs += conv_macs(channels, width, 3, side);
+            blocks.push(conv_macs(channels, width, 3, side));
             channels = width;
         }
         side /= 2; // max pool
     }
-    // Adaptive average pooling to 7×7, then the classifier.
-    macs + (512 * 49 * 4096 + 4096 * 4096 + 4096 * spec.num_classes) as f64
+    // Adaptive average pooling to 7×7, then the classifier's three layers.
+    blocks.extend([(512 * 49 * 4096) as f64, (4096 * 4096) as f64, (4096 * spec.num_classes) as f64]);
+    blocks
 }
 
 /// Dense peak TFLOP/s of the GPUs the project knows: (name fragment, float32 on the CUDA cores,
@@ -136,7 +151,23 @@ mod tests {
         // conv1 3·50·25·28² + conv2 50·75·25·10² + fc1 1875·50 + fc2 50·10.
         let expected = 2_940_000.0 + 9_375_000.0 + 93_750.0 + 500.0;
         assert_eq!(forward_macs(&spec(Arch::Cnn, 3, 32, 10)), expected);
-        assert_eq!(training_flops_per_image(&spec(Arch::Cnn, 3, 32, 10)), 6.0 * expected);
+        assert_eq!(training_flops_per_image(&spec(Arch::Cnn, 3, 32, 10), Trainable::All), 6.0 * expected);
+        // Only fc2 trained: the rest runs forward only.
+        assert_eq!(training_flops_per_image(&spec(Arch::Cnn, 3, 32, 10), Trainable::Last(1)), 2.0 * (expected - 500.0) + 6.0 * 500.0);
+    }
+
+    #[test]
+    fn blocks_are_the_models_blocks_and_frozen_ones_cost_their_forward_pass_alone() {
+        for arch in [Arch::Cnn, Arch::Resnet34, Arch::Resnet50, Arch::Vgg19] {
+            let s = spec(arch, 3, 64, 1000);
+            let blocks = forward_macs_by_block(&s);
+            assert_eq!(blocks.len(), crate::models::Blocks::of(&s).len(), "{arch:?}");
+            let all = training_flops_per_image(&s, Trainable::All);
+            let head = *blocks.last().unwrap();
+            let backbone = training_flops_per_image(&s, Trainable::Last(1));
+            assert_eq!(backbone, 2.0 * (forward_macs(&s) - head) + 6.0 * head, "{arch:?}");
+            assert!(backbone < all / 2.0, "{arch:?}: {backbone:e} vs {all:e}");
+        }
     }
 
     #[test]

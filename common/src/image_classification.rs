@@ -359,13 +359,18 @@ impl Experiment for ImageExperiment<'_> {
             }
         }
         if self.args.weights == Some(WeightsArg::Imagenet) && models::pretrained::published_file(self.arch()).is_none() {
-            return usage(format!("--weights imagenet: torchvision publishes no ImageNet weights for {} (only resnet34, resnet50 and vgg19)", self.arch().name()));
+            return usage(format!(
+                "--weights imagenet: torchvision publishes no ImageNet weights for {} (only resnet34, resnet50 and vgg19)",
+                self.arch().name()
+            ));
         }
         let trainable = self.trainable();
         if trainable != Trainable::All {
             if self.args.weights.is_none() && !self.args.run.resume {
                 let flag = if self.args.freeze.is_some() { "--freeze backbone" } else { "--train-last" };
-                return usage(format!("{flag} keeps pretrained blocks as they are: give them with --weights imagenet or --weights FILE (or continue a run with --resume)"));
+                return usage(format!(
+                    "{flag} keeps pretrained blocks as they are: give them with --weights imagenet or --weights FILE (or continue a run with --resume)"
+                ));
             }
             if let Err(err) = trainable.check(&Blocks::of(&self.spec()), self.arch().name()) {
                 return usage(err.to_string());
@@ -480,18 +485,23 @@ impl Experiment for ImageExperiment<'_> {
         let layout = self.layout(world)?;
         let spec = self.model_spec()?;
         let recipe = experiment::RunRecipe::resolve(self.preset, &self.args.recipe, layout.dp, 1, 1);
-        let (params, largest, per_image) = crate::memory::estimate::probe_image_activations(&spec, self.args.run.precision)?;
+        let probe = crate::memory::estimate::probe_image_activations(&spec, self.trainable(), self.args.run.precision)?;
         observers.info(format!(
-            "{} with a {}-way head on {}×{}×{} images: {} parameters; batch {} per replica, {}; activations measured on the CPU: {:.2} MiB per image",
+            "{} with a {}-way head on {}×{}×{} images: {} parameters{}; batch {} per replica, {}; activations measured on the CPU: {:.2} MiB per image",
             self.arch().name(),
             spec.num_classes,
             spec.in_channels,
             spec.image_size,
             spec.image_size,
-            report::group_thousands(params as i64),
+            report::group_thousands((probe.trained + probe.frozen) as i64),
+            if probe.frozen > 0.0 {
+                format!(" ({} of them frozen: no gradients, no optimizer state)", report::group_thousands(probe.frozen as i64))
+            } else {
+                String::new()
+            },
             recipe.batch_size,
             layout.describe(),
-            per_image / crate::memory::MIB
+            probe.bytes_per_image / crate::memory::MIB
         ))?;
         let (channels, size) = self.input_shape();
         let size = self.args.image_size.filter(|_| self.args.dataset.in_memory().is_none()).unwrap_or(size) as usize;
@@ -503,9 +513,10 @@ impl Experiment for ImageExperiment<'_> {
         let loader = LoaderConfig::train(recipe.batch_size, 0, Device::Cpu);
         let batches_held = if cuda { 2 } else { self.workers(Device::Cpu) * (loader.prefetch + 1) + 1 };
         let job = crate::memory::estimate::ImageJob {
-            params,
-            largest_parameter: largest,
-            bytes_per_image: per_image,
+            params: probe.trained,
+            frozen_params: probe.frozen,
+            largest_parameter: probe.largest_parameter,
+            bytes_per_image: probe.bytes_per_image,
             batch: recipe.batch_size,
             dp: layout.dp,
             zero: self.args.parallel.zero_stage(),
@@ -522,7 +533,7 @@ impl Experiment for ImageExperiment<'_> {
     }
 
     fn flops_per_example(&self, _plan: &ImagePlan) -> f64 {
-        flops::training_flops_per_image(&self.spec())
+        flops::training_flops_per_image(&self.spec(), self.trainable())
     }
 
     fn sources(&self, data: &ImageData, device: Device, shard: (usize, usize)) -> Result<Sources> {

@@ -141,3 +141,69 @@ fn an_image_model_is_estimated_from_a_probe_on_the_cpu() {
     assert!((mib("parameters") - 83.15).abs() < 0.1 && (mib("optimizer") - 166.3).abs() < 0.1, "{row}");
     assert!(mib("activations") > 10.0 && mib("total") > mib("parameters") + mib("gradients") + mib("optimizer"), "{row}");
 }
+
+/// Frozen blocks (`--freeze backbone`) are held but not trained: the estimate gives them no
+/// gradients and no optimizer state, and the FLOPs behind the MFU count them forward only.
+#[test]
+fn frozen_blocks_are_estimated_and_counted_as_forward_only() {
+    let data = tempfile::tempdir().unwrap();
+    let status = Command::new(env!("CARGO_BIN_EXE_prepare_data"))
+        .args(["generate", "--dataset", "cifar10", "--train", "32", "--test", "8", "--out"])
+        .arg(data.path())
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let estimate = |extra: &[&str]| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = vec![
+            "--model",
+            "resnet34",
+            "--num-classes",
+            "10",
+            "--device",
+            "cpu",
+            "--batch-size",
+            "8",
+            "--data-dir",
+            data.path().to_str().unwrap(),
+            "--estimate-memory",
+            "--results-dir",
+        ];
+        args.push(dir.path().to_str().unwrap());
+        args.extend(extra);
+        let out = run("exercise1", &args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        json_ending(dir.path(), ".memory-estimate.json")["ranks"][0].clone()
+    };
+    let weights = tempfile::tempdir().unwrap();
+    let file = weights.path().join("w.safetensors");
+    {
+        // A 10-way resnet34's own variables: a file the frozen run can start from.
+        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        let _ = common::models::build(
+            &vs.root(),
+            &common::models::ModelSpec { arch: common::models::Arch::Resnet34, in_channels: 3, image_size: 32, num_classes: 10 },
+        );
+        vs.save(&file).unwrap();
+    }
+    let frozen_args = ["--freeze", "backbone", "--weights", file.to_str().unwrap()];
+    let (whole, frozen) = (estimate(&[]), estimate(&frozen_args));
+    let mib = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap() / 1048576.0;
+    assert!(mib(&whole, "gradients") > 80.0 && mib(&frozen, "gradients") < 0.1, "{whole} vs {frozen}");
+    assert!(mib(&frozen, "optimizer") < 0.1 && (mib(&frozen, "parameters") - mib(&whole, "parameters")).abs() < 1.0, "{frozen}");
+
+    let flops = |extra: &[&str]| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = vec!["--model", "resnet34", "--num-classes", "10", "--device", "cpu", "--batch-size", "8", "--max-steps", "1", "--quiet"];
+        args.extend(["--data-dir", data.path().to_str().unwrap(), "--results-dir", dir.path().to_str().unwrap()]);
+        args.extend(extra);
+        let out = run("exercise1", &args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        json_ending(dir.path(), "-cpu.json")["flops_per_example"].as_f64().unwrap()
+    };
+    let (all, head_only) = (flops(&[]), flops(&frozen_args));
+    let forward = all / 6.0;
+    // The head (512 × 10 multiply-adds) trains: 6 per multiply-add; the rest runs forward: 2.
+    assert!((head_only - (2.0 * (forward - 5120.0) + 6.0 * 5120.0)).abs() < 1.0, "{head_only} vs {all}");
+}

@@ -249,7 +249,11 @@ fn freezing_without_pretrained_blocks_or_beyond_the_model_is_a_usage_error() {
     let run = |args: &[&str]| Command::new(bin).args(["--model", "resnet34", "--device", "cpu", "--results-dir"]).arg(dir.path()).args(args).output().unwrap();
     let out = run(&["--freeze", "backbone"]);
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
-    assert!(stderr(&out).contains("--freeze backbone keeps pretrained blocks as they are: give them with --weights imagenet or --weights FILE"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("--freeze backbone keeps pretrained blocks as they are: give them with --weights imagenet or --weights FILE"),
+        "{}",
+        stderr(&out)
+    );
     let out = run(&["--train-last", "19", "--weights", "resnet34.safetensors"]);
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(stderr(&out).contains("--train-last 19: resnet34 has 18 blocks (stem, layer1.0"), "{}", stderr(&out));

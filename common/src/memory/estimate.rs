@@ -341,7 +341,10 @@ fn sum_rows(rows: &[RankEstimate], name: &str) -> RankEstimate {
 /// trains, and the input batches its loader holds on the device at once.
 #[derive(Debug, Clone)]
 pub struct ImageJob {
+    /// Trained parameters (elements).
     pub params: f64,
+    /// Frozen parameters (`--freeze`, `--train-last`): held, without gradients or optimizer state.
+    pub frozen_params: f64,
     pub largest_parameter: f64,
     pub bytes_per_image: f64,
     pub batch: usize,
@@ -357,7 +360,8 @@ pub struct ImageJob {
 
 impl ImageJob {
     pub fn estimate(&self) -> RankEstimate {
-        let (parameters, gradients, optimizer) = model_state_parts(self.params, self.optimizer_k, self.dp as f64, self.zero);
+        let (trained, gradients, optimizer) = model_state_parts(self.params, self.optimizer_k, self.dp as f64, self.zero);
+        let parameters = trained + 4.0 * self.frozen_params;
         let activations = self.batch as f64 * self.bytes_per_image;
         let mut transient = self.batches_held as f64 * self.input_batch_bytes;
         if self.zero == Some(ZeroStage::Parameters) {
@@ -389,14 +393,17 @@ impl ImageJob {
 /// gradients (as every step starts); the difference of their peaks (over the bytes held before)
 /// is what 8 more images take at the passes' peak: their saved activations and the gradients
 /// flowing back. (Where the gradients of the weights make the peak at both sizes, the
-/// activations the forward pass keeps are the floor.) Returns (parameters, the largest
-/// parameter's elements, bytes per image).
-pub fn probe_image_activations(spec: &crate::models::ModelSpec, precision: Precision) -> anyhow::Result<(f64, f64, f64)> {
+/// activations the forward pass keeps are the floor.) Blocks `trainable` leaves frozen are
+/// frozen in the probe too: they save nothing for a backward pass that does not reach them.
+pub fn probe_image_activations(spec: &crate::models::ModelSpec, trainable: crate::models::Trainable, precision: Precision) -> anyhow::Result<ImageProbe> {
     use tch::{Device, Kind, Tensor};
     crate::memory::count_cpu_tensors()?;
     let vs = tch::nn::VarStore::new(Device::Cpu);
     let model = crate::models::build(&vs.root(), spec);
-    let params: Vec<Tensor> = vs.trainable_variables();
+    crate::models::freeze(&vs, &crate::models::Blocks::of(spec), trainable, spec.arch.name())?;
+    // Those still requiring gradients (tch's trainable_variables lists the frozen ones too).
+    let params: Vec<Tensor> = crate::models::named_parameters(&vs).into_iter().map(|(_, p)| p).collect();
+    let all_params = crate::models::param_count(&vs) as f64;
     // Mixed precision probes with bfloat16, which the CPU's autocast runs.
     let probe = if precision == Precision::Full { Precision::Full } else { Precision::BHalf };
     // (bytes held after the forward pass, peak of forward and backward), over those before.
@@ -420,9 +427,19 @@ pub fn probe_image_activations(spec: &crate::models::ModelSpec, precision: Preci
     for p in &params {
         crate::torch_ext::clear_grad(p)?;
     }
-    let count = params.iter().map(|p| p.numel() as f64).sum();
+    let trained: f64 = params.iter().map(|p| p.numel() as f64).sum();
     let largest = params.iter().map(|p| p.numel() as f64).fold(0.0, f64::max);
-    Ok((count, largest, per_image))
+    Ok(ImageProbe { trained, frozen: all_params - trained, largest_parameter: largest, bytes_per_image: per_image })
+}
+
+/// What [`probe_image_activations`] measured: parameters trained and frozen (elements), the
+/// largest trained parameter's elements, and the bytes per image at the passes' peak.
+#[derive(Debug, Clone, Copy)]
+pub struct ImageProbe {
+    pub trained: f64,
+    pub frozen: f64,
+    pub largest_parameter: f64,
+    pub bytes_per_image: f64,
 }
 
 /// The estimate as a Markdown table (MiB), one row per kind of rank.

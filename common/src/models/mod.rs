@@ -12,9 +12,9 @@ mod cnn;
 mod freeze;
 pub mod pretrained;
 pub(crate) mod resnet;
+pub mod torch_save;
 pub mod transformer;
 pub mod transformer_names;
-pub mod torch_save;
 mod vgg;
 mod weights;
 

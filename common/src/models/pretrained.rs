@@ -95,21 +95,27 @@ pub fn imagenet_weights(arch: Arch, fetch: bool) -> Result<PathBuf> {
     let dir = cache_dir()?;
     let path = dir.join(file);
     if path.is_file() {
-        check_hash(&path, file).with_context(|| format!("the cached ImageNet weights of {} are damaged: remove {} to fetch them again", arch.name(), path.display()))?;
+        check_hash(&path, file)
+            .with_context(|| format!("the cached ImageNet weights of {} are damaged: remove {} to fetch them again", arch.name(), path.display()))?;
         return Ok(path);
     }
     let url = url_of(file);
     if !fetch {
         bail!("no ImageNet weights of {} at {}: fetch them with `prepare_data weights {}`, or put {url} there", arch.name(), path.display(), arch.name());
     }
-    download(&url, &dir, file).with_context(|| format!("cannot fetch the ImageNet weights of {}: put {url} at {} by hand (no network here?)", arch.name(), path.display()))?;
+    download(&url, &dir, file)
+        .with_context(|| format!("cannot fetch the ImageNet weights of {}: put {url} at {} by hand (no network here?)", arch.name(), path.display()))?;
     Ok(path)
 }
 
 /// `url` into `dir/file`, through a temporary file there renamed only once its hash is checked.
 fn download(url: &str, dir: &Path, file: &str) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot make the cache folder {}", dir.display()))?;
-    let partial = tempfile::Builder::new().prefix(&format!(".{file}.")).suffix(".partial").tempfile_in(dir).with_context(|| format!("cannot write in {}", dir.display()))?;
+    let partial = tempfile::Builder::new()
+        .prefix(&format!(".{file}."))
+        .suffix(".partial")
+        .tempfile_in(dir)
+        .with_context(|| format!("cannot write in {}", dir.display()))?;
     let target = partial.path().to_path_buf();
     let attempts: [(&str, Vec<&str>); 2] = [
         ("curl", vec!["--fail", "--location", "--silent", "--show-error", "--retry", "2", "--connect-timeout", "20", "--output"]),

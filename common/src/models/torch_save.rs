@@ -46,7 +46,11 @@ pub fn read_state_dict(path: &Path) -> Result<Vec<(String, Tensor)>> {
 /// A zip-layout file's tensors.
 fn zip_layout(bytes: &[u8]) -> Result<Vec<(String, Tensor)>> {
     let mut archive = zip::ZipArchive::new(std::io::Cursor::new(bytes)).context("a torn or damaged zip archive")?;
-    let pickle_name = archive.file_names().find(|n| *n == "data.pkl" || n.ends_with("/data.pkl")).map(String::from).ok_or_else(|| anyhow!("a zip archive without data.pkl"))?;
+    let pickle_name = archive
+        .file_names()
+        .find(|n| *n == "data.pkl" || n.ends_with("/data.pkl"))
+        .map(String::from)
+        .ok_or_else(|| anyhow!("a zip archive without data.pkl"))?;
     let prefix = pickle_name.strip_suffix("data.pkl").expect("found by that ending").to_string();
     let pickle = read_entry(&mut archive, &pickle_name)?;
     let object = Unpickler::new(&pickle, &mut 0).run()?;

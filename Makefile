@@ -155,7 +155,7 @@ bench-nlp: data-wikitext2
 # every precision and option, pipelines, NCCL ranks, ZeRO, --profile, memory; checks that what
 # is claimed holds; side-by-side timings against PyTorch eager and the 1.4B model's MFU; the table
 # in results/gpu-check.md and .json. ARGS: --no-timings, --only PATTERN, --rounds N, --keep.
-# Without a GPU: one line, exit 2. From prebuilt binaries (no Rust on the GPU node), see README.
+# Without a GPU: one line, exit 2. From prebuilt binaries (no Rust on the GPU node), see docs/gpu-bundle.md.
 gpu-check: build
 	$(WITH) sh -c '"$$TORCH_PYTHON" bench/gpu_check.py $(ARGS)'
 
@@ -199,7 +199,7 @@ test-isa: build
 
 # The sbatch/ scripts through a real one-node Slurm on this machine (root; installs Debian's
 # slurm-wlm and munge when missing): every script submitted with CPU overrides and tiny data,
-# exit codes and outputs checked. Not part of `make test` (a few minutes; see README).
+# exit codes and outputs checked. Not part of `make test` (a few minutes; see docs/tests.md).
 test-slurm: build
 	scripts/test-slurm
 

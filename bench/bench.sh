@@ -82,7 +82,7 @@ die() { echo "error: $*" >&2; exit 2; }
 
 # How busy other processes kept the CPUs during a run: all CPU time the machine spent (from
 # /proc/stat) minus this script's children's, over the wall time, in cores. Other load makes
-# the comparison unreliable (see README.md).
+# the comparison unreliable (see docs/speed.md).
 hz="$(getconf CLK_TCK 2>/dev/null || echo 100)"
 machine_cpu_s() { awk -v hz="$hz" '/^cpu /{printf "%.3f", ($2+$3+$4+$7+$8+$9)/hz; exit}' /proc/stat 2>/dev/null || echo 0; }
 # `times` (this shell's children's CPU time) only means something in this shell, not in a $(…).

@@ -70,7 +70,7 @@ fn at_d_4096_the_default_recipe_learns_where_the_courses_does_not() {
     println!("d 4096, 1 layer, 12 steps: test loss {ours:.2} (default, {optimizer}) vs {course:.2} (--recipe course, {course_optimizer}); uniform guessing {uniform:.2}");
     assert_eq!((optimizer.as_str(), course_optimizer.as_str()), ("adam", "sgd"));
     assert!(ours < uniform - 1.0, "the default recipe did not learn: test loss {ours} vs uniform {uniform}");
-    assert!(course > uniform + 3.0, "the course's recipe learned at d 4096 ({course} vs uniform {uniform}): the README's claim is stale");
+    assert!(course > uniform + 3.0, "the course's recipe learned at d 4096 ({course} vs uniform {uniform}): docs/pipeline.md's claim is stale");
 }
 
 #[test]

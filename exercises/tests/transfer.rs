@@ -182,7 +182,7 @@ fn fine_tuning_trains_the_last_blocks_and_keeps_the_rest() {
     assert!(said.contains("training the last 4 of 18 blocks (layer4.0, layer4.1, layer4.2, fc)"), "{said}");
     check_trained(&setup, &trained(&setup, out_dir.path(), "exercise1"), 4);
 
-    // As README shows it: the head first, then fine-tuning continues that run from its
+    // As docs/exercise1.md shows it: the head first, then fine-tuning continues that run from its
     // checkpoint (the blocks that start training have no optimizer state yet).
     let out_dir = tempfile::tempdir().unwrap();
     let out = setup.run("exercise1", &["--freeze", "backbone", "--batch-size", "20"], out_dir.path());

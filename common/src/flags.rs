@@ -10,64 +10,81 @@ use std::path::PathBuf;
 pub struct RunArgs {
     /// Where to train; `both` runs the CPU, then the GPU, and compares them.
     #[arg(long, value_enum, default_value = "both")]
+    #[arg(help_heading = "Training")]
     pub device: DeviceChoice,
     /// Folder with the data set's files [default: data/<data set>].
     #[arg(long)]
+    #[arg(help_heading = "Data")]
     pub data_dir: Option<PathBuf>,
     /// Epochs [default: the exercise's].
     #[arg(long)]
+    #[arg(help_heading = "Training")]
     pub epochs: Option<usize>,
     /// Stop after this many optimizer steps (smoke runs, benchmarks).
     #[arg(long)]
+    #[arg(help_heading = "Training")]
     pub max_steps: Option<usize>,
     /// Seeds the initial weights, the data order, augmentation and dropout.
     #[arg(long, default_value_t = 42)]
+    #[arg(help_heading = "Training")]
     pub seed: u64,
     /// LibTorch threads for CPU work; 0 = one per core.
     #[arg(long, default_value_t = 0)]
+    #[arg(help_heading = "Training")]
     pub threads: usize,
     /// Save a checkpoint here after every epoch.
     #[arg(long)]
+    #[arg(help_heading = "Checkpoints")]
     pub checkpoint_dir: Option<PathBuf>,
     /// Continue from the checkpoint in --checkpoint-dir when there is one.
     #[arg(long, requires = "checkpoint_dir")]
+    #[arg(help_heading = "Checkpoints")]
     pub resume: bool,
     /// Besides the latest checkpoint, keep the last K epochs' as <run>-epoch<E>.safetensors
     /// (Lightning's ModelCheckpoint(save_top_k=K)); the oldest is removed.
     #[arg(long, default_value_t = 0, requires = "checkpoint_dir")]
+    #[arg(help_heading = "Checkpoints")]
     pub keep_checkpoints: usize,
     /// Also checkpoint every N optimizer steps, in the middle of an epoch too (a resume then
     /// goes on with the next batch, exactly as the run would have).
     #[arg(long, value_name = "N", requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(help_heading = "Checkpoints")]
     pub checkpoint_every: Option<u64>,
     /// Also checkpoint whenever M minutes have passed since the last checkpoint (a job's time
     /// limit in mind); fractions allowed.
     #[arg(long, value_name = "M", requires = "checkpoint_dir")]
+    #[arg(help_heading = "Checkpoints")]
     pub checkpoint_minutes: Option<f64>,
     /// auto: sharded where ZeRO, tensor or pipeline parallelism spread the model state over
     /// ranks (every rank writes its part into <run>.shards/, in parallel), one file
     /// <run>.safetensors otherwise; whole: always one file, gathered to rank 0; sharded: always
     /// the folder. Either format resumes on any layout.
     #[arg(long, value_enum, default_value = "auto")]
+    #[arg(help_heading = "Checkpoints")]
     pub checkpoint_format: crate::train::CheckpointFormat,
     /// After a signal stopped the run (Slurm's warning before a time limit or a preemption,
     /// SIGTERM), put the Slurm job back in the queue (`scontrol requeue`), where it resumes from
     /// the checkpoint with the same flags: auto = when the job may be requeued (#SBATCH --requeue).
     #[arg(long, value_enum, default_value = "auto")]
+    #[arg(help_heading = "Checkpoints")]
     pub requeue: crate::slurm::Requeue,
     /// Test a trained model without training: the checkpoint of --checkpoint FILE, or of
     /// --checkpoint-dir with --resume, evaluated on the evaluation and test splits
     /// (Lightning's trainer.test(ckpt_path=...)).
     #[arg(long)]
+    #[arg(help_heading = "Training")]
     pub eval_only: bool,
     /// The checkpoint file --eval-only tests (any run's, of the same model).
     #[arg(long, value_name = "FILE", requires = "eval_only")]
+    #[arg(help_heading = "Checkpoints")]
     pub checkpoint: Option<PathBuf>,
     /// Where results (JSON, CSV) are written.
     #[arg(long, default_value = "results")]
+    #[arg(help_heading = "Output")]
     pub results_dir: PathBuf,
     /// No progress bar.
     #[arg(long)]
+    #[arg(help_heading = "Output")]
     pub quiet: bool,
     /// 32: float32; 16-mixed: float16 autocast with gradient scaling (GPU); bf16-mixed:
     /// bfloat16 autocast (GPU or CPU); 16-true (GPU) and bf16-true: the whole model in 16 bits
@@ -75,14 +92,17 @@ pub struct RunArgs {
     /// or data-parallel replicas over NCCL). Lightning's older names work too: 32-true, and 16
     /// and bf16, which Lightning 2 reads as 16-mixed and bf16-mixed.
     #[arg(long, value_enum, default_value = "32")]
+    #[arg(help_heading = "Precision and speed")]
     pub precision: crate::precision::Precision,
     /// float32 matrix products: highest (float32), high (TF32 tensor cores), medium (bfloat16
     /// allowed), as torch.set_float32_matmul_precision; mixed precision is unaffected.
     #[arg(long, value_enum, default_value = "highest")]
+    #[arg(help_heading = "Precision and speed")]
     pub matmul_precision: crate::precision::MatmulPrecision,
     /// Peak TFLOP/s of one device in this precision, for the model-FLOPs utilisation (MFU)
     /// [default: from the data sheet of a known GPU; none on a CPU].
     #[arg(long)]
+    #[arg(help_heading = "Precision and speed")]
     pub peak_tflops: Option<f64>,
     /// Print where the step time goes: the phases of every step (data wait, forward, backward,
     /// the gradients' all-reduce and clipping, optimizer, evaluation), as a table and a Chrome
@@ -91,28 +111,34 @@ pub struct RunArgs {
     /// `<run>.torch-trace.json`, in --results-dir. Waits for the device between phases: costs
     /// some speed.
     #[arg(long)]
+    #[arg(help_heading = "Output")]
     pub profile: bool,
     /// The training steps LibTorch's profiler records, A..B (steps A to B, counted from 1);
     /// implies --profile [default: the five steps after --steady-after].
     #[arg(long, value_name = "A..B")]
+    #[arg(help_heading = "Output")]
     pub profile_steps: Option<crate::profile::libtorch::StepWindow>,
     /// Print what each rank will hold (parameters, gradients, optimizer state, activations, the
     /// peak) for these flags and layout, and write it to --results-dir, without training
     /// (--nproc-per-node or the launcher gives the ranks).
     #[arg(long)]
+    #[arg(help_heading = "Output")]
     pub estimate_memory: bool,
     /// Record the training step once in a CUDA graph and replay it for every batch (one launch
     /// instead of hundreds: for small, launch-bound steps). GPU, one process, adam or sgd,
     /// no --accumulate, no 16-mixed.
     #[arg(long)]
+    #[arg(help_heading = "Precision and speed")]
     pub cuda_graph: bool,
     /// Optimizer steps left out of the steady-state throughput (results: steady_throughput):
     /// the warm-up, where kernels are chosen and caches filled.
     #[arg(long, default_value_t = 2)]
+    #[arg(help_heading = "Precision and speed")]
     pub steady_after: usize,
     /// Write TensorBoard event files (loss, learning rate, throughput every 10 steps; each
     /// epoch's losses, accuracy or perplexity) to DIR/<run>.
     #[arg(long)]
+    #[arg(help_heading = "Output")]
     pub tensorboard: Option<PathBuf>,
 }
 
@@ -186,53 +212,68 @@ pub struct RecipeArgs {
     /// default: the project's recipe for the exercise, which learns; course: the course's own
     /// settings, to reproduce its slides (they differ for exercise3: see --help's preset).
     #[arg(long, value_enum, default_value = "default")]
+    #[arg(help_heading = "Training")]
     pub recipe: RecipeSource,
     /// Examples (images, or token streams) per batch on each rank [default: the preset's].
     #[arg(long)]
+    #[arg(help_heading = "Training")]
     pub batch_size: Option<usize>,
     /// adam, sgd (with --momentum), lars (SGD with layer-wise trust ratios, You et al. 2017) or
     /// lamb (Adam with them, You et al. 2019) [default: the preset's].
     #[arg(long, value_enum)]
+    #[arg(help_heading = "Training")]
     pub optimizer: Option<crate::optim::OptimizerKind>,
     /// Learning rate [default: the preset's].
     #[arg(long)]
+    #[arg(help_heading = "Training")]
     pub lr: Option<f64>,
     /// How adam and sgd update the parameters: fused (LibTorch's multi-tensor kernel, as
     /// torch.optim's fused=True), per-parameter, or auto (fused on a GPU).
     #[arg(long, value_enum, default_value = "auto")]
+    #[arg(help_heading = "Training")]
     pub optimizer_kernel: crate::optim::OptimizerKernel,
     /// Momentum of sgd and lars [default: 0.9].
     #[arg(long)]
+    #[arg(help_heading = "Training")]
     pub momentum: Option<f64>,
     /// L2 weight decay (decoupled for lamb) [default: the preset's].
     #[arg(long)]
+    #[arg(help_heading = "Training")]
     pub weight_decay: Option<f64>,
     /// Gradient-norm clipping threshold; 0 turns it off [default: the preset's].
     #[arg(long)]
+    #[arg(help_heading = "Training")]
     pub clip: Option<f64>,
     /// The learning rate of every step [default: the preset's].
     #[arg(long, value_enum)]
+    #[arg(help_heading = "Training")]
     pub lr_schedule: Option<crate::train::ScheduleKind>,
     /// StepLR's factor applied after every epoch [default: the preset's].
     #[arg(long)]
+    #[arg(help_heading = "Training")]
     pub gamma: Option<f64>,
     /// Accumulate the gradients of K batches into one optimizer step: an effective batch of
     /// K × batch × ranks (replicas average once, after the last of them).
     #[arg(long, default_value_t = 1)]
+    #[arg(help_heading = "Training")]
     pub accumulate: usize,
     /// Multiply the learning rate by the effective batch's growth, --accumulate × ranks (linear
     /// scaling, Goyal et al. 2017).
     #[arg(long)]
+    #[arg(help_heading = "Training")]
     pub scale_lr: bool,
     /// Ramp the learning rate up linearly, step by step, over this many epochs...
     #[arg(long, default_value_t = 0, conflicts_with = "warmup_steps")]
+    #[arg(help_heading = "Training")]
     pub warmup_epochs: usize,
     /// ...or over this many optimizer steps.
     #[arg(long, default_value_t = 0)]
+    #[arg(help_heading = "Training")]
     pub warmup_steps: usize,
     /// Where the warm-up starts, as a share of the learning rate [default: 1/(--accumulate ×
     /// ranks) with --scale-lr: from the small batch's rate, as Goyal et al.].
     #[arg(long)]
+    #[arg(help_heading = "Training")]
     pub warmup_start: Option<f64>,
 }
 
@@ -304,55 +345,68 @@ pub struct ParallelArgs {
     /// Without it, the ranks come from the launcher that started this process (mpirun, srun,
     /// torchrun-style variables), or there is one.
     #[arg(long)]
+    #[arg(help_heading = "Parallelism")]
     pub nproc_per_node: Option<usize>,
     /// Collective engine: NCCL for CUDA tensors and MPI for CPU tensors (auto), or one of them.
     #[arg(long, value_enum, default_value = "auto")]
+    #[arg(help_heading = "Parallelism")]
     pub backend: crate::dist::Backend,
     /// Gradients are averaged in buckets of this many MiB (fewer, larger messages).
     #[arg(long, default_value_t = 25.0)]
+    #[arg(help_heading = "Parallelism")]
     pub bucket_mb: f64,
     /// Send gradients as fp16 (NCCL only).
     #[arg(long)]
+    #[arg(help_heading = "Parallelism")]
     pub fp16_allreduce: bool,
     /// --nproc-per-node refuses more CPU ranks than this many per core (each rank is a LibTorch
     /// process with its own memory).
     #[arg(long, default_value_t = 4)]
+    #[arg(help_heading = "Parallelism")]
     pub max_ranks_per_core: usize,
     /// Seconds a collective or message may wait for the other ranks before the job is declared
     /// hung and ended, naming the ranks that did not answer (a group's first operation waits at
     /// least 300 s: start-up and data loading). As PyTorch's NCCL watchdog; MPI engine.
     #[arg(long, value_name = "SECONDS", default_value_t = 600.0)]
+    #[arg(help_heading = "Parallelism")]
     pub collective_timeout: f64,
     /// ZeRO stage: 0 keeps everything on every replica; 1 shards the optimizer state over the
     /// data-parallel replicas (reduce-scatter the gradients, update one's block, all-gather the
     /// parameters); 2 also the gradients (reduce-scattered in buckets during the backward
     /// pass); 3 also the parameters (FSDP: gathered layer by layer when needed).
     #[arg(long, default_value_t = 0)]
+    #[arg(help_heading = "Parallelism")]
     pub zero: u8,
     // ---- Parameter-server hook (dist::parameter_server): the strategy and its flags. ----
     /// data-parallel: every rank a replica, gradients averaged (all-reduce, or ZeRO);
     /// parameter-server: --servers ranks hold the parameters and run the optimizer, the others
     /// push gradients and pull parameters (--sync, --async, --max-staleness).
     #[arg(long, value_enum, default_value = "data-parallel")]
+    #[arg(help_heading = "Parallelism")]
     pub strategy: crate::dist::parameter_server::Strategy,
     /// Parameter-server ranks (the job's last ones) [default: 1].
     #[arg(long)]
+    #[arg(help_heading = "Parallelism")]
     pub servers: Option<usize>,
     /// The servers wait for every worker's gradient and apply their average (the default):
     /// the same model as all-reduce data parallelism.
     #[arg(long)]
+    #[arg(help_heading = "Parallelism")]
     pub sync: bool,
     /// The servers apply each gradient on arrival (Downpour SGD): workers never wait for each other.
     #[arg(long = "async", conflicts_with = "sync")]
+    #[arg(help_heading = "Parallelism")]
     pub asynchronous: bool,
     /// With --async: no worker runs more than K steps ahead of the slowest (stale synchronous
     /// parallel, SSP): the fast wait; an applied gradient is then at most (workers − 1)(2K + 1)
     /// versions stale.
     #[arg(long, value_name = "K")]
+    #[arg(help_heading = "Parallelism")]
     pub max_staleness: Option<usize>,
     /// RANK:SECONDS: rank RANK (a worker) sleeps that long in every optimizer step (a straggler,
     /// any strategy).
     #[arg(long, value_name = "RANK:SECONDS")]
+    #[arg(help_heading = "Parallelism")]
     pub straggler: Option<crate::dist::parameter_server::Straggler>,
 }
 

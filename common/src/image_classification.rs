@@ -40,21 +40,25 @@ pub struct ImageArgs {
     pub parallel: ParallelArgs,
     /// Network to train [default: the preset's].
     #[arg(long, value_enum)]
+    #[arg(help_heading = "Model")]
     pub model: Option<Arch>,
     /// Data set: CIFAR-10 or MNIST (their binary files, read into memory), or image files
     /// decoded batch by batch: `imagefolder` (DIR/train/<class>/*.jpg and DIR/val/<class>/*,
     /// torchvision's ImageFolder layout) or `shards` (tar shards from `prepare_data pack`).
     #[arg(long, value_enum, default_value = "cifar10")]
+    #[arg(help_heading = "Data")]
     pub dataset: DatasetChoice,
     /// How image files become the model's input: `imagenet` (training: RandomResizedCrop and a
     /// random horizontal flip; evaluation: Resize(N / 0.875) and CenterCrop(N); N is
     /// --image-size, 224 by default) or `resize` (the JSC course's Resize((N, N)) for both, N
     /// 256 by default) [default: imagenet].
     #[arg(long, value_enum)]
+    #[arg(help_heading = "Data")]
     pub transform: Option<TransformChoice>,
     /// Shards: samples held in the shuffle buffer that mixes the shards' streams (WebDataset's
     /// `shuffle(N)`); 0 reads them in their order [default: 1000].
     #[arg(long, value_name = "N")]
+    #[arg(help_heading = "Data")]
     pub shuffle_buffer: Option<usize>,
     /// Initial weights: `imagenet` (torchvision's published ImageNet weights of resnet34,
     /// resnet50 or vgg19, fetched once into torchvision's cache and checked against their hash;
@@ -62,46 +66,56 @@ pub struct ImageArgs {
     /// (.safetensors, .pth/.pt as torch.save wrote a state_dict, or .ot). A head for another
     /// number of classes is left out and starts freshly initialised.
     #[arg(long, value_name = "imagenet|FILE", value_parser = parse_weights)]
+    #[arg(help_heading = "Model")]
     pub weights: Option<WeightsArg>,
     /// Size of the classification head [default: the data set's classes for cnn and for
     /// --freeze/--train-last, 1000 for resnet34/resnet50/vgg19 otherwise, as in the course].
     #[arg(long)]
+    #[arg(help_heading = "Model")]
     pub num_classes: Option<i64>,
     /// Feature extraction: `backbone` freezes everything but the head (the classifier's last
     /// layer), which alone trains on top of the --weights; frozen batch norms keep their
     /// running statistics.
     #[arg(long, value_enum, conflicts_with = "train_last")]
+    #[arg(help_heading = "Model")]
     pub freeze: Option<FreezeChoice>,
     /// Fine-tuning: only the last N blocks train, the ones before them frozen (ResNet34 and
     /// ResNet50: 18 blocks, the stem, 16 residual blocks and fc, so 4 is layer4 and fc; VGG19:
     /// 19, its 16 convolutions and 3 classifier layers).
     #[arg(long, value_name = "N")]
+    #[arg(help_heading = "Model")]
     pub train_last: Option<usize>,
     /// Random crop (padding 4) and horizontal flip on the training images.
     #[arg(long)]
+    #[arg(help_heading = "Data")]
     pub augment: bool,
     /// Train and evaluate on the images resized to N×N (bilinear, antialiased, as torchvision's
     /// `Resize((N, N))`; on the training device, after augmentation), e.g. 128 for CIFAR-10
     /// at ResNet50's scale [default: the data set's size, 32 for CIFAR-10, 28 for MNIST].
     #[arg(long, value_name = "N")]
+    #[arg(help_heading = "Data")]
     pub image_size: Option<i64>,
     /// Background threads preparing batches [default: for image files, decoding, every core
     /// this process may use for a GPU (SLURM_CPUS_PER_TASK under Slurm) and 1 for the CPU; for
     /// data in memory, 2 for a GPU and 0 for the CPU, whose cores LibTorch's threads already use:
     /// measured on 2 cores, loader threads beside them made ResNet34 8% slower].
     #[arg(long)]
+    #[arg(help_heading = "Data")]
     pub workers: Option<usize>,
     /// Batches each loader thread prepares ahead of the training [default: 4].
     #[arg(long, value_name = "N")]
+    #[arg(help_heading = "Data")]
     pub prefetch: Option<usize>,
     /// Keep the whole data set on the training device and crop, flip and normalise batches
     /// there (no loader threads, no copies per step); the same batches as without.
     #[arg(long)]
+    #[arg(help_heading = "Precision and speed")]
     pub data_on_device: bool,
     /// Weights and inputs in the channels-last memory format (NHWC in memory), as
     /// `model.to(memory_format=torch.channels_last)`: cuDNN's tensor-core convolutions on a GPU
     /// read it directly. The same model and results (to float rounding).
     #[arg(long)]
+    #[arg(help_heading = "Precision and speed")]
     pub channels_last: bool,
 }
 

@@ -39,37 +39,47 @@ pub struct LmArgs {
     pub parallel: ParallelArgs,
     /// Embedding and model width, d_model [default: the preset's].
     #[arg(long)]
+    #[arg(help_heading = "Model")]
     pub emsize: Option<i64>,
     /// Feed-forward width of each encoder layer [default: the preset's].
     #[arg(long)]
+    #[arg(help_heading = "Model")]
     pub d_hid: Option<i64>,
     /// Attention heads [default: the preset's].
     #[arg(long)]
+    #[arg(help_heading = "Model")]
     pub nhead: Option<i64>,
     /// Encoder layers [default: the preset's].
     #[arg(long)]
+    #[arg(help_heading = "Model")]
     pub nlayers: Option<i64>,
     /// [default: the preset's]
     #[arg(long)]
+    #[arg(help_heading = "Model")]
     pub dropout: Option<f64>,
     /// Sequence length of a training batch [default: the preset's].
     #[arg(long)]
+    #[arg(help_heading = "Data")]
     pub bptt: Option<i64>,
     /// Streams side by side when evaluating [default: the preset's].
     #[arg(long)]
+    #[arg(help_heading = "Data")]
     pub eval_batch_size: Option<i64>,
     /// basic_english: the course tutorial's torchtext tokenizer; whitespace: word_language_model's.
     #[arg(long, value_enum, default_value = "basic_english")]
+    #[arg(help_heading = "Data")]
     pub tokenizer: Tokenizer,
     /// Round the vocabulary up to a multiple of N (Megatron's --make-vocab-size-divisible-by):
     /// tensor parallelism cuts it into equal parts. The extra words never occur in the data.
     #[arg(long)]
+    #[arg(help_heading = "Model")]
     pub pad_vocab: Option<i64>,
     /// Tensor-parallel shards of every layer, one per rank (Megatron-LM's; keep them inside a
     /// node): the Transformer built from tensor-parallel layers, whose dropout masks are keyed
     /// so that the shards drop what one rank drops [default: exercise3 tp: the ranks left by
     /// --pp and --dp; otherwise 1].
     #[arg(long)]
+    #[arg(help_heading = "Parallelism")]
     pub tp: Option<usize>,
 }
 
@@ -83,33 +93,41 @@ pub struct PipelineArgs {
     /// [default: cuda:0,cuda:1 with two GPUs, cuda:0,cuda:0 with one, cpu,cpu without or with
     /// --device cpu].
     #[arg(long, value_delimiter = ',')]
+    #[arg(help_heading = "Parallelism")]
     pub devices: Vec<String>,
     /// Pipeline stages when they run as separate ranks [default: exercise3 pipeline: the ranks
     /// left by --tp and --dp; exercise3 tp: 1].
     #[arg(long)]
+    #[arg(help_heading = "Parallelism")]
     pub pp: Option<usize>,
     /// Micro-batches per mini-batch (GPipe's `chunks`) [default: 8 with pipeline stages, else 1].
     #[arg(long)]
+    #[arg(help_heading = "Parallelism")]
     pub chunks: Option<usize>,
     /// gpipe: all forwards, then all backwards; 1f1b: alternate, holding fewer activations;
     /// interleaved: 1F1B over several stages per device (Megatron-LM's), a smaller bubble.
     #[arg(long, value_enum, default_value = "gpipe")]
+    #[arg(help_heading = "Parallelism")]
     pub schedule: Schedule,
     /// Stages per device with --schedule interleaved: the layers cut into devices × V stages,
     /// stage s on device s mod devices [default: 2 with interleaved, else 1].
     #[arg(long)]
+    #[arg(help_heading = "Parallelism")]
     pub virtual_stages: Option<usize>,
     /// Split the layers by their measured time (embedding and output layer included) instead
     /// of their number.
     #[arg(long)]
+    #[arg(help_heading = "Parallelism")]
     pub balance: bool,
     /// Keep only each stage's input in the forward pass and recompute the rest in the backward
     /// (less memory, about one more forward pass of time).
     #[arg(long)]
+    #[arg(help_heading = "Parallelism")]
     pub checkpoint_activations: bool,
     /// Data-parallel replicas of the model when its parts run in separate processes (the job
     /// then has stages × shards × dp ranks) [default: the ranks left by the stages and shards].
     #[arg(long)]
+    #[arg(help_heading = "Parallelism")]
     pub dp: Option<usize>,
 }
 

@@ -384,3 +384,29 @@ fn matmul_precision_reaches_libtorch_and_the_results() {
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("highest, high, medium"), "{}", stderr(&out));
 }
+
+/// Each binary's help starts with its own purpose (not the crate's description) and groups its
+/// flags under headings a participant scans for.
+#[test]
+fn help_names_each_binarys_purpose_and_groups_the_flags() {
+    let purposes = [
+        (env!("CARGO_BIN_EXE_exercise1"), "Exercise 1: CPU vs GPU training of an image classifier"),
+        (env!("CARGO_BIN_EXE_exercise1_nlp"), "Exercise 1 (NLP): CPU vs GPU training of a Transformer language model"),
+        (env!("CARGO_BIN_EXE_exercise2"), "Exercise 2: data-parallel ResNet34"),
+    ];
+    for (binary, purpose) in purposes {
+        let out = std::process::Command::new(binary).arg("--help").output().unwrap();
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(help.starts_with(purpose), "{binary}: {}", help.lines().next().unwrap_or_default());
+        assert!(!help.contains("thin binaries over"), "{binary}");
+        for heading in ["Data:", "Model:", "Training:", "Precision and speed:", "Parallelism:", "Checkpoints:", "Output:"] {
+            assert!(help.lines().any(|l| l == heading), "{binary}: no {heading} heading");
+        }
+        // --resume sits under Checkpoints, --lr under Training.
+        let section = |flag: &str| {
+            help.lines().take_while(|l| !l.trim_start().starts_with(flag)).filter(|l| l.ends_with(':') && !l.starts_with(' ')).last().map(str::to_string)
+        };
+        assert_eq!(section("--resume").as_deref(), Some("Checkpoints:"), "{binary}");
+        assert_eq!(section("--lr ").as_deref(), Some("Training:"), "{binary}");
+    }
+}

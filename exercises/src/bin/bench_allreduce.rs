@@ -12,7 +12,7 @@ use tch::{Device, Kind, Tensor};
 
 /// All-reduce bandwidth over message sizes (4 KB … 256 MB by default).
 #[derive(Parser)]
-#[command(version, about)]
+#[command(version)]
 struct Cli {
     /// Start N local ranks through mpirun.
     #[arg(long)]

@@ -20,7 +20,7 @@ use tch::{Device, Kind, Tensor};
 
 /// Sequential vs pipelined training steps of a Transformer LM.
 #[derive(Parser)]
-#[command(version, about)]
+#[command(version)]
 struct Cli {
     /// One device per stage.
     #[arg(long, value_delimiter = ',', default_value = "cpu,cpu")]

@@ -6,7 +6,7 @@ use common::presets::EXERCISE1;
 
 /// Exercise 1: CPU vs GPU training of an image classifier.
 #[derive(Parser)]
-#[command(version, about)]
+#[command(version)]
 struct Cli {
     #[command(flatten)]
     args: ImageArgs,

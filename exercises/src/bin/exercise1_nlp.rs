@@ -6,7 +6,7 @@ use common::presets::EXERCISE1_NLP;
 
 /// Exercise 1 (NLP): CPU vs GPU training of a Transformer language model on WikiText-2.
 #[derive(Parser)]
-#[command(version, about)]
+#[command(version)]
 struct Cli {
     #[command(flatten)]
     args: LmArgs,

@@ -12,7 +12,7 @@ use common::presets::EXERCISE2;
 
 /// Exercise 2: data-parallel ResNet34 on CIFAR-10 (Horovod style).
 #[derive(Parser)]
-#[command(version, about)]
+#[command(version)]
 struct Cli {
     #[command(flatten)]
     args: ImageArgs,

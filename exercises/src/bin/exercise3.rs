@@ -24,7 +24,7 @@ use common::presets::{EXERCISE3_DDP, EXERCISE3_PIPELINE, EXERCISE3_TP};
 
 /// Exercise 3: VGG19 data-parallel (DDP style), or the Transformer pipeline- or tensor-parallel.
 #[derive(Parser)]
-#[command(version, about)]
+#[command(version)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

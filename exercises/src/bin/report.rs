@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 
 /// Tables and charts of the last runs, into <results-dir>/README.md.
 #[derive(Parser)]
-#[command(version, about)]
+#[command(version)]
 struct Cli {
     #[arg(long, default_value = "results", global = true)]
     results_dir: PathBuf,

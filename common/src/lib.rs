@@ -36,6 +36,7 @@ pub mod slurm;
 pub mod tensorboard;
 pub mod torch_ext;
 pub mod train;
+pub mod why_gpus;
 
 /// The PyTorch version the binaries were built against (set by the build scripts).
 pub fn torch_version() -> &'static str {

@@ -414,6 +414,57 @@ fn emptiest_corner<'p>(points: impl Iterator<Item = &'p (f64, f64)> + Clone, x: 
     corners.into_iter().min_by_key(covered).map_or(SeriesLabelPosition::UpperRight, |corner| corner.0)
 }
 
+/// One panel of [`log_log_chart`]: its caption, its axes' titles, and named curves of (x, y)
+/// points.
+pub struct LinePanel {
+    pub caption: String,
+    pub x_title: &'static str,
+    pub y_title: &'static str,
+    pub series: Vec<(String, Vec<(f64, f64)>)>,
+}
+
+/// The colours of [`log_log_chart`]'s curves, in order (the first two the device chart's).
+const CURVES: [RGBColor; 4] = [BLUE, METRIC, RED, RGBColor(120, 60, 160)];
+
+/// `panels` side by side under `title`, both axes logarithmic (sizes and times that span orders
+/// of magnitude), to `path`; written whole, as every chart.
+pub fn log_log_chart(title: &str, panels: &[LinePanel], path: &Path) -> Result<()> {
+    let mut svg = String::new();
+    draw_log_log(title, panels, &mut svg).map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))?;
+    crate::atomic_file::write(path, svg)
+}
+
+fn draw_log_log(title: &str, panels: &[LinePanel], svg: &mut String) -> Drawn {
+    let root = SVGBackend::with_string(svg, (WIDTH, HEIGHT)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let root = root.titled(title, ("sans-serif", 18))?;
+    let areas = root.split_evenly((1, panels.len().max(1)));
+    for (area, p) in areas.iter().zip(panels) {
+        let points: Vec<(f64, f64)> = p.series.iter().flat_map(|(_, pts)| pts.iter().copied()).collect();
+        let x = Axis::log(points.iter().map(|pt| pt.0)).titled(p.x_title);
+        let y = Axis::log(points.iter().map(|pt| pt.1)).titled(p.y_title);
+        let mut chart = panel(area, &p.caption, &x, &y)?;
+        let drawn: Vec<(f64, f64)> = points.iter().map(|&(a, b)| (x.at(a), y.at(b))).collect();
+        let legend_at = emptiest_corner(drawn.iter(), &x, &y);
+        for ((name, pts), colour) in p.series.iter().zip(CURVES.iter().cycle()) {
+            let style = colour.filled().stroke_width(2);
+            let at: Vec<(f64, f64)> = finite(pts.iter().map(|&(a, b)| (x.at(a), y.at(b))));
+            chart
+                .draw_series(LineSeries::new(at, style).point_size(3))?
+                .label(name.clone())
+                .legend(move |(px, py)| PathElement::new(vec![(px, py), (px + 20, py)], style));
+        }
+        chart
+            .configure_series_labels()
+            .position(legend_at)
+            .label_font(("sans-serif", 13))
+            .border_style(BLACK.mix(0.3))
+            .background_style(WHITE.mix(0.85))
+            .draw()?;
+    }
+    root.present()
+}
+
 /// The devices of the course's CPU-vs-GPU chart, in its order, and their bars' colours: each
 /// has its place, and says so where it did not run.
 const DEVICES: [(&str, RGBColor); 2] = [("cpu", BLUE), ("cuda", METRIC)];

@@ -1,0 +1,80 @@
+//! The first hands-on steps of the course, as a participant types them: the "why GPUs"
+//! demonstration (`why_gpus`) and DDP's hello world (`hello_ddp`, two processes).
+mod support;
+
+use std::process::Command;
+use support::stderr;
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Kind, Reduction, Tensor};
+
+/// On the CPU, every size of both kinds of work is timed, and the table, the CSV and the slide's
+/// two plots are written; sizes below the first one are a usage error.
+#[test]
+fn why_gpus_times_scalar_and_matrix_work_at_every_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_why_gpus"))
+        .args(["--device", "cpu", "--max-scalars", "1000", "--max-side", "256", "--repeats", "1", "--results-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("| 1000 scalar multiplications | 1000 |") && table.contains("| 256×256 matrix product | 256 |"), "{table}");
+    let csv = std::fs::read_to_string(dir.path().join("why_gpus.csv")).unwrap();
+    let rows: Vec<Vec<&str>> = csv.lines().skip(1).map(|l| l.split(',').collect()).collect();
+    let sizes: Vec<(&str, &str)> = rows.iter().map(|r| (r[0], r[1])).collect();
+    assert_eq!(sizes, [("scalar", "10"), ("scalar", "100"), ("scalar", "1000"), ("matrix", "64"), ("matrix", "128"), ("matrix", "256")]);
+    assert!(rows.iter().all(|r| r[2] == "cpu" && r[3].parse::<f64>().unwrap() > 0.0), "{csv}");
+    let svg = std::fs::read_to_string(dir.path().join("why_gpus.svg")).unwrap();
+    assert!(svg.contains("scalar multiplications, one at a time") && svg.contains("one matrix multiplication"));
+
+    let out = Command::new(env!("CARGO_BIN_EXE_why_gpus")).args(["--device", "cpu", "--max-side", "32"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+}
+
+/// Two ranks, each its own batch: different losses, and after the one step the same
+/// parameters, those of SGD on the average of the two ranks' gradients (recomputed here).
+#[test]
+fn hello_ddp_steps_two_ranks_to_the_same_parameters() {
+    let out = Command::new(env!("CARGO_BIN_EXE_hello_ddp")).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let mut ranks: Vec<(usize, f64, f64)> = stdout
+        .lines()
+        .filter_map(|l| {
+            let rank = l.strip_prefix("rank ")?.split(' ').next()?.parse().ok()?;
+            let loss = l.split("loss ").nth(1)?.split(',').next()?.parse().ok()?;
+            let sum = l.rsplit(' ').next()?.parse().ok()?;
+            Some((rank, loss, sum))
+        })
+        .collect();
+    ranks.sort_by_key(|r| r.0);
+    assert_eq!(ranks.len(), 2, "{stdout}");
+    assert!((ranks[0].1 - ranks[1].1).abs() > 1e-3, "each rank its own data: {stdout}");
+    assert_eq!(ranks[0].2, ranks[1].2, "the same parameters after the step: {stdout}");
+
+    // The same step by hand: rank 0's initial weights, each rank's gradient, their average.
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let model = nn::linear(vs.root() / "net", 10, 10, Default::default());
+    let mut optimizer = nn::Sgd::default().build(&vs, 1e-3).unwrap();
+    let params = vs.trainable_variables();
+    let mut grads: Vec<Tensor> = params.iter().map(Tensor::zeros_like).collect();
+    for rank in 0..2 {
+        tch::manual_seed(1 + rank);
+        let inputs = Tensor::randn([20, 10], (Kind::Float, Device::Cpu));
+        let labels = Tensor::randn([20, 10], (Kind::Float, Device::Cpu));
+        optimizer.zero_grad();
+        model.forward(&inputs).mse_loss(&labels, Reduction::Mean).backward();
+        for (g, p) in grads.iter_mut().zip(&params) {
+            *g += p.grad() / 2.0;
+        }
+    }
+    tch::no_grad(|| {
+        for (p, g) in params.iter().zip(&grads) {
+            let _ = p.shallow_clone().f_sub_(&(g * 1e-3)).unwrap();
+        }
+    });
+    let expected: f64 = params.iter().map(|p| p.sum(Kind::Double).double_value(&[])).sum();
+    assert!((expected - ranks[0].2).abs() < 1e-6, "by hand {expected:.9}, the ranks {:.9}", ranks[0].2);
+}

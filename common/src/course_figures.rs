@@ -29,12 +29,25 @@ pub fn for_run(exercise: &str, model: &str) -> &'static [CourseFigure] {
     const CNN: [CourseFigure; 2] = [row("cpu", 129.9, Some(0.631), Some(1.06)), row("gpu", 52.3, Some(0.633), Some(1.05))];
     const RESNET34: [CourseFigure; 2] = [row("cpu", 509.7, Some(0.666), None), row("gpu", 116.3, Some(0.681), None)];
     const VGG19: [CourseFigure; 2] = [row("cpu", 2580.4, Some(0.100), None), row("gpu", 127.7, Some(0.100), None)];
+    // The totals of the 3 epochs (4,748 s and 219 s), each epoch's time beside them.
     const NLP: [CourseFigure; 2] = [
-        CourseFigure { device: "cpu", train_time_s: None, time_note: Some("≈1600 s/epoch"), test_acc: None, test_loss: None, test_ppl: Some(240.3) },
-        CourseFigure { device: "gpu", train_time_s: None, time_note: Some("≈70–79 s/epoch"), test_acc: None, test_loss: None, test_ppl: None },
+        CourseFigure { device: "cpu", train_time_s: Some(4748.0), time_note: Some("≈1600 s/epoch"), test_acc: None, test_loss: None, test_ppl: Some(240.3) },
+        CourseFigure {
+            device: "gpu", train_time_s: Some(219.0), time_note: Some("≈70–79 s/epoch"), test_acc: None, test_loss: None, test_ppl: Some(221.61)
+        },
     ];
     const EXERCISE2: [CourseFigure; 1] = [row("2 GPUs", 126.31, Some(0.8108), None)];
-    const EXERCISE3_DDP: [CourseFigure; 1] = [row("2 GPUs", 234.65, Some(0.8176), None)];
+    const EXERCISE3_DDP: [CourseFigure; 2] = [
+        row("2 GPUs", 234.65, Some(0.8176), None),
+        CourseFigure {
+            device: "2 GPUs, Lightning DDP",
+            train_time_s: Some(81.2),
+            time_note: Some("5 epochs"),
+            test_acc: None,
+            test_loss: None,
+            test_ppl: None,
+        },
+    ];
     const PIPELINE: [CourseFigure; 1] =
         [CourseFigure { device: "2 GPUs", train_time_s: None, time_note: Some("≈28 s/epoch"), test_acc: None, test_loss: Some(0.20), test_ppl: None }];
     match (exercise, model) {
@@ -53,7 +66,8 @@ impl CourseFigure {
     /// The time as the slide gives it.
     pub fn time(&self) -> String {
         match (self.train_time_s, self.time_note) {
-            (Some(s), _) => format!("{s:.1}"),
+            (Some(s), Some(note)) => format!("{s:.1} ({note})"),
+            (Some(s), None) => format!("{s:.1}"),
             (None, Some(note)) => note.to_string(),
             (None, None) => "-".into(),
         }
@@ -74,7 +88,9 @@ mod tests {
         assert_eq!(for_run("exercise1", "cnn")[1].train_time_s, Some(52.3));
         assert_eq!(for_run("exercise3_ddp", "vgg19")[0].test_acc, Some(0.8176));
         assert_eq!(for_run("exercise1_nlp", "transformer")[0].test_ppl, Some(240.3));
-        assert_eq!(for_run("exercise1_nlp", "transformer")[1].time(), "≈70–79 s/epoch");
+        assert_eq!(for_run("exercise1_nlp", "transformer")[1].time(), "219.0 (≈70–79 s/epoch)");
+        assert_eq!(for_run("exercise1_nlp", "transformer")[1].test_ppl, Some(221.61));
+        assert_eq!(for_run("exercise3_ddp", "vgg19")[1].time(), "81.2 (5 epochs)");
         assert!(for_run("exercise3_tp", "transformer").is_empty(), "the course has no tensor-parallel run");
         assert!(for_run("exercise2", "cnn").is_empty(), "the course's exercise 2 is ResNet34's");
     }

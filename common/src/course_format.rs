@@ -21,6 +21,23 @@ pub fn tutorial_epoch_end(epoch: usize, seconds: f64, valid_loss: f64) -> String
     format!("{rule}\n| end of epoch {epoch:3} | time: {seconds:5.2}s | valid loss {valid_loss:5.2} | valid ppl {ppl:8.2}\n{rule}")
 }
 
+/// The course's Horovod script's line, as `mpirun --tag-output` (horovodrun) shows it from rank
+/// `rank`: `[1,0]<stdout>:Epoch [2/10], Step [24960/25000], Loss: 0.1234` (`epoch` 1-based; the
+/// step in examples of this rank's shard).
+pub fn horovod_step(rank: usize, epoch: usize, epochs: usize, examples: usize, shard: usize, loss: f64) -> String {
+    format!("[1,{rank}]<stdout>:Epoch [{epoch}/{epochs}], Step [{examples}/{shard}], Loss: {loss:.4}")
+}
+
+/// The Horovod script's end: `Test set: Accuracy: 81.08%`.
+pub fn horovod_test_set(accuracy: f64) -> String {
+    format!("Test set: Accuracy: {:.2}%", 100.0 * accuracy)
+}
+
+/// The pipeline tutorial's count: `Total parameters in model: 1,444,261,998`.
+pub fn tutorial_total_parameters(params: i64) -> String {
+    format!("Total parameters in model: {}", crate::report::group_thousands(params))
+}
+
 /// The tutorial's block after training: `| End of training | test loss  5.49 | test ppl   242.78`.
 pub fn tutorial_end_of_training(test_loss: f64) -> String {
     let rule = "=".repeat(TUTORIAL_WIDTH);
@@ -48,6 +65,13 @@ pub fn lightning_test_table(metrics: &[(&str, f64)]) -> String {
 mod tests {
     use super::*;
 
+    #[test]
+    fn the_horovod_script_and_pipeline_tutorial_lines() {
+        assert_eq!(horovod_step(1, 2, 10, 24960, 25000, 0.123456), "[1,1]<stdout>:Epoch [2/10], Step [24960/25000], Loss: 0.1235");
+        assert_eq!(horovod_test_set(0.8108), "Test set: Accuracy: 81.08%");
+        assert_eq!(tutorial_total_parameters(1_444_261_998), "Total parameters in model: 1,444,261,998");
+    }
+
     // The expected blocks are the tutorial's and Lightning's own format strings run in Python
     // with the same numbers.
 
@@ -70,11 +94,11 @@ mod tests {
             rule.as_str(),
             "       Test metric             DataLoader 0",
             &rule,
-            "        test_acc            0.6330000162124634",
-            "        test_loss            1.051200032234192",
+            "     test_acc_epoch         0.6330000162124634",
+            "     test_loss_epoch         1.051200032234192",
             &rule,
         ]
         .join("\n");
-        assert_eq!(lightning_test_table(&[("test_loss", 1.0512), ("test_acc", 0.633)]), expected);
+        assert_eq!(lightning_test_table(&[("test_loss_epoch", 1.0512), ("test_acc_epoch", 0.633)]), expected);
     }
 }

@@ -86,6 +86,13 @@ pub struct RunArgs {
     #[arg(long)]
     #[arg(help_heading = "Output")]
     pub quiet: bool,
+    /// Every rank prints its loss every N steps in the shape of the course's Horovod printout
+    /// (`[1,RANK]<stdout>:Epoch [2/10], Step [24960/25000], Loss: 0.1234`, the step counted in
+    /// this rank's examples of its shard), and rank 0 `Test set: Accuracy: 81.08%` and the
+    /// elapsed time at the end: to hold a run against the slide.
+    #[arg(long, value_name = "N")]
+    #[arg(help_heading = "Output")]
+    pub course_log: Option<usize>,
     /// 32: float32; 16-mixed: float16 autocast with gradient scaling (GPU); bf16-mixed:
     /// bfloat16 autocast (GPU or CPU); 16-true (GPU) and bf16-true: the whole model in 16 bits
     /// (`model.half()`: weights, gradients, optimizer state; no autocast, no scaler; one process

@@ -589,7 +589,7 @@ impl Experiment for ImageExperiment<'_> {
 
     fn report(&self, _data: &ImageData, _plan: &ImagePlan, _fit: &FitReport, test: &EvalSums, _device: Device) -> (Vec<String>, serde_json::Value) {
         // Lightning's table after trainer.test, to hold against the course's printout.
-        let table = crate::course_format::lightning_test_table(&[("test_acc", test.accuracy()), ("test_loss", test.mean_loss())]);
+        let table = crate::course_format::lightning_test_table(&[("test_acc_epoch", test.accuracy()), ("test_loss_epoch", test.mean_loss())]);
         let memory_format = if self.args.channels_last { "channels-last" } else { "nchw" };
         let trained_blocks = match self.trainable() {
             Trainable::All => serde_json::Value::Null,

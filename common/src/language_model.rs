@@ -535,6 +535,8 @@ impl Experiment for LmExperiment<'_> {
             pipeline_plan.options.schedule.name(),
             if pipeline_plan.options.checkpoint_activations { ", activations recomputed" } else { "" }
         ))?;
+        // The pipeline tutorial's own line, to hold against its printout.
+        observers.info(crate::course_format::tutorial_total_parameters(params))?;
         for summary in &summaries {
             observers.info(summary.line(pipeline_plan.partition.stages(), layout.tp))?;
         }

@@ -7,6 +7,7 @@
 //! exercise does around the loop; [`presets`] are the course's exercises.
 pub mod atomic_file;
 pub mod checkpoint;
+pub mod config_file;
 pub mod course_figures;
 pub mod course_format;
 pub mod cuda_graph;

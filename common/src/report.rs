@@ -386,7 +386,7 @@ pub(crate) mod tests {
         assert!(table.contains(crate::course_figures::SOURCE), "{table}");
         let nlp = RunRecord { exercise: "exercise1_nlp".into(), model: "transformer".into(), ..record("cpu", 100.0) };
         let table = comparison_table(&[nlp], None);
-        assert!(table.contains("| course: cpu | - |  ≈1600 s/epoch | - |    240.3 |"), "{table}");
+        assert!(table.contains("| course: cpu | - | 4748.0 (≈1600 s/epoch) | - |    240.3 |"), "{table}");
         let tp = RunRecord { exercise: "exercise3_tp".into(), model: "transformer".into(), ..record("cpu", 100.0) };
         assert!(!comparison_table(&[tp], None).contains("course"), "no slide for tensor parallelism");
     }

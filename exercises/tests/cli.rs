@@ -410,3 +410,35 @@ fn help_names_each_binarys_purpose_and_groups_the_flags() {
         assert_eq!(section("--lr ").as_deref(), Some("Training:"), "{binary}");
     }
 }
+
+/// `--config FILE` as a participant uses it: the file's flags, the command line over them,
+/// `--print-config` giving back a file that repeats the run, and a wrong key one line, exit 2.
+#[test]
+fn a_config_file_gives_the_flags_and_the_command_line_overrides_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("run.toml");
+    std::fs::write(&config, "model = \"cnn\"\nepochs = 3\nbatch_size = 16\nlr = 0.01\naugment = true\n").unwrap();
+    let printed = exercise1(&["--config", config.to_str().unwrap(), "--lr", "0.002", "--print-config"]);
+    assert!(printed.status.success(), "{}", stderr(&printed));
+    let text = String::from_utf8_lossy(&printed.stdout);
+    for line in ["model = \"cnn\"", "epochs = 3", "batch-size = 16", "lr = 0.002", "augment = true"] {
+        assert!(text.lines().any(|l| l == line), "no `{line}` in:\n{text}");
+    }
+    assert_eq!(text.lines().count(), 5, "only what was given: {text}");
+    // The printed file repeats the run: read back, it resolves to itself.
+    let again = dir.path().join("again.toml");
+    std::fs::write(&again, text.as_bytes()).unwrap();
+    let twice = exercise1(&["--config", again.to_str().unwrap(), "--print-config"]);
+    assert_eq!(String::from_utf8_lossy(&twice.stdout), text);
+
+    std::fs::write(&config, "learning_rate = 0.1\n").unwrap();
+    let out = exercise1(&["--config", config.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("unknown key `learning_rate`"), "{err}");
+    std::fs::write(&config, "epochs = \"three\"\n").unwrap();
+    let out = exercise1(&["--config", config.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("key `epochs`") && stderr(&out).lines().count() == 1, "{}", stderr(&out));
+}

@@ -78,3 +78,52 @@ fn hello_ddp_steps_two_ranks_to_the_same_parameters() {
     let expected: f64 = params.iter().map(|p| p.sum(Kind::Double).double_value(&[])).sum();
     assert!((expected - ranks[0].2).abs() < 1e-6, "by hand {expected:.9}, the ranks {:.9}", ranks[0].2);
 }
+
+/// `--course-log N`: every rank's loss in the shape of the course's Horovod printout, the step in
+/// examples of the rank's shard (64 images over 2 ranks: 32 each, 8 per step), then rank 0's
+/// `Test set: Accuracy` and elapsed time.
+#[test]
+fn course_log_prints_every_ranks_loss_as_the_horovod_slide_shows_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let status = Command::new(env!("CARGO_BIN_EXE_prepare_data"))
+        .args(["generate", "--dataset", "cifar10", "--train", "64", "--test", "16", "--out"])
+        .arg(dir.path().join("data"))
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = Command::new(env!("CARGO_BIN_EXE_exercise2"))
+        .args([
+            "--nproc-per-node",
+            "2",
+            "--device",
+            "cpu",
+            "--model",
+            "cnn",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+            "--quiet",
+            "--course-log",
+            "2",
+            "--data-dir",
+        ])
+        .arg(dir.path().join("data"))
+        .arg("--results-dir")
+        .arg(dir.path().join("results"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for rank in 0..2 {
+        for step in [16, 32] {
+            let prefix = format!("[1,{rank}]<stdout>:Epoch [1/1], Step [{step}/32], Loss: ");
+            let line = stdout.lines().find(|l| l.starts_with(&prefix)).unwrap_or_else(|| panic!("no `{prefix}…` in:\n{stdout}"));
+            assert!(line[prefix.len()..].parse::<f64>().is_ok_and(|loss| loss > 0.0), "{line}");
+        }
+    }
+    let test = stdout.lines().find(|l| l.starts_with("Test set: Accuracy: ")).unwrap_or_else(|| panic!("{stdout}"));
+    assert!(test.ends_with('%'), "{test}");
+    assert!(stdout.lines().any(|l| l.starts_with("Elapsed time: ")), "{stdout}");
+}

@@ -178,6 +178,9 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
         let device = exp.device(&groups)?;
         run.precision.check(device)?;
         let mut session = session_observers(exp, world.is_root(), listeners);
+        if let Some(every) = run.course_log {
+            session.add(train::sinks::CourseLog::new(world.rank(), world.world_size(), every, exp.metric()));
+        }
         if let Some(placement) = crate::dist::hosts::placement() {
             session.info(placement)?;
         }
@@ -288,6 +291,9 @@ fn run_per_device<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<V
     // (A layout one process cannot hold, `--tp 2` say, is refused here, before the data.)
     let groups = Groups::new(&world, exp.layout(1)?)?;
     let mut session = session_observers(exp, true, listeners);
+    if let Some(every) = run.course_log {
+        session.add(train::sinks::CourseLog::new(0, 1, every, exp.metric()));
+    }
     if let Some(warning) = device::set_threads(run.threads)? {
         session.warn(warning)?;
     }

@@ -83,6 +83,55 @@ impl Observer for ConsoleLog {
     }
 }
 
+/// `--course-log N`: this rank's loss every N steps in the shape of the course's Horovod
+/// printout, and on rank 0 the test accuracy and the elapsed time at the end, as its script
+/// prints them. Reading the loss waits for the device: every N steps only.
+pub struct CourseLog {
+    header: RunHeader,
+    rank: usize,
+    world: usize,
+    every: usize,
+    started: Instant,
+    accuracy: bool,
+}
+
+impl CourseLog {
+    pub fn new(rank: usize, world: usize, every: usize, metric: Metric) -> CourseLog {
+        CourseLog {
+            header: RunHeader::default(),
+            rank,
+            world: world.max(1),
+            every: every.max(1),
+            started: Instant::now(),
+            accuracy: metric == Metric::Accuracy,
+        }
+    }
+}
+
+impl Observer for CourseLog {
+    fn on_event(&mut self, event: &Event) -> Result<Control> {
+        self.header.update(event);
+        match event {
+            Event::Started { .. } => self.started = Instant::now(),
+            Event::Step(step) if step.epoch_step % self.every == 0 || step.epoch_step == self.header.steps_per_epoch => {
+                // This rank's examples so far and its shard, from the replicas' batch.
+                let per_step = step.epoch_examples / step.epoch_step.max(1) / self.world;
+                let (seen, shard) = (step.epoch_step * per_step, self.header.steps_per_epoch * per_step);
+                let line = crate::course_format::horovod_step(self.rank, step.epoch + 1, self.header.epochs, seen, shard, step.loss.double_value(&[]));
+                println!("{line}");
+            }
+            Event::Finished(report) if self.rank == 0 => {
+                if self.accuracy && report.eval_acc.is_finite() {
+                    println!("{}", crate::course_format::horovod_test_set(report.eval_acc));
+                }
+                println!("Elapsed time: {:.2} s", self.started.elapsed().as_secs_f64());
+            }
+            _ => {}
+        }
+        Ok(Control::Continue)
+    }
+}
+
 /// A live progress bar per epoch on stderr (hidden where stderr is not a terminal).
 #[derive(Default)]
 pub struct ProgressBars {

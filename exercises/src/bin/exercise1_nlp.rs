@@ -13,7 +13,7 @@ struct Cli {
 }
 
 fn main() -> std::process::ExitCode {
-    let matches = Cli::command().after_help(EXERCISE1_NLP.describe()).get_matches();
+    let matches = common::config_file::get_matches(Cli::command().after_help(EXERCISE1_NLP.describe()));
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     common::error::run_main(|| language_model::run(&EXERCISE1_NLP, &cli.args, &mut Default::default()).map(drop))
 }

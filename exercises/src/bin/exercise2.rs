@@ -19,7 +19,7 @@ struct Cli {
 }
 
 fn main() -> std::process::ExitCode {
-    let matches = Cli::command().after_help(EXERCISE2.describe()).get_matches();
+    let matches = common::config_file::get_matches(Cli::command().after_help(EXERCISE2.describe()));
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     common::error::run_main(|| image_classification::run(&EXERCISE2, &cli.args, &mut Default::default()).map(drop))
 }

@@ -50,11 +50,12 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
-    let matches = Cli::command()
-        .mut_subcommand("ddp", |ddp| ddp.after_help(EXERCISE3_DDP.describe()))
-        .mut_subcommand("pipeline", |pipeline| pipeline.after_help(EXERCISE3_PIPELINE.describe()))
-        .mut_subcommand("tp", |tp| tp.after_help(EXERCISE3_TP.describe()))
-        .get_matches();
+    let matches = common::config_file::get_matches(
+        Cli::command()
+            .mut_subcommand("ddp", |ddp| ddp.after_help(EXERCISE3_DDP.describe()))
+            .mut_subcommand("pipeline", |pipeline| pipeline.after_help(EXERCISE3_PIPELINE.describe()))
+            .mut_subcommand("tp", |tp| tp.after_help(EXERCISE3_TP.describe())),
+    );
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let mut listeners = Default::default();
     common::error::run_main(|| match &cli.command {

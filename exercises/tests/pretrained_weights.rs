@@ -105,7 +105,7 @@ fn imagenet_weights_are_fetched_checked_cached_and_trained_from() {
     // Fetched and checked; a second time it is taken from the cache (the server is gone).
     let out = prepare("resnet34", home.path(), &published, &serve(bytes.clone(), 1));
     assert!(out.status.success(), "{}", stderr(&out));
-    assert_eq!(cached(home.path()), [name.clone()]);
+    assert_eq!(cached(home.path()), std::slice::from_ref(&name));
     let out = prepare("resnet34", home.path(), &published, &dead_address());
     assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("(checked)"), "{}", stderr(&out));
 

@@ -56,7 +56,7 @@ fn exercise1_trains_resnet50_with_torchvisions_parameter_count() {
     let json = read_json(&results.path().join("exercise1-resnet50-cpu.json"));
     assert_eq!((json["params"].as_i64(), json["steps"].as_u64(), json["image_size"].as_i64()), (Some(25_557_032), Some(3), Some(32)), "{json}");
     assert!(json["test_loss"].as_f64().is_some_and(f64::is_finite), "{json}");
-    assert_eq!(json["flops_per_example"].as_f64(), Some(flops::training_flops_per_image(&spec(Arch::Resnet50, 3, 32, 1000))));
+    assert_eq!(json["flops_per_example"].as_f64(), Some(flops::training_flops_per_image(&spec(Arch::Resnet50, 3, 32, 1000), common::models::Trainable::All)));
 }
 
 #[test]
@@ -98,7 +98,7 @@ fn image_size_resizes_the_images_before_the_model() {
         );
         let json = read_json(&results.path().join("exercise1-cnn-cpu.json"));
         assert_eq!((json["params"].as_i64(), json["image_size"].as_i64()), (Some(params), Some(64)), "{json}");
-        assert_eq!(json["flops_per_example"].as_f64(), Some(flops::training_flops_per_image(&spec(Arch::Cnn, 1, 64, 10))));
+        assert_eq!(json["flops_per_example"].as_f64(), Some(flops::training_flops_per_image(&spec(Arch::Cnn, 1, 64, 10), common::models::Trainable::All)));
     }
 }
 

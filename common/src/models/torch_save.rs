@@ -315,7 +315,7 @@ impl<'a> Unpickler<'a> {
         Ok(())
     }
     fn set_items(&mut self, pairs: Vec<Value>) -> Result<()> {
-        if pairs.len() % 2 != 0 {
+        if !pairs.len().is_multiple_of(2) {
             bail!("a malformed pickle (a key without a value)");
         }
         let target = self.top()?;

@@ -11,13 +11,7 @@ fn exercise1(args: &[&str]) -> Output {
 }
 
 fn generated_cifar(dir: &Path, train: usize) {
-    let status = Command::new(env!("CARGO_BIN_EXE_prepare_data"))
-        .args(["generate", "--dataset", "cifar10", "--train", &train.to_string(), "--test", "50", "--out"])
-        .arg(dir)
-        .stdout(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    support::generated_cifar10(dir, train, 50);
 }
 
 #[test]

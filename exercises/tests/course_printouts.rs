@@ -41,7 +41,8 @@ fn the_image_exercise_prints_lightnings_test_table_with_its_figures() {
     let header = lines.iter().position(|l| l.trim_start().starts_with("Test metric")).unwrap_or_else(|| panic!("no Lightning table in:\n{stdout}"));
     assert!(lines[header].ends_with("DataLoader 0"), "{}", lines[header]);
     let rows: Vec<Vec<&str>> = lines[header + 2..header + 4].iter().map(|l| l.split_whitespace().collect()).collect();
-    assert_eq!(rows, [vec!["test_acc", shown("test_acc").as_str()], vec!["test_loss", shown("test_loss").as_str()]], "{stdout}");
+    // Lightning's names: logged with on_epoch, they carry `_epoch` (the slides' table).
+    assert_eq!(rows, [vec!["test_acc_epoch", shown("test_acc").as_str()], vec!["test_loss_epoch", shown("test_loss").as_str()]], "{stdout}");
     for rule in [header - 1, header + 1, header + 4] {
         assert_eq!(lines[rule], "─".repeat(120), "line {rule}");
     }

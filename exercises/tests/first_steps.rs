@@ -85,13 +85,7 @@ fn hello_ddp_steps_two_ranks_to_the_same_parameters() {
 #[test]
 fn course_log_prints_every_ranks_loss_as_the_horovod_slide_shows_it() {
     let dir = tempfile::tempdir().unwrap();
-    let status = Command::new(env!("CARGO_BIN_EXE_prepare_data"))
-        .args(["generate", "--dataset", "cifar10", "--train", "64", "--test", "16", "--out"])
-        .arg(dir.path().join("data"))
-        .stdout(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    support::generated_cifar10(&dir.path().join("data"), 64, 16);
     let out = Command::new(env!("CARGO_BIN_EXE_exercise2"))
         .args([
             "--nproc-per-node",

@@ -147,13 +147,7 @@ fn an_image_model_is_estimated_from_a_probe_on_the_cpu() {
 #[test]
 fn frozen_blocks_are_estimated_and_counted_as_forward_only() {
     let data = tempfile::tempdir().unwrap();
-    let status = Command::new(env!("CARGO_BIN_EXE_prepare_data"))
-        .args(["generate", "--dataset", "cifar10", "--train", "32", "--test", "8", "--out"])
-        .arg(data.path())
-        .stdout(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    support::generated_cifar10(data.path(), 32, 8);
     let estimate = |extra: &[&str]| {
         let dir = tempfile::tempdir().unwrap();
         let mut args = vec![

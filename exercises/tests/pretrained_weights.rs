@@ -111,13 +111,7 @@ fn imagenet_weights_are_fetched_checked_cached_and_trained_from() {
 
     // Exercise 1 starts from them, as the slides' runs start from IMAGENET1K_V1.
     let data = tempfile::tempdir().unwrap();
-    let status = Command::new(env!("CARGO_BIN_EXE_prepare_data"))
-        .args(["generate", "--dataset", "cifar10", "--train", "16", "--test", "8", "--out"])
-        .arg(data.path())
-        .stdout(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    support::generated_cifar10(data.path(), 16, 8);
     let results = tempfile::tempdir().unwrap();
     let exercise1 = |model: &str, weights: &str| {
         Command::new(env!("CARGO_BIN_EXE_exercise1"))

@@ -259,3 +259,55 @@ fn libclang_is_found_as_bindgen_finds_it_and_libclang_cpp_does_not_count() {
     let out = find_libclang(module.path(), &[("LD_LIBRARY_PATH", "/nowhere:/opt/llvm/17/lib")]);
     assert!(out.status.success(), "{}", text(&out));
 }
+
+/// In a container (sbatch/exercise1_container.sbatch), `scripts/container-torch` uses the
+/// container's PyTorch when it is the release 2.11.0, and the project's .venv with one line
+/// saying so when it is an NGC pre-release build (`2.11.0a0+git…`), which tch refuses.
+#[test]
+fn container_torch_takes_the_images_pytorch_only_when_it_is_the_release() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |version: &str, mode: &str| {
+        let python = dir.path().join(format!("python-{}", version.replace('+', "_")));
+        std::fs::write(&python, format!("#!/bin/sh\necho '{version} /nonexistent/torch/lib'\n")).unwrap();
+        std::fs::set_permissions(&python, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        Command::new(repo().join("scripts/container-torch"))
+            .args(["sh", "-c", "echo $TORCH_VERSION"])
+            .env("CONTAINER_PYTHON", &python)
+            .env("USE_CONTAINER_TORCH", mode)
+            .env_remove("TORCH_PYTHON")
+            .env_remove("LIBTORCH")
+            .output()
+            .unwrap()
+    };
+    let release = run("2.11.0+cu999", "auto");
+    assert!(release.status.success() && String::from_utf8_lossy(&release.stdout).trim() == "2.11.0+cu999", "{}", text(&release));
+    assert!(release.stderr.is_empty(), "{}", text(&release));
+
+    let ngc = run("2.11.0a0+git5c1b2e3", "auto");
+    let said = String::from_utf8_lossy(&ngc.stderr);
+    assert_eq!(said.lines().count(), 1, "{said}");
+    assert!(said.contains("the container's PyTorch is 2.11.0a0+git5c1b2e3") && said.contains("using the project's .venv"), "{said}");
+    // The .venv's PyTorch (or with-torch's own refusal where there is none), never the image's.
+    assert!(!String::from_utf8_lossy(&ngc.stdout).contains("2.11.0a0"), "{}", text(&ngc));
+
+    let bad = run("2.11.0+cu999", "sometimes");
+    assert_eq!(bad.status.code(), Some(2), "{}", text(&bad));
+}
+
+/// A participant's first `make exercise1` leaves `git status` clean: what runs write into
+/// `results/` (their JSON, CSV rows and charts) is ignored, and the committed reference run sits
+/// apart, in `results/reference/`.
+#[test]
+fn a_runs_own_results_are_ignored_and_the_reference_runs_kept_apart() {
+    for written in [
+        "results/exercise1-cnn-cpu.json",
+        "results/exercise1.csv",
+        "results/exercise1-cnn-cpu.svg",
+        "results/exercise1_nlp-transformer-cuda.json",
+        "results/exercise2-resnet34-cuda.json",
+    ] {
+        let out = Command::new("git").args(["check-ignore", "--no-index", "-q", written]).current_dir(repo()).output().unwrap();
+        assert!(out.status.success(), "git would show {written} as new or modified after a run");
+    }
+    assert!(repo().join("results/reference/exercise1-cnn-cpu.json").is_file());
+}

@@ -62,13 +62,7 @@ struct Setup {
 impl Setup {
     fn new(arch: Arch) -> Setup {
         let data = tempfile::tempdir().unwrap();
-        let status = Command::new(env!("CARGO_BIN_EXE_prepare_data"))
-            .args(["generate", "--dataset", "cifar10", "--train", "40", "--test", "20", "--out"])
-            .arg(data.path())
-            .stdout(std::process::Stdio::null())
-            .status()
-            .unwrap();
-        assert!(status.success());
+        support::generated_cifar10(data.path(), 40, 20);
         let weights = tempfile::tempdir().unwrap();
         let file = imagenet_file(arch, &weights.path().join("imagenet.safetensors"));
         Setup { arch, data, weights, file }

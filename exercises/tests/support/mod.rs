@@ -12,6 +12,18 @@ pub fn shared_data(sub: &str) -> PathBuf {
     dir
 }
 
+/// A generated CIFAR-10 stand-in in its binary format in `dir` (`prepare_data generate`), of
+/// `train` and `test` images.
+pub fn generated_cifar10(dir: &Path, train: usize, test: usize) {
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_prepare_data"))
+        .args(["generate", "--dataset", "cifar10", "--train", &train.to_string(), "--test", &test.to_string(), "--out"])
+        .arg(dir)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success(), "prepare_data generate --dataset cifar10 into {}", dir.display());
+}
+
 pub fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }

@@ -7,7 +7,7 @@
 //! `$XDG_CACHE_HOME/torch`, then `~/.cache/torch`), so a file torchvision fetched before is
 //! used as it is, and the other way round. A cached file is checked again at every use (a few
 //! seconds for VGG19's 548 MiB): a cache a crashed copy left torn is refused, not trained from.
-//! The download goes through `curl` (or `wget`), which honour the site's proxy settings and
+//! The download goes through `curl` (or `wget`, or Python's urllib), which honour the site's proxy settings and
 //! certificate store, into a temporary file in the cache that is renamed only once its hash is
 //! right: a failed or wrong download leaves nothing cached. `COURSE_WEIGHTS_URL` replaces the
 //! published address's folder (a site mirror; the tests' local server).
@@ -117,9 +117,11 @@ fn download(url: &str, dir: &Path, file: &str) -> Result<()> {
         .tempfile_in(dir)
         .with_context(|| format!("cannot write in {}", dir.display()))?;
     let target = partial.path().to_path_buf();
-    let attempts: [(&str, Vec<&str>); 2] = [
+    // Python's urllib last: python3 is on every machine the project sets up on (its .venv).
+    let attempts: [(&str, Vec<&str>); 3] = [
         ("curl", vec!["--fail", "--location", "--silent", "--show-error", "--retry", "2", "--connect-timeout", "20", "--output"]),
         ("wget", vec!["--quiet", "--tries=3", "--timeout=20", "--output-document"]),
+        ("python3", vec!["-c", "import sys, urllib.request; urllib.request.urlretrieve(sys.argv[2], sys.argv[1])"]),
     ];
     for (tool, args) in attempts {
         let out = match Command::new(tool).args(&args).arg(&target).arg(url).output() {
@@ -135,7 +137,7 @@ fn download(url: &str, dir: &Path, file: &str) -> Result<()> {
         partial.persist(dir.join(file)).with_context(|| format!("cannot put {} in place", dir.join(file).display()))?;
         return Ok(());
     }
-    bail!("neither curl nor wget is installed")
+    bail!("none of curl, wget and python3 is installed")
 }
 
 #[cfg(test)]

@@ -62,6 +62,19 @@ pub fn for_run(exercise: &str, model: &str) -> &'static [CourseFigure] {
     }
 }
 
+/// JSC's scaling table (ResNet50 on ImageNet, 10 epochs, JUWELS Booster's nodes of 4 A100s, as
+/// the course's slide gives it): GPUs and the training time in minutes, from 1 GPU to 32 nodes.
+pub const JSC_RESNET50_SCALING: [(usize, f64); 6] = [(1, 342.0), (4, 89.0), (16, 24.8), (32, 13.2), (64, 6.9), (128, 4.8)];
+
+/// What [`JSC_RESNET50_SCALING`] is, where it is drawn.
+pub const JSC_RESNET50_LABEL: &str = "JSC course (published): ResNet50, A100s";
+
+/// JSC's speed-up over its 1 GPU at each GPU count: the time's ratio (a run is the same work).
+pub fn jsc_resnet50_speedups() -> Vec<(usize, f64)> {
+    let (_, one_gpu) = JSC_RESNET50_SCALING[0];
+    JSC_RESNET50_SCALING.iter().map(|&(gpus, minutes)| (gpus, one_gpu / minutes)).collect()
+}
+
 impl CourseFigure {
     /// The time as the slide gives it.
     pub fn time(&self) -> String {
@@ -93,5 +106,15 @@ mod tests {
         assert_eq!(for_run("exercise3_ddp", "vgg19")[1].time(), "81.2 (5 epochs)");
         assert!(for_run("exercise3_tp", "transformer").is_empty(), "the course has no tensor-parallel run");
         assert!(for_run("exercise2", "cnn").is_empty(), "the course's exercise 2 is ResNet34's");
+    }
+
+    #[test]
+    fn jscs_scaling_is_its_times_ratio() {
+        let speedups = jsc_resnet50_speedups();
+        assert_eq!(speedups[0], (1, 1.0));
+        let (gpus, speedup) = speedups[5];
+        // 32 nodes: 342 / 4.8 = 71.25 times on 128 GPUs, 55.7% efficiency.
+        assert_eq!(gpus, 128);
+        assert!((speedup - 71.25).abs() < 1e-9 && (speedup / gpus as f64 - 0.5566).abs() < 1e-4, "{speedup}");
     }
 }

@@ -217,7 +217,8 @@ pub enum RecipeSource {
 #[derive(Debug, Clone, clap::Args, Serialize)]
 pub struct RecipeArgs {
     /// default: the project's recipe for the exercise, which learns; course: the course's own
-    /// settings, to reproduce its slides (they differ for exercise3: see --help's preset).
+    /// settings, to reproduce its slides (they differ for exercise3, and for --model resnet50
+    /// and resnet50v2 are JSC's and Namal/BSC's recipes: see --help's preset).
     #[arg(long, value_enum, default_value = "default")]
     #[arg(help_heading = "Training")]
     pub recipe: RecipeSource,
@@ -489,7 +490,7 @@ mod tests {
         assert_eq!(args.run.results_dir, PathBuf::from("/tmp/r"));
         // Defaults are the binary's: its preset's, resolved where the run starts.
         let exercise1 = crate::image_classification::ImageExperiment::new(&crate::presets::EXERCISE1, &args);
-        let recipe = crate::experiment::RunRecipe::resolve(exercise1.preset, &args.recipe, 1, 10, 5);
+        let recipe = crate::experiment::RunRecipe::resolve(&exercise1.preset, &args.recipe, 1, 10, 5);
         assert_eq!((recipe.batch_size, recipe.lr, exercise1.arch()), (100, 1e-3, Arch::Vgg19));
         assert_eq!(args.run.seed, 42);
         let empty: ImageArgs = parse("exercise1", "").unwrap();

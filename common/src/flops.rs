@@ -9,7 +9,7 @@
 //! embedding lookup is none), plus the attention's 12·layers·d_model·seq_len (PaLM's formula).
 use tch::Device;
 
-use crate::models::resnet::{ConvShape, ResNetLayout, STEM_CHANNELS};
+use crate::models::resnet::{BlockShape, ConvShape, ResNetLayout, STEM_CHANNELS};
 use crate::models::{Arch, ModelSpec, Trainable, TransformerConfig};
 use crate::precision::{MatmulPrecision, Precision};
 
@@ -23,7 +23,11 @@ pub fn forward_macs(spec: &ModelSpec) -> f64 {
 pub fn forward_macs_by_block(spec: &ModelSpec) -> Vec<f64> {
     match spec.arch {
         Arch::Cnn => cnn_macs(spec),
-        Arch::Resnet34 | Arch::Resnet50 => resnet_macs(spec, ResNetLayout::of(spec.arch).expect("a ResNet")),
+        Arch::Resnet34 | Arch::Resnet50 => {
+            let layout = ResNetLayout::of(spec.arch).expect("a ResNet");
+            resnet_macs(spec, &layout.blocks(), layout.features())
+        }
+        Arch::Resnet50v2 => resnet_macs(spec, &crate::models::resnet_v2::block_shapes(), crate::models::resnet_v2::FEATURES),
         Arch::Vgg19 => vgg19_macs(spec),
     }
 }
@@ -73,9 +77,12 @@ fn imagenet_side(spec: &ModelSpec) -> i64 {
     spec.image_size.max(32)
 }
 
-/// The stem, every convolution of the residual blocks (their projections included) as
-/// [`ResNetLayout::blocks`] lays them out, and `fc`.
-fn resnet_macs(spec: &ModelSpec, layout: ResNetLayout) -> Vec<f64> {
+/// The stem, every convolution of the residual `blocks` (their projections included: on the
+/// block's input, at the block's stride for torchvision's, at stride 1 for ResNetV2's) as
+/// [`ResNetLayout::blocks`] or `resnet_v2::block_shapes` lay them out, and the classifier on
+/// `features` channels. Both stems (7×7 of stride 2, a 3×3 max-pool of stride 2) give the same
+/// sides.
+fn resnet_macs(spec: &ModelSpec, shapes: &[BlockShape], features: i64) -> Vec<f64> {
     let mut side = out_side(imagenet_side(spec), 7, 2, 3);
     let mut blocks = vec![conv_macs(3, STEM_CHANNELS, 7, side)];
     side = out_side(side, 3, 2, 1); // max pool
@@ -85,7 +92,7 @@ fn resnet_macs(spec: &ModelSpec, layout: ResNetLayout) -> Vec<f64> {
         let out = out_side(side, c.kernel, c.stride, c.kernel / 2);
         (conv_macs(c.in_dim, c.out_dim, c.kernel, out), out)
     };
-    for block in layout.blocks() {
+    for block in shapes {
         let mut macs = block.downsample.as_ref().map_or(0.0, |projection| conv(side, projection).0);
         for c in &block.convs {
             let (m, out) = conv(side, c);
@@ -93,7 +100,7 @@ fn resnet_macs(spec: &ModelSpec, layout: ResNetLayout) -> Vec<f64> {
         }
         blocks.push(macs);
     }
-    blocks.push((layout.features() * spec.num_classes) as f64);
+    blocks.push((features * spec.num_classes) as f64);
     blocks
 }
 
@@ -158,7 +165,7 @@ mod tests {
 
     #[test]
     fn blocks_are_the_models_blocks_and_frozen_ones_cost_their_forward_pass_alone() {
-        for arch in [Arch::Cnn, Arch::Resnet34, Arch::Resnet50, Arch::Vgg19] {
+        for arch in [Arch::Cnn, Arch::Resnet34, Arch::Resnet50, Arch::Vgg19, Arch::Resnet50v2] {
             let s = spec(arch, 3, 64, 1000);
             let blocks = forward_macs_by_block(&s);
             assert_eq!(blocks.len(), crate::models::Blocks::of(&s).len(), "{arch:?}");

@@ -51,7 +51,8 @@ pub struct ImageArgs {
     /// How image files become the model's input: `imagenet` (training: RandomResizedCrop and a
     /// random horizontal flip; evaluation: Resize(N / 0.875) and CenterCrop(N); N is
     /// --image-size, 224 by default) or `resize` (the JSC course's Resize((N, N)) for both, N
-    /// 256 by default) [default: imagenet].
+    /// 256 by default) [default: resize where the recipe resizes (--recipe course with
+    /// resnet50 or resnet50v2), else imagenet].
     #[arg(long, value_enum)]
     #[arg(help_heading = "Data")]
     pub transform: Option<TransformChoice>,
@@ -80,8 +81,9 @@ pub struct ImageArgs {
     #[arg(help_heading = "Model")]
     pub freeze: Option<FreezeChoice>,
     /// Fine-tuning: only the last N blocks train, the ones before them frozen (ResNet34 and
-    /// ResNet50: 18 blocks, the stem, 16 residual blocks and fc, so 4 is layer4 and fc; VGG19:
-    /// 19, its 16 convolutions and 3 classifier layers).
+    /// ResNet50: 18 blocks, the stem, 16 residual blocks and fc, so 4 is layer4 and fc;
+    /// ResNet50V2: 18 likewise, predictions its head; VGG19: 19, its 16 convolutions and 3
+    /// classifier layers).
     #[arg(long, value_name = "N")]
     #[arg(help_heading = "Model")]
     pub train_last: Option<usize>,
@@ -91,7 +93,8 @@ pub struct ImageArgs {
     pub augment: bool,
     /// Train and evaluate on the images resized to N×N (bilinear, antialiased, as torchvision's
     /// `Resize((N, N))`; on the training device, after augmentation), e.g. 128 for CIFAR-10
-    /// at ResNet50's scale [default: the data set's size, 32 for CIFAR-10, 28 for MNIST].
+    /// at ResNet50's scale [default: the recipe's where it resizes (--recipe course: 256 for
+    /// resnet50, 128 for resnet50v2), else the data set's size, 32 for CIFAR-10, 28 for MNIST].
     #[arg(long, value_name = "N")]
     #[arg(help_heading = "Data")]
     pub image_size: Option<i64>,
@@ -141,9 +144,9 @@ pub enum FreezeChoice {
     Backbone,
 }
 
-/// An image exercise: its preset and flags.
+/// An image exercise: its preset (for the model `--model` picks) and flags.
 pub struct ImageExperiment<'a> {
-    pub preset: &'a Preset,
+    pub preset: Preset,
     pub args: &'a ImageArgs,
     /// The image files' classes, counted once when the head's size depends on them.
     file_classes: OnceLock<usize>,
@@ -155,16 +158,26 @@ pub fn run(preset: &Preset, args: &ImageArgs, listeners: &mut Observers) -> Resu
 }
 
 impl<'a> ImageExperiment<'a> {
-    pub fn new(preset: &'a Preset, args: &'a ImageArgs) -> Self {
-        ImageExperiment { preset, args, file_classes: OnceLock::new() }
-    }
-
-    pub fn arch(&self) -> Arch {
-        match (self.args.model, self.preset.model) {
+    pub fn new(preset: &Preset, args: &'a ImageArgs) -> Self {
+        let arch = match (args.model, preset.model) {
             (Some(arch), _) => arch,
             (None, ModelPreset::Image(arch)) => arch,
             (None, ModelPreset::Transformer { .. }) => unreachable!("an image exercise has an image preset"),
+        };
+        ImageExperiment { preset: preset.with_image_model(arch), args, file_classes: OnceLock::new() }
+    }
+
+    pub fn arch(&self) -> Arch {
+        match self.preset.model {
+            ModelPreset::Image(arch) => arch,
+            ModelPreset::Transformer { .. } => unreachable!("an image exercise has an image preset"),
         }
+    }
+
+    /// The side images are trained at when not their own: `--image-size`, else the recipe's
+    /// (the course's `Resize((N, N))`).
+    fn image_size(&self) -> Option<i64> {
+        self.args.image_size.or(self.preset.recipe_for(&self.args.recipe).image_size)
     }
 
     /// Which blocks train: `--freeze backbone` is the head alone, `--train-last N` the last N.
@@ -187,7 +200,7 @@ impl<'a> ImageExperiment<'a> {
             (None, _, _) => self.data_classes()? as i64,
         };
         let (channels, size) = self.input_shape();
-        Ok(ModelSpec { arch: self.arch(), in_channels: channels as i64, image_size: self.args.image_size.unwrap_or(size), num_classes })
+        Ok(ModelSpec { arch: self.arch(), in_channels: channels as i64, image_size: self.image_size().unwrap_or(size), num_classes })
     }
 
     /// [`Self::model_spec`] once [`Experiment::check`] has made it (and listed what it needs).
@@ -233,20 +246,31 @@ impl<'a> ImageExperiment<'a> {
     fn resize(&self) -> Option<i64> {
         let kind = self.args.dataset.in_memory()?;
         let [_, size, _] = kind.image_shape();
-        self.args.image_size.filter(|&side| side != size as i64)
+        self.image_size().filter(|&side| side != size as i64)
     }
 
-    /// What the image files' loaders do to every image, for training or evaluation.
+    /// What the image files' loaders do to every image, for training or evaluation: `--transform`,
+    /// else the recipe's resizing where it has one, else torchvision's ImageNet transforms.
     fn transform(&self, train: bool) -> Transform {
         let side = self.spec().image_size as u32;
-        match self.args.transform.unwrap_or(TransformChoice::Imagenet) {
+        let recipe_resizes = self.preset.recipe_for(&self.args.recipe).image_size.is_some();
+        match self.args.transform.unwrap_or(if recipe_resizes { TransformChoice::Resize } else { TransformChoice::Imagenet }) {
             TransformChoice::Imagenet => Transform::imagenet(side, train),
             TransformChoice::Resize => Transform::Resize { size: side },
         }
     }
 
-    fn batch_size(&self) -> usize {
-        self.args.recipe.batch_size.unwrap_or(self.preset.recipe_for(&self.args.recipe).batch_size)
+    /// Images per batch on each of `replicas` data-parallel replicas.
+    fn batch_size(&self, replicas: usize) -> usize {
+        experiment::RunRecipe::batch_size(&self.preset, &self.args.recipe, replicas)
+    }
+
+    /// The batch as the start-up line says it, before the replicas are known.
+    fn batch_note(&self) -> String {
+        match (self.args.recipe.batch_size, self.preset.recipe_for(&self.args.recipe)) {
+            (None, recipe) if recipe.batch_split => format!("batch {} split over the replicas", recipe.batch_size),
+            _ => format!("batch {}", self.batch_size(1)),
+        }
     }
 
     /// Loader threads for training on `device`: `--workers`, else for data in memory 2 for a
@@ -310,7 +334,7 @@ impl Experiment for ImageExperiment<'_> {
     type Model = ImagePlan;
 
     fn preset(&self) -> &Preset {
-        self.preset
+        &self.preset
     }
 
     fn run_args(&self) -> &RunArgs {
@@ -438,14 +462,14 @@ impl Experiment for ImageExperiment<'_> {
                 }
             };
             observers.info(format!(
-                "{}: {} on {} ({} train / {} test images from {}{how}), batch {}, LibTorch {}",
+                "{}: {} on {} ({} train / {} test images from {}{how}), {}, LibTorch {}",
                 self.preset.name,
                 self.arch().name(),
                 args.dataset.name(),
                 data.train_len(),
                 data.test_len(),
                 dir.display(),
-                self.batch_size(),
+                self.batch_note(),
                 crate::torch_version()
             ))?;
         }
@@ -491,14 +515,14 @@ impl Experiment for ImageExperiment<'_> {
             spec.num_classes,
             report::group_thousands(trained + frozen),
             if frozen > 0 { format!(", {} of them trained", report::group_thousands(trained)) } else { String::new() },
-            if replicas > 1 { format!(", {replicas} replicas × batch {}", self.batch_size()) } else { String::new() }
+            if replicas > 1 { format!(", {replicas} replicas × batch {}", self.batch_size(replicas)) } else { String::new() }
         ))
     }
 
     fn memory_estimate(&self, world: usize, cuda: bool, observers: &mut Observers) -> Result<Vec<RankEstimate>> {
         let layout = self.layout(world)?;
         let spec = self.model_spec()?;
-        let recipe = experiment::RunRecipe::resolve(self.preset, &self.args.recipe, layout.dp, 1, 1);
+        let recipe = experiment::RunRecipe::resolve(&self.preset, &self.args.recipe, layout.dp, 1, 1);
         let probe = crate::memory::estimate::probe_image_activations(&spec, self.trainable(), self.args.run.precision)?;
         observers.info(format!(
             "{} with a {}-way head on {}×{}×{} images: {} parameters{}; batch {} per replica, {}; activations measured on the CPU: {:.2} MiB per image",
@@ -518,7 +542,7 @@ impl Experiment for ImageExperiment<'_> {
             probe.bytes_per_image / crate::memory::MIB
         ))?;
         let (channels, size) = self.input_shape();
-        let size = self.args.image_size.filter(|_| self.args.dataset.in_memory().is_none()).unwrap_or(size) as usize;
+        let size = self.image_size().filter(|_| self.args.dataset.in_memory().is_none()).unwrap_or(size) as usize;
         // Bytes of one image in a batch: the data set's floats, and the resized ones.
         let resized = self.resize().map_or(0, |side| side * side) as usize;
         let image_bytes = 4 * channels * (size * size + resized);
@@ -552,7 +576,7 @@ impl Experiment for ImageExperiment<'_> {
 
     fn sources(&self, data: &ImageData, device: Device, shard: (usize, usize)) -> Result<Sources> {
         let args = self.args;
-        let batch = self.batch_size();
+        let batch = self.batch_size(shard.1);
         let workers = self.workers(device);
         let prefetch = args.prefetch.unwrap_or(LoaderConfig::train(batch, 0, device).prefetch);
         let train = LoaderConfig { workers, prefetch, shard, ..LoaderConfig::train(batch, args.run.seed, device) };
@@ -659,5 +683,38 @@ fn parse_weights(value: &str) -> std::result::Result<WeightsArg, String> {
         "" => Err("give `imagenet` or a weights file".into()),
         "imagenet" => Ok(WeightsArg::Imagenet),
         file => Ok(WeightsArg::File(PathBuf::from(file))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::flags::parse;
+    use crate::presets::{EXERCISE1, EXERCISE2};
+
+    fn experiment_spec(preset: &Preset, flags: &str) -> (ModelSpec, Option<Transform>) {
+        let args: ImageArgs = parse("exercise", flags).unwrap();
+        let exp = ImageExperiment::new(preset, &args);
+        let spec = exp.model_spec().unwrap();
+        let transform = exp.args.dataset.in_memory().is_none().then(|| exp.transform(false));
+        (spec, transform)
+    }
+
+    #[test]
+    fn the_courses_recipes_resize_the_images_as_the_course_does() {
+        // JSC: Resize((256, 256)) of the image files, and of CIFAR-10's images alike.
+        let (spec, transform) = experiment_spec(&EXERCISE2, "--model resnet50 --recipe course --dataset imagefolder --num-classes 1000");
+        assert_eq!((spec.image_size, transform), (256, Some(Transform::Resize { size: 256 })));
+        assert_eq!(experiment_spec(&EXERCISE1, "--model resnet50 --recipe course").0.image_size, 256);
+        // Namal/BSC: CIFAR-10 at 128×128, a head for its 10 classes (Keras's classes=10).
+        let (spec, _) = experiment_spec(&EXERCISE1, "--model resnet50v2 --recipe course");
+        assert_eq!((spec.image_size, spec.num_classes), (128, 10));
+        // Flags win; the default recipe keeps the data's size and torchvision's transforms.
+        assert_eq!(experiment_spec(&EXERCISE1, "--model resnet50v2 --recipe course --image-size 64").0.image_size, 64);
+        assert_eq!(experiment_spec(&EXERCISE1, "--model resnet50").0.image_size, 32);
+        let (spec, transform) = experiment_spec(&EXERCISE2, "--model resnet50 --dataset imagefolder --num-classes 1000");
+        assert_eq!((spec.image_size, transform), (224, Some(Transform::imagenet(224, false))));
+        let (_, transform) = experiment_spec(&EXERCISE2, "--model resnet50 --recipe course --dataset imagefolder --num-classes 1000 --transform imagenet");
+        assert_eq!(transform, Some(Transform::imagenet(256, false)), "--transform wins, at the recipe's size");
     }
 }

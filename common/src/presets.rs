@@ -27,6 +27,13 @@ pub struct Recipe {
     pub warmup_steps: usize,
     /// How the Transformer's output layer starts (image models ignore it).
     pub output_init: OutputInit,
+    /// `batch_size` is the job's, split over the data-parallel replicas (JSC's 256 over the
+    /// GPUs), rather than each replica's.
+    pub batch_split: bool,
+    /// The rate grows with the effective batch, as `--scale-lr` (Namal/BSC's 0.01 × GPUs).
+    pub scale_lr: bool,
+    /// Images resized to N×N (`Resize((N, N))`; image models only), as the course's recipe does.
+    pub image_size: Option<i64>,
 }
 
 /// Where a preset's own warm-up starts, as a share of the learning rate.
@@ -92,6 +99,9 @@ const IMAGE_RECIPE: Recipe = Recipe {
     gamma: 1.0,
     warmup_steps: 0,
     output_init: OutputInit::Tutorial,
+    batch_split: false,
+    scale_lr: false,
+    image_size: None,
 };
 
 /// The PyTorch Transformer tutorial's recipe: SGD lr 5.0, StepLR γ 0.95, clipping 0.5, batch 20.
@@ -106,6 +116,9 @@ const TUTORIAL_RECIPE: Recipe = Recipe {
     gamma: 0.95,
     warmup_steps: 0,
     output_init: OutputInit::Tutorial,
+    batch_split: false,
+    scale_lr: false,
+    image_size: None,
 };
 
 /// VGG19 (no batch normalisation) from scratch: exercise 1's Adam at lr 1e-3 leaves it at
@@ -132,7 +145,20 @@ const LARGE_MODEL_RECIPE: Recipe = Recipe {
     gamma: 1.0,
     warmup_steps: 100,
     output_init: OutputInit::Scaled,
+    batch_split: false,
+    scale_lr: false,
+    image_size: None,
 };
+
+/// JSC's ResNet50 hands-on ("Getting started with AI on supercomputers"): Adam at lr 0.02, a
+/// batch of 256 split over the GPUs, every image `Resize((256, 256))`.
+const JSC_RESNET50_RECIPE: Recipe = Recipe { batch_size: 256, lr: 0.02, batch_split: true, image_size: Some(256), ..IMAGE_RECIPE };
+
+/// Namal/BSC's ResNet50V2 on CIFAR-10 resized to 128×128 (Keras, `MirroredStrategy`): Keras's
+/// SGD (no momentum) at lr 0.01 × the GPUs. The batch is not in the course material we have:
+/// the exercise's own (`--batch-size` to change it).
+const NAMAL_RESNET50V2_RECIPE: Recipe =
+    Recipe { optimizer: OptimizerKind::Sgd, lr: 0.01, momentum: 0.0, scale_lr: true, image_size: Some(128), ..IMAGE_RECIPE };
 
 /// exercise1: the simple CNN on CIFAR-10, CPU vs GPU, 5 epochs.
 pub const EXERCISE1: Preset = Preset {
@@ -204,6 +230,18 @@ pub const EXERCISE3_PIPELINE: Preset = Preset {
 pub const EXERCISE3_TP: Preset = Preset { name: "exercise3_tp", parallelism: ModelParallelism::Tensor, ..EXERCISE3_PIPELINE };
 
 impl Preset {
+    /// This image exercise training `arch` (`--model`): the course's own recipe for that model
+    /// where a course gives one (`--recipe course`: JSC's ResNet50, Namal/BSC's ResNet50V2),
+    /// else the exercise's.
+    pub fn with_image_model(&self, arch: Arch) -> Preset {
+        let course = match arch {
+            Arch::Resnet50 => JSC_RESNET50_RECIPE,
+            Arch::Resnet50v2 => NAMAL_RESNET50V2_RECIPE,
+            Arch::Cnn | Arch::Resnet34 | Arch::Vgg19 => self.course,
+        };
+        Preset { model: ModelPreset::Image(arch), course, ..*self }
+    }
+
     /// The recipe `args` pick (`--recipe`); its flags apply on top ([`crate::experiment::RunRecipe`]).
     pub fn recipe_for(&self, args: &RecipeArgs) -> Recipe {
         match args.recipe {
@@ -229,13 +267,26 @@ impl Preset {
             out += "\n--recipe course, the course's own settings:\n ";
             out += &describe_recipe(&self.course);
         }
+        if let ModelPreset::Image(_) = self.model {
+            for (arch, course) in [(Arch::Resnet50, "JSC's"), (Arch::Resnet50v2, "Namal/BSC's")] {
+                out += &format!("\n--model {} --recipe course, {course}:\n ", arch.name());
+                out += &describe_recipe(&self.with_image_model(arch).course);
+            }
+        }
         out
     }
 }
 
 /// A recipe as the flags that give it.
 fn describe_recipe(r: &Recipe) -> String {
-    let mut out = format!(" --batch-size {} --optimizer {} --lr {} --lr-schedule {}", r.batch_size, r.optimizer.name(), r.lr, schedule_name(r.schedule));
+    let split = if r.batch_split { " (split over the replicas)" } else { "" };
+    let mut out = format!(" --batch-size {}{split} --optimizer {} --lr {} --lr-schedule {}", r.batch_size, r.optimizer.name(), r.lr, schedule_name(r.schedule));
+    if r.scale_lr {
+        out += " --scale-lr";
+    }
+    if let Some(side) = r.image_size {
+        out += &format!(" --image-size {side} (Resize)");
+    }
     if r.schedule == ScheduleKind::Step {
         out += &format!(" --gamma {}", r.gamma);
     }
@@ -244,6 +295,10 @@ fn describe_recipe(r: &Recipe) -> String {
     }
     if r.weight_decay > 0.0 {
         out += &format!(" --weight-decay {}", r.weight_decay);
+    }
+    // SGD's momentum where it is not the flag's default (the tutorial's and Keras's SGD have none).
+    if r.optimizer == OptimizerKind::Sgd && r.momentum != 0.9 {
+        out += &format!(" --momentum {}", r.momentum);
     }
     if r.warmup_steps > 0 {
         out += &format!(" --warmup-steps {} --warmup-start {WARMUP_START}", r.warmup_steps);
@@ -281,5 +336,10 @@ mod tests {
         assert_eq!(EXERCISE3_PIPELINE.recipe_for(&RecipeArgs::default()).output_init, OutputInit::Scaled);
         let text = EXERCISE3_PIPELINE.describe();
         assert!(text.contains("--recipe course") && text.contains("--optimizer sgd --lr 5"), "{text}");
+        assert!(!text.contains("resnet50"), "{text}");
+        // The image exercises list the courses' ResNet50 recipes.
+        let text = EXERCISE2.describe();
+        assert!(text.contains("--model resnet50 --recipe course, JSC's:\n  --batch-size 256 (split over the replicas) --optimizer adam --lr 0.02"), "{text}");
+        assert!(text.contains("--scale-lr --image-size 128 (Resize) --momentum 0"), "{text}");
     }
 }

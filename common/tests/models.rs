@@ -462,3 +462,56 @@ fn torchvision_pth_files_load_and_give_torchvisions_logits() {
         assert!(message.contains("torn.pth is not a state_dict torch.save wrote") && !message.contains('\n'), "{arch:?}: {message}");
     }
 }
+
+/// Keras's own ResNet50V2 (`keras.applications.ResNet50V2`, the Namal/BSC course's model) is the
+/// reference of ours: the same parameter counts (Keras's total counts the batch norms' moving
+/// statistics, our buffers), its weights load by name with nothing left over, and ours gives its
+/// logits on the same input, in inference and in training mode (batch statistics), and moves
+/// the running mean as its momentum 0.99 does.
+#[test]
+fn resnet50v2_is_keras_resnet50v2() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = support::Reference::compute("keras_resnet50v2.py", &[dir.path().to_str().unwrap()]);
+    let keras_count = |key: &str| i64::try_from(reference.get(key)).unwrap();
+    let statistics = |vs: &nn::VarStore| -> i64 {
+        vs.variables().iter().filter(|(n, _)| n.ends_with(".running_mean") || n.ends_with(".running_var")).map(|(_, t)| t.numel() as i64).sum()
+    };
+    let spec = ModelSpec { arch: Arch::Resnet50v2, in_channels: 3, image_size: 64, num_classes: 10 };
+    let (vs, model) = build(&spec);
+    assert_eq!(param_count(&vs), keras_count("trainable"));
+    assert_eq!(param_count(&vs) + statistics(&vs), keras_count("total"));
+    let (imagenet, _) = build(&ModelSpec { num_classes: 1000, image_size: 224, ..spec.clone() });
+    assert_eq!(param_count(&imagenet) + statistics(&imagenet), keras_count("total_1000"), "Keras's 25.6M");
+
+    let loaded = load_weights(&vs, &spec, &dir.path().join("resnet50v2.pth")).unwrap();
+    assert!(loaded.new_head.is_empty());
+    let x = reference.get("x");
+    for (train, key) in [(false, "logits_eval"), (true, "logits_train")] {
+        let logits = tch::no_grad(|| model.forward_t(x, train));
+        let theirs = reference.get(key);
+        let scale = f64::try_from(theirs.abs().max()).unwrap();
+        let diff = f64::try_from((logits - theirs).abs().max()).unwrap();
+        assert!(diff < 1e-4 * scale, "{key}: ours differ from Keras's by {diff} (logits up to {scale})");
+    }
+    let running_mean = &vs.variables()["post_bn.running_mean"];
+    let diff = f64::try_from((running_mean - reference.get("post_mean")).abs().max()).unwrap();
+    assert!(diff < 1e-5, "post_bn's running mean after one training batch differs from Keras's by {diff}");
+}
+
+#[test]
+fn resnet50v2_blocks_and_shapes_on_the_courses_input() {
+    // The course's 128×128 CIFAR-10: every stack but the last halves the map in its last block.
+    let spec = ModelSpec { arch: Arch::Resnet50v2, in_channels: 3, image_size: 128, num_classes: 10 };
+    let (vs, _) = check_model(&spec, 23_539_850);
+    assert_eq!(shape(&vs, "conv1_conv.weight"), [64, 3, 7, 7]);
+    assert_eq!(shape(&vs, "conv2_block1.0_conv.weight"), [256, 64, 1, 1], "the first block projects");
+    assert!(!names(&vs).contains("conv2_block3.0_conv.weight"), "the last (stride-2) block subsamples instead");
+    assert_eq!(shape(&vs, "conv5_block3.3_conv.bias"), [2048]);
+    assert_eq!(shape(&vs, "predictions.weight"), [10, 2048]);
+    let blocks = Blocks::of(&spec);
+    let names: Vec<&str> = blocks.iter().map(|b| b.name.as_str()).collect();
+    assert_eq!((names.len(), names[0], names[1], names[16], names[17]), (18, "conv1_conv", "conv2_block1", "conv5_block3", "predictions"));
+    assert_eq!(blocks.position("post_bn.running_var"), Some(16), "the closing batch norm belongs to the last block");
+    // MNIST too: grey images are repeated to 3 channels and padded to 32×32.
+    check_model(&ModelSpec { arch: Arch::Resnet50v2, ..mnist(Arch::Resnet50v2, 10) }, 23_539_850);
+}

@@ -1,7 +1,8 @@
 //! ResNet50 and `--image-size` as a user runs them: a few steps of exercise1 and of exercise2
 //! (2 CPU ranks) with `--model resnet50`, images resized on the way to the model (the CNN's
 //! parameter count and the FLOP count follow the new size), and one usage line for sizes no
-//! model can take.
+//! model can take; the courses' own ResNet50 recipes (`--recipe course`: JSC's ResNet50,
+//! Namal/BSC's ResNet50V2) on 2 ranks.
 mod support;
 
 use std::path::Path;
@@ -73,6 +74,32 @@ fn exercise2_trains_resnet50_on_two_ranks_that_agree() {
     // Batch-norm statistics included (rank 0's are broadcast at the end, as DDP's buffers).
     assert!(said.contains("parameters bit-identical on all 2 ranks"), "{said}");
     assert_eq!(read_json(&results.path().join("exercise2-resnet50-cpu.json"))["steps"].as_u64(), Some(2));
+}
+
+/// `--recipe course` with the courses' ResNet50s on 2 ranks: JSC's batch of 256 is split over
+/// them at Adam's 0.02; Namal/BSC's ResNet50V2 trains at 128×128 with SGD at 0.01 × 2.
+#[test]
+fn the_courses_resnet50_recipes_on_two_ranks() {
+    let data = tempfile::tempdir().unwrap();
+    generated("cifar10", data.path(), 256);
+    let common =
+        ["--recipe", "course", "--nproc-per-node", "2", "--threads", "1", "--workers", "0", "--max-steps", "1", "--data-dir", data.path().to_str().unwrap()];
+    let train = |extra: &[&str]| {
+        let results = tempfile::tempdir().unwrap();
+        let out = run("exercise2", &[&common[..], extra, &["--results-dir", results.path().to_str().unwrap()]].concat());
+        assert!(out.status.success(), "{extra:?}: {}", stderr(&out));
+        let model = extra[1];
+        (stdout(&out), read_json(&results.path().join(format!("exercise2-{model}-cpu.json"))))
+    };
+    // JSC's, without its resize to 256 (a step of 128 such images takes minutes on 2 cores; the
+    // recipe's sizes are checked in `image_classification`'s unit test).
+    let (said, json) = train(&["--model", "resnet50", "--image-size", "32", "--num-classes", "10"]);
+    assert!(said.contains("batch 256 split over the replicas") && said.contains("2 replicas × batch 128"), "{said}");
+    assert_eq!((json["batch_size"].as_u64(), json["lr"].as_f64(), json["optimizer"].as_str()), (Some(128), Some(0.02), Some("adam")), "{json}");
+    let (said, json) = train(&["--model", "resnet50v2", "--batch-size", "2"]);
+    assert!(said.contains("resnet50v2 with a 10-way head: 23,539,850 parameters, 2 replicas × batch 2"), "{said}");
+    assert_eq!((json["image_size"].as_i64(), json["lr"].as_f64(), json["optimizer"].as_str()), (Some(128), Some(0.02), Some("sgd")), "{json}");
+    assert_eq!(json["scale_lr"].as_bool(), Some(true), "{json}");
 }
 
 /// `--image-size 64` on MNIST's 28×28 digits: the CNN is built for 64×64 inputs (its fc1 takes

@@ -67,9 +67,11 @@ fn make_scaling_runs_both_modes_and_tabulates_the_runs_it_wrote() {
         assert!(num(row(&rows, mode, 2), "allreduce_share") > 0.0, "2 ranks average their gradients");
     }
     let svg = std::fs::read_to_string(results.path().join("scaling.svg")).unwrap();
-    for text in ["strong: global batch 16", "weak: 8 per rank", "speed-up", "efficiency", "all-reduce share"] {
+    for text in ["strong: global batch 16", "weak: 8 per rank", "speed-up", "efficiency", "all-reduce share", common::course_figures::JSC_RESNET50_LABEL] {
         assert!(svg.contains(text), "no `{text}` in the chart");
     }
+    // JSC's published curve reaches its 128 GPUs (32 nodes) on the speed-up and efficiency axes.
+    assert!(svg.lines().any(|line| line.trim() == "128"), "no tick for JSC's 128 GPUs in the chart");
 }
 
 /// A results JSON as a run writes it, with the figures the study reads set by the test.

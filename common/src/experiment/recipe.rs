@@ -28,7 +28,7 @@ impl RunRecipe {
         let base = preset.recipe_for(args);
         // Linear scaling: the effective batch grows by --accumulate × replicas.
         let growth = (args.accumulate * replicas) as f64;
-        let lr = args.lr.unwrap_or(base.lr) * if args.scale_lr { growth } else { 1.0 };
+        let lr = args.lr.unwrap_or(base.lr) * if args.scale_lr || base.scale_lr { growth } else { 1.0 };
         let steps_per_epoch = batches_per_epoch.div_ceil(args.accumulate).max(1);
         let warmup_steps = args.warmup_steps.max(args.warmup_epochs * steps_per_epoch);
         let mut schedule = LrSchedule::new(args.lr_schedule.unwrap_or(base.schedule), epochs * steps_per_epoch);
@@ -40,7 +40,7 @@ impl RunRecipe {
         };
         RunRecipe {
             epochs,
-            batch_size: args.batch_size.unwrap_or(base.batch_size),
+            batch_size: Self::batch_size(preset, args, replicas),
             accumulate: args.accumulate,
             optimizer: args.optimizer.unwrap_or(base.optimizer),
             lr,
@@ -48,6 +48,18 @@ impl RunRecipe {
             weight_decay: args.weight_decay.unwrap_or(base.weight_decay),
             clip: args.clip.unwrap_or(base.clip),
             schedule,
+        }
+    }
+
+    /// Examples per batch on each replica: `--batch-size`, else the recipe's, which a recipe of
+    /// the job's batch (JSC's 256) splits over the `replicas` (rounded down: 256 over 3 GPUs is
+    /// 85 each).
+    pub fn batch_size(preset: &Preset, args: &RecipeArgs, replicas: usize) -> usize {
+        let base = preset.recipe_for(args);
+        match (args.batch_size, base.batch_split) {
+            (Some(batch), _) => batch,
+            (None, true) => (base.batch_size / replicas.max(1)).max(1),
+            (None, false) => base.batch_size,
         }
     }
 }
@@ -72,6 +84,29 @@ mod tests {
         // Without --scale-lr nothing is scaled; the preset fills what is not given.
         let plain = RunRecipe::resolve(&EXERCISE2, &RecipeArgs::default(), 4, 100, 10);
         assert_eq!((plain.lr, plain.schedule.kind, plain.schedule.warmup), (1e-3, ScheduleKind::Constant, None));
+    }
+
+    #[test]
+    fn the_courses_resnet50_recipes_split_the_batch_or_scale_the_rate_over_the_gpus() {
+        use crate::flags::RecipeSource;
+        use crate::models::Arch;
+        let course = RecipeArgs { recipe: RecipeSource::Course, ..RecipeArgs::default() };
+        // JSC: Adam at 0.02 whatever the GPUs, 256 images a step split over them.
+        let jsc = EXERCISE2.with_image_model(Arch::Resnet50);
+        for (gpus, each) in [(1, 256), (4, 64), (16, 16), (3, 85)] {
+            let recipe = RunRecipe::resolve(&jsc, &course, gpus, 10, 1);
+            assert_eq!((recipe.batch_size, recipe.lr, recipe.optimizer), (each, 0.02, crate::optim::OptimizerKind::Adam), "{gpus} GPUs");
+        }
+        assert_eq!(RunRecipe::resolve(&jsc, &RecipeArgs { batch_size: Some(32), ..course.clone() }, 4, 10, 1).batch_size, 32, "--batch-size wins");
+        assert_eq!(RunRecipe::resolve(&jsc, &RecipeArgs::default(), 4, 10, 1).batch_size, 100, "the exercise's own recipe is per replica");
+        // Namal/BSC: SGD without momentum at 0.01 × the GPUs, the batch per GPU.
+        let namal = EXERCISE2.with_image_model(Arch::Resnet50v2);
+        let recipe = RunRecipe::resolve(&namal, &course, 4, 10, 1);
+        assert_eq!((recipe.optimizer, recipe.momentum, recipe.batch_size), (crate::optim::OptimizerKind::Sgd, 0.0, 100));
+        assert!((recipe.lr - 0.04).abs() < 1e-12, "{}", recipe.lr);
+        assert_eq!(RunRecipe::resolve(&namal, &RecipeArgs { lr: Some(0.1), ..course.clone() }, 2, 10, 1).lr, 0.2, "--lr is the one GPU's rate");
+        // Other models keep the exercise's course recipe.
+        assert_eq!(EXERCISE2.with_image_model(Arch::Vgg19).course, EXERCISE2.course);
     }
 
     #[test]

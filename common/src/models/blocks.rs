@@ -7,6 +7,7 @@
 //! |---|---|---|
 //! | ResNet34 | the stem (`conv1`, `bn1`), the 16 BasicBlocks (`layer1.0` .. `layer4.2`), `fc` | 18 |
 //! | ResNet50 | the stem (`conv1`, `bn1`), the 16 Bottlenecks (`layer1.0` .. `layer4.2`), `fc` | 18 |
+//! | ResNet50V2 | the stem (`conv1_conv`), the 16 pre-activation blocks (`conv2_block1` .. `conv5_block3`, the last with `post_bn`), `predictions` | 18 |
 //! | VGG19 | the 16 convolutions (`features.0` .. `features.34`), `classifier.0`, `.3`, `.6` | 19 |
 //! | CNN | `conv1`, `conv2`, `fc1`, `fc2` | 4 |
 //!

@@ -3,7 +3,8 @@
 //! Variable names follow PyTorch's `state_dict` keys exactly (`layer2.0.downsample.0.weight`,
 //! `features.34.bias`, ...), so that torchvision's ImageNet weights
 //! ([`pretrained`], `--weights imagenet`) load with [`load_weights`], and checkpoints line up
-//! name for name with the PyTorch reference code.
+//! name for name with the PyTorch reference code. ResNet50V2, whose reference is Keras's, has
+//! Keras's layer names instead ([`resnet_v2`]).
 use tch::nn::{self, Init};
 use tch::Tensor;
 
@@ -12,6 +13,7 @@ mod cnn;
 mod freeze;
 pub mod pretrained;
 pub(crate) mod resnet;
+pub(crate) mod resnet_v2;
 pub mod torch_save;
 pub mod transformer;
 pub mod transformer_names;
@@ -39,16 +41,19 @@ pub enum Arch {
     Resnet50,
     /// torchvision VGG19 (with adaptive average pooling to 7×7)
     Vgg19,
+    /// Keras's ResNet50V2 (pre-activation blocks), the Namal/BSC course's model
+    Resnet50v2,
 }
 
 impl Arch {
-    /// The flag spelling: `cnn`, `resnet34`, `resnet50`, `vgg19`.
+    /// The flag spelling: `cnn`, `resnet34`, `resnet50`, `vgg19`, `resnet50v2`.
     pub fn name(self) -> &'static str {
         match self {
             Arch::Cnn => "cnn",
             Arch::Resnet34 => "resnet34",
             Arch::Resnet50 => "resnet50",
             Arch::Vgg19 => "vgg19",
+            Arch::Resnet50v2 => "resnet50v2",
         }
     }
 
@@ -59,7 +64,7 @@ impl Arch {
     pub fn min_image_size(self) -> i64 {
         match self {
             Arch::Cnn => cnn::MIN_SIDE,
-            Arch::Resnet34 | Arch::Resnet50 | Arch::Vgg19 => MIN_IMAGENET_SIDE,
+            Arch::Resnet34 | Arch::Resnet50 | Arch::Vgg19 | Arch::Resnet50v2 => MIN_IMAGENET_SIDE,
         }
     }
 }
@@ -84,6 +89,7 @@ pub fn build(root: &nn::Path, spec: &ModelSpec) -> Box<dyn nn::ModuleT> {
         Arch::Resnet34 => Box::new(resnet::ResNet::new(root, spec, resnet::ResNetLayout::RESNET34)),
         Arch::Resnet50 => Box::new(resnet::ResNet::new(root, spec, resnet::ResNetLayout::RESNET50)),
         Arch::Vgg19 => Box::new(vgg::Vgg::vgg19(root, spec)),
+        Arch::Resnet50v2 => Box::new(resnet_v2::ResNetV2::new(root, spec)),
     }
 }
 
@@ -95,6 +101,7 @@ impl Blocks {
             Arch::Resnet34 => resnet::blocks(resnet::ResNetLayout::RESNET34),
             Arch::Resnet50 => resnet::blocks(resnet::ResNetLayout::RESNET50),
             Arch::Vgg19 => vgg::blocks(),
+            Arch::Resnet50v2 => resnet_v2::blocks(),
         })
     }
 }

@@ -36,7 +36,9 @@ pub fn published_file(arch: Arch) -> Option<String> {
         Arch::Resnet34 => Some("resnet34-b627a593.pth"),
         Arch::Resnet50 => Some("resnet50-0676ba61.pth"),
         Arch::Vgg19 => Some("vgg19-dcbb9e9d.pth"),
-        Arch::Cnn => None,
+        // Keras publishes ResNet50V2's ImageNet weights, in its own format; the course trains it
+        // from scratch.
+        Arch::Cnn | Arch::Resnet50v2 => None,
     }
     .map(String::from)
 }

@@ -73,7 +73,7 @@ impl ResNetLayout {
         match arch {
             Arch::Resnet34 => Some(Self::RESNET34),
             Arch::Resnet50 => Some(Self::RESNET50),
-            Arch::Cnn | Arch::Vgg19 => None,
+            Arch::Cnn | Arch::Vgg19 | Arch::Resnet50v2 => None,
         }
     }
 

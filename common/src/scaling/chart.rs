@@ -1,6 +1,8 @@
 //! The scaling study's chart, as SVG: four panels against the ranks (a log₂ axis: 1, 2, 4, …):
 //! time per epoch, speed-up and efficiency, each with the ideal line, and the share of the step
-//! time spent in the all-reduce, one curve per series (strong or weak, per precision).
+//! time spent in the all-reduce, one curve per series (strong or weak, per precision). The
+//! speed-up and efficiency panels also draw JSC's published ResNet50 scaling from 1 GPU to 32
+//! nodes (grey), the course's figure ours stand beside.
 use std::path::Path;
 
 use anyhow::{anyhow, Result};
@@ -21,6 +23,17 @@ struct Curve {
     points: Vec<(f64, f64)>,
     /// Perfect scaling from the series' baseline: dashed, in the series' colour.
     ideal: Vec<(f64, f64)>,
+    /// A course's published figures, not a run of ours: named in its own panel's legend.
+    published: bool,
+}
+
+/// The grey of the course's published curve.
+const PUBLISHED: RGBColor = RGBColor(120, 120, 120);
+
+/// JSC's ResNet50 scaling as a curve of `value(gpus, speed-up)`.
+fn published(value: impl Fn(f64, f64) -> f64) -> Curve {
+    let points = crate::course_figures::jsc_resnet50_speedups().into_iter().map(|(gpus, s)| (gpus as f64, value(gpus as f64, s))).collect();
+    Curve { label: crate::course_figures::JSC_RESNET50_LABEL.into(), color: PUBLISHED, points, ideal: Vec::new(), published: true }
 }
 
 /// The rows of one series (they come grouped from [`super::rows`]), with its legend label.
@@ -74,6 +87,7 @@ fn curves(rows: &[Row], value: impl Fn(&Row) -> f64, ideal: impl Fn(&Row, &Row) 
                 color,
                 points: rows.iter().map(|r| (r.ranks as f64, value(r))).collect(),
                 ideal: rows.iter().map(|r| (r.ranks as f64, ideal(r, &rows[0]))).collect(),
+                published: false,
             }
         })
         .collect()
@@ -87,8 +101,18 @@ fn extent(values: impl Iterator<Item = f64>) -> (f64, f64) {
 /// The x axis's tick marks: each number of ranks with its number of nodes.
 type Ticks = Vec<(f64, usize)>;
 
-/// Draws `curves` on `area` against the ranks (`ranks`: the tick marks), `y` the vertical axis.
-fn panel<Y>(area: &DrawingArea<SVGBackend, Shift>, caption: &str, y: Y, y_desc: &str, ranks: &Ticks, curves: &[Curve], legend: bool) -> Result<(), String>
+/// Which curves a panel's legend names.
+enum Legend {
+    /// Every series and the ideal (the first panel's, for all of them).
+    Every,
+    /// Only a published curve, where it leaves the panel's curves clear.
+    Published(SeriesLabelPosition),
+    None,
+}
+
+/// Draws `curves` on `area` against the ranks (`ranks`: the tick marks; 0 nodes where the
+/// tick is a published curve's, not a run's), `y` the vertical axis, named as `legend` says.
+fn panel<Y>(area: &DrawingArea<SVGBackend, Shift>, caption: &str, y: Y, y_desc: &str, ranks: &Ticks, curves: &[Curve], legend: Legend) -> Result<(), String>
 where
     Y: AsRangedCoord<Value = f64>,
     Y::CoordDescType: ValueFormatter<f64>,
@@ -101,7 +125,7 @@ where
     // On several nodes each tick says how many: "8 (2 nodes)".
     let multi_node = ranks.iter().any(|(_, nodes)| *nodes > 1);
     let label = |r: &f64| match ranks.iter().find(|(at, _)| (at - r).abs() < 1e-9) {
-        Some((_, nodes)) if multi_node => format!("{r:.0} ({nodes} node{})", if *nodes == 1 { "" } else { "s" }),
+        Some((_, nodes)) if multi_node && *nodes > 0 => format!("{r:.0} ({nodes} node{})", if *nodes == 1 { "" } else { "s" }),
         _ => format!("{r:.0}"),
     };
     let mut chart = ChartBuilder::on(area)
@@ -122,30 +146,30 @@ where
         .map_err(|e| fail(&e))?;
     for curve in curves {
         let color = curve.color;
-        chart
-            .draw_series(LineSeries::new(curve.points.iter().copied(), color.stroke_width(2)))
-            .map_err(|e| fail(&e))?
-            .label(curve.label.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        let series = chart.draw_series(LineSeries::new(curve.points.iter().copied(), color.stroke_width(2))).map_err(|e| fail(&e))?;
+        if matches!(legend, Legend::Every) || (curve.published && matches!(legend, Legend::Published(_))) {
+            series.label(curve.label.clone()).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        }
         chart.draw_series(curve.points.iter().map(|&p| Circle::new(p, 3, color.filled()))).map_err(|e| fail(&e))?;
         if !curve.ideal.is_empty() {
             chart.draw_series(DashedLineSeries::new(curve.ideal.iter().copied(), 6, 4, color.stroke_width(1))).map_err(|e| fail(&e))?;
         }
     }
-    if legend {
+    if let Legend::Every = legend {
         // The dashed lines' entry once, in black: each is its series' own ideal.
         chart
             .draw_series(std::iter::empty::<Circle<(f64, f64), i32>>())
             .map_err(|e| fail(&e))?
             .label("ideal (dashed)")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 6, y), (x + 10, y), (x + 16, y)], BLACK));
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .border_style(BLACK)
-            .background_style(WHITE.mix(0.8))
-            .draw()
-            .map_err(|e| fail(&e))?;
+    }
+    let position = match legend {
+        Legend::Every => Some(SeriesLabelPosition::UpperRight),
+        Legend::Published(at) => Some(at),
+        Legend::None => None,
+    };
+    if let Some(position) = position {
+        chart.configure_series_labels().position(position).border_style(BLACK).background_style(WHITE.mix(0.8)).draw().map_err(|e| fail(&e))?;
     }
     Ok(())
 }
@@ -181,25 +205,43 @@ fn draw_into(rows: &[Row], path: &Path, svg: &mut String) -> Result<()> {
     let (lo, hi) = extent(times.iter().flat_map(|c| c.points.iter().chain(&c.ideal)).map(|p| p.1));
     let caption = if per_epoch { "time per epoch" } else { "time per step" };
     let (lo, hi) = (lo / 1.3, hi * 1.3);
-    panel(&panels[0], caption, (lo..hi).log_scale().with_key_points(crate::plots::log_ticks(lo..hi)), "seconds", &ranks, &times, true).map_err(fail)?;
+    panel(&panels[0], caption, (lo..hi).log_scale().with_key_points(crate::plots::log_ticks(lo..hi)), "seconds", &ranks, &times, Legend::Every)
+        .map_err(fail)?;
 
-    let speedups = curves(rows, |r| r.speedup, |r, _| r.ideal_speedup);
+    // Speed-up and efficiency beside JSC's published ones, on an axis that reaches its GPUs.
+    let mut with_published = ranks.clone();
+    with_published.extend(crate::course_figures::JSC_RESNET50_SCALING.iter().map(|&(gpus, _)| (gpus as f64, 0)));
+    with_published.sort_by(|a, b| a.0.total_cmp(&b.0));
+    with_published.dedup_by(|a, b| a.0 == b.0);
+    let mut speedups = curves(rows, |r| r.speedup, |r, _| r.ideal_speedup);
+    speedups.push(published(|_, speedup| speedup));
     let (lo, hi) = extent(speedups.iter().flat_map(|c| c.points.iter().chain(&c.ideal)).map(|p| p.1));
     // Marked where the ideal lands: 1, 2, 4, … times.
     let (lo, hi) = (lo / 1.3, hi * 1.3);
     let ticks = (-6..16).map(|k| 2f64.powi(k)).filter(|t| (lo..=hi).contains(t)).collect();
-    panel(&panels[1], "speed-up (throughput over the fewest ranks')", (lo..hi).log_scale().with_key_points(ticks), "×", &ranks, &speedups, false)
+    let caption = "speed-up (throughput over the fewest ranks')";
+    panel(&panels[1], caption, (lo..hi).log_scale().with_key_points(ticks), "×", &with_published, &speedups, Legend::Published(SeriesLabelPosition::UpperLeft))
         .map_err(fail)?;
 
-    let efficiency = curves(rows, |r| 100.0 * r.efficiency, |_, _| 100.0);
+    let mut efficiency = curves(rows, |r| 100.0 * r.efficiency, |_, _| 100.0);
+    efficiency.push(published(|gpus, speedup| 100.0 * speedup / gpus));
     let (_, hi) = extent(efficiency.iter().flat_map(|c| &c.points).map(|p| p.1));
-    panel(&panels[2], "efficiency (speed-up / ideal)", 0.0..(hi.max(100.0) * 1.1), "%", &ranks, &efficiency, false).map_err(fail)?;
+    panel(
+        &panels[2],
+        "efficiency (speed-up / ideal)",
+        0.0..(hi.max(100.0) * 1.1),
+        "%",
+        &with_published,
+        &efficiency,
+        Legend::Published(SeriesLabelPosition::LowerLeft),
+    )
+    .map_err(fail)?;
 
     // No ideal here: perfect scaling would spend nothing in the all-reduce.
     let mut shares = curves(rows, |r| 100.0 * r.allreduce_share, |_, _| 0.0);
     shares.iter_mut().for_each(|c| c.ideal.clear());
     let (_, hi) = extent(shares.iter().flat_map(|c| &c.points).map(|p| p.1));
-    panel(&panels[3], "all-reduce share of the training time (rank 0)", 0.0..(hi.max(1.0) * 1.2), "%", &ranks, &shares, false).map_err(fail)?;
+    panel(&panels[3], "all-reduce share of the training time (rank 0)", 0.0..(hi.max(1.0) * 1.2), "%", &ranks, &shares, Legend::None).map_err(fail)?;
     root.present().map_err(|e| fail(format!("{e:?}")))?;
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! `--config FILE` for every exercise: the flags as keys of a TOML (or JSON) file, the command
-//! line over them, and `--print-config` to write the resolved set (so that a run can be repeated
-//! from the file its results folder keeps).
+//! line over them, and `--print-config` to write the resolved set. Every run keeps that set
+//! beside its results (`<run>.config.toml`, [`given`]), so that it can be repeated from there.
 //!
 //! ```toml
 //! model = "resnet34"
@@ -19,6 +19,7 @@
 //! of the wrong type is one line naming the key, exit 2, before anything runs.
 use std::ffi::OsString;
 use std::path::Path;
+use std::sync::OnceLock;
 
 use clap::{Arg, ArgAction, ArgMatches, Command};
 use serde_json::Value;
@@ -39,16 +40,45 @@ pub fn get_matches_from(cmd: Command, argv: Vec<OsString>) -> ArgMatches {
             std::process::exit(2);
         }
     };
+    // The program as it was called (`exercise3`), whatever the command is named inside.
+    let program = argv.first().map(|p| Path::new(p).file_name().unwrap_or(p.as_os_str()).to_string_lossy().into_owned()).unwrap_or_default();
     let matches = cmd.clone().get_matches_from(argv);
     let (sub, sub_matches) = match matches.subcommand() {
         Some((name, m)) => (cmd.find_subcommand(name).cloned(), m),
         None => (None, &matches),
     };
+    let text = resolved(sub.as_ref().unwrap_or(&cmd), sub_matches);
     if sub_matches.get_flag("print_config") {
-        print!("{}", resolved(sub.as_ref().unwrap_or(&cmd), sub_matches));
+        print!("{text}");
         std::process::exit(0);
     }
+    let command = [Some(program.as_str()), sub.as_ref().map(Command::get_name)].into_iter().flatten().collect::<Vec<_>>().join(" ");
+    let _ = GIVEN.set(Given { command, toml: text });
     matches
+}
+
+/// The flags this process was started with, resolved as `--print-config` prints them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Given {
+    /// The command that took them (`exercise3 ddp`).
+    pub command: String,
+    pub toml: String,
+}
+
+/// Set once by [`get_matches`]: a run's results keep it ([`given`]).
+static GIVEN: OnceLock<Given> = OnceLock::new();
+
+/// The flags the command line (and its `--config`) gave this process, where a binary parsed
+/// them with [`get_matches`]; None for a library caller (a notebook), which has no command line.
+pub fn given() -> Option<&'static Given> {
+    GIVEN.get()
+}
+
+impl Given {
+    /// The `--config` file that repeats the run: the resolved flags under a comment saying so.
+    pub fn config_file(&self) -> String {
+        format!("# The flags of this run: `{} --config FILE` repeats it (the command line overrides the file).\n{}", self.command, self.toml)
+    }
 }
 
 /// `--config` and `--print-config` on the command (and on each of its subcommands), later

@@ -140,13 +140,17 @@ pub fn unix_time() -> u64 {
 /// Where [`save`] put a run's results.
 pub struct Saved {
     pub json: PathBuf,
+    /// The flags the run was given, as a `--config` file that repeats it (for runs started from
+    /// a command line, [`crate::config_file::given`]).
+    pub config: Option<PathBuf>,
     /// What the caller should tell the user about the files (an old CSV moved aside).
     pub notes: Vec<String>,
 }
 
 /// Writes `<dir>/<exercise>-<model>-<device>.json` (the record plus `extra` fields such as the
-/// per-epoch history) and appends the record to `<dir>/<exercise>.csv`. The training curves
-/// are the caller's to draw from the same `extra` ([`crate::plots::curves_for_run`]).
+/// per-epoch history), `<dir>/<exercise>-<model>-<device>.config.toml` (the flags given, where
+/// a command line gave them) and appends the record to `<dir>/<exercise>.csv`. The training
+/// curves are the caller's to draw from the same `extra` ([`crate::plots::curves_for_run`]).
 pub fn save(dir: &Path, record: &RunRecord, extra: &serde_json::Value) -> anyhow::Result<Saved> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create results directory {}", dir.display()))?;
     let mut json = serde_json::to_value(record)?;
@@ -155,8 +159,16 @@ pub fn save(dir: &Path, record: &RunRecord, extra: &serde_json::Value) -> anyhow
     }
     let path = dir.join(format!("{}.json", record.name()));
     crate::atomic_file::write(&path, serde_json::to_string_pretty(&json)? + "\n")?;
+    let config = match crate::config_file::given() {
+        Some(given) => {
+            let config = dir.join(format!("{}.config.toml", record.name()));
+            crate::atomic_file::write(&config, given.config_file())?;
+            Some(config)
+        }
+        None => None,
+    };
     let notes = append_csv(&dir.join(format!("{}.csv", record.exercise)), record)?.into_iter().collect();
-    Ok(Saved { json: path, notes })
+    Ok(Saved { json: path, config, notes })
 }
 
 /// Appends a row, writing the header first when the file is new. A file written with other

@@ -436,3 +436,35 @@ fn a_config_file_gives_the_flags_and_the_command_line_overrides_it() {
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("key `epochs`") && stderr(&out).lines().count() == 1, "{}", stderr(&out));
 }
+
+/// Every run keeps the flags it was given beside its results (`<run>.config.toml`): the config
+/// file's and the command line's together, defaults left out. Given back as `--config`, it
+/// repeats the run: the same losses, seeded as it was.
+#[test]
+fn a_run_keeps_its_flags_and_they_repeat_it() {
+    let (data, results, again) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    generated_cifar(data.path(), 64);
+    let config = data.path().join("run.toml");
+    std::fs::write(&config, "batch_size = 16\nlr = 0.01\n").unwrap();
+    let data_dir = data.path().to_str().unwrap();
+    let flags = ["--config", config.to_str().unwrap(), "--lr", "0.002", "--device", "cpu", "--max-steps", "3", "--data-dir", data_dir];
+    let first = exercise1(&[&flags[..], &["--results-dir", results.path().to_str().unwrap()]].concat());
+    assert!(first.status.success(), "{}", stderr(&first));
+    let kept = results.path().join("exercise1-cnn-cpu.config.toml");
+    assert!(String::from_utf8_lossy(&first.stdout).contains(&format!("wrote {}", kept.display())), "{}", String::from_utf8_lossy(&first.stdout));
+    let text = std::fs::read_to_string(&kept).unwrap();
+    assert!(text.starts_with("# The flags of this run: `exercise1 --config FILE` repeats it"), "{text}");
+    for line in ["batch-size = 16", "lr = 0.002", "max-steps = 3", "device = \"cpu\""] {
+        assert!(text.lines().any(|l| l == line), "no `{line}` in:\n{text}");
+    }
+    // Repeated from the kept file alone, into another folder.
+    let repeat = exercise1(&["--config", kept.to_str().unwrap(), "--results-dir", again.path().to_str().unwrap()]);
+    assert!(repeat.status.success(), "{}", stderr(&repeat));
+    let losses = |dir: &Path| {
+        let json = read_json(&dir.join("exercise1-cnn-cpu.json"));
+        (json["steps"].as_u64(), json["batch_size"].as_u64(), json["lr"].as_f64(), json["test_loss"].as_f64())
+    };
+    let straight = losses(results.path());
+    assert_eq!((straight.0, straight.1, straight.2), (Some(3), Some(16), Some(0.002)));
+    assert_eq!(losses(again.path()), straight, "the kept flags repeat the run");
+}

@@ -305,6 +305,8 @@ fn a_runs_own_results_are_ignored_and_the_reference_runs_kept_apart() {
         "results/exercise1-cnn-cpu.svg",
         "results/exercise1_nlp-transformer-cuda.json",
         "results/exercise2-resnet34-cuda.json",
+        "results/exercise2-resnet34-cuda.config.toml",
+        "results/scaling/strong/ranks-2/exercise2-cnn-cpu.config.toml",
     ] {
         let out = Command::new("git").args(["check-ignore", "--no-index", "-q", written]).current_dir(repo()).output().unwrap();
         assert!(out.status.success(), "git would show {written} as new or modified after a run");

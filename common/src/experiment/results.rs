@@ -140,6 +140,9 @@ pub(super) fn write_results<E: Experiment>(
     }
     session.info(report::time_split(&record))?;
     session.info(format!("wrote {}", saved.json.display()))?;
+    if let Some(config) = &saved.config {
+        session.info(format!("wrote {} (the flags given: --config {0} repeats the run)", config.display()))?;
+    }
     if !preset.per_device || groups.world.world_size() > 1 {
         session.info(report::comparison_table(std::slice::from_ref(&record), None))?;
     }

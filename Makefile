@@ -177,6 +177,7 @@ python-tools: setup
 lint: setup
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
+	python3 scripts/module-cycles.py
 
 # nextest runs as many tests at once as there are cores. Each test's LibTorch would start an
 # OpenMP team of one thread per core, and the teams spin-wait against each other: one thread per

@@ -401,6 +401,13 @@ pub enum Collective {
     Recv,
 }
 
+/// Traffic a rank counts beyond its groups' own (a parameter-server worker's pushes and pulls to
+/// its servers): what [`super::layout::Groups::comm_stats`] adds to its groups'. The mesh knows
+/// no strategy; a strategy with links of its own hands them over as this.
+pub trait Traffic {
+    fn comm_stats(&self) -> CommStats;
+}
+
 /// Calls and bytes per kind of communication (this rank's side).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct CommStats {

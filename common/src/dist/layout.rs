@@ -104,20 +104,16 @@ pub struct Groups<'w> {
     /// All ranks holding a part of this rank's replica (stages × shards): the gradient norm and
     /// the scaler's inf/NaN verdict are agreed over them.
     model: Option<ProcessGroup>,
-    /// Parameter-server hook: the servers this rank (a worker) pushes to, where there are any.
-    servers: Option<std::rc::Rc<super::parameter_server::WorkerLink<'w>>>,
+    /// Links outside the mesh whose traffic this rank's counts include (a parameter-server
+    /// worker's to its servers).
+    traffic: Option<std::rc::Rc<dyn super::group::Traffic + 'w>>,
 }
 
 impl<'w> Groups<'w> {
-    /// These groups, for a worker of a parameter-server job (`link`: its servers; None: none).
-    pub fn with_parameter_servers(mut self, link: Option<std::rc::Rc<super::parameter_server::WorkerLink<'w>>>) -> Groups<'w> {
-        self.servers = link;
+    /// These groups, counting `traffic` (a strategy's own links) with their own.
+    pub fn with_traffic(mut self, traffic: Option<std::rc::Rc<dyn super::group::Traffic + 'w>>) -> Groups<'w> {
+        self.traffic = traffic;
         self
-    }
-
-    /// The parameter servers this rank works for (`--strategy parameter-server`).
-    pub fn parameter_servers(&self) -> Option<std::rc::Rc<super::parameter_server::WorkerLink<'w>>> {
-        self.servers.clone()
     }
 
     /// Splits `world` for `layout` (which must cover it exactly).
@@ -140,12 +136,12 @@ impl<'w> Groups<'w> {
         let pp = make(layout.pp, coords.replica * layout.tp + coords.shard, coords.stage)?;
         let tp = make(layout.tp, coords.replica * layout.pp + coords.stage, coords.shard)?;
         let model = make(layout.pp * layout.tp, coords.replica, model_index)?;
-        Ok(Groups { world, layout, coords, dp, pp, tp, model, servers: None })
+        Ok(Groups { world, layout, coords, dp, pp, tp, model, traffic: None })
     }
 
     /// The groups of a job of one rank.
     pub fn single(world: &'w ProcessGroup) -> Groups<'w> {
-        Groups { world, layout: Layout::SINGLE, coords: Coords { replica: 0, stage: 0, shard: 0 }, dp: None, pp: None, tp: None, model: None, servers: None }
+        Groups { world, layout: Layout::SINGLE, coords: Coords { replica: 0, stage: 0, shard: 0 }, dp: None, pp: None, tp: None, model: None, traffic: None }
     }
 
     /// The group whose dimension has `size` ranks: a split, the world, or this rank alone.
@@ -182,10 +178,10 @@ impl<'w> Groups<'w> {
         crate::dist::tensor_parallel::Shard { index: self.coords.shard, count: self.layout.tp }
     }
 
-    /// What this rank's groups moved so far (the world's and each split's, counted once), and a
-    /// parameter-server worker's pushes and pulls.
+    /// What this rank's groups moved so far (the world's and each split's, counted once), and
+    /// its [`Self::with_traffic`] links'.
     pub fn comm_stats(&self) -> super::group::CommStats {
-        let servers = self.servers.as_ref().map(|link| link.comm_stats()).unwrap_or_default();
+        let servers = self.traffic.as_ref().map(|link| link.comm_stats()).unwrap_or_default();
         [Some(self.world), self.dp.as_ref(), self.pp.as_ref(), self.tp.as_ref(), self.model.as_ref()]
             .into_iter()
             .flatten()

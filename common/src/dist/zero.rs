@@ -36,6 +36,7 @@ use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
 use super::{ProcessGroup, ReduceOp};
+use crate::optim::block::{BlockLayout, Span, BLOCK_NAME};
 use crate::optim::{forward_to, Optimizer, Sharded};
 use crate::torch_ext;
 
@@ -182,27 +183,6 @@ impl Buckets {
         }
         whole.into_iter().map(|t| t.expect("every parameter is in a bucket")).collect()
     }
-}
-
-/// Part of a block: elements `[start, start + len)` of parameter `param` (flattened) sit at
-/// `offset` in the block.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Span {
-    pub param: usize,
-    pub start: i64,
-    pub len: i64,
-    pub offset: i64,
-}
-
-/// Which elements of which parameters a rank's block holds: what a sharded checkpoint writes of
-/// it and reads into it, without the whole parameters or state ever being put together.
-#[derive(Debug, Clone)]
-pub struct BlockLayout {
-    /// The parameters by their whole-model names, and their shapes on this rank.
-    pub params: Vec<(String, Vec<i64>)>,
-    pub spans: Vec<Span>,
-    /// Elements of the block (its spans and the buckets' padding).
-    pub len: i64,
 }
 
 /// What the gradient hooks of one step have done so far (stages 2 and 3).
@@ -521,11 +501,10 @@ unsafe fn callback(context: *mut c_void, message: *mut u8, size: usize, work: im
     torch_ext::report_callback_error(&error, message, size)
 }
 
-/// An optimizer over this rank's block of a model's parameters (see the module docs).
-/// The name the block's optimizer knows it by: its state entries are `<entry>.zero_block`.
-pub const BLOCK_NAME: &str = "zero_block";
+/// [`BLOCK_NAME`] as the end of a state entry's name.
 const BLOCK_SUFFIX: &str = ".zero_block";
 
+/// An optimizer over this rank's block of a model's parameters (see the module docs).
 pub struct ZeroOptimizer<'g> {
     shards: Rc<Shards<'g>>,
     inner: Box<dyn Optimizer + 'g>,

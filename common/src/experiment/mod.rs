@@ -174,7 +174,9 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
         }
         let world = ps.as_ref().map_or(world, |job| job.workers());
         let layout = exp.layout(world.world_size())?;
-        let groups = Groups::new(world, layout)?.with_parameter_servers(ps.as_ref().map(|job| job.link()));
+        let servers = ps.as_ref().map(|job| job.link());
+        let traffic = servers.clone().map(|link| link as std::rc::Rc<dyn crate::dist::group::Traffic>);
+        let groups = Groups::new(world, layout)?.with_traffic(traffic);
         let device = exp.device(&groups)?;
         run.precision.check(device)?;
         let mut session = session_observers(exp, world.is_root(), listeners);
@@ -191,7 +193,7 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
             session.warn(warning)?;
         }
         let data = exp.load(&mut session, world.is_root())?;
-        let record = train_on(exp, &data, &groups, device, &mut session)?;
+        let record = train_on(exp, &data, &groups, servers.as_ref(), device, &mut session)?;
         if let (Some(record), true) = (&record, world.world_size() > 1) {
             let csv = run.results_dir.join(format!("{}.csv", exp.preset().name));
             if let Some(efficiency) = report::scaling_efficiency(&csv, record) {
@@ -300,7 +302,7 @@ fn run_per_device<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<V
     let data = exp.load(&mut session, true)?;
     let mut records = Vec::new();
     for device in devices {
-        records.extend(train_on(exp, &data, &groups, device, &mut session)?);
+        records.extend(train_on(exp, &data, &groups, None, device, &mut session)?);
     }
     if records.is_empty() {
         return Ok(records); // --eval-only, or a finished run resumed: each device said why

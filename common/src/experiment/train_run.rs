@@ -15,6 +15,7 @@ use crate::dist::data_parallel::DataParallelPlan;
 use crate::dist::layout::Groups;
 use crate::dist::zero::ZeroStage;
 use crate::dist::{CommStats, GradientSync};
+use crate::dist::parameter_server::WorkerLink;
 use crate::error::usage;
 use crate::flags::RunArgs;
 use crate::memory::{self, MemoryMeter, ModelState};
@@ -40,8 +41,19 @@ pub(super) struct Built<'g, M> {
     pub data_identity: serde_json::Value,
 }
 
+/// The parameter servers a worker of a parameter-server job trains with (`--strategy
+/// parameter-server`); none in other jobs.
+pub(super) type Servers<'w> = Option<&'w Rc<WorkerLink<'w>>>;
+
 /// One training run on `device`: built, trained, measured; rank 0's record.
-pub(super) fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, device: Device, session: &mut Observers) -> Result<Option<RunRecord>> {
+pub(super) fn train_on<'g, E: Experiment>(
+    exp: &E,
+    data: &E::Data,
+    groups: &'g Groups<'g>,
+    servers: Servers<'g>,
+    device: Device,
+    session: &mut Observers,
+) -> Result<Option<RunRecord>> {
     if device.is_cuda() {
         tch::Cuda::cudnn_set_benchmark(true);
     }
@@ -49,8 +61,8 @@ pub(super) fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, 
         announce_matmul_precision(exp.run_args(), device, session)?;
     }
     // Peak memory from the data in place: the model's state, activations and temporaries.
-    let (mut built, meter) = build(exp, data, groups, device, session)?;
-    let config = train_config(exp, &built, groups, device)?;
+    let (mut built, meter) = build(exp, data, groups, servers, device, session)?;
+    let config = train_config(exp, &built, groups, servers, device)?;
     if config.cuda_graph {
         built.optimizer.make_capturable()?;
     }
@@ -64,7 +76,7 @@ pub(super) fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, 
     let before = groups.comm_stats();
     let Built { step, optimizer, sources, .. } = &mut built;
     let fit = train::fit(step.as_mut(), optimizer.as_mut(), sources.train.as_ref(), sources.eval.as_ref(), &config, &mut observers);
-    if let (Err(stopped), Some(link)) = (&fit, groups.parameter_servers()) {
+    if let (Err(stopped), Some(link)) = (&fit, servers) {
         // Workers stopped by a signal (with their checkpoint) are done too: the servers, which
         // serve until every worker says so, must hear it, or the job never ends.
         if stopped.is::<crate::error::Stopped>() {
@@ -77,7 +89,7 @@ pub(super) fn train_on<E: Experiment>(exp: &E, data: &E::Data, groups: &Groups, 
     };
     let communication = groups.comm_stats().since(before);
     // Every parameter-server worker says it is done; worker 0 gets the servers' figures.
-    let parameter_server = groups.parameter_servers().map(|link| link.finish()).transpose()?.flatten();
+    let parameter_server = servers.map(|link| link.finish()).transpose()?.flatten();
     drop(observers);
     if fit.steps == 0 && !exp.run_args().eval_only {
         // A finished run resumed (a requeued or resubmitted job): its results stay as they are,
@@ -142,6 +154,7 @@ fn build<'g, E: Experiment>(
     exp: &E,
     data: &E::Data,
     groups: &'g Groups<'g>,
+    servers: Servers<'g>,
     device: Device,
     session: &mut Observers,
 ) -> Result<(Built<'g, E::Model>, RefCell<MemoryMeter>)> {
@@ -153,8 +166,7 @@ fn build<'g, E: Experiment>(
     }
     // The data-parallel style: the preset's, ZeRO's, or parameter servers' (the workers do not
     // average among themselves).
-    let ps = groups.parameter_servers();
-    let sync = match (&ps, zero) {
+    let sync = match (servers, zero) {
         (Some(_), _) => GradientSync::ParameterServer,
         (None, zero) => zero.map_or(preset.sync, GradientSync::Zero),
     };
@@ -171,7 +183,7 @@ fn build<'g, E: Experiment>(
         Some(replication) => replication.distribute(step.as_ref(), build)?,
         None => build(step.named_parameters()),
     };
-    if let Some(link) = &ps {
+    if let Some(link) = servers {
         // The optimizer runs on the servers; the step evaluates their parameters.
         link.check(run.precision, run.cuda_graph)?;
         step = link.step(step);
@@ -185,7 +197,7 @@ fn build<'g, E: Experiment>(
 }
 
 /// The loop's configuration for `built` (with `--cuda-graph`, the optimizer made capturable).
-fn train_config<E: Experiment>(exp: &E, built: &Built<'_, E::Model>, groups: &Groups, device: Device) -> Result<TrainConfig> {
+fn train_config<E: Experiment>(exp: &E, built: &Built<'_, E::Model>, groups: &Groups, servers: Servers<'_>, device: Device) -> Result<TrainConfig> {
     let run = exp.run_args();
     let recipe = &built.recipe;
     // --cuda-graph records GPU steps; the CPU leg of a CPU-vs-GPU comparison trains as usual.
@@ -219,7 +231,7 @@ fn train_config<E: Experiment>(exp: &E, built: &Built<'_, E::Model>, groups: &Gr
         steady_after: run.steady_after,
         cuda_graph,
         eval_only: run.eval_only,
-        lockstep: groups.parameter_servers().is_none_or(|link| link.lockstep()),
+        lockstep: servers.is_none_or(|link| link.lockstep()),
     })
 }
 

@@ -13,6 +13,7 @@
 //! (including Adam's step count), so a restored state continues the exact trajectory.
 
 mod adam;
+pub mod block;
 mod lamb;
 mod lars;
 mod sgd;
@@ -115,7 +116,7 @@ pub trait Sharded {
     /// ZeRO: which parameters' elements this rank's share of the state holds (its
     /// [`Optimizer::state_tensors`] are then blocks, `<entry>.zero_block`, laid out so); none
     /// where the shares are not blocks (parameter servers).
-    fn block_layout(&self) -> Option<crate::dist::zero::BlockLayout> {
+    fn block_layout(&self) -> Option<block::BlockLayout> {
         None
     }
 

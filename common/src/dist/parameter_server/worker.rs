@@ -52,7 +52,15 @@ impl<'w> WorkerLink<'w> {
     pub fn comm_stats(&self) -> crate::dist::CommStats {
         self.world.comm_stats()
     }
+}
 
+impl crate::dist::group::Traffic for WorkerLink<'_> {
+    fn comm_stats(&self) -> crate::dist::CommStats {
+        WorkerLink::comm_stats(self)
+    }
+}
+
+impl<'w> WorkerLink<'w> {
     fn server_rank(&self, s: usize) -> usize {
         self.workers + s
     }

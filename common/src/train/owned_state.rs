@@ -16,8 +16,8 @@ use super::step::TrainStep;
 use crate::checkpoint::region::Region;
 use crate::checkpoint::sharded::{Piece, Source};
 use crate::dist::tensor_parallel::Shard;
-use crate::optim::block::{BlockLayout, BLOCK_NAME};
 use crate::models::transformer_names::split_of_named;
+use crate::optim::block::{BlockLayout, BLOCK_NAME};
 use crate::optim::Optimizer;
 
 const MODEL: &str = "model.";

@@ -33,6 +33,7 @@ pub mod ps_bench;
 pub mod report;
 pub mod results_page;
 pub mod scaling;
+pub mod seed_keys;
 pub mod slurm;
 pub mod tensorboard;
 pub mod torch_ext;

@@ -147,7 +147,7 @@ fn five_step_losses(pipeline: &mut Pipeline, weights: &nn::VarStore) -> Vec<f64>
         .map(|step| {
             let (src, targets) = private_batch(200 + step, 6, 8);
             optimizer.zero_grad();
-            let loss = train_step(pipeline, &src, &targets, models::mix_key(&[42, step]));
+            let loss = train_step(pipeline, &src, &targets, common::seed_keys::mix_key(&[42, step]));
             common::train::finish_gradients(&*pipeline, &mut optimizer, None, Some(CLIP)).unwrap();
             optimizer.step().unwrap();
             loss
@@ -209,7 +209,7 @@ fn a_seeded_run_with_dropout_trains_the_same_model_whatever_the_stages_partition
         stage.copy_from(&weights).unwrap();
     }
     let (src, targets) = private_batch(200, 6, 8);
-    let other = train_step(&mut pipeline, &src, &targets, models::mix_key(&[43, 0]));
+    let other = train_step(&mut pipeline, &src, &targets, common::seed_keys::mix_key(&[43, 0]));
     let first = reference.unwrap()[0];
     assert!((other - first).abs() > 1e-4, "another seed's masks give another loss: {other} vs {first}");
 }
@@ -444,7 +444,7 @@ fn stages_in_processes(world: usize) -> usize {
             for (step, want) in expected.iter().enumerate() {
                 let (src, targets) = private_batch(200 + step as u64, 6, 8);
                 optimizer.zero_grad();
-                let got = train_step(&mut process, &src, &targets, models::mix_key(&[42, step as u64]));
+                let got = train_step(&mut process, &src, &targets, common::seed_keys::mix_key(&[42, step as u64]));
                 common::train::finish_gradients(&process, &mut optimizer, None, Some(CLIP)).unwrap();
                 optimizer.step().unwrap();
                 let rank = group.rank();

@@ -133,7 +133,7 @@ fn dropout_masks_do_not_depend_on_the_shards() -> usize {
             .map(|step| {
                 let (src, targets) = private_batch(300 + step, 6, 8);
                 common::optim::Optimizer::zero_grad(&mut optimizer);
-                let loss = train_step(trainer.as_mut(), &src, &targets, common::models::mix_key(&[42, step]));
+                let loss = train_step(trainer.as_mut(), &src, &targets, common::seed_keys::mix_key(&[42, step]));
                 common::train::finish_gradients(&**trainer, &mut optimizer, None, Some(CLIP)).unwrap();
                 common::optim::Optimizer::step(&mut optimizer).unwrap();
                 loss

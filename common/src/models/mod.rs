@@ -24,7 +24,7 @@ pub use blocks::{Block, Blocks};
 use freeze::BatchNorm;
 pub use freeze::{freeze, Frozen, Trainable};
 pub use transformer::{
-    encoder_layers, encoder_layers_sharded, mix_key, output_layer, output_layer_sharded, param_count_formula, EncoderLayer, Masks, OutputInit, TokenEmbedding,
+    encoder_layers, encoder_layers_sharded, output_layer, output_layer_sharded, param_count_formula, EncoderLayer, Masks, OutputInit, TokenEmbedding,
     TransformerConfig, TransformerLm,
 };
 pub use weights::{load_weights, LoadedWeights};

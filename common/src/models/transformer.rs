@@ -23,6 +23,7 @@ use super::TORCH_DEFAULT_WEIGHT;
 use crate::dist::tensor_parallel::{self as tp, Shard};
 use crate::dist::ProcessGroup;
 use crate::error::UsageError;
+use crate::seed_keys::mix_key;
 use crate::torch_ext::{self, Generator};
 use std::cell::RefCell;
 use tch::nn::{self, Init, Module, ModuleT};
@@ -63,17 +64,6 @@ impl Site {
             Site::FeedForwardOut(l) => [l as u64 + 1, 4],
         }
     }
-}
-
-/// A 64-bit key mixing `parts` (SplitMix64's finaliser over each part in turn): nearby inputs
-/// give unrelated keys.
-pub fn mix_key(parts: &[u64]) -> u64 {
-    parts.iter().fold(0x9e37_79b9_7f4a_7c15u64, |acc, &part| {
-        let mut z = (acc ^ part).wrapping_add(0x9e37_79b9_7f4a_7c15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    })
 }
 
 /// A tensor that is one tensor-parallel shard's part of a larger one: along `dim`, whose whole

@@ -15,7 +15,8 @@ use super::link::{Link, Stash};
 use super::schedule::{Direction, Op};
 use super::stage::Stage;
 use crate::dist::ProcessGroup;
-use crate::models::{mix_key, Masks};
+use crate::models::Masks;
+use crate::seed_keys::mix_key;
 use crate::torch_ext::Generator;
 
 /// The micro-batches as the first and last stage see them.

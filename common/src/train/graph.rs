@@ -22,8 +22,8 @@ use super::step::{StepContext, StepOutput, TrainStep};
 use super::{Batch, Metric, Phase, TrainConfig};
 use crate::cuda_graph::CudaGraph;
 use crate::device::synchronize;
-use crate::models::mix_key;
 use crate::optim::Optimizer;
+use crate::seed_keys::mix_key;
 
 /// Ordinary steps before the capture (torch's examples warm up 3 iterations).
 pub const WARMUP_STEPS: usize = 3;

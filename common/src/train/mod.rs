@@ -37,9 +37,9 @@ use tch::{Kind, Tensor};
 use crate::checkpoint::{self, CheckpointMeta};
 use crate::device::synchronize;
 use crate::dist::ProcessGroup;
-use crate::models::mix_key;
 use crate::optim::Optimizer;
 use crate::precision::{GradScaler, Precision};
+use crate::seed_keys::mix_key;
 pub use checkpointing::CheckpointFormat;
 use checkpointing::Checkpointer;
 

@@ -143,10 +143,10 @@ pub fn reference_model(cfg: &TransformerConfig) -> (nn::VarStore, TransformerLm)
 /// Token ids `[seq_len, batch]` and their targets drawn without LibTorch's shared generator
 /// (other tests of this binary seed and draw from it on other threads at the same time).
 pub fn private_batch(seed: u64, seq_len: i64, batch: i64) -> (Tensor, Tensor) {
-    let mut state = models::mix_key(&[seed]);
+    let mut state = common::seed_keys::mix_key(&[seed]);
     let ids: Vec<i64> = (0..(seq_len + 1) * batch)
         .map(|_| {
-            state = models::mix_key(&[state]);
+            state = common::seed_keys::mix_key(&[state]);
             (state % 50) as i64
         })
         .collect();

@@ -109,7 +109,7 @@ fn whole_model<'g>(
     if groups.layout.pp * groups.layout.tp != 1 {
         return usage(format!("this model is not split into parts, but the job's layout is {}", groups.layout.describe()));
     }
-    let parallel = Parallel::of(groups, dp);
+    let parallel = Parallel::of(groups, dp, crate::dist::tensor_parallel::uncut);
     if let Some(replicas) = &parallel.replicas {
         replicas.averager.check(replicas.group, device)?;
         check_reduces(replicas.group, device, precision)?;
@@ -202,7 +202,7 @@ impl Parallelize for TransformerPlan {
                 Box::new(StageProcess::new(groups, mine, plan.options, dp)?)
             }
         };
-        let shard = step.sync().parallel.tp.map_or(crate::dist::tensor_parallel::Shard::WHOLE, |(_, shard)| shard);
+        let shard = step.sync().parallel.tp.map_or(crate::dist::tensor_parallel::Shard::WHOLE, |tp| tp.shard);
         self.init.apply(&step.named_parameters(), config, seed, shard);
         Ok(step)
     }

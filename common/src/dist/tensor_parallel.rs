@@ -115,6 +115,61 @@ pub fn unshard(parts: &[Tensor], split: Split) -> Tensor {
     }
 }
 
+/// How a model's variables are cut over tensor-parallel shards, by name (`<entry>.<variable>`
+/// optimizer state as its variable; a tensor of 0 dimensions never): the model's own table
+/// (`models::transformer_names::split_of` for the Transformer), an error for a name it does not
+/// know.
+pub type SplitOf = fn(&str, usize) -> anyhow::Result<Split>;
+
+/// For a model that is never cut (the image models): every tensor is refused by name, so that a
+/// shard of one could never pass as replicated.
+pub fn uncut(name: &str, dims: usize) -> anyhow::Result<Split> {
+    match dims {
+        0 => Ok(Split::Replicated),
+        _ => anyhow::bail!("`{name}`: this model is not cut into tensor-parallel shards"),
+    }
+}
+
+/// A rank's tensor-parallel shards: their group, which one this rank is, and how the model's
+/// variables are cut (the model's table): what checkpoints put the whole tensors together from
+/// and cut again on resume, knowing no model.
+#[derive(Clone, Copy)]
+pub struct TensorShards<'g> {
+    pub group: &'g ProcessGroup,
+    pub shard: Shard,
+    pub split_of: SplitOf,
+}
+
+impl TensorShards<'_> {
+    /// How the variable (or optimizer state) `name` of `dims` dimensions is cut.
+    pub fn split(&self, name: &str, dims: usize) -> anyhow::Result<Split> {
+        (self.split_of)(name, dims)
+    }
+
+    /// The whole tensors of `named` (this shard's variables or optimizer state, by whole-model
+    /// names): all-gathered over the shards and put together. Every shard calls it with the
+    /// same names in the same order.
+    pub fn unshard_named(&self, named: Vec<(String, Tensor)>) -> anyhow::Result<Vec<(String, Tensor)>> {
+        named
+            .into_iter()
+            .map(|(name, t)| {
+                let split = self.split(&name, t.dim())?;
+                if split == Split::Replicated {
+                    return Ok((name, t));
+                }
+                let parts = self.group.all_gather(&t.detach().contiguous())?;
+                Ok((name, unshard(&parts, split)))
+            })
+            .collect()
+    }
+
+    /// This rank's part of the whole tensor `whole` named `name` (as [`Self::unshard_named`]
+    /// names them).
+    pub fn shard_of(&self, name: &str, whole: &Tensor) -> anyhow::Result<Tensor> {
+        Ok(shard_tensor(whole, self.split(name, whole.dim())?, self.shard))
+    }
+}
+
 /// The shim's callback: an in-place all-reduce (sum) of `tensor` over the group `context`
 /// points to. Errors and panics become a message for the C++ side, which throws it into
 /// LibTorch's autograd (and so out of `backward`).

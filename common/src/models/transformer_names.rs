@@ -8,10 +8,8 @@
 use std::fmt;
 
 use anyhow::Result;
-use tch::Tensor;
 
-use crate::dist::tensor_parallel::{shard_tensor, unshard, Shard, Split};
-use crate::dist::ProcessGroup;
+use crate::dist::tensor_parallel::Split;
 
 /// The embedding's path under the model's root (`embedding.weight`).
 pub const EMBEDDING: &str = "embedding";
@@ -104,26 +102,10 @@ pub fn split_of_named(name: &str, dims: usize) -> Result<Split, UnknownVariable>
     }
 }
 
-/// The whole tensors of `named` (this shard's variables or optimizer state, by whole-model
-/// names): all-gathered over `group` and put together. Every shard calls it with the same
-/// names in the same order.
-pub fn unshard_named(group: &ProcessGroup, named: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
-    named
-        .into_iter()
-        .map(|(name, t)| {
-            let split = split_of_named(&name, t.dim())?;
-            if split == Split::Replicated {
-                return Ok((name, t));
-            }
-            let parts = group.all_gather(&t.detach().contiguous())?;
-            Ok((name, unshard(&parts, split)))
-        })
-        .collect()
-}
-
-/// `shard`'s part of the whole tensor `whole` named `name` (as [`unshard_named`] names them).
-pub fn shard_of_named(name: &str, whole: &Tensor, shard: Shard) -> Result<Tensor> {
-    Ok(shard_tensor(whole, split_of_named(name, whole.dim())?, shard))
+/// [`split_of_named`] as the Transformer's [`crate::dist::tensor_parallel::SplitOf`]: the
+/// table its tensor-parallel steps hand to the checkpoints.
+pub fn split_of(name: &str, dims: usize) -> Result<Split> {
+    Ok(split_of_named(name, dims)?)
 }
 
 /// A name that is not one of the Transformer's variables.
@@ -185,11 +167,12 @@ mod tests {
 
     #[test]
     fn a_shard_of_named_state_is_its_variables_rows_and_a_count_stays_whole() {
+        let world = crate::dist::ProcessGroup::single();
+        let shards = crate::dist::tensor_parallel::TensorShards { group: &world, shard: crate::dist::tensor_parallel::Shard { index: 1, count: 2 }, split_of };
         let (step, exp_avg) = (tch::Tensor::from(3i64), tch::Tensor::arange(4, (tch::Kind::Float, tch::Device::Cpu)));
-        let shard = Shard { index: 1, count: 2 };
-        assert_eq!(shard_of_named("step.linear.bias", &step, shard).unwrap().int64_value(&[]), 3);
-        assert_eq!(Vec::<f32>::try_from(shard_of_named("exp_avg.linear.bias", &exp_avg, shard).unwrap()).unwrap(), vec![2.0, 3.0]);
-        assert!(shard_of_named("exp_avg.decoder.bias", &exp_avg, shard).is_err());
+        assert_eq!(shards.shard_of("step.linear.bias", &step).unwrap().int64_value(&[]), 3);
+        assert_eq!(Vec::<f32>::try_from(shards.shard_of("exp_avg.linear.bias", &exp_avg).unwrap()).unwrap(), vec![2.0, 3.0]);
+        assert!(shards.shard_of("exp_avg.decoder.bias", &exp_avg).is_err());
     }
 
     #[test]

@@ -109,7 +109,7 @@ impl<'g> StageProcess<'g> {
             // the stages finish their gradients in the loop (DDP's place), where ZeRO-1's too.
             return usage("Horovod-style averaging (inside the optimizer) is not built for pipeline stages: their replicas average DDP-style");
         }
-        let parallel = Parallel::of(groups, dp);
+        let parallel = Parallel::of(groups, dp, crate::models::transformer_names::split_of);
         if let Some(replicas) = &parallel.replicas {
             dp.averager.check(replicas.group, on)?;
         }

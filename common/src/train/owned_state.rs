@@ -15,8 +15,7 @@ use tch::{Device, Kind, Tensor};
 use super::step::TrainStep;
 use crate::checkpoint::region::Region;
 use crate::checkpoint::sharded::{Piece, Source};
-use crate::dist::tensor_parallel::Shard;
-use crate::models::transformer_names::split_of_named;
+use crate::dist::tensor_parallel::TensorShards;
 use crate::optim::block::{BlockLayout, BLOCK_NAME};
 use crate::optim::Optimizer;
 
@@ -24,24 +23,25 @@ const MODEL: &str = "model.";
 const OPTIM: &str = "optim.";
 
 /// Where this rank's tensors sit among the ranks that hold the same model.
-struct Place {
-    shard: Option<Shard>,
+struct Place<'g> {
+    shards: Option<TensorShards<'g>>,
     first_replica: bool,
     first_shard: bool,
 }
 
-impl Place {
-    fn of(step: &dyn TrainStep<'_>) -> Place {
+impl<'g> Place<'g> {
+    fn of(step: &dyn TrainStep<'g>) -> Place<'g> {
         let parallel = step.sync().parallel;
-        let shard = parallel.tp.map(|(_, shard)| shard);
-        Place { shard, first_replica: parallel.replica == 0, first_shard: shard.is_none_or(|s| s.index == 0) }
+        let shards = parallel.tp;
+        Place { shards, first_replica: parallel.replica == 0, first_shard: shards.is_none_or(|tp| tp.shard.index == 0) }
     }
 
     /// The region of the whole tensor `name` (a variable, or optimizer state
-    /// `<entry>.<variable>`) that this rank's tensor of `dims` dimensions is.
+    /// `<entry>.<variable>`) that this rank's tensor of `dims` dimensions is: the model's cut,
+    /// as the step's shards know it.
     fn region(&self, name: &str, dims: usize) -> Result<Region> {
-        match self.shard {
-            Some(shard) if dims > 0 => Ok(Region::cut(split_of_named(name, dims)?, shard)),
+        match self.shards {
+            Some(tp) if dims > 0 => Ok(Region::cut(tp.split(name, dims)?, tp.shard)),
             _ => Ok(Region::WHOLE),
         }
     }

@@ -20,7 +20,6 @@ use crate::checkpoint::{self, Checkpoint, CheckpointMeta, Found, HostCheckpoint}
 use crate::dist::data_parallel::{broadcast_named, broadcast_optimizer_state, broadcast_sharded_state};
 use crate::dist::transfer::{recv_named, recv_tensor, send_named, send_tensor};
 use crate::dist::ProcessGroup;
-use crate::models::transformer_names;
 use crate::optim::Optimizer;
 use crate::precision::{GradScaler, GradScalerState};
 
@@ -187,7 +186,7 @@ fn restore_replica_zero(
 ) -> Result<Vec<(String, Tensor)>> {
     let variables = step.named_variables();
     let names: Vec<String> = variables.iter().map(|(n, _)| n.clone()).collect();
-    let shard = step.sync().parallel.tp.map(|(_, shard)| shard);
+    let shards = step.sync().parallel.tp;
     let part = match model.filter(|g| !g.is_root()) {
         None => {
             // Rank 0 of replica 0 (the file is here): its own part, then every other rank's.
@@ -216,8 +215,8 @@ fn restore_replica_zero(
             recv_named(model, 0)?
         }
     };
-    let part = match shard {
-        Some(shard) => checkpoint::map_part(part, |name, whole| transformer_names::shard_of_named(name, &whole, shard))?,
+    let part = match shards {
+        Some(shards) => checkpoint::map_part(part, |name, whole| shards.shard_of(name, &whole))?,
         None => part,
     };
     let state = checkpoint::part_state(&part);
@@ -246,11 +245,11 @@ fn gather_whole(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: Check
     let mut variables = step.named_variables();
     // Tensor-parallel shards put their parts together (every shard takes part); the first
     // shard then stands for them all.
-    let shards = parallel.tp.map_or(1, |(_, shard)| shard.count);
-    if let Some((group, shard)) = parallel.tp {
-        variables = transformer_names::unshard_named(group, variables)?;
-        state = transformer_names::unshard_named(group, state)?;
-        if shard.index != 0 {
+    let shards = parallel.tp.map_or(1, |tp| tp.shard.count);
+    if let Some(tp) = parallel.tp {
+        variables = tp.unshard_named(variables)?;
+        state = tp.unshard_named(state)?;
+        if tp.shard.index != 0 {
             return Ok(None);
         }
     }

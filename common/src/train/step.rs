@@ -17,6 +17,7 @@ use anyhow::Context;
 
 use crate::dist::data_parallel::{DataParallelPlan, DistributedOptimizer, GradientAverager};
 use crate::dist::layout::Groups;
+use crate::dist::tensor_parallel::{SplitOf, TensorShards};
 use crate::dist::zero::{Shards, ZeroOptimizer, ZeroStage};
 use crate::dist::{GradientSync, ProcessGroup, ReduceOp};
 use crate::models::PartedModule;
@@ -170,21 +171,23 @@ pub struct Parallel<'g> {
     pub world: Option<&'g ProcessGroup>,
     /// This rank's replica (0 holds the copy a checkpoint is gathered from).
     pub replica: usize,
-    /// The tensor-parallel shards of this rank's layers and which one it is: checkpoints hold
-    /// the whole tensors, put together from the shards and cut again on resume.
-    pub tp: Option<(&'g ProcessGroup, crate::dist::tensor_parallel::Shard)>,
+    /// The tensor-parallel shards of this rank's layers, which one it is and how the model's
+    /// variables are cut: checkpoints hold the whole tensors, put together from the shards and
+    /// cut again on resume.
+    pub tp: Option<TensorShards<'g>>,
 }
 
 impl<'g> Parallel<'g> {
     /// This rank's place in `groups`' layout, its replicas keeping their gradients equal as
-    /// `dp` says: the one place a step learns who it works with.
-    pub fn of(groups: &'g Groups<'g>, dp: DataParallelPlan) -> Parallel<'g> {
+    /// `dp` says, its model's variables cut over tensor-parallel shards as `split_of` says:
+    /// the one place a step learns who it works with.
+    pub fn of(groups: &'g Groups<'g>, dp: DataParallelPlan, split_of: SplitOf) -> Parallel<'g> {
         Parallel {
             replicas: groups.dp().map(|group| Replication { group, averager: dp.averager, sync: dp.sync }),
             model: groups.model(),
             world: Some(groups.world),
             replica: groups.coords.replica,
-            tp: groups.tp().map(|group| (group, groups.shard())),
+            tp: groups.tp().map(|group| TensorShards { group, shard: groups.shard(), split_of }),
         }
     }
 

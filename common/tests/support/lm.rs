@@ -3,8 +3,9 @@
 //! tensor-parallel shards, replicas) trains the unpartitioned model.
 use std::collections::HashMap;
 
+use common::dist::tensor_parallel::shard_tensor;
 use common::dist::tensor_parallel::Shard;
-use common::models::transformer_names::shard_of_named;
+use common::models::transformer_names::split_of_named;
 use common::models::{self, TransformerConfig, TransformerLm};
 use common::optim::{Optimizer, Sgd, SgdConfig};
 use common::pipeline::{PipelineOptions, Schedule, Stage};
@@ -64,8 +65,8 @@ pub const CLIP: f64 = 0.5;
 /// This rank's part of the unpartitioned model's tensor `whole` named `name`: the tensor itself,
 /// or a tensor-parallel shard's cut of it.
 pub fn part_of(trainer: &dyn TrainStep<'_>, name: &str, whole: &Tensor) -> Tensor {
-    let shard = trainer.sync().parallel.tp.map_or(Shard::WHOLE, |(_, shard)| shard);
-    shard_of_named(name, whole, shard).unwrap()
+    let shard = trainer.sync().parallel.tp.map_or(Shard::WHOLE, |tp| tp.shard);
+    shard_tensor(whole, split_of_named(name, whole.dim()).unwrap(), shard)
 }
 
 /// Checks that `trainer` (replica `replica.0` of `replica.1`, each training on its share of

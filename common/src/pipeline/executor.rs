@@ -60,6 +60,12 @@ impl StageTrace {
     pub fn label(&self, interval: &OpInterval) -> String {
         interval.op.label(self.stages.len() > 1)
     }
+
+    /// What the training loop's profile draws of it: the device's row and its labelled passes.
+    pub fn for_profile(&self) -> crate::train::DeviceTrace {
+        let passes = self.intervals.iter().map(|i| crate::train::TracedPass { label: self.label(i), start_s: i.start_s, end_s: i.end_s }).collect();
+        crate::train::DeviceTrace { device: self.device, passes }
+    }
 }
 
 /// What a forward pass leaves for its backward pass.

@@ -103,7 +103,7 @@ impl StepReport {
             hits: None,
             examples: tokens,
             phases: vec![("forward+backward", started, std::time::Instant::now())],
-            stage_traces: self.traces,
+            stage_traces: self.traces.iter().map(StageTrace::for_profile).collect(),
             stage_busy: Some((busy, elapsed)),
         }
     }

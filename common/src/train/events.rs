@@ -12,7 +12,6 @@ use anyhow::Result;
 use tch::Tensor;
 
 use super::{EpochStats, FitReport};
-use crate::pipeline::executor::StageTrace;
 
 /// One thing that happened.
 pub enum Event<'a> {
@@ -57,8 +56,8 @@ pub struct StepEvent<'a> {
     pub epoch_start: Instant,
     /// The step's phases (`"data wait"`, `"forward"`, ...) with their times.
     pub phases: &'a [super::Phase],
-    /// A pipeline's passes per stage this process ran (empty otherwise).
-    pub stage_traces: &'a [StageTrace],
+    /// A pipeline's passes per device this process ran (empty otherwise).
+    pub stage_traces: &'a [super::step::DeviceTrace],
     /// A pipeline's measured idle share this step (the bubble).
     pub bubble: Option<f64>,
 }

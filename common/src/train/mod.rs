@@ -25,7 +25,10 @@ pub use checkpointing::CheckpointStats;
 pub use events::{Control, Event, EventLog, Observer, Observers, Record, StepEvent};
 pub use schedule::{LrSchedule, ScheduleKind, Warmup};
 pub use sinks::TENSORBOARD_EVERY;
-pub use step::{counted_parameters, finish_gradients, EvalSums, LocalStep, Parallel, Phase, Replication, StepContext, StepOutput, StepSync, TrainStep};
+pub use step::{
+    counted_parameters, finish_gradients, DeviceTrace, EvalSums, LocalStep, Parallel, Phase, Replication, StepContext, StepOutput, StepSync, TracedPass,
+    TrainStep,
+};
 
 use std::path::PathBuf;
 use std::time::Instant;

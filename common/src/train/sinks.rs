@@ -314,9 +314,9 @@ impl Observer for ProfileSink {
                     }
                     let origin = step.phases.iter().map(|p| p.1).min().unwrap_or_else(Instant::now);
                     for trace in step.stage_traces {
-                        for interval in &trace.intervals {
+                        for pass in &trace.passes {
                             let at = |s: f64| origin + Duration::from_secs_f64(s.max(0.0));
-                            self.profiler.record_on(trace.label(interval), trace.device, at(interval.start_s), at(interval.end_s), index);
+                            self.profiler.record_on(pass.label.clone(), trace.device, at(pass.start_s), at(pass.end_s), index);
                         }
                     }
                 }

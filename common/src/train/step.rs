@@ -22,7 +22,6 @@ use crate::dist::zero::{Shards, ZeroOptimizer, ZeroStage};
 use crate::dist::{GradientSync, ProcessGroup, ReduceOp};
 use crate::models::PartedModule;
 use crate::optim::{NormScope, Optimizer};
-use crate::pipeline::executor::StageTrace;
 use crate::precision::{self, GradScaler, Precision};
 
 /// A named phase of a step (`"forward"`, `"all-reduce"`, ...) with its start and end.
@@ -53,10 +52,27 @@ pub struct StepOutput {
     pub examples: usize,
     /// Phases with their times (`"forward"`, `"backward"`, or a pipeline's `"forward+backward"`).
     pub phases: Vec<Phase>,
-    /// A pipeline's passes per stage (empty otherwise).
-    pub stage_traces: Vec<StageTrace>,
+    /// A pipeline's passes per device (empty otherwise).
+    pub stage_traces: Vec<DeviceTrace>,
     /// A pipeline's stage-seconds computed and stage-seconds elapsed (the bubble's parts).
     pub stage_busy: Option<(f64, f64)>,
+}
+
+/// What one device of a pipeline did during a step, as a profile draws it: its row and its
+/// passes (the pipeline's own traces say more; the loop needs no more than this).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceTrace {
+    /// The device's place in the pipeline: its row in the profile.
+    pub device: usize,
+    pub passes: Vec<TracedPass>,
+}
+
+/// One pass of a device (`F3`, `B3@1`) and when it ran, in seconds since the step started.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TracedPass {
+    pub label: String,
+    pub start_s: f64,
+    pub end_s: f64,
 }
 
 impl StepOutput {

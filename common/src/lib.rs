@@ -23,6 +23,7 @@ pub mod language_model;
 pub mod memory;
 pub mod models;
 pub mod optim;
+pub mod parallel;
 pub mod parallelize;
 pub mod pipeline;
 pub mod plots;

@@ -14,16 +14,15 @@ use std::path::PathBuf;
 use anyhow::Result;
 use tch::{nn, Device};
 
-use crate::dist::data_parallel::DataParallelPlan;
 use crate::dist::layout::Groups;
-use crate::dist::zero::ZeroStage;
-use crate::dist::{GradientSync, ProcessGroup};
+use crate::dist::ProcessGroup;
 use crate::error::usage;
 use crate::models::{self, Blocks, ModelSpec, OnePart, OutputInit, PartedModule, Trainable, TransformerConfig, TransformerLm};
+use crate::parallel::{DataParallelPlan, LocalStep, Parallel, ParallelStep};
 use crate::pipeline::process::StageProcess;
 use crate::pipeline::{Partition, Pipeline, PipelineOptions, Placement, Schedule, Stage};
 use crate::precision::Precision;
-use crate::train::{LocalStep, Observers, Parallel, TrainStep};
+use crate::train::Observers;
 
 /// A plan of what to train that knows how to lay itself out over a job (torchtitan's
 /// per-model `parallelize_fn`): each exercise's model is one, and the layout, the
@@ -38,7 +37,7 @@ pub trait Parallelize {
         seed: u64,
         precision: Precision,
         observers: &mut Observers,
-    ) -> Result<Box<dyn TrainStep<'g> + 'g>>;
+    ) -> Result<Box<dyn ParallelStep<'g> + 'g>>;
 }
 
 /// An image classifier, from `weights` (torchvision names) when given, its blocks before the
@@ -91,7 +90,7 @@ pub fn parallelize<'g, M: Parallelize + ?Sized>(
     seed: u64,
     precision: Precision,
     observers: &mut Observers,
-) -> Result<Box<dyn TrainStep<'g> + 'g>> {
+) -> Result<Box<dyn ParallelStep<'g> + 'g>> {
     model.build_step(groups, dp, device, seed, precision, observers)
 }
 
@@ -105,7 +104,7 @@ fn whole_model<'g>(
     seed: u64,
     precision: Precision,
     build: impl FnOnce(&nn::VarStore) -> Result<Box<dyn PartedModule>>,
-) -> Result<Box<dyn TrainStep<'g> + 'g>> {
+) -> Result<Box<dyn ParallelStep<'g> + 'g>> {
     if groups.layout.pp * groups.layout.tp != 1 {
         return usage(format!("this model is not split into parts, but the job's layout is {}", groups.layout.describe()));
     }
@@ -122,11 +121,11 @@ fn whole_model<'g>(
         // statistics alike, after the weights were loaded in float32.
         vs.set_kind(kind);
     }
-    Ok(match dp.sync {
-        // FSDP: the parameters sharded over the replicas from the start.
-        GradientSync::Zero(ZeroStage::Parameters) if parallel.replicas.is_some() => Box::new(LocalStep::sharded(vs, module, parallel)?),
-        _ => Box::new(LocalStep::parted(vs, module, parallel)),
-    })
+    // The replicas' strategy builds the step (ZeRO-3 shards the parameters from the start).
+    Ok(Box::new(match parallel.replicas {
+        Some(replicas) => replicas.strategy.whole_step(vs, module, parallel)?,
+        None => LocalStep::parted(vs, module, parallel),
+    }))
 }
 
 impl Parallelize for ImagePlan {
@@ -138,7 +137,7 @@ impl Parallelize for ImagePlan {
         seed: u64,
         precision: Precision,
         observers: &mut Observers,
-    ) -> Result<Box<dyn TrainStep<'g> + 'g>> {
+    ) -> Result<Box<dyn ParallelStep<'g> + 'g>> {
         whole_model(groups, dp, device, seed, precision, |vs| {
             let module = models::build(&vs.root(), &self.spec);
             let blocks = Blocks::of(&self.spec);
@@ -168,14 +167,14 @@ impl Parallelize for TransformerPlan {
         seed: u64,
         precision: Precision,
         _observers: &mut Observers,
-    ) -> Result<Box<dyn TrainStep<'g> + 'g>> {
+    ) -> Result<Box<dyn ParallelStep<'g> + 'g>> {
         let config = &self.config;
-        let step: Box<dyn TrainStep<'g> + 'g> = match &self.pipeline {
+        if self.pipeline.is_some() {
+            dp.sync.strategy().check_stages()?;
+        }
+        let step: Box<dyn ParallelStep<'g> + 'g> = match &self.pipeline {
             // (Token ids stay integers: only the weights change kind.)
             None => whole_model(groups, dp, device, seed, precision, |vs| Ok(Box::new(TransformerLm::new(&vs.root(), config)?) as Box<dyn PartedModule>))?,
-            Some(_) if dp.sync == GradientSync::ParameterServer => {
-                return usage("--strategy parameter-server serves whole models: pipeline stages and tensor-parallel shards are not supported with it")
-            }
             Some(_) if precision.weights_kind().is_some() => {
                 return usage(format!(
                     "--precision {} with pipeline stages or tensor-parallel shards is not built yet (their activations pass in float32): use bf16-mixed",
@@ -202,7 +201,7 @@ impl Parallelize for TransformerPlan {
                 Box::new(StageProcess::new(groups, mine, plan.options, dp)?)
             }
         };
-        let shard = step.sync().parallel.tp.map_or(crate::dist::tensor_parallel::Shard::WHOLE, |tp| tp.shard);
+        let shard = step.peers().parallel.tp.map_or(crate::dist::tensor_parallel::Shard::WHOLE, |tp| tp.shard);
         self.init.apply(&step.named_parameters(), config, seed, shard);
         Ok(step)
     }

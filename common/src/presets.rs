@@ -4,10 +4,10 @@
 //! binary.
 use serde::Serialize;
 
-use crate::dist::GradientSync;
 use crate::flags::{RecipeArgs, RecipeSource};
 use crate::models::{Arch, OutputInit, TransformerConfig};
 use crate::optim::OptimizerKind;
+use crate::parallel::GradientSync;
 use crate::train::ScheduleKind;
 
 /// How an exercise optimizes, unless its flags say otherwise.

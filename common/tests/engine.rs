@@ -12,8 +12,9 @@ use common::data::generate::{self, GenerateConfig};
 use common::data::{self, DatasetKind, Loader, LoaderConfig, Split};
 use common::models::{self, Arch, ModelSpec};
 use common::optim::{Lamb, LambConfig, Lars, LarsConfig, Optimizer, Sgd, SgdConfig};
+use common::parallel::{LocalStep, Parallel};
 use common::precision::Precision;
-use common::train::{self, EventLog, LocalStep, LrSchedule, Metric, Observers, Parallel, Record, ScheduleKind, TrainConfig};
+use common::train::{self, EventLog, LrSchedule, Metric, Observers, Record, ScheduleKind, TrainConfig};
 use support::Reference;
 use tch::{nn, Device, Kind, Tensor};
 

@@ -12,12 +12,12 @@ mod support;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::dist::data_parallel::DataParallelPlan;
 use common::dist::data_parallel::GradientAverager;
 use common::dist::layout::{Coords, Groups, Layout};
 use common::dist::{Backend, ProcessGroup};
 use common::models::{self, TransformerConfig, TransformerLm};
 use common::optim::Optimizer;
+use common::parallel::DataParallelPlan;
 use common::pipeline::executor::StageTrace;
 use common::pipeline::process::StageProcess;
 use common::pipeline::{schedule, split_batch, Op, Partition, Pipeline, PipelineOptions, Placement, Schedule, Stage};
@@ -395,7 +395,7 @@ fn stages_in_processes(world: usize) -> usize {
     let groups = Groups::new(&group, Layout::new(world, 2, 1, Some(world / 2)).unwrap()).unwrap();
     let coords = groups.coords;
     let partition = Partition::even(cfg.nlayers, 2).unwrap();
-    let averager = DataParallelPlan { averager: GradientAverager::new(25 << 20, false), sync: common::dist::GradientSync::Ddp };
+    let averager = DataParallelPlan { averager: GradientAverager::new(25 << 20, false), sync: common::parallel::GradientSync::Ddp };
     for chunks in [1, 4] {
         for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
             let (reference_vs, reference) = reference_model(&cfg);
@@ -503,9 +503,9 @@ fn a_job_that_does_not_split_into_pipelines_is_refused() {
 /// layer differs from the tutorial's initialisation.
 #[test]
 fn a_scaled_output_layer_starts_alike_on_every_layout() {
-    use common::dist::data_parallel::DataParallelPlan;
-    use common::dist::GradientSync;
     use common::models::OutputInit;
+    use common::parallel::DataParallelPlan;
+    use common::parallel::GradientSync;
     use common::parallelize::{parallelize, PipelinePlan, TransformerPlan};
     let world = ProcessGroup::single();
     let groups = Groups::single(&world);

@@ -10,12 +10,12 @@ mod support;
 
 use std::time::Duration;
 
-use common::dist::data_parallel::DataParallelPlan;
 use common::dist::data_parallel::GradientAverager;
 use common::dist::layout::{Groups, Layout};
 use common::dist::tensor_parallel::Shard;
-use common::dist::{Backend, CommStats, GradientSync, ProcessGroup};
+use common::dist::{Backend, CommStats, ProcessGroup};
 use common::models::{Masks, TransformerConfig};
+use common::parallel::{optimizer_for, DataParallelPlan, GradientSync};
 use common::pipeline::process::StageProcess;
 use common::pipeline::{Partition, Pipeline, Schedule, Stage};
 use common::train::TrainStep;
@@ -164,8 +164,8 @@ fn three_d_layout_trains_the_unpartitioned_model() -> usize {
         let stage = Stage::new_sharded(&cfg, coords.stage, 2, partition.layers[coords.stage].clone(), Device::Cpu, 1, groups.shard()).unwrap();
         stage.copy_from(&reference_vs).unwrap();
         let mut process = StageProcess::new(&groups, vec![stage], options(schedule, 2, false), plan).unwrap();
-        let replicas = process.sync().parallel.replicas.expect("2 replicas");
-        let mut optimizer = replicas.distribute(&process, |named| Box::new(sgd(named))).unwrap();
+        assert_eq!(process.sync().replica_count(), 2);
+        let mut optimizer = optimizer_for(&process, &|named| Box::new(sgd(named))).unwrap();
         let what =
             format!("rank {} (replica {}, stage {}, shard {}), {}, {:?}", world.rank(), coords.replica, coords.stage, coords.shard, schedule.name(), plan.sync);
         assert_trains_like_unpartitioned_with(&mut process, optimizer.as_mut(), &reference, &reference_vs, (coords.replica, 2), &what);

@@ -302,7 +302,8 @@ fn generated_wikitext_reads_back_in_wikitext_format_with_learnable_structure() {
 fn grouped_evaluation_windows_give_the_same_losses_in_fewer_passes() {
     use common::data::text::TokenBatches;
     use common::models::{TransformerConfig, TransformerLm};
-    use common::train::{BatchSource, LocalStep, Parallel, TrainStep};
+    use common::parallel::{LocalStep, Parallel};
+    use common::train::{BatchSource, TrainStep};
     // 1,003 tokens in 10 streams of 100 rows, windows of 7: 14 full windows and a last one of 1.
     let tokens = Tensor::arange(1003, (tch::Kind::Int64, tch::Device::Cpu)).remainder(37);
     let plain = TokenBatches::new(&tokens, 10, 7, tch::Device::Cpu);

@@ -13,34 +13,6 @@ use tch::{nn, Device, Kind, Tensor};
 use super::{ProcessGroup, ReduceOp};
 use crate::optim::{forward_to, Optimizer};
 
-/// Where a replica averages its gradients: the two styles of the course's exercises, the same
-/// collectives either way.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum GradientSync {
-    /// In the training loop, right after backward (PyTorch DDP's reducer).
-    Ddp,
-    /// Inside the optimizer's step, through a [`DistributedOptimizer`] (Horovod).
-    Horovod,
-    /// ZeRO: gradients reduce-scattered (in the optimizer's `synchronize`, or from stage 2
-    /// during the backward pass), each rank updating its block of the parameters
-    /// ([`super::zero::ZeroOptimizer`]).
-    Zero(super::zero::ZeroStage),
-    /// No averaging among the replicas: they push their gradients to parameter servers, whose
-    /// optimizer updates (`--strategy parameter-server`, [`super::parameter_server`]).
-    #[serde(rename = "parameter-server")]
-    ParameterServer,
-}
-
-/// How data-parallel replicas keep their gradients equal: where they average
-/// ([`GradientSync`]: DDP, Horovod, or a ZeRO stage) and in which buckets (`--bucket-mb`,
-/// `--fp16-allreduce`).
-#[derive(Debug, Clone, Copy)]
-pub struct DataParallelPlan {
-    pub averager: GradientAverager,
-    pub sync: GradientSync,
-}
-
 /// Overwrites every variable of `vs` (trainable or not, so buffers such as batch-norm
 /// statistics too) with its value on rank `root`, in name order (the same order on every rank,
 /// whatever order the variables were created in).

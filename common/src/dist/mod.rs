@@ -124,7 +124,7 @@ pub mod waits;
 pub mod watchdog;
 pub mod zero;
 
-pub use data_parallel::{DistributedOptimizer, GradientSync};
+pub use data_parallel::DistributedOptimizer;
 pub use group::{CommStats, ProcessGroup};
 pub use launch::{LaunchEnv, LaunchSource};
 pub use layout::{Groups, Layout};

@@ -79,7 +79,7 @@ struct RunResults<'a> {
 #[derive(Serialize)]
 struct ReplicaResults {
     backend: String,
-    gradient_sync: crate::dist::GradientSync,
+    gradient_sync: crate::parallel::GradientSync,
     bucket_mb: f64,
     fp16_allreduce: bool,
 }
@@ -209,7 +209,7 @@ fn run_results<'a, E: Experiment>(exp: &E, built: &'a Built<'_, E::Model>, measu
         peak_memory: &measured.peaks,
         replicas: (replicas > 1).then(|| ReplicaResults {
             backend: groups.world.describe(),
-            gradient_sync: if measured.parameter_server.is_some() { crate::dist::GradientSync::ParameterServer } else { exp.preset().sync },
+            gradient_sync: if measured.parameter_server.is_some() { crate::parallel::GradientSync::ParameterServer } else { exp.preset().sync },
             bucket_mb: parallel.bucket_mb,
             fp16_allreduce: parallel.fp16_allreduce,
         }),

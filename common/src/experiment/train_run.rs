@@ -11,15 +11,15 @@ use tch::Device;
 use super::results::{self, Measured};
 use super::{Experiment, Forward, RunRecipe, Sources};
 use crate::device::{self, DeviceChoice};
-use crate::dist::data_parallel::DataParallelPlan;
 use crate::dist::layout::Groups;
 use crate::dist::parameter_server::WorkerLink;
 use crate::dist::zero::ZeroStage;
-use crate::dist::{CommStats, GradientSync};
+use crate::dist::CommStats;
 use crate::error::usage;
 use crate::flags::RunArgs;
 use crate::memory::{self, MemoryMeter, ModelState};
 use crate::optim::Optimizer;
+use crate::parallel::{optimizer_for, DataParallelPlan, GradientSync};
 use crate::parallelize::parallelize;
 use crate::precision::Precision;
 use crate::profile::libtorch::TorchProfiler;
@@ -175,14 +175,12 @@ fn build<'g, E: Experiment>(
     let sources = exp.sources(data, device, (groups.coords.replica, replicas))?;
     check_batches(exp, &sources, replicas)?;
     let meter = RefCell::new(MemoryMeter::start(&exp.devices(&plan, device))?);
-    let mut step = parallelize(&plan, groups, dp, device, run.seed, run.precision, session)?;
-    exp.describe(&plan, step.as_ref(), groups, device, session)?;
+    let parallel_step = parallelize(&plan, groups, dp, device, run.seed, run.precision, session)?;
+    exp.describe(&plan, parallel_step.as_ref(), groups, device, session)?;
     let recipe = RunRecipe::resolve(preset, exp.recipe_args(), replicas, sources.train.batches_per_epoch(), run.epochs.unwrap_or(preset.epochs));
     let build = |named| recipe.optimizer.build(named, recipe.lr, recipe.momentum, recipe.weight_decay, exp.recipe_args().optimizer_kernel);
-    let mut optimizer = match step.sync().parallel.replicas {
-        Some(replication) => replication.distribute(step.as_ref(), build)?,
-        None => build(step.named_parameters()),
-    };
+    let mut optimizer = optimizer_for(parallel_step.as_ref(), &build)?;
+    let mut step: Box<dyn TrainStep<'g> + 'g> = parallel_step;
     if let Some(link) = servers {
         // The optimizer runs on the servers; the step evaluates their parameters.
         link.check(run.precision, run.cuda_graph)?;
@@ -276,7 +274,7 @@ fn measure_after_training<E: Experiment>(
     fit: &mut train::FitReport,
 ) -> Result<AfterTraining> {
     let Built { step, optimizer, sources, zero, .. } = built;
-    let replica_group = step.sync().parallel.replica_group();
+    let replica_group = step.sync().replicas();
     if let Some(group) = replica_group {
         step.sync().materialize()?;
         train::check_replicas_agree(&step.named_variables(), group)?;

@@ -11,6 +11,7 @@ use super::link::{ChannelLink, Link, NeighbourGone};
 use super::{schedule, split_batch, Partition, PipelineOptions, Placement, Stage, StepReport};
 use crate::error::usage;
 use crate::models::TransformerConfig;
+use crate::parallel::{ParallelStep, Peers};
 use crate::precision::Precision;
 use crate::train::{Batch, BatchSource, EvalSums, StepContext, StepOutput, StepSync, TrainStep};
 
@@ -23,7 +24,7 @@ pub struct Pipeline {
     pub placement: Placement,
     pub options: PipelineOptions,
     /// Alone: nobody to agree with.
-    sync: StepSync<'static>,
+    peers: Peers<'static>,
 }
 
 impl Pipeline {
@@ -48,7 +49,7 @@ impl Pipeline {
             .enumerate()
             .map(|(s, layers)| Stage::new(cfg, s, partition.stages(), layers.clone(), devices[placement.device_of(s)], seed))
             .collect::<Result<_, _>>()?;
-        Ok(Pipeline { config: *cfg, stages, placement, options, sync: StepSync::default() })
+        Ok(Pipeline { config: *cfg, stages, placement, options, peers: Peers::default() })
     }
 
     /// Logits `[seq_len, batch, ntoken]` for token ids `src` (on the last stage's device),
@@ -188,6 +189,12 @@ impl Pipeline {
     }
 }
 
+impl<'g> ParallelStep<'g> for Pipeline {
+    fn peers(&self) -> &Peers<'g> {
+        &self.peers
+    }
+}
+
 impl<'g> TrainStep<'g> for Pipeline {
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         self.stages.iter().flat_map(Stage::named_parameters).collect()
@@ -202,8 +209,8 @@ impl<'g> TrainStep<'g> for Pipeline {
     }
 
     /// All stages are in this process: nobody to agree with.
-    fn sync(&self) -> &StepSync<'g> {
-        &self.sync
+    fn sync(&self) -> &dyn StepSync<'g> {
+        &self.peers
     }
 
     fn forward_backward(&mut self, batch: &Batch, weight: f64, ctx: &StepContext) -> Result<StepOutput> {

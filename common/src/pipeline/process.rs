@@ -17,15 +17,15 @@ use tch::{Device, Tensor};
 use super::executor::{self, MicroBatches, StageOptions};
 use super::link::{ChannelLink, Link};
 use super::{chunks_for, schedule, split_batch, Op, PipelineOptions, Placement, Schedule, Stage, StepReport};
-use crate::dist::data_parallel::DataParallelPlan;
 use crate::dist::layout::Groups;
 use crate::dist::tensor_parallel::Split;
 use crate::dist::transfer::{recv_labelled, send_labelled};
-use crate::dist::{GradientSync, ProcessGroup};
+use crate::dist::ProcessGroup;
 use crate::error::usage;
 use crate::models::transformer_names::TransformerVariable;
+use crate::parallel::{DataParallelPlan, Parallel, ParallelStep, Peers};
 use crate::precision::Precision;
-use crate::train::{Batch, BatchSource, EvalSums, Parallel, StepContext, StepOutput, StepSync, TrainStep};
+use crate::train::{Batch, BatchSource, EvalSums, StepContext, StepOutput, StepSync, TrainStep};
 
 /// A neighbouring device in another process: tensors travel point-to-point through the
 /// process group with their kind, shape ([`crate::dist::transfer`]: the last batch of a split
@@ -69,7 +69,7 @@ pub struct StageProcess<'g> {
     tp: Option<&'g ProcessGroup>,
     /// Who it works with, and which parameters it counts in the gradients' norm (a shard other
     /// than the first skips those every shard holds whole).
-    sync: StepSync<'g>,
+    peers: Peers<'g>,
 }
 
 impl<'g> StageProcess<'g> {
@@ -104,11 +104,7 @@ impl<'g> StageProcess<'g> {
                 );
             }
         }
-        if dp.sync == GradientSync::Horovod {
-            // Horovod's optimizer averages inside its step, after the whole model's backward;
-            // the stages finish their gradients in the loop (DDP's place), where ZeRO-1's too.
-            return usage("Horovod-style averaging (inside the optimizer) is not built for pipeline stages: their replicas average DDP-style");
-        }
+        dp.sync.strategy().check_stages()?;
         let parallel = Parallel::of(groups, dp, crate::models::transformer_names::split_of);
         if let Some(replicas) = &parallel.replicas {
             dp.averager.check(replicas.group, on)?;
@@ -119,8 +115,8 @@ impl<'g> StageProcess<'g> {
             .flat_map(Stage::named_parameters)
             .map(|(name, _)| Ok(first_shard || TransformerVariable::parse(&name)?.split() != Split::Replicated))
             .collect::<Result<_>>()?;
-        let sync = StepSync::new(parallel).with_norm_counted(norm_counted);
-        Ok(StageProcess { stages, device, placement, options, pipe, tp, sync })
+        let peers = Peers::new(parallel).with_norm_counted(norm_counted);
+        Ok(StageProcess { stages, device, placement, options, pipe, tp, peers })
     }
 
     /// This rank's passes of one mini-batch, exchanging with the neighbouring ranks.
@@ -173,6 +169,12 @@ impl<'g> StageProcess<'g> {
     }
 }
 
+impl<'g> ParallelStep<'g> for StageProcess<'g> {
+    fn peers(&self) -> &Peers<'g> {
+        &self.peers
+    }
+}
+
 impl<'g> TrainStep<'g> for StageProcess<'g> {
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         self.stages.iter().flat_map(Stage::named_parameters).collect()
@@ -186,8 +188,8 @@ impl<'g> TrainStep<'g> for StageProcess<'g> {
         self.stages[0].device()
     }
 
-    fn sync(&self) -> &StepSync<'g> {
-        &self.sync
+    fn sync(&self) -> &dyn StepSync<'g> {
+        &self.peers
     }
 
     fn forward_backward(&mut self, batch: &Batch, weight: f64, ctx: &StepContext) -> Result<StepOutput> {

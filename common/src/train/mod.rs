@@ -3,7 +3,9 @@
 //!
 //! - [`step::TrainStep`]: one optimizer step's work, the seam where the parallelism plugs in
 //!   (a local model, data-parallel or not; a pipeline in threads; one stage per process);
-//! - [`StepSync::finish_gradients`]: averaging, unscaling and clipping, one implementation for all of them;
+//! - [`StepSync`]: what keeps a step's part consistent with the other ranks' (finishing its
+//!   gradients: averaging, unscaling and clipping), which the strategies ([`crate::parallel`])
+//!   implement and the loop only asks;
 //! - [`schedule`]: the learning rate of every step (StepLR, cosine, one-cycle, warm-up);
 //! - [`state`]: resuming from and writing checkpoints, however the model is spread over ranks;
 //! - [`events`] and [`sinks`]: what the loop reports, and what turns that into console lines,
@@ -26,8 +28,8 @@ pub use events::{Control, Event, EventLog, Observer, Observers, Record, StepEven
 pub use schedule::{LrSchedule, ScheduleKind, Warmup};
 pub use sinks::TENSORBOARD_EVERY;
 pub use step::{
-    counted_parameters, finish_gradients, DeviceTrace, EvalSums, LocalStep, Parallel, Phase, Replication, StepContext, StepOutput, StepSync, TracedPass,
-    TrainStep,
+    counted_parameters, finish_gradients, loss_and_hits, DeviceTrace, EvalSums, GradientCollective, ParameterBlock, Phase, StepContext, StepOutput, StepSync,
+    TensorCut, TracedPass, TrainStep,
 };
 
 use std::path::PathBuf;
@@ -408,56 +410,123 @@ pub fn fit(
     config: &TrainConfig,
     observers: &mut Observers,
 ) -> Result<FitReport> {
-    let device = step.input_device();
-    config.precision.check(device)?;
-    let mut scaler = config.precision.needs_scaler().then(|| GradScaler::new(device));
-    let resume =
-        config.checkpoint.as_ref().filter(|ck| ck.resume).map(|ck| (ck.from.clone().unwrap_or_else(|| checkpoint::path_for(&ck.dir, &config.run)), ck));
-    if let (Some((path, _)), true) = (&resume, config.eval_only) {
-        // Evaluating a freshly initialised model and calling it the checkpoint's is the one
-        // thing --eval-only must not do: a path with no complete checkpoint at it (a missing
-        // file, an empty folder, a folder of something else) is refused here.
-        let exists = path.exists() || checkpoint::sharded::run_folder_of(path).is_dir();
-        if !exists || checkpoint::find_newest(path).is_ok_and(|found| found.is_none()) {
-            return crate::error::usage(format!("--eval-only: no checkpoint at {} to evaluate", path.display()));
-        }
-    }
-    // The run's checkpoints are this job's alone while it writes them (rank 0 holds the lock for
-    // the job): taken before the checkpoint to resume from is read.
-    let writes_checkpoints = !config.eval_only && step.sync().parallel.world.is_none_or(ProcessGroup::is_root);
-    let _lock = config.checkpoint.as_ref().filter(|_| writes_checkpoints).map(|ck| checkpoint::RunLock::acquire(&ck.dir, &config.run)).transpose()?;
-    let expected = resume.as_ref().map(|(path, ck)| state::Expected { path, model: &ck.model, data: &ck.data, seed: config.seed, eval_only: config.eval_only });
-    let start = state::start(step, optimizer, scaler.as_mut(), expected, observers)?;
-    let (base_lr, steps_per_epoch) = (optimizer.lr(), train.batches_per_epoch().div_ceil(config.accumulate));
-    let (mut report, mut global_step, mut bubble) = (FitReport::new(start.epoch), start.step, BubbleMeter::default());
-    let mut steady = SteadyMeter::new(config.steady_after);
-    let mut graphed = config.cuda_graph.then(graph::GraphedStep::default);
-    let world = step.sync().parallel.world;
-    let mut checkpoints = config.checkpoint.as_ref().map(|ck| Checkpointer::new(ck, &config.run, Checkpointer::shards(ck.format, step, optimizer), world));
-    if let Some(checkpoints) = checkpoints.as_mut() {
-        checkpoints.stats.resumed_bytes = start.read_bytes;
-    }
-    let step_control = StepControl::new(step.sync().parallel, config)?;
-    let (run, epochs, start_epoch, start_step) = (config.run.as_str(), config.epochs, start.epoch, start.step);
-    observers.emit(&Event::Started { run, epochs, steps_per_epoch, start_epoch, start_step })?;
-
-    let last_epoch = if config.eval_only { start.epoch } else { config.epochs };
-    let mut stopped_by = None;
-    for epoch in start.epoch..last_epoch {
-        if config.out_of_steps(global_step) || stopped_by.is_some() {
+    let mut run = Run::start(step, optimizer, train, config, observers)?;
+    let last_epoch = if config.eval_only { run.start.epoch } else { config.epochs };
+    for epoch in run.start.epoch..last_epoch {
+        if config.out_of_steps(run.global_step) || run.stopped_by.is_some() {
             break;
         }
-        let epoch_lr = config.lr_schedule.lr(base_lr, global_step, epoch);
-        observers.emit(&Event::EpochStarted { epoch, lr: epoch_lr })?;
-        let mut sums = EpochSums::new(device, step.sync().parallel.replica_count());
+        let lr = config.lr_schedule.lr(run.base_lr, run.global_step, epoch);
+        observers.emit(&Event::EpochStarted { epoch, lr })?;
+        let (sums, completed) = run.train_epoch(step, optimizer, train, epoch, observers)?;
+        if run.stopped_by.is_some() && !completed {
+            break; // checkpointed in the epoch; its evaluation waits for the resumed run
+        }
+        run.end_epoch(step, optimizer, eval, (epoch, lr), sums, completed, observers)?;
+    }
+    run.finish(step, eval, observers)
+}
+
+/// One [`fit`] under way: what the loop carries from step to step and from epoch to epoch.
+struct Run<'c, 'g> {
+    config: &'c TrainConfig,
+    /// Where it started (a checkpoint's progress, or nothing).
+    start: state::Progress,
+    scaler: Option<GradScaler>,
+    /// The optimizer's own rate, which the schedule scales.
+    base_lr: f64,
+    steps_per_epoch: usize,
+    global_step: usize,
+    report: FitReport,
+    bubble: BubbleMeter,
+    steady: SteadyMeter,
+    graphed: Option<graph::GraphedStep>,
+    checkpoints: Option<Checkpointer<'c, 'g>>,
+    control: StepControl<'g>,
+    /// The signal that stopped the run (`Some(None)`: another rank's).
+    stopped_by: Option<Option<&'static str>>,
+    /// The run's checkpoints are this job's alone while it writes them.
+    _lock: Option<checkpoint::RunLock>,
+}
+
+impl<'c, 'g> Run<'c, 'g> {
+    /// Checks what can be checked before the first step, takes the run's lock, resumes from
+    /// its checkpoint where asked, and tells `observers` the run started.
+    fn start(
+        step: &mut dyn TrainStep<'g>,
+        optimizer: &mut dyn Optimizer,
+        train: &dyn BatchSource,
+        config: &'c TrainConfig,
+        observers: &mut Observers,
+    ) -> Result<Self> {
+        let device = step.input_device();
+        config.precision.check(device)?;
+        let mut scaler = config.precision.needs_scaler().then(|| GradScaler::new(device));
+        let resume =
+            config.checkpoint.as_ref().filter(|ck| ck.resume).map(|ck| (ck.from.clone().unwrap_or_else(|| checkpoint::path_for(&ck.dir, &config.run)), ck));
+        if let (Some((path, _)), true) = (&resume, config.eval_only) {
+            // Evaluating a freshly initialised model and calling it the checkpoint's is the one
+            // thing --eval-only must not do: a path with no complete checkpoint at it (a missing
+            // file, an empty folder, a folder of something else) is refused here.
+            let exists = path.exists() || checkpoint::sharded::run_folder_of(path).is_dir();
+            if !exists || checkpoint::find_newest(path).is_ok_and(|found| found.is_none()) {
+                return crate::error::usage(format!("--eval-only: no checkpoint at {} to evaluate", path.display()));
+            }
+        }
+        // Taken before the checkpoint to resume from is read (rank 0 holds it for the job).
+        let writes_checkpoints = !config.eval_only && step.sync().is_root();
+        let lock = config.checkpoint.as_ref().filter(|_| writes_checkpoints).map(|ck| checkpoint::RunLock::acquire(&ck.dir, &config.run)).transpose()?;
+        let expected =
+            resume.as_ref().map(|(path, ck)| state::Expected { path, model: &ck.model, data: &ck.data, seed: config.seed, eval_only: config.eval_only });
+        let start = state::start(step, optimizer, scaler.as_mut(), expected, observers)?;
+        let world = step.sync().world();
+        let mut checkpoints = config.checkpoint.as_ref().map(|ck| Checkpointer::new(ck, &config.run, Checkpointer::shards(ck.format, step, optimizer), world));
+        if let Some(checkpoints) = checkpoints.as_mut() {
+            checkpoints.stats.resumed_bytes = start.read_bytes;
+        }
+        let control = StepControl::new(step.sync(), config)?;
+        let steps_per_epoch = train.batches_per_epoch().div_ceil(config.accumulate);
+        let (run, epochs, start_epoch, start_step) = (config.run.as_str(), config.epochs, start.epoch, start.step);
+        observers.emit(&Event::Started { run, epochs, steps_per_epoch, start_epoch, start_step })?;
+        Ok(Run {
+            config,
+            start,
+            scaler,
+            base_lr: optimizer.lr(),
+            steps_per_epoch,
+            global_step: start.step,
+            report: FitReport::new(start.epoch),
+            bubble: BubbleMeter::default(),
+            steady: SteadyMeter::new(config.steady_after),
+            graphed: config.cuda_graph.then(graph::GraphedStep::default),
+            checkpoints,
+            control,
+            stopped_by: None,
+            _lock: lock,
+        })
+    }
+
+    /// Trains the steps of `epoch` (from where a checkpoint taken in it left off) until its
+    /// batches or the run's steps run out or a stop signal is agreed; checkpoints where the
+    /// ranks decide to. Returns the epoch's sums and whether it completed.
+    fn train_epoch(
+        &mut self,
+        step: &mut dyn TrainStep<'g>,
+        optimizer: &mut dyn Optimizer,
+        train: &dyn BatchSource,
+        epoch: usize,
+        observers: &mut Observers,
+    ) -> Result<(EpochSums, bool)> {
+        let config = self.config;
+        let mut sums = EpochSums::new(step.input_device(), step.sync().replica_count());
         // A checkpoint taken in the middle of this epoch: its steps' batches are skipped.
-        let mut epoch_step = if epoch == start.epoch { start.epoch_step } else { 0 };
+        let mut epoch_step = if epoch == self.start.epoch { self.start.epoch_step } else { 0 };
         let mut batches = train.epoch_from(epoch, epoch_step * config.accumulate);
         let completed = loop {
-            if epoch_step >= steps_per_epoch {
+            if epoch_step >= self.steps_per_epoch {
                 break true;
             }
-            if config.out_of_steps(global_step) {
+            if config.out_of_steps(self.global_step) {
                 break false;
             }
             let waiting = Instant::now();
@@ -466,89 +535,126 @@ pub fn fit(
                 break true;
             }
             let fetched = Instant::now();
-            observers.emit(&Event::StepStarting { step: global_step + 1 })?;
-            // Dropout and any other LibTorch randomness: a function of (seed, step), so that a
-            // run resumed at any step draws what the uninterrupted run drew.
-            tch::manual_seed(mix_key(&[config.seed, global_step as u64]) as i64);
-            let lr = config.lr_schedule.lr(base_lr, global_step, epoch);
-            optimizer.set_lr(lr);
-            if let Some(slow_by) = step_control.slow_by {
-                std::thread::sleep(slow_by);
-            }
-            let (out, mut phases) = match graphed.as_mut() {
-                Some(graphed) if graphed.takes(&micro) => graphed.step(step, optimizer, &micro[0], config, global_step)?,
-                _ => optimizer_step(step, optimizer, scaler.as_mut(), &micro, config, global_step)?,
-            };
+            observers.emit(&Event::StepStarting { step: self.global_step + 1 })?;
+            let (out, mut phases, lr) = self.one_step(step, optimizer, &micro, epoch)?;
             phases.insert(0, ("data wait", waiting, fetched));
-            global_step += 1;
             epoch_step += 1;
-            crate::dist::watchdog::note_step(global_step);
             // On the CPU the loss is at hand: a diverged run stops at its first bad step.
             if let Some(loss) = out.loss_sum.as_ref().filter(|l| l.device() == tch::Device::Cpu && !config.precision.needs_scaler()) {
-                finite_or_stop("training loss", loss.double_value(&[]), global_step, epoch)?;
+                finite_or_stop("training loss", loss.double_value(&[]), self.global_step, epoch)?;
             }
-            bubble.add(out.stage_busy);
-            sums.add(&mut report, &out, &phases);
-            observers.emit(&Event::Step(&sums.event(epoch, global_step, lr, &out, &phases)))?;
-            steady.step_ended(out.examples * sums.replicas);
+            self.bubble.add(out.stage_busy);
+            sums.add(&mut self.report, &out, &phases);
+            observers.emit(&Event::Step(&sums.event(epoch, self.global_step, lr, &out, &phases)))?;
+            self.steady.step_ended(out.examples * sums.replicas);
             // The epoch's end checkpoints anyway: a step checkpoint is for the steps before it.
-            let ends_epoch = epoch_step >= steps_per_epoch;
-            let decision = step_control.after_step(checkpoints.as_mut(), global_step)?;
-            if let (true, false, Some(checkpoints)) = (decision.checkpoint, ends_epoch, checkpoints.as_mut()) {
-                let meta = checkpoint_meta(config, checkpoints.config(), optimizer.name(), (epoch, epoch_step), global_step, scaler.as_ref());
-                checkpoints.save(step, optimizer, meta)?;
-                observers.emit(&Event::Checkpointed { path: checkpoints.path(), epoch, step: global_step })?;
-                steady.pause();
+            let ends_epoch = epoch_step >= self.steps_per_epoch;
+            let decision = self.control.after_step(self.checkpoints.as_mut(), self.global_step)?;
+            if decision.checkpoint && !ends_epoch {
+                self.checkpoint(step, optimizer, (epoch, epoch_step), observers)?;
             }
-            step_control.test_exit_after(global_step, checkpoints.as_mut());
+            self.control.test_exit_after(self.global_step, self.checkpoints.as_mut());
             if let Some(signal) = decision.stop {
-                stopped_by = Some(signal);
+                self.stopped_by = Some(signal);
                 break ends_epoch;
             }
         };
-        steady.pause();
-        drop(batches);
-        if stopped_by.is_some() && !completed {
-            break; // checkpointed above; the epoch's evaluation waits for the resumed run
+        self.steady.pause();
+        Ok((sums, completed))
+    }
+
+    /// One optimizer step over the micro-batches `micro` at the schedule's rate: its output,
+    /// its phases and the rate.
+    fn one_step(
+        &mut self,
+        step: &mut dyn TrainStep<'g>,
+        optimizer: &mut dyn Optimizer,
+        micro: &[Batch],
+        epoch: usize,
+    ) -> Result<(StepOutput, Vec<Phase>, f64)> {
+        let (config, global_step) = (self.config, self.global_step);
+        // Dropout and any other LibTorch randomness: a function of (seed, step), so that a
+        // run resumed at any step draws what the uninterrupted run drew.
+        tch::manual_seed(mix_key(&[config.seed, global_step as u64]) as i64);
+        let lr = config.lr_schedule.lr(self.base_lr, global_step, epoch);
+        optimizer.set_lr(lr);
+        if let Some(slow_by) = self.control.slow_by {
+            std::thread::sleep(slow_by);
         }
+        let (out, phases) = match self.graphed.as_mut() {
+            Some(graphed) if graphed.takes(micro) => graphed.step(step, optimizer, &micro[0], config, global_step)?,
+            _ => optimizer_step(step, optimizer, self.scaler.as_mut(), micro, config, global_step)?,
+        };
+        self.global_step += 1;
+        crate::dist::watchdog::note_step(self.global_step);
+        Ok((out, phases, lr))
+    }
+
+    /// Writes a checkpoint at `(epoch, epoch_step)` where the run keeps them.
+    fn checkpoint(&mut self, step: &dyn TrainStep<'g>, optimizer: &dyn Optimizer, at: (usize, usize), observers: &mut Observers) -> Result<()> {
+        let Some(checkpoints) = self.checkpoints.as_mut() else { return Ok(()) };
+        let meta = checkpoint_meta(self.config, checkpoints.config(), optimizer.name(), at, self.global_step, self.scaler.as_ref());
+        checkpoints.save(step, optimizer, meta)?;
+        observers.emit(&Event::Checkpointed { path: checkpoints.path(), epoch: at.0, step: self.global_step })?;
+        self.steady.pause();
+        Ok(())
+    }
+
+    /// The end of `epoch` (trained at `lr`): its evaluation and figures, its checkpoint where
+    /// it `completed` and the observers ask for one, and the stop signals agreed at epochs' ends.
+    #[allow(clippy::too_many_arguments)]
+    fn end_epoch(
+        &mut self,
+        step: &mut dyn TrainStep<'g>,
+        optimizer: &dyn Optimizer,
+        eval: &dyn BatchSource,
+        (epoch, lr): (usize, f64),
+        sums: EpochSums,
+        completed: bool,
+        observers: &mut Observers,
+    ) -> Result<()> {
+        let config = self.config;
         let data_wait_s = sums.data_wait_s;
-        let mut stats = end_epoch(step, eval, config, &mut report, sums, epoch, epoch_lr, global_step)?;
-        if epoch == start.epoch {
-            stats.resumed_after_steps = start.epoch_step;
+        let mut stats = end_epoch(step, eval, config, &mut self.report, sums, epoch, lr, self.global_step)?;
+        if epoch == self.start.epoch {
+            stats.resumed_after_steps = self.start.epoch_step;
         }
         // float16's scaler skips the steps whose loss overflowed: its epoch mean may be inf
         // while the model is fine; the evaluation says whether it is.
         if !config.precision.needs_scaler() {
-            finite_or_stop("mean training loss", stats.train_loss, global_step, epoch)?;
+            finite_or_stop("mean training loss", stats.train_loss, self.global_step, epoch)?;
         }
-        finite_or_stop("evaluation loss", stats.eval_loss, global_step, epoch)?;
+        finite_or_stop("evaluation loss", stats.eval_loss, self.global_step, epoch)?;
         let control = observers.emit(&Event::EpochEnded { stats: &stats, completed, data_wait_s })?;
-        report.history.push(stats);
-        if let (Control::Checkpoint, true, Some(checkpoints)) = (control, completed, checkpoints.as_mut()) {
-            let meta = checkpoint_meta(config, checkpoints.config(), optimizer.name(), (epoch + 1, 0), global_step, scaler.as_ref());
-            checkpoints.save(step, optimizer, meta)?;
-            observers.emit(&Event::Checkpointed { path: checkpoints.path(), epoch: epoch + 1, step: global_step })?;
+        self.report.history.push(stats);
+        if control == Control::Checkpoint && completed {
+            self.checkpoint(step, optimizer, (epoch + 1, 0), observers)?;
         }
-        if let (None, Some(signal)) = (stopped_by, step_control.stop_at_epoch_end()?) {
-            stopped_by = Some(signal);
+        if let (None, Some(signal)) = (self.stopped_by, self.control.stop_at_epoch_end()?) {
+            self.stopped_by = Some(signal);
         }
+        Ok(())
     }
-    if let Some(checkpoints) = checkpoints.as_mut() {
-        checkpoints.finish()?;
-        report.checkpoints = checkpoints.stats;
+
+    /// Waits for the checkpoints in flight and reports the run, or the signal that stopped it.
+    fn finish(mut self, step: &mut dyn TrainStep<'g>, eval: &dyn BatchSource, observers: &mut Observers) -> Result<FitReport> {
+        if let Some(checkpoints) = self.checkpoints.as_mut() {
+            checkpoints.finish()?;
+            self.report.checkpoints = checkpoints.stats;
+        }
+        if let Some(signal) = self.stopped_by {
+            let checkpoint = self.checkpoints.as_ref().map(|c| c.path().to_path_buf());
+            return Err(crate::error::Stopped { signal, step: self.global_step, checkpoint }.into());
+        }
+        if self.report.history.is_empty() {
+            // Nothing left to train (a finished run resumed): still report where the model stands.
+            evaluate_into(step, eval, self.config, &mut self.report)?;
+        }
+        self.report.bubble_fraction = self.bubble.fraction();
+        self.report.steady = self.steady.steady();
+        observers.emit(&Event::Finished(&self.report))?;
+        Ok(self.report)
     }
-    if let Some(signal) = stopped_by {
-        let checkpoint = checkpoints.as_ref().map(|c| c.path().to_path_buf());
-        return Err(crate::error::Stopped { signal, step: global_step, checkpoint }.into());
-    }
-    if report.history.is_empty() {
-        // Nothing left to train (a finished run resumed): still report where the model stands.
-        evaluate_into(step, eval, config, &mut report)?;
-    }
-    report.bubble_fraction = bubble.fraction();
-    report.steady = steady.steady();
-    observers.emit(&Event::Finished(&report))?;
-    Ok(report)
 }
 
 /// What the loop does after a step besides training: checkpoint (every N steps, every M minutes,
@@ -594,24 +700,24 @@ struct Decision {
 }
 
 impl<'g> StepControl<'g> {
-    fn new(parallel: Parallel<'g>, config: &TrainConfig) -> Result<StepControl<'g>> {
+    fn new(sync: &dyn StepSync<'g>, config: &TrainConfig) -> Result<StepControl<'g>> {
         let exit_after = std::env::var(TEST_EXIT_AFTER_STEP).ok().and_then(|v| v.parse().ok());
-        let signal_after = std::env::var(TEST_SIGNAL_AFTER_STEP).ok().filter(|_| parallel.is_root()).and_then(|v| {
+        let signal_after = std::env::var(TEST_SIGNAL_AFTER_STEP).ok().filter(|_| sync.is_root()).and_then(|v| {
             let (step, name) = v.split_once(':')?;
             let signal = preemption::SIGNALS.iter().find(|(_, n)| *n == name)?.0;
             Some((step.parse().ok()?, signal))
         });
-        let job_rank = parallel.world.map_or(0, |w| w.env().rank);
+        let job_rank = sync.world().map_or(0, |w| w.env().rank);
         let slow_by = std::env::var(TEST_SLOW_RANK).ok().and_then(|v| {
             let (rank, ms) = v.split_once(':')?;
             (rank.trim().parse::<usize>().ok()? == job_rank).then_some(std::time::Duration::from_millis(ms.trim().parse().ok()?))
         });
         let max_steps = config.max_steps;
-        let ranks = parallel.world.filter(|w| w.world_size() > 1);
-        if parallel.replicas.is_some_and(|r| r.sync == crate::dist::GradientSync::ParameterServer)
-            && config.checkpoint.as_ref().is_some_and(|ck| ck.every_steps.is_some() || ck.every_minutes.is_some())
-        {
-            return crate::error::usage("--checkpoint-every and --checkpoint-minutes need workers that step together: not with --strategy parameter-server");
+        let ranks = sync.world().filter(|w| w.world_size() > 1);
+        if let Some(flag) = sync.steps_apart() {
+            if config.checkpoint.as_ref().is_some_and(|ck| ck.every_steps.is_some() || ck.every_minutes.is_some()) {
+                return crate::error::usage(format!("--checkpoint-every and --checkpoint-minutes need workers that step together: not with {flag}"));
+            }
         }
         // Every run catches the stop signals (Slurm's warning, SIGTERM, the launcher's
         // forwarded Ctrl-C): their default action would end the ranks with nothing saved.
@@ -691,7 +797,7 @@ fn finite_or_stop(what: &str, value: f64, step: usize, epoch: usize) -> Result<(
 /// Evaluates on `eval` (over all replicas) into the report's figures and times.
 fn evaluate_into(step: &mut dyn TrainStep<'_>, eval: &dyn BatchSource, config: &TrainConfig, report: &mut FitReport) -> Result<(Instant, Instant)> {
     let started = Instant::now();
-    let sums = step.evaluate(eval, config.precision)?.over(step.sync().parallel.replica_group())?;
+    let sums = step.evaluate(eval, config.precision)?.over(step.sync().replicas())?;
     synchronize(step.input_device());
     let ended = Instant::now();
     (report.eval_loss, report.eval_acc) = (sums.mean_loss(), sums.accuracy());
@@ -726,7 +832,7 @@ fn optimizer_step(
         out.absorb(step.forward_backward(batch, weight, &ctx)?);
     }
     let finishing = Instant::now();
-    let finish_name = gradient_phase(step.sync().parallel.replicas.map(|r| r.sync), scaler.is_some(), config.clip_grad_norm.is_some());
+    let finish_name = gradient_phase(step.sync().gradient_collective(config.clip_grad_norm.is_some()), scaler.is_some(), config.clip_grad_norm.is_some());
     finish_gradients(&*step, optimizer, scaler.as_deref(), config.clip_grad_norm)?;
     let stepping = Instant::now();
     match scaler.as_mut() {
@@ -765,15 +871,11 @@ pub const GRADIENT_PHASES: [&str; 12] = [
 /// all-reduce; a reduce-scatter under ZeRO; under Horovod inside the optimizer's step unless
 /// clipping needs them first), unscale them (float16's scaler), clip their norm; "gradients"
 /// when there is nothing to do.
-fn gradient_phase(sync: Option<crate::dist::GradientSync>, unscale: bool, clip: bool) -> &'static str {
-    use crate::dist::GradientSync;
-    let collective = match sync {
-        None => 0,
-        Some(GradientSync::Horovod) if !clip => 0,
-        // Parameter-server hook: the gradients go to the servers in the optimizer's step.
-        Some(GradientSync::ParameterServer) => 0,
-        Some(GradientSync::Ddp | GradientSync::Horovod) => 1,
-        Some(GradientSync::Zero(_)) => 2,
+fn gradient_phase(collective: GradientCollective, unscale: bool, clip: bool) -> &'static str {
+    let collective = match collective {
+        GradientCollective::None => 0,
+        GradientCollective::AllReduce => 1,
+        GradientCollective::ReduceScatter => 2,
     };
     GRADIENT_PHASES[4 * collective + 2 * unscale as usize + clip as usize]
 }
@@ -817,7 +919,7 @@ fn end_epoch(
     global_step: usize,
 ) -> Result<EpochStats> {
     let train_time_s = sums.start.elapsed().as_secs_f64();
-    let replicas = step.sync().parallel.replica_group();
+    let replicas = step.sync().replicas();
     let local_hits = if config.metric == Metric::Accuracy { sums.hits.int64_value(&[]) as f64 } else { f64::NAN };
     let train = EvalSums { loss_sum: sums.loss.double_value(&[]), hits: local_hits, examples: sums.examples as f64 }.over(replicas)?;
     step.sync().sync_buffers(step.named_variables())?;

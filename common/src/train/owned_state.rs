@@ -12,10 +12,9 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use anyhow::{Context, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::step::TrainStep;
+use super::step::{TensorCut, TrainStep};
 use crate::checkpoint::region::Region;
 use crate::checkpoint::sharded::{Piece, Source};
-use crate::dist::tensor_parallel::TensorShards;
 use crate::optim::block::{BlockLayout, BLOCK_NAME};
 use crate::optim::Optimizer;
 
@@ -23,27 +22,24 @@ const MODEL: &str = "model.";
 const OPTIM: &str = "optim.";
 
 /// Where this rank's tensors sit among the ranks that hold the same model.
-struct Place<'g> {
-    shards: Option<TensorShards<'g>>,
+struct Place<'s> {
+    cut: Option<&'s dyn TensorCut>,
     first_replica: bool,
     first_shard: bool,
 }
 
-impl<'g> Place<'g> {
-    fn of(step: &dyn TrainStep<'g>) -> Place<'g> {
-        let parallel = step.sync().parallel;
-        let shards = parallel.tp;
-        Place { shards, first_replica: parallel.replica == 0, first_shard: shards.is_none_or(|tp| tp.shard.index == 0) }
+impl<'s> Place<'s> {
+    fn of(step: &'s dyn TrainStep<'_>) -> Place<'s> {
+        let sync = step.sync();
+        let cut = sync.tensor_cut();
+        Place { cut, first_replica: sync.replica() == 0, first_shard: cut.is_none_or(|cut| cut.shard().0 == 0) }
     }
 
     /// The region of the whole tensor `name` (a variable, or optimizer state
     /// `<entry>.<variable>`) that this rank's tensor of `dims` dimensions is: the model's cut,
     /// as the step's shards know it.
     fn region(&self, name: &str, dims: usize) -> Result<Region> {
-        match self.shards {
-            Some(tp) if dims > 0 => Ok(Region::cut(tp.split(name, dims)?, tp.shard)),
-            _ => Ok(Region::WHOLE),
-        }
+        self.cut.map_or(Ok(Region::WHOLE), |cut| cut.region(name, dims))
     }
 
     /// Whether this rank writes its piece of `region`: `own_share` for a ZeRO replica's share,
@@ -56,15 +52,15 @@ impl<'g> Place<'g> {
 /// Whether the run spreads its model state over ranks (ZeRO, tensor or pipeline parallelism in
 /// processes): its checkpoints are then sharded unless asked otherwise.
 pub(crate) fn spread(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer) -> bool {
-    let parallel = step.sync().parallel;
-    parallel.model.is_some() || parallel.tp.is_some() || optimizer.sharded().is_some_and(|s| s.block_layout().is_some())
+    let sync = step.sync();
+    sync.model().is_some() || sync.tensor_cut().is_some() || optimizer.sharded().is_some_and(|s| s.block_layout().is_some())
 }
 
 /// This rank's pieces of the checkpoint: its variables, ZeRO-3's block of the parameters and
 /// its optimizer state, each written by one rank only (see the module docs).
 pub(crate) fn owned_pieces(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer) -> Result<Vec<Piece>> {
     let place = Place::of(step);
-    let zero3 = step.sync().zero_shards();
+    let zero3 = step.sync().parameter_block();
     let in_block: HashSet<String> = zero3.as_ref().map(|s| s.layout().params.into_iter().map(|(n, _)| n).collect()).unwrap_or_default();
     let mut pieces = Vec::new();
     for (name, t) in step.named_variables() {
@@ -73,7 +69,7 @@ pub(crate) fn owned_pieces(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer) 
             pieces.push(Piece::model(&name, region.whole_shape(&t.size()), region, t.detach()));
         }
     }
-    if let Some(shards) = &zero3 {
+    if let Some(shards) = zero3 {
         pieces.extend(block_pieces(&place, &shards.layout(), &shards.block(), &|name| format!("{MODEL}{name}"))?);
     }
     match optimizer.sharded().and_then(|s| s.block_layout()) {
@@ -128,7 +124,7 @@ pub(crate) fn restore_owned(step: &mut dyn TrainStep<'_>, optimizer: &mut dyn Op
         );
     }
     let place = Place::of(step);
-    let zero3 = step.sync().zero_shards();
+    let zero3 = step.sync().parameter_block();
     let block_layout = zero3.as_ref().map(|s| s.layout());
     let in_block: HashSet<&str> = block_layout.iter().flat_map(|l| l.params.iter().map(|(n, _)| n.as_str())).collect();
     let mut problems = Vec::new();
@@ -151,7 +147,7 @@ pub(crate) fn restore_owned(step: &mut dyn TrainStep<'_>, optimizer: &mut dyn Op
     if !problems.is_empty() {
         anyhow::bail!("checkpoint {what} does not fit this model: {}", problems.join("; "));
     }
-    if let (Some(shards), Some(layout)) = (&zero3, &block_layout) {
+    if let (Some(shards), Some(layout)) = (zero3, &block_layout) {
         shards.load_block(&read_block(source, &place, layout, &|name| format!("{MODEL}{name}"))?)?;
     }
     let state = match optimizer.sharded().and_then(|s| s.block_layout()) {

@@ -17,7 +17,6 @@ use super::events::Observers;
 use super::owned_state;
 use super::step::TrainStep;
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta, Found, HostCheckpoint};
-use crate::dist::data_parallel::{broadcast_named, broadcast_optimizer_state, broadcast_sharded_state};
 use crate::dist::transfer::{recv_named, recv_tensor, send_named, send_tensor};
 use crate::dist::ProcessGroup;
 use crate::optim::Optimizer;
@@ -49,8 +48,7 @@ pub(crate) fn start(
     resume_from: Option<Expected<'_>>,
     observers: &mut Observers,
 ) -> Result<Progress> {
-    let parallel = step.sync().parallel;
-    let (root, world) = (parallel.is_root(), parallel.world);
+    let (root, world) = (step.sync().is_root(), step.sync().world());
     let spread = owned_state::spread(step, optimizer);
 
     // Rank 0 finds the checkpoint; [resumed, epoch, step, scale, growth tracker, epoch step,
@@ -151,25 +149,15 @@ fn find(expected: &Expected<'_>, observers: &mut Observers) -> Result<Option<Fou
 /// Rank 0 holds the checkpoint it read (`loaded`, when `resumed`): every rank of replica 0
 /// gets its part from it; then every replica takes replica 0's variables and optimizer state.
 fn restore_from_root(step: &mut dyn TrainStep<'_>, optimizer: &mut dyn Optimizer, loaded: Option<(&Path, &Checkpoint)>, resumed: bool) -> Result<()> {
-    let parallel = step.sync().parallel;
-    let replicas = parallel.replica_group();
+    let (replica, model) = (step.sync().replica(), step.sync().model());
     // ZeRO-3's parameters whole while they are restored and made the replicas' common ones.
     step.sync().materialize()?;
     let mut restored_state = Vec::new();
-    if resumed && parallel.replica == 0 {
+    if resumed && replica == 0 {
         let what = loaded.map_or(String::new(), |(path, _)| path.display().to_string());
-        restored_state = restore_replica_zero(step, optimizer, loaded.map(|(_, ck)| ck), &what, parallel.model)?;
+        restored_state = restore_replica_zero(step, optimizer, loaded.map(|(_, ck)| ck), &what, model)?;
     }
-    if let Some(group) = replicas {
-        broadcast_named(group, step.named_variables(), 0)?;
-        if optimizer.sharded().is_some_and(|s| s.over_replicas()) {
-            // Each replica keeps its own share: the whole state replica 0's rank restored
-            // (nothing on a fresh start) goes to all of them.
-            broadcast_sharded_state(group, optimizer, 0, restored_state)?;
-        } else {
-            broadcast_optimizer_state(group, optimizer, 0)?;
-        }
-    }
+    step.sync().start_from_replica_zero(step.named_variables(), optimizer, restored_state)?;
     step.sync().release(true)
 }
 
@@ -186,7 +174,6 @@ fn restore_replica_zero(
 ) -> Result<Vec<(String, Tensor)>> {
     let variables = step.named_variables();
     let names: Vec<String> = variables.iter().map(|(n, _)| n.clone()).collect();
-    let shards = step.sync().parallel.tp;
     let part = match model.filter(|g| !g.is_root()) {
         None => {
             // Rank 0 of replica 0 (the file is here): its own part, then every other rank's.
@@ -215,8 +202,8 @@ fn restore_replica_zero(
             recv_named(model, 0)?
         }
     };
-    let part = match shards {
-        Some(shards) => checkpoint::map_part(part, |name, whole| shards.shard_of(name, &whole))?,
+    let part = match step.sync().tensor_cut() {
+        Some(cut) => checkpoint::map_part(part, |name, whole| cut.shard_of(name, &whole))?,
         None => part,
     };
     let state = checkpoint::part_state(&part);
@@ -236,24 +223,24 @@ pub(crate) fn gather(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: 
 }
 
 fn gather_whole(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer, meta: CheckpointMeta) -> Result<Option<HostCheckpoint>> {
-    let parallel = step.sync().parallel;
+    let sync = step.sync();
     // Every replica takes part where the optimizer state is sharded over them.
     let mut state = crate::optim::gathered_state(optimizer)?;
-    if parallel.replica != 0 {
+    if sync.replica() != 0 {
         return Ok(None); // replicas hold what replica 0 holds
     }
     let mut variables = step.named_variables();
     // Tensor-parallel shards put their parts together (every shard takes part); the first
     // shard then stands for them all.
-    let shards = parallel.tp.map_or(1, |tp| tp.shard.count);
-    if let Some(tp) = parallel.tp {
-        variables = tp.unshard_named(variables)?;
-        state = tp.unshard_named(state)?;
-        if tp.shard.index != 0 {
+    let shards = sync.tensor_cut().map_or(1, |cut| cut.shard().1);
+    if let Some(cut) = sync.tensor_cut() {
+        variables = cut.unshard_named(variables)?;
+        state = cut.unshard_named(state)?;
+        if cut.shard().0 != 0 {
             return Ok(None);
         }
     }
-    if let Some(model) = parallel.model {
+    if let Some(model) = sync.model() {
         if !model.is_root() {
             send_named(model, &variables, 0)?;
             send_named(model, &state, 0)?;

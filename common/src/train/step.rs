@@ -3,26 +3,19 @@
 //! step's forward and backward passes run (one model, a pipeline of stages in threads, one
 //! stage of a pipeline across processes) and over which ranks its gradients are finished. A new
 //! parallelism is a new implementation of this trait, handed to the loop by
-//! [`crate::parallelize`].
+//! [`crate::parallelize`]; what keeps a rank's part consistent with the others' is its
+//! [`StepSync`], which the strategies ([`crate::parallel`]) implement.
 use std::time::Instant;
 
 use anyhow::Result;
-use tch::{nn, Device, Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::{Batch, BatchSource};
-use crate::device::synchronize;
-use std::rc::Rc;
-
-use anyhow::Context;
-
-use crate::dist::data_parallel::{DataParallelPlan, DistributedOptimizer, GradientAverager};
-use crate::dist::layout::Groups;
-use crate::dist::tensor_parallel::{SplitOf, TensorShards};
-use crate::dist::zero::{Shards, ZeroOptimizer, ZeroStage};
-use crate::dist::{GradientSync, ProcessGroup, ReduceOp};
-use crate::models::PartedModule;
-use crate::optim::{NormScope, Optimizer};
-use crate::precision::{self, GradScaler, Precision};
+use crate::checkpoint::region::Region;
+use crate::dist::{ProcessGroup, ReduceOp};
+use crate::optim::block::BlockLayout;
+use crate::optim::Optimizer;
+use crate::precision::{GradScaler, Precision};
 
 /// A named phase of a step (`"forward"`, `"all-reduce"`, ...) with its start and end.
 pub type Phase = (&'static str, Instant, Instant);
@@ -134,194 +127,117 @@ impl EvalSums {
     }
 }
 
-/// How the replicas of a data-parallel job keep their gradients equal: the group of ranks
-/// holding the same variables, the bucketed averager (`--bucket-mb`, `--fp16-allreduce`) and
-/// where the averaging runs (DDP: after backward; Horovod: inside the optimizer's step).
-#[derive(Clone, Copy)]
-pub struct Replication<'g> {
-    pub group: &'g ProcessGroup,
-    pub averager: GradientAverager,
-    pub sync: GradientSync,
+/// The collective that finishes a step's gradients on this rank before the optimizer step, as
+/// the profile names the phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradientCollective {
+    /// Nothing to average here (one replica; Horovod's optimizer and parameter servers do it
+    /// in the optimizer's step).
+    None,
+    AllReduce,
+    /// ZeRO: each replica keeps the sum of its own block.
+    ReduceScatter,
 }
 
-impl<'g> Replication<'g> {
-    /// The optimizer the loop steps for `step`'s parameters, `build` making the optimizer of
-    /// some named parameters: over all of them (DDP), wrapped by Horovod's optimizer whose step
-    /// averages their gradients first, or over this rank's block of them (ZeRO; at stage 3 the
-    /// block the step's sharded parameters already are).
-    pub fn distribute<'o>(
-        &self,
-        step: &dyn TrainStep<'g>,
-        build: impl FnOnce(Vec<(String, Tensor)>) -> Box<dyn Optimizer + 'o>,
-    ) -> Result<Box<dyn Optimizer + 'o>>
-    where
-        'g: 'o,
-    {
-        let params = step.named_parameters();
-        Ok(match self.sync {
-            GradientSync::Ddp => build(params),
-            GradientSync::Horovod => {
-                let averaged = params.iter().map(|(_, t)| t.shallow_clone()).collect();
-                Box::new(DistributedOptimizer::new(build(params), averaged, self.group, self.averager))
-            }
-            GradientSync::Zero(ZeroStage::Parameters) => {
-                let shards = step.sync().zero_shards().context("ZeRO-3 shards the parameters when the step is built, and this step was built without")?;
-                Box::new(ZeroOptimizer::over(shards, build))
-            }
-            GradientSync::Zero(stage) => Box::new(ZeroOptimizer::over(Shards::new(stage, self.group, params, None, self.averager.bucket_bytes)?, build)),
-            // Parameter-server hook: a local optimizer, which the worker's (dist::parameter_server) replaces.
-            GradientSync::ParameterServer => build(params),
-        })
-    }
+/// How this rank's tensors are cut over tensor-parallel shards, as a checkpoint asks it: the
+/// region of a whole tensor this rank's is, and the whole tensors put together or cut again.
+pub trait TensorCut {
+    /// This rank's shard and the number of shards.
+    fn shard(&self) -> (usize, usize);
+
+    /// The region of the whole tensor `name` (a variable, or optimizer state
+    /// `<entry>.<variable>`) that this rank's tensor of `dims` dimensions is.
+    fn region(&self, name: &str, dims: usize) -> Result<Region>;
+
+    /// The whole tensors of `named` (this rank's parts), put together from every shard's; every
+    /// shard calls it.
+    fn unshard_named(&self, named: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>>;
+
+    /// This rank's part of the whole tensor `name`.
+    fn shard_of(&self, name: &str, whole: &Tensor) -> Result<Tensor>;
 }
 
-/// Who a step's rank works with: its place in the job's mesh ([`Groups`]) seen from one step.
-#[derive(Clone, Copy, Default)]
-pub struct Parallel<'g> {
-    /// The data-parallel replicas of this rank's variables.
-    pub replicas: Option<Replication<'g>>,
-    /// The ranks holding the other parts of this replica's model (pipeline stages): gradient
-    /// norms, the scaler's verdict and checkpoints are agreed or gathered over them.
-    pub model: Option<&'g ProcessGroup>,
-    /// The whole job (its rank 0 reads and writes checkpoints).
-    pub world: Option<&'g ProcessGroup>,
-    /// This rank's replica (0 holds the copy a checkpoint is gathered from).
-    pub replica: usize,
-    /// The tensor-parallel shards of this rank's layers, which one it is and how the model's
-    /// variables are cut: checkpoints hold the whole tensors, put together from the shards and
-    /// cut again on resume.
-    pub tp: Option<TensorShards<'g>>,
-}
-
-impl<'g> Parallel<'g> {
-    /// This rank's place in `groups`' layout, its replicas keeping their gradients equal as
-    /// `dp` says, its model's variables cut over tensor-parallel shards as `split_of` says:
-    /// the one place a step learns who it works with.
-    pub fn of(groups: &'g Groups<'g>, dp: DataParallelPlan, split_of: SplitOf) -> Parallel<'g> {
-        Parallel {
-            replicas: groups.dp().map(|group| Replication { group, averager: dp.averager, sync: dp.sync }),
-            model: groups.model(),
-            world: Some(groups.world),
-            replica: groups.coords.replica,
-            tp: groups.tp().map(|group| TensorShards { group, shard: groups.shard(), split_of }),
-        }
-    }
-
-    pub fn replica_group(self) -> Option<&'g ProcessGroup> {
-        self.replicas.map(|r| r.group)
-    }
-
-    /// Whether this rank is the job's rank 0.
-    pub fn is_root(self) -> bool {
-        self.world.is_none_or(ProcessGroup::is_root)
-    }
-
-    /// The number of data-parallel replicas.
-    pub fn replica_count(self) -> usize {
-        self.replica_group().map_or(1, ProcessGroup::world_size)
-    }
+/// Parameters sharded over the replicas (ZeRO-3): this rank's flat block of them, as a
+/// checkpoint reads and writes it.
+pub trait ParameterBlock {
+    /// Which spans of which parameters the block holds.
+    fn layout(&self) -> BlockLayout;
+    fn block(&self) -> Tensor;
+    fn load_block(&self, block: &Tensor) -> Result<()>;
 }
 
 /// What keeps a step's part of the model consistent with the ranks that replicate it or hold
-/// the rest of it, owned by the step: who they are ([`Parallel`]), ZeRO-3's sharded parameters
-/// (gathered to be read or written, freed after), which parameters count in the norm over the
-/// model, and which it holds without training them. The training loop, checkpoints and reports
-/// ask this, so [`TrainStep`] stays about computing.
-#[derive(Default)]
-pub struct StepSync<'g> {
-    pub parallel: Parallel<'g>,
-    zero3: Option<Rc<Shards<'g>>>,
-    norm_counted: Vec<bool>,
-    frozen: Vec<Tensor>,
-}
+/// the rest of it: who they are, how the gradients are finished, how sharded parameters are
+/// made whole to be read or written, and who owns which piece of a checkpoint. The loop,
+/// checkpoints and reports ask this; the strategies ([`crate::parallel`]) answer it.
+pub trait StepSync<'g> {
+    /// The whole job (its rank 0 reads and writes checkpoints).
+    fn world(&self) -> Option<&'g ProcessGroup>;
 
-impl<'g> StepSync<'g> {
-    pub fn new(parallel: Parallel<'g>) -> Self {
-        StepSync { parallel, ..StepSync::default() }
-    }
+    /// The data-parallel replicas of this rank's variables.
+    fn replicas(&self) -> Option<&'g ProcessGroup>;
 
-    /// With the parameters living in ZeRO-3's `shards`.
-    pub fn with_zero3(self, shards: Rc<Shards<'g>>) -> Self {
-        StepSync { zero3: Some(shards), ..self }
-    }
+    /// The ranks holding the other parts of this replica's model (pipeline stages, tensor
+    /// shards): gradient norms, the scaler's verdict and checkpoints are agreed or gathered over
+    /// them.
+    fn model(&self) -> Option<&'g ProcessGroup>;
 
-    /// With `counted[i]`: whether this rank counts parameter `i` (in the step's
-    /// `named_parameters` order) in the gradient norm over the model (a tensor-parallel shard
-    /// does not count what shard 0 holds too); empty: all.
-    pub fn with_norm_counted(self, counted: Vec<bool>) -> Self {
-        StepSync { norm_counted: counted, ..self }
-    }
+    /// This rank's replica (0 holds the copy a checkpoint is gathered from).
+    fn replica(&self) -> usize;
 
-    /// With the parameters this rank holds without training them (transfer learning's frozen
+    /// How this rank's tensors are cut over tensor-parallel shards, where they are.
+    fn tensor_cut(&self) -> Option<&dyn TensorCut>;
+
+    /// ZeRO-3's block of this rank's parameters, where they are sharded.
+    fn parameter_block(&self) -> Option<&dyn ParameterBlock>;
+
+    /// The parameters this rank holds without training them (transfer learning's frozen
     /// blocks): part of the model's size and memory, but not of `named_parameters`.
-    pub fn with_frozen(self, frozen: Vec<Tensor>) -> Self {
-        StepSync { frozen, ..self }
-    }
+    fn frozen(&self) -> &[Tensor];
 
-    /// ZeRO-3's sharded parameters, where the step was built with them.
-    pub fn zero_shards(&self) -> Option<Rc<Shards<'g>>> {
-        self.zero3.clone()
-    }
+    /// `[i]`: whether this rank counts parameter `i` (in the step's `named_parameters` order)
+    /// in the gradient norm over the model (a tensor-parallel shard does not count what shard 0
+    /// holds too); empty: all.
+    fn norm_counted(&self) -> &[bool];
 
-    pub fn norm_counted(&self) -> &[bool] {
-        &self.norm_counted
-    }
+    /// The collective that [`StepSync::finish_gradients`] runs, `clip`ping or not.
+    fn gradient_collective(&self, clip: bool) -> GradientCollective;
 
-    pub fn frozen(&self) -> &[Tensor] {
-        &self.frozen
-    }
+    /// The strategy's flag where the replicas do not step together (a decision taken in the
+    /// middle of an epoch, such as a checkpoint every few steps, would make them).
+    fn steps_apart(&self) -> Option<&'static str>;
 
     /// Makes the gradients of `params` (the step's parameters) final before the optimizer
-    /// step: averaged over the replicas (DDP style; Horovod's optimizer averages in its
-    /// `synchronize`), unscaled (float16) with one inf/NaN verdict for the whole model, clipped
-    /// to `clip` by the norm over the whole model. Returns that norm when clipping.
-    pub fn finish_gradients(&self, params: &[Tensor], optimizer: &mut dyn Optimizer, scaler: Option<&GradScaler>, clip: Option<f64>) -> Result<Option<f64>> {
-        // The same for every kind of step, however the model is spread over ranks.
-        let parallel = self.parallel;
-        if let Some(replicas) = &parallel.replicas {
-            if replicas.sync == GradientSync::Ddp {
-                replicas.averager.average(replicas.group, params)?;
-            }
-        }
-        // A Horovod-style optimizer averages here; a local one does nothing.
-        optimizer.synchronize()?;
-        if let Some(scaler) = scaler {
-            scaler.unscale(params);
-            // One verdict for the model: a stage that saw an inf makes every stage skip the step
-            // (the replicas agree already: the inf went into their averages).
-            if let Some(model) = parallel.model {
-                scaler.agree(model)?;
-            }
-        }
-        match clip {
-            // The norm before clipping, as `torch.nn.utils.clip_grad_norm_` returns it.
-            Some(max_norm) => Ok(Some(optimizer.clip_grad_norm(params, max_norm, NormScope { model: parallel.model, counted: &self.norm_counted })?)),
-            None => Ok(None),
-        }
-    }
+    /// step: averaged over the replicas, unscaled (float16) with one inf/NaN verdict for the
+    /// whole model, clipped to `clip` by the norm over the whole model. Returns that norm when
+    /// clipping.
+    fn finish_gradients(&self, params: &[Tensor], optimizer: &mut dyn Optimizer, scaler: Option<&GradScaler>, clip: Option<f64>) -> Result<Option<f64>>;
 
     /// Makes every parameter whole in memory, to read or write it (checkpoints, the replicas'
-    /// agreement): ZeRO-3 gathers them; nothing to do otherwise.
-    pub fn materialize(&self) -> Result<()> {
-        self.zero3.as_ref().map_or(Ok(()), |shards| shards.gather_all())
-    }
+    /// agreement).
+    fn materialize(&self) -> Result<()>;
 
     /// Undoes [`StepSync::materialize`]; `changed`: the parameters were written (restored or
-    /// broadcast), so ZeRO-3 takes its block from them again.
-    pub fn release(&self, changed: bool) -> Result<()> {
-        let Some(shards) = &self.zero3 else { return Ok(()) };
-        if changed {
-            shards.refresh_block();
-        }
-        shards.free_all()
-    }
+    /// broadcast).
+    fn release(&self, changed: bool) -> Result<()>;
 
     /// Makes every replica's buffers among `variables` (batch-norm statistics, which each
     /// replica updates from its own shard) replica 0's, before evaluating and checkpointing.
-    pub fn sync_buffers(&self, variables: Vec<(String, Tensor)>) -> Result<()> {
-        let Some(group) = self.parallel.replica_group() else { return Ok(()) };
-        let buffers: Vec<(String, Tensor)> = variables.into_iter().filter(|(_, t)| !t.requires_grad()).collect();
-        crate::dist::data_parallel::broadcast_named(group, buffers, 0)
+    fn sync_buffers(&self, variables: Vec<(String, Tensor)>) -> Result<()>;
+
+    /// Makes every replica start from replica 0's `variables` and `optimizer` state;
+    /// `restored_state`: the optimizer state this rank of replica 0 restored (what a sharded
+    /// optimizer's replicas each take their share of).
+    fn start_from_replica_zero(&self, variables: Vec<(String, Tensor)>, optimizer: &mut dyn Optimizer, restored_state: Vec<(String, Tensor)>) -> Result<()>;
+
+    /// Whether this rank is the job's rank 0.
+    fn is_root(&self) -> bool {
+        self.world().is_none_or(ProcessGroup::is_root)
+    }
+
+    /// The number of data-parallel replicas.
+    fn replica_count(&self) -> usize {
+        self.replicas().map_or(1, ProcessGroup::world_size)
     }
 }
 
@@ -350,7 +266,7 @@ pub trait TrainStep<'g> {
     fn input_device(&self) -> Device;
 
     /// Who this rank works with and what keeps its part consistent with theirs.
-    fn sync(&self) -> &StepSync<'g>;
+    fn sync(&self) -> &dyn StepSync<'g>;
 }
 
 /// Makes `step`'s gradients final before the optimizer step ([`StepSync::finish_gradients`]).
@@ -389,140 +305,4 @@ pub fn loss_and_hits(logits: &Tensor, targets: &Tensor, count_hits: bool) -> (Te
     let loss = logits.cross_entropy_for_logits(&targets);
     let hits = count_hits.then(|| logits.argmax(-1, false).eq_tensor(&targets).sum(Kind::Int64));
     (loss, hits)
-}
-
-/// The kind of `vs`'s floating-point variables, where it is not float32.
-fn weights_kind(vs: &nn::VarStore) -> Option<Kind> {
-    let variables = vs.variables();
-    let kind = variables.values().map(Tensor::kind).find(|kind| matches!(kind, Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double))?;
-    (kind != Kind::Float).then_some(kind)
-}
-
-/// The parameters `vs` holds without training them (frozen for transfer learning): the var
-/// store lists every parameter it created trainable, frozen since or not.
-fn frozen_parameters(vs: &nn::VarStore) -> Vec<Tensor> {
-    vs.trainable_variables().into_iter().filter(|t| !t.requires_grad()).collect()
-}
-
-/// A whole model on this rank, trained alone or as one data-parallel replica (its parameters
-/// sharded over the replicas with ZeRO-3).
-pub struct LocalStep<'g> {
-    pub vs: nn::VarStore,
-    pub model: Box<dyn PartedModule>,
-    /// Who it works with; with ZeRO-3 the shards the parameters live in, gathered part by part
-    /// as the model runs.
-    sync: StepSync<'g>,
-    /// The floating-point kind of the model's weights where not float32 (`--precision
-    /// bf16-true`): floating-point inputs are cast to it, as a `model.half()` script casts them.
-    inputs_kind: Option<Kind>,
-}
-
-impl<'g> LocalStep<'g> {
-    /// A model run as one piece.
-    pub fn new(vs: nn::VarStore, model: Box<dyn nn::ModuleT>, parallel: Parallel<'g>) -> Self {
-        Self::parted(vs, Box::new(crate::models::OnePart(model)), parallel)
-    }
-
-    /// A model that knows its parts (only ZeRO-3 runs them one by one).
-    pub fn parted(vs: nn::VarStore, model: Box<dyn PartedModule>, parallel: Parallel<'g>) -> Self {
-        let inputs_kind = weights_kind(&vs);
-        let sync = StepSync::new(parallel).with_frozen(frozen_parameters(&vs));
-        LocalStep { vs, model, sync, inputs_kind }
-    }
-
-    /// The step with its parameters sharded over its replicas (ZeRO-3, FSDP): each part of the
-    /// model ([`PartedModule`]) is a unit, gathered before it runs and freed after.
-    pub fn sharded(vs: nn::VarStore, model: Box<dyn PartedModule>, parallel: Parallel<'g>) -> Result<Self> {
-        let replicas = parallel.replicas.context("ZeRO-3 shards the parameters over data-parallel replicas")?;
-        let named = crate::models::named_parameters(&vs);
-        let parts = named.iter().map(|(name, _)| model.part_of(name)).collect::<Result<_>>()?;
-        let shards = Shards::new(ZeroStage::Parameters, replicas.group, named, Some(parts), replicas.averager.bucket_bytes)?;
-        let inputs_kind = weights_kind(&vs);
-        let sync = StepSync::new(parallel).with_frozen(frozen_parameters(&vs)).with_zero3(shards);
-        Ok(LocalStep { vs, model, sync, inputs_kind })
-    }
-
-    /// The model's output for `xs`: at once, or part by part through ZeRO-3's shards.
-    fn run(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
-        let cast;
-        let xs = match self.inputs_kind {
-            Some(kind) if xs.is_floating_point() && xs.kind() != kind => {
-                cast = xs.to_kind(kind);
-                &cast
-            }
-            _ => xs,
-        };
-        match &self.sync.zero3 {
-            None => Ok(self.model.forward_t(xs, train)),
-            Some(shards) => self.model.forward_parts(xs, train, &mut |part, run| shards.around(part, run)),
-        }
-    }
-}
-
-impl<'g> TrainStep<'g> for LocalStep<'g> {
-    fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        crate::models::named_parameters(&self.vs)
-    }
-
-    fn named_variables(&self) -> Vec<(String, Tensor)> {
-        let mut vars: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
-        vars.sort_by(|a, b| a.0.cmp(&b.0));
-        vars
-    }
-
-    fn input_device(&self) -> Device {
-        self.vs.device()
-    }
-
-    fn sync(&self) -> &StepSync<'g> {
-        &self.sync
-    }
-
-    fn forward_backward(&mut self, batch: &Batch, weight: f64, ctx: &StepContext) -> Result<StepOutput> {
-        let device = self.vs.device();
-        let t0 = Instant::now();
-        let (loss, hits) = precision::autocast(ctx.precision, device, || -> Result<_> {
-            let logits = self.run(&batch.inputs, true)?;
-            Ok(loss_and_hits(&logits, &batch.targets, ctx.count_hits))
-        })?;
-        if ctx.sync_phases {
-            synchronize(device);
-        }
-        let t1 = Instant::now();
-        // An accumulated step weights each batch by its share (no multiplication otherwise: the
-        // plain step stays bitwise torch's).
-        let weighted = if weight == 1.0 { loss.shallow_clone() } else { &loss * weight };
-        // (ZeRO's hooks communicate inside LibTorch's backward and can fail: f_backward.)
-        match ctx.scaler {
-            Some(scaler) => scaler.scale(&weighted).f_backward()?,
-            None => weighted.f_backward()?,
-        }
-        synchronize(device);
-        let examples = batch.len();
-        Ok(StepOutput {
-            loss_sum: Some(loss.detach().to_kind(Kind::Double) * examples as f64),
-            hits,
-            examples,
-            phases: vec![("forward", t0, t1), ("backward", t1, Instant::now())],
-            ..StepOutput::default()
-        })
-    }
-
-    fn evaluate(&mut self, source: &dyn BatchSource, precision: Precision) -> Result<EvalSums> {
-        tch::no_grad(|| {
-            let mut sums = EvalSums::default();
-            for batch in source.epoch(0) {
-                let batch = batch?;
-                let device = batch.inputs.device();
-                let (loss, hits) = precision::autocast(precision, device, || -> Result<_> {
-                    let logits = self.run(&batch.inputs, false)?;
-                    Ok(loss_and_hits(&logits, &batch.targets, true))
-                })?;
-                sums.loss_sum += loss.double_value(&[]) * batch.len() as f64;
-                sums.hits += hits.map_or(0, |h| h.int64_value(&[])) as f64;
-                sums.examples += batch.len() as f64;
-            }
-            Ok(sums)
-        })
-    }
 }

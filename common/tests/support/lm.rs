@@ -65,7 +65,7 @@ pub const CLIP: f64 = 0.5;
 /// This rank's part of the unpartitioned model's tensor `whole` named `name`: the tensor itself,
 /// or a tensor-parallel shard's cut of it.
 pub fn part_of(trainer: &dyn TrainStep<'_>, name: &str, whole: &Tensor) -> Tensor {
-    let shard = trainer.sync().parallel.tp.map_or(Shard::WHOLE, |tp| tp.shard);
+    let shard = trainer.sync().tensor_cut().map_or(Shard::WHOLE, |cut| Shard { index: cut.shard().0, count: cut.shard().1 });
     shard_tensor(whole, split_of_named(name, whole.dim()).unwrap(), shard)
 }
 
@@ -105,7 +105,7 @@ pub fn assert_trains_like_unpartitioned_with(
         let mine = |t: &Tensor| t.narrow(1, per_replica * replica.0 as i64, per_replica);
         trainer_opt.zero_grad();
         let mut got = train_step(trainer, &mine(&src), &mine(&targets), step as u64);
-        if let Some(replicas) = trainer.sync().parallel.replica_group() {
+        if let Some(replicas) = trainer.sync().replicas() {
             // Each replica saw its half of the batch: their losses average to the whole batch's.
             let mut mean = Tensor::from(got);
             replicas.all_reduce(&mut mean, common::dist::ReduceOp::Average).unwrap();

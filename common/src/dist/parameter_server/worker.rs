@@ -378,7 +378,7 @@ impl<'g, 'w: 'g> TrainStep<'g> for WorkerStep<'g, 'w> {
     fn input_device(&self) -> Device {
         self.inner.input_device()
     }
-    fn sync(&self) -> &StepSync<'g> {
+    fn sync(&self) -> &dyn StepSync<'g> {
         self.inner.sync()
     }
 }

@@ -1,0 +1,147 @@
+//! The strategies: how the ranks that replicate a model keep it equal, each one an object.
+//!
+//! A run's plan names its data-parallel style ([`GradientSync`], from the preset and the flags);
+//! [`crate::parallelize`] turns it into its [`Strategy`] and a step. The strategy decides what
+//! differs between the styles and nothing else:
+//! - how a whole model's step is built ([`Strategy::whole_step`]: ZeRO-3 shards its parameters
+//!   over the replicas from the start);
+//! - how the optimizer is wrapped ([`Strategy::optimizer`]: Horovod's averages inside its step,
+//!   ZeRO's updates this rank's block);
+//! - what finishing the gradients does after backward ([`Strategy::after_backward`]: DDP's
+//!   all-reduce) and which collective that is ([`Strategy::gradient_collective`]);
+//! - what it cannot do (pipeline stages, checkpoints between epochs).
+//!
+//! What every style shares lives beside them: [`Parallel`] (who a step's rank works with),
+//! [`Peers`] (the loop's [`crate::train::StepSync`]: finishing gradients, making sharded
+//! parameters whole for checkpoints, replica 0's state for every replica) and [`LocalStep`]
+//! (a whole model on this rank). The loop knows none of them: it sees the traits train/ defines.
+//!
+//! A new style is one [`GradientSync`] variant, one module with its `impl Strategy`, and its
+//! flags.
+use std::rc::Rc;
+
+use anyhow::Result;
+use tch::{nn, Tensor};
+
+use crate::dist::data_parallel::GradientAverager;
+use crate::dist::zero::{Shards, ZeroStage};
+use crate::models::PartedModule;
+use crate::optim::Optimizer;
+use crate::train::{GradientCollective, TrainStep};
+
+mod ddp;
+mod horovod;
+mod local;
+mod parameter_server;
+mod peers;
+mod zero;
+
+pub use local::LocalStep;
+pub use peers::{Parallel, Peers, Replication};
+
+/// A run's data-parallel style, as its plan and results name it: the course's two ways of
+/// averaging (the same collectives either way), ZeRO's stages, parameter servers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GradientSync {
+    /// In the training loop, right after backward (PyTorch DDP's reducer).
+    Ddp,
+    /// Inside the optimizer's step, through a [`crate::dist::DistributedOptimizer`] (Horovod).
+    Horovod,
+    /// ZeRO: gradients reduce-scattered (in the optimizer's `synchronize`, or from stage 2
+    /// during the backward pass), each rank updating its block of the parameters
+    /// ([`crate::dist::zero::ZeroOptimizer`]).
+    Zero(ZeroStage),
+    /// No averaging among the replicas: they push their gradients to parameter servers, whose
+    /// optimizer updates (`--strategy parameter-server`, [`crate::dist::parameter_server`]).
+    #[serde(rename = "parameter-server")]
+    ParameterServer,
+}
+
+impl GradientSync {
+    /// The strategy that carries this style out: the one place a style is matched.
+    pub fn strategy(self) -> &'static dyn Strategy {
+        match self {
+            GradientSync::Ddp => &ddp::Ddp,
+            GradientSync::Horovod => &horovod::Horovod,
+            GradientSync::Zero(ZeroStage::OptimizerState) => &zero::Zero(ZeroStage::OptimizerState),
+            GradientSync::Zero(ZeroStage::Gradients) => &zero::Zero(ZeroStage::Gradients),
+            GradientSync::Zero(ZeroStage::Parameters) => &zero::Zero(ZeroStage::Parameters),
+            GradientSync::ParameterServer => &parameter_server::ParameterServer,
+        }
+    }
+}
+
+/// How data-parallel replicas keep their gradients equal: the style and the buckets it
+/// averages in (`--bucket-mb`, `--fp16-allreduce`).
+#[derive(Debug, Clone, Copy)]
+pub struct DataParallelPlan {
+    pub averager: GradientAverager,
+    pub sync: GradientSync,
+}
+
+/// What makes an optimizer over some named parameters (the run's recipe).
+pub type BuildOptimizer<'b, 'o> = &'b dyn Fn(Vec<(String, Tensor)>) -> Box<dyn Optimizer + 'o>;
+
+/// One data-parallel style (see the module docs): what it changes in how a step is built, how
+/// its optimizer is wrapped and how its gradients are finished. Stateless: what it works over
+/// comes in a [`Replication`].
+pub trait Strategy: Sync {
+    /// The style, as the plan and the results name it.
+    fn sync(&self) -> GradientSync;
+
+    /// The step of a model held whole on this rank (`vs`, `module`), one of `parallel`'s
+    /// replicas.
+    fn whole_step<'g>(&self, vs: nn::VarStore, module: Box<dyn PartedModule>, parallel: Parallel<'g>) -> Result<LocalStep<'g>> {
+        Ok(LocalStep::parted(vs, module, parallel))
+    }
+
+    /// The optimizer the loop steps for `params` (a step's), `build` making the optimizer of
+    /// some named parameters; `zero3`: the shards the step's parameters live in, where the
+    /// step was built with them.
+    fn optimizer<'g: 'o, 'o>(
+        &self,
+        replication: &Replication<'g>,
+        params: Vec<(String, Tensor)>,
+        zero3: Option<Rc<Shards<'g>>>,
+        build: BuildOptimizer<'_, 'o>,
+    ) -> Result<Box<dyn Optimizer + 'o>>;
+
+    /// What finishing the gradients does in the loop, right after backward, before the
+    /// optimizer's `synchronize` (which runs for every style).
+    fn after_backward(&self, _replication: &Replication<'_>, _params: &[Tensor]) -> Result<()> {
+        Ok(())
+    }
+
+    /// The collective that finishes the gradients before the optimizer steps, `clip`ping or
+    /// not (clipping needs them averaged first).
+    fn gradient_collective(&self, clip: bool) -> GradientCollective;
+
+    /// Fails, with a usage error, where the style cannot average pipeline stages' or
+    /// tensor-parallel shards' gradients.
+    fn check_stages(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// The style's flag where its replicas do not step together.
+    fn steps_apart(&self) -> Option<&'static str> {
+        None
+    }
+}
+
+/// A step that knows its [`Peers`]: what [`crate::parallelize`] builds, and the loop trains as
+/// a [`TrainStep`].
+pub trait ParallelStep<'g>: TrainStep<'g> {
+    fn peers(&self) -> &Peers<'g>;
+}
+
+/// The optimizer the loop steps for `step`'s parameters: its strategy's where it has replicas,
+/// `build`'s own otherwise.
+pub fn optimizer_for<'g: 'o, 'o>(step: &dyn ParallelStep<'g>, build: BuildOptimizer<'_, 'o>) -> Result<Box<dyn Optimizer + 'o>> {
+    let params = step.named_parameters();
+    let peers = step.peers();
+    match &peers.parallel.replicas {
+        Some(replication) => replication.strategy.optimizer(replication, params, peers.zero_shards(), build),
+        None => Ok(build(params)),
+    }
+}

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Lists the import circles between the modules of `common`.
 
-A module is a top-level file or folder of common/src (`report`, `dist`, ...); the folders
-dist/, pipeline/, train/ and models/ are split into their submodules (`dist::zero`). An edge
+A module is a top-level file or folder of common/src (`report`, `comm`, ...); the folders
+comm/, parallel/, pipeline/, train/ and models/ are split into their submodules (`parallel::zero`). An edge
 A -> B is any `crate::B` reference (a `use crate::...` line, including `use crate::{..}`
 groups, or a `crate::B::...` path in code) from a file of A; `super::X` references inside a
 split folder count too. Prints the edges of every strongly connected component with more
@@ -16,7 +16,7 @@ import os
 import re
 import sys
 
-SPLIT = {"dist", "pipeline", "train", "models"}
+SPLIT = {"comm", "parallel", "pipeline", "train", "models"}
 
 
 def module_of(rel):
@@ -53,7 +53,7 @@ def strip_tests(text):
 
 def targets(path_text, modules, reexports):
     """Module names referenced by one path `a::b::c` (after `crate::`); a name a split folder
-    re-exports (`crate::dist::Layout`) counts as its submodule's (`dist::layout`)."""
+    re-exports (`crate::comm::Layout`) counts as its submodule's (`comm::layout`)."""
     segs = [s for s in re.split(r"::", path_text) if s]
     if not segs:
         return []
@@ -115,7 +115,7 @@ def scan(root, with_parents):
                 if mod:
                     files.setdefault(mod, []).append(os.path.join(d, n))
     modules = set(files)
-    # folder names are modules too when referenced without a submodule (`crate::dist::Layout`)
+    # folder names are modules too when referenced without a submodule (`crate::comm::Layout`)
     modules |= {m.split("::")[0] for m in files}
     reexports = reexports_of(root)
     edges = {}

@@ -40,7 +40,7 @@ pub struct Stopped {
 /// The `--nproc-per-node` launcher was told to stop twice (Ctrl-C twice, `kill` again): it
 /// passed the second signal on to mpirun as it is, which stopped the ranks at once; exit with the
 /// shell's code for it, 128 + signal. (The first asks the ranks to stop at a step and
-/// checkpoint: see `dist::launch`.)
+/// checkpoint: see `comm::launch`.)
 #[derive(Debug, thiserror::Error)]
 #[error("stopped by {}: passed on to mpirun, which stopped the ranks", signal_name(*.0))]
 pub struct Interrupted(pub i32);

@@ -358,7 +358,7 @@ pub struct ParallelArgs {
     /// Collective engine: NCCL for CUDA tensors and MPI for CPU tensors (auto), or one of them.
     #[arg(long, value_enum, default_value = "auto")]
     #[arg(help_heading = "Parallelism")]
-    pub backend: crate::dist::Backend,
+    pub backend: crate::comm::Backend,
     /// Gradients are averaged in buckets of this many MiB (fewer, larger messages).
     #[arg(long, default_value_t = 25.0)]
     #[arg(help_heading = "Parallelism")]
@@ -385,13 +385,13 @@ pub struct ParallelArgs {
     #[arg(long, default_value_t = 0)]
     #[arg(help_heading = "Parallelism")]
     pub zero: u8,
-    // ---- Parameter-server hook (dist::parameter_server): the strategy and its flags. ----
+    // ---- Parameter-server hook (parallel::parameter_server): the strategy and its flags. ----
     /// data-parallel: every rank a replica, gradients averaged (all-reduce, or ZeRO);
     /// parameter-server: --servers ranks hold the parameters and run the optimizer, the others
     /// push gradients and pull parameters (--sync, --async, --max-staleness).
     #[arg(long, value_enum, default_value = "data-parallel")]
     #[arg(help_heading = "Parallelism")]
-    pub strategy: crate::dist::parameter_server::Strategy,
+    pub strategy: crate::parallel::parameter_server::Strategy,
     /// Parameter-server ranks (the job's last ones) [default: 1].
     #[arg(long)]
     #[arg(help_heading = "Parallelism")]
@@ -415,7 +415,7 @@ pub struct ParallelArgs {
     /// any strategy).
     #[arg(long, value_name = "RANK:SECONDS")]
     #[arg(help_heading = "Parallelism")]
-    pub straggler: Option<crate::dist::parameter_server::Straggler>,
+    pub straggler: Option<crate::parallel::parameter_server::Straggler>,
 }
 
 impl ParallelArgs {
@@ -430,7 +430,7 @@ impl ParallelArgs {
             return usage(format!("--collective-timeout must be a positive number of seconds, got {}", self.collective_timeout));
         }
         // Parameter-server hook: its flags, checked before any rank starts.
-        crate::dist::parameter_server::check_flags(
+        crate::parallel::parameter_server::check_flags(
             self.strategy,
             self.servers,
             self.sync,
@@ -446,20 +446,20 @@ impl ParallelArgs {
     }
 
     /// The parameter server these flags ask for (none: data parallelism). Parameter-server hook.
-    pub fn parameter_server(&self) -> Option<crate::dist::parameter_server::Config> {
-        use crate::dist::parameter_server::{Config, Mode, Strategy};
+    pub fn parameter_server(&self) -> Option<crate::parallel::parameter_server::Config> {
+        use crate::parallel::parameter_server::{Config, Mode, Strategy};
         let mode = if self.asynchronous { Mode::Async { max_staleness: self.max_staleness } } else { Mode::Sync };
         (self.strategy == Strategy::ParameterServer).then_some(Config { servers: self.servers.unwrap_or(1), mode })
     }
 
     /// The ZeRO stage `--zero` asks for (none for 0).
-    pub fn zero_stage(&self) -> Option<crate::dist::zero::ZeroStage> {
-        crate::dist::zero::ZeroStage::from_flag(self.zero)
+    pub fn zero_stage(&self) -> Option<crate::parallel::zero::ZeroStage> {
+        crate::parallel::zero::ZeroStage::from_flag(self.zero)
     }
 
     /// The bucketed gradient averager these flags describe.
-    pub fn averager(&self) -> crate::dist::data_parallel::GradientAverager {
-        crate::dist::data_parallel::GradientAverager::new((self.bucket_mb * 1024.0 * 1024.0) as usize, self.fp16_allreduce)
+    pub fn averager(&self) -> crate::comm::data_parallel::GradientAverager {
+        crate::comm::data_parallel::GradientAverager::new((self.bucket_mb * 1024.0 * 1024.0) as usize, self.fp16_allreduce)
     }
 }
 

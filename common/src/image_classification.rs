@@ -9,12 +9,12 @@ use anyhow::Result;
 use serde::Serialize;
 use tch::Device;
 
+use crate::comm::layout::Groups;
 use crate::data::image_files::{ImageFileLoader, ImageFiles};
 use crate::data::image_folder::{self, ImageFolder};
 use crate::data::transforms::Transform;
 use crate::data::{self, DatasetChoice, ImageDataset, Loader, LoaderConfig, Split};
 use crate::device;
-use crate::dist::layout::Groups;
 use crate::error::usage;
 use crate::experiment::{self, Experiment, Sources};
 use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};

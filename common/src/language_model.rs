@@ -6,10 +6,10 @@ use anyhow::Result;
 use serde::Serialize;
 use tch::Device;
 
+use crate::comm::layout::{Coords, Groups, Layout};
 use crate::data::text::{self, Corpus, TokenBatches, Tokenizer};
 use crate::data::GENERATED_MARKER;
 use crate::device::{self, DeviceChoice};
-use crate::dist::layout::{Coords, Groups, Layout};
 use crate::error::usage;
 use crate::experiment::{self, Experiment, Sources};
 use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};

@@ -1,19 +1,19 @@
 //! `common`: everything the course exercises share, one concept per module.
 //!
 //! Data flows one way: [`data`] (datasets, loaders) → [`models`] / [`optim`] (one training
-//! step, [`parallelize`]d over the job's [`dist::Layout`]) → [`train`] (the one loop, its
+//! step, [`parallelize`]d over the job's [`comm::Layout`]) → [`train`] (the one loop, its
 //! events and their sinks) → [`report`] (tables, CSV/JSON results), with [`checkpoint`]
 //! saving and restoring the whole training state on the way. [`experiment`] does what every
 //! exercise does around the loop; [`presets`] are the course's exercises.
 pub mod atomic_file;
 pub mod checkpoint;
+pub mod comm;
 pub mod config_file;
 pub mod course_figures;
 pub mod course_format;
 pub mod cuda_graph;
 pub mod data;
 pub mod device;
-pub mod dist;
 pub mod error;
 pub mod experiment;
 pub mod flags;

@@ -14,8 +14,8 @@ use std::path::PathBuf;
 use anyhow::Result;
 use tch::{nn, Device};
 
-use crate::dist::layout::Groups;
-use crate::dist::ProcessGroup;
+use crate::comm::layout::Groups;
+use crate::comm::ProcessGroup;
 use crate::error::usage;
 use crate::models::{self, Blocks, ModelSpec, OnePart, OutputInit, PartedModule, Trainable, TransformerConfig, TransformerLm};
 use crate::parallel::{DataParallelPlan, LocalStep, Parallel, ParallelStep};
@@ -108,7 +108,7 @@ fn whole_model<'g>(
     if groups.layout.pp * groups.layout.tp != 1 {
         return usage(format!("this model is not split into parts, but the job's layout is {}", groups.layout.describe()));
     }
-    let parallel = Parallel::of(groups, dp, crate::dist::tensor_parallel::uncut);
+    let parallel = Parallel::of(groups, dp, crate::comm::tensor_parallel::uncut);
     if let Some(replicas) = &parallel.replicas {
         replicas.averager.check(replicas.group, device)?;
         check_reduces(replicas.group, device, precision)?;
@@ -121,11 +121,7 @@ fn whole_model<'g>(
         // statistics alike, after the weights were loaded in float32.
         vs.set_kind(kind);
     }
-    // The replicas' strategy builds the step (ZeRO-3 shards the parameters from the start).
-    Ok(Box::new(match parallel.replicas {
-        Some(replicas) => replicas.strategy.whole_step(vs, module, parallel)?,
-        None => LocalStep::parted(vs, module, parallel),
-    }))
+    Ok(Box::new(LocalStep::replica(vs, module, parallel)?))
 }
 
 impl Parallelize for ImagePlan {
@@ -201,7 +197,7 @@ impl Parallelize for TransformerPlan {
                 Box::new(StageProcess::new(groups, mine, plan.options, dp)?)
             }
         };
-        let shard = step.peers().parallel.tp.map_or(crate::dist::tensor_parallel::Shard::WHOLE, |tp| tp.shard);
+        let shard = step.peers().parallel.tp.map_or(crate::comm::tensor_parallel::Shard::WHOLE, |tp| tp.shard);
         self.init.apply(&step.named_parameters(), config, seed, shard);
         Ok(step)
     }

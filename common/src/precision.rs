@@ -304,9 +304,9 @@ impl GradScaler {
     /// Makes the inf/NaN verdict of the last unscale the same on every rank of `group`: an inf
     /// on any rank (a pipeline stage) means every rank skips the step. Call it after
     /// [`GradScaler::unscale`] on every rank of the group.
-    pub fn agree(&self, group: &crate::dist::ProcessGroup) -> Result<()> {
+    pub fn agree(&self, group: &crate::comm::ProcessGroup) -> Result<()> {
         let mut found = self.found_inf.shallow_clone();
-        group.all_reduce(&mut found, crate::dist::ReduceOp::Sum)?;
+        group.all_reduce(&mut found, crate::comm::ReduceOp::Sum)?;
         let _ = found.clamp_max_(1.0);
         Ok(())
     }

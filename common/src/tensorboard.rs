@@ -63,7 +63,7 @@ impl SummaryWriter {
     /// starting with the file-version event.
     pub fn new(dir: &Path) -> Result<SummaryWriter> {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create the TensorBoard directory {}", dir.display()))?;
-        let host = crate::dist::hosts::this_host();
+        let host = crate::comm::hosts::this_host();
         let seconds = now().floor() as u64;
         let path = dir.join(format!("events.out.tfevents.{seconds}.{host}.{}", std::process::id()));
         let file = crate::atomic_file::create_new(&path)?;

@@ -1,4 +1,4 @@
-//! `common::dist`: the launch environment (pure parsing), the single-process group, and,
+//! `common::comm`: the launch environment (pure parsing), the single-process group, and,
 //! on two real MPI ranks, the collectives, point-to-point messages, the data-parallel helpers,
 //! `--nproc-per-node` relaunching and what happens when a rank fails; on four, sub-groups.
 //!
@@ -17,11 +17,12 @@ use std::time::{Duration, Instant};
 
 use support::ranks::{launch, Run, SCENARIO, SHARED_DIR};
 
-use common::dist::data_parallel::{broadcast_optimizer_state, broadcast_parameters, metric_average, DistributedOptimizer, GradientAverager};
-use common::dist::launch::{args_without_nproc, relaunch_with_mpirun};
-use common::dist::{Backend, LaunchEnv, LaunchSource, ProcessGroup, ReduceOp};
+use common::comm::data_parallel::{broadcast_optimizer_state, broadcast_parameters, metric_average, GradientAverager};
+use common::comm::launch::{args_without_nproc, relaunch_with_mpirun};
+use common::comm::{Backend, LaunchEnv, LaunchSource, ProcessGroup, ReduceOp};
 use common::error::{exit_code, UsageError};
 use common::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
+use common::parallel::DistributedOptimizer;
 use tch::nn::Module;
 use tch::{nn, Device, Kind, Tensor};
 
@@ -524,7 +525,7 @@ fn rank_errors() -> usize {
 fn relaunch() -> usize {
     let env = LaunchEnv::detect().unwrap();
     if env.source == LaunchSource::Single {
-        let status = relaunch_with_mpirun(2, common::dist::launch::StopsAt::Step).unwrap();
+        let status = relaunch_with_mpirun(2, common::comm::launch::StopsAt::Step).unwrap();
         assert!(status.success(), "the ranks failed: {status}");
         // Both ranks printed their lines; nothing is left to do here.
         std::process::exit(0);
@@ -538,7 +539,7 @@ fn relaunch() -> usize {
 
 /// `MPIRUN` names no program: a usage error saying what to install.
 fn no_launcher() -> usize {
-    let err = relaunch_with_mpirun(2, common::dist::launch::StopsAt::Step).unwrap_err();
+    let err = relaunch_with_mpirun(2, common::comm::launch::StopsAt::Step).unwrap_err();
     assert!(err.is::<UsageError>());
     assert!(format!("{err}").contains("--nproc-per-node needs an MPI launcher (mpirun) on PATH"), "{err}");
     0
@@ -860,7 +861,7 @@ fn backend_mpi_works_with_one_process() {
 /// fresh one loads that state and gives it back.
 #[test]
 fn a_zero_optimizer_alone_is_the_optimizer_it_wraps_with_the_same_named_state() {
-    use common::dist::zero::ZeroOptimizer;
+    use common::parallel::zero::ZeroOptimizer;
     let group = ProcessGroup::single();
     let config = AdamConfig { lr: 0.1, ..AdamConfig::default() };
     let make = || -> Vec<(String, Tensor)> {

@@ -12,9 +12,9 @@ mod support;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::dist::data_parallel::GradientAverager;
-use common::dist::layout::{Coords, Groups, Layout};
-use common::dist::{Backend, ProcessGroup};
+use common::comm::data_parallel::GradientAverager;
+use common::comm::layout::{Coords, Groups, Layout};
+use common::comm::{Backend, ProcessGroup};
 use common::models::{self, TransformerConfig, TransformerLm};
 use common::optim::Optimizer;
 use common::parallel::DataParallelPlan;

@@ -1,5 +1,5 @@
-//! `common::dist::rendezvous::exchange_root_bytes` over TCP on 127.0.0.1, one thread per rank.
-use common::dist::rendezvous::exchange_root_bytes;
+//! `common::comm::rendezvous::exchange_root_bytes` over TCP on 127.0.0.1, one thread per rank.
+use common::comm::rendezvous::exchange_root_bytes;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::thread;

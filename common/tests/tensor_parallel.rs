@@ -10,10 +10,10 @@ mod support;
 
 use std::time::Duration;
 
-use common::dist::data_parallel::GradientAverager;
-use common::dist::layout::{Groups, Layout};
-use common::dist::tensor_parallel::Shard;
-use common::dist::{Backend, CommStats, ProcessGroup};
+use common::comm::data_parallel::GradientAverager;
+use common::comm::layout::{Groups, Layout};
+use common::comm::tensor_parallel::Shard;
+use common::comm::{Backend, CommStats, ProcessGroup};
 use common::models::{Masks, TransformerConfig};
 use common::parallel::{optimizer_for, DataParallelPlan, GradientSync};
 use common::pipeline::process::StageProcess;
@@ -158,7 +158,7 @@ fn three_d_layout_trains_the_unpartitioned_model() -> usize {
     let coords = groups.coords;
     let cfg = tp_config(4, 0.0);
     let partition = Partition::even(cfg.nlayers, 2).unwrap();
-    let zero = DataParallelPlan { sync: GradientSync::Zero(common::dist::zero::ZeroStage::OptimizerState), ..ddp() };
+    let zero = DataParallelPlan { sync: GradientSync::Zero(common::parallel::zero::ZeroStage::OptimizerState), ..ddp() };
     for (schedule, plan) in [(Schedule::GPipe, ddp()), (Schedule::OneFOneB, ddp()), (Schedule::OneFOneB, zero)] {
         let (reference_vs, reference) = reference_model(&cfg);
         let stage = Stage::new_sharded(&cfg, coords.stage, 2, partition.layers[coords.stage].clone(), Device::Cpu, 1, groups.shard()).unwrap();

@@ -142,7 +142,7 @@ impl RunLock {
             .with_context(|| format!("cannot open the run's lock {}", path.display()))?;
         match file.try_lock() {
             Ok(()) => {
-                let host = crate::dist::hosts::this_host();
+                let host = crate::comm::hosts::this_host();
                 file.set_len(0)
                     .and_then(|()| file.rewind())
                     .and_then(|()| writeln!(file, "{} {host}", std::process::id()))

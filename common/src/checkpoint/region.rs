@@ -6,7 +6,7 @@
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use crate::dist::tensor_parallel::{shard_tensor, Shard, Split};
+use crate::comm::tensor_parallel::{shard_tensor, Shard, Split};
 
 /// Part of a whole tensor of shape `shape` (given beside it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -700,7 +700,7 @@ pub fn export_model(source: &Source, out: &Path) -> Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dist::tensor_parallel::{shard_tensor, Shard, Split};
+    use crate::comm::tensor_parallel::{shard_tensor, Shard, Split};
 
     fn meta() -> CheckpointMeta {
         CheckpointMeta {

@@ -13,9 +13,9 @@ use tch::Device;
 pub use recipe::RunRecipe;
 use train_run::train_on;
 
+use crate::comm::layout::{Groups, Layout};
+use crate::comm::{launch, Backend, LaunchEnv, ProcessGroup};
 use crate::device::{self, DeviceChoice};
-use crate::dist::layout::{Groups, Layout};
-use crate::dist::{launch, Backend, LaunchEnv, ProcessGroup};
 use crate::error::usage;
 use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
 use crate::memory;
@@ -120,7 +120,7 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
         // Said before the ranks start; train::fit refuses it too (its workers never step together).
         return usage("--checkpoint-every and --checkpoint-minutes need workers that step together: not with --strategy parameter-server (it checkpoints at epochs' ends)");
     }
-    crate::dist::watchdog::set_timeout(std::time::Duration::from_secs_f64(parallel.collective_timeout));
+    crate::comm::watchdog::set_timeout(std::time::Duration::from_secs_f64(parallel.collective_timeout));
     exp.check()?;
     // Found before the first step, not after the last one (whose results would be lost).
     writable_dir(&run.results_dir, "--results-dir")?;
@@ -155,7 +155,7 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
             session_observers(exp, true, listeners).warn(warning)?;
         }
     }
-    let asynchronous = parallel.parameter_server().is_some_and(|ps| !matches!(ps.mode, crate::dist::parameter_server::Mode::Sync));
+    let asynchronous = parallel.parameter_server().is_some_and(|ps| !matches!(ps.mode, crate::parallel::parameter_server::Mode::Sync));
     let stops = if asynchronous { launch::StopsAt::EpochEnd } else { launch::StopsAt::Step };
     if launch::start_ranks_if_asked(parallel.nproc_per_node, stops)? {
         return Ok(Vec::new());
@@ -166,16 +166,16 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
     }
     // Errors on one rank abort every rank (MPI_Abort) instead of leaving the others waiting.
     ProcessGroup::run(parallel.backend, |world| {
-        // A parameter-server job (dist::parameter_server): the last --servers ranks serve and
+        // A parameter-server job (parallel::parameter_server): the last --servers ranks serve and
         // stop here; the workers train as data-parallel replicas over a group of their own.
-        let ps = crate::dist::parameter_server::Job::start(world, parallel.parameter_server())?;
+        let ps = crate::parallel::parameter_server::Job::start(world, parallel.parameter_server())?;
         if let Some(job) = ps.as_ref().filter(|job| job.is_server()) {
             return job.serve().map(|()| Vec::new());
         }
         let world = ps.as_ref().map_or(world, |job| job.workers());
         let layout = exp.layout(world.world_size())?;
         let servers = ps.as_ref().map(|job| job.link());
-        let traffic = servers.clone().map(|link| link as std::rc::Rc<dyn crate::dist::group::Traffic>);
+        let traffic = servers.clone().map(|link| link as std::rc::Rc<dyn crate::comm::group::Traffic>);
         let groups = Groups::new(world, layout)?.with_traffic(traffic);
         let device = exp.device(&groups)?;
         run.precision.check(device)?;
@@ -183,7 +183,7 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
         if let Some(every) = run.course_log {
             session.add(train::sinks::CourseLog::new(world.rank(), world.world_size(), every, exp.metric()));
         }
-        if let Some(placement) = crate::dist::hosts::placement() {
+        if let Some(placement) = crate::comm::hosts::placement() {
             session.info(placement)?;
         }
         if run.threads == 0 && world.local_world_size() > 1 && device == Device::Cpu {

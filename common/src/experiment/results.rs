@@ -7,9 +7,9 @@ use tch::Device;
 
 use super::train_run::{checkpoint_config, Built};
 use super::Experiment;
+use crate::comm::layout::{Groups, Layout};
+use crate::comm::CommStats;
 use crate::device;
-use crate::dist::layout::{Groups, Layout};
-use crate::dist::CommStats;
 use crate::memory::{ModelState, PeakMemory};
 use crate::report::{self, RunInfo, RunRecord};
 use crate::train::{self, EvalSums, FitReport, LrSchedule, Metric, Observers, TrainStep};
@@ -29,7 +29,7 @@ pub(super) struct Measured {
     /// Every step's mean loss on rank 0's replica (after a resume: the steps this run took).
     pub step_losses: Vec<f64>,
     /// The servers' figures (staleness) of a parameter-server run, on worker 0.
-    pub parameter_server: Option<crate::dist::parameter_server::Report>,
+    pub parameter_server: Option<crate::parallel::parameter_server::Report>,
     /// Every rank's time in the gradients' averaging, by rank of the training group.
     pub allreduce_by_rank: Vec<f64>,
 }
@@ -66,7 +66,7 @@ struct RunResults<'a> {
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     replicas: Option<ReplicaResults>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    parameter_server: Option<&'a crate::dist::parameter_server::Report>,
+    parameter_server: Option<&'a crate::parallel::parameter_server::Report>,
     /// What checkpointing cost: training time blocked (gathering, copying to host memory) and
     /// the background writes' time, on rank 0.
     checkpoints: train::CheckpointStats,
@@ -155,7 +155,7 @@ fn say_measurements(measured: &Measured, groups: &Groups, device: Device, sessio
         session.info(format!("parameters bit-identical on all {} ranks after training", groups.layout.dp))?;
     }
     if groups.world.world_size() > 1 {
-        if let Some(line) = crate::dist::waits::describe(&measured.allreduce_by_rank, groups.world) {
+        if let Some(line) = crate::comm::waits::describe(&measured.allreduce_by_rank, groups.world) {
             session.info(line)?;
         }
         session.info(format!("rank 0's communication in training and evaluation: {}", measured.communication.describe()))?;
@@ -190,7 +190,7 @@ fn run_results<'a, E: Experiment>(exp: &E, built: &'a Built<'_, E::Model>, measu
         step_losses: &measured.step_losses,
         resumed_epochs: measured.fit.resumed_epochs,
         world_size: groups.world.world_size(),
-        hosts: crate::dist::hosts::for_results(groups.world.env().world_size),
+        hosts: crate::comm::hosts::for_results(groups.world.env().world_size),
         layout: groups.layout,
         dp: replicas,
         per_rank_batch: recipe.batch_size,
@@ -265,6 +265,6 @@ pub(super) fn step_parameter_count(groups: &Groups, step: &dyn TrainStep<'_>) ->
     let mine = train::counted_parameters(step);
     let Some(model) = groups.model() else { return Ok(mine) };
     let mut total = tch::Tensor::from(mine as f64);
-    model.all_reduce(&mut total, crate::dist::ReduceOp::Sum)?;
+    model.all_reduce(&mut total, crate::comm::ReduceOp::Sum)?;
     Ok(total.double_value(&[]) as i64)
 }

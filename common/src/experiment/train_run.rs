@@ -10,15 +10,15 @@ use tch::Device;
 
 use super::results::{self, Measured};
 use super::{Experiment, Forward, RunRecipe, Sources};
+use crate::comm::layout::Groups;
+use crate::comm::CommStats;
 use crate::device::{self, DeviceChoice};
-use crate::dist::layout::Groups;
-use crate::dist::parameter_server::WorkerLink;
-use crate::dist::zero::ZeroStage;
-use crate::dist::CommStats;
 use crate::error::usage;
 use crate::flags::RunArgs;
 use crate::memory::{self, MemoryMeter, ModelState};
 use crate::optim::Optimizer;
+use crate::parallel::parameter_server::WorkerLink;
+use crate::parallel::zero::ZeroStage;
 use crate::parallel::{optimizer_for, DataParallelPlan, GradientSync};
 use crate::parallelize::parallelize;
 use crate::precision::Precision;
@@ -100,7 +100,7 @@ pub(super) fn train_on<'g, E: Experiment>(
         return Ok(None);
     }
     let test = measure_after_training(exp, &mut built, &meter, groups, &mut fit)?;
-    let allreduce_by_rank = crate::dist::waits::gather(groups.world, fit.timings.allreduce_s)?;
+    let allreduce_by_rank = crate::comm::waits::gather(groups.world, fit.timings.allreduce_s)?;
     let measured = Measured {
         fit,
         test: test.sums,
@@ -189,7 +189,7 @@ fn build<'g, E: Experiment>(
         optimizer = link.optimizer(step.named_parameters(), recipe.optimizer, recipe.lr, recipe.momentum, recipe.weight_decay, kernel);
     }
     // --straggler: this rank sleeps in every step (any strategy).
-    let optimizer = crate::dist::parameter_server::Straggled::wrap(optimizer, exp.parallel_args().straggler, groups.world.rank());
+    let optimizer = crate::parallel::parameter_server::Straggled::wrap(optimizer, exp.parallel_args().straggler, groups.world.rank());
     let name = format!("{}-{}-{}", preset.name, exp.model_name(), device::device_name(device));
     Ok((Built { plan, step, optimizer, recipe, sources, zero, name, data_identity: exp.data_identity(data) }, meter))
 }

@@ -16,8 +16,8 @@
 //! measured instead: one forward pass of a few images on the CPU, scaled to the batch.
 use serde::Serialize;
 
-use crate::dist::zero::ZeroStage;
 use crate::models::TransformerConfig;
+use crate::parallel::zero::ZeroStage;
 use crate::pipeline::{schedule, Partition, Placement, Schedule};
 use crate::precision::Precision;
 

@@ -14,9 +14,9 @@ use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use tch::Device;
 
+use crate::comm::ProcessGroup;
 use crate::device;
-use crate::dist::zero::ZeroStage;
-use crate::dist::ProcessGroup;
+use crate::parallel::zero::ZeroStage;
 use crate::torch_ext;
 use crate::train::{Control, Event, Observer};
 

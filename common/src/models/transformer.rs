@@ -20,8 +20,8 @@
 //! layers on different devices.
 use super::transformer_names::{self as names, Place, TransformerVariable};
 use super::TORCH_DEFAULT_WEIGHT;
-use crate::dist::tensor_parallel::{self as tp, Shard};
-use crate::dist::ProcessGroup;
+use crate::comm::tensor_parallel::{self as tp, Shard};
+use crate::comm::ProcessGroup;
 use crate::error::UsageError;
 use crate::seed_keys::mix_key;
 use crate::torch_ext::{self, Generator};

@@ -9,7 +9,7 @@ use std::fmt;
 
 use anyhow::Result;
 
-use crate::dist::tensor_parallel::Split;
+use crate::comm::tensor_parallel::Split;
 
 /// The embedding's path under the model's root (`embedding.weight`).
 pub const EMBEDDING: &str = "embedding";
@@ -102,7 +102,7 @@ pub fn split_of_named(name: &str, dims: usize) -> Result<Split, UnknownVariable>
     }
 }
 
-/// [`split_of_named`] as the Transformer's [`crate::dist::tensor_parallel::SplitOf`]: the
+/// [`split_of_named`] as the Transformer's [`crate::comm::tensor_parallel::SplitOf`]: the
 /// table its tensor-parallel steps hand to the checkpoints.
 pub fn split_of(name: &str, dims: usize) -> Result<Split> {
     Ok(split_of_named(name, dims)?)
@@ -167,8 +167,8 @@ mod tests {
 
     #[test]
     fn a_shard_of_named_state_is_its_variables_rows_and_a_count_stays_whole() {
-        let world = crate::dist::ProcessGroup::single();
-        let shards = crate::dist::tensor_parallel::TensorShards { group: &world, shard: crate::dist::tensor_parallel::Shard { index: 1, count: 2 }, split_of };
+        let world = crate::comm::ProcessGroup::single();
+        let shards = crate::comm::tensor_parallel::TensorShards { group: &world, shard: crate::comm::tensor_parallel::Shard { index: 1, count: 2 }, split_of };
         let (step, exp_avg) = (tch::Tensor::from(3i64), tch::Tensor::arange(4, (tch::Kind::Float, tch::Device::Cpu)));
         assert_eq!(shards.shard_of("step.linear.bias", &step).unwrap().int64_value(&[]), 3);
         assert_eq!(Vec::<f32>::try_from(shards.shard_of("exp_avg.linear.bias", &exp_avg).unwrap()).unwrap(), vec![2.0, 3.0]);

@@ -1,4 +1,4 @@
-//! A rank's flat block of a model's parameters, as ZeRO shards them (`dist::zero`): which
+//! A rank's flat block of a model's parameters, as ZeRO shards them (`parallel::zero`): which
 //! elements of which parameters it holds. An optimizer over such a block describes it with a
 //! [`BlockLayout`] ([`super::Sharded::block_layout`]), and sharded checkpoints write and read
 //! the block by that description, without the whole parameters or state ever being put

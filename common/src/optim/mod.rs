@@ -325,7 +325,7 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
 pub struct NormScope<'a> {
     /// The ranks holding the other parts of the model (pipeline stages, tensor-parallel
     /// shards), whose squares add up with this rank's; none: this rank holds it all.
-    pub model: Option<&'a crate::dist::ProcessGroup>,
+    pub model: Option<&'a crate::comm::ProcessGroup>,
     /// Per parameter (in the order given), whether this rank counts it: a parameter that every
     /// tensor-parallel shard holds whole (a layer norm) is counted by shard 0 only. Empty: all.
     pub counted: &'a [bool],
@@ -349,7 +349,7 @@ pub(crate) fn clip_grad_norm_over(params: &[Tensor], max_norm: f64, scope: NormS
         let local: f64 = grads.iter().enumerate().filter(|(i, g)| g.defined() && scope.counts(*i)).map(|(_, g)| g.norm().double_value(&[]).powi(2)).sum();
         let grads: Vec<Tensor> = grads.into_iter().filter(Tensor::defined).collect();
         let mut total = Tensor::from(local);
-        group.all_reduce(&mut total, crate::dist::ReduceOp::Sum)?;
+        group.all_reduce(&mut total, crate::comm::ReduceOp::Sum)?;
         let total = total.double_value(&[]).sqrt();
         let coef = (max_norm / (total + 1e-6)).min(1.0);
         for g in &grads {

@@ -6,8 +6,8 @@ use anyhow::Result;
 use tch::Tensor;
 
 use super::{BuildOptimizer, GradientSync, Replication, Strategy};
-use crate::dist::zero::Shards;
 use crate::optim::Optimizer;
+use crate::parallel::zero::Shards;
 use crate::train::GradientCollective;
 
 pub struct Ddp;

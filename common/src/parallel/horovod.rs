@@ -6,10 +6,11 @@ use anyhow::Result;
 use tch::Tensor;
 
 use super::{BuildOptimizer, GradientSync, Replication, Strategy};
-use crate::dist::data_parallel::DistributedOptimizer;
-use crate::dist::zero::Shards;
+use crate::comm::data_parallel::GradientAverager;
+use crate::comm::ProcessGroup;
 use crate::error::usage;
-use crate::optim::Optimizer;
+use crate::optim::{forward_to, Optimizer};
+use crate::parallel::zero::Shards;
 use crate::train::GradientCollective;
 
 pub struct Horovod;
@@ -45,4 +46,52 @@ impl Strategy for Horovod {
         // stages finish their gradients in the loop (DDP's place), where ZeRO-1's too.
         usage("Horovod-style averaging (inside the optimizer) is not built for pipeline stages: their replicas average DDP-style")
     }
+}
+
+/// Horovod's `hvd.DistributedOptimizer`: wraps a local optimizer so that its step first
+/// averages the gradients of `params` over the ranks (through a [`GradientAverager`], in
+/// buckets), then updates. Where something must read the averaged gradients before the step
+/// (gradient clipping), call [`Optimizer::synchronize`] first, as with Horovod's
+/// `optimizer.synchronize()`: the step that follows does not average again.
+///
+/// Everything else (learning rate, state, name) is the wrapped optimizer's, so checkpoints and
+/// [`crate::comm::data_parallel::broadcast_optimizer_state`] see the same state as without the wrapper.
+pub struct DistributedOptimizer<'g> {
+    inner: Box<dyn Optimizer + 'g>,
+    params: Vec<Tensor>,
+    group: &'g ProcessGroup,
+    averager: GradientAverager,
+    /// The gradients were averaged by `synchronize` since the last step.
+    synchronized: bool,
+}
+
+impl<'g> DistributedOptimizer<'g> {
+    /// `params` in the same order on every rank (e.g. `VarStore::trainable_variables`).
+    pub fn new(inner: Box<dyn Optimizer + 'g>, params: Vec<Tensor>, group: &'g ProcessGroup, averager: GradientAverager) -> Self {
+        DistributedOptimizer { inner, params, group, averager, synchronized: false }
+    }
+}
+
+impl Optimizer for DistributedOptimizer<'_> {
+    fn step(&mut self) -> Result<()> {
+        self.synchronize()?;
+        self.synchronized = false;
+        self.inner.step()
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        if !self.synchronized {
+            self.averager.average(self.group, &self.params)?;
+            self.synchronized = true;
+        }
+        Ok(())
+    }
+
+    fn zero_grad(&mut self) {
+        // New gradients are coming: they will need averaging, whatever happened before.
+        self.synchronized = false;
+        self.inner.zero_grad();
+    }
+
+    forward_to!(inner: lr, set_lr, state_tensors, load_state_tensors, name);
 }

@@ -7,8 +7,8 @@ use tch::{nn, Device, Kind, Tensor};
 
 use super::{Parallel, ParallelStep, Peers};
 use crate::device::synchronize;
-use crate::dist::zero::{Shards, ZeroStage};
 use crate::models::PartedModule;
+use crate::parallel::zero::{Shards, ZeroStage};
 use crate::precision::{self, Precision};
 use crate::train::{loss_and_hits, Batch, BatchSource, EvalSums, StepContext, StepOutput, StepSync, TrainStep};
 
@@ -49,6 +49,15 @@ impl<'g> LocalStep<'g> {
         let inputs_kind = weights_kind(&vs);
         let peers = Peers::new(parallel).with_frozen(frozen_parameters(&vs));
         LocalStep { vs, model, peers, inputs_kind }
+    }
+
+    /// One of `parallel`'s replicas (or the model alone): its parameters sharded over the
+    /// replicas where their strategy shards them ([`super::Strategy::shards_parameters`]).
+    pub fn replica(vs: nn::VarStore, model: Box<dyn PartedModule>, parallel: Parallel<'g>) -> Result<Self> {
+        match parallel.replicas {
+            Some(replicas) if replicas.strategy.shards_parameters() => Self::sharded(vs, model, parallel),
+            _ => Ok(Self::parted(vs, model, parallel)),
+        }
     }
 
     /// The step with its parameters sharded over its replicas (ZeRO-3, FSDP): each part of the

@@ -3,8 +3,8 @@
 //! A run's plan names its data-parallel style ([`GradientSync`], from the preset and the flags);
 //! [`crate::parallelize`] turns it into its [`Strategy`] and a step. The strategy decides what
 //! differs between the styles and nothing else:
-//! - how a whole model's step is built ([`Strategy::whole_step`]: ZeRO-3 shards its parameters
-//!   over the replicas from the start);
+//! - how a whole model's step is built ([`Strategy::shards_parameters`]: ZeRO-3 shards them over
+//!   the replicas from the start);
 //! - how the optimizer is wrapped ([`Strategy::optimizer`]: Horovod's averages inside its step,
 //!   ZeRO's updates this rank's block);
 //! - what finishing the gradients does after backward ([`Strategy::after_backward`]: DDP's
@@ -21,23 +21,25 @@
 use std::rc::Rc;
 
 use anyhow::Result;
-use tch::{nn, Tensor};
+use tch::Tensor;
 
-use crate::dist::data_parallel::GradientAverager;
-use crate::dist::zero::{Shards, ZeroStage};
-use crate::models::PartedModule;
+use crate::comm::data_parallel::GradientAverager;
 use crate::optim::Optimizer;
 use crate::train::{GradientCollective, TrainStep};
+use zero::{Shards, ZeroStage};
 
 mod ddp;
 mod horovod;
 mod local;
-mod parameter_server;
+pub mod parameter_server;
 mod peers;
-mod zero;
+mod ranks;
+pub mod zero;
 
+pub use horovod::DistributedOptimizer;
 pub use local::LocalStep;
-pub use peers::{Parallel, Peers, Replication};
+pub use peers::Peers;
+pub use ranks::{Parallel, Replication};
 
 /// A run's data-parallel style, as its plan and results name it: the course's two ways of
 /// averaging (the same collectives either way), ZeRO's stages, parameter servers.
@@ -46,14 +48,14 @@ pub use peers::{Parallel, Peers, Replication};
 pub enum GradientSync {
     /// In the training loop, right after backward (PyTorch DDP's reducer).
     Ddp,
-    /// Inside the optimizer's step, through a [`crate::dist::DistributedOptimizer`] (Horovod).
+    /// Inside the optimizer's step, through a [`DistributedOptimizer`] (Horovod).
     Horovod,
     /// ZeRO: gradients reduce-scattered (in the optimizer's `synchronize`, or from stage 2
     /// during the backward pass), each rank updating its block of the parameters
-    /// ([`crate::dist::zero::ZeroOptimizer`]).
+    /// ([`crate::parallel::zero::ZeroOptimizer`]).
     Zero(ZeroStage),
     /// No averaging among the replicas: they push their gradients to parameter servers, whose
-    /// optimizer updates (`--strategy parameter-server`, [`crate::dist::parameter_server`]).
+    /// optimizer updates (`--strategy parameter-server`, [`crate::parallel::parameter_server`]).
     #[serde(rename = "parameter-server")]
     ParameterServer,
 }
@@ -90,10 +92,10 @@ pub trait Strategy: Sync {
     /// The style, as the plan and the results name it.
     fn sync(&self) -> GradientSync;
 
-    /// The step of a model held whole on this rank (`vs`, `module`), one of `parallel`'s
-    /// replicas.
-    fn whole_step<'g>(&self, vs: nn::VarStore, module: Box<dyn PartedModule>, parallel: Parallel<'g>) -> Result<LocalStep<'g>> {
-        Ok(LocalStep::parted(vs, module, parallel))
+    /// Whether a whole model's parameters live sharded over the replicas from the start
+    /// (ZeRO-3), each part of the model gathered before it runs ([`LocalStep::replica`]).
+    fn shards_parameters(&self) -> bool {
+        false
     }
 
     /// The optimizer the loop steps for `params` (a step's), `build` making the optimizer of

@@ -1,68 +1,20 @@
-//! Who a step's rank works with ([`Parallel`]) and what keeps its part of the model consistent
-//! with theirs ([`Peers`], the loop's [`StepSync`]), for every strategy alike.
+//! What keeps a step's part of the model consistent with the ranks it works with ([`Peers`],
+//! the loop's [`StepSync`]), for every strategy alike.
 use std::rc::Rc;
 
 use anyhow::Result;
 use tch::Tensor;
 
-use super::{DataParallelPlan, Strategy};
+use super::Parallel;
 use crate::checkpoint::region::Region;
-use crate::dist::data_parallel::{broadcast_named, broadcast_optimizer_state, broadcast_sharded_state, GradientAverager};
-use crate::dist::layout::Groups;
-use crate::dist::tensor_parallel::{SplitOf, TensorShards};
-use crate::dist::zero::Shards;
-use crate::dist::ProcessGroup;
+use crate::comm::data_parallel::{broadcast_named, broadcast_optimizer_state, broadcast_sharded_state};
+use crate::comm::tensor_parallel::TensorShards;
+use crate::comm::ProcessGroup;
 use crate::optim::block::BlockLayout;
 use crate::optim::{NormScope, Optimizer};
+use crate::parallel::zero::Shards;
 use crate::precision::GradScaler;
 use crate::train::{GradientCollective, ParameterBlock, StepSync, TensorCut};
-
-/// How the replicas of a data-parallel job keep their gradients equal: the group of ranks
-/// holding the same variables, the bucketed averager (`--bucket-mb`, `--fp16-allreduce`) and
-/// the strategy that averages.
-#[derive(Clone, Copy)]
-pub struct Replication<'g> {
-    pub group: &'g ProcessGroup,
-    pub averager: GradientAverager,
-    pub strategy: &'static dyn Strategy,
-}
-
-/// Who a step's rank works with: its place in the job's mesh ([`Groups`]) seen from one step.
-#[derive(Clone, Copy, Default)]
-pub struct Parallel<'g> {
-    /// The data-parallel replicas of this rank's variables.
-    pub replicas: Option<Replication<'g>>,
-    /// The ranks holding the other parts of this replica's model (pipeline stages): gradient
-    /// norms, the scaler's verdict and checkpoints are agreed or gathered over them.
-    pub model: Option<&'g ProcessGroup>,
-    /// The whole job (its rank 0 reads and writes checkpoints).
-    pub world: Option<&'g ProcessGroup>,
-    /// This rank's replica (0 holds the copy a checkpoint is gathered from).
-    pub replica: usize,
-    /// The tensor-parallel shards of this rank's layers, which one it is and how the model's
-    /// variables are cut: checkpoints hold the whole tensors, put together from the shards and
-    /// cut again on resume.
-    pub tp: Option<TensorShards<'g>>,
-}
-
-impl<'g> Parallel<'g> {
-    /// This rank's place in `groups`' layout, its replicas keeping their gradients equal as
-    /// `dp` says, its model's variables cut over tensor-parallel shards as `split_of` says:
-    /// the one place a step learns who it works with.
-    pub fn of(groups: &'g Groups<'g>, dp: DataParallelPlan, split_of: SplitOf) -> Parallel<'g> {
-        Parallel {
-            replicas: groups.dp().map(|group| Replication { group, averager: dp.averager, strategy: dp.sync.strategy() }),
-            model: groups.model(),
-            world: Some(groups.world),
-            replica: groups.coords.replica,
-            tp: groups.tp().map(|group| TensorShards { group, shard: groups.shard(), split_of }),
-        }
-    }
-
-    pub fn replica_group(self) -> Option<&'g ProcessGroup> {
-        self.replicas.map(|r| r.group)
-    }
-}
 
 /// What keeps a step's part of the model consistent with the ranks that replicate it or hold
 /// the rest of it, owned by the step: who they are ([`Parallel`]), ZeRO-3's sharded parameters

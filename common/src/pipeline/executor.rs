@@ -14,7 +14,7 @@ use tch::{Kind, Tensor};
 use super::link::{Link, Stash};
 use super::schedule::{Direction, Op};
 use super::stage::Stage;
-use crate::dist::ProcessGroup;
+use crate::comm::ProcessGroup;
 use crate::models::Masks;
 use crate::seed_keys::mix_key;
 use crate::torch_ext::Generator;

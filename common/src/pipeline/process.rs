@@ -3,7 +3,7 @@
 //! group ([`ProcessGroup::send`]/[`ProcessGroup::recv`]: MPI for CPU tensors, NCCL for CUDA
 //! tensors), and the pipeline is replicated `dp` times for data parallelism.
 //!
-//! Where each rank sits is the job's [`crate::dist::layout::Layout`]: rank `r` of `stages × dp`
+//! Where each rank sits is the job's [`crate::comm::layout::Layout`]: rank `r` of `stages × dp`
 //! ranks runs stage `r % stages` of replica `r / stages`, so the stages of one replica are
 //! consecutive ranks (on one node where they fit) and the activations cross the fastest links;
 //! the gradients of a stage are averaged over the `dp` ranks that hold it, with the run's
@@ -17,10 +17,10 @@ use tch::{Device, Tensor};
 use super::executor::{self, MicroBatches, StageOptions};
 use super::link::{ChannelLink, Link};
 use super::{chunks_for, schedule, split_batch, Op, PipelineOptions, Placement, Schedule, Stage, StepReport};
-use crate::dist::layout::Groups;
-use crate::dist::tensor_parallel::Split;
-use crate::dist::transfer::{recv_labelled, send_labelled};
-use crate::dist::ProcessGroup;
+use crate::comm::layout::Groups;
+use crate::comm::tensor_parallel::Split;
+use crate::comm::transfer::{recv_labelled, send_labelled};
+use crate::comm::ProcessGroup;
 use crate::error::usage;
 use crate::models::transformer_names::TransformerVariable;
 use crate::parallel::{DataParallelPlan, Parallel, ParallelStep, Peers};
@@ -28,7 +28,7 @@ use crate::precision::Precision;
 use crate::train::{Batch, BatchSource, EvalSums, StepContext, StepOutput, StepSync, TrainStep};
 
 /// A neighbouring device in another process: tensors travel point-to-point through the
-/// process group with their kind, shape ([`crate::dist::transfer`]: the last batch of a split
+/// process group with their kind, shape ([`crate::comm::transfer`]: the last batch of a split
 /// is shorter) and tag. Sends do not wait for the receiver, so two neighbours may send to each
 /// other at once (1F1B does).
 pub struct PeerLink<'g> {

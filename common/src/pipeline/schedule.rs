@@ -368,7 +368,7 @@ mod tests {
     }
 
     /// Whether every device finishes when sends wait for their receiver as NCCL's do
-    /// ([`crate::dist::nccl`]): a device's sends are queued, go out with its next receive, and
+    /// ([`crate::comm::nccl`]): a device's sends are queued, go out with its next receive, and
     /// that receive returns only once they have been received too.
     fn finishes_with_sends_that_wait_for_the_receiver(schedule: Schedule, placement: Placement, micro_batches: usize) -> bool {
         /// A receive and the sends that went out with it: (peer, index of the message between the two).

@@ -7,8 +7,8 @@ use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
 
 use super::LayerCosts;
-use crate::dist::tensor_parallel::{self as tp, Shard};
-use crate::dist::ProcessGroup;
+use crate::comm::tensor_parallel::{self as tp, Shard};
+use crate::comm::ProcessGroup;
 use crate::error::UsageError;
 use crate::models::transformer_names::TransformerVariable;
 use crate::models::{self, EncoderLayer, Masks, TokenEmbedding, TransformerConfig};

@@ -26,7 +26,7 @@ use super::step::TrainStep;
 use super::{owned_state, state, CheckpointConfig};
 use crate::checkpoint::sharded::{self, HostShard};
 use crate::checkpoint::{self, CheckpointMeta};
-use crate::dist::ProcessGroup;
+use crate::comm::ProcessGroup;
 use crate::optim::Optimizer;
 
 /// What checkpointing cost a run, on the rank that writes (rank 0).
@@ -161,7 +161,7 @@ impl<'c, 'g> Checkpointer<'c, 'g> {
         let at_step = meta.step;
         let gathered = state::gather(step, optimizer, meta)?;
         if gathered.is_none() {
-            crate::dist::watchdog::note_committed_elsewhere();
+            crate::comm::watchdog::note_committed_elsewhere();
         }
         if let Some(host) = gathered {
             let path = self.path.clone();
@@ -170,7 +170,7 @@ impl<'c, 'g> Checkpointer<'c, 'g> {
                 host.write(&path)?;
                 // Renamed into place: a resume starts here from now on (said the moment it is
                 // true, for a hang's line: a node may die before the next step's poll).
-                crate::dist::watchdog::note_committed(at_step);
+                crate::comm::watchdog::note_committed(at_step);
                 if let Some((epoch, keep)) = keep {
                     checkpoint::keep_epoch_copy(&path, epoch, keep)?;
                 }
@@ -236,7 +236,7 @@ impl<'c, 'g> Checkpointer<'c, 'g> {
             true => sharded::commit(&folder, ranks, &meta).and_then(|()| {
                 // The index is written: a resume starts here (rank 0 says so at once; the others
                 // after the agreement below, which a dead node may never let end).
-                crate::dist::watchdog::note_committed(meta.step);
+                crate::comm::watchdog::note_committed(meta.step);
                 keep.map_or(Ok(()), |(epoch, keep)| sharded::keep_epoch_copy(&folder, epoch, keep))
             }),
             false => Ok(()),
@@ -250,7 +250,7 @@ impl<'c, 'g> Checkpointer<'c, 'g> {
             (Err(err), _) => Err(err),
             (Ok(()), true) => anyhow::bail!("rank 0 could not commit the checkpoint in {}; the previous one is intact", folder.display()),
             (Ok(()), false) => {
-                crate::dist::watchdog::note_committed(meta.step);
+                crate::comm::watchdog::note_committed(meta.step);
                 Ok(())
             }
         }

@@ -40,8 +40,8 @@ use serde::Serialize;
 use tch::{Kind, Tensor};
 
 use crate::checkpoint::{self, CheckpointMeta};
+use crate::comm::ProcessGroup;
 use crate::device::synchronize;
-use crate::dist::ProcessGroup;
 use crate::optim::Optimizer;
 use crate::precision::{GradScaler, Precision};
 use crate::seed_keys::mix_key;
@@ -586,7 +586,7 @@ impl<'c, 'g> Run<'c, 'g> {
             _ => optimizer_step(step, optimizer, self.scaler.as_mut(), micro, config, global_step)?,
         };
         self.global_step += 1;
-        crate::dist::watchdog::note_step(self.global_step);
+        crate::comm::watchdog::note_step(self.global_step);
         Ok((out, phases, lr))
     }
 
@@ -689,7 +689,7 @@ pub const TEST_SIGNAL_AFTER_STEP: &str = "COURSE_TEST_SIGNAL_AFTER_STEP";
 
 /// Test hook (`RANK:MS`, e.g. `1:200`): on job rank RANK every training step waits MS
 /// milliseconds before its forward pass, as on a slower node, so that the others wait for it in
-/// the gradients' averaging (which [`crate::dist::waits`] reports).
+/// the gradients' averaging (which [`crate::comm::waits`] reports).
 pub const TEST_SLOW_RANK: &str = "COURSE_TEST_SLOW_RANK";
 
 /// What [`StepControl::after_step`] decided.

@@ -17,8 +17,8 @@ use super::events::Observers;
 use super::owned_state;
 use super::step::TrainStep;
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta, Found, HostCheckpoint};
-use crate::dist::transfer::{recv_named, recv_tensor, send_named, send_tensor};
-use crate::dist::ProcessGroup;
+use crate::comm::transfer::{recv_named, recv_tensor, send_named, send_tensor};
+use crate::comm::ProcessGroup;
 use crate::optim::Optimizer;
 use crate::precision::{GradScaler, GradScalerState};
 

@@ -12,7 +12,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::{Batch, BatchSource};
 use crate::checkpoint::region::Region;
-use crate::dist::{ProcessGroup, ReduceOp};
+use crate::comm::{ProcessGroup, ReduceOp};
 use crate::optim::block::BlockLayout;
 use crate::optim::Optimizer;
 use crate::precision::{GradScaler, Precision};

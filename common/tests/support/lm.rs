@@ -3,8 +3,8 @@
 //! tensor-parallel shards, replicas) trains the unpartitioned model.
 use std::collections::HashMap;
 
-use common::dist::tensor_parallel::shard_tensor;
-use common::dist::tensor_parallel::Shard;
+use common::comm::tensor_parallel::shard_tensor;
+use common::comm::tensor_parallel::Shard;
 use common::models::transformer_names::split_of_named;
 use common::models::{self, TransformerConfig, TransformerLm};
 use common::optim::{Optimizer, Sgd, SgdConfig};
@@ -108,7 +108,7 @@ pub fn assert_trains_like_unpartitioned_with(
         if let Some(replicas) = trainer.sync().replicas() {
             // Each replica saw its half of the batch: their losses average to the whole batch's.
             let mut mean = Tensor::from(got);
-            replicas.all_reduce(&mut mean, common::dist::ReduceOp::Average).unwrap();
+            replicas.all_reduce(&mut mean, common::comm::ReduceOp::Average).unwrap();
             got = mean.double_value(&[]);
         }
         common::train::finish_gradients(&*trainer, trainer_opt, None, Some(CLIP)).unwrap();

@@ -4,9 +4,9 @@
 //!
 //!     bench_allreduce --nproc-per-node 2 --device cpu
 use clap::Parser;
+use common::comm::launch;
+use common::comm::{Backend, ProcessGroup, ReduceOp};
 use common::device::{self, DeviceChoice};
-use common::dist::launch;
-use common::dist::{Backend, ProcessGroup, ReduceOp};
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 

@@ -9,9 +9,9 @@
 //! MPI), or a launcher does (`srun`, `mpirun`, or torchrun's `RANK`/`WORLD_SIZE`/`MASTER_ADDR` on
 //! GPUs, where NCCL meets at `MASTER_ADDR:MASTER_PORT`).
 use clap::Parser;
+use common::comm::data_parallel::{broadcast_parameters, GradientAverager};
+use common::comm::{launch, Backend, ProcessGroup};
 use common::device::{self, DeviceChoice};
-use common::dist::data_parallel::{broadcast_parameters, GradientAverager};
-use common::dist::{launch, Backend, ProcessGroup};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Reduction, Tensor};
 

@@ -57,9 +57,8 @@
 //! once at the start (rank 0's initial weights, or its restored checkpoint, win),
 //! [`data_parallel::GradientAverager::average`] after every backward pass (gradients averaged in
 //! buckets, optionally in float16), and [`data_parallel::metric_average`] for losses and
-//! accuracies. [`DistributedOptimizer`] is Horovod's `hvd.DistributedOptimizer` (the averaging
-//! inside the optimizer's step, exercise2); [`GradientSync`] chooses between that and DDP's
-//! averaging in the loop (exercise3 `ddp`).
+//! accuracies. The strategies built on them (DDP, Horovod's `hvd.DistributedOptimizer`, ZeRO,
+//! parameter servers) are [`crate::parallel`]'s.
 //!
 //! # Layouts
 //!
@@ -115,16 +114,13 @@ pub mod layout;
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
-pub mod parameter_server;
 pub mod rendezvous;
 pub mod single;
 pub mod tensor_parallel;
 pub mod transfer;
 pub mod waits;
 pub mod watchdog;
-pub mod zero;
 
-pub use data_parallel::DistributedOptimizer;
 pub use group::{CommStats, ProcessGroup};
 pub use launch::{LaunchEnv, LaunchSource};
 pub use layout::{Groups, Layout};

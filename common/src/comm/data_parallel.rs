@@ -3,15 +3,15 @@
 //! [`broadcast_optimizer_state`]), trains on its own shard of each batch, and averages the
 //! gradients after every backward pass ([`GradientAverager`]) so the replicas take identical
 //! steps. Metrics are averaged the same way ([`metric_average`]). The averaging runs either in
-//! the training loop after backward (DDP's way) or inside the optimizer's step
-//! ([`DistributedOptimizer`], Horovod's way): the same collectives, in the same order.
+//! the training loop after backward (DDP's way) or inside the optimizer's step (Horovod's way,
+//! [`crate::parallel::DistributedOptimizer`]): the same collectives, in the same order.
 use std::collections::HashMap;
 
 use anyhow::{bail, Context, Result};
 use tch::{nn, Device, Kind, Tensor};
 
 use super::{ProcessGroup, ReduceOp};
-use crate::optim::{forward_to, Optimizer};
+use crate::optim::Optimizer;
 
 /// Overwrites every variable of `vs` (trainable or not, so buffers such as batch-norm
 /// statistics too) with its value on rank `root`, in name order (the same order on every rank,
@@ -187,54 +187,6 @@ impl GradientAverager {
         }
         Ok(())
     }
-}
-
-/// Horovod's `hvd.DistributedOptimizer`: wraps a local optimizer so that its step first
-/// averages the gradients of `params` over the ranks (through a [`GradientAverager`], in
-/// buckets), then updates. Where something must read the averaged gradients before the step
-/// (gradient clipping), call [`Optimizer::synchronize`] first, as with Horovod's
-/// `optimizer.synchronize()`: the step that follows does not average again.
-///
-/// Everything else (learning rate, state, name) is the wrapped optimizer's, so checkpoints and
-/// [`broadcast_optimizer_state`] see the same state as without the wrapper.
-pub struct DistributedOptimizer<'g> {
-    inner: Box<dyn Optimizer + 'g>,
-    params: Vec<Tensor>,
-    group: &'g ProcessGroup,
-    averager: GradientAverager,
-    /// The gradients were averaged by `synchronize` since the last step.
-    synchronized: bool,
-}
-
-impl<'g> DistributedOptimizer<'g> {
-    /// `params` in the same order on every rank (e.g. `VarStore::trainable_variables`).
-    pub fn new(inner: Box<dyn Optimizer + 'g>, params: Vec<Tensor>, group: &'g ProcessGroup, averager: GradientAverager) -> Self {
-        DistributedOptimizer { inner, params, group, averager, synchronized: false }
-    }
-}
-
-impl Optimizer for DistributedOptimizer<'_> {
-    fn step(&mut self) -> Result<()> {
-        self.synchronize()?;
-        self.synchronized = false;
-        self.inner.step()
-    }
-
-    fn synchronize(&mut self) -> Result<()> {
-        if !self.synchronized {
-            self.averager.average(self.group, &self.params)?;
-            self.synchronized = true;
-        }
-        Ok(())
-    }
-
-    fn zero_grad(&mut self) {
-        // New gradients are coming: they will need averaging, whatever happened before.
-        self.synchronized = false;
-        self.inner.zero_grad();
-    }
-
-    forward_to!(inner: lr, set_lr, state_tensors, load_state_tensors, name);
 }
 
 /// `value` averaged over the ranks (Horovod's `metric_average`), e.g. a loss or an accuracy

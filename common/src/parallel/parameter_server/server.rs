@@ -19,8 +19,8 @@ use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::{op, Config, Mode, ServerStats};
-use crate::dist::transfer::{recv_labelled, recv_named, recv_tensor, send_labelled, send_named, send_tensor};
-use crate::dist::ProcessGroup;
+use crate::comm::transfer::{recv_labelled, recv_named, recv_tensor, send_labelled, send_named, send_tensor};
+use crate::comm::ProcessGroup;
 use crate::optim::{clip_grad_norm_over, NormScope, Optimizer, OptimizerKernel, OptimizerKind};
 
 /// What INIT carries besides the parameters.

@@ -1,5 +1,4 @@
-//! Parameter servers (`--strategy parameter-server`, [`crate::dist::parameter_server`]): the
-//! workers do not average among themselves; each pushes its gradients to the servers, whose
+//! The parameter servers' strategy (`--strategy parameter-server`): the workers do not average among themselves; each pushes its gradients to the servers, whose
 //! optimizer updates, and pulls the parameters back. The worker's link replaces the local
 //! optimizer and wraps the step once they are built.
 use std::rc::Rc;
@@ -7,10 +6,10 @@ use std::rc::Rc;
 use anyhow::Result;
 use tch::Tensor;
 
-use super::{BuildOptimizer, GradientSync, Replication, Strategy};
-use crate::dist::zero::Shards;
 use crate::error::usage;
 use crate::optim::Optimizer;
+use crate::parallel::zero::Shards;
+use crate::parallel::{BuildOptimizer, GradientSync, Replication, Strategy};
 use crate::train::GradientCollective;
 
 pub struct ParameterServer;

@@ -174,8 +174,8 @@ impl<'w> Groups<'w> {
     }
 
     /// This rank's tensor-parallel shard of every layer.
-    pub fn shard(&self) -> crate::dist::tensor_parallel::Shard {
-        crate::dist::tensor_parallel::Shard { index: self.coords.shard, count: self.layout.tp }
+    pub fn shard(&self) -> crate::comm::tensor_parallel::Shard {
+        crate::comm::tensor_parallel::Shard { index: self.coords.shard, count: self.layout.tp }
     }
 
     /// What this rank's groups moved so far (the world's and each split's, counted once), and

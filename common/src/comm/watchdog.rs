@@ -81,7 +81,7 @@ pub fn deadline(seq: u64) -> Duration {
 
 /// How long the ranks that timed out wait for the others' answers to their roll call: ranks
 /// waiting in an operation of the same group answer within a tenth of a second, past or not past
-/// their own deadline ([`crate::dist::mpi`]); one that does not answer in this time is stopped,
+/// their own deadline ([`crate::comm::mpi`]); one that does not answer in this time is stopped,
 /// hung, or busy elsewhere. So a hung job ends within `--collective-timeout` plus this.
 pub fn grace() -> Duration {
     timeout().clamp(Duration::from_millis(500), Duration::from_secs(2))

@@ -13,8 +13,8 @@ use tch::{Device, Kind, Tensor};
 
 use super::server::InitSpec;
 use super::{op, placement, Config, Mode, Report, ServerStats, Straggler};
-use crate::dist::transfer::{recv_labelled, recv_named, recv_tensor, send_labelled, send_named};
-use crate::dist::ProcessGroup;
+use crate::comm::transfer::{recv_labelled, recv_named, recv_tensor, send_labelled, send_named};
+use crate::comm::ProcessGroup;
 use crate::error::usage;
 use crate::optim::{NormScope, Optimizer, OptimizerKernel, OptimizerKind, Sharded};
 use crate::precision::Precision;
@@ -49,13 +49,13 @@ impl<'w> WorkerLink<'w> {
     }
 
     /// What this worker's messages to and from the servers moved so far.
-    pub fn comm_stats(&self) -> crate::dist::CommStats {
+    pub fn comm_stats(&self) -> crate::comm::CommStats {
         self.world.comm_stats()
     }
 }
 
-impl crate::dist::group::Traffic for WorkerLink<'_> {
-    fn comm_stats(&self) -> crate::dist::CommStats {
+impl crate::comm::group::Traffic for WorkerLink<'_> {
+    fn comm_stats(&self) -> crate::comm::CommStats {
         WorkerLink::comm_stats(self)
     }
 }

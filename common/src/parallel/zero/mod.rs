@@ -26,6 +26,9 @@
 //! parameter, as an unsharded optimizer does, and [`Optimizer::load_state_tensors`] takes such a
 //! whole state and keeps this rank's block. A run resumes on any number of ranks, with or
 //! without ZeRO, at any stage.
+mod strategy;
+pub(crate) use strategy::Zero;
+
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -35,7 +38,7 @@ use anyhow::{ensure, Context, Result};
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
-use super::{ProcessGroup, ReduceOp};
+use crate::comm::{ProcessGroup, ReduceOp};
 use crate::optim::block::{BlockLayout, Span, BLOCK_NAME};
 use crate::optim::{forward_to, Optimizer, Sharded};
 use crate::torch_ext;

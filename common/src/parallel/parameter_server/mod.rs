@@ -1,5 +1,5 @@
 //! The parameter-server strategy (Li et al. 2014; Dean et al. 2012's Downpour SGD; TF's
-//! `ParameterServerStrategy`), beside the replicas' all-reduce of [`super::data_parallel`]:
+//! `ParameterServerStrategy`), beside the replicas' all-reduce of [`crate::comm::data_parallel`]:
 //! `--strategy parameter-server --servers S` makes the last S ranks of the job servers that hold
 //! the parameters, sharded by tensor ([`placement`]), and run the run's optimizer over their
 //! tensors (so Adam's moments and SGD's momentum live there); the other W ranks are workers that
@@ -31,13 +31,16 @@
 //! as a plain run and the other way round.
 //!
 //! Servers never read training data; they serve until every worker says it is done. An error on
-//! any rank ends the whole job ([`super::ProcessGroup::run`]), so a server never waits forever.
+//! any rank ends the whole job ([`crate::comm::ProcessGroup::run`]), so a server never waits forever.
+mod strategy;
+pub(crate) use strategy::ParameterServer;
+
 use std::collections::BTreeMap;
 
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 
-use super::ProcessGroup;
+use crate::comm::ProcessGroup;
 use crate::error::usage;
 
 pub mod server;

@@ -1,15 +1,14 @@
-//! ZeRO (DeepSpeed's stages 1–3; stage 3 is PyTorch's FSDP): each replica keeps and updates its
-//! block of the optimizer state, of the gradients from stage 2, of the parameters at stage 3
-//! ([`crate::dist::zero`] does the sharding and its collectives).
+//! ZeRO's strategy (DeepSpeed's stages 1–3; stage 3 is PyTorch's FSDP): each replica keeps and
+//! updates its block of the optimizer state, of the gradients from stage 2, of the parameters
+//! at stage 3 (the parent module does the sharding and its collectives).
 use std::rc::Rc;
 
 use anyhow::{Context, Result};
-use tch::{nn, Tensor};
+use tch::Tensor;
 
-use super::{BuildOptimizer, GradientSync, LocalStep, Parallel, Replication, Strategy};
-use crate::dist::zero::{Shards, ZeroOptimizer, ZeroStage};
-use crate::models::PartedModule;
+use super::{Shards, ZeroOptimizer, ZeroStage};
 use crate::optim::Optimizer;
+use crate::parallel::{BuildOptimizer, GradientSync, Replication, Strategy};
 use crate::train::GradientCollective;
 
 pub struct Zero(pub ZeroStage);
@@ -19,12 +18,9 @@ impl Strategy for Zero {
         GradientSync::Zero(self.0)
     }
 
-    fn whole_step<'g>(&self, vs: nn::VarStore, module: Box<dyn PartedModule>, parallel: Parallel<'g>) -> Result<LocalStep<'g>> {
-        match self.0 {
-            // FSDP: the parameters sharded over the replicas from the start.
-            ZeroStage::Parameters => LocalStep::sharded(vs, module, parallel),
-            _ => Ok(LocalStep::parted(vs, module, parallel)),
-        }
+    fn shards_parameters(&self) -> bool {
+        // FSDP: the parameters sharded over the replicas from the start.
+        self.0 == ZeroStage::Parameters
     }
 
     fn optimizer<'g: 'o, 'o>(

@@ -164,12 +164,7 @@ fn build<'g, E: Experiment>(
     if let Some(stage) = zero {
         check_zero(exp, stage, groups)?;
     }
-    // The data-parallel style: the preset's, ZeRO's, or parameter servers' (the workers do not
-    // average among themselves).
-    let sync = match (servers, zero) {
-        (Some(_), _) => GradientSync::ParameterServer,
-        (None, zero) => zero.map_or(preset.sync, GradientSync::Zero),
-    };
+    let sync = GradientSync::of_run(preset.sync, zero, servers.is_some());
     let dp = DataParallelPlan { averager: exp.parallel_args().averager(), sync };
     let replicas = groups.layout.dp;
     let sources = exp.sources(data, device, (groups.coords.replica, replicas))?;

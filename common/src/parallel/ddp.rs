@@ -1,13 +1,9 @@
 //! DDP (PyTorch's `DistributedDataParallel`): every replica averages its gradients in the
 //! loop, right after backward, and steps a local optimizer.
-use std::rc::Rc;
-
 use anyhow::Result;
 use tch::Tensor;
 
-use super::{BuildOptimizer, GradientSync, Replication, Strategy};
-use crate::optim::Optimizer;
-use crate::parallel::zero::Shards;
+use super::{GradientSync, Replication, Strategy};
 use crate::train::GradientCollective;
 
 pub struct Ddp;
@@ -15,16 +11,6 @@ pub struct Ddp;
 impl Strategy for Ddp {
     fn sync(&self) -> GradientSync {
         GradientSync::Ddp
-    }
-
-    fn optimizer<'g: 'o, 'o>(
-        &self,
-        _: &Replication<'g>,
-        params: Vec<(String, Tensor)>,
-        _: Option<Rc<Shards<'g>>>,
-        build: BuildOptimizer<'_, 'o>,
-    ) -> Result<Box<dyn Optimizer + 'o>> {
-        Ok(build(params))
     }
 
     fn after_backward(&self, replication: &Replication<'_>, params: &[Tensor]) -> Result<()> {

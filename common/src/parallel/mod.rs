@@ -61,6 +61,16 @@ pub enum GradientSync {
 }
 
 impl GradientSync {
+    /// The style a run uses: parameter servers' where the job has servers (the workers do not
+    /// average among themselves), the ZeRO stage `--zero` asks for, or else the preset's.
+    pub fn of_run(preset: GradientSync, zero: Option<ZeroStage>, servers: bool) -> GradientSync {
+        match (servers, zero) {
+            (true, _) => GradientSync::ParameterServer,
+            (false, Some(stage)) => GradientSync::Zero(stage),
+            (false, None) => preset,
+        }
+    }
+
     /// The strategy that carries this style out: the one place a style is matched.
     pub fn strategy(self) -> &'static dyn Strategy {
         match self {
@@ -100,14 +110,16 @@ pub trait Strategy: Sync {
 
     /// The optimizer the loop steps for `params` (a step's), `build` making the optimizer of
     /// some named parameters; `zero3`: the shards the step's parameters live in, where the
-    /// step was built with them.
+    /// step was built with them. A local optimizer over all of them unless the style wraps it.
     fn optimizer<'g: 'o, 'o>(
         &self,
-        replication: &Replication<'g>,
+        _replication: &Replication<'g>,
         params: Vec<(String, Tensor)>,
-        zero3: Option<Rc<Shards<'g>>>,
+        _zero3: Option<Rc<Shards<'g>>>,
         build: BuildOptimizer<'_, 'o>,
-    ) -> Result<Box<dyn Optimizer + 'o>>;
+    ) -> Result<Box<dyn Optimizer + 'o>> {
+        Ok(build(params))
+    }
 
     /// What finishing the gradients does in the loop, right after backward, before the
     /// optimizer's `synchronize` (which runs for every style).
@@ -145,5 +157,57 @@ pub fn optimizer_for<'g: 'o, 'o>(step: &dyn ParallelStep<'g>, build: BuildOptimi
     match &peers.parallel.replicas {
         Some(replication) => replication.strategy.optimizer(replication, params, peers.zero_shards(), build),
         None => Ok(build(params)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use GradientCollective::{AllReduce, ReduceScatter};
+
+    const STYLES: [GradientSync; 6] = [
+        GradientSync::Ddp,
+        GradientSync::Horovod,
+        GradientSync::Zero(ZeroStage::OptimizerState),
+        GradientSync::Zero(ZeroStage::Gradients),
+        GradientSync::Zero(ZeroStage::Parameters),
+        GradientSync::ParameterServer,
+    ];
+
+    #[test]
+    fn a_run_takes_servers_then_zero_then_the_presets_style() {
+        let zero2 = Some(ZeroStage::Gradients);
+        assert_eq!(GradientSync::of_run(GradientSync::Horovod, zero2, true), GradientSync::ParameterServer);
+        assert_eq!(GradientSync::of_run(GradientSync::Horovod, zero2, false), GradientSync::Zero(ZeroStage::Gradients));
+        assert_eq!(GradientSync::of_run(GradientSync::Horovod, None, false), GradientSync::Horovod);
+    }
+
+    #[test]
+    fn every_style_is_carried_out_by_its_own_strategy() {
+        for style in STYLES {
+            assert_eq!(style.strategy().sync(), style);
+        }
+    }
+
+    #[test]
+    fn each_strategy_says_what_finishes_its_gradients_and_what_it_refuses() {
+        // (style, collective without clipping, with clipping, shards parameters, builds stages)
+        let expected = [
+            (AllReduce, AllReduce, false, true),
+            // Horovod averages in the optimizer's step, unless clipping needs the average first.
+            (GradientCollective::None, AllReduce, false, false),
+            (ReduceScatter, ReduceScatter, false, true),
+            (ReduceScatter, ReduceScatter, false, true),
+            (ReduceScatter, ReduceScatter, true, true),
+            (GradientCollective::None, GradientCollective::None, false, false),
+        ];
+        for (style, (plain, clipped, shards, stages)) in STYLES.into_iter().zip(expected) {
+            let strategy = style.strategy();
+            assert_eq!((strategy.gradient_collective(false), strategy.gradient_collective(true)), (plain, clipped), "{style:?}");
+            assert_eq!(strategy.shards_parameters(), shards, "{style:?}");
+            assert_eq!(strategy.check_stages().is_ok(), stages, "{style:?}");
+            let apart = (style == GradientSync::ParameterServer).then_some("--strategy parameter-server");
+            assert_eq!(strategy.steps_apart(), apart, "{style:?}");
+        }
     }
 }

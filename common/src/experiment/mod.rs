@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use tch::Device;
 
 pub use recipe::RunRecipe;
-use train_run::train_on;
+use train_run::{train_on, Place};
 
 use crate::comm::layout::{Groups, Layout};
 use crate::comm::{launch, Backend, LaunchEnv, ProcessGroup};
@@ -193,7 +193,7 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
             session.warn(warning)?;
         }
         let data = exp.load(&mut session, world.is_root())?;
-        let record = train_on(exp, &data, &groups, servers.as_ref(), device, &mut session)?;
+        let record = train_on(exp, &data, Place { groups: &groups, servers: servers.as_ref(), device }, &mut session)?;
         if let (Some(record), true) = (&record, world.world_size() > 1) {
             let csv = run.results_dir.join(format!("{}.csv", exp.preset().name));
             if let Some(efficiency) = report::scaling_efficiency(&csv, record) {
@@ -302,7 +302,7 @@ fn run_per_device<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<V
     let data = exp.load(&mut session, true)?;
     let mut records = Vec::new();
     for device in devices {
-        records.extend(train_on(exp, &data, &groups, None, device, &mut session)?);
+        records.extend(train_on(exp, &data, Place { groups: &groups, servers: None, device }, &mut session)?);
     }
     if records.is_empty() {
         return Ok(records); // --eval-only, or a finished run resumed: each device said why

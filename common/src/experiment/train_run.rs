@@ -45,15 +45,17 @@ pub(super) struct Built<'g, M> {
 /// parameter-server`); none in other jobs.
 pub(super) type Servers<'w> = Option<&'w Rc<WorkerLink<'w>>>;
 
-/// One training run on `device`: built, trained, measured; rank 0's record.
-pub(super) fn train_on<'g, E: Experiment>(
-    exp: &E,
-    data: &E::Data,
-    groups: &'g Groups<'g>,
-    servers: Servers<'g>,
-    device: Device,
-    session: &mut Observers,
-) -> Result<Option<RunRecord>> {
+/// Where a run trains: the job's groups, its parameter servers (if any) and this rank's device.
+#[derive(Clone, Copy)]
+pub(super) struct Place<'g> {
+    pub groups: &'g Groups<'g>,
+    pub servers: Servers<'g>,
+    pub device: Device,
+}
+
+/// One training run at `place`: built, trained, measured; rank 0's record.
+pub(super) fn train_on<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<'g>, session: &mut Observers) -> Result<Option<RunRecord>> {
+    let Place { groups, servers, device } = place;
     if device.is_cuda() {
         tch::Cuda::cudnn_set_benchmark(true);
     }
@@ -61,8 +63,8 @@ pub(super) fn train_on<'g, E: Experiment>(
         announce_matmul_precision(exp.run_args(), device, session)?;
     }
     // Peak memory from the data in place: the model's state, activations and temporaries.
-    let (mut built, meter) = build(exp, data, groups, servers, device, session)?;
-    let config = train_config(exp, &built, groups, servers, device)?;
+    let (mut built, meter) = build(exp, data, place, session)?;
+    let config = train_config(exp, &built, place)?;
     if config.cuda_graph {
         built.optimizer.make_capturable()?;
     }
@@ -150,14 +152,8 @@ fn announce_matmul_precision(run: &RunArgs, device: Device, session: &mut Observ
 
 /// The exercise's model laid out by the job's plan ([`parallelize`]), its data, and the
 /// optimizer over what this rank trains.
-fn build<'g, E: Experiment>(
-    exp: &E,
-    data: &E::Data,
-    groups: &'g Groups<'g>,
-    servers: Servers<'g>,
-    device: Device,
-    session: &mut Observers,
-) -> Result<(Built<'g, E::Model>, RefCell<MemoryMeter>)> {
+fn build<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<'g>, session: &mut Observers) -> Result<(Built<'g, E::Model>, RefCell<MemoryMeter>)> {
+    let Place { groups, servers, device } = place;
     let (run, preset) = (exp.run_args(), exp.preset());
     let plan = exp.model(data, groups, device, session)?;
     let zero = exp.parallel_args().zero_stage();
@@ -190,7 +186,8 @@ fn build<'g, E: Experiment>(
 }
 
 /// The loop's configuration for `built` (with `--cuda-graph`, the optimizer made capturable).
-fn train_config<E: Experiment>(exp: &E, built: &Built<'_, E::Model>, groups: &Groups, servers: Servers<'_>, device: Device) -> Result<TrainConfig> {
+fn train_config<E: Experiment>(exp: &E, built: &Built<'_, E::Model>, place: Place<'_>) -> Result<TrainConfig> {
+    let Place { groups, servers, device } = place;
     let run = exp.run_args();
     let recipe = &built.recipe;
     // --cuda-graph records GPU steps; the CPU leg of a CPU-vs-GPU comparison trains as usual.

@@ -391,7 +391,7 @@ pub struct ParallelArgs {
     /// push gradients and pull parameters (--sync, --async, --max-staleness).
     #[arg(long, value_enum, default_value = "data-parallel")]
     #[arg(help_heading = "Parallelism")]
-    pub strategy: crate::parallel::parameter_server::Strategy,
+    pub strategy: crate::parallel::parameter_server::StrategyFlag,
     /// Parameter-server ranks (the job's last ones) [default: 1].
     #[arg(long)]
     #[arg(help_heading = "Parallelism")]
@@ -447,9 +447,9 @@ impl ParallelArgs {
 
     /// The parameter server these flags ask for (none: data parallelism). Parameter-server hook.
     pub fn parameter_server(&self) -> Option<crate::parallel::parameter_server::Config> {
-        use crate::parallel::parameter_server::{Config, Mode, Strategy};
+        use crate::parallel::parameter_server::{Config, Mode, StrategyFlag};
         let mode = if self.asynchronous { Mode::Async { max_staleness: self.max_staleness } } else { Mode::Sync };
-        (self.strategy == Strategy::ParameterServer).then_some(Config { servers: self.servers.unwrap_or(1), mode })
+        (self.strategy == StrategyFlag::ParameterServer).then_some(Config { servers: self.servers.unwrap_or(1), mode })
     }
 
     /// The ZeRO stage `--zero` asks for (none for 0).

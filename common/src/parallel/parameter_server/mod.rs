@@ -51,7 +51,7 @@ pub use worker::{Straggled, WorkerLink};
 /// `--strategy`: how a job's ranks train one model together.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
-pub enum Strategy {
+pub enum StrategyFlag {
     /// Every rank a replica; gradients averaged among them (all-reduce, or ZeRO's collectives).
     #[default]
     DataParallel,
@@ -126,7 +126,7 @@ impl std::str::FromStr for Straggler {
 /// Checks the parameter-server flags against each other (before any rank starts); `ranks`: the
 /// job's size where it is known (`--nproc-per-node`).
 pub fn check_flags(
-    strategy: Strategy,
+    strategy: StrategyFlag,
     servers: Option<usize>,
     sync: bool,
     asynchronous: bool,
@@ -134,7 +134,7 @@ pub fn check_flags(
     zero: u8,
     ranks: Option<usize>,
 ) -> Result<()> {
-    if strategy != Strategy::ParameterServer {
+    if strategy != StrategyFlag::ParameterServer {
         if servers.is_some() || sync || asynchronous || max_staleness.is_some() {
             return usage("--servers, --sync, --async and --max-staleness configure a parameter server: add --strategy parameter-server");
         }
@@ -336,9 +336,9 @@ mod tests {
 
     #[test]
     fn flags_that_do_not_fit_are_usage_errors() {
-        let ps = Strategy::ParameterServer;
+        let ps = StrategyFlag::ParameterServer;
         let refused = |r: Result<()>| r.unwrap_err().to_string();
-        assert!(refused(check_flags(Strategy::DataParallel, Some(1), false, false, None, 0, None)).contains("add --strategy parameter-server"));
+        assert!(refused(check_flags(StrategyFlag::DataParallel, Some(1), false, false, None, 0, None)).contains("add --strategy parameter-server"));
         assert!(refused(check_flags(ps, Some(1), true, true, None, 0, None)).contains("exclude each other"));
         assert!(refused(check_flags(ps, Some(2), false, false, None, 0, Some(2))).contains("leaves no worker"));
         assert!(refused(check_flags(ps, None, false, false, None, 1, None)).contains("--zero 1"));

@@ -8,12 +8,11 @@ use tch::{Device, Tensor};
 
 use super::executor::{self, MicroBatches, StageOptions, StageOutcome};
 use super::link::{ChannelLink, Link, NeighbourGone};
-use super::{schedule, split_batch, Partition, PipelineOptions, Placement, Stage, StepReport};
+use super::{schedule, split_batch, Partition, PipelineOptions, Placement, Stage, Staged, StepReport};
 use crate::error::usage;
 use crate::models::TransformerConfig;
-use crate::parallel::{ParallelStep, Peers};
+use crate::parallel::Peers;
 use crate::precision::Precision;
-use crate::train::{Batch, BatchSource, EvalSums, StepContext, StepOutput, StepSync, TrainStep};
 
 /// All stages of a pipeline in one process.
 pub struct Pipeline {
@@ -179,50 +178,26 @@ impl Pipeline {
     /// in float32, gradients accumulating, dropout keyed by `dropout_key`: the bare step, for
     /// benchmarks and notebooks (the training loop goes through [`TrainStep`]).
     pub fn train_step(&mut self, src: &Tensor, targets: &Tensor, dropout_key: u64) -> Result<StepReport> {
-        let options = self.stage_options(true, Precision::Full, dropout_key, 1.0);
+        let options = super::stage_options(&self.options, true, Precision::Full, dropout_key, 1.0);
         self.run_batch(src, targets, options)
     }
-
-    /// How its stages run a mini-batch: `train`ing or not, in `precision`.
-    pub fn stage_options(&self, train: bool, precision: Precision, dropout_key: u64, loss_scale: f64) -> StageOptions {
-        StageOptions { dropout_key, recompute: self.options.checkpoint_activations, train, precision, loss_scale }
-    }
 }
 
-impl<'g> ParallelStep<'g> for Pipeline {
-    fn peers(&self) -> &Peers<'g> {
-        &self.peers
-    }
-}
-
-impl<'g> TrainStep<'g> for Pipeline {
-    fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        self.stages.iter().flat_map(Stage::named_parameters).collect()
-    }
-
-    fn named_variables(&self) -> Vec<(String, Tensor)> {
-        self.named_parameters()
-    }
-
-    fn input_device(&self) -> Device {
-        self.stages[0].device()
+impl<'g> Staged<'g> for Pipeline {
+    fn stages(&self) -> &[Stage] {
+        &self.stages
     }
 
     /// All stages are in this process: nobody to agree with.
-    fn sync(&self) -> &dyn StepSync<'g> {
+    fn staged_peers(&self) -> &Peers<'g> {
         &self.peers
     }
 
-    fn forward_backward(&mut self, batch: &Batch, weight: f64, ctx: &StepContext) -> Result<StepOutput> {
-        let scale = ctx.scaler.map_or(1.0, |s| s.scale_value());
-        let options = self.stage_options(true, ctx.precision, ctx.dropout_key, weight * scale);
-        let targets = batch.targets.reshape(batch.inputs.size());
-        let started = std::time::Instant::now();
-        Ok(self.run_batch(&batch.inputs, &targets, options)?.into_output(batch.len(), started))
+    fn options(&self) -> &PipelineOptions {
+        &self.options
     }
 
-    fn evaluate(&mut self, source: &dyn BatchSource, precision: Precision) -> Result<EvalSums> {
-        let options = self.stage_options(false, precision, 0, 1.0);
-        super::evaluate_batches(source, |src, targets| self.run_batch(src, targets, options))
+    fn run_stages(&mut self, src: &Tensor, targets: &Tensor, options: StageOptions) -> Result<StepReport> {
+        self.run_batch(src, targets, options)
     }
 }

@@ -51,9 +51,13 @@ use anyhow::Result;
 use serde::Serialize;
 use tch::Tensor;
 
+use tch::Device;
+
 use crate::error::usage;
-use crate::train::{BatchSource, EvalSums, StepOutput};
-use executor::StageTrace;
+use crate::parallel::{ParallelStep, Peers};
+use crate::precision::Precision;
+use crate::train::{Batch, BatchSource, EvalSums, StepContext, StepOutput, StepSync, TrainStep};
+use executor::{StageOptions, StageTrace};
 
 /// How the pipeline runs a mini-batch.
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -106,6 +110,65 @@ impl StepReport {
             stage_traces: self.traces.iter().map(StageTrace::for_profile).collect(),
             stage_busy: Some((busy, elapsed)),
         }
+    }
+}
+
+/// What both pipeline steps are made of, whether the stages run as threads of this process
+/// ([`Pipeline`]) or one per process ([`process::StageProcess`]): the stages, who they work
+/// with, their options and one mini-batch through them. Both are trained through the one
+/// [`TrainStep`] below.
+pub trait Staged<'g> {
+    /// The stages this step runs (all of the model's, or this rank's).
+    fn stages(&self) -> &[Stage];
+
+    fn staged_peers(&self) -> &Peers<'g>;
+
+    fn options(&self) -> &PipelineOptions;
+
+    /// One mini-batch (`src`, `targets`) through the stages, run as `options` say.
+    fn run_stages(&mut self, src: &Tensor, targets: &Tensor, options: StageOptions) -> Result<StepReport>;
+}
+
+/// How the stages run a mini-batch: `train`ing or not, in `precision`, their losses scaled by
+/// `loss_scale` (an accumulated step's share, float16's scale).
+fn stage_options(options: &PipelineOptions, train: bool, precision: Precision, dropout_key: u64, loss_scale: f64) -> StageOptions {
+    StageOptions { dropout_key, recompute: options.checkpoint_activations, train, precision, loss_scale }
+}
+
+impl<'g, S: Staged<'g>> ParallelStep<'g> for S {
+    fn peers(&self) -> &Peers<'g> {
+        self.staged_peers()
+    }
+}
+
+impl<'g, S: Staged<'g>> TrainStep<'g> for S {
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        self.stages().iter().flat_map(Stage::named_parameters).collect()
+    }
+
+    fn named_variables(&self) -> Vec<(String, Tensor)> {
+        self.named_parameters()
+    }
+
+    fn input_device(&self) -> Device {
+        self.stages()[0].device()
+    }
+
+    fn sync(&self) -> &dyn StepSync<'g> {
+        self.staged_peers()
+    }
+
+    fn forward_backward(&mut self, batch: &Batch, weight: f64, ctx: &StepContext) -> Result<StepOutput> {
+        let scale = ctx.scaler.map_or(1.0, |s| s.scale_value());
+        let options = stage_options(self.options(), true, ctx.precision, ctx.dropout_key, weight * scale);
+        let targets = batch.targets.reshape(batch.inputs.size());
+        let started = std::time::Instant::now();
+        Ok(self.run_stages(&batch.inputs, &targets, options)?.into_output(batch.len(), started))
+    }
+
+    fn evaluate(&mut self, source: &dyn BatchSource, precision: Precision) -> Result<EvalSums> {
+        let options = stage_options(self.options(), false, precision, 0, 1.0);
+        evaluate_batches(source, |src, targets| self.run_stages(src, targets, options))
     }
 }
 

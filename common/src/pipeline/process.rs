@@ -16,16 +16,14 @@ use tch::{Device, Tensor};
 
 use super::executor::{self, MicroBatches, StageOptions};
 use super::link::{ChannelLink, Link};
-use super::{chunks_for, schedule, split_batch, Op, PipelineOptions, Placement, Schedule, Stage, StepReport};
+use super::{chunks_for, schedule, split_batch, Op, PipelineOptions, Placement, Schedule, Stage, Staged, StepReport};
 use crate::comm::layout::Groups;
 use crate::comm::tensor_parallel::Split;
 use crate::comm::transfer::{recv_labelled, send_labelled};
 use crate::comm::ProcessGroup;
 use crate::error::usage;
 use crate::models::transformer_names::TransformerVariable;
-use crate::parallel::{DataParallelPlan, Parallel, ParallelStep, Peers};
-use crate::precision::Precision;
-use crate::train::{Batch, BatchSource, EvalSums, StepContext, StepOutput, StepSync, TrainStep};
+use crate::parallel::{DataParallelPlan, Parallel, Peers};
 
 /// A neighbouring device in another process: tensors travel point-to-point through the
 /// process group with their kind, shape ([`crate::comm::transfer`]: the last batch of a split
@@ -163,45 +161,22 @@ impl<'g> StageProcess<'g> {
         let last = all.last().expect("at least one stage");
         Ok(StepReport { loss: last[1], hits: last[2] as i64, wall_s, stage_busy_s: all.iter().map(|v| v[0]).collect(), traces: vec![outcome.trace] })
     }
-
-    fn stage_options(&self, train: bool, precision: Precision, dropout_key: u64, loss_scale: f64) -> StageOptions {
-        StageOptions { dropout_key, recompute: self.options.checkpoint_activations, train, precision, loss_scale }
-    }
 }
 
-impl<'g> ParallelStep<'g> for StageProcess<'g> {
-    fn peers(&self) -> &Peers<'g> {
-        &self.peers
-    }
-}
-
-impl<'g> TrainStep<'g> for StageProcess<'g> {
-    fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        self.stages.iter().flat_map(Stage::named_parameters).collect()
+impl<'g> Staged<'g> for StageProcess<'g> {
+    fn stages(&self) -> &[Stage] {
+        &self.stages
     }
 
-    fn named_variables(&self) -> Vec<(String, Tensor)> {
-        self.named_parameters()
-    }
-
-    fn input_device(&self) -> Device {
-        self.stages[0].device()
-    }
-
-    fn sync(&self) -> &dyn StepSync<'g> {
+    fn staged_peers(&self) -> &Peers<'g> {
         &self.peers
     }
 
-    fn forward_backward(&mut self, batch: &Batch, weight: f64, ctx: &StepContext) -> Result<StepOutput> {
-        let scale = ctx.scaler.map_or(1.0, |s| s.scale_value());
-        let options = self.stage_options(true, ctx.precision, ctx.dropout_key, weight * scale);
-        let targets = batch.targets.reshape(batch.inputs.size());
-        let started = Instant::now();
-        Ok(self.run_batch(&batch.inputs, &targets, options)?.into_output(batch.len(), started))
+    fn options(&self) -> &PipelineOptions {
+        &self.options
     }
 
-    fn evaluate(&mut self, source: &dyn BatchSource, precision: Precision) -> Result<EvalSums> {
-        let options = self.stage_options(false, precision, 0, 1.0);
-        super::evaluate_batches(source, |src, targets| self.run_batch(src, targets, options))
+    fn run_stages(&mut self, src: &Tensor, targets: &Tensor, options: StageOptions) -> Result<StepReport> {
+        self.run_batch(src, targets, options)
     }
 }

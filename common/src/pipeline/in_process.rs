@@ -184,17 +184,9 @@ impl Pipeline {
 }
 
 impl<'g> Staged<'g> for Pipeline {
-    fn stages(&self) -> &[Stage] {
-        &self.stages
-    }
-
-    /// All stages are in this process: nobody to agree with.
-    fn staged_peers(&self) -> &Peers<'g> {
-        &self.peers
-    }
-
-    fn options(&self) -> &PipelineOptions {
-        &self.options
+    /// All stages are in this process: nobody to agree with (`peers` is empty).
+    fn parts(&self) -> (&[Stage], &PipelineOptions, &Peers<'g>) {
+        (&self.stages, &self.options, &self.peers)
     }
 
     fn run_stages(&mut self, src: &Tensor, targets: &Tensor, options: StageOptions) -> Result<StepReport> {

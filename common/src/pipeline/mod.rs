@@ -118,12 +118,9 @@ impl StepReport {
 /// with, their options and one mini-batch through them. Both are trained through the one
 /// [`TrainStep`] below.
 pub trait Staged<'g> {
-    /// The stages this step runs (all of the model's, or this rank's).
-    fn stages(&self) -> &[Stage];
-
-    fn staged_peers(&self) -> &Peers<'g>;
-
-    fn options(&self) -> &PipelineOptions;
+    /// The stages this step runs (all of the model's, or this rank's), how they run, and who
+    /// they work with.
+    fn parts(&self) -> (&[Stage], &PipelineOptions, &Peers<'g>);
 
     /// One mini-batch (`src`, `targets`) through the stages, run as `options` say.
     fn run_stages(&mut self, src: &Tensor, targets: &Tensor, options: StageOptions) -> Result<StepReport>;
@@ -137,13 +134,13 @@ fn stage_options(options: &PipelineOptions, train: bool, precision: Precision, d
 
 impl<'g, S: Staged<'g>> ParallelStep<'g> for S {
     fn peers(&self) -> &Peers<'g> {
-        self.staged_peers()
+        self.parts().2
     }
 }
 
 impl<'g, S: Staged<'g>> TrainStep<'g> for S {
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        self.stages().iter().flat_map(Stage::named_parameters).collect()
+        self.parts().0.iter().flat_map(Stage::named_parameters).collect()
     }
 
     fn named_variables(&self) -> Vec<(String, Tensor)> {
@@ -151,23 +148,23 @@ impl<'g, S: Staged<'g>> TrainStep<'g> for S {
     }
 
     fn input_device(&self) -> Device {
-        self.stages()[0].device()
+        self.parts().0[0].device()
     }
 
     fn sync(&self) -> &dyn StepSync<'g> {
-        self.staged_peers()
+        self.parts().2
     }
 
     fn forward_backward(&mut self, batch: &Batch, weight: f64, ctx: &StepContext) -> Result<StepOutput> {
         let scale = ctx.scaler.map_or(1.0, |s| s.scale_value());
-        let options = stage_options(self.options(), true, ctx.precision, ctx.dropout_key, weight * scale);
+        let options = stage_options(self.parts().1, true, ctx.precision, ctx.dropout_key, weight * scale);
         let targets = batch.targets.reshape(batch.inputs.size());
         let started = std::time::Instant::now();
         Ok(self.run_stages(&batch.inputs, &targets, options)?.into_output(batch.len(), started))
     }
 
     fn evaluate(&mut self, source: &dyn BatchSource, precision: Precision) -> Result<EvalSums> {
-        let options = stage_options(self.options(), false, precision, 0, 1.0);
+        let options = stage_options(self.parts().1, false, precision, 0, 1.0);
         evaluate_batches(source, |src, targets| self.run_stages(src, targets, options))
     }
 }

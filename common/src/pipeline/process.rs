@@ -164,16 +164,8 @@ impl<'g> StageProcess<'g> {
 }
 
 impl<'g> Staged<'g> for StageProcess<'g> {
-    fn stages(&self) -> &[Stage] {
-        &self.stages
-    }
-
-    fn staged_peers(&self) -> &Peers<'g> {
-        &self.peers
-    }
-
-    fn options(&self) -> &PipelineOptions {
-        &self.options
+    fn parts(&self) -> (&[Stage], &PipelineOptions, &Peers<'g>) {
+        (&self.stages, &self.options, &self.peers)
     }
 
     fn run_stages(&mut self, src: &Tensor, targets: &Tensor, options: StageOptions) -> Result<StepReport> {

@@ -369,3 +369,27 @@ fn training_matches_torch() {
     // With the course's kind of dropout: also equal, which checks where dropout is applied.
     check_training(&reference, "dropout", 0.2);
 }
+
+/// `--init scaled` draws the whole output layer from the seed and keeps a tensor-parallel
+/// shard's rows of it (the output layer is vocabulary-parallel): the two halves of the
+/// vocabulary, drawn on two shards, are the whole layer's rows.
+#[test]
+fn a_scaled_output_layer_is_cut_into_the_shards_rows() {
+    use common::comm::tensor_parallel::Shard;
+    use common::models::OutputInit;
+    let _rng = exclusive_rng();
+    let cfg = small(0.0);
+    let drawn = |rows: i64, shard: Shard| {
+        let weight = Tensor::zeros([rows, cfg.d_model], (Kind::Float, Device::Cpu));
+        OutputInit::Scaled.apply(&[("linear.weight".to_string(), weight.shallow_clone())], &cfg, 7, shard);
+        weight
+    };
+    let whole = drawn(cfg.ntoken, Shard::WHOLE);
+    let half = cfg.ntoken / 2;
+    for index in 0..2 {
+        let mine = drawn(half, Shard { index, count: 2 });
+        assert!(mine.equal(&whole.narrow(0, index as i64 * half, half)), "shard {index} holds other rows than the whole layer's");
+    }
+    let bound = 1.0 / (cfg.d_model as f64).sqrt();
+    assert!(whole.abs().max().double_value(&[]) <= bound && whole.abs().max().double_value(&[]) > 0.5 * bound);
+}

@@ -167,8 +167,9 @@ impl OutputInit {
         for (_, weight) in named_parameters.iter().filter(|(name, _)| name == names::OUTPUT_WEIGHT) {
             tch::manual_seed(mix_key(&[seed, 0x6f75_7470_7574]) as i64);
             let drawn = Tensor::empty([cfg.ntoken, cfg.d_model], (weight.kind(), tch::Device::Cpu)).uniform_(-bound, bound);
-            // (The output layer is vocabulary-parallel: cut by rows.)
-            let mine = tp::shard_tensor(&drawn, tp::Split::Rows, shard);
+            // Cut as the name table cuts the output layer (vocabulary-parallel).
+            let split = names::split_of_named(names::OUTPUT_WEIGHT, 2).expect("the name table knows the output layer");
+            let mine = tp::shard_tensor(&drawn, split, shard);
             tch::no_grad(|| weight.shallow_clone().copy_(&mine));
         }
     }

@@ -385,6 +385,13 @@ pub struct ParallelArgs {
     #[arg(long, default_value_t = 0)]
     #[arg(help_heading = "Parallelism")]
     pub zero: u8,
+    /// With --zero 3: shard the model state within groups of G consecutive replicas (a node's
+    /// ranks) and keep the groups' copies equal by one all-reduce of each rank's 1/G of the
+    /// gradients across them (HSDP, FSDP's HYBRID_SHARD): parameters gathered over the fast
+    /// links only. G must divide the replicas.
+    #[arg(long, value_name = "G")]
+    #[arg(help_heading = "Parallelism")]
+    pub shard_group: Option<usize>,
     // ---- Parameter-server hook (parallel::parameter_server): the strategy and its flags. ----
     /// data-parallel: every rank a replica, gradients averaged (all-reduce, or ZeRO);
     /// parameter-server: --servers ranks hold the parameters and run the optimizer, the others
@@ -439,9 +446,14 @@ impl ParallelArgs {
             self.zero,
             self.nproc_per_node,
         )?;
-        match self.zero {
-            0..=3 => Ok(()),
-            other => usage(format!("--zero {other}: ZeRO has stages 0 to 3")),
+        if self.zero > 3 {
+            return usage(format!("--zero {}: ZeRO has stages 0 to 3", self.zero));
+        }
+        match (self.shard_group, self.zero) {
+            (Some(g), zero) if zero != 3 => {
+                usage(format!("--shard-group {g} shards the parameters within groups of replicas (HSDP): it needs --zero 3, not --zero {zero}"))
+            }
+            _ => Ok(()),
         }
     }
 

@@ -9,7 +9,7 @@ use anyhow::Result;
 use serde::Serialize;
 use tch::Device;
 
-use crate::comm::layout::Groups;
+use crate::comm::layout::{Groups, Layout};
 use crate::data::image_files::{ImageFileLoader, ImageFiles};
 use crate::data::image_folder::{self, ImageFolder};
 use crate::data::transforms::Transform;
@@ -519,8 +519,7 @@ impl Experiment for ImageExperiment<'_> {
         ))
     }
 
-    fn memory_estimate(&self, world: usize, cuda: bool, observers: &mut Observers) -> Result<Vec<RankEstimate>> {
-        let layout = self.layout(world)?;
+    fn memory_estimate(&self, layout: Layout, cuda: bool, observers: &mut Observers) -> Result<Vec<RankEstimate>> {
         let spec = self.model_spec()?;
         let recipe = experiment::RunRecipe::resolve(&self.preset, &self.args.recipe, layout.dp, 1, 1);
         let probe = crate::memory::estimate::probe_image_activations(&spec, self.trainable(), self.args.run.precision)?;
@@ -556,7 +555,7 @@ impl Experiment for ImageExperiment<'_> {
             largest_parameter: probe.largest_parameter,
             bytes_per_image: probe.bytes_per_image,
             batch: recipe.batch_size,
-            dp: layout.dp,
+            state_shards: layout.state_shards(),
             zero: self.args.parallel.zero_stage(),
             optimizer_k: crate::memory::optimizer_bytes_per_parameter(recipe.optimizer, recipe.momentum),
             bucket_bytes: self.args.parallel.bucket_mb * crate::memory::MIB,

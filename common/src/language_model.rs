@@ -595,17 +595,16 @@ impl Experiment for LmExperiment<'_> {
         }
     }
 
-    fn memory_estimate(&self, world: usize, cuda: bool, observers: &mut Observers) -> Result<Vec<RankEstimate>> {
+    fn memory_estimate(&self, layout: Layout, cuda: bool, observers: &mut Observers) -> Result<Vec<RankEstimate>> {
         let data = self.load(observers, true)?;
         let vocab = data.corpus.vocab.len() as i64;
         let multiple = self.args.pad_vocab.unwrap_or(1);
         let config = self.config((vocab + multiple - 1) / multiple * multiple);
-        let layout = self.layout(world)?;
         config.validate_shards(layout.tp)?;
         let recipe = experiment::RunRecipe::resolve(self.preset, &self.args.recipe, layout.dp, 1, 1);
         let (mut placement, mut shared_device, mut schedule, mut chunks, mut recompute) = (Placement::one_stage_each(1), false, Schedule::GPipe, 1, false);
         if let Some(pipeline) = self.pipeline {
-            let in_process = world == 1 && self.preset.parallelism == ModelParallelism::Pipeline;
+            let in_process = layout.world_size() == 1 && self.preset.parallelism == ModelParallelism::Pipeline;
             let devices = if in_process { self.stage_devices(pipeline)? } else { Vec::new() };
             placement = Placement { devices: if in_process { devices.len() } else { layout.pp }, virtual_stages: pipeline.virtual_stages()? };
             shared_device = in_process && devices.windows(2).all(|w| w[0] == w[1]);
@@ -620,7 +619,7 @@ impl Experiment for LmExperiment<'_> {
             batch: recipe.batch_size as i64,
             chunks,
             accumulate: recipe.accumulate,
-            dp: layout.dp,
+            state_shards: layout.state_shards(),
             tp: layout.tp,
             placement,
             schedule,

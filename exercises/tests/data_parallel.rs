@@ -416,6 +416,84 @@ fn zero_stages_train_the_data_parallel_model_with_less_state_per_rank() {
     }
 }
 
+/// HSDP on 4 ranks as 2 shard groups of 2 (`--zero 3 --shard-group 2`): the same losses and
+/// parameters as plain data parallelism and as ZeRO-3 over all 4 ranks (SGD with momentum and
+/// clipping: the norm is summed over one shard group's blocks, not over the copies); each rank
+/// holds ZeRO-3's state over 2 ranks, not 4; and what crosses between the groups is one
+/// all-reduce of the rank's block of the gradient per step, fewer bytes than ZeRO-3 hands to
+/// its collectives over all 4 ranks. A shard group that does not divide the replicas, or one
+/// without ZeRO-3, is a usage error.
+#[test]
+fn hsdp_shards_within_groups_and_only_averages_blocks_across_them() {
+    let dir = tempfile::tempdir().unwrap();
+    data(dir.path(), 160);
+    let run = |flags: &[&str]| {
+        let results = tempfile::tempdir().unwrap();
+        let mut args = vec!["--model", "cnn", "--nproc-per-node", "4", "--batch-size", "10", "--epochs", "1", "--clip", "0.5"];
+        args.extend(["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9", "--bucket-mb", "0.1"]);
+        args.extend(["--data-dir", dir.path().to_str().unwrap(), "--results-dir", results.path().to_str().unwrap()]);
+        args.extend(["--checkpoint-dir", results.path().to_str().unwrap()]);
+        args.extend(flags);
+        let out = exercise2(&args, &[]);
+        assert!(out.status.success(), "{flags:?}: {}", stderr(&out));
+        assert!(stdout(&out).contains("parameters bit-identical on all 4 ranks"), "{flags:?}: {}", stdout(&out));
+        (read_json(&results.path().join("exercise2-cnn-cpu.json")), model_tensors(results.path()))
+    };
+    let (plain, plain_params) = run(&["--zero", "0"]);
+    let (zero3, zero3_params) = run(&["--zero", "3"]);
+    let (hsdp, hsdp_params) = run(&["--zero", "3", "--shard-group", "2"]);
+    assert_eq!(hsdp["gradient_sync"], "hsdp", "{}", hsdp["gradient_sync"]);
+    assert_eq!((hsdp["layout"]["dp"].as_u64(), hsdp["layout"]["dp_shard"].as_u64()), (Some(4), Some(2)));
+    let loss = |r: &serde_json::Value, key: &str| r["history"][0][key].as_f64().unwrap();
+    for (other, name, params) in [(&plain, "plain data parallelism", &plain_params), (&zero3, "ZeRO-3 over 4 ranks", &zero3_params)] {
+        for key in ["train_loss", "eval_loss"] {
+            let (a, b) = (loss(other, key), loss(&hsdp, key));
+            assert!((a - b).abs() <= 1e-5 * a.abs(), "{key}: HSDP {b} vs {name} {a}");
+        }
+        // SGD moves each parameter by the averaged gradient: the sums' rounding stays at its
+        // own size (Adam's division would magnify it where a gradient cancels to near zero).
+        let worst = worst_relative_difference(params, &hsdp_params);
+        println!("HSDP 2 × 2 vs {name} after an epoch: largest relative parameter difference {worst:e}");
+        assert!(worst <= 1e-5, "HSDP vs {name}: parameters differ by {worst:e}");
+    }
+
+    // Model state: ZeRO-3's formula over the shard group of 2, twice ZeRO-3's over 4.
+    let memory = |r: &serde_json::Value, key: &str| r["model_state_memory"][key].as_f64().unwrap();
+    let (measured, formula) = (memory(&hsdp, "total_bytes"), memory(&hsdp, "formula_bytes"));
+    assert!((measured - formula).abs() <= 0.1 * formula, "HSDP: {measured} bytes vs the formula's {formula}");
+    let over_four = memory(&zero3, "formula_bytes");
+    assert!((formula / over_four - 2.0).abs() < 1e-9, "HSDP's formula {formula} vs ZeRO-3's over 4 ranks {over_four}");
+    assert!(measured > 1.5 * memory(&zero3, "total_bytes"), "HSDP holds a group of 2's shares: {measured} vs {}", memory(&zero3, "total_bytes"));
+
+    // Between the groups: the block's gradient, all-reduced once per step (the CNN's 62,006
+    // parameters in one part, padded to the 2 ranks of a group: 31,003 floats).
+    let by_group = |r: &serde_json::Value| r["communication_per_step_by_group"].clone();
+    let bytes = |stats: &serde_json::Value| {
+        ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "send", "recv"].iter().map(|k| stats[k]["bytes"].as_u64().unwrap()).sum::<u64>()
+    };
+    let across = &by_group(&hsdp)["dp_replicate"];
+    let block = hsdp["params"].as_u64().unwrap().div_ceil(2) * 4;
+    assert_eq!((across["all_reduce"]["calls"].as_u64(), across["all_reduce"]["bytes"].as_u64()), (Some(1), Some(block)), "{across}");
+    assert_eq!(bytes(across), block, "only the block's gradient crosses between the groups: {across}");
+    let within = &by_group(&hsdp)["dp_shard"];
+    assert_eq!((within["all_gather"]["calls"].as_u64(), within["reduce_scatter"]["calls"].as_u64()), (Some(2), Some(1)), "{within}");
+    // ZeRO-3 over all 4 ranks: its gathers and reduce-scatters run over the whole job.
+    let zero3_all = bytes(&zero3["communication_per_step"]);
+    println!("bytes per step: HSDP between groups {}, within a group {}; ZeRO-3 over 4 ranks {zero3_all}", bytes(across), bytes(within));
+    assert!(2 * bytes(across) < zero3_all, "HSDP sends {} bytes between groups, ZeRO-3 {zero3_all} over all ranks", bytes(across));
+
+    for (flags, expected) in [
+        (&["--zero", "2", "--shard-group", "2"][..], "it needs --zero 3, not --zero 2"),
+        (&["--zero", "3", "--shard-group", "3", "--nproc-per-node", "4"][..], "--shard-group 3: shard groups of at least 2 replicas that divide the job's 4"),
+    ] {
+        let mut args = vec!["--data-dir", dir.path().to_str().unwrap(), "--max-steps", "1"];
+        args.extend_from_slice(flags);
+        let out = exercise2(&args, &[]);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains(expected), "{flags:?}: {}", stderr(&out));
+    }
+}
+
 /// A ZeRO checkpoint holds the whole optimizer state under the parameters' names, as a plain
 /// data-parallel run writes it (gathered from the ranks' blocks): a ZeRO-1 one resumes with
 /// ZeRO on 2 ranks and without it on 1 rank (at the same global batch), a ZeRO-3 one written by

@@ -70,6 +70,7 @@ impl Layout {
 
 const ONE_PROCESS: Layout = Layout { exercise3: false, ranks: 1, flags: &[], replicas: 1 };
 const ZERO3_ON_4: Layout = Layout { exercise3: false, ranks: 4, flags: &["--zero", "3"], replicas: 4 };
+const HSDP_2X2: Layout = Layout { exercise3: false, ranks: 4, flags: &["--zero", "3", "--shard-group", "2"], replicas: 4 };
 const ZERO3_ON_2: Layout = Layout { exercise3: false, ranks: 2, flags: &["--zero", "3"], replicas: 2 };
 const TP2_PP2: Layout = Layout { exercise3: true, ranks: 4, flags: &["--tp", "2", "--pp", "2", "--dp", "1"], replicas: 1 };
 const TP2_PP2_DP2: Layout = Layout { exercise3: true, ranks: 8, flags: &["--tp", "2", "--pp", "2", "--dp", "2"], replicas: 2 };
@@ -137,7 +138,9 @@ fn any_layout_resumes_any_other_layouts_checkpoint_where_an_uninterrupted_run_la
     let (nlp_reference, exercise3_reference) = (reference(&ONE_PROCESS), reference(&EXERCISE3_ONE_PROCESS));
     assert!(nlp_reference.iter().any(|(k, _)| k.starts_with("optim.momentum_buffer.")), "SGD's momentum is in the checkpoint");
 
-    for (first, then) in [(&ZERO3_ON_4, &TP2_PP2), (&TP2_PP2_DP2, &EXERCISE3_ONE_PROCESS), (&ONE_PROCESS, &ZERO3_ON_2)] {
+    // (HSDP: 2 shard groups of 2 hold the same blocks; the first group's go into the checkpoint.)
+    let pairs = [(&ZERO3_ON_4, &TP2_PP2), (&TP2_PP2_DP2, &EXERCISE3_ONE_PROCESS), (&ONE_PROCESS, &ZERO3_ON_2), (&HSDP_2X2, &TP2_PP2), (&TP2_PP2, &HSDP_2X2)];
+    for (first, then) in pairs {
         let reference = if first.exercise3 { &exercise3_reference } else { &nlp_reference };
         let what = format!("epoch 1 with {:?} on {} ranks, epoch 2 with {:?} on {}", first.flags, first.ranks, then.flags, then.ranks);
         let ck = tempfile::tempdir().unwrap();

@@ -8,6 +8,11 @@
 //! consecutively, so the shards of a layer stay inside a node (their all-reduces are the most
 //! frequent and the largest), the stages of a replica come next (point-to-point activations),
 //! and the replicas across nodes (one gradient all-reduce per step).
+//!
+//! The replicas may themselves be grouped (HSDP, torchtitan's `dp_shard × dp_replicate`):
+//! `dp_shard` consecutive replicas form a *shard group* (a node, when the model fits one rank),
+//! and the replicas at the same place of every shard group a *replicate group*. A strategy
+//! shards the model state within the first and keeps the copies equal across the second.
 use anyhow::Result;
 use serde::Serialize;
 
@@ -23,6 +28,8 @@ pub struct Layout {
     pub pp: usize,
     /// Tensor-parallel shards of every layer (Megatron's), on neighbouring ranks.
     pub tp: usize,
+    /// Replicas per shard group (1: the replicas are not grouped; `dp`: one group of all).
+    pub dp_shard: usize,
 }
 
 /// Where one rank sits in a [`Layout`].
@@ -35,7 +42,7 @@ pub struct Coords {
 
 impl Layout {
     /// One rank doing everything.
-    pub const SINGLE: Layout = Layout { dp: 1, pp: 1, tp: 1 };
+    pub const SINGLE: Layout = Layout { dp: 1, pp: 1, tp: 1, dp_shard: 1 };
 
     /// The layout of `world` ranks with `pp` stages of `tp` shards; `dp`, when given, must be
     /// what is left (`world / (pp · tp)`), else it is that.
@@ -57,7 +64,36 @@ impl Layout {
             let parts = if tp > 1 { format!("{pp} stage(s) × {tp} shards") } else { format!("{pp} stages") };
             return usage(format!("--dp {dp} with {parts} needs {} ranks, but the job has {world}", dp * model));
         }
-        Ok(Layout { dp: replicas, pp, tp })
+        Ok(Layout { dp: replicas, pp, tp, dp_shard: 1 })
+    }
+
+    /// This layout with its replicas in shard groups of `size` (`--shard-group`), which must
+    /// divide them; none leaves them ungrouped.
+    pub fn with_shard_group(self, size: Option<usize>) -> Result<Layout> {
+        let Some(size) = size else { return Ok(self) };
+        if size < 2 || !self.dp.is_multiple_of(size) {
+            return usage(format!(
+                "--shard-group {size}: shard groups of at least 2 replicas that divide the job's {} replica(s) (of {} ranks)",
+                self.dp,
+                self.world_size()
+            ));
+        }
+        Ok(Layout { dp_shard: size, ..self })
+    }
+
+    /// The replicas a sharding strategy divides the model state over (ZeRO's N): a shard
+    /// group's, or all of them.
+    pub fn state_shards(&self) -> usize {
+        if self.dp_shard > 1 {
+            self.dp_shard
+        } else {
+            self.dp
+        }
+    }
+
+    /// The shard groups the replicas form (1 where they are not grouped).
+    pub fn dp_replicate(&self) -> usize {
+        self.dp / self.dp_shard
     }
 
     pub fn world_size(&self) -> usize {
@@ -83,8 +119,21 @@ impl Layout {
         if self.tp > 1 {
             parts.push(format!("{} tensor-parallel shards", self.tp));
         }
+        if self.dp_shard > 1 {
+            parts[0] = format!("{} replica(s) in {} shard group(s) of {}", self.dp, self.dp_replicate(), self.dp_shard);
+        }
         format!("{} ({} ranks)", parts.join(" × "), self.world_size())
     }
+}
+
+/// A rank's two groups of replicas when they are grouped ([`Layout::dp_shard`]).
+#[derive(Clone, Copy)]
+pub struct ShardGroups<'g> {
+    /// The replicas of this rank's shard group, in order (the model state is sharded over them).
+    pub shard: &'g ProcessGroup,
+    /// The replicas at this rank's place in every shard group, in group order (they hold the
+    /// same shard).
+    pub replicate: &'g ProcessGroup,
 }
 
 /// The process groups of a [`Layout`], for this rank: made once, by every rank at the same point
@@ -104,6 +153,10 @@ pub struct Groups<'w> {
     /// All ranks holding a part of this rank's replica (stages × shards): the gradient norm and
     /// the scaler's inf/NaN verdict are agreed over them.
     model: Option<ProcessGroup>,
+    /// The replicas of this rank's shard group, and those at its place in the other shard
+    /// groups ([`Layout::dp_shard`]; both or neither).
+    dp_shard: Option<ProcessGroup>,
+    dp_replicate: Option<ProcessGroup>,
     /// Links outside the mesh whose traffic this rank's counts include (a parameter-server
     /// worker's to its servers).
     traffic: Option<std::rc::Rc<dyn super::group::Traffic + 'w>>,
@@ -136,12 +189,23 @@ impl<'w> Groups<'w> {
         let pp = make(layout.pp, coords.replica * layout.tp + coords.shard, coords.stage)?;
         let tp = make(layout.tp, coords.replica * layout.pp + coords.stage, coords.shard)?;
         let model = make(layout.pp * layout.tp, coords.replica, model_index)?;
-        Ok(Groups { world, layout, coords, dp, pp, tp, model, traffic: None })
+        // Shard groups only where they are proper subsets of the replicas (a group of all is `dp`).
+        let (dp_shard, dp_replicate) = match layout.dp_shard {
+            1 => (None, None),
+            size if size == layout.dp => (None, None),
+            size => {
+                let (group, place) = (coords.replica / size, coords.replica % size);
+                let models = layout.pp * layout.tp;
+                (Some(world.split(group * models + model_index, place)?), Some(world.split(place * models + model_index, group)?))
+            }
+        };
+        Ok(Groups { world, layout, coords, dp, pp, tp, model, dp_shard, dp_replicate, traffic: None })
     }
 
     /// The groups of a job of one rank.
     pub fn single(world: &'w ProcessGroup) -> Groups<'w> {
-        Groups { world, layout: Layout::SINGLE, coords: Coords { replica: 0, stage: 0, shard: 0 }, dp: None, pp: None, tp: None, model: None, traffic: None }
+        let coords = Coords { replica: 0, stage: 0, shard: 0 };
+        Groups { world, layout: Layout::SINGLE, coords, dp: None, pp: None, tp: None, model: None, dp_shard: None, dp_replicate: None, traffic: None }
     }
 
     /// The group whose dimension has `size` ranks: a split, the world, or this rank alone.
@@ -173,6 +237,12 @@ impl<'w> Groups<'w> {
         self.pick(&self.tp, self.layout.tp)
     }
 
+    /// This rank's shard group and its replicate group, where the replicas are grouped in more
+    /// than one shard group of more than one ([`Layout::dp_shard`]).
+    pub fn shard_groups(&self) -> Option<ShardGroups<'_>> {
+        Some(ShardGroups { shard: self.dp_shard.as_ref()?, replicate: self.dp_replicate.as_ref()? })
+    }
+
     /// This rank's tensor-parallel shard of every layer.
     pub fn shard(&self) -> crate::comm::tensor_parallel::Shard {
         crate::comm::tensor_parallel::Shard { index: self.coords.shard, count: self.layout.tp }
@@ -182,10 +252,17 @@ impl<'w> Groups<'w> {
     /// its [`Self::with_traffic`] links'.
     pub fn comm_stats(&self) -> super::group::CommStats {
         let servers = self.traffic.as_ref().map(|link| link.comm_stats()).unwrap_or_default();
-        [Some(self.world), self.dp.as_ref(), self.pp.as_ref(), self.tp.as_ref(), self.model.as_ref()]
-            .into_iter()
-            .flatten()
-            .fold(servers, |sum, group| sum.plus(group.comm_stats()))
+        self.comm_stats_by_group().into_iter().fold(servers, |sum, (_, stats)| sum.plus(stats))
+    }
+
+    /// What each of this rank's groups moved so far, by the mesh's name for it (`world` for
+    /// whatever ran over the whole job, a dimension that spans it included).
+    pub fn comm_stats_by_group(&self) -> Vec<(&'static str, super::group::CommStats)> {
+        let splits =
+            [("dp", &self.dp), ("pp", &self.pp), ("tp", &self.tp), ("model", &self.model), ("dp_shard", &self.dp_shard), ("dp_replicate", &self.dp_replicate)];
+        std::iter::once(("world", self.world.comm_stats()))
+            .chain(splits.into_iter().filter_map(|(name, group)| Some((name, group.as_ref()?.comm_stats()))))
+            .collect()
     }
 
     /// Whether this rank prints, writes results and checkpoints (the world's rank 0).
@@ -201,7 +278,7 @@ mod tests {
     #[test]
     fn ranks_are_shard_fastest_then_stage_then_replica() {
         let layout = Layout::new(8, 2, 2, None).unwrap();
-        assert_eq!(layout, Layout { dp: 2, pp: 2, tp: 2 });
+        assert_eq!(layout, Layout { dp: 2, pp: 2, tp: 2, dp_shard: 1 });
         assert_eq!(layout.coords(0), Coords { replica: 0, stage: 0, shard: 0 });
         assert_eq!(layout.coords(1), Coords { replica: 0, stage: 0, shard: 1 });
         assert_eq!(layout.coords(2), Coords { replica: 0, stage: 1, shard: 0 });
@@ -225,11 +302,25 @@ mod tests {
     }
 
     #[test]
+    fn shard_groups_must_divide_the_replicas() {
+        let layout = Layout::new(8, 2, 1, None).unwrap();
+        assert_eq!(layout.with_shard_group(None).unwrap(), layout);
+        let grouped = layout.with_shard_group(Some(2)).unwrap();
+        assert_eq!((grouped.dp_shard, grouped.dp_replicate()), (2, 2));
+        assert_eq!(grouped.describe(), "4 replica(s) in 2 shard group(s) of 2 × 2 stages (8 ranks)");
+        for size in [1, 3, 8] {
+            let err = layout.with_shard_group(Some(size)).unwrap_err();
+            assert!(format!("{err}").contains(&format!("--shard-group {size}: shard groups of at least 2 replicas that divide the job's 4")), "{err}");
+            assert_eq!(crate::error::exit_code(&err), 2);
+        }
+    }
+
+    #[test]
     fn a_single_process_has_no_groups_to_talk_over() {
         let world = ProcessGroup::single();
         let groups = Groups::new(&world, Layout::SINGLE).unwrap();
         assert!(groups.dp().is_none() && groups.pp().is_none() && groups.model().is_none());
         assert!(groups.is_root());
-        assert!(Groups::new(&world, Layout { dp: 2, pp: 1, tp: 1 }).is_err());
+        assert!(Groups::new(&world, Layout { dp: 2, ..Layout::SINGLE }).is_err());
     }
 }

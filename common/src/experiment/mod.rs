@@ -97,7 +97,7 @@ pub trait Experiment {
     }
     /// What each kind of rank of a job of `world` ranks will hold (`--estimate-memory`), the
     /// device kind `cuda` (its kernels save differently); `observers` hear what was read.
-    fn memory_estimate(&self, world: usize, cuda: bool, observers: &mut Observers) -> Result<Vec<RankEstimate>>;
+    fn memory_estimate(&self, layout: Layout, cuda: bool, observers: &mut Observers) -> Result<Vec<RankEstimate>>;
     /// Lines to print and fields to add to the results after the test evaluation (rank 0).
     fn report(&self, data: &Self::Data, plan: &Self::Model, fit: &FitReport, test: &EvalSums, device: Device) -> (Vec<String>, serde_json::Value);
 }
@@ -147,7 +147,7 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
     }
     if let Some(n) = parallel.nproc_per_node.filter(|_| !env.as_ref().is_ok_and(|env| env.is_distributed())) {
         // What the ranks would each refuse, said once, before mpirun starts them.
-        let layout = exp.layout(n)?;
+        let layout = job_layout(exp, n)?;
         if layout.dp > 1 && run.precision.weights_kind().is_some() && run.device == DeviceChoice::Cpu {
             return usage(crate::parallelize::cannot_average(run.precision, layout.dp, "mpi", Device::Cpu));
         }
@@ -173,7 +173,7 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
             return job.serve().map(|()| Vec::new());
         }
         let world = ps.as_ref().map_or(world, |job| job.workers());
-        let layout = exp.layout(world.world_size())?;
+        let layout = job_layout(exp, world.world_size())?;
         let servers = ps.as_ref().map(|job| job.link());
         let traffic = servers.clone().map(|link| link as std::rc::Rc<dyn crate::comm::group::Traffic>);
         let groups = Groups::new(world, layout)?.with_traffic(traffic);
@@ -225,7 +225,7 @@ fn estimate_memory<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<
         DeviceChoice::Both => device::cuda_available(),
     };
     let mut session = session_observers(exp, true, listeners);
-    let rows = exp.memory_estimate(world, cuda, &mut session)?;
+    let rows = exp.memory_estimate(job_layout(exp, world)?, cuda, &mut session)?;
     let device = if cuda { "cuda" } else { "cpu" };
     let name = format!("{}-{}-{device}", exp.preset().name, exp.model_name());
     session.info(format!(
@@ -255,6 +255,12 @@ fn writable_dir(dir: &std::path::Path, flag: &str) -> Result<()> {
 /// one GPU per rank); CPU ranks beyond the cores take turns (a warning), beyond
 /// `max_per_core` per core they are refused: every rank is a LibTorch process with its own
 /// memory, and a thousand of them end with the OOM killer.
+/// How a job of `world` ranks divides the work: the exercise's layout, its replicas in the
+/// shard groups `--shard-group` asks for.
+fn job_layout<E: Experiment>(exp: &E, world: usize) -> Result<Layout> {
+    exp.layout(world)?.with_shard_group(exp.parallel_args().shard_group)
+}
+
 fn check_rank_count(n: usize, choice: DeviceChoice, max_per_core: usize) -> Result<Option<String>> {
     let on_gpus = match choice {
         DeviceChoice::Cpu => false,
@@ -291,7 +297,7 @@ fn run_per_device<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<V
     }
     let world = ProcessGroup::single();
     // (A layout one process cannot hold, `--tp 2` say, is refused here, before the data.)
-    let groups = Groups::new(&world, exp.layout(1)?)?;
+    let groups = Groups::new(&world, job_layout(exp, 1)?)?;
     let mut session = session_observers(exp, true, listeners);
     if let Some(every) = run.course_log {
         session.add(train::sinks::CourseLog::new(0, 1, every, exp.metric()));

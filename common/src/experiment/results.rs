@@ -14,6 +14,14 @@ use crate::memory::{ModelState, PeakMemory};
 use crate::report::{self, RunInfo, RunRecord};
 use crate::train::{self, EvalSums, FitReport, LrSchedule, Metric, Observers, TrainStep};
 
+/// What one training step moved: in all, and over each of the mesh's groups that carried
+/// anything (HSDP's `dp_replicate`: what crosses between shard groups).
+#[derive(Debug, Clone)]
+pub(super) struct StepCommunication {
+    pub all: CommStats,
+    pub by_group: std::collections::BTreeMap<&'static str, CommStats>,
+}
+
 /// What a run measured, on every rank (rank 0's is reported).
 pub(super) struct Measured {
     pub fit: FitReport,
@@ -21,7 +29,7 @@ pub(super) struct Measured {
     /// This rank's collectives and messages during training and its evaluations.
     pub communication: CommStats,
     /// In one training step (between two steps' ends; none after fewer than two steps).
-    pub per_step: Option<CommStats>,
+    pub per_step: Option<StepCommunication>,
     pub memory: ModelState,
     pub peaks: Vec<PeakMemory>,
     /// The model's parameters, counted over the ranks holding its parts.
@@ -59,6 +67,8 @@ struct RunResults<'a> {
     scaling_efficiency: Option<f64>,
     communication: CommStats,
     communication_per_step: Option<CommStats>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    communication_per_step_by_group: Option<&'a std::collections::BTreeMap<&'static str, CommStats>>,
     zero: u8,
     model_state_memory: ModelState,
     peak_memory: &'a [PeakMemory],
@@ -159,8 +169,8 @@ fn say_measurements(measured: &Measured, groups: &Groups, device: Device, sessio
             session.info(line)?;
         }
         session.info(format!("rank 0's communication in training and evaluation: {}", measured.communication.describe()))?;
-        if let Some(per_step) = measured.per_step {
-            session.info(format!("rank 0's communication per training step: {}", per_step.describe()))?;
+        if let Some(per_step) = &measured.per_step {
+            session.info(format!("rank 0's communication per training step: {}", per_step.all.describe()))?;
         }
     }
     if let Some(report) = &measured.parameter_server {
@@ -203,13 +213,14 @@ fn run_results<'a, E: Experiment>(exp: &E, built: &'a Built<'_, E::Model>, measu
         scaling_efficiency: report::scaling_efficiency(&csv, record),
         communication: measured.communication,
         checkpoints: measured.fit.checkpoints,
-        communication_per_step: measured.per_step,
+        communication_per_step: measured.per_step.as_ref().map(|p| p.all),
+        communication_per_step_by_group: measured.per_step.as_ref().map(|p| &p.by_group),
         zero: parallel.zero,
         model_state_memory: measured.memory,
         peak_memory: &measured.peaks,
         replicas: (replicas > 1).then(|| ReplicaResults {
             backend: groups.world.describe(),
-            gradient_sync: if measured.parameter_server.is_some() { crate::parallel::GradientSync::ParameterServer } else { exp.preset().sync },
+            gradient_sync: built.sync,
             bucket_mb: parallel.bucket_mb,
             fp16_allreduce: parallel.fp16_allreduce,
         }),

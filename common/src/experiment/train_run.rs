@@ -2,13 +2,13 @@
 //! the exercise's model and the job's plan ([`build`]), the loop's configuration and observers,
 //! the loop, then what is measured after it (the replicas' agreement, memory, the test pass).
 //! What rank 0 prints and writes of it is [`super::results`]'.
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::rc::Rc;
 
 use anyhow::Result;
 use tch::Device;
 
-use super::results::{self, Measured};
+use super::results::{self, Measured, StepCommunication};
 use super::{Experiment, Forward, RunRecipe, Sources};
 use crate::comm::layout::Groups;
 use crate::comm::CommStats;
@@ -35,6 +35,8 @@ pub(super) struct Built<'g, M> {
     pub recipe: RunRecipe,
     pub sources: Sources,
     pub zero: Option<ZeroStage>,
+    /// The data-parallel style the replicas keep their copies equal by.
+    pub sync: GradientSync,
     /// `<exercise>-<model>-<device>`: the results' and checkpoints' name.
     pub name: String,
     /// [`Experiment::data_identity`], kept in its checkpoints.
@@ -70,7 +72,7 @@ pub(super) fn train_on<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<
     }
     let step_losses = StepLosses::new();
     let losses = step_losses.values();
-    let per_step = Rc::new(Cell::new(None));
+    let per_step = Rc::new(RefCell::new(None));
     let mut observers = observers_for(exp, &built.name, groups, device, session)?;
     observers.add(StepTraffic { groups, first: None, done: false, per_step: per_step.clone() });
     observers.add(MemoryMeter::observer(&meter));
@@ -107,7 +109,7 @@ pub(super) fn train_on<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<
         fit,
         test: test.sums,
         communication,
-        per_step: per_step.get(),
+        per_step: per_step.borrow_mut().take(),
         memory: test.memory,
         peaks: test.peaks,
         params: test.params,
@@ -160,7 +162,7 @@ fn build<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<'g>, session: 
     if let Some(stage) = zero {
         check_zero(exp, stage, groups)?;
     }
-    let sync = GradientSync::of_run(preset.sync, zero, servers.is_some());
+    let sync = GradientSync::of_run(preset.sync, zero, groups.shard_groups().is_some(), servers.is_some());
     let dp = DataParallelPlan { averager: exp.parallel_args().averager(), sync };
     let replicas = groups.layout.dp;
     let sources = exp.sources(data, device, (groups.coords.replica, replicas))?;
@@ -182,7 +184,7 @@ fn build<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<'g>, session: 
     // --straggler: this rank sleeps in every step (any strategy).
     let optimizer = crate::parallel::parameter_server::Straggled::wrap(optimizer, exp.parallel_args().straggler, groups.world.rank());
     let name = format!("{}-{}-{}", preset.name, exp.model_name(), device::device_name(device));
-    Ok((Built { plan, step, optimizer, recipe, sources, zero, name, data_identity: exp.data_identity(data) }, meter))
+    Ok((Built { plan, step, optimizer, recipe, sources, zero, sync, name, data_identity: exp.data_identity(data) }, meter))
 }
 
 /// The loop's configuration for `built` (with `--cuda-graph`, the optimizer made capturable).
@@ -288,24 +290,30 @@ fn measure_after_training<E: Experiment>(
 }
 
 /// Measures what one training step moves: the collectives of all of this rank's groups between
-/// the first and the last step's end of the first epoch (no evaluation or checkpoint between).
+/// the first and the last step's end of the first epoch (no evaluation or checkpoint between),
+/// in all and by group.
 struct StepTraffic<'g> {
     groups: &'g Groups<'g>,
-    /// The first step's number and the counts at its end.
-    first: Option<(usize, CommStats)>,
+    /// The first step's number and the counts at its end, in all and by group.
+    first: Option<(usize, CommStats, Vec<(&'static str, CommStats)>)>,
     /// The first epoch has ended.
     done: bool,
-    per_step: Rc<Cell<Option<CommStats>>>,
+    per_step: Rc<RefCell<Option<StepCommunication>>>,
 }
 
 impl Observer for StepTraffic<'_> {
     fn on_event(&mut self, event: &Event) -> Result<train::Control> {
-        match (event, self.first) {
+        match (event, &self.first) {
             (Event::Step(_), _) if self.done => {}
-            (Event::Step(step), None) => self.first = Some((step.step, self.groups.comm_stats())),
-            (Event::Step(step), Some((first, at_first))) if step.step > first => {
+            (Event::Step(step), None) => self.first = Some((step.step, self.groups.comm_stats(), self.groups.comm_stats_by_group())),
+            (Event::Step(step), Some((first, at_first, by_group_at_first))) if step.step > *first => {
                 let steps = (step.step - first) as u64;
-                self.per_step.set(Some(self.groups.comm_stats().since(at_first).per(steps)));
+                let by_group =
+                    self.groups.comm_stats_by_group().into_iter().zip(by_group_at_first).map(|((name, now), (_, then))| (name, now.since(*then).per(steps)));
+                *self.per_step.borrow_mut() = Some(StepCommunication {
+                    all: self.groups.comm_stats().since(*at_first).per(steps),
+                    by_group: by_group.filter(|(_, stats)| *stats != CommStats::default()).collect(),
+                });
             }
             (Event::EpochEnded { .. }, Some(_)) => self.done = true,
             _ => {}

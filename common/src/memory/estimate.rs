@@ -132,7 +132,9 @@ pub struct TransformerJob {
     pub chunks: usize,
     /// Batches accumulated per optimizer step.
     pub accumulate: usize,
-    pub dp: usize,
+    /// The replicas that average the gradients and divide ZeRO's state (ZeRO's N): all of them,
+    /// or HSDP's shard group ([`crate::comm::layout::Layout::state_shards`]).
+    pub state_shards: usize,
     pub tp: usize,
     /// The stages and how they sit on devices (one device: the whole model, no pipeline).
     pub partition: Partition,
@@ -223,7 +225,7 @@ impl TransformerJob {
         let (t, d, v, tp) = (self.micro_tokens(), cfg.d_model as f64, cfg.ntoken as f64, self.tp as f64);
         let mixed = self.precision != Precision::Full;
         let psi: f64 = stages.iter().map(|&s| self.stage_parameters(s)).sum();
-        let (parameters, gradients, optimizer) = model_state_parts(psi, self.optimizer_k, self.dp as f64, self.zero);
+        let (parameters, gradients, optimizer) = model_state_parts(psi, self.optimizer_k, self.state_shards as f64, self.zero);
 
         // One micro-batch through each of this device's stages: its layers, the embedding on
         // stage 0, the output layer's saved log-probabilities on the last; what passes between
@@ -281,7 +283,7 @@ impl TransformerJob {
         // The update: the gradients averaged over the replicas (their buffers), then the
         // largest parameter's temporaries in the optimizer, beside the whole state.
         let largest = 4.0 * (v * d + v) / tp;
-        let update = gradients + gradient_sync_bytes(psi, self.dp, self.zero, self.bucket_bytes).max(2.0 * largest);
+        let update = gradients + gradient_sync_bytes(psi, self.state_shards, self.zero, self.bucket_bytes).max(2.0 * largest);
         let total = parameters + optimizer + (saved + transient + gradients_during).max(update);
         RankEstimate {
             ranks: match (self.placement.devices, self.placement.virtual_stages) {
@@ -348,7 +350,8 @@ pub struct ImageJob {
     pub largest_parameter: f64,
     pub bytes_per_image: f64,
     pub batch: usize,
-    pub dp: usize,
+    /// As [`TransformerJob::state_shards`].
+    pub state_shards: usize,
     pub zero: Option<ZeroStage>,
     pub optimizer_k: f64,
     /// `--bucket-mb` in bytes.
@@ -360,7 +363,7 @@ pub struct ImageJob {
 
 impl ImageJob {
     pub fn estimate(&self) -> RankEstimate {
-        let (trained, gradients, optimizer) = model_state_parts(self.params, self.optimizer_k, self.dp as f64, self.zero);
+        let (trained, gradients, optimizer) = model_state_parts(self.params, self.optimizer_k, self.state_shards as f64, self.zero);
         let parameters = trained + 4.0 * self.frozen_params;
         let activations = self.batch as f64 * self.bytes_per_image;
         let mut transient = self.batches_held as f64 * self.input_batch_bytes;
@@ -370,7 +373,7 @@ impl ImageJob {
         // The backward pass meets the last layers first, where a convolutional network keeps
         // most of its weights and fewest activations: their gradients appear while the first
         // layers' activations are still held, so count both.
-        let update = gradient_sync_bytes(self.params, self.dp, self.zero, self.bucket_bytes).max(2.0 * 4.0 * self.largest_parameter);
+        let update = gradient_sync_bytes(self.params, self.state_shards, self.zero, self.bucket_bytes).max(2.0 * 4.0 * self.largest_parameter);
         let total = parameters + optimizer + gradients + (activations + transient).max(update);
         RankEstimate {
             ranks: "every rank".into(),
@@ -476,7 +479,7 @@ mod tests {
             batch: 20,
             chunks: 1,
             accumulate: 1,
-            dp: 1,
+            state_shards: 1,
             tp: 1,
             partition: Partition::even(4, 1).unwrap(),
             placement: Placement::one_stage_each(1),
@@ -539,7 +542,7 @@ mod tests {
     #[test]
     fn zero_and_tensor_parallelism_shrink_the_model_state() {
         let plain = job(0.0).estimate()[0].clone();
-        let zero3 = TransformerJob { dp: 4, zero: Some(ZeroStage::Parameters), ..job(0.0) }.estimate()[0].clone();
+        let zero3 = TransformerJob { state_shards: 4, zero: Some(ZeroStage::Parameters), ..job(0.0) }.estimate()[0].clone();
         assert!((zero3.parameters + zero3.gradients + zero3.optimizer - (plain.parameters + plain.gradients + plain.optimizer) / 4.0).abs() < 1.0);
         let tp2 = TransformerJob { tp: 2, ..job(0.0) }.estimate()[0].clone();
         assert!(tp2.parameters < 0.6 * plain.parameters && tp2.parameters > 0.45 * plain.parameters);

@@ -305,7 +305,10 @@ impl ModelState {
             "sgd" | "lars" if optimizer_bytes > 0 => 4.0,
             _ => 0.0,
         };
-        let (formula_bytes, formula) = model_state_formula(psi, k, replicas as f64, zero);
+        // N: the ranks the state is divided over (HSDP's shard group), where it is divided.
+        let shards = optimizer.sharded().map_or(0, |s| s.shard_count());
+        let n = if shards > 0 { shards } else { replicas };
+        let (formula_bytes, formula) = model_state_formula(psi, k, n as f64, zero);
         ModelState {
             params_bytes,
             grads_bytes,

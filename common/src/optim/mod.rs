@@ -120,6 +120,18 @@ pub trait Sharded {
         None
     }
 
+    /// Whether checkpoints take this rank's block of the state: false where another rank holds
+    /// the same block and writes it (HSDP's other shard groups).
+    fn writes_block(&self) -> bool {
+        true
+    }
+
+    /// The ranks the state is divided over (ZeRO's N: the replicas, or HSDP's shard group); 0
+    /// where the shares are not blocks of the replicas'.
+    fn shard_count(&self) -> usize {
+        0
+    }
+
     /// Whether the shares are the data-parallel replicas' own (ZeRO: each replica restores its
     /// share of the whole state); false where the state lives on other ranks (parameter
     /// servers: worker 0 hands it over).

@@ -2,13 +2,12 @@
 //! (its parameters sharded over the replicas with ZeRO-3).
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use tch::{nn, Device, Kind, Tensor};
 
 use super::{Parallel, ParallelStep, Peers};
 use crate::device::synchronize;
 use crate::models::PartedModule;
-use crate::parallel::zero::{Shards, ZeroStage};
 use crate::precision::{self, Precision};
 use crate::train::{loss_and_hits, Batch, BatchSource, EvalSums, StepContext, StepOutput, StepSync, TrainStep};
 
@@ -51,25 +50,20 @@ impl<'g> LocalStep<'g> {
         LocalStep { vs, model, peers, inputs_kind }
     }
 
-    /// One of `parallel`'s replicas (or the model alone): its parameters sharded over the
-    /// replicas where their strategy shards them ([`super::Strategy::shards_parameters`]).
+    /// One of `parallel`'s replicas (or the model alone), its parameters sharded where their
+    /// strategy shards them ([`super::Strategy::shard_parameters`]: ZeRO-3, FSDP, HSDP): each
+    /// part of the model ([`PartedModule`]) is then a unit, gathered before it runs and freed
+    /// after.
     pub fn replica(vs: nn::VarStore, model: Box<dyn PartedModule>, parallel: Parallel<'g>) -> Result<Self> {
-        match parallel.replicas {
-            Some(replicas) if replicas.strategy.shards_parameters() => Self::sharded(vs, model, parallel),
-            _ => Ok(Self::parted(vs, model, parallel)),
-        }
-    }
-
-    /// The step with its parameters sharded over its replicas (ZeRO-3, FSDP): each part of the
-    /// model ([`PartedModule`]) is a unit, gathered before it runs and freed after.
-    pub fn sharded(vs: nn::VarStore, model: Box<dyn PartedModule>, parallel: Parallel<'g>) -> Result<Self> {
-        let replicas = parallel.replicas.context("ZeRO-3 shards the parameters over data-parallel replicas")?;
-        let named = crate::models::named_parameters(&vs);
-        let parts = named.iter().map(|(name, _)| model.part_of(name)).collect::<Result<_>>()?;
-        let shards = Shards::new(ZeroStage::Parameters, replicas.group, named, Some(parts), replicas.averager.bucket_bytes)?;
-        let inputs_kind = weights_kind(&vs);
-        let peers = Peers::new(parallel).with_frozen(frozen_parameters(&vs)).with_zero3(shards);
-        Ok(LocalStep { vs, model, peers, inputs_kind })
+        let shards = match &parallel.replicas {
+            Some(replicas) => replicas.strategy.shard_parameters(replicas, crate::models::named_parameters(&vs), &|name| model.part_of(name))?,
+            None => None,
+        };
+        let step = Self::parted(vs, model, parallel);
+        Ok(match shards {
+            Some(shards) => LocalStep { peers: step.peers.with_zero3(shards), ..step },
+            None => step,
+        })
     }
 
     /// The model's output for `xs`: at once, or part by part through ZeRO-3's shards.

@@ -3,8 +3,8 @@
 //! A run's plan names its data-parallel style ([`GradientSync`], from the preset and the flags);
 //! [`crate::parallelize`] turns it into its [`Strategy`] and a step. The strategy decides what
 //! differs between the styles and nothing else:
-//! - how a whole model's step is built ([`Strategy::shards_parameters`]: ZeRO-3 shards them over
-//!   the replicas from the start);
+//! - how a whole model's step is built ([`Strategy::shard_parameters`]: ZeRO-3 shards them over
+//!   the replicas from the start, HSDP over a shard group of them);
 //! - how the optimizer is wrapped ([`Strategy::optimizer`]: Horovod's averages inside its step,
 //!   ZeRO's updates this rank's block);
 //! - what finishing the gradients does after backward ([`Strategy::after_backward`]: DDP's
@@ -54,6 +54,10 @@ pub enum GradientSync {
     /// during the backward pass), each rank updating its block of the parameters
     /// ([`crate::parallel::zero::ZeroOptimizer`]).
     Zero(ZeroStage),
+    /// Hybrid sharded data parallelism: ZeRO-3 within each shard group of replicas, the groups'
+    /// blocks averaged by an all-reduce across them (`--zero 3 --shard-group G`,
+    /// [`crate::parallel::zero::Hsdp`]).
+    Hsdp,
     /// No averaging among the replicas: they push their gradients to parameter servers, whose
     /// optimizer updates (`--strategy parameter-server`, [`crate::parallel::parameter_server`]).
     #[serde(rename = "parameter-server")]
@@ -62,10 +66,12 @@ pub enum GradientSync {
 
 impl GradientSync {
     /// The style a run uses: parameter servers' where the job has servers (the workers do not
-    /// average among themselves), the ZeRO stage `--zero` asks for, or else the preset's.
-    pub fn of_run(preset: GradientSync, zero: Option<ZeroStage>, servers: bool) -> GradientSync {
+    /// average among themselves), HSDP where ZeRO-3's replicas are in shard groups
+    /// (`grouped`), the ZeRO stage `--zero` asks for, or else the preset's.
+    pub fn of_run(preset: GradientSync, zero: Option<ZeroStage>, grouped: bool, servers: bool) -> GradientSync {
         match (servers, zero) {
             (true, _) => GradientSync::ParameterServer,
+            (false, Some(ZeroStage::Parameters)) if grouped => GradientSync::Hsdp,
             (false, Some(stage)) => GradientSync::Zero(stage),
             (false, None) => preset,
         }
@@ -79,6 +85,7 @@ impl GradientSync {
             GradientSync::Zero(ZeroStage::OptimizerState) => &zero::Zero(ZeroStage::OptimizerState),
             GradientSync::Zero(ZeroStage::Gradients) => &zero::Zero(ZeroStage::Gradients),
             GradientSync::Zero(ZeroStage::Parameters) => &zero::Zero(ZeroStage::Parameters),
+            GradientSync::Hsdp => &zero::Hsdp,
             GradientSync::ParameterServer => &parameter_server::ParameterServer,
         }
     }
@@ -102,10 +109,17 @@ pub trait Strategy: Sync {
     /// The style, as the plan and the results name it.
     fn sync(&self) -> GradientSync;
 
-    /// Whether a whole model's parameters live sharded over the replicas from the start
-    /// (ZeRO-3), each part of the model gathered before it runs ([`LocalStep::replica`]).
-    fn shards_parameters(&self) -> bool {
-        false
+    /// The shards a whole model's parameters `named` live in from the start (ZeRO-3 over the
+    /// replicas, HSDP over a shard group of them), each part of the model gathered before it
+    /// runs ([`LocalStep::replica`]); `part_of` gives a parameter's part. None: the parameters
+    /// stay whole on every replica.
+    fn shard_parameters<'g>(
+        &self,
+        _replication: &Replication<'g>,
+        _named: Vec<(String, Tensor)>,
+        _part_of: &dyn Fn(&str) -> Result<usize>,
+    ) -> Result<Option<Rc<Shards<'g>>>> {
+        Ok(None)
     }
 
     /// The optimizer the loop steps for `params` (a step's), `build` making the optimizer of
@@ -165,21 +179,25 @@ mod tests {
     use super::*;
     use GradientCollective::{AllReduce, ReduceScatter};
 
-    const STYLES: [GradientSync; 6] = [
+    const STYLES: [GradientSync; 7] = [
         GradientSync::Ddp,
         GradientSync::Horovod,
         GradientSync::Zero(ZeroStage::OptimizerState),
         GradientSync::Zero(ZeroStage::Gradients),
         GradientSync::Zero(ZeroStage::Parameters),
+        GradientSync::Hsdp,
         GradientSync::ParameterServer,
     ];
 
     #[test]
     fn a_run_takes_servers_then_zero_then_the_presets_style() {
-        let zero2 = Some(ZeroStage::Gradients);
-        assert_eq!(GradientSync::of_run(GradientSync::Horovod, zero2, true), GradientSync::ParameterServer);
-        assert_eq!(GradientSync::of_run(GradientSync::Horovod, zero2, false), GradientSync::Zero(ZeroStage::Gradients));
-        assert_eq!(GradientSync::of_run(GradientSync::Horovod, None, false), GradientSync::Horovod);
+        let (zero2, zero3) = (Some(ZeroStage::Gradients), Some(ZeroStage::Parameters));
+        assert_eq!(GradientSync::of_run(GradientSync::Horovod, zero2, false, true), GradientSync::ParameterServer);
+        assert_eq!(GradientSync::of_run(GradientSync::Horovod, zero2, false, false), GradientSync::Zero(ZeroStage::Gradients));
+        assert_eq!(GradientSync::of_run(GradientSync::Horovod, None, false, false), GradientSync::Horovod);
+        // ZeRO-3 over shard groups of the replicas is HSDP.
+        assert_eq!(GradientSync::of_run(GradientSync::Ddp, zero3, true, false), GradientSync::Hsdp);
+        assert_eq!(GradientSync::of_run(GradientSync::Ddp, zero3, false, false), GradientSync::Zero(ZeroStage::Parameters));
     }
 
     #[test]
@@ -193,18 +211,24 @@ mod tests {
     fn each_strategy_says_what_finishes_its_gradients_and_what_it_refuses() {
         // (style, collective without clipping, with clipping, shards parameters, builds stages)
         let expected = [
-            (AllReduce, AllReduce, false, true),
+            (AllReduce, AllReduce, Some(false), true),
             // Horovod averages in the optimizer's step, unless clipping needs the average first.
-            (GradientCollective::None, AllReduce, false, false),
-            (ReduceScatter, ReduceScatter, false, true),
-            (ReduceScatter, ReduceScatter, false, true),
-            (ReduceScatter, ReduceScatter, true, true),
-            (GradientCollective::None, GradientCollective::None, false, false),
+            (GradientCollective::None, AllReduce, Some(false), false),
+            (ReduceScatter, ReduceScatter, Some(false), true),
+            (ReduceScatter, ReduceScatter, Some(false), true),
+            (ReduceScatter, ReduceScatter, Some(true), true),
+            // HSDP needs shard groups, which a job of one rank has not (an error, not a fallback).
+            (ReduceScatter, ReduceScatter, None, false),
+            (GradientCollective::None, GradientCollective::None, Some(false), false),
         ];
+        let world = crate::comm::ProcessGroup::single();
         for (style, (plain, clipped, shards, stages)) in STYLES.into_iter().zip(expected) {
             let strategy = style.strategy();
             assert_eq!((strategy.gradient_collective(false), strategy.gradient_collective(true)), (plain, clipped), "{style:?}");
-            assert_eq!(strategy.shards_parameters(), shards, "{style:?}");
+            let replication = Replication { group: &world, averager: GradientAverager::new(1 << 20, false), strategy, shard_groups: None };
+            let named = vec![("w".to_string(), Tensor::ones([3], (tch::Kind::Float, tch::Device::Cpu)).set_requires_grad(true))];
+            let sharded = strategy.shard_parameters(&replication, named, &|_| Ok(0));
+            assert_eq!(sharded.as_ref().ok().map(Option::is_some), shards, "{style:?}");
             assert_eq!(strategy.check_stages().is_ok(), stages, "{style:?}");
             let apart = (style == GradientSync::ParameterServer).then_some("--strategy parameter-server");
             assert_eq!(strategy.steps_apart(), apart, "{style:?}");

@@ -185,4 +185,8 @@ impl ParameterBlock for Shards<'_> {
     fn load_block(&self, block: &Tensor) -> Result<()> {
         Shards::load_block(self, block)
     }
+
+    fn writes_block(&self) -> bool {
+        Shards::writes_block(self)
+    }
 }

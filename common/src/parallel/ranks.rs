@@ -3,18 +3,20 @@
 //! ([`Parallel`]).
 use super::{DataParallelPlan, Strategy};
 use crate::comm::data_parallel::GradientAverager;
-use crate::comm::layout::Groups;
+use crate::comm::layout::{Groups, ShardGroups};
 use crate::comm::tensor_parallel::{SplitOf, TensorShards};
 use crate::comm::ProcessGroup;
 
 /// How the replicas of a data-parallel job keep their gradients equal: the group of ranks
-/// holding the same variables, the bucketed averager (`--bucket-mb`, `--fp16-allreduce`) and
-/// the strategy that averages.
+/// holding the same variables, the bucketed averager (`--bucket-mb`, `--fp16-allreduce`), the
+/// strategy that averages, and the replicas' shard groups where the mesh groups them
+/// (`--shard-group`, for HSDP).
 #[derive(Clone, Copy)]
 pub struct Replication<'g> {
     pub group: &'g ProcessGroup,
     pub averager: GradientAverager,
     pub strategy: &'static dyn Strategy,
+    pub shard_groups: Option<ShardGroups<'g>>,
 }
 
 /// Who a step's rank works with: its place in the job's mesh ([`Groups`]) seen from one step.
@@ -41,7 +43,7 @@ impl<'g> Parallel<'g> {
     /// the one place a step learns who it works with.
     pub fn of(groups: &'g Groups<'g>, dp: DataParallelPlan, split_of: SplitOf) -> Parallel<'g> {
         Parallel {
-            replicas: groups.dp().map(|group| Replication { group, averager: dp.averager, strategy: dp.sync.strategy() }),
+            replicas: groups.dp().map(|group| Replication { group, averager: dp.averager, strategy: dp.sync.strategy(), shard_groups: groups.shard_groups() }),
             model: groups.model(),
             world: Some(groups.world),
             replica: groups.coords.replica,

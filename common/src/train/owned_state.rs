@@ -3,9 +3,10 @@
 //!
 //! A rank's tensors are regions of the whole model's: a tensor-parallel shard's cut of each
 //! variable, ZeRO's block a flat range of each parameter's (cut), both under their whole-model
-//! names. Each element of the model state is written by exactly one rank: a replica's own ZeRO
-//! share by that replica, everything else by replica 0; a tensor every tensor-parallel shard
-//! holds whole (a layer norm, a step count) by shard 0. Reading asks the checkpoint for the same
+//! names. Each element of the model state is written by exactly one rank: a ZeRO block by the
+//! rank the strategy names (each replica its own; with HSDP the first shard group's),
+//! everything else by replica 0; a tensor every tensor-parallel shard holds whole (a layer norm,
+//! a step count) by shard 0. Reading asks the checkpoint for the same
 //! regions of this run's layout, whatever the layout that wrote it.
 use std::collections::{BTreeSet, HashMap, HashSet};
 
@@ -42,10 +43,10 @@ impl<'s> Place<'s> {
         self.cut.map_or(Ok(Region::WHOLE), |cut| cut.region(name, dims))
     }
 
-    /// Whether this rank writes its piece of `region`: `own_share` for a ZeRO replica's share,
-    /// which no other rank holds.
-    fn writes(&self, region: Region, own_share: bool) -> bool {
-        (own_share || self.first_replica) && (region.cut.is_some() || self.first_shard)
+    /// Whether this rank writes its piece of `region`: replica 0 does, unless the piece is of a
+    /// ZeRO block, which `block_writer` says (whether the strategy has this rank write it).
+    fn writes(&self, region: Region, block_writer: Option<bool>) -> bool {
+        block_writer.unwrap_or(self.first_replica) && (region.cut.is_some() || self.first_shard)
     }
 }
 
@@ -65,31 +66,31 @@ pub(crate) fn owned_pieces(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer) 
     let mut pieces = Vec::new();
     for (name, t) in step.named_variables() {
         let region = place.region(&name, t.dim())?;
-        if !in_block.contains(&name) && place.writes(region, false) {
+        if !in_block.contains(&name) && place.writes(region, None) {
             pieces.push(Piece::model(&name, region.whole_shape(&t.size()), region, t.detach()));
         }
     }
     if let Some(shards) = zero3 {
-        pieces.extend(block_pieces(&place, &shards.layout(), &shards.block(), &|name| format!("{MODEL}{name}"))?);
+        pieces.extend(block_pieces(&place, &shards.layout(), &shards.block(), shards.writes_block(), &|name| format!("{MODEL}{name}"))?);
     }
-    match optimizer.sharded().and_then(|s| s.block_layout()) {
-        Some(layout) => {
+    match optimizer.sharded().and_then(|s| Some((s.block_layout()?, s.writes_block()))) {
+        Some((layout, writes_block)) => {
             for (key, block) in optimizer.state_tensors() {
                 let entry = key.strip_suffix(&format!(".{BLOCK_NAME}")).unwrap_or(&key).to_string();
                 if block.dim() == 0 {
                     // A count (Adam's steps), the same for every parameter: under each one's name.
-                    for (name, _) in layout.params.iter().filter(|_| place.writes(Region::WHOLE, false)) {
+                    for (name, _) in layout.params.iter().filter(|_| place.writes(Region::WHOLE, None)) {
                         pieces.push(Piece::state(&format!("{entry}.{name}"), Vec::new(), Region::WHOLE, block.detach()));
                     }
                     continue;
                 }
-                pieces.extend(block_pieces(&place, &layout, &block, &|name| format!("{OPTIM}{entry}.{name}"))?);
+                pieces.extend(block_pieces(&place, &layout, &block, writes_block, &|name| format!("{OPTIM}{entry}.{name}"))?);
             }
         }
         None => {
             for (key, t) in optimizer.state_tensors() {
                 let region = place.region(&key, t.dim())?;
-                if place.writes(region, false) {
+                if place.writes(region, None) {
                     pieces.push(Piece::state(&key, region.whole_shape(&t.size()), region, t.detach()));
                 }
             }
@@ -98,14 +99,15 @@ pub(crate) fn owned_pieces(step: &dyn TrainStep<'_>, optimizer: &dyn Optimizer) 
     Ok(pieces)
 }
 
-/// The spans of a ZeRO `block` as pieces of the tensors `key_of(parameter)`.
-fn block_pieces(place: &Place, layout: &BlockLayout, block: &Tensor, key_of: &dyn Fn(&str) -> String) -> Result<Vec<Piece>> {
+/// The spans of a ZeRO `block` as pieces of the tensors `key_of(parameter)`, where this rank
+/// writes the block (`writes_block`).
+fn block_pieces(place: &Place, layout: &BlockLayout, block: &Tensor, writes_block: bool, key_of: &dyn Fn(&str) -> String) -> Result<Vec<Piece>> {
     let mut pieces = Vec::new();
     for span in &layout.spans {
         let (name, shape) = &layout.params[span.param];
         let cut = place.region(name, shape.len())?;
         let region = cut.flat(span.start, span.len);
-        if place.writes(region, true) {
+        if place.writes(region, Some(writes_block)) {
             let tensor = block.narrow(0, span.offset, span.len);
             pieces.push(Piece { key: key_of(name), shape: cut.whole_shape(shape), region, tensor });
         }

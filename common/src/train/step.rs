@@ -164,6 +164,9 @@ pub trait ParameterBlock {
     fn layout(&self) -> BlockLayout;
     fn block(&self) -> Tensor;
     fn load_block(&self, block: &Tensor) -> Result<()>;
+    /// Whether checkpoints take this rank's block: false where another rank holds the same
+    /// block and writes it (HSDP's other shard groups).
+    fn writes_block(&self) -> bool;
 }
 
 /// What keeps a step's part of the model consistent with the ranks that replicate it or hold

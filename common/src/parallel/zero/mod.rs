@@ -26,7 +26,9 @@
 //! parameter, as an unsharded optimizer does, and [`Optimizer::load_state_tensors`] takes such a
 //! whole state and keeps this rank's block. A run resumes on any number of ranks, with or
 //! without ZeRO, at any stage.
+mod hsdp;
 mod strategy;
+pub(crate) use hsdp::Hsdp;
 pub(crate) use strategy::Zero;
 
 use std::cell::RefCell;
@@ -205,7 +207,11 @@ struct Reduction {
 /// parameters part by part.
 pub struct Shards<'g> {
     stage: ZeroStage,
+    /// The ranks the state is sharded over.
     group: &'g ProcessGroup,
+    /// HSDP: the ranks holding the same block in the other shard groups (their block gradients
+    /// are averaged with this rank's).
+    replicate: Option<&'g ProcessGroup>,
     names: Vec<String>,
     params: Vec<Tensor>,
     buckets: Buckets,
@@ -226,6 +232,29 @@ impl<'g> Shards<'g> {
     pub fn new(
         stage: ZeroStage,
         group: &'g ProcessGroup,
+        named: Vec<(String, Tensor)>,
+        parts: Option<Vec<usize>>,
+        bucket_bytes: usize,
+    ) -> Result<Rc<Shards<'g>>> {
+        Self::build(stage, group, None, named, parts, bucket_bytes)
+    }
+
+    /// HSDP: stage 3 over `shard` (a shard group of replicas), each block's gradient averaged
+    /// with the same block's in the other shard groups (`replicate`) before the update.
+    pub fn hybrid(
+        shard: &'g ProcessGroup,
+        replicate: &'g ProcessGroup,
+        named: Vec<(String, Tensor)>,
+        parts: Vec<usize>,
+        bucket_bytes: usize,
+    ) -> Result<Rc<Shards<'g>>> {
+        Self::build(ZeroStage::Parameters, shard, Some(replicate), named, Some(parts), bucket_bytes)
+    }
+
+    fn build(
+        stage: ZeroStage,
+        group: &'g ProcessGroup,
+        replicate: Option<&'g ProcessGroup>,
         named: Vec<(String, Tensor)>,
         parts: Option<Vec<usize>>,
         bucket_bytes: usize,
@@ -273,6 +302,7 @@ impl<'g> Shards<'g> {
         let shards = Rc::new(Shards {
             stage,
             group,
+            replicate,
             names,
             params,
             buckets,
@@ -359,7 +389,11 @@ impl<'g> Shards<'g> {
                 self.reduce_bucket(b)?;
             }
         }
-        let grad = self.reduction.borrow_mut().grad.take().unwrap_or_else(|| self.block.zeros_like());
+        let mut grad = self.reduction.borrow_mut().grad.take().unwrap_or_else(|| self.block.zeros_like());
+        if let Some(replicate) = self.replicate {
+            // HSDP: the shard group's average, averaged over the groups: the whole average.
+            replicate.all_reduce(&mut grad, ReduceOp::Average)?;
+        }
         torch_ext::set_grad(&self.block, &grad)
     }
 
@@ -441,6 +475,12 @@ impl<'g> Shards<'g> {
     pub fn layout(&self) -> BlockLayout {
         let params = self.names.iter().zip(&self.params).map(|(n, p)| (n.clone(), p.size())).collect();
         BlockLayout { params, spans: self.buckets.spans(self.group.rank() as i64), len: self.buckets.block_len }
+    }
+
+    /// Whether checkpoints take this rank's block: every rank's but where other shard groups
+    /// hold copies of it (HSDP), the first group's.
+    pub fn writes_block(&self) -> bool {
+        self.replicate.is_none_or(|group| group.rank() == 0)
     }
 
     /// This rank's block of the parameters (stage 3: the parameters themselves).
@@ -654,6 +694,14 @@ impl Sharded for ZeroOptimizer<'_> {
 
     fn block_layout(&self) -> Option<BlockLayout> {
         Some(self.shards.layout())
+    }
+
+    fn writes_block(&self) -> bool {
+        self.shards.writes_block()
+    }
+
+    fn shard_count(&self) -> usize {
+        self.shards.group.world_size()
     }
 
     /// From stage 2, the block's gradient (the whole gradients are freed).

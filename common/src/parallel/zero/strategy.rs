@@ -18,9 +18,18 @@ impl Strategy for Zero {
         GradientSync::Zero(self.0)
     }
 
-    fn shards_parameters(&self) -> bool {
+    fn shard_parameters<'g>(
+        &self,
+        replication: &Replication<'g>,
+        named: Vec<(String, Tensor)>,
+        part_of: &dyn Fn(&str) -> Result<usize>,
+    ) -> Result<Option<Rc<Shards<'g>>>> {
+        if self.0 != ZeroStage::Parameters {
+            return Ok(None);
+        }
         // FSDP: the parameters sharded over the replicas from the start.
-        self.0 == ZeroStage::Parameters
+        let parts = named.iter().map(|(name, _)| part_of(name)).collect::<Result<_>>()?;
+        Ok(Some(Shards::new(ZeroStage::Parameters, replication.group, named, Some(parts), replication.averager.bucket_bytes)?))
     }
 
     fn optimizer<'g: 'o, 'o>(

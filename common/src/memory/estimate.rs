@@ -278,7 +278,11 @@ impl TransformerJob {
         // Gradients are there during the passes when earlier micro-batches' backward passes
         // made them (1F1B's steady state, accumulation); GPipe and a single batch reach their
         // activation peak before the first backward pass.
-        let gradients_during = if self.accumulate > 1 || (held < self.chunks * stages.len() && self.placement.stages() > 1) { gradients } else { 0.0 };
+        // ZeRO-2 and -3 add each bucket's reduced slice to the block's gradient as the backward
+        // pass goes: the block's gradient is there while the earlier layers' activations are.
+        let sharded_during = matches!(self.zero, Some(ZeroStage::Gradients | ZeroStage::Parameters));
+        let gradients_during =
+            if sharded_during || self.accumulate > 1 || (held < self.chunks * stages.len() && self.placement.stages() > 1) { gradients } else { 0.0 };
         let saved = if self.checkpoint_activations { activations_recomputed.unwrap_or(activations) } else { activations };
         // The update: the gradients averaged over the replicas (their buffers), then the
         // largest parameter's temporaries in the optimizer, beside the whole state.

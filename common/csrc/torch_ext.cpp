@@ -106,6 +106,75 @@ struct CollectiveInForward : public torch::autograd::Function<CollectiveInForwar
   }
 };
 
+// A collective the Rust side runs on `input` into a new tensor of another shape (an all-gather
+// or a reduce-scatter along the sequence, over the tensor-parallel group that `context` names):
+// 0 with `*output` set (a tensor the caller takes and frees), or non-zero with a message.
+typedef int (*torch_ext_transform)(void* context, const at::Tensor* input, at::Tensor** output, char* message, size_t size);
+
+at::Tensor run_transform(int64_t transform, int64_t context, const at::Tensor& input) {
+  char message[2048] = {0};
+  at::Tensor* output = nullptr;
+  auto run = reinterpret_cast<torch_ext_transform>(transform);
+  int failed = run(reinterpret_cast<void*>(context), &input, &output, message, sizeof message);
+  if (failed != 0 || output == nullptr) {
+    delete output;
+    throw std::runtime_error(message[0] ? message : "sequence-parallel collective failed");
+  }
+  at::Tensor result = std::move(*output);
+  delete output;
+  return result;
+}
+
+// Megatron-LM's sequence-parallel regions: `forward` on the input (the reduce-scatter that ends a
+// row-parallel layer, the all-gather before the output layer), `backward` on the gradient (the
+// other one of the two).
+struct TransformPair : public torch::autograd::Function<TransformPair> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, int64_t forward_transform,
+                            int64_t backward_transform, int64_t context) {
+    ctx->saved_data["backward"] = backward_transform;
+    ctx->saved_data["context"] = context;
+    return run_transform(forward_transform, context, input.contiguous());
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    at::Tensor grad = run_transform(ctx->saved_data["backward"].toInt(), ctx->saved_data["context"].toInt(), grads[0].contiguous());
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// A column-parallel linear layer whose input is cut along the sequence (Megatron-LM's
+// `LinearWithGradAccumulationAndAsyncCommunication` with sequence parallelism): the input
+// all-gathered (`gather`) and multiplied; only this rank's rows are kept for the backward pass,
+// which gathers them again for the weight's gradient and reduce-scatters (`scatter`) the input's.
+struct GatheredLinear : public torch::autograd::Function<GatheredLinear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
+                            const at::Tensor& bias, int64_t gather, int64_t scatter, int64_t context) {
+    at::Tensor local = input.contiguous();
+    ctx->save_for_backward({local, weight});
+    ctx->saved_data["gather"] = gather;
+    ctx->saved_data["scatter"] = scatter;
+    ctx->saved_data["context"] = context;
+    ctx->saved_data["bias"] = bias.defined();
+    return at::linear(run_transform(gather, context, local), weight, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& local = saved[0];
+    const at::Tensor& weight = saved[1];
+    int64_t context = ctx->saved_data["context"].toInt();
+    at::Tensor grad = grads[0].contiguous();
+    at::Tensor whole = run_transform(ctx->saved_data["gather"].toInt(), context, local);
+    at::Tensor grad_input = run_transform(ctx->saved_data["scatter"].toInt(), context, grad.matmul(weight).contiguous());
+    at::Tensor grad_2d = grad.reshape({-1, grad.size(-1)});
+    at::Tensor grad_weight = grad_2d.t().mm(whole.reshape({-1, whole.size(-1)}));
+    at::Tensor grad_bias = ctx->saved_data["bias"].toBool() ? grad_2d.sum(0) : at::Tensor();
+    return {grad_input, grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 // A callback the Rust side runs for item `index` of what `context` names (a parameter whose
 // gradient is ready, a layer whose backward pass starts): 0, or non-zero with a message.
 typedef int (*torch_ext_notify)(void* context, int64_t index, char* message, size_t size);
@@ -318,6 +387,26 @@ at::Tensor* torch_ext_collective_in_backward(const at::Tensor* input, torch_ext_
 at::Tensor* torch_ext_collective_in_forward(const at::Tensor* input, torch_ext_collective collective, void* context) {
   return protect([&] {
     return CollectiveInForward::apply(*input, reinterpret_cast<int64_t>(collective), reinterpret_cast<int64_t>(context));
+  });
+}
+
+// `input` through a sequence-parallel region: `forward` on it now, `backward` on its gradient.
+// `context` must stay valid until that backward pass ran.
+at::Tensor* torch_ext_transform_pair(const at::Tensor* input, torch_ext_transform forward, torch_ext_transform backward,
+                                     void* context) {
+  return protect([&] {
+    return TransformPair::apply(*input, reinterpret_cast<int64_t>(forward), reinterpret_cast<int64_t>(backward),
+                                reinterpret_cast<int64_t>(context));
+  });
+}
+
+// `input · weightᵀ + bias` with `input` gathered along the sequence (`gather`), keeping only this
+// rank's rows for the backward pass (see GatheredLinear). `bias` may be null.
+at::Tensor* torch_ext_gathered_linear(const at::Tensor* input, const at::Tensor* weight, const at::Tensor* bias,
+                                      torch_ext_transform gather, torch_ext_transform scatter, void* context) {
+  return protect([&] {
+    return GatheredLinear::apply(*input, *weight, bias ? *bias : at::Tensor(), reinterpret_cast<int64_t>(gather),
+                                 reinterpret_cast<int64_t>(scatter), reinterpret_cast<int64_t>(context));
   });
 }
 

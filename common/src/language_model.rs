@@ -81,6 +81,15 @@ pub struct LmArgs {
     #[arg(long)]
     #[arg(help_heading = "Parallelism")]
     pub tp: Option<usize>,
+    /// With --tp N: sequence parallelism (Korthikanti et al. 2022, Megatron-LM's): between the
+    /// tensor-parallel layers each shard holds 1/N of the sequence, so the layer norms and
+    /// dropouts, and what they save for the backward pass, take 1/N of the memory; each
+    /// all-reduce becomes a reduce-scatter and an all-gather (the same bytes). A sequence is
+    /// padded at its end to a multiple of N (later positions: the causal model's earlier ones
+    /// do not see them).
+    #[arg(long)]
+    #[arg(help_heading = "Parallelism")]
+    pub sequence_parallel: bool,
 }
 
 /// exercise3 pipeline's and exercise3 tp's flags: exercise1_nlp's, plus the model-parallel ones.
@@ -446,11 +455,18 @@ impl Experiment for LmExperiment<'_> {
             observers.info(format!("--pad-vocab {multiple}: the vocabulary of {vocab} words padded to {ntoken}"))?;
         }
         let init = self.preset.recipe_for(&self.args.recipe).output_init;
+        let sequence_parallel = self.args.sequence_parallel;
+        if sequence_parallel && groups.layout.tp < 2 {
+            return usage(format!(
+                "--sequence-parallel cuts the sequence over the tensor-parallel shards of a layer: it needs --tp 2 or more (this job's layout is {})",
+                groups.layout.describe()
+            ));
+        }
         let Some(pipeline) = self.pipeline else {
             // --tp, even 1: the model of tensor-parallel layers, one stage cut over the shards,
             // its dropout masks keyed so that N shards train what one rank trains.
             let pipeline = self.args.tp.map(|_| PipelinePlan::single_stage(config.nlayers)).transpose()?;
-            return Ok(TransformerPlan { config, pipeline, init });
+            return Ok(TransformerPlan { config, pipeline, init, sequence_parallel });
         };
         // Stages as threads of this process: exercise3 pipeline started alone.
         let in_process = groups.world.world_size() == 1 && self.preset.parallelism == ModelParallelism::Pipeline;
@@ -469,7 +485,7 @@ impl Experiment for LmExperiment<'_> {
             checkpoint_activations: pipeline.checkpoint_activations,
             threads_per_stage,
         };
-        Ok(TransformerPlan { config, pipeline: Some(PipelinePlan { partition, options, devices }), init })
+        Ok(TransformerPlan { config, pipeline: Some(PipelinePlan { partition, options, devices }), init, sequence_parallel })
     }
 
     fn describe(&self, plan: &TransformerPlan, step: &dyn TrainStep<'_>, groups: &Groups, device: Device, observers: &mut Observers) -> Result<()> {

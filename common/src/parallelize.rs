@@ -51,12 +51,14 @@ pub struct ImagePlan {
 }
 
 /// The Transformer language model, whole, cut into pipeline stages, or into tensor-parallel
-/// shards of one stage, its output layer initialised as `init` says.
+/// shards of one stage, its output layer initialised as `init` says; its tensor-parallel layers
+/// with sequence parallelism where `sequence_parallel` says.
 #[derive(Debug, Clone)]
 pub struct TransformerPlan {
     pub config: TransformerConfig,
     pub pipeline: Option<PipelinePlan>,
     pub init: OutputInit,
+    pub sequence_parallel: bool,
 }
 
 /// How the Transformer is cut into stages.
@@ -192,7 +194,14 @@ impl Parallelize for TransformerPlan {
                 placement.check_layers(config.nlayers)?;
                 let mine = placement
                     .stages_of(groups.coords.stage)
-                    .map(|s| Stage::new_sharded(config, s, stages, plan.partition.layers[s].clone(), device, seed, groups.shard()))
+                    .map(|s| {
+                        let stage = Stage::new_sharded(config, s, stages, plan.partition.layers[s].clone(), device, seed, groups.shard())?;
+                        if self.sequence_parallel {
+                            stage.sequence_parallel()
+                        } else {
+                            Ok(stage)
+                        }
+                    })
                     .collect::<Result<_, _>>()?;
                 Box::new(StageProcess::new(groups, mine, plan.options, dp)?)
             }

@@ -68,6 +68,15 @@ mod ffi {
         pub fn torch_ext_set_grad(param: *mut C_tensor, grad: *const C_tensor) -> i32;
         pub fn torch_ext_collective_in_backward(input: *const C_tensor, collective: Collective, context: *mut c_void) -> *mut C_tensor;
         pub fn torch_ext_collective_in_forward(input: *const C_tensor, collective: Collective, context: *mut c_void) -> *mut C_tensor;
+        pub fn torch_ext_transform_pair(input: *const C_tensor, forward: Transform, backward: Transform, context: *mut c_void) -> *mut C_tensor;
+        pub fn torch_ext_gathered_linear(
+            input: *const C_tensor,
+            weight: *const C_tensor,
+            bias: *const C_tensor,
+            gather: Transform,
+            scatter: Transform,
+            context: *mut c_void,
+        ) -> *mut C_tensor;
         pub fn torch_ext_set_grad_ready_hook(param: *const C_tensor, notify: Notify, context: *mut c_void, index: i64) -> i32;
         pub fn torch_ext_clear_grad_ready_hook(param: *const C_tensor) -> i32;
         pub fn torch_ext_clear_grad(param: *mut C_tensor) -> i32;
@@ -96,6 +105,11 @@ mod ffi {
     /// A collective run in place on `tensor` for [`super::collective_in_backward`]: 0, or
     /// non-zero with a message written into `message` (at most `size` bytes, NUL-terminated).
     pub type Collective = unsafe extern "C" fn(context: *mut c_void, tensor: *mut C_tensor, message: *mut u8, size: usize) -> i32;
+
+    /// A collective from `input` into a new tensor, `*output` (which the shim takes and frees),
+    /// for [`super::transform_pair`] and [`super::gathered_linear`]: 0, or non-zero with a
+    /// message written into `message` (at most `size` bytes, NUL-terminated).
+    pub type Transform = unsafe extern "C" fn(context: *mut c_void, input: *const C_tensor, output: *mut *mut C_tensor, message: *mut u8, size: usize) -> i32;
 }
 
 /// The pointers of `tensors`, for a list argument of the shim.
@@ -370,7 +384,35 @@ pub unsafe fn collective_in_forward(input: &Tensor, collective: ffi::Collective,
     tensor(ffi::torch_ext_collective_in_forward(input.as_ptr(), collective, context), "g (collective forward, identity backward)")
 }
 
-pub use ffi::{Collective, Notify};
+/// `forward` run on `input` now, `backward` on its gradient in the backward pass (Megatron's
+/// sequence-parallel regions: a reduce-scatter and an all-gather along the sequence).
+///
+/// # Safety
+/// `context` must be valid for `forward` during the call and for `backward` until the backward
+/// pass ran (or the graph was dropped without one).
+pub unsafe fn transform_pair(input: &Tensor, forward: ffi::Transform, backward: ffi::Transform, context: *mut c_void) -> Result<Tensor> {
+    tensor(ffi::torch_ext_transform_pair(input.as_ptr(), forward, backward, context), "a sequence-parallel region")
+}
+
+/// `input` gathered by `gather`, times `weight`ᵀ, plus `bias`, keeping only `input` for the
+/// backward pass, which gathers it again and hands the input's gradient to `scatter`
+/// (Megatron's column-parallel layer under sequence parallelism).
+///
+/// # Safety
+/// As [`transform_pair`], for `gather` and `scatter`.
+pub unsafe fn gathered_linear(
+    input: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    gather: ffi::Transform,
+    scatter: ffi::Transform,
+    context: *mut c_void,
+) -> Result<Tensor> {
+    let bias = bias.map_or(std::ptr::null(), Tensor::as_ptr);
+    tensor(ffi::torch_ext_gathered_linear(input.as_ptr(), weight.as_ptr(), bias, gather, scatter, context), "a sequence-parallel linear layer")
+}
+
+pub use ffi::{Collective, Notify, Transform};
 
 /// Writes `error` into a callback's message buffer of `size` bytes (NUL-terminated, cut short
 /// where it does not fit) and returns the failure code the shim expects.

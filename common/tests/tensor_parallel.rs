@@ -3,6 +3,9 @@
 //! of the whole gradient) and, after five clipped SGD steps, parameters; with dropout, the same
 //! masks as one rank; exactly two all-reduces per layer forward and two backward; composed
 //! with pipeline stages and data-parallel replicas on 8 ranks (2 × 2 × 2); bad widths refused.
+//! The same with sequence parallelism (each shard its rows of the sequence between the layers;
+//! on 4 shards the 6-token sequences padded to 8): two all-gathers and two reduce-scatters per
+//! layer forward instead of the all-reduces.
 //!
 //! The multi-rank cases run this test binary's `rank_entry` under mpirun (see
 //! `support::ranks`).
@@ -37,18 +40,33 @@ fn rank_entry() {
     let Ok(scenario) = std::env::var(SCENARIO) else { return };
     tch::set_num_threads(1); // the ranks share the machine's cores
     let rank = match scenario.as_str() {
-        "tp2" | "tp4" => shards_train_the_unpartitioned_model(),
+        "tp2" | "tp4" => shards_train_the_unpartitioned_model(false),
+        "sp2" | "sp4" => shards_train_the_unpartitioned_model(true),
         "tp2_counts" => two_all_reduces_per_layer_each_way(),
-        "tp2_dropout" => dropout_masks_do_not_depend_on_the_shards(),
+        "sp2_counts" => sequence_parallel_layers_gather_and_scatter(),
+        "tp2_dropout" => dropout_masks_do_not_depend_on_the_shards(false),
+        "sp2_dropout" => dropout_masks_do_not_depend_on_the_shards(true),
         "three_d" => three_d_layout_trains_the_unpartitioned_model(),
         other => panic!("unknown scenario {other}"),
     };
     println!("scenario {scenario} passed on rank {rank}");
 }
 
-/// Every rank one shard of a 2-layer model (k = the world size): logits, then five steps of
-/// training with clipping, against the unpartitioned model.
-fn shards_train_the_unpartitioned_model() -> usize {
+/// Shard `shard` of stages `index` of `stages` (layers `layers`), with sequence parallelism
+/// where `sequence_parallel` says.
+fn stage(cfg: &TransformerConfig, index: usize, stages: usize, layers: std::ops::Range<i64>, shard: Shard, sequence_parallel: bool) -> Stage {
+    let stage = Stage::new_sharded(cfg, index, stages, layers, Device::Cpu, 1, shard).unwrap();
+    if sequence_parallel {
+        stage.sequence_parallel().unwrap()
+    } else {
+        stage
+    }
+}
+
+/// Every rank one shard of a 2-layer model (k = the world size), with or without sequence
+/// parallelism: logits, then five steps of training with clipping, against the unpartitioned
+/// model.
+fn shards_train_the_unpartitioned_model(sequence_parallel: bool) -> usize {
     let world = ProcessGroup::init(Backend::Auto).unwrap();
     let k = world.world_size();
     let groups = Groups::new(&world, Layout::new(k, 1, k, None).unwrap()).unwrap();
@@ -56,17 +74,20 @@ fn shards_train_the_unpartitioned_model() -> usize {
     let cfg = tp_config(2, 0.0);
     for chunks in [1, 2] {
         let (reference_vs, reference) = reference_model(&cfg);
-        let stage = Stage::new_sharded(&cfg, 0, 1, 0..2, Device::Cpu, 1, groups.shard()).unwrap();
+        let stage = stage(&cfg, 0, 1, 0..2, groups.shard(), sequence_parallel);
         stage.copy_from(&reference_vs).unwrap();
-        // The shard's logits are its words' slice of the whole model's.
+        // The shard's logits are its words' slice of the whole model's (those of the sequence's
+        // 6 positions: sequence parallelism over 4 shards pads it to 8).
         let (src, _) = batch(99, 6, 4);
         let expected = tch::no_grad(|| tch::nn::ModuleT::forward_t(&reference, &src, false));
         let logits = tch::no_grad(|| stage.forward_masked(&src, false, Masks::Shared, groups.tp()).unwrap());
+        assert_eq!(logits.size()[0], if sequence_parallel { (6 + k as i64 - 1) / k as i64 * k as i64 } else { 6 });
+        let logits = logits.narrow(0, 0, 6);
         let (start, len) = groups.shard().range(cfg.ntoken);
         let diff = relative_difference(&logits, &expected.narrow(2, start, len));
         assert!(diff <= 1e-5, "rank {}: logits differ by {diff:e}", world.rank());
         let mut process = StageProcess::new(&groups, vec![stage], options(Schedule::GPipe, chunks, false), ddp()).unwrap();
-        let what = format!("shard {} of {k}, {chunks} micro-batches", world.rank());
+        let what = format!("shard {} of {k}, {chunks} micro-batches, sequence parallel {sequence_parallel}", world.rank());
         assert_trains_like_unpartitioned(&mut process, &reference, &reference_vs, (0, 1), &what);
     }
     world.rank()
@@ -107,17 +128,54 @@ fn two_all_reduces_per_layer_each_way() -> usize {
     world.rank()
 }
 
+/// With sequence parallelism every layer adds two all-gathers and two reduce-scatters to the
+/// forward pass (instead of two all-reduces), and to the backward pass four all-gathers (the
+/// column-parallel layers gather their rows of the input again, the reduce-scatters' gradients)
+/// and two reduce-scatters, and one all-reduce: the gradients of the parameters every shard
+/// holds whole and applies to its rows (layer norms, row-parallel biases), summed in one.
+/// Besides the layers: the embedding's reduce-scatter, the output layer's all-gather and the
+/// loss's two all-reduces forward; the embedding's all-gather and the output layer's all-gather
+/// and reduce-scatter backward.
+fn sequence_parallel_layers_gather_and_scatter() -> usize {
+    let world = ProcessGroup::init(Backend::Auto).unwrap();
+    let groups = Groups::new(&world, Layout::new(2, 1, 2, None).unwrap()).unwrap();
+    let tp = groups.tp().unwrap();
+    let (src, targets) = batch(5, 6, 4);
+    let mut per_layers = Vec::new();
+    for layers in [1, 2, 3] {
+        let stage = stage(&tp_config(layers, 0.0), 0, 1, 0..layers, groups.shard(), true);
+        let mut loss = Tensor::new();
+        let forward = counted(tp, || {
+            let logits = stage.forward_masked(&src, true, Masks::Shared, Some(tp)).unwrap();
+            loss = stage.loss_and_hits(&logits, &targets, Some(tp), false).unwrap().0;
+        });
+        let backward = counted(tp, || loss.backward());
+        let l = layers as u64;
+        assert_eq!((forward.all_gather.calls, forward.reduce_scatter.calls, forward.all_reduce.calls), (2 * l + 1, 2 * l + 1, 2), "{layers} layers forward");
+        assert_eq!(
+            (backward.all_gather.calls, backward.reduce_scatter.calls, backward.all_reduce.calls),
+            (4 * l + 2, 2 * l + 1, l),
+            "{layers} layers backward"
+        );
+        // A sequence's rows move, not whole activations: the embedding's reduce-scatter hands
+        // over [6 × 4 × 16] floats and gets back a half of them.
+        per_layers.push(forward.reduce_scatter.bytes);
+    }
+    assert!(per_layers.windows(2).all(|w| w[1] > w[0]));
+    world.rank()
+}
+
 /// With dropout 0.2 at every site, two shards draw the masks one rank draws for the whole
-/// model (each keyed mask is drawn whole and cut to the shard's heads or hidden units): five
-/// steps' losses equal one process's.
-fn dropout_masks_do_not_depend_on_the_shards() -> usize {
+/// model (each keyed mask is drawn whole and cut to the shard's heads, hidden units or, with
+/// sequence parallelism, rows of the sequence): five steps' losses equal one process's.
+fn dropout_masks_do_not_depend_on_the_shards(sequence_parallel: bool) -> usize {
     let world = ProcessGroup::init(Backend::Auto).unwrap();
     let groups = Groups::new(&world, Layout::new(2, 1, 2, None).unwrap()).unwrap();
     let cfg = tp_config(2, 0.2);
     let (weights, _) = reference_model(&cfg);
     let one = Pipeline::new(&cfg, &Partition::even(2, 1).unwrap(), &[Device::Cpu], 1, options(Schedule::GPipe, 2, false)).unwrap();
     let mut one: Box<dyn TrainStep<'_>> = Box::new(one);
-    let stage = Stage::new_sharded(&cfg, 0, 1, 0..2, Device::Cpu, 1, groups.shard()).unwrap();
+    let stage = stage(&cfg, 0, 1, 0..2, groups.shard(), sequence_parallel);
     let mut sharded: Box<dyn TrainStep<'_>> = Box::new(StageProcess::new(&groups, vec![stage], options(Schedule::GPipe, 2, false), ddp()).unwrap());
     let mut losses = Vec::new();
     for trainer in [&mut one, &mut sharded] {
@@ -181,6 +239,22 @@ fn two_shards_train_the_unpartitioned_model() {
 #[test]
 fn four_shards_train_the_unpartitioned_model() {
     launch(Some(4), "tp4", &[], Duration::from_secs(180)).assert_passed("tp4", 4);
+}
+
+#[test]
+fn sequence_parallel_shards_train_the_unpartitioned_model() {
+    launch(Some(2), "sp2", &[], Duration::from_secs(120)).assert_passed("sp2", 2);
+    launch(Some(4), "sp4", &[], Duration::from_secs(180)).assert_passed("sp4", 4);
+}
+
+#[test]
+fn a_sequence_parallel_layer_gathers_and_scatters_instead_of_all_reducing() {
+    launch(Some(2), "sp2_counts", &[], Duration::from_secs(120)).assert_passed("sp2_counts", 2);
+}
+
+#[test]
+fn sequence_parallel_shards_draw_the_dropout_masks_of_one_rank() {
+    launch(Some(2), "sp2_dropout", &[], Duration::from_secs(120)).assert_passed("sp2_dropout", 2);
 }
 
 #[test]

@@ -216,6 +216,101 @@ pub fn reduce_from_shards(x: &Tensor, group: &ProcessGroup) -> Result<Tensor> {
     unsafe { torch_ext::collective_in_forward(x, all_reduce_sum, group as *const ProcessGroup as *mut c_void) }
 }
 
+/// Sequence parallelism (Korthikanti et al. 2022, Megatron-LM's `--sequence-parallel`): between
+/// the tensor-parallel layers each shard holds its rows of the sequence (dimension 0), so the
+/// layer norms, dropouts and residual additions work on 1/k of it; f and g become an all-gather
+/// before a column-parallel layer and a reduce-scatter after a row-parallel one, the same bytes
+/// as their all-reduce in two halves.
+///
+/// The shim's callback for a sequence-parallel region: `collective` over the group `context`
+/// points to, from `input` into a new tensor handed to the shim.
+unsafe fn sequence_collective(
+    context: *mut c_void,
+    input: *const C_tensor,
+    output: *mut *mut C_tensor,
+    message: *mut u8,
+    size: usize,
+    what: &str,
+    collective: fn(&ProcessGroup, &Tensor) -> Result<Tensor>,
+) -> i32 {
+    let outcome = std::panic::catch_unwind(|| {
+        // SAFETY: `context` is the `&ProcessGroup` given to the region, alive until the pass
+        // that uses it (see `gather_sequence`); `input` is a live at::Tensor for this call.
+        let group = unsafe { &*(context as *const ProcessGroup) };
+        collective(group, &unsafe { Tensor::clone_from_ptr(input as *mut C_tensor) })
+    });
+    let error = match outcome {
+        Ok(Ok(mut result)) => {
+            // SAFETY: the shim takes the at::Tensor (and frees it): not dropped here.
+            unsafe { *output = result.as_mut_ptr() };
+            std::mem::forget(result);
+            return 0;
+        }
+        Ok(Err(err)) => format!("{what}: {err:#}"),
+        Err(_) => format!("{what} panicked"),
+    };
+    // SAFETY: the C++ side passes a buffer of `size` bytes.
+    unsafe { torch_ext::report_callback_error(&error, message, size) }
+}
+
+/// Every shard's rows of `rows` (cut along dimension 0), in shard order.
+fn gather_rows(group: &ProcessGroup, rows: &Tensor) -> Result<Tensor> {
+    Ok(Tensor::cat(&group.all_gather(&rows.contiguous())?, 0))
+}
+
+/// This shard's rows of the sum of every shard's `whole` (a reduce-scatter along dimension 0,
+/// which the shards divide).
+fn scatter_rows(group: &ProcessGroup, whole: &Tensor) -> Result<Tensor> {
+    let mut shape = whole.size();
+    let k = group.world_size() as i64;
+    anyhow::ensure!(shape[0] % k == 0, "a sequence of {} cannot be cut into {k} equal parts", shape[0]);
+    shape[0] /= k;
+    Ok(group.reduce_scatter(&whole.contiguous().view([-1]), ReduceOp::Sum)?.view(shape.as_slice()))
+}
+
+unsafe extern "C" fn gather_rows_callback(context: *mut c_void, input: *const C_tensor, output: *mut *mut C_tensor, message: *mut u8, size: usize) -> i32 {
+    sequence_collective(context, input, output, message, size, "sequence-parallel all-gather", gather_rows)
+}
+
+unsafe extern "C" fn scatter_rows_callback(context: *mut c_void, input: *const C_tensor, output: *mut *mut C_tensor, message: *mut u8, size: usize) -> i32 {
+    sequence_collective(context, input, output, message, size, "sequence-parallel reduce-scatter", scatter_rows)
+}
+
+/// The whole sequence from every shard's rows of `x` (an all-gather); in the backward pass each
+/// shard's rows of the summed gradient (a reduce-scatter). Megatron's
+/// `gather_from_sequence_parallel_region`. The group must outlive the graph (as for
+/// [`copy_to_shards`]).
+pub fn gather_sequence(x: &Tensor, group: &ProcessGroup) -> Result<Tensor> {
+    if group.world_size() == 1 {
+        return Ok(x.shallow_clone());
+    }
+    // SAFETY: see above.
+    unsafe { torch_ext::transform_pair(x, gather_rows_callback, scatter_rows_callback, group as *const ProcessGroup as *mut c_void) }
+}
+
+/// This shard's rows of the sum of every shard's `x` (partial products of a row-parallel layer:
+/// a reduce-scatter); in the backward pass the whole gradient from every shard's rows (an
+/// all-gather). Megatron's `reduce_scatter_to_sequence_parallel_region`.
+pub fn scatter_sequence(x: &Tensor, group: &ProcessGroup) -> Result<Tensor> {
+    if group.world_size() == 1 {
+        return Ok(x.shallow_clone());
+    }
+    // SAFETY: as for `gather_sequence`.
+    unsafe { torch_ext::transform_pair(x, scatter_rows_callback, gather_rows_callback, group as *const ProcessGroup as *mut c_void) }
+}
+
+/// A column-parallel layer's output for this shard's rows `x` of the sequence: `x` gathered,
+/// times `weight`ᵀ, plus `bias`, with only `x` kept for the backward pass (gathered again there;
+/// the input's gradient reduce-scattered). Saving the gathered input instead would keep the
+/// whole sequence per layer and lose sequence parallelism's memory.
+pub fn gathered_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, group: &ProcessGroup) -> Result<Tensor> {
+    if group.world_size() == 1 {
+        return Ok(x.linear(weight, bias));
+    }
+    // SAFETY: as for `gather_sequence`.
+    unsafe { torch_ext::gathered_linear(x, weight, bias, gather_rows_callback, scatter_rows_callback, group as *const ProcessGroup as *mut c_void) }
+}
+
 /// The mean cross-entropy of logits whose vocabulary is cut over `group` (`logits`: this
 /// shard's `[.., V/k]`, words `shard.range(V)`) against `targets` (whole-vocabulary ids), and
 /// the number of targets that are the arg-max, without any rank holding the whole logits

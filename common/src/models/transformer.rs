@@ -76,12 +76,7 @@ struct Part {
 }
 
 impl Masks<'_> {
-    /// `xs` with dropout `p` applied in training mode (unchanged otherwise).
-    fn dropout(&self, xs: &Tensor, p: f64, train: bool, site: Site) -> Tensor {
-        self.dropout_part(xs, p, train, site, None)
-    }
-
-    /// [`Masks::dropout`] of `xs`, which is `part` of a larger tensor (a tensor-parallel shard's
+    /// `xs` with dropout `p` applied in training mode (unchanged otherwise); `xs` is `part` of a larger tensor (a tensor-parallel shard's
     /// heads or hidden units): keyed masks are drawn for the whole tensor and cut to the part,
     /// so every layout drops the same units as the unpartitioned model.
     fn dropout_part(&self, xs: &Tensor, p: f64, train: bool, site: Site, part: Option<Part>) -> Tensor {
@@ -107,17 +102,72 @@ impl Masks<'_> {
     }
 }
 
-/// Megatron's f on `xs` where the layer is sharded over `group` (identity otherwise).
-fn f(xs: &Tensor, group: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
-    group.map_or_else(|| Ok(xs.shallow_clone()), |group| tp::copy_to_shards(xs, group))
+/// How a layer's shard talks to the other shards of its layer (Megatron's f and g), the
+/// activations between the tensor-parallel layers whole on every shard, or with sequence
+/// parallelism each shard's rows of the sequence (dimension 0).
+#[derive(Clone, Copy)]
+enum Talk<'a> {
+    /// A whole layer.
+    Alone,
+    /// Tensor parallelism: f before a column-parallel layer (identity; gradients all-reduced),
+    /// g after a row-parallel one (all-reduce).
+    Tensor(&'a ProcessGroup),
+    /// Sequence parallelism: an all-gather of the rows before a column-parallel layer, a
+    /// reduce-scatter into rows after a row-parallel one ([`tp::gathered_linear`],
+    /// [`tp::scatter_sequence`]).
+    Sequence(&'a ProcessGroup),
 }
 
-/// A row-parallel linear layer's output: `xs · weightᵀ` summed over the shards (Megatron's g),
-/// then the bias, which every shard holds whole. Unsharded: the one fused `linear`, as torch.
-fn row_parallel(xs: &Tensor, weight: &Tensor, bias: &Tensor, group: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
-    match group {
-        None => Ok(xs.linear(weight, Some(bias))),
-        Some(group) => Ok(tp::reduce_from_shards(&xs.linear(weight, None::<&Tensor>), group)? + bias),
+impl<'a> Talk<'a> {
+    /// How a layer of `shard` talks over `group` (which must then be the shards'), cutting the
+    /// sequence where `sequence_parallel` says.
+    fn of(shard: Shard, sequence_parallel: bool, group: Option<&'a ProcessGroup>) -> anyhow::Result<Talk<'a>> {
+        Ok(match shard_group(shard, group)? {
+            None => Talk::Alone,
+            Some(group) if sequence_parallel => Talk::Sequence(group),
+            Some(group) => Talk::Tensor(group),
+        })
+    }
+
+    /// A column-parallel layer's output for `xs`: `xs · weightᵀ + bias` of this shard's rows of
+    /// the weight, for the whole sequence. Unsharded: the one fused `linear`, as torch.
+    fn column(self, xs: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> anyhow::Result<Tensor> {
+        match self {
+            Talk::Alone => Ok(xs.linear(weight, bias)),
+            Talk::Tensor(group) => Ok(tp::copy_to_shards(xs, group)?.linear(weight, bias)),
+            Talk::Sequence(group) => tp::gathered_linear(xs, weight, bias, group),
+        }
+    }
+
+    /// A row-parallel layer's output: `xs · weightᵀ` summed over the shards (g), or this shard's
+    /// rows of that sum, then `bias`, which every shard holds whole (as [`Self::whole`] gives it).
+    fn row(self, xs: &Tensor, weight: &Tensor, bias: &Tensor) -> anyhow::Result<Tensor> {
+        match self {
+            Talk::Alone => Ok(xs.linear(weight, Some(bias))),
+            Talk::Tensor(group) => Ok(tp::reduce_from_shards(&xs.linear(weight, None::<&Tensor>), group)? + bias),
+            Talk::Sequence(group) => Ok(tp::scatter_sequence(&xs.linear(weight, None::<&Tensor>), group)? + bias),
+        }
+    }
+
+    /// The parameters every shard holds whole, as this shard uses them: under sequence
+    /// parallelism on its rows only, so their gradients are summed over the shards (Megatron's
+    /// all-reduce of the sequence-parallel parameters' gradients: one f over all of them).
+    fn whole<const N: usize>(self, parameters: [&Tensor; N]) -> anyhow::Result<[Tensor; N]> {
+        let Talk::Sequence(group) = self else { return Ok(parameters.map(Tensor::shallow_clone)) };
+        let flat: Vec<Tensor> = parameters.iter().map(|p| p.reshape([-1])).collect();
+        let summed = tp::copy_to_shards(&Tensor::cat(&flat, 0), group)?;
+        let sizes: Vec<i64> = parameters.iter().map(|p| p.numel() as i64).collect();
+        let parts = summed.split_with_sizes(sizes.as_slice(), 0);
+        Ok(std::array::from_fn(|i| parts[i].view(parameters[i].size().as_slice())))
+    }
+
+    /// Which part of the whole sequence's activations `xs` is, for a dropout mask: this shard's
+    /// rows under sequence parallelism (none otherwise: `xs` is whole).
+    fn rows(self, xs: &Tensor, shard: Shard) -> Option<Part> {
+        match self {
+            Talk::Sequence(_) => Some(Part { dim: 0, whole: xs.size()[0] * shard.count as i64, shard }),
+            _ => None,
+        }
     }
 }
 
@@ -129,6 +179,12 @@ fn shard_group(shard: Shard, group: Option<&ProcessGroup>) -> anyhow::Result<Opt
         (false, Some(group)) if group.world_size() == shard.count && group.rank() == shard.index => Ok(Some(group)),
         (false, _) => anyhow::bail!("shard {} of {} of a layer run without its tensor-parallel group of {} ranks", shard.index, shard.count, shard.count),
     }
+}
+
+/// `nn.LayerNorm(d)` with `weight` and `bias` over the last dimension of `xs`, as
+/// `nn::LayerNorm`'s forward calls it.
+fn layer_norm(xs: &Tensor, weight: &Tensor, bias: &Tensor) -> Tensor {
+    xs.layer_norm([*xs.size().last().expect("a width")], Some(weight), Some(bias), LAYER_NORM_EPS, true)
 }
 
 /// Longest sequence the positional encoding covers (the tutorial's `max_len`).
@@ -287,18 +343,15 @@ impl SelfAttention {
     /// `[seq, batch, d]` → `[seq, batch, d]`: position `t` attends to positions `≤ t`; layer
     /// `layer`'s attention weights dropped in training as `masks` says. A shard computes its
     /// heads and sums its part of the output projection with the others' over `group`.
-    fn forward_t(&self, xs: &Tensor, train: bool, masks: Masks, layer: i64, group: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
-        let (seq, batch, d) = xs.size3().expect("attention input must be [seq, batch, d]");
+    fn forward_t(&self, xs: &Tensor, train: bool, masks: Masks, layer: i64, talk: Talk, out_bias: &Tensor) -> anyhow::Result<Tensor> {
+        let (_, batch, d) = xs.size3().expect("attention input must be [seq, batch, d]");
         let head_dim = d / self.nhead;
         let (nhead, local) = (self.nhead / self.shard.count as i64, d / self.shard.count as i64);
-        // `_in_projection_packed`: one projection, split into q, k and v by a contiguous copy.
-        let qkv = f(xs, group)?
-            .linear(&self.in_proj_weight, Some(&self.in_proj_bias))
-            .unflatten(-1, [3, local])
-            .unsqueeze(0)
-            .transpose(0, -2)
-            .squeeze_dim(-2)
-            .contiguous();
+        // `_in_projection_packed`: one projection, split into q, k and v by a contiguous copy
+        // (of the whole sequence, also where `xs` is this shard's rows of it).
+        let projected = talk.column(xs, &self.in_proj_weight, Some(&self.in_proj_bias))?;
+        let seq = projected.size()[0];
+        let qkv = projected.unflatten(-1, [3, local]).unsqueeze(0).transpose(0, -2).squeeze_dim(-2).contiguous();
         // [seq, batch, d] → [batch, nhead, seq, head_dim] through the same (strided) views as
         // `multi_head_attention_forward`; the strides decide which attention kernel runs.
         let heads = |t: Tensor| t.view([seq, batch * nhead, head_dim]).transpose(0, 1).view([batch, nhead, seq, head_dim]);
@@ -321,8 +374,9 @@ impl SelfAttention {
             _ => Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, dropout_p, true, None, false),
         };
         let attended = attended.permute([2, 0, 1, 3]).contiguous().view([seq * batch, local]);
-        let bias = self.out_proj.bs.as_ref().expect("out_proj has a bias");
-        Ok(row_parallel(&attended, &self.out_proj.ws, bias, group)?.view([seq, batch, d]))
+        // (Rows of `[seq · batch, d]` are sequence-major: a shard's rows of it are its rows of
+        // the sequence.)
+        Ok(talk.row(&attended, &self.out_proj.ws, out_bias)?.view([-1, batch, d]))
     }
 
     fn parameters(&self) -> [&Tensor; 4] {
@@ -346,6 +400,8 @@ pub struct EncoderLayer {
     dropout: f64,
     d_hid: i64,
     shard: Shard,
+    /// Between the layers each shard holds its rows of the sequence ([`Talk::Sequence`]).
+    sequence_parallel: bool,
 }
 
 impl EncoderLayer {
@@ -379,7 +435,14 @@ impl EncoderLayer {
             dropout: cfg.dropout,
             d_hid: cfg.d_hid,
             shard,
+            sequence_parallel: false,
         })
+    }
+
+    /// This layer with its input and output cut along the sequence over the shards (sequence
+    /// parallelism: its layer norms and dropouts on 1/k of the sequence).
+    pub fn sequence_parallel(self) -> Self {
+        EncoderLayer { sequence_parallel: true, ..self }
     }
 
     /// The layer's parameters, in a fixed order (for copying one layer into another).
@@ -408,17 +471,29 @@ impl EncoderLayer {
     }
 
     /// [`EncoderLayer::forward_masked`] of a tensor-parallel shard, whose partial results are
-    /// summed over `group` (two all-reduces forward, two backward); a whole layer needs none.
+    /// summed over `group` (two all-reduces forward, two backward; with sequence parallelism two
+    /// all-gathers and two reduce-scatters each way, `xs` and the output this shard's rows of
+    /// the sequence); a whole layer needs none.
     pub fn forward_sharded(&self, xs: &Tensor, train: bool, masks: Masks, layer: i64, group: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
-        let group = shard_group(self.shard, group)?;
+        let talk = Talk::of(self.shard, self.sequence_parallel, group)?;
         let p = self.dropout;
-        let attended = self.self_attn.forward_t(xs, train, masks, layer, group)?;
-        let xs = (xs + masks.dropout(&attended, p, train, Site::AfterAttention(layer))).apply(&self.norm1);
+        let rows = talk.rows(xs, self.shard);
+        let affine = "affine layer norms and linear layers with biases";
+        let [w1, b1, w2, b2, out_bias, bias2] = talk.whole([
+            self.norm1.ws.as_ref().expect(affine),
+            self.norm1.bs.as_ref().expect(affine),
+            self.norm2.ws.as_ref().expect(affine),
+            self.norm2.bs.as_ref().expect(affine),
+            self.self_attn.out_proj.bs.as_ref().expect(affine),
+            self.linear2.bs.as_ref().expect(affine),
+        ])?;
+        let attended = self.self_attn.forward_t(xs, train, masks, layer, talk, &out_bias)?;
+        let xs = layer_norm(&(xs + masks.dropout_part(&attended, p, train, Site::AfterAttention(layer), rows)), &w1, &b1);
         let hidden = Part { dim: 2, whole: self.d_hid, shard: self.shard };
-        let inner = masks.dropout_part(&f(&xs, group)?.apply(&self.linear1).relu(), p, train, Site::FeedForwardInner(layer), Some(hidden));
-        let bias = self.linear2.bs.as_ref().expect("linear2 has a bias");
-        let feed_forward = masks.dropout(&row_parallel(&inner, &self.linear2.ws, bias, group)?, p, train, Site::FeedForwardOut(layer));
-        Ok((xs + feed_forward).apply(&self.norm2))
+        let expanded = talk.column(&xs, &self.linear1.ws, self.linear1.bs.as_ref())?.relu();
+        let inner = masks.dropout_part(&expanded, p, train, Site::FeedForwardInner(layer), Some(hidden));
+        let feed_forward = masks.dropout_part(&talk.row(&inner, &self.linear2.ws, &bias2)?, p, train, Site::FeedForwardOut(layer), rows);
+        Ok(layer_norm(&(xs + feed_forward), &w2, &b2))
     }
 }
 
@@ -457,6 +532,8 @@ pub struct TokenEmbedding {
     /// The words whose rows this rank holds: `shard`'s share of the vocabulary.
     shard: Shard,
     ntoken: i64,
+    /// Its output cut along the sequence over the shards (sequence parallelism).
+    sequence_parallel: bool,
 }
 
 impl TokenEmbedding {
@@ -483,7 +560,26 @@ impl TokenEmbedding {
             dropout: cfg.dropout,
             shard,
             ntoken: cfg.ntoken,
+            sequence_parallel: false,
         })
+    }
+
+    /// This embedding with its output cut along the sequence over the shards: each shard its
+    /// rows, the sequence padded at its end to a multiple of the shards (a causal model's
+    /// earlier positions do not see the padding; [`Self::sequence_length`] gives it back).
+    pub fn sequence_parallel(self) -> Self {
+        TokenEmbedding { sequence_parallel: true, ..self }
+    }
+
+    /// The length of the sequence the shards' rows make up for `tokens` of length `seq_len`:
+    /// `seq_len` padded to a multiple of the shards under sequence parallelism.
+    pub fn sequence_length(&self, seq_len: i64) -> i64 {
+        let k = self.shard.count as i64;
+        if self.sequence_parallel {
+            (seq_len + k - 1) / k * k
+        } else {
+            seq_len
+        }
     }
 }
 
@@ -501,22 +597,33 @@ impl TokenEmbedding {
 
     /// [`TokenEmbedding::forward_masked`] of a vocabulary-parallel shard: its words' rows, zeros
     /// for the others' words, summed over `group` (Megatron's g; one all-reduce).
+    /// With sequence parallelism each shard gets its rows of that sum (a reduce-scatter).
     pub fn forward_sharded(&self, src: &Tensor, train: bool, masks: Masks, group: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
         let seq_len = src.size().first().copied().unwrap_or(0);
-        assert!(src.dim() == 2 && seq_len <= MAX_LEN, "input must be token ids [seq_len ≤ {MAX_LEN}, batch], got shape {:?}", src.size());
-        let embedded = match shard_group(self.shard, group)? {
-            None => src.apply(&self.embedding),
-            Some(group) => {
+        let padded = self.sequence_length(seq_len);
+        assert!(src.dim() == 2 && padded <= MAX_LEN, "input must be token ids [seq_len ≤ {MAX_LEN}, batch], got shape {:?}", src.size());
+        let talk = Talk::of(self.shard, self.sequence_parallel, group)?;
+        let (embedded, first) = match talk {
+            Talk::Alone => (src.apply(&self.embedding), 0),
+            Talk::Tensor(group) | Talk::Sequence(group) => {
+                let src = match padded - seq_len {
+                    0 => src.shallow_clone(),
+                    pad => Tensor::cat(&[src.shallow_clone(), src.zeros_like().narrow(0, 0, 1).expand([pad, -1], false)], 0),
+                };
                 let (start, len) = self.shard.range(self.ntoken);
-                let local = src - start;
+                let local = &src - start;
                 let outside = local.lt(0).logical_or(&local.ge(len));
                 let rows = local.masked_fill(&outside, 0).apply(&self.embedding).masked_fill(&outside.unsqueeze(-1), 0.0);
-                tp::reduce_from_shards(&rows, group)?
+                match talk {
+                    Talk::Sequence(group) => (tp::scatter_sequence(&rows, group)?, self.shard.index as i64 * padded / self.shard.count as i64),
+                    _ => (tp::reduce_from_shards(&rows, group)?, 0),
+                }
             }
         };
         let xs = embedded * (self.d_model as f64).sqrt();
-        let positions = self.pos_encoding.narrow(0, 0, seq_len).to_device(xs.device()).to_kind(xs.kind());
-        Ok(masks.dropout(&(xs + positions), self.dropout, train, Site::Embedding))
+        let positions = self.pos_encoding.narrow(0, first, xs.size()[0]).to_device(xs.device()).to_kind(xs.kind());
+        let rows = talk.rows(&xs, self.shard);
+        Ok(masks.dropout_part(&(xs + positions), self.dropout, train, Site::Embedding, rows))
     }
 }
 

@@ -30,6 +30,8 @@ pub struct Stage {
     layers: Vec<EncoderLayer>,
     head: Option<nn::Linear>,
     ntoken: i64,
+    /// Between its layers each shard holds its rows of the sequence (sequence parallelism).
+    sequence_parallel: bool,
 }
 
 impl Stage {
@@ -91,7 +93,24 @@ impl Stage {
         let layers = models::encoder_layers_sharded(&root, cfg, layer_range.clone(), shard)?;
         seeded(2);
         let head = (index + 1 == stages).then(|| models::output_layer_sharded(&root, cfg, shard));
-        Ok(Stage { index, layer_range, vs, shard, embedding, layers, head, ntoken: cfg.ntoken })
+        Ok(Stage { index, layer_range, vs, shard, embedding, layers, head, ntoken: cfg.ntoken, sequence_parallel: false })
+    }
+
+    /// This stage with sequence parallelism (Korthikanti et al. 2022): between its
+    /// tensor-parallel layers each shard holds its rows of the sequence (padded to a multiple of
+    /// the shards), what passes to the next stage included; the output layer gathers the
+    /// sequence. A property of the stage's layers, not of the loop.
+    pub fn sequence_parallel(self) -> Result<Stage, UsageError> {
+        if self.shard.is_whole() {
+            return Err(UsageError("--sequence-parallel cuts the sequence over the tensor-parallel shards of a layer: it needs --tp 2 or more".into()));
+        }
+        let Stage { embedding, layers, .. } = self;
+        Ok(Stage {
+            embedding: embedding.map(TokenEmbedding::sequence_parallel),
+            layers: layers.into_iter().map(EncoderLayer::sequence_parallel).collect(),
+            sequence_parallel: true,
+            ..self
+        })
     }
 
     pub fn device(&self) -> Device {
@@ -126,6 +145,8 @@ impl Stage {
         }
         Ok(match (&self.head, self.tp_group(tp)) {
             (Some(head), None) => head.forward(&xs),
+            // Sequence parallel: the whole (padded) sequence's logits from this shard's rows.
+            (Some(head), Some(group)) if self.sequence_parallel => tp::gathered_linear(&xs, &head.ws, head.bs.as_ref(), group)?,
             (Some(head), Some(group)) => tp::copy_to_shards(&xs, group)?.apply(head),
             (None, _) => xs,
         })
@@ -139,6 +160,11 @@ impl Stage {
     /// The last stage's mean cross-entropy of its `logits` against `targets`, and, when asked,
     /// its arg-max hits: [`Stage::loss`], or the vocabulary-parallel loss of a shard (over `tp`).
     pub fn loss_and_hits(&self, logits: &Tensor, targets: &Tensor, tp: Option<&ProcessGroup>, count_hits: bool) -> anyhow::Result<(Tensor, Option<Tensor>)> {
+        // Without the positions sequence parallelism padded the sequence with.
+        let (positions, batch) = (logits.size()[0], logits.size()[1]);
+        let real = targets.numel() as i64 / batch;
+        let logits = if self.sequence_parallel && real < positions { logits.narrow(0, 0, real) } else { logits.shallow_clone() };
+        let logits = &logits;
         match self.tp_group(tp) {
             None => Ok((Stage::loss(logits, targets), count_hits.then(|| logits.argmax(-1, false).eq_tensor(targets).sum(Kind::Int64)))),
             Some(group) => {

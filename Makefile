@@ -126,7 +126,7 @@ bench-largebatch: build
 bench-ps: build
 	$(WITH) bench/ps.sh
 
-# DP, ZeRO-1/2/3, TP, PP and two 2-D layouts on NPROC=4 CPU ranks at one global batch: time per
+# DP, ZeRO-1/2/3, TP, TP with sequence parallelism, PP, two 2-D layouts and HSDP on NPROC=4 CPU ranks at one global batch: time per
 # step, bytes handed to each kind of collective, model state per rank beside ZeRO's formulas;
 # results/bench-parallel.csv (NPROC, GLOBAL, STEPS, THREADS, DATA).
 bench-parallel: build

@@ -6,6 +6,7 @@
 #   dp       4 data-parallel replicas (exercise1_nlp), gradients all-reduced
 #   zero1-3  the same replicas with ZeRO stages 1, 2, 3 (--zero N)
 #   tp       every layer cut over 4 ranks (exercise3 tp, Megatron-LM)
+#   tp+sp    the same with sequence parallelism (--sequence-parallel; 35-token windows padded to 36)
 #   pp       4 pipeline stages, 8 micro-batches, 1F1B (exercise3 pipeline)
 #   tp2xdp2  2 replicas of a model cut over 2 ranks; pp2xtp2: 2 stages of 2 shards
 #   hsdp2x2  ZeRO-3 within 2 shard groups of 2 replicas, blocks averaged across them
@@ -78,6 +79,7 @@ for zero in 0 1 2 3; do
     run "$name" "$bin/exercise1_nlp" --batch-size "$per_rank" --zero "$zero" --pad-vocab 128
 done
 run tp "$bin/exercise3" tp --tp "$NPROC" --batch-size "$GLOBAL" --pad-vocab 128
+run tp+sp "$bin/exercise3" tp --tp "$NPROC" --sequence-parallel --batch-size "$GLOBAL" --pad-vocab 128
 run pp "$bin/exercise3" pipeline --pp "$NPROC" --batch-size "$GLOBAL" --chunks 8 --schedule 1f1b --pad-vocab 128
 if ((NPROC == 4)); then
     run tp2xdp2 "$bin/exercise3" tp --tp 2 --dp 2 --batch-size $((GLOBAL / 2)) --pad-vocab 128

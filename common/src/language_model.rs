@@ -635,6 +635,7 @@ impl Experiment for LmExperiment<'_> {
             batch: recipe.batch_size as i64,
             chunks,
             accumulate: recipe.accumulate,
+            sequence_parallel: self.args.sequence_parallel,
             state_shards: layout.state_shards(),
             tp: layout.tp,
             placement,

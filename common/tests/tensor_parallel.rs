@@ -46,6 +46,7 @@ fn rank_entry() {
         "sp2_counts" => sequence_parallel_layers_gather_and_scatter(),
         "tp2_dropout" => dropout_masks_do_not_depend_on_the_shards(false),
         "sp2_dropout" => dropout_masks_do_not_depend_on_the_shards(true),
+        "sp2_memory" => sequence_parallelism_saves_what_the_estimate_counts(),
         "three_d" => three_d_layout_trains_the_unpartitioned_model(),
         other => panic!("unknown scenario {other}"),
     };
@@ -165,6 +166,61 @@ fn sequence_parallel_layers_gather_and_scatter() -> usize {
     world.rank()
 }
 
+/// What a training forward pass keeps for its backward pass (the CPU bytes held after it, its
+/// logits included) with 1 and 2 layers, without and with sequence parallelism (dropout on, keyed
+/// masks): what a layer adds shrinks by what the memory estimate counts for it, the part every
+/// shard held whole (Korthikanti et al.'s `10·sbh` of `sbh(10 + 24/t + 5as/ht)`) now cut over
+/// the shards.
+fn sequence_parallelism_saves_what_the_estimate_counts() -> usize {
+    use common::memory::estimate::TransformerJob;
+    use std::cell::RefCell;
+    let world = ProcessGroup::init(Backend::Auto).unwrap();
+    let groups = Groups::new(&world, Layout::new(2, 1, 2, None).unwrap()).unwrap();
+    let (src, _) = batch(5, 36, 8);
+    common::torch_ext::cpu_memory().unwrap();
+    let generator = RefCell::new(common::torch_ext::Generator::new(Device::Cpu).unwrap());
+    let per_layer = |sequence_parallel: bool| {
+        let held: Vec<i64> = [1, 2]
+            .map(|layers| {
+                let stage = stage(&tp_config(layers, 0.2), 0, 1, 0..layers, groups.shard(), sequence_parallel);
+                let before = common::torch_ext::cpu_memory().unwrap().current;
+                let logits = stage.forward_masked(&src, true, Masks::Keyed { generator: &generator, key: 1, positions: 36 }, groups.tp()).unwrap();
+                let held = common::torch_ext::cpu_memory().unwrap().current - before;
+                drop(logits);
+                held
+            })
+            .to_vec();
+        (held[1] - held[0]) as f64
+    };
+    let (tensor, sequence) = (per_layer(false), per_layer(true));
+    let job = |sequence_parallel| TransformerJob {
+        config: tp_config(2, 0.2),
+        bptt: 36,
+        batch: 8,
+        chunks: 1,
+        accumulate: 1,
+        sequence_parallel,
+        state_shards: 1,
+        tp: 2,
+        partition: Partition::even(2, 1).unwrap(),
+        placement: common::pipeline::Placement::one_stage_each(1),
+        schedule: Schedule::GPipe,
+        checkpoint_activations: false,
+        stages_share_a_device: false,
+        keyed_masks: true,
+        zero: None,
+        optimizer_k: 0.0,
+        bucket_bytes: 0.0,
+        precision: Default::default(),
+        cuda: false,
+    };
+    let (expected_tensor, expected_sequence) = (job(false).per_layer_bytes(), job(true).per_layer_bytes());
+    println!("rank {}: a layer keeps {tensor} bytes (estimate {expected_tensor}) with tensor parallelism, {sequence} ({expected_sequence}) with sequence parallelism", world.rank());
+    let (saved, expected) = (tensor - sequence, expected_tensor - expected_sequence);
+    assert!((saved - expected).abs() <= 0.05 * expected, "rank {}: sequence parallelism saves {saved} bytes per layer, the estimate {expected}", world.rank());
+    world.rank()
+}
+
 /// With dropout 0.2 at every site, two shards draw the masks one rank draws for the whole
 /// model (each keyed mask is drawn whole and cut to the shard's heads, hidden units or, with
 /// sequence parallelism, rows of the sequence): five steps' losses equal one process's.
@@ -245,6 +301,11 @@ fn four_shards_train_the_unpartitioned_model() {
 fn sequence_parallel_shards_train_the_unpartitioned_model() {
     launch(Some(2), "sp2", &[], Duration::from_secs(120)).assert_passed("sp2", 2);
     launch(Some(4), "sp4", &[], Duration::from_secs(180)).assert_passed("sp4", 4);
+}
+
+#[test]
+fn sequence_parallelism_saves_the_activations_the_estimate_counts() {
+    launch(Some(2), "sp2_memory", &[], Duration::from_secs(120)).assert_passed("sp2_memory", 2);
 }
 
 #[test]

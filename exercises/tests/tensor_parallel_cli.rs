@@ -90,7 +90,7 @@ fn two_shards_train_the_model_of_one_rank_and_their_checkpoint_resumes_on_one() 
     }
 
     let json = read_json(&two.path().join("exercise3_tp-transformer-cpu.json"));
-    assert_eq!(json["layout"], serde_json::json!({ "dp": 1, "pp": 1, "tp": 2 }));
+    assert_eq!(json["layout"], serde_json::json!({ "dp": 1, "pp": 1, "tp": 2, "dp_shard": 1 }));
     assert_eq!(json["world_size"], 2);
     // Per step, rank 0 all-reduces 2 per layer forward and 2 backward, plus the embedding's sum
     // and the loss's maximum and sum forward, the output layer's gradient backward, and the
@@ -100,6 +100,64 @@ fn two_shards_train_the_model_of_one_rank_and_their_checkpoint_resumes_on_one() 
     assert_eq!(whole_json["params"].as_i64(), Some(params), "the shards hold the whole model's parameters between them");
     let memory = json["model_state_memory"]["params_bytes"].as_i64().unwrap();
     assert!(memory < 4 * params * 6 / 10, "a shard holds about half the parameters ({memory} bytes of {params} parameters)");
+}
+
+/// `--sequence-parallel` on 2 shards (dropout on; the 35-token windows padded to 36): the model
+/// `--tp 2` alone trains, to 1e-5; all-gathers and reduce-scatters in place of the layers'
+/// all-reduces; less activation memory per rank, by what `--estimate-memory` predicts for it.
+/// Without tensor parallelism it is a usage error.
+#[test]
+fn sequence_parallelism_trains_the_tensor_parallel_model_in_less_memory() {
+    let data = tempfile::tempdir().unwrap();
+    wikitext_sample(data.path(), [60; 3]);
+    let run = |dir: &Path, flags: &[&str]| {
+        let mut args = vec!["--data-dir", data.path().to_str().unwrap(), "--epochs", "1", "--quiet", "--nproc-per-node", "2"];
+        args.extend(["--checkpoint-dir", dir.to_str().unwrap(), "--results-dir", dir.to_str().unwrap()]);
+        args.extend(SMALL);
+        args.extend(flags);
+        let out = exercise3("tp", &args);
+        assert!(out.status.success(), "{flags:?}: {}", stderr(&out));
+        let estimate = exercise3("tp", &[&args[..], &["--estimate-memory"]].concat());
+        assert!(estimate.status.success(), "{flags:?} --estimate-memory: {}", stderr(&estimate));
+        let estimated = read_json(&dir.join("exercise3_tp-transformer-cpu.memory-estimate.json"))["ranks"][0]["activations"].as_f64().unwrap();
+        (read_json(&dir.join("exercise3_tp-transformer-cpu.json")), model_tensors(dir), estimated)
+    };
+    let (tensor, sequence) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (tp_json, tp_model, tp_estimate) = run(tensor.path(), &[]);
+    let (sp_json, sp_model, sp_estimate) = run(sequence.path(), &["--sequence-parallel"]);
+    for ((name, x), (_, y)) in tp_model.iter().zip(&sp_model) {
+        let rel = (x - y).abs().max().double_value(&[]) / x.abs().max().double_value(&[]).max(1e-12);
+        assert!(rel <= 1e-5, "{name}: --tp 2 vs --tp 2 --sequence-parallel differ by {rel:e}");
+    }
+    let calls = |json: &serde_json::Value, kind: &str| json["communication_per_step"][kind]["calls"].as_u64().unwrap();
+    assert_eq!((calls(&tp_json, "all_gather"), calls(&tp_json, "reduce_scatter")), (0, 0), "{}", tp_json["communication_per_step"]);
+    // Forward 2 per layer and the output layer's gather, backward 4 per layer and 2 (gathers);
+    // forward 2 per layer and the embedding's, backward 2 per layer and the output layer's
+    // (reduce-scatters).
+    assert_eq!((calls(&sp_json, "all_gather"), calls(&sp_json, "reduce_scatter")), (6 * 2 + 3, 4 * 2 + 2), "{}", sp_json["communication_per_step"]);
+    assert!(calls(&sp_json, "all_reduce") < calls(&tp_json, "all_reduce"), "{} vs {}", sp_json["communication_per_step"], tp_json["communication_per_step"]);
+    // Activation memory: the training peak over what was held before, on the rank that held
+    // most, against the estimate's activations.
+    let held = |json: &serde_json::Value| {
+        json["peak_memory"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["training_peak_bytes"].as_f64().unwrap() - p["baseline_bytes"].as_f64().unwrap())
+            .fold(0.0, f64::max)
+    };
+    let (measured, predicted) = (held(&tp_json) - held(&sp_json), tp_estimate - sp_estimate);
+    println!("sequence parallelism saves {measured:.0} bytes of the training peak per rank; the estimate's activations {predicted:.0}");
+    assert!(predicted > 0.0 && measured > 0.0, "saved {measured}, predicted {predicted}");
+    assert!((measured - predicted).abs() <= 0.1 * predicted, "saved {measured} bytes, the estimate {predicted}");
+
+    let out = exercise3("tp", &["--data-dir", data.path().to_str().unwrap(), "--max-steps", "1", "--tp", "1", "--sequence-parallel", "--device", "cpu"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("--sequence-parallel cuts the sequence over the tensor-parallel shards of a layer: it needs --tp 2 or more"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 #[test]
@@ -160,7 +218,7 @@ fn exercise1_nlp_on_two_shards_trains_the_model_of_one_rank() {
         assert!(rel <= 1e-5, "{name}: one rank vs 2 shards differ by {rel:e}");
     }
     let json = read_json(&two.path().join("exercise1_nlp-transformer-cpu.json"));
-    assert_eq!(json["layout"], serde_json::json!({ "dp": 1, "pp": 1, "tp": 2 }));
+    assert_eq!(json["layout"], serde_json::json!({ "dp": 1, "pp": 1, "tp": 2, "dp_shard": 1 }));
     // Started alone, the shards have no processes to run in: one line, exit 2.
     let out = Command::new(env!("CARGO_BIN_EXE_exercise1_nlp"))
         .args(["--data-dir", data.path().to_str().unwrap(), "--max-steps", "1", "--tp", "2"])

@@ -132,6 +132,10 @@ pub struct TransformerJob {
     pub chunks: usize,
     /// Batches accumulated per optimizer step.
     pub accumulate: usize,
+    /// Sequence parallelism (`--sequence-parallel`): what every tensor-parallel shard holds
+    /// whole between the layers (layer norms' inputs, dropout masks, the column-parallel
+    /// layers' saved inputs, the activations between stages) is cut over the shards.
+    pub sequence_parallel: bool,
     /// The replicas that average the gradients and divide ZeRO's state (ZeRO's N): all of them,
     /// or HSDP's shard group ([`crate::comm::layout::Layout::state_shards`]).
     pub state_shards: usize,
@@ -167,9 +171,32 @@ impl TransformerJob {
         LayerCoefficients::of(self.cuda, self.precision != Precision::Full, dropout, attention)
     }
 
-    /// One micro-batch's tokens.
+    /// One micro-batch's tokens (with sequence parallelism, each sequence padded to a multiple
+    /// of the shards).
     fn micro_tokens(&self) -> f64 {
-        (self.bptt * self.micro_sequences()) as f64
+        (self.positions() * self.micro_sequences()) as f64
+    }
+
+    /// Positions per sequence: `bptt`, padded to a multiple of the shards with sequence
+    /// parallelism.
+    fn positions(&self) -> i64 {
+        let tp = self.tp as i64;
+        if self.sequence_parallel {
+            (self.bptt + tp - 1) / tp * tp
+        } else {
+            self.bptt
+        }
+    }
+
+    /// The share of what every shard would otherwise hold whole that one shard holds: 1/tp with
+    /// sequence parallelism, 1 without (Korthikanti et al. 2022: the `10·sbh` of a layer's
+    /// activations become `10·sbh/t`).
+    fn whole_share(&self) -> f64 {
+        if self.sequence_parallel {
+            1.0 / self.tp as f64
+        } else {
+            1.0
+        }
     }
 
     fn micro_sequences(&self) -> i64 {
@@ -180,12 +207,18 @@ impl TransformerJob {
     pub fn per_layer_bytes(&self) -> f64 {
         let cfg = &self.config;
         let k = self.coefficients();
-        let (t, d, h, heads, s, b, tp) =
-            (self.micro_tokens(), cfg.d_model as f64, cfg.d_hid as f64, cfg.nhead as f64, self.bptt as f64, self.micro_sequences() as f64, self.tp as f64);
+        let (t, d, h, heads, s, b, tp) = (
+            self.micro_tokens(),
+            cfg.d_model as f64,
+            cfg.d_hid as f64,
+            cfg.nhead as f64,
+            self.positions() as f64,
+            self.micro_sequences() as f64,
+            self.tp as f64,
+        );
         let layer_weights = (4.0 * d * d + 2.0 * d * h) / tp;
-        k.td_whole * t * d
+        (k.td_whole * t * d + k.t * t) * self.whole_share()
             + (k.td_sharded * t * d + k.th * t * h + k.t_heads * t * heads + k.scores * b * heads * s * s) / tp
-            + k.t * t
             + k.weight_copy_bytes * layer_weights
     }
 
@@ -241,18 +274,21 @@ impl TransformerJob {
         } else {
             0.0
         };
+        // (Sequence parallel: the embedding's mask, the output layer's saved input and what
+        // passes between stages are this shard's rows.)
+        let rows = self.whole_share();
         let stage_bytes = |s: usize| -> f64 {
             let layers = self.partition.layers[s].clone().count() as f64;
             let mut bytes = layers * per_layer;
             if s == 0 {
-                bytes += mask * t * d + 8.0 * t;
+                bytes += mask * t * d * rows + 8.0 * t;
             } else if mixed {
-                bytes += 4.0 * t * d;
+                bytes += 4.0 * t * d * rows;
             }
             if s == last {
-                bytes += (if mixed { 2.0 } else { 4.0 }) * t * d + 4.0 * t * v / tp + 8.0 * t;
+                bytes += (if mixed { 2.0 } else { 4.0 }) * t * d * rows + 4.0 * t * v / tp + 8.0 * t;
             } else {
-                bytes += 4.0 * t * d;
+                bytes += 4.0 * t * d * rows;
             }
             bytes
         };
@@ -263,7 +299,7 @@ impl TransformerJob {
         // Recomputed: each held micro-batch keeps its stage input, one is whole while its
         // backward pass recomputes it.
         let activations_recomputed = (self.placement.stages() > 1).then(|| {
-            let inputs: f64 = stages.iter().map(|&s| if s == 0 { 8.0 * t } else { 4.0 * t * d }).sum::<f64>() / stages.len() as f64;
+            let inputs: f64 = stages.iter().map(|&s| if s == 0 { 8.0 * t } else { 4.0 * t * d * rows }).sum::<f64>() / stages.len() as f64;
             held as f64 * inputs + per_stage
         });
 
@@ -483,6 +519,7 @@ mod tests {
             batch: 20,
             chunks: 1,
             accumulate: 1,
+            sequence_parallel: false,
             state_shards: 1,
             tp: 1,
             partition: Partition::even(4, 1).unwrap(),
@@ -518,6 +555,14 @@ mod tests {
         // Tensor parallelism cuts the heads' and hidden units' part, not the layer norms'.
         let halves = TransformerJob { tp: 2, ..job(0.0) };
         assert!(halves.per_layer_bytes() > job(0.0).per_layer_bytes() / 2.0 && halves.per_layer_bytes() < job(0.0).per_layer_bytes());
+        // Sequence parallelism cuts the rest (Korthikanti et al.: sbh(10 + 24/t) → 34·sbh/t):
+        // with dropout (keyed masks) at 36 tokens (35 padded for 2 shards) per sequence, the
+        // whole part — input 4, mask 4, norm1 input 4, linear1 input 4, mask 4, norm2 input 4
+        // bytes per T·d, and the norms' statistics 16 per T — is halved.
+        let tensor = TransformerJob { tp: 2, keyed_masks: true, bptt: 36, ..job(0.2) };
+        let sequence = TransformerJob { sequence_parallel: true, bptt: 35, ..tensor.clone() };
+        let (t, d) = (36.0 * 20.0, 128.0);
+        assert_eq!(tensor.per_layer_bytes() - sequence.per_layer_bytes(), (24.0 * t * d + 16.0 * t) / 2.0);
     }
 
     #[test]

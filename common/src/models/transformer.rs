@@ -40,7 +40,10 @@ pub enum Masks<'a> {
     /// one step) and the site (a layer and a place in it): a mask is a function of what it
     /// belongs to, not of the thread, the pipeline stage, the schedule or the timing that
     /// reached the generator first. Recomputing a forward pass redraws the same masks.
-    Keyed { generator: &'a RefCell<Generator>, key: u64 },
+    ///
+    /// `positions`: the sequence's length before sequence parallelism padded it (a mask is
+    /// drawn for those positions, as without padding, whatever the padding).
+    Keyed { generator: &'a RefCell<Generator>, key: u64, positions: i64 },
 }
 
 /// A dropout site of the model, for [`Masks::Keyed`]: the embedding's (layer `None`) or one of
@@ -55,6 +58,15 @@ enum Site {
 }
 
 impl Site {
+    /// The dimensions of the site's tensor that run over the sequence's positions (the
+    /// attention weights': queries and keys).
+    fn sequence_dims(self) -> &'static [usize] {
+        match self {
+            Site::AttentionWeights(_) => &[2, 3],
+            _ => &[0],
+        }
+    }
+
     fn id(self) -> [u64; 2] {
         match self {
             Site::Embedding => [0, 0],
@@ -83,17 +95,41 @@ impl Masks<'_> {
         match self {
             _ if !train || p == 0.0 => xs.shallow_clone(),
             Masks::Shared => xs.dropout(p, train),
-            Masks::Keyed { generator, key } => {
+            Masks::Keyed { generator, key, positions } => {
                 let mut generator = generator.borrow_mut();
                 let [layer, place] = site.id();
                 generator.set_seed(mix_key(&[*key, layer, place]));
-                let dropped = match part.filter(|part| !part.shard.is_whole()) {
-                    None => torch_ext::dropout(xs, p, &mut generator),
-                    Some(Part { dim, whole, shard }) => {
-                        let mut shape = xs.size();
-                        shape[dim as usize] = whole;
-                        let (start, len) = shard.range(whole);
-                        torch_ext::dropout(&Tensor::ones(shape, (xs.kind(), xs.device())), p, &mut generator).map(|mask| xs * mask.narrow(dim, start, len))
+                let part = part.filter(|part| !part.shard.is_whole());
+                let mut shape = xs.size();
+                if let Some(Part { dim, whole, .. }) = part {
+                    shape[dim as usize] = whole;
+                }
+                let padded: Vec<usize> = site.sequence_dims().iter().copied().filter(|&dim| shape[dim] > *positions).collect();
+                let dropped = match part {
+                    None if padded.is_empty() => torch_ext::dropout(xs, p, &mut generator),
+                    _ => {
+                        // The mask of the unpadded positions, padded with ones (the padding is
+                        // never seen), then this shard's part of it.
+                        let mut drawn = shape.clone();
+                        padded.iter().for_each(|&dim| drawn[dim] = *positions);
+                        let options = (xs.kind(), xs.device());
+                        torch_ext::dropout(&Tensor::ones(drawn.as_slice(), options), p, &mut generator).map(|mut mask| {
+                            for &dim in &padded {
+                                let mut rest = mask.size();
+                                rest[dim] = shape[dim] - *positions;
+                                mask = Tensor::cat(&[mask, Tensor::ones(rest.as_slice(), options)], dim as i64);
+                            }
+                            match part {
+                                // (A copy of the part: the product saves the mask for its
+                                // backward pass, and a view, even a contiguous one, would keep
+                                // the whole one.)
+                                Some(Part { dim, whole, shard }) => {
+                                    let (start, len) = shard.range(whole);
+                                    xs * mask.narrow(dim, start, len).copy()
+                                }
+                                None => xs * mask,
+                            }
+                        })
                     }
                 };
                 dropped.unwrap_or_else(|err| panic!("{err:#}"))

@@ -28,6 +28,9 @@ pub struct MicroBatches {
     /// Each micro-batch's share of the mini-batch (its sequences / all sequences): the
     /// weighted micro-batch losses sum to the mini-batch's mean loss.
     pub weights: Vec<f64>,
+    /// The length of the mini-batch's sequences (on every device: keyed dropout masks are
+    /// drawn for that many positions, whatever padding sequence parallelism adds).
+    pub positions: i64,
 }
 
 /// When a device ran which pass, in seconds since the mini-batch started.
@@ -137,7 +140,7 @@ pub fn run_device(
     // ones; the layers' whole-model indices key them further, whatever stage holds them).
     let generator = RefCell::new(Generator::new(on)?);
     let forward = |stage: &Stage, m: usize, input: &Tensor, train: bool| -> Result<Tensor> {
-        let masks = Masks::Keyed { generator: &generator, key: mix_key(&[options.dropout_key, m as u64]) };
+        let masks = Masks::Keyed { generator: &generator, key: mix_key(&[options.dropout_key, m as u64]), positions: batches.positions };
         crate::precision::autocast(options.precision, on, || stage.forward_masked(input, train, masks, tp))
     };
     // A stage's output for micro-batch m: the last stage's is its weighted loss (and,

@@ -88,6 +88,7 @@ impl Pipeline {
                         false => Vec::new(),
                     },
                     weights: weights.clone(),
+                    positions: src.size()[0],
                 }
             })
             .collect();

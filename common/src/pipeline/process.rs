@@ -129,6 +129,7 @@ impl<'g> StageProcess<'g> {
             inputs: if stages.iter().any(|s| s.is_first()) { inputs.iter().map(|t| t.to_device(on)).collect() } else { Vec::new() },
             targets: if stages.iter().any(|s| s.is_last()) { targets.iter().map(|t| t.to_device(on)).collect() } else { Vec::new() },
             weights,
+            positions: src.size()[0],
         };
         let (d, placement) = (self.device, self.placement);
         let ops = match train {

@@ -346,6 +346,11 @@ int64_t torch_ext_storage_nbytes(const at::Tensor* tensor) {
   return tensor->has_storage() ? static_cast<int64_t>(tensor->storage().nbytes()) : 0;
 }
 
+// An identity of the tensor's storage (0 if it has none): views of one storage share it.
+int64_t torch_ext_storage_id(const at::Tensor* tensor) {
+  return tensor->has_storage() ? reinterpret_cast<int64_t>(tensor->storage().unsafeGetStorageImpl()) : 0;
+}
+
 // Frees the memory of the tensor's storage and keeps its shape (FSDP's `_free_storage`): every
 // view of the storage, the autograd graph's saved references included, sees an empty storage
 // until torch_ext_fill_storage gives it memory again. 0, or -1 on error.

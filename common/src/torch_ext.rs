@@ -82,6 +82,7 @@ mod ffi {
         pub fn torch_ext_clear_grad(param: *mut C_tensor) -> i32;
         pub fn torch_ext_notify_in_backward(input: *const C_tensor, notify: Notify, context: *mut c_void, index: i64) -> *mut C_tensor;
         pub fn torch_ext_storage_nbytes(tensor: *const C_tensor) -> i64;
+        pub fn torch_ext_storage_id(tensor: *const C_tensor) -> i64;
         pub fn torch_ext_free_storage(tensor: *mut C_tensor) -> i32;
         pub fn torch_ext_fill_storage(tensor: *mut C_tensor, values: *const C_tensor) -> i32;
         pub fn torch_ext_profiler_start(cuda: i32, record_shapes: i32) -> i32;
@@ -464,6 +465,18 @@ pub unsafe fn notify_in_backward(input: &Tensor, notify: Notify, context: *mut c
 pub fn storage_nbytes(tensor: &Tensor) -> usize {
     // SAFETY: a valid tensor for the duration of the call.
     unsafe { ffi::torch_ext_storage_nbytes(tensor.as_ptr()) }.max(0) as usize
+}
+
+/// Bytes held by the storages of `tensors`, each storage counted once (views of one storage,
+/// such as gradients that are slices of one summed buffer, share it).
+pub fn distinct_storage_nbytes<'t>(tensors: impl IntoIterator<Item = &'t Tensor>) -> usize {
+    let mut seen = std::collections::HashSet::new();
+    tensors
+        .into_iter()
+        // SAFETY: a valid tensor for the duration of the call.
+        .filter(|t| seen.insert(unsafe { ffi::torch_ext_storage_id(t.as_ptr()) }))
+        .map(storage_nbytes)
+        .sum()
 }
 
 /// Frees `tensor`'s memory, keeping its shape (FSDP's storage resize to 0): all views of its

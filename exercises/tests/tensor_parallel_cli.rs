@@ -136,6 +136,10 @@ fn sequence_parallelism_trains_the_tensor_parallel_model_in_less_memory() {
     // (reduce-scatters).
     assert_eq!((calls(&sp_json, "all_gather"), calls(&sp_json, "reduce_scatter")), (6 * 2 + 3, 4 * 2 + 2), "{}", sp_json["communication_per_step"]);
     assert!(calls(&sp_json, "all_reduce") < calls(&tp_json, "all_reduce"), "{} vs {}", sp_json["communication_per_step"], tp_json["communication_per_step"]);
+    // The model state is tensor parallelism's (the whole parameters' gradients, slices of one
+    // summed buffer, counted once).
+    let state = |json: &serde_json::Value| json["model_state_memory"]["total_bytes"].as_u64().unwrap();
+    assert_eq!(state(&sp_json), state(&tp_json));
     // Activation memory: the training peak over what was held before, on the rank that held
     // most, against the estimate's activations.
     let held = |json: &serde_json::Value| {

@@ -295,8 +295,10 @@ impl ModelState {
         let held = torch_ext::storage_nbytes;
         let frozen_bytes = frozen.iter().map(held).sum();
         let params_bytes: usize = named.iter().map(|(_, t)| held(t)).sum();
-        let grads_bytes: usize = named.iter().map(|(_, t)| t.grad()).filter(tch::Tensor::defined).map(|g| held(&g)).sum::<usize>()
-            + optimizer.sharded().map_or(0, |s| s.sharded_gradient_bytes());
+        // (Each storage once: sequence parallelism's whole parameters get their gradients as
+        // slices of one summed buffer.)
+        let grads: Vec<tch::Tensor> = named.iter().map(|(_, t)| t.grad()).filter(tch::Tensor::defined).collect();
+        let grads_bytes = torch_ext::distinct_storage_nbytes(&grads) + optimizer.sharded().map_or(0, |s| s.sharded_gradient_bytes());
         let optimizer_bytes = optimizer.state_bytes();
         let psi = named.iter().map(|(_, t)| t.numel()).sum::<usize>() as f64;
         // K from what the optimizer keeps for an unsharded parameter (Adam 8, SGD momentum 4).

@@ -289,13 +289,16 @@ fn measure_after_training<E: Experiment>(
     Ok(AfterTraining { sums, memory, peaks, params })
 }
 
+/// What each of a rank's mesh groups moved ([`Groups::comm_stats_by_group`]).
+type GroupCounts = Vec<(&'static str, CommStats)>;
+
 /// Measures what one training step moves: the collectives of all of this rank's groups between
 /// the first and the last step's end of the first epoch (no evaluation or checkpoint between),
 /// in all and by group.
 struct StepTraffic<'g> {
     groups: &'g Groups<'g>,
     /// The first step's number and the counts at its end, in all and by group.
-    first: Option<(usize, CommStats, Vec<(&'static str, CommStats)>)>,
+    first: Option<(usize, CommStats, GroupCounts)>,
     /// The first epoch has ended.
     done: bool,
     per_step: Rc<RefCell<Option<StepCommunication>>>,

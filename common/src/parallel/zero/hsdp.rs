@@ -14,7 +14,7 @@ use std::rc::Rc;
 use anyhow::{Context, Result};
 use tch::Tensor;
 
-use super::{Shards, ZeroOptimizer};
+use super::{Shards, Zero, ZeroStage};
 use crate::error::usage;
 use crate::optim::Optimizer;
 use crate::parallel::{BuildOptimizer, GradientSync, Replication, Strategy};
@@ -34,19 +34,19 @@ impl Strategy for Hsdp {
         part_of: &dyn Fn(&str) -> Result<usize>,
     ) -> Result<Option<Rc<Shards<'g>>>> {
         let groups = replication.shard_groups.context("HSDP shards over the replicas' shard groups, and this job's mesh has none")?;
-        let parts = named.iter().map(|(name, _)| part_of(name)).collect::<Result<_>>()?;
+        let parts = super::parts(&named, part_of)?;
         Ok(Some(Shards::hybrid(groups.shard, groups.replicate, named, parts, replication.averager.bucket_bytes)?))
     }
 
+    /// ZeRO-3's: the optimizer of the block the step's shards already are.
     fn optimizer<'g: 'o, 'o>(
         &self,
-        _replication: &Replication<'g>,
-        _params: Vec<(String, Tensor)>,
+        replication: &Replication<'g>,
+        params: Vec<(String, Tensor)>,
         zero3: Option<Rc<Shards<'g>>>,
         build: BuildOptimizer<'_, 'o>,
     ) -> Result<Box<dyn Optimizer + 'o>> {
-        let shards = zero3.context("HSDP shards the parameters when the step is built, and this step was built without")?;
-        Ok(Box::new(ZeroOptimizer::over(shards, build)))
+        Zero(ZeroStage::Parameters).optimizer(replication, params, zero3, build)
     }
 
     /// Within the shard group; the all-reduce across the groups follows in the optimizer's

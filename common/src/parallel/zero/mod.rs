@@ -45,6 +45,11 @@ use crate::optim::block::{BlockLayout, Span, BLOCK_NAME};
 use crate::optim::{forward_to, Optimizer, Sharded};
 use crate::torch_ext;
 
+/// Each of `named`'s parameters' part of the model (stage 3's units), as `part_of` says.
+fn parts(named: &[(String, Tensor)], part_of: &dyn Fn(&str) -> Result<usize>) -> Result<Vec<usize>> {
+    named.iter().map(|(name, _)| part_of(name)).collect()
+}
+
 /// How much of the model state each data-parallel replica keeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum ZeroStage {

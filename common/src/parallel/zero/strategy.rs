@@ -28,7 +28,7 @@ impl Strategy for Zero {
             return Ok(None);
         }
         // FSDP: the parameters sharded over the replicas from the start.
-        let parts = named.iter().map(|(name, _)| part_of(name)).collect::<Result<_>>()?;
+        let parts = super::parts(&named, part_of)?;
         Ok(Some(Shards::new(ZeroStage::Parameters, replication.group, named, Some(parts), replication.averager.bucket_bytes)?))
     }
 

@@ -73,6 +73,7 @@ const ZERO3_ON_4: Layout = Layout { exercise3: false, ranks: 4, flags: &["--zero
 const HSDP_2X2: Layout = Layout { exercise3: false, ranks: 4, flags: &["--zero", "3", "--shard-group", "2"], replicas: 4 };
 const ZERO3_ON_2: Layout = Layout { exercise3: false, ranks: 2, flags: &["--zero", "3"], replicas: 2 };
 const TP2_PP2: Layout = Layout { exercise3: true, ranks: 4, flags: &["--tp", "2", "--pp", "2", "--dp", "1"], replicas: 1 };
+const TP2_PP2_SP: Layout = Layout { exercise3: true, ranks: 4, flags: &["--tp", "2", "--pp", "2", "--dp", "1", "--sequence-parallel"], replicas: 1 };
 const TP2_PP2_DP2: Layout = Layout { exercise3: true, ranks: 8, flags: &["--tp", "2", "--pp", "2", "--dp", "2"], replicas: 2 };
 const EXERCISE3_ONE_PROCESS: Layout = Layout { exercise3: true, ranks: 1, flags: &["--tp", "1"], replicas: 1 };
 
@@ -138,8 +139,17 @@ fn any_layout_resumes_any_other_layouts_checkpoint_where_an_uninterrupted_run_la
     let (nlp_reference, exercise3_reference) = (reference(&ONE_PROCESS), reference(&EXERCISE3_ONE_PROCESS));
     assert!(nlp_reference.iter().any(|(k, _)| k.starts_with("optim.momentum_buffer.")), "SGD's momentum is in the checkpoint");
 
-    // (HSDP: 2 shard groups of 2 hold the same blocks; the first group's go into the checkpoint.)
-    let pairs = [(&ZERO3_ON_4, &TP2_PP2), (&TP2_PP2_DP2, &EXERCISE3_ONE_PROCESS), (&ONE_PROCESS, &ZERO3_ON_2), (&HSDP_2X2, &TP2_PP2), (&TP2_PP2, &HSDP_2X2)];
+    // (HSDP: 2 shard groups of 2 hold the same blocks; the first group's go into the checkpoint.
+    // Sequence parallelism across 2 stages: the stages pass each other their rows of the
+    // sequence, 35-token windows padded to 36.)
+    let pairs = [
+        (&ZERO3_ON_4, &TP2_PP2),
+        (&TP2_PP2_DP2, &EXERCISE3_ONE_PROCESS),
+        (&ONE_PROCESS, &ZERO3_ON_2),
+        (&HSDP_2X2, &TP2_PP2),
+        (&TP2_PP2, &HSDP_2X2),
+        (&TP2_PP2_SP, &EXERCISE3_ONE_PROCESS),
+    ];
     for (first, then) in pairs {
         let reference = if first.exercise3 { &exercise3_reference } else { &nlp_reference };
         let what = format!("epoch 1 with {:?} on {} ranks, epoch 2 with {:?} on {}", first.flags, first.ranks, then.flags, then.ranks);

@@ -88,9 +88,11 @@ struct Part {
 }
 
 impl Masks<'_> {
-    /// `xs` with dropout `p` applied in training mode (unchanged otherwise); `xs` is `part` of a larger tensor (a tensor-parallel shard's
-    /// heads or hidden units): keyed masks are drawn for the whole tensor and cut to the part,
-    /// so every layout drops the same units as the unpartitioned model.
+    /// `xs` with dropout `p` applied in training mode (unchanged otherwise). Where `xs` is
+    /// `part` of a larger tensor (a tensor-parallel shard's heads, hidden units or rows of the
+    /// sequence), keyed masks are drawn for the whole tensor and cut to the part; where the
+    /// sequence was padded, for its real positions: every layout drops the same units as the
+    /// unpartitioned model.
     fn dropout_part(&self, xs: &Tensor, p: f64, train: bool, site: Site, part: Option<Part>) -> Tensor {
         match self {
             _ if !train || p == 0.0 => xs.shallow_clone(),

@@ -52,6 +52,9 @@ fi
 
 # The node's torch first, then the bundle's libraries; the bundle's Open MPI, relocated, and its
 # PMIx; no complaints about Open MPI plugins left out of the bundle (network hardware).
+# The node's own environment is kept for the Python references (PyTorch, Lightning): Lightning
+# imports the node's mpi4py, which must not find the bundle's Open MPI (it aborted so on an H100).
+export COURSE_NODE_LD_LIBRARY_PATH="${LD_LIBRARY_PATH-}" COURSE_NODE_PATH="$PATH"
 export LD_LIBRARY_PATH="$torch_lib:$unpacked/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export OPAL_PREFIX="$unpacked/openmpi" PATH="$unpacked/openmpi/bin:$PATH"
 export PMIX_INSTALL_PREFIX="$unpacked/openmpi/pmix" PMIX_MCA_mca_base_component_path="$unpacked/openmpi/pmix/lib/pmix"

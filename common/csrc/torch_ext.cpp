@@ -547,6 +547,17 @@ int torch_ext_set_float32_matmul_precision(const char* precision) {
   return protect_status([&] { at::globalContext().setFloat32MatmulPrecision(std::string(precision)); });
 }
 
+// torch.use_deterministic_algorithms(True) with torch.backends.cudnn.deterministic = True and
+// torch.backends.cudnn.benchmark = False: the same kernels, in the same order, on every run. An
+// operation without a deterministic implementation then raises. 0, or -1 on error.
+int torch_ext_use_deterministic_algorithms(bool on) {
+  return protect_status([&] {
+    at::globalContext().setDeterministicAlgorithms(on, /*warn_only=*/false);
+    at::globalContext().setDeterministicCuDNN(on);
+    at::globalContext().setBenchmarkCuDNN(!on);
+  });
+}
+
 // The current setting, as one of the three names (copied into `buffer`).
 void torch_ext_float32_matmul_precision(char* buffer, size_t size) {
   std::string name;

@@ -158,3 +158,31 @@ pub fn device_label(device: Device) -> String {
         _ => "cpu".into(),
     }
 }
+
+/// `--deterministic`: LibTorch's deterministic algorithms and cuDNN's deterministic kernels,
+/// its benchmark off, and cuBLAS's workspace fixed as its documentation asks
+/// (`CUBLAS_WORKSPACE_CONFIG=:4096:8`, unless set already). Called before the first CUDA
+/// operation: cuBLAS reads the variable when it starts.
+pub fn deterministic() -> anyhow::Result<()> {
+    const CUBLAS: &str = "CUBLAS_WORKSPACE_CONFIG";
+    if std::env::var_os(CUBLAS).is_none() {
+        // Set at start-up, before any thread of ours or LibTorch's reads the environment.
+        std::env::set_var(CUBLAS, ":4096:8");
+    }
+    crate::torch_ext::use_deterministic_algorithms(true)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn deterministic_mode_is_libtorchs_and_fills_fresh_memory() {
+        // Each test runs in a process of its own (nextest): the global settings stay here.
+        std::env::remove_var("CUBLAS_WORKSPACE_CONFIG");
+        super::deterministic().unwrap();
+        assert_eq!(std::env::var("CUBLAS_WORKSPACE_CONFIG").as_deref(), Ok(":4096:8"));
+        // LibTorch's deterministic mode fills uninitialised memory with NaN, so that a read of
+        // it cannot pass unseen: that it does shows the mode is on.
+        let fresh = tch::Tensor::empty([64], (tch::Kind::Float, tch::Device::Cpu));
+        assert_eq!(fresh.isnan().all().int64_value(&[]), 1);
+    }
+}

@@ -106,6 +106,13 @@ pub struct RunArgs {
     #[arg(long, value_enum, default_value = "highest")]
     #[arg(help_heading = "Precision and speed")]
     pub matmul_precision: crate::precision::MatmulPrecision,
+    /// The same kernels on every run, as torch.use_deterministic_algorithms(True) with cuDNN's
+    /// deterministic kernels and its benchmark off (and CUBLAS_WORKSPACE_CONFIG=:4096:8): two
+    /// runs with one seed agree bit for bit on the GPU too, at some speed; an operation that has
+    /// no deterministic kernel then fails, naming itself.
+    #[arg(long)]
+    #[arg(help_heading = "Precision and speed")]
+    pub deterministic: bool,
     /// Peak TFLOP/s of one device in this precision, for the model-FLOPs utilisation (MFU)
     /// [default: from the data sheet of a known GPU; none on a CPU].
     #[arg(long)]

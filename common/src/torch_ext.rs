@@ -62,6 +62,7 @@ mod ffi {
         pub fn torch_ext_foreach_total_norm(tensors: *const *const C_tensor, n: usize) -> *mut C_tensor;
         pub fn torch_ext_set_float32_matmul_precision(precision: *const std::ffi::c_char) -> i32;
         pub fn torch_ext_float32_matmul_precision(buffer: *mut u8, size: usize);
+        pub fn torch_ext_use_deterministic_algorithms(on: bool) -> i32;
         pub fn torch_ext_channels_last(tensor: *const C_tensor) -> *mut C_tensor;
         pub fn torch_ext_make_channels_last_(tensor: *mut C_tensor) -> i32;
         pub fn torch_ext_is_channels_last(tensor: *const C_tensor) -> i32;
@@ -328,6 +329,16 @@ pub fn set_float32_matmul_precision(name: &str) -> Result<()> {
     let name = std::ffi::CString::new(name)?;
     // SAFETY: a NUL-terminated string for the duration of the call.
     status(unsafe { ffi::torch_ext_set_float32_matmul_precision(name.as_ptr()) }, "set_float32_matmul_precision")
+}
+
+/// `torch.use_deterministic_algorithms(on)` with cuDNN's deterministic kernels and its
+/// benchmark off: two runs with the same seed launch the same kernels, so they agree bit for
+/// bit (an operation without a deterministic kernel then fails, naming itself). cuBLAS needs
+/// `CUBLAS_WORKSPACE_CONFIG` set before its first use for the same (see
+/// [`crate::device::deterministic`]).
+pub fn use_deterministic_algorithms(on: bool) -> Result<()> {
+    // SAFETY: plain settings of LibTorch's global context.
+    status(unsafe { ffi::torch_ext_use_deterministic_algorithms(on) }, "use_deterministic_algorithms")
 }
 
 /// The current float32 matrix-product precision, as [`set_float32_matmul_precision`] names it.

@@ -114,6 +114,9 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
     device::keep_freed_host_memory();
     run.check()?;
     run.matmul_precision.apply()?;
+    if run.deterministic {
+        device::deterministic()?;
+    }
     exp.recipe_args().check()?;
     parallel.check()?;
     if parallel.parameter_server().is_some() && (run.checkpoint_every.is_some() || run.checkpoint_minutes.is_some()) {
@@ -151,7 +154,8 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
         if layout.dp > 1 && run.precision.weights_kind().is_some() && run.device == DeviceChoice::Cpu {
             return usage(crate::parallelize::cannot_average(run.precision, layout.dp, "mpi", Device::Cpu));
         }
-        if let Some(warning) = check_rank_count(n, run.device, parallel.max_ranks_per_core)? {
+        let servers = parallel.parameter_server().map_or(0, |ps| ps.servers);
+        if let Some(warning) = check_rank_count(n, servers, run.device, parallel.max_ranks_per_core)? {
             session_observers(exp, true, listeners).warn(warning)?;
         }
     }
@@ -164,8 +168,14 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
     if exp.preset().per_device && !env.is_distributed() && parallel.backend == Backend::Auto {
         return run_per_device(exp, listeners);
     }
+    // A parameter-server job's servers keep their tensors on the CPU and talk to the workers
+    // over MPI: NCCL would want a GPU for each of them too (and refuse two ranks on one).
+    let backend = match parallel.backend {
+        Backend::Auto if parallel.parameter_server().is_some() => Backend::Mpi,
+        chosen => chosen,
+    };
     // Errors on one rank abort every rank (MPI_Abort) instead of leaving the others waiting.
-    ProcessGroup::run(parallel.backend, |world| {
+    ProcessGroup::run(backend, |world| {
         // A parameter-server job (parallel::parameter_server): the last --servers ranks serve and
         // stop here; the workers train as data-parallel replicas over a group of their own.
         let ps = crate::parallel::parameter_server::Job::start(world, parallel.parameter_server())?;
@@ -261,21 +271,17 @@ fn job_layout<E: Experiment>(exp: &E, world: usize) -> Result<Layout> {
     exp.layout(world)?.with_shard_group(exp.parallel_args().shard_group)
 }
 
-fn check_rank_count(n: usize, choice: DeviceChoice, max_per_core: usize) -> Result<Option<String>> {
+fn check_rank_count(n: usize, servers: usize, choice: DeviceChoice, max_per_core: usize) -> Result<Option<String>> {
     let on_gpus = match choice {
         DeviceChoice::Cpu => false,
         DeviceChoice::Cuda => true,
         DeviceChoice::Both => device::cuda_available(),
     };
     if on_gpus {
-        let gpus = tch::Cuda::device_count().max(0) as usize;
-        if n > gpus {
-            return usage(format!(
-                "--nproc-per-node {n}: this node has {gpus} GPU(s), and each rank needs its own (NCCL refuses two ranks on one GPU); use --nproc-per-node {} or --device cpu",
-                gpus.max(1)
-            ));
-        }
-        return Ok(None);
+        return match too_many_gpu_ranks(n, servers, tch::Cuda::device_count().max(0) as usize) {
+            Some(refusal) => usage(refusal),
+            None => Ok(None),
+        };
     }
     let cores = device::usable_cores();
     if n > max_per_core * cores {
@@ -285,6 +291,24 @@ fn check_rank_count(n: usize, choice: DeviceChoice, max_per_core: usize) -> Resu
         ));
     }
     Ok((n > cores).then(|| format!("warning: {n} CPU ranks on {cores} core(s): they take turns (right for testing, slow for timing)")))
+}
+
+/// The refusal of `n` local ranks on a node of `gpus` GPUs, `servers` of them parameter servers
+/// (which keep their copy on the CPU, needing no GPU): each other rank needs a GPU of its own.
+fn too_many_gpu_ranks(n: usize, servers: usize, gpus: usize) -> Option<String> {
+    let on_gpus = n.saturating_sub(servers);
+    if on_gpus <= gpus {
+        return None;
+    }
+    let fits = gpus.max(1) + servers;
+    let servers_note = match servers {
+        0 => String::new(),
+        s => format!(" ({s} of the {n} serve parameters on the CPU; the other {on_gpus} train on GPUs)"),
+    };
+    Some(format!(
+        "--nproc-per-node {n}: this node has {gpus} GPU(s), and each training rank needs its own (NCCL refuses two ranks on one GPU){servers_note}; \
+         use --nproc-per-node {fits} or --device cpu"
+    ))
 }
 
 /// The course's CPU-vs-GPU comparison: one process, one run per device, then the table.
@@ -351,20 +375,34 @@ mod tests {
     #[test]
     fn cpu_ranks_beyond_the_cores_are_warned_about_and_beyond_the_limit_refused() {
         let cores = device::usable_cores();
-        assert_eq!(check_rank_count(cores, DeviceChoice::Cpu, 4).unwrap(), None);
-        let warning = check_rank_count(cores + 1, DeviceChoice::Cpu, 4).unwrap().unwrap();
+        assert_eq!(check_rank_count(cores, 0, DeviceChoice::Cpu, 4).unwrap(), None);
+        let warning = check_rank_count(cores + 1, 0, DeviceChoice::Cpu, 4).unwrap().unwrap();
         assert!(warning.contains(&format!("{} CPU ranks on {cores} core(s)", cores + 1)), "{warning}");
-        assert!(check_rank_count(4 * cores, DeviceChoice::Cpu, 4).unwrap().is_some());
-        let refused = check_rank_count(4 * cores + 1, DeviceChoice::Cpu, 4).unwrap_err();
+        assert!(check_rank_count(4 * cores, 0, DeviceChoice::Cpu, 4).unwrap().is_some());
+        let refused = check_rank_count(4 * cores + 1, 0, DeviceChoice::Cpu, 4).unwrap_err();
         assert!(refused.is::<crate::error::UsageError>() && refused.to_string().contains("--max-ranks-per-core"), "{refused}");
         // Raised explicitly, the limit lets them start.
-        assert!(check_rank_count(4 * cores + 1, DeviceChoice::Cpu, 5).is_ok());
+        assert!(check_rank_count(4 * cores + 1, 0, DeviceChoice::Cpu, 5).is_ok());
     }
 
     #[test]
     fn more_gpu_ranks_than_gpus_are_refused() {
         let gpus = tch::Cuda::device_count() as usize;
-        let err = check_rank_count(gpus + 1, DeviceChoice::Cuda, 4).unwrap_err();
+        let err = check_rank_count(gpus + 1, 0, DeviceChoice::Cuda, 4).unwrap_err();
         assert!(err.to_string().contains(&format!("this node has {gpus} GPU(s)")), "{err}");
+    }
+
+    #[test]
+    fn parameter_servers_need_no_gpu_of_their_own() {
+        // One GPU: one worker and its server fit (the server keeps its copy on the CPU) ...
+        assert_eq!(too_many_gpu_ranks(2, 1, 1), None);
+        assert_eq!(too_many_gpu_ranks(4, 2, 2), None);
+        // ... two workers do not, and the refusal counts the server in what fits.
+        let refusal = too_many_gpu_ranks(3, 1, 1).unwrap();
+        assert!(refusal.contains("1 of the 3 serve parameters on the CPU; the other 2 train on GPUs") && refusal.contains("--nproc-per-node 2"), "{refusal}");
+        // Without servers every rank needs a GPU.
+        let refusal = too_many_gpu_ranks(2, 0, 1).unwrap();
+        assert!(refusal.contains("this node has 1 GPU(s)") && refusal.contains("use --nproc-per-node 1 or --device cpu"), "{refusal}");
+        assert_eq!(too_many_gpu_ranks(1, 0, 1), None);
     }
 }

@@ -58,7 +58,8 @@ pub(super) struct Place<'g> {
 /// One training run at `place`: built, trained, measured; rank 0's record.
 pub(super) fn train_on<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<'g>, session: &mut Observers) -> Result<Option<RunRecord>> {
     let Place { groups, servers, device } = place;
-    if device.is_cuda() {
+    if device.is_cuda() && !exp.run_args().deterministic {
+        // cuDNN times its algorithms once per shape and keeps the fastest (not with --deterministic).
         tch::Cuda::cudnn_set_benchmark(true);
     }
     if groups.is_root() {

@@ -197,9 +197,17 @@ impl ResNet {
     }
 }
 
+/// torchvision's `AdaptiveAvgPool2d((1, 1))` then `flatten(1)`: each channel's mean over the
+/// plane, `[N, C, H, W]` to `[N, C]`. A mean rather than the pooling operator: the same numbers,
+/// and a backward that has a deterministic CUDA kernel (the pooling's has none, so
+/// `--deterministic` would refuse ResNets).
+pub(crate) fn global_average(features: &Tensor) -> Tensor {
+    features.mean_dim([-2i64, -1].as_slice(), false, None::<tch::Kind>)
+}
+
 impl ModuleT for ResNet {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
         let stem = imagenet_input(xs).apply(&self.conv1).apply_t(&self.bn1, train).relu_().max_pool2d([3, 3], [2, 2], [1, 1], [1, 1], false);
-        self.blocks.iter().fold(stem, |xs, block| xs.apply_t(block, train)).adaptive_avg_pool2d([1, 1]).flatten(1, -1).apply(&self.fc)
+        global_average(&self.blocks.iter().fold(stem, |xs, block| xs.apply_t(block, train))).apply(&self.fc)
     }
 }

@@ -182,6 +182,6 @@ impl ModuleT for ResNetV2 {
         // padding (−∞) never does.
         let stem = imagenet_input(xs).apply(&self.conv1).constant_pad_nd([1, 1, 1, 1]).max_pool2d([3, 3], [2, 2], [0, 0], [1, 1], false);
         let features = self.blocks.iter().fold(stem, |xs, block| xs.apply_t(block, train));
-        features.apply_t(&self.post_bn, train).relu_().adaptive_avg_pool2d([1, 1]).flatten(1, -1).apply(&self.predictions)
+        super::resnet::global_average(&features.apply_t(&self.post_bn, train).relu_()).apply(&self.predictions)
     }
 }

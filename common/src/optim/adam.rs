@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use anyhow::Result;
 use tch::Tensor;
 
-use super::{add_scaled, DeviceLr, EntryKind, Optimizer, ParamState, Slots};
+use super::{add_scaled, moment_zeros, DeviceLr, EntryKind, Optimizer, ParamState, Slots};
 
 /// Adam's hyper-parameters; [`Default`] gives torch's defaults.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -55,8 +55,7 @@ struct AdamState {
 }
 
 impl ParamState for AdamState {
-    const ENTRIES: &'static [(&'static str, EntryKind)] =
-        &[("step", EntryKind::Count), ("exp_avg", EntryKind::LikeParam), ("exp_avg_sq", EntryKind::LikeParam)];
+    const ENTRIES: &'static [(&'static str, EntryKind)] = &[("step", EntryKind::Count), ("exp_avg", EntryKind::Moment), ("exp_avg_sq", EntryKind::Moment)];
 
     fn to_tensors(&self) -> Vec<Tensor> {
         // The fused kernel's count is the true one: a CUDA graph replays its increments without
@@ -147,9 +146,15 @@ impl Optimizer for Adam {
         let mut jobs = Vec::new();
         // Parameters for LibTorch's fused kernel, by device and kind (one call per group).
         let mut groups: Vec<FusedGroup> = Vec::new();
+        let (capturable, mut refused) = (self.lr_device.capturable, false);
         self.slots.update_each(|param, grad, state| {
-            let state = state.get_or_insert_with(|| AdamState { step: 0, exp_avg: param.zeros_like(), exp_avg_sq: param.zeros_like(), step_tensor: None });
-            if fused.unwrap_or(param.device().is_cuda()) {
+            let state = state.get_or_insert_with(|| AdamState { step: 0, exp_avg: moment_zeros(param), exp_avg_sq: moment_zeros(param), step_tensor: None });
+            let widened = param.kind() == tch::Kind::Half;
+            if widened && capturable {
+                refused = true;
+                return;
+            }
+            if fused.unwrap_or(param.device().is_cuda()) && !widened {
                 let step = state.step;
                 let step_tensor = state.step_tensor.get_or_insert_with(|| Tensor::full([], step as f64, (tch::Kind::Float, param.device())));
                 state.step += 1;
@@ -177,9 +182,15 @@ impl Optimizer for Adam {
             let scalars = [1.0 - beta1, beta2, 1.0 - beta2, bias_correction2.powf(0.5), eps, -step_size];
             match fused::Job::new(param, grad, &state.exp_avg, &state.exp_avg_sq, weight_decay, scalars) {
                 Some(job) => jobs.push(job),
+                None if widened => update_widened(param, grad, &mut state.exp_avg, &mut state.exp_avg_sq, weight_decay, scalars),
                 None => update(param, grad, &mut state.exp_avg, &mut state.exp_avg_sq, weight_decay, scalars),
             }
         });
+        anyhow::ensure!(
+            !refused,
+            "--cuda-graph with float16 parameters (--precision 16-true): Adam updates them in float32 one parameter at a time, \
+             which a graph cannot replay with a changing learning rate; use --precision bf16-true or 16-mixed"
+        );
         fused::run(&jobs, tch::get_num_threads().max(1) as usize);
         tch::no_grad(|| {
             for group in &groups {
@@ -226,6 +237,15 @@ impl Optimizer for Adam {
         self.lr_device.capturable = true;
         Ok(())
     }
+}
+
+/// [`update`] of a float16 parameter whose moments are float32 ([`super::moment_kind`]): the
+/// arithmetic in float32, as torch's fused kernels do it in their wider "opmath" type, the
+/// result rounded once into the parameter.
+fn update_widened(param: &mut Tensor, grad: &Tensor, exp_avg: &mut Tensor, exp_avg_sq: &mut Tensor, weight_decay: f64, scalars: UpdateScalars) {
+    let mut wide = param.to_kind(tch::Kind::Float);
+    update(&mut wide, &grad.to_kind(tch::Kind::Float), exp_avg, exp_avg_sq, weight_decay, scalars);
+    tch::no_grad(|| param.copy_(&wide));
 }
 
 /// Adam on float32 CPU parameters in one pass over memory.
@@ -413,5 +433,61 @@ mod tests {
         assert!(fused::Job::new(&t, &g.tr(), &m.tr(), &v.tr(), 0.0, SCALARS).is_none(), "non-contiguous");
         let d = p.to_kind(tch::Kind::Double);
         assert!(fused::Job::new(&d, &d.ones_like(), &d.zeros_like(), &d.zeros_like(), 0.0, SCALARS).is_none(), "float64");
+    }
+
+    /// Three Adam steps on `param` with the same gradient each time; the parameter and state after.
+    fn three_steps(param: &Tensor, grad: &Tensor) -> (Tensor, Vec<(String, Tensor)>) {
+        let p = param.copy().set_requires_grad(true);
+        let mut adam = Adam::new(vec![("w".into(), p.shallow_clone())], AdamConfig::default());
+        for _ in 0..3 {
+            let mut g = p.grad();
+            if !g.defined() {
+                (p.shallow_clone() * 0.0).sum(p.kind()).backward();
+                g = p.grad();
+            }
+            tch::no_grad(|| g.copy_(grad));
+            adam.step().unwrap();
+        }
+        (p.detach(), adam.state_tensors())
+    }
+
+    #[test]
+    fn float16_parameters_keep_float32_moments_and_step_like_float32() {
+        // Zero, tiny and ordinary gradients: in float16 the first's update is 0/0 and the
+        // second's square (1e-8) rounds to zero, so float16 moments give NaN and a jump.
+        let values = [0.5, -0.25, 0.125, 1.0, 0.75];
+        let grads = [0.0, 1e-4, -3e-5, 0.5, -2e-3];
+        let half = |v: &[f64]| Tensor::from_slice(v).to_kind(tch::Kind::Half);
+        let (param, state) = three_steps(&half(&values), &half(&grads));
+        assert_eq!(param.kind(), tch::Kind::Half);
+        let moments: Vec<&Tensor> = state.iter().filter(|(name, _)| name.starts_with("exp_avg")).map(|(_, t)| t).collect();
+        assert_eq!(moments.len(), 2);
+        assert!(moments.iter().all(|m| m.kind() == tch::Kind::Float), "{:?}", moments.iter().map(|m| m.kind()).collect::<Vec<_>>());
+        // The float32 reference, from the same (float16-rounded) values and gradients.
+        let wide = |t: Tensor| t.to_kind(tch::Kind::Float);
+        let (reference, _) = three_steps(&wide(half(&values)), &wide(half(&grads)));
+        let ours = wide(param);
+        assert!(ours.isfinite().all().int64_value(&[]) == 1, "{ours:?}");
+        // One float16 rounding per step apart: half an ulp, at most 2^-11 of the value, each.
+        let diff = (&ours - &reference).abs() - reference.abs() * (3.0 * 2f64.powi(-11));
+        assert!(diff.max().double_value(&[]) <= 1e-7, "{ours:?} vs {reference:?}");
+        // A zero gradient does not move its element; the others moved by about lr each step.
+        assert_eq!(ours.double_value(&[0]), 0.5);
+        assert!((ours.double_value(&[1]) - (-0.25 - 3e-3)).abs() < 2e-4, "{ours:?}");
+    }
+
+    #[test]
+    fn float16_moments_load_as_float32_from_a_checkpoint() {
+        let p = Tensor::from_slice(&[0.5f32, -0.25]).to_kind(tch::Kind::Half);
+        let (_, state) = three_steps(&p, &Tensor::from_slice(&[1e-4f32, 0.5]).to_kind(tch::Kind::Half));
+        let saved: HashMap<String, Tensor> = state.into_iter().collect();
+        let mut fresh = Adam::new(vec![("w".into(), p.copy())], AdamConfig::default());
+        fresh.load_state_tensors(&saved).unwrap();
+        for (name, t) in fresh.state_tensors() {
+            if name.starts_with("exp_avg") {
+                assert_eq!(t.kind(), tch::Kind::Float, "{name}");
+                assert!(t.equal(&saved[&name]), "{name} changed on loading");
+            }
+        }
     }
 }

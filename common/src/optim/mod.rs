@@ -380,6 +380,9 @@ pub(crate) fn clip_grad_norm_over(params: &[Tensor], max_norm: f64, scope: NormS
 enum EntryKind {
     /// A tensor shaped like the parameter, kept on its device in its kind.
     LikeParam,
+    /// A moment estimate: shaped like the parameter, on its device, in its kind, but float32 for
+    /// a float16 parameter ([`moment_kind`]).
+    Moment,
     /// A count of updates, saved as a 0-dim int64 tensor (any kind holding a whole number
     /// loads, e.g. torch's float32 `step`).
     Count,
@@ -498,6 +501,26 @@ impl<S: ParamState> Slots<S> {
     }
 }
 
+/// The kind a moment estimate of a `param_kind` parameter is kept in: float32 for float16.
+/// Float16 cannot hold Adam's second moment (squares of gradients below 2.4·10⁻⁴ round to zero)
+/// nor its ε (10⁻⁸ rounds to zero), and an update divided by a zero becomes infinite, or NaN
+/// where the gradient was zero too (an embedding row its batch did not use): `--precision
+/// 16-true` diverged within 40 steps on every model so. bfloat16 has float32's range.
+fn moment_kind(param_kind: Kind) -> Kind {
+    match param_kind {
+        Kind::Half => Kind::Float,
+        kind => kind,
+    }
+}
+
+/// A fresh moment estimate for `param`, zero, in [`moment_kind`].
+fn moment_zeros(param: &Tensor) -> Tensor {
+    match param.kind() {
+        Kind::Half => param.zeros_like().to_kind(Kind::Float),
+        _ => param.zeros_like(),
+    }
+}
+
 fn state_key(entry: &str, param: &str) -> String {
     format!("{entry}.{param}")
 }
@@ -506,7 +529,7 @@ fn state_key(entry: &str, param: &str) -> String {
 /// fresh tensor (never aliasing the caller's), so later in-place updates leave `tensor` alone.
 fn load_entry(key: &str, tensor: &Tensor, kind: EntryKind, param: &Tensor) -> Result<Tensor> {
     match kind {
-        EntryKind::LikeParam => {
+        EntryKind::LikeParam | EntryKind::Moment => {
             let (got, want) = (tensor.size(), param.size());
             if got != want {
                 bail!("optimizer state tensor `{key}` has shape {got:?}, but the parameter has shape {want:?}");
@@ -517,6 +540,9 @@ fn load_entry(key: &str, tensor: &Tensor, kind: EntryKind, param: &Tensor) -> Re
             // `empty_like` keeps the parameter's device, kind and memory layout, as torch's
             // `zeros_like(p, memory_format=torch.preserve_format)` does for fresh state.
             let mut out = param.empty_like();
+            if kind == EntryKind::Moment && moment_kind(param.kind()) != param.kind() {
+                out = out.to_kind(moment_kind(param.kind()));
+            }
             tch::no_grad(|| out.copy_(tensor));
             Ok(out)
         }

@@ -351,12 +351,12 @@ class Harness:
         return f"loss {first:.3f} -> {last:.3f} in {len(losses)} steps, {throughput:,.0f} {unit}"
 
     @staticmethod
-    def same_losses(a, b, tolerance):
-        """Largest relative difference of two runs' step losses (over the shorter), or CheckFailed
-        saying where they parted: the first step beyond the tolerance, the worst, and the first
-        steps' losses of both."""
+    def same_losses(a, b, tolerance, steps=None):
+        """Largest relative difference of two runs' step losses (over the shorter, or its first
+        `steps`), or CheckFailed saying where they parted: the first step beyond the tolerance,
+        the worst, and the first steps' losses of both."""
         la, lb = Harness.losses(a), Harness.losses(b)
-        n = min(len(la), len(lb))
+        n = min(len(la), len(lb), steps or len(la))
         gaps = [abs(x - y) / max(abs(x), 1e-3) for x, y in zip(la[:n], lb[:n])]
         worst = max(gaps)
         if not worst <= tolerance:
@@ -365,7 +365,7 @@ class Harness:
             head = ", ".join(f"{x:.5f}/{y:.5f}" for x, y in zip(la[:3], lb[:3]))
             raise CheckFailed(f"losses differ by {worst:.2e} (relative, step {at + 1}) over {n} steps, more than {tolerance:.0e} from step {first + 1} "
                               f"(steps 1-3: {head})")
-        return f"equal over {n} steps (largest relative difference {worst:.1e})"
+        return f"equal over {'the first ' if steps else ''}{n} step{'s' if n > 1 else ''} (largest relative difference {worst:.1e})"
 
     def cached(self, key, make):
         """The run kept under `key`, or a new one (a resumed run may not have it yet)."""
@@ -459,20 +459,23 @@ class Harness:
 
         layout_model = "cnn" if self.cpu else "resnet34"
 
-        # The two layouts run different kernels, whose roundings differ: with SGD they stay within
-        # 2e-3 (with Adam they part, its first updates being about lr times the gradient's sign).
-        sgd = ["--optimizer", "sgd", "--lr", "0.01", "--momentum", "0.9", "--deterministic"]
-
+        # The two layouts run different cuDNN kernels (TF32 where cuDNN's default allows it, as
+        # PyTorch's), whose roundings differ; training from scratch then amplifies them: on an
+        # H100, 1.7e-4 apart at step 1, 5e-3 at step 2, 0.4 by step 28, with Adam and with SGD.
+        # So: the same loss on the same weights and batch (step 1), and both learn.
         def channels_last():
-            run = self.image(f"e1-{layout_model}-cl-sgd", layout_model, "32", ["--channels-last", *sgd])
-            base = self.image(f"e1-{layout_model}-32-sgd", layout_model, "32", sgd)
-            return PASS, self.healthy(run) + "; " + self.same_losses(run, base, 2e-3)
+            run = self.image(f"e1-{layout_model}-cl-det", layout_model, "32", ["--channels-last", "--deterministic"])
+            base = self.image(f"e1-{layout_model}-32-det", layout_model, "32", ["--deterministic"])
+            self.healthy(base)
+            return PASS, self.healthy(run) + "; " + self.same_losses(run, base, 1e-3, steps=1)
         self.check(f"exercise1 {layout_model} --channels-last: the same model", channels_last, 2, (25, 8))
 
         def optimizer_kernels():
             fused = self.image("e1-cnn-fused", "cnn", "32", ["--optimizer-kernel", "fused", "--deterministic"])
             single = self.image("e1-cnn-per-parameter", "cnn", "32", ["--optimizer-kernel", "per-parameter", "--deterministic"])
-            return PASS, self.same_losses(fused, single, 1e-3)
+            # The kernels round differently in the last bits, which Adam's first, sign-like
+            # updates amplify: on an H100 equal to 1e-3 up to step 22, 1e-2 apart at step 40.
+            return PASS, self.same_losses(fused, single, 1e-3, steps=10)
         self.check("exercise1 cnn Adam: fused kernel = per-parameter", optimizer_kernels, 2, (20, 8))
         self.check("exercise1 cnn --data-on-device", lambda: (PASS, self.healthy(self.image("e1-cnn-resident", "cnn", "32", ["--data-on-device"]))), 2, (12, 5))
         self.check("exercise1 cnn --matmul-precision high", lambda: (PASS, self.healthy(self.image("e1-cnn-tf32", "cnn", "32", ["--matmul-precision", "high"]))), 2, (12, 5))
@@ -918,6 +921,8 @@ def header_of(recorded):
     resumed = recorded.get("resumed_from")
     if resumed:
         header += f", resuming the run of commit {resumed.get('commit', '?')}"
+    if recorded.get("note"):
+        header += f"\n\n{recorded['note']}"
     return header
 
 

@@ -95,7 +95,8 @@ pub struct RunArgs {
     pub course_log: Option<usize>,
     /// 32: float32; 16-mixed: float16 autocast with gradient scaling (GPU); bf16-mixed:
     /// bfloat16 autocast (GPU or CPU); 16-true (GPU) and bf16-true: the whole model in 16 bits
-    /// (`model.half()`: weights, gradients, optimizer state; no autocast, no scaler; one process
+    /// (`model.half()`: weights, gradients, optimizer state, but Adam's moments of float16
+    /// weights in float32; no autocast, no scaler; one process
     /// or data-parallel replicas over NCCL). Lightning's older names work too: 32-true, and 16
     /// and bf16, which Lightning 2 reads as 16-mixed and bf16-mixed.
     #[arg(long, value_enum, default_value = "32")]

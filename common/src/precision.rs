@@ -3,7 +3,9 @@
 //! autocast, no scaler: bfloat16 has float32's exponent range), and the "true" half precisions
 //! `16-true` and `bf16-true`: the course slide's `model.half()`, weights, gradients, optimizer
 //! state and activations all in the 16-bit type, no autocast and no scaler (half the memory of
-//! the model's state; no float32 master weights, so small updates can round away).
+//! the model's state; no float32 master weights, so small updates can round away). One
+//! exception: Adam keeps its moments of float16 parameters in float32 (float16 cannot hold ε
+//! nor the squares of small gradients, and 16-true diverged without; `optim::moment_kind`).
 //!
 //! # Autocast
 //!

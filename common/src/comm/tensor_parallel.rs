@@ -85,6 +85,22 @@ pub enum Split {
     PackedRows(i64),
 }
 
+impl Split {
+    /// The shape of `shard`'s part of a tensor of the `whole` shape cut this way: what
+    /// [`shard_tensor`] returns, known before the tensor is made (the layers' constructors make
+    /// their variables in it).
+    pub fn shard_shape(self, whole: &[i64], shard: Shard) -> Vec<i64> {
+        let mut shape = whole.to_vec();
+        match self {
+            Split::Replicated => {}
+            Split::Rows => shape[0] = shard.range(whole[0]).1,
+            Split::Columns => shape[1] = shard.range(whole[1]).1,
+            Split::PackedRows(parts) => shape[0] = parts * shard.range(whole[0] / parts).1,
+        }
+        shape
+    }
+}
+
 /// `shard`'s part of the whole tensor `full` cut as `split` says (a copy).
 pub fn shard_tensor(full: &Tensor, split: Split, shard: Shard) -> Tensor {
     let cut = |t: &Tensor, dim: i64| {
@@ -341,6 +357,20 @@ pub fn vocab_parallel_cross_entropy(logits: &Tensor, targets: &Tensor, shard: Sh
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_shards_shape_is_known_before_its_tensor() {
+        let whole = Tensor::arange(12 * 8, (tch::Kind::Float, tch::Device::Cpu)).view([12, 8]);
+        for split in [Split::Replicated, Split::Rows, Split::Columns, Split::PackedRows(3)] {
+            for count in [1, 2, 4] {
+                for index in 0..count {
+                    let shard = Shard { index, count };
+                    assert_eq!(split.shard_shape(&whole.size(), shard), shard_tensor(&whole, split, shard).size(), "{split:?} {shard:?}");
+                }
+            }
+        }
+        assert_eq!(Split::Rows.shard_shape(&[12], Shard { index: 1, count: 4 }), vec![3]);
+    }
     use tch::Device;
 
     #[test]

@@ -365,12 +365,13 @@ impl SelfAttention {
     /// whole; its starting values are the whole layer's, copied in by the caller.
     fn new(vs: &nn::Path, cfg: &TransformerConfig, shard: Shard) -> Self {
         let d = cfg.d_model;
-        let local = d / shard.count as i64;
+        let cut = |tensor: &str, whole: &[i64]| names::shard_shape(&format!("self_attn.{tensor}"), whole, shard);
         let xavier = (6.0 / (d + 3 * d) as f64).sqrt();
-        let out_proj = nn::linear(vs / "out_proj", local, d, nn::LinearConfig { ws_init: TORCH_DEFAULT_WEIGHT, bs_init: Some(Init::Const(0.)), bias: true });
+        let out_proj =
+            linear_cut(vs / "out_proj", &cut("out_proj.weight", &[d, d]), &cut("out_proj.bias", &[d]), (TORCH_DEFAULT_WEIGHT, Some(Init::Const(0.))));
         SelfAttention {
-            in_proj_weight: vs.var("in_proj_weight", &[3 * local, d], Init::Uniform { lo: -xavier, up: xavier }),
-            in_proj_bias: vs.var("in_proj_bias", &[3 * local], Init::Const(0.)),
+            in_proj_weight: vs.var("in_proj_weight", &cut("in_proj_weight", &[3 * d, d]), Init::Uniform { lo: -xavier, up: xavier }),
+            in_proj_bias: vs.var("in_proj_bias", &cut("in_proj_bias", &[3 * d]), Init::Const(0.)),
             out_proj,
             nhead: cfg.nhead,
             dropout: cfg.dropout,
@@ -451,12 +452,18 @@ impl EncoderLayer {
 
     /// Tensor-parallel `shard` of a layer (Megatron's): its heads of the attention, its rows of
     /// `linear1` (column parallel) and columns of `linear2` (row parallel, bias whole), the
-    /// layer norms whole. The variables have the whole layer's names and the shard's shapes
-    /// (see [`super::transformer_names`]); the caller copies the whole layer's
-    /// starting values in.
+    /// layer norms whole. The variables have the whole layer's names and the shard's shapes,
+    /// as the name table cuts them ([`super::transformer_names::shard_shape`]); the caller
+    /// copies the whole layer's starting values in.
     pub fn new_sharded(vs: &nn::Path, cfg: &TransformerConfig, shard: Shard) -> Result<Self, UsageError> {
         cfg.validate_shards(shard.count)?;
-        let hidden = cfg.d_hid / shard.count as i64;
+        let (d, d_hid) = (cfg.d_model, cfg.d_hid);
+        let cut = |tensor: &str, whole: &[i64]| names::shard_shape(tensor, whole, shard);
+        let linear = |name: &str, whole_out: i64, whole_in: i64| {
+            let (weight, bias) = (cut(&format!("{name}.weight"), &[whole_out, whole_in]), cut(&format!("{name}.bias"), &[whole_out]));
+            // `nn.Linear`'s initialisation (tch's default bias init is torch's).
+            linear_cut(vs / name, &weight, &bias, (TORCH_DEFAULT_WEIGHT, None))
+        };
         let layer_norm = |name: &str| {
             let config = nn::LayerNormConfig {
                 eps: LAYER_NORM_EPS,
@@ -466,8 +473,8 @@ impl EncoderLayer {
         };
         Ok(EncoderLayer {
             self_attn: SelfAttention::new(&(vs / "self_attn"), cfg, shard),
-            linear1: super::torch_linear(vs / "linear1", cfg.d_model, hidden),
-            linear2: super::torch_linear(vs / "linear2", hidden, cfg.d_model),
+            linear1: linear("linear1", d_hid, d),
+            linear2: linear("linear2", d, d_hid),
             norm1: layer_norm("norm1"),
             norm2: layer_norm("norm2"),
             dropout: cfg.dropout,
@@ -585,10 +592,13 @@ impl TokenEmbedding {
     /// embedding's starting values in.
     pub fn new_sharded(root: &nn::Path, cfg: &TransformerConfig, shard: Shard) -> Result<Self, UsageError> {
         cfg.validate_shards(shard.count)?;
+        let [rows, width] = names::shard_shape(&format!("{}.weight", names::EMBEDDING), &[cfg.ntoken, cfg.d_model], shard)[..] else {
+            unreachable!("an embedding is two-dimensional")
+        };
         let embedding = nn::embedding(
             root / names::EMBEDDING,
-            cfg.ntoken / shard.count as i64,
-            cfg.d_model,
+            rows,
+            width,
             nn::EmbeddingConfig { ws_init: Init::Uniform { lo: -INIT_RANGE, up: INIT_RANGE }, ..Default::default() },
         );
         Ok(TokenEmbedding {
@@ -674,12 +684,22 @@ pub fn output_layer(root: &nn::Path, cfg: &TransformerConfig) -> nn::Linear {
 
 /// The output layer's rows for `shard`'s words (vocabulary parallel: its slice of the logits).
 pub fn output_layer_sharded(root: &nn::Path, cfg: &TransformerConfig, shard: Shard) -> nn::Linear {
-    nn::linear(
-        root / names::OUTPUT,
-        cfg.d_model,
-        cfg.ntoken / shard.count as i64,
-        nn::LinearConfig { ws_init: Init::Uniform { lo: -INIT_RANGE, up: INIT_RANGE }, bs_init: Some(Init::Const(0.)), bias: true },
-    )
+    let cut = |tensor: &str, whole: &[i64]| names::shard_shape(&format!("{}.{tensor}", names::OUTPUT), whole, shard);
+    let (weight, bias) = (cut("weight", &[cfg.ntoken, cfg.d_model]), cut("bias", &[cfg.ntoken]));
+    let init = (Init::Uniform { lo: -INIT_RANGE, up: INIT_RANGE }, Some(Init::Const(0.)));
+    linear_cut(root / names::OUTPUT, &weight, &bias, init)
+}
+
+/// `nn::linear` with the variables of a tensor-parallel shard: a `[out, in]` weight and an
+/// `[out]` bias, the shapes the name table gives ([`names::shard_shape`]); `init` gives the
+/// weight's and the bias's initialisation (None: tch's default for the bias, torch's).
+///
+/// # Panics
+/// Where the bias's shape does not fit the weight's: the table cuts the layer inconsistently.
+fn linear_cut(vs: nn::Path, weight: &[i64], bias: &[i64], init: (Init, Option<Init>)) -> nn::Linear {
+    let &[out, input] = weight else { panic!("a linear layer's weight is [out, in], not {weight:?}") };
+    assert_eq!(bias, [out], "a linear layer's bias has its weight's rows");
+    nn::linear(vs, input, out, nn::LinearConfig { ws_init: init.0, bs_init: init.1, bias: true })
 }
 
 /// `nlayers` encoder layers `root / "transformer_encoder" / "layers" / i` for `i` in `range`,

@@ -1,7 +1,9 @@
 //! The Transformer language model's variables by name (torch's `state_dict` keys): the one
 //! module that reads a name. Everything that must know where a variable lives (the embedding,
 //! encoder layer i, the output layer: pipeline stages, ZeRO-3's parts), how tensor parallelism
-//! cuts it, or which layer's copy stands for it, asks [`TransformerVariable::parse`]. A name it
+//! cuts it, or which layer's copy stands for it, asks [`TransformerVariable::parse`]; the
+//! layers' constructors make a shard's variables in the shape [`shard_shape`] gives, so that
+//! how each variable is cut is written here only. A name it
 //! does not know is an error naming it, never a silent "replicated": renaming a variable in the
 //! model without renaming it here fails every sharded run and checkpoint at once (and the test
 //! below), instead of cutting one tensor wrongly.
@@ -87,6 +89,23 @@ impl<'a> TransformerVariable<'a> {
             Place::Embedding | Place::Output => self.tensor.to_string(),
         }
     }
+}
+
+/// The shape of `shard`'s part of `tensor`, a tensor of the `whole` shape: `tensor` is an
+/// encoder layer's tensor by its name in the layer (`linear1.weight`) or an end's
+/// (`embedding.weight`, `linear.bias`). The layers' constructors make their variables in it, so
+/// that how a variable is cut is said here alone.
+///
+/// # Panics
+/// On a name the table does not know: a constructor and this table disagree.
+pub fn shard_shape(tensor: &str, whole: &[i64], shard: crate::comm::tensor_parallel::Shard) -> Vec<i64> {
+    let split = END_TENSORS
+        .iter()
+        .find(|(_, name)| *name == tensor)
+        .map(|_| Split::Rows)
+        .or_else(|| LAYER_TENSORS.iter().find(|(name, _)| *name == tensor).map(|&(_, split)| split))
+        .unwrap_or_else(|| panic!("`{tensor}` is in neither the layers' nor the ends' table of transformer_names"));
+    split.shard_shape(whole, shard)
 }
 
 /// How tensor parallelism cuts the tensor `name`: a variable, or an optimizer-state entry

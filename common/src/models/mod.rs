@@ -24,8 +24,8 @@ pub use blocks::{Block, Blocks};
 use freeze::BatchNorm;
 pub use freeze::{freeze, Frozen, Trainable};
 pub use transformer::{
-    encoder_layers, encoder_layers_sharded, output_layer, output_layer_sharded, param_count_formula, EncoderLayer, Masks, OutputInit, TokenEmbedding,
-    TransformerConfig, TransformerLm,
+    encoder_layers, encoder_layers_sharded, language_model_loss, output_layer, output_layer_sharded, param_count_formula, EncoderLayer, Masks, OutputInit,
+    PartSpan, TokenEmbedding, TransformerConfig, TransformerLm, TransformerPart,
 };
 pub use weights::{load_weights, LoadedWeights};
 

@@ -727,16 +727,172 @@ pub fn encoder_layers_sharded(root: &nn::Path, cfg: &TransformerConfig, range: s
     Ok(layers)
 }
 
-/// The tutorial's `TransformerModel`: a causal Transformer language model.
+/// A consecutive piece of the Transformer language model: the token embedding (if it starts
+/// the model), encoder layers `layer_range`, the output layer (if it ends the model); as a
+/// tensor-parallel shard of those layers, with sequence parallelism or not. The one assembly of
+/// the model's layers: [`TransformerLm`] is the piece that is the whole model, a pipeline
+/// stage ([`crate::pipeline::Stage`]) a piece on a device of its own. Its variables carry the
+/// names they have in the whole model, so pieces together are exactly the whole model's
+/// state dict.
+#[derive(Debug)]
+pub struct TransformerPart {
+    embedding: Option<TokenEmbedding>,
+    layers: Vec<EncoderLayer>,
+    layer_range: std::ops::Range<i64>,
+    head: Option<nn::Linear>,
+    /// This rank's tensor-parallel shard of every layer ([`Shard::WHOLE`] without).
+    shard: Shard,
+    /// Between its layers each shard holds its rows of the sequence (sequence parallelism).
+    sequence_parallel: bool,
+}
+
+/// Which of the model's pieces a [`TransformerPart`] holds.
+#[derive(Debug, Clone)]
+pub struct PartSpan {
+    pub embedding: bool,
+    pub layers: std::ops::Range<i64>,
+    pub head: bool,
+}
+
+impl PartSpan {
+    /// The whole model of `nlayers` layers.
+    pub fn whole(nlayers: i64) -> PartSpan {
+        PartSpan { embedding: true, layers: 0..nlayers, head: true }
+    }
+}
+
+impl TransformerPart {
+    /// The pieces `span` says, tensor-parallel `shard` of them, their variables under `root`
+    /// with the whole model's names. `before_piece(i)` runs before the embedding (0), the
+    /// layers (1) and the output layer (2) draw their starting values: a pipeline stage seeds
+    /// LibTorch's generator there, so that every partition starts alike.
+    pub fn new(root: &nn::Path, cfg: &TransformerConfig, span: PartSpan, shard: Shard, before_piece: &mut dyn FnMut(u64)) -> Result<Self, UsageError> {
+        cfg.validate_shards(shard.count)?;
+        before_piece(0);
+        let embedding = span.embedding.then(|| TokenEmbedding::new_sharded(root, cfg, shard)).transpose()?;
+        before_piece(1);
+        let layers = encoder_layers_sharded(root, cfg, span.layers.clone(), shard)?;
+        before_piece(2);
+        let head = span.head.then(|| output_layer_sharded(root, cfg, shard));
+        Ok(TransformerPart { embedding, layers, layer_range: span.layers, head, shard, sequence_parallel: false })
+    }
+
+    /// This piece with sequence parallelism (Korthikanti et al. 2022): between its
+    /// tensor-parallel layers each shard holds its rows of the sequence (padded to a multiple of
+    /// the shards), what passes to the next piece included; the output layer gathers the
+    /// sequence. A property of the layers, not of the loop.
+    pub fn sequence_parallel(self) -> Result<Self, UsageError> {
+        if self.shard.is_whole() {
+            return Err(UsageError("--sequence-parallel cuts the sequence over the tensor-parallel shards of a layer: it needs --tp 2 or more".into()));
+        }
+        let TransformerPart { embedding, layers, .. } = self;
+        Ok(TransformerPart {
+            embedding: embedding.map(TokenEmbedding::sequence_parallel),
+            layers: layers.into_iter().map(EncoderLayer::sequence_parallel).collect(),
+            sequence_parallel: true,
+            ..self
+        })
+    }
+
+    pub fn shard(&self) -> Shard {
+        self.shard
+    }
+
+    pub fn layer_range(&self) -> std::ops::Range<i64> {
+        self.layer_range.clone()
+    }
+
+    pub fn has_embedding(&self) -> bool {
+        self.embedding.is_some()
+    }
+
+    pub fn has_head(&self) -> bool {
+        self.head.is_some()
+    }
+
+    /// The embedding: token ids `[seq_len, batch]` → `[seq_len, batch, d_model]`.
+    ///
+    /// # Panics
+    /// On a piece without the embedding.
+    pub fn embed(&self, src: &Tensor, train: bool, masks: Masks, tp: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
+        self.embedding.as_ref().expect("this piece starts the model").forward_sharded(src, train, masks, tp)
+    }
+
+    /// The encoder layers, in order, with their indices in the whole model.
+    pub fn layers(&self) -> impl Iterator<Item = (i64, &EncoderLayer)> {
+        self.layer_range.clone().zip(&self.layers)
+    }
+
+    /// The output layer: hidden states `[seq_len, batch, d_model]` → logits `[seq_len, batch,
+    /// ntoken]` (a tensor-parallel shard's words' slice of them, over `tp`).
+    ///
+    /// # Panics
+    /// On a piece without the output layer.
+    pub fn decode(&self, hidden: &Tensor, tp: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
+        let head = self.head.as_ref().expect("this piece ends the model");
+        Ok(match self.tp_group(tp) {
+            None => head.forward(hidden),
+            // Sequence parallel: the whole (padded) sequence's logits from this shard's rows.
+            Some(group) if self.sequence_parallel => tp::gathered_linear(hidden, &head.ws, head.bs.as_ref(), group)?,
+            Some(group) => tp::copy_to_shards(hidden, group)?.apply(head),
+        })
+    }
+
+    /// Through every piece it holds: token ids or hidden states in, hidden states or logits
+    /// out; dropout masks drawn as `masks` says (keyed masks are named by the layers'
+    /// whole-model indices, so they do not depend on the partition); a tensor-parallel shard
+    /// talks to the other shards over `tp`.
+    pub fn forward_masked(&self, xs: &Tensor, train: bool, masks: Masks, tp: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
+        let mut xs = match &self.embedding {
+            Some(_) => self.embed(xs, train, masks, tp)?,
+            None => xs.shallow_clone(),
+        };
+        for (index, layer) in self.layers() {
+            xs = layer.forward_sharded(&xs, train, masks, index, tp)?;
+        }
+        match &self.head {
+            Some(_) => self.decode(&xs, tp),
+            None => Ok(xs),
+        }
+    }
+
+    /// `tp` when this piece is a shard of more than one.
+    fn tp_group<'a>(&self, tp: Option<&'a ProcessGroup>) -> Option<&'a ProcessGroup> {
+        tp.filter(|_| !self.shard.is_whole())
+    }
+
+    /// The mean cross-entropy of the output layer's `logits` against `targets`, and, when
+    /// asked, its arg-max hits; a shard's vocabulary-parallel loss over `tp`. Positions that
+    /// sequence parallelism padded the sequence with are left out.
+    pub fn loss_and_hits(&self, logits: &Tensor, targets: &Tensor, tp: Option<&ProcessGroup>, count_hits: bool) -> anyhow::Result<(Tensor, Option<Tensor>)> {
+        let (positions, batch) = (logits.size()[0], logits.size()[1]);
+        let real = targets.numel() as i64 / batch;
+        let logits = if self.sequence_parallel && real < positions { logits.narrow(0, 0, real) } else { logits.shallow_clone() };
+        match self.tp_group(tp) {
+            None => Ok((language_model_loss(&logits, targets), count_hits.then(|| logits.argmax(-1, false).eq_tensor(targets).sum(Kind::Int64)))),
+            Some(group) => {
+                let (loss, hits) = tp::vocab_parallel_cross_entropy(&logits, targets, self.shard, group)?;
+                Ok((loss, count_hits.then_some(hits)))
+            }
+        }
+    }
+}
+
+/// Mean cross-entropy of `logits` `[seq_len, batch, ntoken]` against `targets` `[seq_len, batch]`.
+pub fn language_model_loss(logits: &Tensor, targets: &Tensor) -> Tensor {
+    let classes = *logits.size().last().expect("logits have a vocabulary dimension");
+    logits.reshape([-1, classes]).cross_entropy_for_logits(&targets.reshape([-1]).to_kind(Kind::Int64))
+}
+
+/// The tutorial's `TransformerModel`: a causal Transformer language model, the
+/// [`TransformerPart`] that holds every piece, on one rank.
 ///
 /// `forward_t` maps int64 token ids `[seq_len, batch]` (seq_len ≤ [`MAX_LEN`]) to logits
 /// `[seq_len, batch, ntoken]`; the logits at position `t` depend on the tokens at `0..=t` only.
 /// `train` turns dropout on.
 #[derive(Debug)]
 pub struct TransformerLm {
-    embedding: TokenEmbedding,
-    layers: Vec<EncoderLayer>,
-    linear: nn::Linear,
+    part: TransformerPart,
 }
 
 impl TransformerLm {
@@ -745,23 +901,23 @@ impl TransformerLm {
     ///
     /// A usage error (from [`TransformerConfig::validate`]) for an impossible configuration.
     pub fn new(root: &nn::Path, cfg: &TransformerConfig) -> Result<Self, UsageError> {
-        Ok(TransformerLm { embedding: TokenEmbedding::new(root, cfg)?, layers: encoder_layers(root, cfg, 0..cfg.nlayers)?, linear: output_layer(root, cfg) })
+        Ok(TransformerLm { part: TransformerPart::new(root, cfg, PartSpan::whole(cfg.nlayers), Shard::WHOLE, &mut |_| {})? })
     }
 
     /// The first stage: token ids `[seq_len, batch]` → `[seq_len, batch, d_model]`.
     pub fn embed(&self, src: &Tensor, train: bool) -> Tensor {
-        self.embedding.forward_t(src, train)
+        self.part.embed(src, train, Masks::Shared, None).unwrap_or_else(|err| panic!("{err:#}"))
     }
 
     /// The encoder layers, in order; each maps `[seq_len, batch, d_model]` to the same shape.
     pub fn layers(&self) -> &[EncoderLayer] {
-        &self.layers
+        &self.part.layers
     }
 
     /// The last stage: the output of the last layer `[seq_len, batch, d_model]` → logits
     /// `[seq_len, batch, ntoken]`.
     pub fn decode(&self, hidden: &Tensor) -> Tensor {
-        self.linear.forward(hidden)
+        self.part.decode(hidden, None).unwrap_or_else(|err| panic!("{err:#}"))
     }
 }
 
@@ -772,23 +928,22 @@ impl super::PartedModule for TransformerLm {
         Ok(match TransformerVariable::parse(name)?.place {
             Place::Embedding => 0,
             Place::Layer(layer) => layer as usize + 1,
-            Place::Output => self.layers.len() + 1,
+            Place::Output => self.layers().len() + 1,
         })
     }
 
     fn forward_parts(&self, src: &Tensor, train: bool, around: &mut super::AroundPart) -> anyhow::Result<Tensor> {
         let mut hidden = around(0, &|| self.embed(src, train))?;
-        for (i, layer) in self.layers.iter().enumerate() {
+        for (i, layer) in self.layers().iter().enumerate() {
             let input = hidden;
             hidden = around(i + 1, &|| layer.forward_t(&input, train))?;
         }
-        around(self.layers.len() + 1, &|| self.decode(&hidden))
+        around(self.layers().len() + 1, &|| self.decode(&hidden))
     }
 }
 
 impl ModuleT for TransformerLm {
     fn forward_t(&self, src: &Tensor, train: bool) -> Tensor {
-        let hidden = self.layers.iter().fold(self.embed(src, train), |h, layer| layer.forward_t(&h, train));
-        self.decode(&hidden)
+        self.part.forward_masked(src, train, Masks::Shared, None).unwrap_or_else(|err| panic!("{err:#}"))
     }
 }

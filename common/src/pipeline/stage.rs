@@ -3,7 +3,7 @@
 use std::ops::Range;
 
 use anyhow::{Context, Result};
-use tch::nn::{self, Module, ModuleT};
+use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Tensor};
 
 use super::LayerCosts;
@@ -11,27 +11,24 @@ use crate::comm::tensor_parallel::{self as tp, Shard};
 use crate::comm::ProcessGroup;
 use crate::error::UsageError;
 use crate::models::transformer_names::TransformerVariable;
-use crate::models::{self, EncoderLayer, Masks, TokenEmbedding, TransformerConfig};
+use crate::models::{self, Masks, PartSpan, TransformerConfig, TransformerPart};
 
-/// Stage `index` of a pipeline: the token embedding (first stage), encoder layers
-/// `layer_range`, the output layer (last stage). Its variables carry the names they have in the
-/// whole model ([`crate::models::TransformerLm`]), so the stages' variables together are
-/// exactly the unpartitioned model's state dict. With tensor parallelism the stage is one
-/// shard of those layers (Megatron's: vocabulary-parallel embedding and output layer,
-/// column- and row-parallel layers), the variables under the same names with the shard's
-/// shapes.
+/// Stage `index` of a pipeline: the piece of the Transformer language model
+/// ([`TransformerPart`]: the token embedding on the first stage, encoder layers `layer_range`,
+/// the output layer on the last) with its own variables on its own device. Its variables carry
+/// the names they have in the whole model ([`crate::models::TransformerLm`]), so the stages'
+/// variables together are exactly the unpartitioned model's state dict. With tensor
+/// parallelism the stage is one shard of those layers (Megatron's: vocabulary-parallel
+/// embedding and output layer, column- and row-parallel layers), the variables under the same
+/// names with the shard's shapes.
 pub struct Stage {
     pub index: usize,
     pub layer_range: Range<i64>,
     pub vs: nn::VarStore,
     /// This rank's tensor-parallel shard of every layer ([`Shard::WHOLE`] without).
     pub shard: Shard,
-    embedding: Option<TokenEmbedding>,
-    layers: Vec<EncoderLayer>,
-    head: Option<nn::Linear>,
+    part: TransformerPart,
     ntoken: i64,
-    /// Between its layers each shard holds its rows of the sequence (sequence parallelism).
-    sequence_parallel: bool,
 }
 
 impl Stage {
@@ -85,32 +82,16 @@ impl Stage {
         shard: Shard,
     ) -> Result<Stage, UsageError> {
         let vs = nn::VarStore::new(device);
-        let root = vs.root();
-        let seeded = |part: u64| tch::manual_seed(seed.wrapping_add(part) as i64);
-        seeded(0);
-        let embedding = (index == 0).then(|| TokenEmbedding::new_sharded(&root, cfg, shard)).transpose()?;
-        seeded(1);
-        let layers = models::encoder_layers_sharded(&root, cfg, layer_range.clone(), shard)?;
-        seeded(2);
-        let head = (index + 1 == stages).then(|| models::output_layer_sharded(&root, cfg, shard));
-        Ok(Stage { index, layer_range, vs, shard, embedding, layers, head, ntoken: cfg.ntoken, sequence_parallel: false })
+        let span = PartSpan { embedding: index == 0, layers: layer_range.clone(), head: index + 1 == stages };
+        let part = TransformerPart::new(&vs.root(), cfg, span, shard, &mut |piece| {
+            tch::manual_seed(seed.wrapping_add(piece) as i64);
+        })?;
+        Ok(Stage { index, layer_range, vs, shard, part, ntoken: cfg.ntoken })
     }
 
-    /// This stage with sequence parallelism (Korthikanti et al. 2022): between its
-    /// tensor-parallel layers each shard holds its rows of the sequence (padded to a multiple of
-    /// the shards), what passes to the next stage included; the output layer gathers the
-    /// sequence. A property of the stage's layers, not of the loop.
+    /// This stage with sequence parallelism ([`TransformerPart::sequence_parallel`]).
     pub fn sequence_parallel(self) -> Result<Stage, UsageError> {
-        if self.shard.is_whole() {
-            return Err(UsageError("--sequence-parallel cuts the sequence over the tensor-parallel shards of a layer: it needs --tp 2 or more".into()));
-        }
-        let Stage { embedding, layers, .. } = self;
-        Ok(Stage {
-            embedding: embedding.map(TokenEmbedding::sequence_parallel),
-            layers: layers.into_iter().map(EncoderLayer::sequence_parallel).collect(),
-            sequence_parallel: true,
-            ..self
-        })
+        Ok(Stage { part: self.part.sequence_parallel()?, ..self })
     }
 
     pub fn device(&self) -> Device {
@@ -118,11 +99,11 @@ impl Stage {
     }
 
     pub fn is_first(&self) -> bool {
-        self.embedding.is_some()
+        self.part.has_embedding()
     }
 
     pub fn is_last(&self) -> bool {
-        self.head.is_some()
+        self.part.has_head()
     }
 
     /// Stage 0: token ids `[seq_len, batch]` → hidden states; other stages: hidden states →
@@ -131,47 +112,17 @@ impl Stage {
         self.forward_masked(xs, train, Masks::Shared, None).unwrap_or_else(|err| panic!("{err:#}"))
     }
 
-    /// [`Stage::forward_t`] with the dropout masks drawn as `masks` says; keyed masks are
-    /// named by the layers' whole-model indices, so they do not depend on the partition. A
-    /// tensor-parallel shard talks to the other shards over `tp` (its logits are then its
-    /// words' slice).
+    /// [`Stage::forward_t`] with the dropout masks drawn as `masks` says
+    /// ([`TransformerPart::forward_masked`]); a tensor-parallel shard talks to the other shards
+    /// over `tp` (its logits are then its words' slice).
     pub fn forward_masked(&self, xs: &Tensor, train: bool, masks: Masks, tp: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
-        let mut xs = match &self.embedding {
-            Some(embedding) => embedding.forward_sharded(xs, train, masks, tp)?,
-            None => xs.shallow_clone(),
-        };
-        for (layer, index) in self.layers.iter().zip(self.layer_range.clone()) {
-            xs = layer.forward_sharded(&xs, train, masks, index, tp)?;
-        }
-        Ok(match (&self.head, self.tp_group(tp)) {
-            (Some(head), None) => head.forward(&xs),
-            // Sequence parallel: the whole (padded) sequence's logits from this shard's rows.
-            (Some(head), Some(group)) if self.sequence_parallel => tp::gathered_linear(&xs, &head.ws, head.bs.as_ref(), group)?,
-            (Some(head), Some(group)) => tp::copy_to_shards(&xs, group)?.apply(head),
-            (None, _) => xs,
-        })
-    }
-
-    /// `tp` when this stage is a shard of more than one.
-    fn tp_group<'a>(&self, tp: Option<&'a ProcessGroup>) -> Option<&'a ProcessGroup> {
-        tp.filter(|_| !self.shard.is_whole())
+        self.part.forward_masked(xs, train, masks, tp)
     }
 
     /// The last stage's mean cross-entropy of its `logits` against `targets`, and, when asked,
-    /// its arg-max hits: [`Stage::loss`], or the vocabulary-parallel loss of a shard (over `tp`).
+    /// its arg-max hits ([`TransformerPart::loss_and_hits`]).
     pub fn loss_and_hits(&self, logits: &Tensor, targets: &Tensor, tp: Option<&ProcessGroup>, count_hits: bool) -> anyhow::Result<(Tensor, Option<Tensor>)> {
-        // Without the positions sequence parallelism padded the sequence with.
-        let (positions, batch) = (logits.size()[0], logits.size()[1]);
-        let real = targets.numel() as i64 / batch;
-        let logits = if self.sequence_parallel && real < positions { logits.narrow(0, 0, real) } else { logits.shallow_clone() };
-        let logits = &logits;
-        match self.tp_group(tp) {
-            None => Ok((Stage::loss(logits, targets), count_hits.then(|| logits.argmax(-1, false).eq_tensor(targets).sum(Kind::Int64)))),
-            Some(group) => {
-                let (loss, hits) = tp::vocab_parallel_cross_entropy(logits, targets, self.shard, group)?;
-                Ok((loss, count_hits.then_some(hits)))
-            }
-        }
+        self.part.loss_and_hits(logits, targets, tp, count_hits)
     }
 
     /// The vocabulary size of the whole model.
@@ -206,10 +157,9 @@ impl Stage {
     }
 
     /// Mean cross-entropy of `logits` `[seq_len, batch, ntoken]` against `targets`
-    /// `[seq_len, batch]`.
+    /// `[seq_len, batch]` ([`models::language_model_loss`]).
     pub fn loss(logits: &Tensor, targets: &Tensor) -> Tensor {
-        let classes = *logits.size().last().expect("logits have a vocabulary dimension");
-        logits.reshape([-1, classes]).cross_entropy_for_logits(&targets.reshape([-1]).to_kind(Kind::Int64))
+        models::language_model_loss(logits, targets)
     }
 
     /// Measures the forward + backward time of the model's pieces on `device` for one
@@ -220,14 +170,15 @@ impl Stage {
         let probe = Stage::new(&TransformerConfig { nlayers: 1, ..*cfg }, 0, 1, 0..1, device, 0).expect("a valid configuration has a valid one-layer probe");
         let tokens = Tensor::randint(cfg.ntoken, [seq_len, micro_batch], (Kind::Int64, device));
         let hidden = Tensor::randn([seq_len, micro_batch, cfg.d_model], (Kind::Float, device));
-        let embedding = probe.embedding.as_ref().expect("the probe embeds");
-        let head = probe.head.as_ref().expect("the probe decodes");
-        let embedding = median_time(device, || embedding.forward_t(&tokens, true).sum(Kind::Float).backward());
+        let part = &probe.part;
+        let run = |result: anyhow::Result<Tensor>| result.unwrap_or_else(|err| panic!("{err:#}"));
+        let embedding = median_time(device, || run(part.embed(&tokens, true, Masks::Shared, None)).sum(Kind::Float).backward());
+        let (_, layer) = part.layers().next().expect("the probe has a layer");
         let layer = median_time(device, || {
             let input = hidden.detach().set_requires_grad(true);
-            probe.layers[0].forward_t(&input, true).sum(Kind::Float).backward()
+            layer.forward_t(&input, true).sum(Kind::Float).backward()
         });
-        let head = median_time(device, || Stage::loss(&head.forward(&hidden), &tokens).backward());
+        let head = median_time(device, || Stage::loss(&run(part.decode(&hidden, None)), &tokens).backward());
         LayerCosts { embedding, layers: vec![layer; cfg.nlayers as usize], head }
     }
 }

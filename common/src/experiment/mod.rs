@@ -20,6 +20,7 @@ use crate::error::usage;
 use crate::flags::{ParallelArgs, RecipeArgs, RunArgs};
 use crate::memory;
 use crate::memory::estimate::RankEstimate;
+use crate::parallel::Job;
 use crate::parallelize::Parallelize;
 use crate::precision::Precision;
 use crate::presets::Preset;
@@ -168,25 +169,19 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
     if exp.preset().per_device && !env.is_distributed() && parallel.backend == Backend::Auto {
         return run_per_device(exp, listeners);
     }
-    // A parameter-server job's servers keep their tensors on the CPU and talk to the workers
-    // over MPI: NCCL would want a GPU for each of them too (and refuse two ranks on one).
-    let backend = match parallel.backend {
-        Backend::Auto if parallel.parameter_server().is_some() => Backend::Mpi,
-        chosen => chosen,
-    };
+    let servers = parallel.parameter_server();
     // Errors on one rank abort every rank (MPI_Abort) instead of leaving the others waiting.
-    ProcessGroup::run(backend, |world| {
-        // A parameter-server job (parallel::parameter_server): the last --servers ranks serve and
-        // stop here; the workers train as data-parallel replicas over a group of their own.
-        let ps = crate::parallel::parameter_server::Job::start(world, parallel.parameter_server())?;
-        if let Some(job) = ps.as_ref().filter(|job| job.is_server()) {
-            return job.serve().map(|()| Vec::new());
+    ProcessGroup::run(Job::backend(parallel.backend, servers.as_ref()), |world| {
+        // The style may set ranks apart (parameter servers): they work here until the job is
+        // done; the others train as data-parallel replicas over a group of their own.
+        let job = Job::start(world, servers)?;
+        if job.serve()? {
+            return Ok(Vec::new());
         }
-        let world = ps.as_ref().map_or(world, |job| job.workers());
+        let world = job.ranks();
         let layout = job_layout(exp, world.world_size())?;
-        let servers = ps.as_ref().map(|job| job.link());
-        let traffic = servers.clone().map(|link| link as std::rc::Rc<dyn crate::comm::group::Traffic>);
-        let groups = Groups::new(world, layout)?.with_traffic(traffic);
+        let run_part = job.run_part();
+        let groups = Groups::new(world, layout)?.with_traffic(run_part.clone().map(|part| part.traffic()));
         let device = exp.device(&groups)?;
         run.precision.check(device)?;
         let mut session = session_observers(exp, world.is_root(), listeners);
@@ -203,7 +198,7 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
             session.warn(warning)?;
         }
         let data = exp.load(&mut session, world.is_root())?;
-        let record = train_on(exp, &data, Place { groups: &groups, servers: servers.as_ref(), device }, &mut session)?;
+        let record = train_on(exp, &data, Place { groups: &groups, run_part: run_part.as_ref(), device }, &mut session)?;
         if let (Some(record), true) = (&record, world.world_size() > 1) {
             let csv = run.results_dir.join(format!("{}.csv", exp.preset().name));
             if let Some(efficiency) = report::scaling_efficiency(&csv, record) {
@@ -332,7 +327,7 @@ fn run_per_device<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<V
     let data = exp.load(&mut session, true)?;
     let mut records = Vec::new();
     for device in devices {
-        records.extend(train_on(exp, &data, Place { groups: &groups, servers: None, device }, &mut session)?);
+        records.extend(train_on(exp, &data, Place { groups: &groups, run_part: None, device }, &mut session)?);
     }
     if records.is_empty() {
         return Ok(records); // --eval-only, or a finished run resumed: each device said why

@@ -17,9 +17,8 @@ use crate::error::usage;
 use crate::flags::RunArgs;
 use crate::memory::{self, MemoryMeter, ModelState};
 use crate::optim::Optimizer;
-use crate::parallel::parameter_server::WorkerLink;
 use crate::parallel::zero::ZeroStage;
-use crate::parallel::{optimizer_for, DataParallelPlan, GradientSync};
+use crate::parallel::{optimizer_for, DataParallelPlan, GradientSync, RunPart};
 use crate::parallelize::parallelize;
 use crate::precision::Precision;
 use crate::profile::libtorch::TorchProfiler;
@@ -43,21 +42,22 @@ pub(super) struct Built<'g, M> {
     pub data_identity: serde_json::Value,
 }
 
-/// The parameter servers a worker of a parameter-server job trains with (`--strategy
-/// parameter-server`); none in other jobs.
-pub(super) type Servers<'w> = Option<&'w Rc<WorkerLink<'w>>>;
+/// What the job's style keeps for the run ([`crate::parallel::Job::run_part`]: a
+/// parameter-server worker's link to its servers); none for most styles.
+pub(super) type RunPartRef<'w> = Option<&'w Rc<dyn RunPart + 'w>>;
 
-/// Where a run trains: the job's groups, its parameter servers (if any) and this rank's device.
+/// Where a run trains: the job's groups, what its style keeps for the run (if anything) and
+/// this rank's device.
 #[derive(Clone, Copy)]
 pub(super) struct Place<'g> {
     pub groups: &'g Groups<'g>,
-    pub servers: Servers<'g>,
+    pub run_part: RunPartRef<'g>,
     pub device: Device,
 }
 
 /// One training run at `place`: built, trained, measured; rank 0's record.
 pub(super) fn train_on<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<'g>, session: &mut Observers) -> Result<Option<RunRecord>> {
-    let Place { groups, servers, device } = place;
+    let Place { groups, run_part, device } = place;
     if device.is_cuda() && !exp.run_args().deterministic {
         // cuDNN times its algorithms once per shape and keeps the fastest (not with --deterministic).
         tch::Cuda::cudnn_set_benchmark(true);
@@ -81,11 +81,12 @@ pub(super) fn train_on<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<
     let before = groups.comm_stats();
     let Built { step, optimizer, sources, .. } = &mut built;
     let fit = train::fit(step.as_mut(), optimizer.as_mut(), sources.train.as_ref(), sources.eval.as_ref(), &config, &mut observers);
-    if let (Err(stopped), Some(link)) = (&fit, servers) {
-        // Workers stopped by a signal (with their checkpoint) are done too: the servers, which
-        // serve until every worker says so, must hear it, or the job never ends.
+    if let (Err(stopped), Some(part)) = (&fit, run_part) {
+        // Ranks stopped by a signal (with their checkpoint) are done too: what the style set
+        // apart (servers, which serve until every worker says so) must hear it, or the job
+        // never ends.
         if stopped.is::<crate::error::Stopped>() {
-            link.finish()?;
+            part.finish()?;
         }
     }
     let mut fit = match fit {
@@ -93,8 +94,8 @@ pub(super) fn train_on<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<
         fit => fit?,
     };
     let communication = groups.comm_stats().since(before);
-    // Every parameter-server worker says it is done; worker 0 gets the servers' figures.
-    let parameter_server = servers.map(|link| link.finish()).transpose()?.flatten();
+    // Every rank says it is done (to the servers); rank 0 gets the style's figures.
+    let parameter_server = run_part.map(|part| part.finish()).transpose()?.flatten();
     drop(observers);
     if fit.steps == 0 && !exp.run_args().eval_only {
         // A finished run resumed (a requeued or resubmitted job): its results stay as they are,
@@ -156,14 +157,14 @@ fn announce_matmul_precision(run: &RunArgs, device: Device, session: &mut Observ
 /// The exercise's model laid out by the job's plan ([`parallelize`]), its data, and the
 /// optimizer over what this rank trains.
 fn build<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<'g>, session: &mut Observers) -> Result<(Built<'g, E::Model>, RefCell<MemoryMeter>)> {
-    let Place { groups, servers, device } = place;
+    let Place { groups, run_part, device } = place;
     let (run, preset) = (exp.run_args(), exp.preset());
     let plan = exp.model(data, groups, device, session)?;
     let zero = exp.parallel_args().zero_stage();
     if let Some(stage) = zero {
         check_zero(exp, stage, groups)?;
     }
-    let sync = GradientSync::of_run(preset.sync, zero, groups.shard_groups().is_some(), servers.is_some());
+    let sync = run_part.map_or_else(|| GradientSync::of_run(preset.sync, zero, groups.shard_groups().is_some()), |part| part.sync());
     let dp = DataParallelPlan { averager: exp.parallel_args().averager(), sync };
     let replicas = groups.layout.dp;
     let sources = exp.sources(data, device, (groups.coords.replica, replicas))?;
@@ -175,12 +176,13 @@ fn build<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<'g>, session: 
     let build = |named| recipe.optimizer.build(named, recipe.lr, recipe.momentum, recipe.weight_decay, exp.recipe_args().optimizer_kernel);
     let mut optimizer = optimizer_for(parallel_step.as_ref(), &build)?;
     let mut step: Box<dyn TrainStep<'g> + 'g> = parallel_step;
-    if let Some(link) = servers {
-        // The optimizer runs on the servers; the step evaluates their parameters.
-        link.check(run.precision, run.cuda_graph)?;
-        step = link.step(step);
+    if let Some(part) = run_part {
+        // The style's own step and optimizer (a parameter server's: the optimizer runs on the
+        // servers; the step evaluates their parameters).
+        part.check(run.precision, run.cuda_graph)?;
+        step = part.clone().step(step);
         let kernel = exp.recipe_args().optimizer_kernel;
-        optimizer = link.optimizer(step.named_parameters(), recipe.optimizer, recipe.lr, recipe.momentum, recipe.weight_decay, kernel);
+        optimizer = part.clone().optimizer(step.named_parameters(), recipe.optimizer, recipe.lr, recipe.momentum, recipe.weight_decay, kernel);
     }
     // --straggler: this rank sleeps in every step (any strategy).
     let optimizer = crate::parallel::parameter_server::Straggled::wrap(optimizer, exp.parallel_args().straggler, groups.world.rank());
@@ -190,7 +192,7 @@ fn build<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<'g>, session: 
 
 /// The loop's configuration for `built` (with `--cuda-graph`, the optimizer made capturable).
 fn train_config<E: Experiment>(exp: &E, built: &Built<'_, E::Model>, place: Place<'_>) -> Result<TrainConfig> {
-    let Place { groups, servers, device } = place;
+    let Place { groups, run_part, device } = place;
     let run = exp.run_args();
     let recipe = &built.recipe;
     // --cuda-graph records GPU steps; the CPU leg of a CPU-vs-GPU comparison trains as usual.
@@ -224,7 +226,7 @@ fn train_config<E: Experiment>(exp: &E, built: &Built<'_, E::Model>, place: Plac
         steady_after: run.steady_after,
         cuda_graph,
         eval_only: run.eval_only,
-        lockstep: servers.is_none_or(|link| link.lockstep()),
+        lockstep: run_part.is_none_or(|part| part.lockstep()),
     })
 }
 

@@ -30,6 +30,7 @@ use zero::{Shards, ZeroStage};
 
 mod ddp;
 mod horovod;
+mod job;
 mod local;
 pub mod parameter_server;
 mod peers;
@@ -37,6 +38,7 @@ mod ranks;
 pub mod zero;
 
 pub use horovod::DistributedOptimizer;
+pub use job::{Job, RunPart};
 pub use local::LocalStep;
 pub use peers::Peers;
 pub use ranks::{Parallel, Replication};
@@ -65,15 +67,14 @@ pub enum GradientSync {
 }
 
 impl GradientSync {
-    /// The style a run uses: parameter servers' where the job has servers (the workers do not
-    /// average among themselves), HSDP where ZeRO-3's replicas are in shard groups
-    /// (`grouped`), the ZeRO stage `--zero` asks for, or else the preset's.
-    pub fn of_run(preset: GradientSync, zero: Option<ZeroStage>, grouped: bool, servers: bool) -> GradientSync {
-        match (servers, zero) {
-            (true, _) => GradientSync::ParameterServer,
-            (false, Some(ZeroStage::Parameters)) if grouped => GradientSync::Hsdp,
-            (false, Some(stage)) => GradientSync::Zero(stage),
-            (false, None) => preset,
+    /// The style of a run whose job keeps no [`RunPart`] (a parameter-server job's part says
+    /// its own): HSDP where ZeRO-3's replicas are in shard groups (`grouped`), the ZeRO stage
+    /// `--zero` asks for, or else the preset's.
+    pub fn of_run(preset: GradientSync, zero: Option<ZeroStage>, grouped: bool) -> GradientSync {
+        match zero {
+            Some(ZeroStage::Parameters) if grouped => GradientSync::Hsdp,
+            Some(stage) => GradientSync::Zero(stage),
+            None => preset,
         }
     }
 
@@ -190,14 +191,13 @@ mod tests {
     ];
 
     #[test]
-    fn a_run_takes_servers_then_zero_then_the_presets_style() {
+    fn a_run_takes_zero_then_the_presets_style() {
         let (zero2, zero3) = (Some(ZeroStage::Gradients), Some(ZeroStage::Parameters));
-        assert_eq!(GradientSync::of_run(GradientSync::Horovod, zero2, false, true), GradientSync::ParameterServer);
-        assert_eq!(GradientSync::of_run(GradientSync::Horovod, zero2, false, false), GradientSync::Zero(ZeroStage::Gradients));
-        assert_eq!(GradientSync::of_run(GradientSync::Horovod, None, false, false), GradientSync::Horovod);
+        assert_eq!(GradientSync::of_run(GradientSync::Horovod, zero2, false), GradientSync::Zero(ZeroStage::Gradients));
+        assert_eq!(GradientSync::of_run(GradientSync::Horovod, None, false), GradientSync::Horovod);
         // ZeRO-3 over shard groups of the replicas is HSDP.
-        assert_eq!(GradientSync::of_run(GradientSync::Ddp, zero3, true, false), GradientSync::Hsdp);
-        assert_eq!(GradientSync::of_run(GradientSync::Ddp, zero3, false, false), GradientSync::Zero(ZeroStage::Parameters));
+        assert_eq!(GradientSync::of_run(GradientSync::Ddp, zero3, true), GradientSync::Hsdp);
+        assert_eq!(GradientSync::of_run(GradientSync::Ddp, zero3, false), GradientSync::Zero(ZeroStage::Parameters));
     }
 
     #[test]

@@ -16,7 +16,7 @@ use crate::device::{self, DeviceChoice};
 use crate::error::usage;
 use crate::flags::RunArgs;
 use crate::memory::{self, MemoryMeter, ModelState};
-use crate::optim::Optimizer;
+use crate::optim::{Optimizer, OptimizerSpec};
 use crate::parallel::zero::ZeroStage;
 use crate::parallel::{optimizer_for, DataParallelPlan, GradientSync, RunPart};
 use crate::parallelize::parallelize;
@@ -182,7 +182,8 @@ fn build<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<'g>, session: 
         part.check(run.precision, run.cuda_graph)?;
         step = part.clone().step(step);
         let kernel = exp.recipe_args().optimizer_kernel;
-        optimizer = part.clone().optimizer(step.named_parameters(), recipe.optimizer, recipe.lr, recipe.momentum, recipe.weight_decay, kernel);
+        let spec = OptimizerSpec { kind: recipe.optimizer, lr: recipe.lr, momentum: recipe.momentum, weight_decay: recipe.weight_decay, kernel };
+        optimizer = part.clone().optimizer(step.named_parameters(), spec);
     }
     // --straggler: this rank sleeps in every step (any strategy).
     let optimizer = crate::parallel::parameter_server::Straggled::wrap(optimizer, exp.parallel_args().straggler, groups.world.rank());

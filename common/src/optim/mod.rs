@@ -257,6 +257,18 @@ impl OptimizerKind {
     }
 }
 
+/// An optimizer as the recipe and flags choose it, before it has parameters: what
+/// [`OptimizerKind::build`] makes here, or what a parameter server makes on its side.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OptimizerSpec {
+    pub kind: OptimizerKind,
+    pub lr: f64,
+    /// SGD's and LARS's.
+    pub momentum: f64,
+    pub weight_decay: f64,
+    pub kernel: OptimizerKernel,
+}
+
 /// `--optimizer-kernel`: how Adam and SGD update the parameters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]

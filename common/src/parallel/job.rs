@@ -12,7 +12,7 @@ use super::parameter_server::{self, WorkerLink};
 use super::GradientSync;
 use crate::comm::group::Traffic;
 use crate::comm::{Backend, ProcessGroup};
-use crate::optim::{Optimizer, OptimizerKernel, OptimizerKind};
+use crate::optim::{Optimizer, OptimizerSpec};
 use crate::precision::Precision;
 use crate::train::TrainStep;
 
@@ -79,18 +79,8 @@ pub trait RunPart {
     where
         Self: 'g;
 
-    /// The optimizer the loop steps over `params`, where the style runs its own: `kind` with
-    /// `lr`, `momentum`, `weight_decay` and `kernel`.
-    #[allow(clippy::too_many_arguments)]
-    fn optimizer<'g>(
-        self: Rc<Self>,
-        params: Vec<(String, Tensor)>,
-        kind: OptimizerKind,
-        lr: f64,
-        momentum: f64,
-        weight_decay: f64,
-        kernel: OptimizerKernel,
-    ) -> Box<dyn Optimizer + 'g>
+    /// The optimizer the loop steps over `params`, where the style runs its own: `spec`'s.
+    fn optimizer<'g>(self: Rc<Self>, params: Vec<(String, Tensor)>, spec: OptimizerSpec) -> Box<dyn Optimizer + 'g>
     where
         Self: 'g;
 
@@ -125,19 +115,11 @@ impl RunPart for WorkerLink<'_> {
         WorkerLink::step(&self, step)
     }
 
-    fn optimizer<'g>(
-        self: Rc<Self>,
-        params: Vec<(String, Tensor)>,
-        kind: OptimizerKind,
-        lr: f64,
-        momentum: f64,
-        weight_decay: f64,
-        kernel: OptimizerKernel,
-    ) -> Box<dyn Optimizer + 'g>
+    fn optimizer<'g>(self: Rc<Self>, params: Vec<(String, Tensor)>, spec: OptimizerSpec) -> Box<dyn Optimizer + 'g>
     where
         Self: 'g,
     {
-        WorkerLink::optimizer(&self, params, kind, lr, momentum, weight_decay, kernel)
+        WorkerLink::optimizer(&self, params, spec)
     }
 
     fn lockstep(&self) -> bool {

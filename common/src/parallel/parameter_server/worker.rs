@@ -16,7 +16,7 @@ use super::{op, placement, Config, Mode, Report, ServerStats, Straggler};
 use crate::comm::transfer::{recv_labelled, recv_named, recv_tensor, send_labelled, send_named};
 use crate::comm::ProcessGroup;
 use crate::error::usage;
-use crate::optim::{NormScope, Optimizer, OptimizerKernel, OptimizerKind, Sharded};
+use crate::optim::{NormScope, Optimizer, OptimizerKernel, OptimizerKind, OptimizerSpec, Sharded};
 use crate::precision::Precision;
 use crate::train::{Batch, BatchSource, EvalSums, StepContext, StepOutput, StepSync, TrainStep};
 
@@ -95,20 +95,13 @@ impl<'w> WorkerLink<'w> {
         Box::new(WorkerStep { inner: step, link: self.clone() })
     }
 
-    /// The optimizer the loop steps on a worker: the servers run `kind` (with `momentum`,
-    /// `weight_decay`, `kernel`) over `params`, this worker's model's trainable tensors.
-    pub fn optimizer<'g>(
-        self: &Rc<Self>,
-        params: Vec<(String, Tensor)>,
-        kind: OptimizerKind,
-        lr: f64,
-        momentum: f64,
-        weight_decay: f64,
-        kernel: OptimizerKernel,
-    ) -> Box<dyn Optimizer + 'g>
+    /// The optimizer the loop steps on a worker: the servers run `spec`'s over `params`, this
+    /// worker's model's trainable tensors.
+    pub fn optimizer<'g>(self: &Rc<Self>, params: Vec<(String, Tensor)>, spec: OptimizerSpec) -> Box<dyn Optimizer + 'g>
     where
         'w: 'g,
     {
+        let OptimizerSpec { kind, lr, momentum, weight_decay, kernel } = spec;
         let sizes: Vec<i64> = params.iter().map(|(_, t)| t.numel() as i64).collect();
         let mut state = self.state.borrow_mut();
         state.owner = placement(&sizes, self.config.servers);

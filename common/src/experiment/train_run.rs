@@ -173,7 +173,9 @@ fn build<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<'g>, session: 
     let parallel_step = parallelize(&plan, groups, dp, device, run.seed, run.precision, session)?;
     exp.describe(&plan, parallel_step.as_ref(), groups, device, session)?;
     let recipe = RunRecipe::resolve(preset, exp.recipe_args(), replicas, sources.train.batches_per_epoch(), run.epochs.unwrap_or(preset.epochs));
-    let build = |named| recipe.optimizer.build(named, recipe.lr, recipe.momentum, recipe.weight_decay, exp.recipe_args().optimizer_kernel);
+    let kernel = exp.recipe_args().optimizer_kernel;
+    let spec = OptimizerSpec { kind: recipe.optimizer, lr: recipe.lr, momentum: recipe.momentum, weight_decay: recipe.weight_decay, kernel };
+    let build = |named| spec.build(named);
     let mut optimizer = optimizer_for(parallel_step.as_ref(), &build)?;
     let mut step: Box<dyn TrainStep<'g> + 'g> = parallel_step;
     if let Some(part) = run_part {
@@ -181,8 +183,6 @@ fn build<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<'g>, session: 
         // servers; the step evaluates their parameters).
         part.check(run.precision, run.cuda_graph)?;
         step = part.clone().step(step);
-        let kernel = exp.recipe_args().optimizer_kernel;
-        let spec = OptimizerSpec { kind: recipe.optimizer, lr: recipe.lr, momentum: recipe.momentum, weight_decay: recipe.weight_decay, kernel };
         optimizer = part.clone().optimizer(step.named_parameters(), spec);
     }
     // --straggler: this rank sleeps in every step (any strategy).

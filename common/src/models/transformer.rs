@@ -798,10 +798,6 @@ impl TransformerPart {
         self.shard
     }
 
-    pub fn layer_range(&self) -> std::ops::Range<i64> {
-        self.layer_range.clone()
-    }
-
     pub fn has_embedding(&self) -> bool {
         self.embedding.is_some()
     }

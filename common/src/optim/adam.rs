@@ -146,14 +146,9 @@ impl Optimizer for Adam {
         let mut jobs = Vec::new();
         // Parameters for LibTorch's fused kernel, by device and kind (one call per group).
         let mut groups: Vec<FusedGroup> = Vec::new();
-        let (capturable, mut refused) = (self.lr_device.capturable, false);
         self.slots.update_each(|param, grad, state| {
             let state = state.get_or_insert_with(|| AdamState { step: 0, exp_avg: moment_zeros(param), exp_avg_sq: moment_zeros(param), step_tensor: None });
             let widened = param.kind() == tch::Kind::Half;
-            if widened && capturable {
-                refused = true;
-                return;
-            }
             if fused.unwrap_or(param.device().is_cuda()) && !widened {
                 let step = state.step;
                 let step_tensor = state.step_tensor.get_or_insert_with(|| Tensor::full([], step as f64, (tch::Kind::Float, param.device())));
@@ -186,11 +181,6 @@ impl Optimizer for Adam {
                 None => update(param, grad, &mut state.exp_avg, &mut state.exp_avg_sq, weight_decay, scalars),
             }
         });
-        anyhow::ensure!(
-            !refused,
-            "--cuda-graph with float16 parameters (--precision 16-true): Adam updates them in float32 one parameter at a time, \
-             which a graph cannot replay with a changing learning rate; use --precision bf16-true or 16-mixed"
-        );
         fused::run(&jobs, tch::get_num_threads().max(1) as usize);
         tch::no_grad(|| {
             for group in &groups {
@@ -233,6 +223,11 @@ impl Optimizer for Adam {
         anyhow::ensure!(
             self.config.fused != Some(false),
             "--cuda-graph needs Adam's fused kernel (its per-parameter path bakes the learning rate into each launch)"
+        );
+        anyhow::ensure!(
+            !self.slots.any_of_kind(tch::Kind::Half),
+            "--cuda-graph with float16 parameters (--precision 16-true): Adam updates them in float32 one parameter at a time, \
+             which a graph cannot replay with a changing learning rate; use --precision bf16-true or 16-mixed"
         );
         self.lr_device.capturable = true;
         Ok(())
@@ -489,5 +484,14 @@ mod tests {
                 assert!(t.equal(&saved[&name]), "{name} changed on loading");
             }
         }
+    }
+
+    #[test]
+    fn a_graph_cannot_replay_the_float16_update_and_says_so_before_the_first_step() {
+        let half = Tensor::ones([3], (tch::Kind::Half, tch::Device::Cpu));
+        let err = Adam::new(vec![("w".into(), half)], AdamConfig::default()).make_capturable().unwrap_err();
+        assert!(err.to_string().contains("--cuda-graph with float16 parameters"), "{err}");
+        let float = Tensor::ones([3], (tch::Kind::Float, tch::Device::Cpu));
+        assert!(Adam::new(vec![("w".into(), float)], AdamConfig::default()).make_capturable().is_ok());
     }
 }

@@ -269,6 +269,13 @@ pub struct OptimizerSpec {
     pub kernel: OptimizerKernel,
 }
 
+impl OptimizerSpec {
+    /// This optimizer over `params` ([`OptimizerKind::build`]).
+    pub fn build(self, params: Vec<(String, Tensor)>) -> Box<dyn Optimizer> {
+        self.kind.build(params, self.lr, self.momentum, self.weight_decay, self.kernel)
+    }
+}
+
 /// `--optimizer-kernel`: how Adam and SGD update the parameters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -463,6 +470,11 @@ impl<S: ParamState> Slots<S> {
 
     fn zero_grad(&mut self) {
         self.grad_reset.zero_grad().expect("LibTorch resets the gradients");
+    }
+
+    /// Whether any parameter is of `kind`.
+    fn any_of_kind(&self, kind: Kind) -> bool {
+        self.slots.iter().any(|slot| slot.param.kind() == kind)
     }
 
     fn state_tensors(&self) -> Vec<(String, Tensor)> {

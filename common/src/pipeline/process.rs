@@ -83,10 +83,10 @@ impl<'g> StageProcess<'g> {
         anyhow::ensure!(indices == expected, "rank {} holds stages {indices:?}, but its place in the pipeline is stages {expected:?}", groups.world.rank());
         for stage in &stages {
             anyhow::ensure!(
-                stage.shard == groups.shard(),
+                stage.shard() == groups.shard(),
                 "stage {} is shard {:?}, but this rank's place is shard {:?}",
                 stage.index,
-                stage.shard,
+                stage.shard(),
                 groups.shard()
             );
         }

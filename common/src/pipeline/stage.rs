@@ -23,10 +23,7 @@ use crate::models::{self, Masks, PartSpan, TransformerConfig, TransformerPart};
 /// names with the shard's shapes.
 pub struct Stage {
     pub index: usize,
-    pub layer_range: Range<i64>,
     pub vs: nn::VarStore,
-    /// This rank's tensor-parallel shard of every layer ([`Shard::WHOLE`] without).
-    pub shard: Shard,
     part: TransformerPart,
     ntoken: i64,
 }
@@ -82,11 +79,11 @@ impl Stage {
         shard: Shard,
     ) -> Result<Stage, UsageError> {
         let vs = nn::VarStore::new(device);
-        let span = PartSpan { embedding: index == 0, layers: layer_range.clone(), head: index + 1 == stages };
+        let span = PartSpan { embedding: index == 0, layers: layer_range, head: index + 1 == stages };
         let part = TransformerPart::new(&vs.root(), cfg, span, shard, &mut |piece| {
             tch::manual_seed(seed.wrapping_add(piece) as i64);
         })?;
-        Ok(Stage { index, layer_range, vs, shard, part, ntoken: cfg.ntoken })
+        Ok(Stage { index, vs, part, ntoken: cfg.ntoken })
     }
 
     /// This stage with sequence parallelism ([`TransformerPart::sequence_parallel`]).
@@ -96,6 +93,11 @@ impl Stage {
 
     pub fn device(&self) -> Device {
         self.vs.device()
+    }
+
+    /// This rank's tensor-parallel shard of every layer ([`Shard::WHOLE`] without).
+    pub fn shard(&self) -> Shard {
+        self.part.shard()
     }
 
     pub fn is_first(&self) -> bool {
@@ -148,7 +150,7 @@ impl Stage {
         tch::no_grad(|| {
             for (name, mut var) in self.vs.variables() {
                 let value = source.get(&name).with_context(|| format!("the whole model has no variable `{name}`"))?;
-                let value = tp::shard_tensor(value, TransformerVariable::parse(&name)?.split(), self.shard);
+                let value = tp::shard_tensor(value, TransformerVariable::parse(&name)?.split(), self.shard());
                 anyhow::ensure!(value.size() == var.size(), "`{name}`: shape {:?} in the whole model, {:?} in stage {}", value.size(), var.size(), self.index);
                 var.copy_(&value);
             }

@@ -110,7 +110,7 @@ fn whole_model<'g>(
     if groups.layout.pp * groups.layout.tp != 1 {
         return usage(format!("this model is not split into parts, but the job's layout is {}", groups.layout.describe()));
     }
-    let parallel = Parallel::of(groups, dp, crate::comm::tensor_parallel::uncut);
+    let parallel = Parallel::of(groups, dp, crate::comm::tensor_parallel::SplitTable::uncut());
     if let Some(replicas) = &parallel.replicas {
         replicas.averager.check(replicas.group, device)?;
         check_reduces(replicas.group, device, precision)?;
@@ -206,8 +206,7 @@ impl Parallelize for TransformerPlan {
                 Box::new(StageProcess::new(groups, mine, plan.options, dp)?)
             }
         };
-        let shard = step.peers().parallel.tp.map_or(crate::comm::tensor_parallel::Shard::WHOLE, |tp| tp.shard);
-        self.init.apply(&step.named_parameters(), config, seed, shard);
+        self.init.apply(&step.named_parameters(), config, seed, step.peers().parallel.tp.as_ref())?;
         Ok(step)
     }
 }

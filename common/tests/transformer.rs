@@ -371,18 +371,22 @@ fn training_matches_torch() {
 }
 
 /// `--init scaled` draws the whole output layer from the seed and keeps a tensor-parallel
-/// shard's rows of it (the output layer is vocabulary-parallel): the two halves of the
-/// vocabulary, drawn on two shards, are the whole layer's rows.
+/// shard's part of it, cut as the output layer reports (vocabulary-parallel: rows): the two
+/// halves of the vocabulary, drawn on two shards, are the whole layer's rows.
 #[test]
 fn a_scaled_output_layer_is_cut_into_the_shards_rows() {
-    use common::comm::tensor_parallel::Shard;
-    use common::models::OutputInit;
+    use common::comm::tensor_parallel::{Shard, TensorShards};
+    use common::models::{OutputInit, PartSpan, TransformerPart};
     let _rng = exclusive_rng();
     let cfg = small(0.0);
-    let drawn = |rows: i64, shard: Shard| {
-        let weight = Tensor::zeros([rows, cfg.d_model], (Kind::Float, Device::Cpu));
-        OutputInit::Scaled.apply(&[("linear.weight".to_string(), weight.shallow_clone())], &cfg, 7, shard);
-        weight
+    let world = common::comm::ProcessGroup::single();
+    let drawn = |_rows: i64, shard: Shard| {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let head = PartSpan { embedding: false, layers: 0..0, head: true };
+        let part = TransformerPart::new(&vs.root(), &cfg, head, shard, &mut |_| {}).unwrap();
+        let shards = TensorShards { group: &world, shard, splits: std::sync::Arc::new(part.splits()) };
+        OutputInit::Scaled.apply(&named_parameters(&vs), &cfg, 7, (!shard.is_whole()).then_some(&shards)).unwrap();
+        vs.variables()["linear.weight"].copy()
     };
     let whole = drawn(cfg.ntoken, Shard::WHOLE);
     let half = cfg.ntoken / 2;

@@ -16,8 +16,8 @@
 //! - The vocabulary is split too: the embedding's rows ([`Shard::range`] of the words; g sums
 //!   the one rank's row with the others' zeros) and the output layer's, with a
 //!   [`vocab_parallel_cross_entropy`] that never assembles the logits of the whole vocabulary.
-//! - [`Split`] says how each of the model's variables is cut, so checkpoints hold whole tensors
-//!   under whole-model names ([`unshard`], [`shard_tensor`]) and resume on any `k`.
+//! - [`Split`] says how each of the model's variables is cut, each layer reporting its own
+//!   ([`SplitTable`]), so checkpoints hold whole tensors under whole-model names ([`unshard`], [`shard_tensor`]) and resume on any `k`.
 //!
 //! Which ranks form a group is the job's [`super::layout::Layout`] (shards of one layer are
 //! neighbouring ranks, inside a node). A group of one rank is no group: the layers then run
@@ -131,35 +131,65 @@ pub fn unshard(parts: &[Tensor], split: Split) -> Tensor {
     }
 }
 
-/// How a model's variables are cut over tensor-parallel shards, by name (`<entry>.<variable>`
-/// optimizer state as its variable; a tensor of 0 dimensions never): the model's own table
-/// (`models::transformer_names::split_of` for the Transformer), an error for a name it does not
-/// know.
-pub type SplitOf = fn(&str, usize) -> anyhow::Result<Split>;
+/// How a model's variables are cut over tensor-parallel shards, by their names in the var
+/// store: what the model's tensor-parallel layers report of themselves
+/// (`models::TransformerPart::splits`), so that a cut is said once, by the layer that makes the
+/// variable. An optimizer-state entry `<entry>.<variable>` is cut as its variable; a tensor of
+/// 0 dimensions (a step count) is whole everywhere; any other name is an error naming it, never
+/// a silent "replicated". An empty table is a model that is never cut (the image models).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SplitTable(std::collections::BTreeMap<String, Split>);
 
-/// For a model that is never cut (the image models): every tensor is refused by name, so that a
-/// shard of one could never pass as replicated.
-pub fn uncut(name: &str, dims: usize) -> anyhow::Result<Split> {
-    match dims {
-        0 => Ok(Split::Replicated),
-        _ => anyhow::bail!("`{name}`: this model is not cut into tensor-parallel shards"),
+impl SplitTable {
+    /// The table of a model never cut into shards: every tensor of one dimension or more is
+    /// refused by name.
+    pub fn uncut() -> SplitTable {
+        SplitTable::default()
+    }
+
+    /// Adds what a layer reports: variable `name` is cut as `split`.
+    ///
+    /// # Panics
+    /// Where two layers report the same name: the model names two variables alike.
+    pub fn insert(&mut self, name: String, split: Split) {
+        let previous = self.0.insert(name.clone(), split);
+        assert!(previous.is_none(), "two layers report the variable `{name}`");
+    }
+
+    /// The variables and their cuts, by name.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, Split)> {
+        self.0.iter().map(|(name, split)| (name.as_str(), *split))
+    }
+
+    /// How the variable (or optimizer-state entry) `name` of `dims` dimensions is cut.
+    pub fn split(&self, name: &str, dims: usize) -> Result<Split> {
+        if dims == 0 {
+            return Ok(Split::Replicated);
+        }
+        // `exp_avg.linear.weight`: the state of `linear.weight`.
+        let known = |name: &str| self.0.get(name).copied();
+        match known(name).or_else(|| name.split_once('.').and_then(|(_, variable)| known(variable))) {
+            Some(split) => Ok(split),
+            None if self.0.is_empty() => anyhow::bail!("`{name}`: this model is not cut into tensor-parallel shards"),
+            None => anyhow::bail!("`{name}` is not a variable of this model's tensor-parallel layers"),
+        }
     }
 }
 
 /// A rank's tensor-parallel shards: their group, which one this rank is, and how the model's
 /// variables are cut (the model's table): what checkpoints put the whole tensors together from
 /// and cut again on resume, knowing no model.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub struct TensorShards<'g> {
     pub group: &'g ProcessGroup,
     pub shard: Shard,
-    pub split_of: SplitOf,
+    pub splits: std::sync::Arc<SplitTable>,
 }
 
 impl TensorShards<'_> {
     /// How the variable (or optimizer state) `name` of `dims` dimensions is cut.
     pub fn split(&self, name: &str, dims: usize) -> anyhow::Result<Split> {
-        (self.split_of)(name, dims)
+        self.splits.split(name, dims)
     }
 
     /// The whole tensors of `named` (this shard's variables or optimizer state, by whole-model

@@ -11,6 +11,7 @@ use tch::Tensor;
 mod blocks;
 mod cnn;
 mod freeze;
+pub mod parallel_layers;
 pub mod pretrained;
 pub(crate) mod resnet;
 pub(crate) mod resnet_v2;
@@ -24,8 +25,8 @@ pub use blocks::{Block, Blocks};
 use freeze::BatchNorm;
 pub use freeze::{freeze, Frozen, Trainable};
 pub use transformer::{
-    encoder_layers, encoder_layers_sharded, language_model_loss, output_layer, output_layer_sharded, param_count_formula, EncoderLayer, Masks, OutputInit,
-    PartSpan, TokenEmbedding, TransformerConfig, TransformerLm, TransformerPart,
+    encoder_layers, encoder_layers_sharded, language_model_loss, output_layer, param_count_formula, EncoderLayer, Masks, OutputInit, PartSpan, TokenEmbedding,
+    TransformerConfig, TransformerLm, TransformerPart,
 };
 pub use weights::{load_weights, LoadedWeights};
 

@@ -18,15 +18,16 @@
 //! The model is also available piece by piece ([`TransformerLm::embed`],
 //! [`TransformerLm::layers`], [`TransformerLm::decode`]) so that a pipeline can run the encoder
 //! layers on different devices.
+use super::parallel_layers::{ColumnParallelLinear, ReplicatedLayerNorm, ReportSplits, RowParallelLinear, Talk, VocabParallelEmbedding};
 use super::transformer_names::{self as names, Place, TransformerVariable};
 use super::TORCH_DEFAULT_WEIGHT;
-use crate::comm::tensor_parallel::{self as tp, Shard};
+use crate::comm::tensor_parallel::{self as tp, Shard, SplitTable, TensorShards};
 use crate::comm::ProcessGroup;
 use crate::error::UsageError;
 use crate::seed_keys::mix_key;
 use crate::torch_ext::{self, Generator};
 use std::cell::RefCell;
-use tch::nn::{self, Init, Module, ModuleT};
+use tch::nn::{self, Init, ModuleT};
 use tch::{Device, Kind, Tensor};
 
 /// Where the dropout masks of a forward pass come from.
@@ -140,89 +141,13 @@ impl Masks<'_> {
     }
 }
 
-/// How a layer's shard talks to the other shards of its layer (Megatron's f and g), the
-/// activations between the tensor-parallel layers whole on every shard, or with sequence
-/// parallelism each shard's rows of the sequence (dimension 0).
-#[derive(Clone, Copy)]
-enum Talk<'a> {
-    /// A whole layer.
-    Alone,
-    /// Tensor parallelism: f before a column-parallel layer (identity; gradients all-reduced),
-    /// g after a row-parallel one (all-reduce).
-    Tensor(&'a ProcessGroup),
-    /// Sequence parallelism: an all-gather of the rows before a column-parallel layer, a
-    /// reduce-scatter into rows after a row-parallel one ([`tp::gathered_linear`],
-    /// [`tp::scatter_sequence`]).
-    Sequence(&'a ProcessGroup),
-}
-
-impl<'a> Talk<'a> {
-    /// How a layer of `shard` talks over `group` (which must then be the shards'), cutting the
-    /// sequence where `sequence_parallel` says.
-    fn of(shard: Shard, sequence_parallel: bool, group: Option<&'a ProcessGroup>) -> anyhow::Result<Talk<'a>> {
-        Ok(match shard_group(shard, group)? {
-            None => Talk::Alone,
-            Some(group) if sequence_parallel => Talk::Sequence(group),
-            Some(group) => Talk::Tensor(group),
-        })
+/// Which part of the whole sequence's activations `xs` is, for a dropout mask: this shard's
+/// rows under sequence parallelism (none otherwise: `xs` is whole).
+fn sequence_rows(talk: Talk, xs: &Tensor, shard: Shard) -> Option<Part> {
+    match talk {
+        Talk::Sequence(_) => Some(Part { dim: 0, whole: xs.size()[0] * shard.count as i64, shard }),
+        _ => None,
     }
-
-    /// A column-parallel layer's output for `xs`: `xs · weightᵀ + bias` of this shard's rows of
-    /// the weight, for the whole sequence. Unsharded: the one fused `linear`, as torch.
-    fn column(self, xs: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> anyhow::Result<Tensor> {
-        match self {
-            Talk::Alone => Ok(xs.linear(weight, bias)),
-            Talk::Tensor(group) => Ok(tp::copy_to_shards(xs, group)?.linear(weight, bias)),
-            Talk::Sequence(group) => tp::gathered_linear(xs, weight, bias, group),
-        }
-    }
-
-    /// A row-parallel layer's output: `xs · weightᵀ` summed over the shards (g), or this shard's
-    /// rows of that sum, then `bias`, which every shard holds whole (as [`Self::whole`] gives it).
-    fn row(self, xs: &Tensor, weight: &Tensor, bias: &Tensor) -> anyhow::Result<Tensor> {
-        match self {
-            Talk::Alone => Ok(xs.linear(weight, Some(bias))),
-            Talk::Tensor(group) => Ok(tp::reduce_from_shards(&xs.linear(weight, None::<&Tensor>), group)? + bias),
-            Talk::Sequence(group) => Ok(tp::scatter_sequence(&xs.linear(weight, None::<&Tensor>), group)? + bias),
-        }
-    }
-
-    /// The parameters every shard holds whole, as this shard uses them: under sequence
-    /// parallelism on its rows only, so their gradients are summed over the shards (Megatron's
-    /// all-reduce of the sequence-parallel parameters' gradients: one f over all of them).
-    fn whole<const N: usize>(self, parameters: [&Tensor; N]) -> anyhow::Result<[Tensor; N]> {
-        let Talk::Sequence(group) = self else { return Ok(parameters.map(Tensor::shallow_clone)) };
-        let flat: Vec<Tensor> = parameters.iter().map(|p| p.reshape([-1])).collect();
-        let summed = tp::copy_to_shards(&Tensor::cat(&flat, 0), group)?;
-        let sizes: Vec<i64> = parameters.iter().map(|p| p.numel() as i64).collect();
-        let parts = summed.split_with_sizes(sizes.as_slice(), 0);
-        Ok(std::array::from_fn(|i| parts[i].view(parameters[i].size().as_slice())))
-    }
-
-    /// Which part of the whole sequence's activations `xs` is, for a dropout mask: this shard's
-    /// rows under sequence parallelism (none otherwise: `xs` is whole).
-    fn rows(self, xs: &Tensor, shard: Shard) -> Option<Part> {
-        match self {
-            Talk::Sequence(_) => Some(Part { dim: 0, whole: xs.size()[0] * shard.count as i64, shard }),
-            _ => None,
-        }
-    }
-}
-
-/// The group a layer of `shard` talks over: `group` when the layer is sharded (which must then
-/// be the shards'), none when it is whole.
-fn shard_group(shard: Shard, group: Option<&ProcessGroup>) -> anyhow::Result<Option<&ProcessGroup>> {
-    match (shard.is_whole(), group) {
-        (true, _) => Ok(None),
-        (false, Some(group)) if group.world_size() == shard.count && group.rank() == shard.index => Ok(Some(group)),
-        (false, _) => anyhow::bail!("shard {} of {} of a layer run without its tensor-parallel group of {} ranks", shard.index, shard.count, shard.count),
-    }
-}
-
-/// `nn.LayerNorm(d)` with `weight` and `bias` over the last dimension of `xs`, as
-/// `nn::LayerNorm`'s forward calls it.
-fn layer_norm(xs: &Tensor, weight: &Tensor, bias: &Tensor) -> Tensor {
-    xs.layer_norm([*xs.size().last().expect("a width")], Some(weight), Some(bias), LAYER_NORM_EPS, true)
 }
 
 /// Longest sequence the positional encoding covers (the tutorial's `max_len`).
@@ -252,20 +177,23 @@ pub enum OutputInit {
 impl OutputInit {
     /// Redraws the output layer's weight (`linear.weight`, on whichever stage holds it) when
     /// scaled: from a generator seeded by `seed` alone, on the CPU, whole (a tensor-parallel
-    /// `shard` keeps its rows), so that every layout and device starts from the same weights.
-    pub fn apply(self, named_parameters: &[(String, Tensor)], cfg: &TransformerConfig, seed: u64, shard: Shard) {
+    /// shard keeps its part, cut as its layer reports), so that every layout and device starts
+    /// from the same weights.
+    pub fn apply(self, named_parameters: &[(String, Tensor)], cfg: &TransformerConfig, seed: u64, tp: Option<&TensorShards>) -> anyhow::Result<()> {
         if self == OutputInit::Tutorial {
-            return;
+            return Ok(());
         }
         let bound = 1.0 / (cfg.d_model as f64).sqrt();
-        for (_, weight) in named_parameters.iter().filter(|(name, _)| name == names::OUTPUT_WEIGHT) {
+        for (name, weight) in named_parameters.iter().filter(|(name, _)| name == names::OUTPUT_WEIGHT) {
             tch::manual_seed(mix_key(&[seed, 0x6f75_7470_7574]) as i64);
             let drawn = Tensor::empty([cfg.ntoken, cfg.d_model], (weight.kind(), tch::Device::Cpu)).uniform_(-bound, bound);
-            // Cut as the name table cuts the output layer (vocabulary-parallel).
-            let split = names::split_of_named(names::OUTPUT_WEIGHT, 2).expect("the name table knows the output layer");
-            let mine = tp::shard_tensor(&drawn, split, shard);
+            let mine = match tp {
+                Some(shards) => shards.shard_of(name, &drawn)?,
+                None => drawn,
+            };
             tch::no_grad(|| weight.shallow_clone().copy_(&mine));
         }
+        Ok(())
     }
 }
 
@@ -346,10 +274,9 @@ pub fn param_count_formula(cfg: &TransformerConfig) -> i64 {
 /// `TransformerEncoder` calls it for the tutorial's mask (it recognises the mask as causal).
 #[derive(Debug)]
 struct SelfAttention {
-    /// q, k and v projections stacked: `[3·d, d]`.
-    in_proj_weight: Tensor,
-    in_proj_bias: Tensor,
-    out_proj: nn::Linear,
+    /// q, k and v projections stacked: `[3·d, d]` (column parallel, cut by heads).
+    in_proj: ColumnParallelLinear,
+    out_proj: RowParallelLinear,
     /// All heads of the layer.
     nhead: i64,
     dropout: f64,
@@ -365,18 +292,11 @@ impl SelfAttention {
     /// whole; its starting values are the whole layer's, copied in by the caller.
     fn new(vs: &nn::Path, cfg: &TransformerConfig, shard: Shard) -> Self {
         let d = cfg.d_model;
-        let cut = |tensor: &str, whole: &[i64]| names::shard_shape(&format!("self_attn.{tensor}"), whole, shard);
         let xavier = (6.0 / (d + 3 * d) as f64).sqrt();
-        let out_proj =
-            linear_cut(vs / "out_proj", &cut("out_proj.weight", &[d, d]), &cut("out_proj.bias", &[d]), (TORCH_DEFAULT_WEIGHT, Some(Init::Const(0.))));
-        SelfAttention {
-            in_proj_weight: vs.var("in_proj_weight", &cut("in_proj_weight", &[3 * d, d]), Init::Uniform { lo: -xavier, up: xavier }),
-            in_proj_bias: vs.var("in_proj_bias", &cut("in_proj_bias", &[3 * d]), Init::Const(0.)),
-            out_proj,
-            nhead: cfg.nhead,
-            dropout: cfg.dropout,
-            shard,
-        }
+        // Drawn in torch's order: the output projection, then the packed projection.
+        let out_proj = RowParallelLinear::new(&(vs / "out_proj"), [d, d], shard, TORCH_DEFAULT_WEIGHT, Some(Init::Const(0.)));
+        let in_proj = ColumnParallelLinear::packed(vs, "in_proj", 3, [d, d], shard, [Init::Uniform { lo: -xavier, up: xavier }, Init::Const(0.)]);
+        SelfAttention { in_proj, out_proj, nhead: cfg.nhead, dropout: cfg.dropout, shard }
     }
 
     /// `[seq, batch, d]` → `[seq, batch, d]`: position `t` attends to positions `≤ t`; layer
@@ -388,7 +308,7 @@ impl SelfAttention {
         let (nhead, local) = (self.nhead / self.shard.count as i64, d / self.shard.count as i64);
         // `_in_projection_packed`: one projection, split into q, k and v by a contiguous copy
         // (of the whole sequence, also where `xs` is this shard's rows of it).
-        let projected = talk.column(xs, &self.in_proj_weight, Some(&self.in_proj_bias))?;
+        let projected = self.in_proj.forward(xs, talk)?;
         let seq = projected.size()[0];
         let qkv = projected.unflatten(-1, [3, local]).unsqueeze(0).transpose(0, -2).squeeze_dim(-2).contiguous();
         // [seq, batch, d] → [batch, nhead, seq, head_dim] through the same (strided) views as
@@ -415,11 +335,18 @@ impl SelfAttention {
         let attended = attended.permute([2, 0, 1, 3]).contiguous().view([seq * batch, local]);
         // (Rows of `[seq · batch, d]` are sequence-major: a shard's rows of it are its rows of
         // the sequence.)
-        Ok(talk.row(&attended, &self.out_proj.ws, out_bias)?.view([-1, batch, d]))
+        Ok(self.out_proj.forward(&attended, talk, out_bias)?.view([-1, batch, d]))
     }
 
     fn parameters(&self) -> [&Tensor; 4] {
-        [&self.in_proj_weight, &self.in_proj_bias, &self.out_proj.ws, self.out_proj.bs.as_ref().expect("out_proj has a bias")]
+        [&self.in_proj.weight, &self.in_proj.bias, self.out_proj.weight(), self.out_proj.bias()]
+    }
+}
+
+impl ReportSplits for SelfAttention {
+    fn report_splits(&self, table: &mut SplitTable) {
+        self.in_proj.report_splits(table);
+        self.out_proj.report_splits(table);
     }
 }
 
@@ -432,10 +359,10 @@ impl SelfAttention {
 #[derive(Debug)]
 pub struct EncoderLayer {
     self_attn: SelfAttention,
-    linear1: nn::Linear,
-    linear2: nn::Linear,
-    norm1: nn::LayerNorm,
-    norm2: nn::LayerNorm,
+    linear1: ColumnParallelLinear,
+    linear2: RowParallelLinear,
+    norm1: ReplicatedLayerNorm,
+    norm2: ReplicatedLayerNorm,
     dropout: f64,
     d_hid: i64,
     shard: Shard,
@@ -453,30 +380,18 @@ impl EncoderLayer {
     /// Tensor-parallel `shard` of a layer (Megatron's): its heads of the attention, its rows of
     /// `linear1` (column parallel) and columns of `linear2` (row parallel, bias whole), the
     /// layer norms whole. The variables have the whole layer's names and the shard's shapes,
-    /// as the name table cuts them ([`super::transformer_names::shard_shape`]); the caller
-    /// copies the whole layer's starting values in.
+    /// each made by its parallel layer ([`super::parallel_layers`]); the caller copies the
+    /// whole layer's starting values in.
     pub fn new_sharded(vs: &nn::Path, cfg: &TransformerConfig, shard: Shard) -> Result<Self, UsageError> {
         cfg.validate_shards(shard.count)?;
         let (d, d_hid) = (cfg.d_model, cfg.d_hid);
-        let cut = |tensor: &str, whole: &[i64]| names::shard_shape(tensor, whole, shard);
-        let linear = |name: &str, whole_out: i64, whole_in: i64| {
-            let (weight, bias) = (cut(&format!("{name}.weight"), &[whole_out, whole_in]), cut(&format!("{name}.bias"), &[whole_out]));
-            // `nn.Linear`'s initialisation (tch's default bias init is torch's).
-            linear_cut(vs / name, &weight, &bias, (TORCH_DEFAULT_WEIGHT, None))
-        };
-        let layer_norm = |name: &str| {
-            let config = nn::LayerNormConfig {
-                eps: LAYER_NORM_EPS,
-                ..Default::default() // weight 1, bias 0, as torch
-            };
-            nn::layer_norm(vs / name, vec![cfg.d_model], config)
-        };
+        // `nn.Linear`'s initialisation, and `nn.LayerNorm`'s (weight 1, bias 0).
         Ok(EncoderLayer {
             self_attn: SelfAttention::new(&(vs / "self_attn"), cfg, shard),
-            linear1: linear("linear1", d_hid, d),
-            linear2: linear("linear2", d, d_hid),
-            norm1: layer_norm("norm1"),
-            norm2: layer_norm("norm2"),
+            linear1: ColumnParallelLinear::new(&(vs / "linear1"), [d_hid, d], shard, TORCH_DEFAULT_WEIGHT, None),
+            linear2: RowParallelLinear::new(&(vs / "linear2"), [d, d_hid], shard, TORCH_DEFAULT_WEIGHT, None),
+            norm1: ReplicatedLayerNorm::new(&(vs / "norm1"), d, LAYER_NORM_EPS),
+            norm2: ReplicatedLayerNorm::new(&(vs / "norm2"), d, LAYER_NORM_EPS),
             dropout: cfg.dropout,
             d_hid: cfg.d_hid,
             shard,
@@ -492,19 +407,20 @@ impl EncoderLayer {
 
     /// The layer's parameters, in a fixed order (for copying one layer into another).
     fn parameters(&self) -> Vec<&Tensor> {
-        fn linear(l: &nn::Linear) -> [&Tensor; 2] {
-            [&l.ws, l.bs.as_ref().expect("linear has a bias")]
-        }
-        fn norm(n: &nn::LayerNorm) -> [&Tensor; 2] {
-            let affine = "affine layer norm";
-            [n.ws.as_ref().expect(affine), n.bs.as_ref().expect(affine)]
-        }
         let mut params = self.self_attn.parameters().to_vec();
-        params.extend(linear(&self.linear1));
-        params.extend(linear(&self.linear2));
-        params.extend(norm(&self.norm1));
-        params.extend(norm(&self.norm2));
+        params.extend([&self.linear1.weight, &self.linear1.bias, self.linear2.weight(), self.linear2.bias()]);
+        params.extend([&self.norm1.weight, &self.norm1.bias, &self.norm2.weight, &self.norm2.bias]);
         params
+    }
+}
+
+impl ReportSplits for EncoderLayer {
+    fn report_splits(&self, table: &mut SplitTable) {
+        self.self_attn.report_splits(table);
+        self.linear1.report_splits(table);
+        self.linear2.report_splits(table);
+        self.norm1.report_splits(table);
+        self.norm2.report_splits(table);
     }
 }
 
@@ -522,23 +438,16 @@ impl EncoderLayer {
     pub fn forward_sharded(&self, xs: &Tensor, train: bool, masks: Masks, layer: i64, group: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
         let talk = Talk::of(self.shard, self.sequence_parallel, group)?;
         let p = self.dropout;
-        let rows = talk.rows(xs, self.shard);
-        let affine = "affine layer norms and linear layers with biases";
-        let [w1, b1, w2, b2, out_bias, bias2] = talk.whole([
-            self.norm1.ws.as_ref().expect(affine),
-            self.norm1.bs.as_ref().expect(affine),
-            self.norm2.ws.as_ref().expect(affine),
-            self.norm2.bs.as_ref().expect(affine),
-            self.self_attn.out_proj.bs.as_ref().expect(affine),
-            self.linear2.bs.as_ref().expect(affine),
-        ])?;
+        let rows = sequence_rows(talk, xs, self.shard);
+        let [w1, b1, w2, b2, out_bias, bias2] =
+            talk.whole([&self.norm1.weight, &self.norm1.bias, &self.norm2.weight, &self.norm2.bias, self.self_attn.out_proj.bias(), self.linear2.bias()])?;
         let attended = self.self_attn.forward_t(xs, train, masks, layer, talk, &out_bias)?;
-        let xs = layer_norm(&(xs + masks.dropout_part(&attended, p, train, Site::AfterAttention(layer), rows)), &w1, &b1);
+        let xs = self.norm1.forward(&(xs + masks.dropout_part(&attended, p, train, Site::AfterAttention(layer), rows)), &w1, &b1);
         let hidden = Part { dim: 2, whole: self.d_hid, shard: self.shard };
-        let expanded = talk.column(&xs, &self.linear1.ws, self.linear1.bs.as_ref())?.relu();
+        let expanded = self.linear1.forward(&xs, talk)?.relu();
         let inner = masks.dropout_part(&expanded, p, train, Site::FeedForwardInner(layer), Some(hidden));
-        let feed_forward = masks.dropout_part(&talk.row(&inner, &self.linear2.ws, &bias2)?, p, train, Site::FeedForwardOut(layer), rows);
-        Ok(layer_norm(&(xs + feed_forward), &w2, &b2))
+        let feed_forward = masks.dropout_part(&self.linear2.forward(&inner, talk, &bias2)?, p, train, Site::FeedForwardOut(layer), rows);
+        Ok(self.norm2.forward(&(xs + feed_forward), &w2, &b2))
     }
 }
 
@@ -565,7 +474,7 @@ fn positional_encoding(d_model: i64, device: Device) -> Tensor {
 /// `embedding.weight` under the given path.
 #[derive(Debug)]
 pub struct TokenEmbedding {
-    embedding: nn::Embedding,
+    embedding: VocabParallelEmbedding,
     /// The positional encoding: a constant of the configuration, kept out of the var store
     /// (torch's `pos_encoder.pe` buffer). Stored, it would add `MAX_LEN · d_model` floats
     /// (20 MB for the course's model) to every checkpoint and weights file while carrying no
@@ -576,7 +485,6 @@ pub struct TokenEmbedding {
     dropout: f64,
     /// The words whose rows this rank holds: `shard`'s share of the vocabulary.
     shard: Shard,
-    ntoken: i64,
     /// Its output cut along the sequence over the shards (sequence parallelism).
     sequence_parallel: bool,
 }
@@ -592,22 +500,14 @@ impl TokenEmbedding {
     /// embedding's starting values in.
     pub fn new_sharded(root: &nn::Path, cfg: &TransformerConfig, shard: Shard) -> Result<Self, UsageError> {
         cfg.validate_shards(shard.count)?;
-        let [rows, width] = names::shard_shape(&format!("{}.weight", names::EMBEDDING), &[cfg.ntoken, cfg.d_model], shard)[..] else {
-            unreachable!("an embedding is two-dimensional")
-        };
-        let embedding = nn::embedding(
-            root / names::EMBEDDING,
-            rows,
-            width,
-            nn::EmbeddingConfig { ws_init: Init::Uniform { lo: -INIT_RANGE, up: INIT_RANGE }, ..Default::default() },
-        );
+        let init = Init::Uniform { lo: -INIT_RANGE, up: INIT_RANGE };
+        let embedding = VocabParallelEmbedding::new(&(root / names::EMBEDDING), [cfg.ntoken, cfg.d_model], shard, init);
         Ok(TokenEmbedding {
             embedding,
             pos_encoding: positional_encoding(cfg.d_model, root.device()),
             d_model: cfg.d_model,
             dropout: cfg.dropout,
             shard,
-            ntoken: cfg.ntoken,
             sequence_parallel: false,
         })
     }
@@ -651,55 +551,28 @@ impl TokenEmbedding {
         let padded = self.sequence_length(seq_len);
         assert!(src.dim() == 2 && padded <= MAX_LEN, "input must be token ids [seq_len ≤ {MAX_LEN}, batch], got shape {:?}", src.size());
         let talk = Talk::of(self.shard, self.sequence_parallel, group)?;
-        let (embedded, first) = match talk {
-            Talk::Alone => (src.apply(&self.embedding), 0),
-            Talk::Tensor(group) | Talk::Sequence(group) => {
-                let src = match padded - seq_len {
-                    0 => src.shallow_clone(),
-                    pad => Tensor::cat(&[src.shallow_clone(), src.zeros_like().narrow(0, 0, 1).expand([pad, -1], false)], 0),
-                };
-                let (start, len) = self.shard.range(self.ntoken);
-                let local = &src - start;
-                let outside = local.lt(0).logical_or(&local.ge(len));
-                let rows = local.masked_fill(&outside, 0).apply(&self.embedding).masked_fill(&outside.unsqueeze(-1), 0.0);
-                match talk {
-                    Talk::Sequence(group) => (tp::scatter_sequence(&rows, group)?, self.shard.index as i64 * padded / self.shard.count as i64),
-                    _ => (tp::reduce_from_shards(&rows, group)?, 0),
-                }
-            }
+        let src = match padded - seq_len {
+            0 => src.shallow_clone(),
+            // Padding's ids are 0, a word; the positions after the real ones are never read.
+            pad => Tensor::cat(&[src.shallow_clone(), src.zeros_like().narrow(0, 0, 1).expand([pad, -1], false)], 0),
         };
+        let embedded = self.embedding.forward(&src, talk)?;
+        // Under sequence parallelism this shard's rows start at its share of the sequence.
+        let first = if let Talk::Sequence(_) = talk { self.shard.index as i64 * padded / self.shard.count as i64 } else { 0 };
         let xs = embedded * (self.d_model as f64).sqrt();
         let positions = self.pos_encoding.narrow(0, first, xs.size()[0]).to_device(xs.device()).to_kind(xs.kind());
-        let rows = talk.rows(&xs, self.shard);
+        let rows = sequence_rows(talk, &xs, self.shard);
         Ok(masks.dropout_part(&(xs + positions), self.dropout, train, Site::Embedding, rows))
     }
 }
 
 /// The model's output end, `root / "linear"`: hidden states `[seq_len, batch, d_model]` →
 /// logits `[seq_len, batch, ntoken]`, weights U(−0.1, 0.1) and zero bias as the tutorial's
-/// `init_weights`.
-pub fn output_layer(root: &nn::Path, cfg: &TransformerConfig) -> nn::Linear {
-    output_layer_sharded(root, cfg, Shard::WHOLE)
-}
-
-/// The output layer's rows for `shard`'s words (vocabulary parallel: its slice of the logits).
-pub fn output_layer_sharded(root: &nn::Path, cfg: &TransformerConfig, shard: Shard) -> nn::Linear {
-    let cut = |tensor: &str, whole: &[i64]| names::shard_shape(&format!("{}.{tensor}", names::OUTPUT), whole, shard);
-    let (weight, bias) = (cut("weight", &[cfg.ntoken, cfg.d_model]), cut("bias", &[cfg.ntoken]));
-    let init = (Init::Uniform { lo: -INIT_RANGE, up: INIT_RANGE }, Some(Init::Const(0.)));
-    linear_cut(root / names::OUTPUT, &weight, &bias, init)
-}
-
-/// `nn::linear` with the variables of a tensor-parallel shard: a `[out, in]` weight and an
-/// `[out]` bias, the shapes the name table gives ([`names::shard_shape`]); `init` gives the
-/// weight's and the bias's initialisation (None: tch's default for the bias, torch's).
-///
-/// # Panics
-/// Where the bias's shape does not fit the weight's: the table cuts the layer inconsistently.
-fn linear_cut(vs: nn::Path, weight: &[i64], bias: &[i64], init: (Init, Option<Init>)) -> nn::Linear {
-    let &[out, input] = weight else { panic!("a linear layer's weight is [out, in], not {weight:?}") };
-    assert_eq!(bias, [out], "a linear layer's bias has its weight's rows");
-    nn::linear(vs, input, out, nn::LinearConfig { ws_init: init.0, bs_init: init.1, bias: true })
+/// `init_weights`. A tensor-parallel `shard` holds its words' rows (vocabulary parallel, a
+/// column-parallel layer over the words: its slice of the logits).
+pub fn output_layer(root: &nn::Path, cfg: &TransformerConfig, shard: Shard) -> ColumnParallelLinear {
+    let init = Init::Uniform { lo: -INIT_RANGE, up: INIT_RANGE };
+    ColumnParallelLinear::new(&(root / names::OUTPUT), [cfg.ntoken, cfg.d_model], shard, init, Some(Init::Const(0.)))
 }
 
 /// `nlayers` encoder layers `root / "transformer_encoder" / "layers" / i` for `i` in `range`,
@@ -739,7 +612,7 @@ pub struct TransformerPart {
     embedding: Option<TokenEmbedding>,
     layers: Vec<EncoderLayer>,
     layer_range: std::ops::Range<i64>,
-    head: Option<nn::Linear>,
+    head: Option<ColumnParallelLinear>,
     /// This rank's tensor-parallel shard of every layer ([`Shard::WHOLE`] without).
     shard: Shard,
     /// Between its layers each shard holds its rows of the sequence (sequence parallelism).
@@ -773,7 +646,7 @@ impl TransformerPart {
         before_piece(1);
         let layers = encoder_layers_sharded(root, cfg, span.layers.clone(), shard)?;
         before_piece(2);
-        let head = span.head.then(|| output_layer_sharded(root, cfg, shard));
+        let head = span.head.then(|| output_layer(root, cfg, shard));
         Ok(TransformerPart { embedding, layers, layer_range: span.layers, head, shard, sequence_parallel: false })
     }
 
@@ -826,14 +699,29 @@ impl TransformerPart {
     /// On a piece without the output layer.
     pub fn decode(&self, hidden: &Tensor, tp: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
         let head = self.head.as_ref().expect("this piece ends the model");
-        Ok(match self.tp_group(tp) {
-            None => head.forward(hidden),
-            // Sequence parallel: the whole (padded) sequence's logits from this shard's rows.
-            Some(group) if self.sequence_parallel => tp::gathered_linear(hidden, &head.ws, head.bs.as_ref(), group)?,
-            Some(group) => tp::copy_to_shards(hidden, group)?.apply(head),
-        })
+        // Sequence parallel: the whole (padded) sequence's logits from this shard's rows.
+        head.forward(hidden, Talk::of(self.shard, self.sequence_parallel, tp)?)
     }
 
+    /// How tensor parallelism cuts each of this piece's variables, as its layers report it
+    /// (the one statement of every cut: checkpoints, ZeRO and the starting values ask this).
+    pub fn splits(&self) -> SplitTable {
+        let mut table = SplitTable::default();
+        self.report_splits(&mut table);
+        table
+    }
+}
+
+impl ReportSplits for TransformerPart {
+    fn report_splits(&self, table: &mut SplitTable) {
+        let embedding = self.embedding.as_ref().map(|e| &e.embedding as &dyn ReportSplits);
+        let layers = self.layers.iter().map(|l| l as &dyn ReportSplits);
+        let head = self.head.as_ref().map(|h| h as &dyn ReportSplits);
+        embedding.into_iter().chain(layers).chain(head).for_each(|layer| layer.report_splits(table));
+    }
+}
+
+impl TransformerPart {
     /// Through every piece it holds: token ids or hidden states in, hidden states or logits
     /// out; dropout masks drawn as `masks` says (keyed masks are named by the layers'
     /// whole-model indices, so they do not depend on the partition); a tensor-parallel shard

@@ -97,7 +97,7 @@ impl<'g> StepSync<'g> for Peers<'g> {
 
     fn finish_gradients(&self, params: &[Tensor], optimizer: &mut dyn Optimizer, scaler: Option<&GradScaler>, clip: Option<f64>) -> Result<Option<f64>> {
         // The same for every kind of step, however the model is spread over ranks.
-        let parallel = self.parallel;
+        let parallel = &self.parallel;
         if let Some(replicas) = &parallel.replicas {
             replicas.strategy.after_backward(replicas, params)?;
         }

@@ -4,7 +4,7 @@
 use super::{DataParallelPlan, Strategy};
 use crate::comm::data_parallel::GradientAverager;
 use crate::comm::layout::{Groups, ShardGroups};
-use crate::comm::tensor_parallel::{SplitOf, TensorShards};
+use crate::comm::tensor_parallel::{SplitTable, TensorShards};
 use crate::comm::ProcessGroup;
 
 /// How the replicas of a data-parallel job keep their gradients equal: the group of ranks
@@ -20,7 +20,7 @@ pub struct Replication<'g> {
 }
 
 /// Who a step's rank works with: its place in the job's mesh ([`Groups`]) seen from one step.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Default)]
 pub struct Parallel<'g> {
     /// The data-parallel replicas of this rank's variables.
     pub replicas: Option<Replication<'g>>,
@@ -39,19 +39,21 @@ pub struct Parallel<'g> {
 
 impl<'g> Parallel<'g> {
     /// This rank's place in `groups`' layout, its replicas keeping their gradients equal as
-    /// `dp` says, its model's variables cut over tensor-parallel shards as `split_of` says:
+    /// `dp` says, its model's variables cut over tensor-parallel shards as `splits` (its layers'
+    /// report) says:
     /// the one place a step learns who it works with.
-    pub fn of(groups: &'g Groups<'g>, dp: DataParallelPlan, split_of: SplitOf) -> Parallel<'g> {
+    pub fn of(groups: &'g Groups<'g>, dp: DataParallelPlan, splits: SplitTable) -> Parallel<'g> {
+        let splits = std::sync::Arc::new(splits);
         Parallel {
             replicas: groups.dp().map(|group| Replication { group, averager: dp.averager, strategy: dp.sync.strategy(), shard_groups: groups.shard_groups() }),
             model: groups.model(),
             world: Some(groups.world),
             replica: groups.coords.replica,
-            tp: groups.tp().map(|group| TensorShards { group, shard: groups.shard(), split_of }),
+            tp: groups.tp().map(|group| TensorShards { group, shard: groups.shard(), splits: splits.clone() }),
         }
     }
 
-    pub fn replica_group(self) -> Option<&'g ProcessGroup> {
+    pub fn replica_group(&self) -> Option<&'g ProcessGroup> {
         self.replicas.map(|r| r.group)
     }
 }

@@ -18,11 +18,11 @@ use super::executor::{self, MicroBatches, StageOptions};
 use super::link::{ChannelLink, Link};
 use super::{chunks_for, schedule, split_batch, Op, PipelineOptions, Placement, Schedule, Stage, Staged, StepReport};
 use crate::comm::layout::Groups;
-use crate::comm::tensor_parallel::Split;
+use crate::comm::tensor_parallel::{Split, SplitTable};
 use crate::comm::transfer::{recv_labelled, send_labelled};
 use crate::comm::ProcessGroup;
 use crate::error::usage;
-use crate::models::transformer_names::TransformerVariable;
+use crate::models::parallel_layers::ReportSplits;
 use crate::parallel::{DataParallelPlan, Parallel, Peers};
 
 /// A neighbouring device in another process: tensors travel point-to-point through the
@@ -103,16 +103,20 @@ impl<'g> StageProcess<'g> {
             }
         }
         dp.sync.strategy().check_stages()?;
-        let parallel = Parallel::of(groups, dp, crate::models::transformer_names::split_of);
-        if let Some(replicas) = &parallel.replicas {
-            dp.averager.check(replicas.group, on)?;
-        }
+        // How this rank's variables are cut, as the layers of its stages report.
+        let mut splits = SplitTable::default();
+        stages.iter().for_each(|stage| stage.part().report_splits(&mut splits));
+        // A replicated variable's share of the gradient norm is counted on the first shard only.
         let first_shard = groups.shard().index == 0;
         let norm_counted = stages
             .iter()
             .flat_map(Stage::named_parameters)
-            .map(|(name, _)| Ok(first_shard || TransformerVariable::parse(&name)?.split() != Split::Replicated))
+            .map(|(name, t)| Ok(first_shard || splits.split(&name, t.dim())? != Split::Replicated))
             .collect::<Result<_>>()?;
+        let parallel = Parallel::of(groups, dp, splits);
+        if let Some(replicas) = &parallel.replicas {
+            dp.averager.check(replicas.group, on)?;
+        }
         let peers = Peers::new(parallel).with_norm_counted(norm_counted);
         Ok(StageProcess { stages, device, placement, options, pipe, tp, peers })
     }

@@ -7,7 +7,7 @@ use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Tensor};
 
 use super::LayerCosts;
-use crate::comm::tensor_parallel::{self as tp, Shard};
+use crate::comm::tensor_parallel::{self as tp, Shard, SplitTable};
 use crate::comm::ProcessGroup;
 use crate::error::UsageError;
 use crate::models::transformer_names::TransformerVariable;
@@ -56,14 +56,16 @@ impl Stage {
         let first = layer_range.start..(layer_range.start + 1).min(layer_range.end);
         let whole = Self::build(cfg, index, stages, first.clone(), Device::Cpu, seed, Shard::WHOLE)?.vs.variables();
         let stage = Self::build(cfg, index, stages, layer_range, device, seed, shard)?;
+        let splits = stage.splits();
         tch::no_grad(|| {
             for (name, mut var) in stage.vs.variables() {
-                // The stage's own names (a test proves the model's all parse). A layer's
-                // starting value is the first layer's: all layers start equal.
-                let variable = TransformerVariable::parse(&name).unwrap_or_else(|err| panic!("{err}"));
-                let source = variable.in_layer(first.start);
+                // The stage's own names (a test proves the model's all parse), cut as their
+                // layers report. A layer's starting value is the first layer's: all layers
+                // start equal.
+                let source = TransformerVariable::parse(&name).unwrap_or_else(|err| panic!("{err}")).in_layer(first.start);
                 let full = whole.get(&source).unwrap_or_else(|| panic!("the whole stage has `{source}`"));
-                var.copy_(&tp::shard_tensor(full, variable.split(), shard));
+                let split = splits.split(&name, var.dim()).unwrap_or_else(|err| panic!("{err:#}"));
+                var.copy_(&tp::shard_tensor(full, split, shard));
             }
         });
         Ok(stage)
@@ -93,6 +95,16 @@ impl Stage {
 
     pub fn device(&self) -> Device {
         self.vs.device()
+    }
+
+    /// How tensor parallelism cuts each of the stage's variables, as its layers report.
+    pub fn splits(&self) -> SplitTable {
+        self.part.splits()
+    }
+
+    /// The stage's piece of the model.
+    pub fn part(&self) -> &TransformerPart {
+        &self.part
     }
 
     /// This rank's tensor-parallel shard of every layer ([`Shard::WHOLE`] without).
@@ -146,11 +158,11 @@ impl Stage {
     /// model's var store, e.g. to start a pipeline from exercise1_nlp weights); a
     /// tensor-parallel shard takes its part of each.
     pub fn copy_from(&self, whole: &nn::VarStore) -> Result<()> {
-        let source = whole.variables();
+        let (source, splits) = (whole.variables(), self.splits());
         tch::no_grad(|| {
             for (name, mut var) in self.vs.variables() {
                 let value = source.get(&name).with_context(|| format!("the whole model has no variable `{name}`"))?;
-                let value = tp::shard_tensor(value, TransformerVariable::parse(&name)?.split(), self.shard());
+                let value = tp::shard_tensor(value, splits.split(&name, var.dim())?, self.shard());
                 anyhow::ensure!(value.size() == var.size(), "`{name}`: shape {:?} in the whole model, {:?} in stage {}", value.size(), var.size(), self.index);
                 var.copy_(&value);
             }

@@ -3,9 +3,6 @@
 //! tensor-parallel shards, replicas) trains the unpartitioned model.
 use std::collections::HashMap;
 
-use common::comm::tensor_parallel::shard_tensor;
-use common::comm::tensor_parallel::Shard;
-use common::models::transformer_names::split_of_named;
 use common::models::{self, TransformerConfig, TransformerLm};
 use common::optim::{Optimizer, Sgd, SgdConfig};
 use common::pipeline::{PipelineOptions, Schedule, Stage};
@@ -65,8 +62,8 @@ pub const CLIP: f64 = 0.5;
 /// This rank's part of the unpartitioned model's tensor `whole` named `name`: the tensor itself,
 /// or a tensor-parallel shard's cut of it.
 pub fn part_of(trainer: &dyn TrainStep<'_>, name: &str, whole: &Tensor) -> Tensor {
-    let shard = trainer.sync().tensor_cut().map_or(Shard::WHOLE, |cut| Shard { index: cut.shard().0, count: cut.shard().1 });
-    shard_tensor(whole, split_of_named(name, whole.dim()).unwrap(), shard)
+    // Cut as the step's layers report (its tensor cut's table).
+    trainer.sync().tensor_cut().map_or_else(|| whole.shallow_clone(), |cut| cut.shard_of(name, whole).unwrap())
 }
 
 /// Checks that `trainer` (replica `replica.0` of `replica.1`, each training on its share of

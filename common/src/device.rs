@@ -64,6 +64,15 @@ pub fn no_cuda_message() -> String {
 }
 
 /// Short name used in file names and tables: `cpu` or `cuda`.
+/// The GPU's name as `nvidia-smi` gives it (`NVIDIA H100 80GB HBM3`); None for the CPU or
+/// where it cannot be asked.
+pub fn gpu_name(device: Device) -> Option<String> {
+    let Device::Cuda(index) = device else { return None };
+    let output = std::process::Command::new("nvidia-smi").args(["--query-gpu=name", "--format=csv,noheader", "-i", &index.to_string()]).output().ok()?;
+    let name = String::from_utf8_lossy(&output.stdout).trim().to_string();
+    (!name.is_empty()).then_some(name)
+}
+
 pub fn device_name(device: Device) -> &'static str {
     match device {
         Device::Cpu => "cpu",

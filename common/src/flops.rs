@@ -133,9 +133,7 @@ pub fn peak_tflops(device: Device, precision: Precision, matmul: MatmulPrecision
     if let Some(peak) = given {
         return Some((peak, "--peak-tflops".into()));
     }
-    let Device::Cuda(index) = device else { return None };
-    let output = std::process::Command::new("nvidia-smi").args(["--query-gpu=name", "--format=csv,noheader", "-i", &index.to_string()]).output().ok()?;
-    let name = String::from_utf8_lossy(&output.stdout).trim().to_string();
+    let name = crate::device::gpu_name(device)?;
     let &(_, fp32, tf32, half) = GPU_PEAKS.iter().find(|(fragment, ..)| name.contains(fragment))?;
     let (peak, kind) = match (precision, matmul) {
         (Precision::Full, MatmulPrecision::Highest) => (fp32, "float32"),

@@ -26,6 +26,7 @@ pub mod optim;
 pub mod parallel;
 pub mod parallelize;
 pub mod pipeline;
+pub mod plan;
 pub mod plots;
 pub mod precision;
 pub mod presets;

@@ -17,6 +17,13 @@
 //! parallelism); `--pp` and `--dp` add pipeline stages and replicas (3D parallelism).
 //!
 //!     exercise3 tp --nproc-per-node 2 --device cpu --emsize 256 --d-hid 256 --nlayers 2 --max-steps 20
+//!
+//! `exercise3 profile`: what the layout planner needs to know of this machine: the model's
+//! pieces forward and backward at a few micro-batch sizes, the optimizer's step, and the
+//! collectives among the ranks (within a host, and between hosts where the job spans several).
+//!
+//!     exercise3 profile --out h100.json --device cuda --precision bf16-mixed --bptt 512
+//!     exercise3 profile --out cpu.json --nproc-per-node 4 --emsize 256 --d-hid 256 --nhead 4
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use common::image_classification::{self, ImageArgs};
 use common::language_model::{self, PipelineArgs};
@@ -47,6 +54,11 @@ enum Command {
         #[command(flatten)]
         args: PipelineArgs,
     },
+    /// Measures this machine for the layout planner: the Transformer's pieces, the optimizer, the collectives.
+    Profile {
+        #[command(flatten)]
+        args: common::plan::ProfileArgs,
+    },
 }
 
 fn main() -> std::process::ExitCode {
@@ -62,5 +74,18 @@ fn main() -> std::process::ExitCode {
         Command::Ddp { args } => image_classification::run(&EXERCISE3_DDP, args, &mut listeners).map(drop),
         Command::Pipeline { args } => language_model::run_pipeline(&EXERCISE3_PIPELINE, args, &mut listeners).map(drop),
         Command::Tp { args } => language_model::run_pipeline(&EXERCISE3_TP, args, &mut listeners).map(drop),
+        Command::Profile { args } => profile(args),
+    })
+}
+
+fn profile(args: &common::plan::ProfileArgs) -> anyhow::Result<()> {
+    if common::comm::launch::start_ranks_if_asked(args.nproc_per_node, common::comm::launch::StopsAt::Step)? {
+        return Ok(());
+    }
+    common::comm::ProcessGroup::run(args.backend, |world| {
+        if let Some(profile) = common::plan::measure(args, world)? {
+            println!("{}\nwritten to {}", profile.describe(), args.out.display());
+        }
+        Ok(())
     })
 }

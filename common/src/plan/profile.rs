@@ -1,0 +1,547 @@
+//! A machine's profile for the layout planner: what one piece of the Transformer costs to run
+//! forward and backward at a few micro-batch sizes in the run's precision, what the optimizer's
+//! step costs per parameter, and what each collective costs on each kind of link (latency and
+//! bandwidth, fitted to timings through the real engines: MPI for CPU tensors, NCCL for CUDA
+//! ones). Written once where the hardware is (`exercise3 profile`), read anywhere: a profile
+//! taken on a GPU node plans a GPU job from a laptop. JSON, versioned, readable by a person.
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+use crate::comm::{ProcessGroup, ReduceOp};
+use crate::error::UsageError;
+use crate::models::{Masks, PartSpan, TransformerConfig, TransformerPart};
+use crate::optim::{OptimizerKernel, OptimizerKind};
+use crate::precision::{self, Precision};
+
+/// The profile format's version: a reader refuses any other.
+pub const VERSION: u32 = 1;
+
+/// One machine's costs for one model shape and precision.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Profile {
+    pub version: u32,
+    /// Where and when it was measured.
+    pub recorded: Recorded,
+    /// The model the pieces were timed for (its layers are all alike: one is timed).
+    pub model: TransformerConfig,
+    pub precision: Precision,
+    /// Tokens per sequence of a micro-batch.
+    pub seq_len: i64,
+    /// The pieces' times, one entry per micro-batch size, in increasing size.
+    pub compute: Vec<PieceTimes>,
+    pub optimizer: OptimizerTime,
+    /// Collective costs on each kind of link the job had (none for a profile of one rank).
+    pub links: Vec<LinkProfile>,
+}
+
+/// Where a profile was measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Recorded {
+    /// `cpu`, or the GPU's name.
+    pub device: String,
+    /// LibTorch's intra-op threads (a CPU's figures depend on them).
+    pub threads: usize,
+    pub host: String,
+    /// Seconds since the Unix epoch.
+    pub unix_time: u64,
+}
+
+/// Forward and backward seconds of one piece for one micro-batch.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PassTimes {
+    pub forward_s: f64,
+    pub backward_s: f64,
+}
+
+impl PassTimes {
+    pub fn total(self) -> f64 {
+        self.forward_s + self.backward_s
+    }
+}
+
+/// The pieces' times at one micro-batch size: the embedding, one encoder layer, the output
+/// layer with the loss.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PieceTimes {
+    pub micro_batch: i64,
+    pub embedding: PassTimes,
+    pub layer: PassTimes,
+    pub head: PassTimes,
+}
+
+/// The optimizer's step, per parameter (its update is elementwise: linear in the parameters).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct OptimizerTime {
+    pub kind: OptimizerKind,
+    pub seconds_per_parameter: f64,
+    /// How many parameters the step was timed on.
+    pub parameters_timed: i64,
+}
+
+/// Which link a group's collectives cross.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LinkScope {
+    /// Ranks of one host (NVLink, shared memory).
+    WithinHost,
+    /// One rank on each of several hosts (the network).
+    BetweenHosts,
+}
+
+/// The collectives the layouts use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Collective {
+    /// Data parallelism's gradients, tensor parallelism's f and g.
+    AllReduce,
+    /// ZeRO's gradients, sequence parallelism.
+    ReduceScatter,
+    /// ZeRO-3's parameters, sequence parallelism.
+    AllGather,
+    /// A pipeline's activations and their gradients, from one rank to the next.
+    SendRecv,
+}
+
+impl LinkScope {
+    pub fn name(self) -> &'static str {
+        match self {
+            LinkScope::WithinHost => "within a host",
+            LinkScope::BetweenHosts => "between hosts",
+        }
+    }
+}
+
+impl Collective {
+    pub fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all-reduce",
+            Collective::ReduceScatter => "reduce-scatter",
+            Collective::AllGather => "all-gather",
+            Collective::SendRecv => "send/receive",
+        }
+    }
+
+    pub const ALL: [Collective; 4] = [Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather, Collective::SendRecv];
+
+    /// The bytes each rank moves over its link for a message of `bytes` among `ranks`, as a
+    /// multiple of `bytes` (nccl-tests' bus bandwidth factors: a ring all-reduce sends
+    /// 2(n−1)/n of the message, a reduce-scatter or all-gather (n−1)/n of the whole, a send all
+    /// of it).
+    pub fn bus_factor(self, ranks: usize) -> f64 {
+        let n = ranks as f64;
+        match self {
+            Collective::AllReduce => 2.0 * (n - 1.0) / n,
+            Collective::ReduceScatter | Collective::AllGather => (n - 1.0) / n,
+            Collective::SendRecv => 1.0,
+        }
+    }
+}
+
+/// A collective's cost on one link: `latency_s + bus bytes × seconds_per_bus_byte` (the
+/// alpha–beta model, fitted to the samples by least squares), and the samples it was fitted to.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CostFit {
+    pub latency_s: f64,
+    pub seconds_per_bus_byte: f64,
+    /// (message bytes, seconds) as measured among the link's `ranks`.
+    pub samples: Vec<(f64, f64)>,
+}
+
+impl CostFit {
+    /// Fits `samples` of `collective` among `ranks`: a least-squares line through (bus bytes,
+    /// seconds), its intercept kept at zero or above (a latency is never negative).
+    pub fn fit(collective: Collective, ranks: usize, samples: Vec<(f64, f64)>) -> CostFit {
+        let factor = collective.bus_factor(ranks);
+        let points: Vec<(f64, f64)> = samples.iter().map(|&(bytes, s)| (bytes * factor, s)).collect();
+        let n = points.len() as f64;
+        let (mean_x, mean_y) = (points.iter().map(|p| p.0).sum::<f64>() / n, points.iter().map(|p| p.1).sum::<f64>() / n);
+        let sxx: f64 = points.iter().map(|p| (p.0 - mean_x).powi(2)).sum();
+        let sxy: f64 = points.iter().map(|p| (p.0 - mean_x) * (p.1 - mean_y)).sum();
+        let slope = if sxx > 0.0 { sxy / sxx } else { 0.0 };
+        let (latency, slope) = if mean_y - slope * mean_x >= 0.0 {
+            (mean_y - slope * mean_x, slope)
+        } else {
+            // Through the origin instead.
+            (0.0, points.iter().map(|p| p.0 * p.1).sum::<f64>() / points.iter().map(|p| p.0 * p.0).sum::<f64>().max(f64::MIN_POSITIVE))
+        };
+        CostFit { latency_s: latency, seconds_per_bus_byte: slope.max(0.0), samples }
+    }
+
+    /// Predicted seconds of `collective` on a message of `bytes` among `ranks` (one rank:
+    /// nothing to do).
+    pub fn seconds(&self, collective: Collective, bytes: f64, ranks: usize) -> f64 {
+        if ranks < 2 {
+            return 0.0;
+        }
+        self.latency_s + bytes * collective.bus_factor(ranks) * self.seconds_per_bus_byte
+    }
+}
+
+/// The collectives' costs on one kind of link, measured among `ranks` ranks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LinkProfile {
+    pub scope: LinkScope,
+    pub ranks: usize,
+    /// `mpi` or `nccl`.
+    pub backend: String,
+    pub collectives: BTreeMap<Collective, CostFit>,
+}
+
+/// What a profile is for: a planner refuses a profile of another model or precision.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ProfileKey {
+    pub model: TransformerConfig,
+    pub precision: Precision,
+}
+
+impl Profile {
+    /// Reads the profile at `path` for `key`: a usage error (one line, exit 2) where it cannot
+    /// be read, is not a profile of this version, or was measured for another model shape or
+    /// precision (its times would be another model's).
+    pub fn read(path: &Path, key: Option<ProfileKey>) -> Result<Profile> {
+        let shown = path.display();
+        let text = std::fs::read_to_string(path).map_err(|err| UsageError(format!("cannot read the profile {shown}: {err}")))?;
+        let version = serde_json::from_str::<serde_json::Value>(&text)
+            .map_err(|err| UsageError(format!("{shown} is not a profile (not JSON: {err})")))?
+            .get("version")
+            .and_then(serde_json::Value::as_u64);
+        if version != Some(VERSION as u64) {
+            let found = version.map_or("none".to_string(), |v| v.to_string());
+            return Err(UsageError(format!(
+                "{shown} is a profile of version {found}; this planner reads version {VERSION}: record it again (exercise3 profile)"
+            ))
+            .into());
+        }
+        let profile: Profile = serde_json::from_str(&text).map_err(|err| UsageError(format!("{shown} is not a complete profile: {err}")))?;
+        if profile.compute.is_empty() {
+            return Err(UsageError(format!("{shown} times no micro-batch size")).into());
+        }
+        if let Some(key) = key {
+            let (m, w) = (&profile.model, &key.model);
+            let shape = |c: &TransformerConfig| (c.ntoken, c.d_model, c.nhead, c.d_hid);
+            if shape(m) != shape(w) {
+                return Err(UsageError(format!(
+                    "{shown} was measured for another model (vocabulary {}, --emsize {}, --nhead {}, --d-hid {}; this one: {}, {}, {}, {}): record one for this model",
+                    m.ntoken, m.d_model, m.nhead, m.d_hid, w.ntoken, w.d_model, w.nhead, w.d_hid
+                ))
+                .into());
+            }
+            if profile.precision != key.precision {
+                return Err(UsageError(format!(
+                    "{shown} was measured in --precision {}, not {}: record one in this precision",
+                    profile.precision.name(),
+                    key.precision.name()
+                ))
+                .into());
+            }
+        }
+        Ok(profile)
+    }
+
+    /// Writes the profile to `path` (atomically: a crash leaves the old file or the new one).
+    pub fn write(&self, path: &Path) -> Result<()> {
+        let text = serde_json::to_string_pretty(self)?;
+        crate::atomic_file::write(path, text + "\n").with_context(|| format!("writing the profile {}", path.display()))
+    }
+
+    /// The pieces' times for a micro-batch of `micro_batch` sequences: measured at that size,
+    /// or interpolated linearly between the two measured sizes around it (extrapolated from
+    /// the nearest two outside them), never below zero.
+    pub fn pieces_at(&self, micro_batch: i64) -> PieceTimes {
+        let compute = &self.compute;
+        if let Some(exact) = compute.iter().find(|p| p.micro_batch == micro_batch) {
+            return *exact;
+        }
+        if compute.len() == 1 {
+            // One size measured: proportional to the micro-batch.
+            let only = compute[0];
+            let k = micro_batch as f64 / only.micro_batch as f64;
+            let scale = |t: PassTimes| PassTimes { forward_s: t.forward_s * k, backward_s: t.backward_s * k };
+            return PieceTimes { micro_batch, embedding: scale(only.embedding), layer: scale(only.layer), head: scale(only.head) };
+        }
+        let upper = compute.iter().position(|p| p.micro_batch > micro_batch).unwrap_or(compute.len() - 1).max(1);
+        let (a, b) = (compute[upper - 1], compute[upper]);
+        let k = (micro_batch - a.micro_batch) as f64 / (b.micro_batch - a.micro_batch) as f64;
+        let line = |x: f64, y: f64| (x + k * (y - x)).max(0.0);
+        let pass = |x: PassTimes, y: PassTimes| PassTimes { forward_s: line(x.forward_s, y.forward_s), backward_s: line(x.backward_s, y.backward_s) };
+        PieceTimes { micro_batch, embedding: pass(a.embedding, b.embedding), layer: pass(a.layer, b.layer), head: pass(a.head, b.head) }
+    }
+
+    /// The fit of `collective` on the link of `scope`, if the profile measured one.
+    pub fn link(&self, scope: LinkScope) -> Option<&LinkProfile> {
+        self.links.iter().find(|l| l.scope == scope)
+    }
+
+    /// A few lines for a person: the pieces at each size, the optimizer, the links.
+    pub fn describe(&self) -> String {
+        let mut lines = vec![format!(
+            "profile of d_model {}, {} heads, d_hid {}, vocabulary {}, {} tokens per sequence, --precision {} on {} ({} threads, {})",
+            self.model.d_model,
+            self.model.nhead,
+            self.model.d_hid,
+            self.model.ntoken,
+            self.seq_len,
+            self.precision.name(),
+            self.recorded.device,
+            self.recorded.threads,
+            self.recorded.host
+        )];
+        lines.push("| micro-batch | embedding fwd+bwd (ms) | one layer fwd+bwd (ms) | output layer + loss fwd+bwd (ms) |".into());
+        lines.push("|---:|---:|---:|---:|".into());
+        for p in &self.compute {
+            lines.push(format!("| {} | {:.3} | {:.3} | {:.3} |", p.micro_batch, 1e3 * p.embedding.total(), 1e3 * p.layer.total(), 1e3 * p.head.total()));
+        }
+        lines.push(format!("optimizer {}: {:.3} ns per parameter", self.optimizer.kind.name(), 1e9 * self.optimizer.seconds_per_parameter));
+        for link in &self.links {
+            for (collective, fit) in &link.collectives {
+                let bandwidth = if fit.seconds_per_bus_byte > 0.0 { 1.0 / fit.seconds_per_bus_byte / 1e9 } else { f64::INFINITY };
+                lines.push(format!(
+                    "{}, {} over {} ranks ({}): latency {:.1} us, bus bandwidth {:.2} GB/s",
+                    link.scope.name(),
+                    collective.name(),
+                    link.ranks,
+                    link.backend,
+                    1e6 * fit.latency_s,
+                    bandwidth
+                ));
+            }
+        }
+        lines.join("\n")
+    }
+}
+
+/// Median seconds of `repeats` runs of `work` after one warm-up run, waiting for the device.
+fn median_seconds(device: Device, repeats: usize, mut work: impl FnMut() -> Result<()>) -> Result<f64> {
+    let mut run = || -> Result<f64> {
+        let start = Instant::now();
+        work()?;
+        crate::device::synchronize(device);
+        Ok(start.elapsed().as_secs_f64())
+    };
+    run()?;
+    let mut times = (0..repeats.max(1)).map(|_| run()).collect::<Result<Vec<f64>>>()?;
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// Times the model's pieces at each of `micro_batches` sequences of `seq_len` tokens on
+/// `device` in `precision` (autocast for the mixed precisions, 16-bit weights for the true
+/// ones), training mode (dropout as configured): a probe of one whole layer, the encoder
+/// layers being all alike. Forward alone, then forward and backward; the backward time is the
+/// difference.
+pub fn measure_compute(cfg: &TransformerConfig, precision: Precision, device: Device, seq_len: i64, micro_batches: &[i64]) -> Result<Vec<PieceTimes>> {
+    let mut vs = tch::nn::VarStore::new(device);
+    let probe = TransformerPart::new(
+        &vs.root(),
+        &TransformerConfig { nlayers: 1, ..*cfg },
+        PartSpan::whole(1),
+        crate::comm::tensor_parallel::Shard::WHOLE,
+        &mut |_| {},
+    )?;
+    if let Some(kind) = precision.weights_kind() {
+        vs.set_kind(kind);
+    }
+    let hidden_kind = precision.weights_kind().unwrap_or(Kind::Float);
+    let (_, layer) = probe.layers().next().expect("the probe has one layer");
+    let mut sizes = micro_batches.to_vec();
+    sizes.sort_unstable();
+    sizes.dedup();
+    anyhow::ensure!(!sizes.is_empty(), "no micro-batch size to time");
+    let mut rows = Vec::new();
+    // The first size twice, the first time untimed: its first passes page in the weights and
+    // grow the allocator's pools, which no later step pays.
+    let first = sizes[0];
+    for micro_batch in std::iter::once(first).chain(sizes) {
+        let tokens = Tensor::randint(cfg.ntoken, [seq_len, micro_batch], (Kind::Int64, device));
+        let hidden = Tensor::randn([seq_len, micro_batch, cfg.d_model], (hidden_kind, device));
+        let in_precision = |f: &mut dyn FnMut() -> Result<Tensor>| precision::autocast(precision, device, || f());
+        let timed = |f: &mut dyn FnMut() -> Result<Tensor>| -> Result<PassTimes> {
+            let forward_s = median_seconds(device, 5, || tch::no_grad(|| in_precision(f)).map(drop))?;
+            let total = median_seconds(device, 5, || {
+                let output = in_precision(f)?;
+                output.to_kind(Kind::Float).sum(Kind::Float).backward();
+                Ok(())
+            })?;
+            Ok(PassTimes { forward_s, backward_s: (total - forward_s).max(0.0) })
+        };
+        let embedding = timed(&mut || probe.embed(&tokens, true, Masks::Shared, None))?;
+        let layer = timed(&mut || Ok(layer.forward_masked(&hidden.detach().set_requires_grad(true), true, Masks::Shared, 0)))?;
+        let head = timed(&mut || {
+            let logits = probe.decode(&hidden.detach().set_requires_grad(true), None)?;
+            Ok(probe.loss_and_hits(&logits, &tokens, None, false)?.0)
+        })?;
+        rows.push(PieceTimes { micro_batch, embedding, layer, head });
+    }
+    rows.remove(0);
+    Ok(rows)
+}
+
+/// Times `kind`'s step over `parameters` float32 parameters (in tensors of 4 Mi elements, with
+/// gradients) on `device`: seconds per parameter.
+pub fn measure_optimizer(kind: OptimizerKind, device: Device, parameters: i64) -> Result<OptimizerTime> {
+    let chunk = 4 << 20;
+    let params: Vec<(String, Tensor)> = (0..(parameters + chunk - 1) / chunk)
+        .map(|i| {
+            let n = chunk.min(parameters - i * chunk);
+            let p = Tensor::randn([n], (Kind::Float, device)).set_requires_grad(true);
+            // A gradient to step with: d(p·g)/dp = g.
+            (&p * Tensor::randn([n], (Kind::Float, device))).sum(Kind::Float).backward();
+            (format!("p{i}"), p)
+        })
+        .collect();
+    let mut optimizer = kind.build(params, 1e-4, 0.9, 0.0, OptimizerKernel::Auto);
+    let seconds = median_seconds(device, 5, || optimizer.step())?;
+    Ok(OptimizerTime { kind, seconds_per_parameter: seconds / parameters as f64, parameters_timed: parameters })
+}
+
+/// Times every collective over `group` on `device` at message sizes `sizes` (bytes of float32)
+/// and fits each; every rank of `group` takes part. Send-receive runs between the group's
+/// first two ranks, the others waiting.
+pub fn measure_link(group: &ProcessGroup, device: Device, scope: LinkScope, sizes: &[usize]) -> Result<LinkProfile> {
+    let ranks = group.world_size();
+    let mut collectives = BTreeMap::new();
+    for collective in Collective::ALL {
+        let mut samples = Vec::new();
+        for &bytes in sizes {
+            let elements = (bytes / 4).max(ranks) as i64 / ranks as i64 * ranks as i64;
+            let mut tensor = Tensor::ones([elements], (Kind::Float, device));
+            group.barrier()?;
+            let seconds = median_seconds(device, 5, || {
+                match collective {
+                    Collective::AllReduce => group.all_reduce(&mut tensor, ReduceOp::Sum)?,
+                    Collective::ReduceScatter => drop(group.reduce_scatter(&tensor, ReduceOp::Sum)?),
+                    Collective::AllGather => drop(group.all_gather(&tensor.narrow(0, 0, elements / ranks as i64))?),
+                    // A ping-pong: half of it is one send.
+                    Collective::SendRecv => match group.rank() {
+                        0 => {
+                            group.send(&tensor, 1)?;
+                            group.wait_sends()?;
+                            group.recv(&mut tensor, 1)?;
+                        }
+                        1 => {
+                            group.recv(&mut tensor, 0)?;
+                            group.send(&tensor, 0)?;
+                            group.wait_sends()?;
+                        }
+                        _ => {}
+                    },
+                }
+                Ok(())
+            })?;
+            let seconds = if collective == Collective::SendRecv { seconds / 2.0 } else { seconds };
+            samples.push(((elements * 4) as f64, seconds));
+            // Keep the sums small: an all-reduce of ones doubles them each time.
+            let _ = tensor.fill_(1.0);
+        }
+        // Every rank's fit is rank 0's (the ranks time slightly different waits).
+        let agreed = agree_samples(group, &samples)?;
+        collectives.insert(collective, CostFit::fit(collective, ranks, agreed));
+    }
+    let backend = group.backend_for(device)?.name().to_string();
+    Ok(LinkProfile { scope, ranks, backend, collectives })
+}
+
+/// Rank 0's samples, on every rank of `group`.
+fn agree_samples(group: &ProcessGroup, samples: &[(f64, f64)]) -> Result<Vec<(f64, f64)>> {
+    let bytes = serde_json::to_vec(samples)?;
+    let agreed = group.broadcast_bytes(&bytes, 0)?;
+    Ok(serde_json::from_slice(&agreed)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> TransformerConfig {
+        TransformerConfig { ntoken: 64, d_model: 16, nhead: 2, d_hid: 32, nlayers: 4, dropout: 0.1 }
+    }
+
+    fn profile(compute: Vec<PieceTimes>) -> Profile {
+        Profile {
+            version: VERSION,
+            recorded: Recorded { device: "cpu".into(), threads: 1, host: "test".into(), unix_time: 0 },
+            model: tiny(),
+            precision: Precision::Full,
+            seq_len: 8,
+            compute,
+            optimizer: OptimizerTime { kind: OptimizerKind::Adam, seconds_per_parameter: 1e-9, parameters_timed: 1 },
+            links: Vec::new(),
+        }
+    }
+
+    fn pieces(micro_batch: i64, seconds: f64) -> PieceTimes {
+        let pass = PassTimes { forward_s: seconds, backward_s: 2.0 * seconds };
+        PieceTimes { micro_batch, embedding: pass, layer: pass, head: pass }
+    }
+
+    #[test]
+    fn a_fit_recovers_the_line_it_was_drawn_from() {
+        // 4 ranks: a ring all-reduce moves 1.5 × the message per rank.
+        let (alpha, beta) = (20e-6, 1.0 / 10e9);
+        let samples: Vec<(f64, f64)> = [4e3, 64e3, 1e6, 16e6].iter().map(|&b| (b, alpha + 1.5 * b * beta)).collect();
+        let fit = CostFit::fit(Collective::AllReduce, 4, samples);
+        assert!((fit.latency_s - alpha).abs() < 1e-9 && (fit.seconds_per_bus_byte / beta - 1.0).abs() < 1e-9, "{fit:?}");
+        // The same link among 8 ranks: 1.75 × the message.
+        assert!((fit.seconds(Collective::AllReduce, 1e6, 8) - (alpha + 1.75e6 * beta)).abs() < 1e-12);
+        assert_eq!(fit.seconds(Collective::AllReduce, 1e6, 1), 0.0);
+        // A line that would cross zero below: through the origin, never a negative latency.
+        let fit = CostFit::fit(Collective::SendRecv, 2, vec![(1e3, 0.0), (1e6, 1e-3), (2e6, 2.1e-3)]);
+        assert!(fit.latency_s >= 0.0 && fit.seconds_per_bus_byte > 0.0, "{fit:?}");
+    }
+
+    #[test]
+    fn pieces_between_measured_sizes_are_interpolated_and_outside_extrapolated() {
+        let p = profile(vec![pieces(1, 1.0), pieces(4, 4.0), pieces(8, 6.0)]);
+        assert_eq!(p.pieces_at(4), pieces(4, 4.0));
+        assert!((p.pieces_at(2).layer.forward_s - 2.0).abs() < 1e-12);
+        assert!((p.pieces_at(6).head.backward_s - 10.0).abs() < 1e-12);
+        assert!((p.pieces_at(16).layer.forward_s - 10.0).abs() < 1e-12);
+        let one = profile(vec![pieces(2, 1.0)]);
+        assert!((one.pieces_at(6).embedding.total() - 9.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_profile_reads_back_and_a_mismatched_or_broken_one_is_one_usage_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("profile.json");
+        let p = profile(vec![pieces(1, 1.0)]);
+        p.write(&path).unwrap();
+        let key = ProfileKey { model: tiny(), precision: Precision::Full };
+        assert_eq!(Profile::read(&path, Some(key)).unwrap(), p);
+        let refused = |path: &Path, key: ProfileKey| {
+            let err = Profile::read(path, Some(key)).unwrap_err();
+            assert!(err.downcast_ref::<UsageError>().is_some(), "{err:#}");
+            err.to_string()
+        };
+        let wider = ProfileKey { model: TransformerConfig { d_model: 32, ..tiny() }, ..key };
+        assert!(refused(&path, wider).contains("was measured for another model (vocabulary 64, --emsize 16"));
+        // The number of layers is the plan's to choose: a profile times one.
+        assert!(Profile::read(&path, Some(ProfileKey { model: TransformerConfig { nlayers: 12, ..tiny() }, ..key })).is_ok());
+        assert!(refused(&path, ProfileKey { precision: Precision::BHalf, ..key }).contains("was measured in --precision 32, not bf16-mixed"));
+        std::fs::write(&path, "{\"version\": 0}").unwrap();
+        assert!(refused(&path, key).contains("a profile of version 0; this planner reads version 1"));
+        std::fs::write(&path, "not json").unwrap();
+        assert!(refused(&path, key).contains("is not a profile (not JSON"));
+        std::fs::write(&path, "{\"version\": 1, \"model\": 3}").unwrap();
+        assert!(refused(&path, key).contains("is not a complete profile"));
+        assert!(refused(&dir.path().join("absent.json"), key).contains("cannot read the profile"));
+    }
+
+    #[test]
+    fn the_pieces_are_timed_at_every_size_asked_forward_and_backward() {
+        let rows = measure_compute(&tiny(), Precision::Full, Device::Cpu, 8, &[4, 1, 4]).unwrap();
+        assert_eq!(rows.iter().map(|r| r.micro_batch).collect::<Vec<_>>(), vec![1, 4]);
+        for row in rows {
+            for pass in [row.embedding, row.layer, row.head] {
+                assert!(pass.forward_s > 0.0 && pass.backward_s >= 0.0 && pass.total().is_finite(), "{row:?}");
+            }
+        }
+        let optimizer = measure_optimizer(OptimizerKind::Adam, Device::Cpu, 1000).unwrap();
+        assert!(optimizer.seconds_per_parameter > 0.0 && optimizer.parameters_timed == 1000);
+    }
+}

@@ -1,0 +1,66 @@
+//! `exercise3 profile` as a user runs it on CPU ranks: a profile with every piece timed at
+//! every micro-batch size asked, the optimizer, and every collective among the ranks; mistakes
+//! are one clear line and exit 2, before anything is measured.
+use std::process::{Command, Output};
+
+use common::plan::profile::{Collective, LinkScope, Profile, ProfileKey};
+use common::precision::Precision;
+
+fn profile(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_exercise3")).arg("profile").args(args).env("OMP_NUM_THREADS", "1").output().expect("exercise3 runs")
+}
+
+const SMALL: [&str; 14] =
+    ["--emsize", "32", "--d-hid", "64", "--nhead", "4", "--vocab", "100", "--bptt", "8", "--max-message-mb", "1", "--micro-batches", "1,3"];
+
+#[test]
+fn two_ranks_profile_the_pieces_the_optimizer_and_every_collective_between_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("cpu.json");
+    let mut args = SMALL.to_vec();
+    args.extend(["--nproc-per-node", "2", "--out", out.to_str().unwrap()]);
+    let output = profile(&args);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    assert!(stdout.contains("within a host, all-reduce over 2 ranks (mpi)"), "{stdout}");
+    let model = common::models::TransformerConfig { ntoken: 100, d_model: 32, nhead: 4, d_hid: 64, nlayers: 6, dropout: 0.2 };
+    let read = Profile::read(&out, Some(ProfileKey { model, precision: Precision::Full })).unwrap();
+    assert_eq!(read.compute.iter().map(|p| p.micro_batch).collect::<Vec<_>>(), vec![1, 3]);
+    assert!(read.compute.iter().all(|p| [p.embedding, p.layer, p.head].iter().all(|t| t.forward_s > 0.0)));
+    assert!(read.optimizer.seconds_per_parameter > 0.0);
+    // One host: its link, no network.
+    assert_eq!(read.links.len(), 1);
+    let link = read.link(LinkScope::WithinHost).unwrap();
+    assert_eq!((link.ranks, link.backend.as_str()), (2, "mpi"));
+    for collective in Collective::ALL {
+        let fit = &link.collectives[&collective];
+        // 4 KiB, 32 KiB, 256 KiB and the largest, 1 MiB.
+        assert_eq!(fit.samples.iter().map(|s| s.0 as usize).collect::<Vec<_>>(), vec![4 << 10, 32 << 10, 256 << 10, 1 << 20], "{collective:?}");
+        assert!(fit.samples.iter().all(|s| s.1 > 0.0) && fit.latency_s >= 0.0 && fit.seconds_per_bus_byte >= 0.0, "{collective:?}: {fit:?}");
+    }
+}
+
+#[test]
+fn profile_mistakes_are_one_line_and_exit_2_before_measuring() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("p.json");
+    let out = out.to_str().unwrap();
+    // A folder where a file is: nothing can be written there.
+    std::fs::write(dir.path().join("a-file"), "x").unwrap();
+    let unwritable = dir.path().join("a-file/p.json");
+    for (extra, says) in [
+        (vec!["--micro-batches", "0", "--out", out], "--micro-batches takes sizes of 1 or more"),
+        (vec!["--device", "both", "--out", out], "--device both: a profile is of one device"),
+        (vec!["--nhead", "5", "--out", out], "--emsize 32 must be divisible by --nhead 5"),
+        (vec!["--out", unwritable.to_str().unwrap()], "--out"),
+    ] {
+        // (The extra flags replace SMALL's of the same name, with their values.)
+        let mut args: Vec<&str> = SMALL.chunks(2).filter(|pair| !extra.contains(&pair[0])).flatten().copied().collect();
+        args.extend(&extra);
+        let output = profile(&args);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{extra:?}: {stderr}");
+        assert!(stderr.contains(says) && stderr.trim().lines().count() == 1, "{extra:?}: {stderr}");
+    }
+    assert!(!std::path::Path::new(out).exists(), "nothing written");
+}

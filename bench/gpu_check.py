@@ -22,7 +22,10 @@ The checks run in the order a user would miss them most, each within a timeout, 
   5. timings side by side with PyTorch eager (bench/bench.sh: warm caches, A B A B), with
      torchvision's DataLoader for the JPEG files, and with pytorch-lightning's Trainer for the CNN
      (the course's own tool) where the node has it;
-  6. the 1.4B-parameter Transformer's MFU.
+  6. the 1.4B-parameter Transformer's MFU;
+  7. the layout planner's profile of this machine (exercise3 profile: the 1.4B model's pieces in
+     bf16-mixed at 512 tokens, its optimizer, the collectives among the GPUs), kept as
+     <results>/plan-profile.json for planning anywhere.
 A check is started only when its estimate (the wall time a table given with --resume-from or
 --plan-from measured for it, else a default) fits in what is left of the budget; the rest get the
 row "not run (budget)". `--resume-from TABLE` carries over what passed and runs only what was
@@ -85,6 +88,7 @@ GROUPS = {
     4: "profile and memory",
     5: "timings against PyTorch",
     6: "the 1.4B model's MFU",
+    7: "the layout planner's profile",
 }
 
 # Verdicts. Only "fail" fails the command; "not run (...)" rows are what --resume-from runs.
@@ -778,8 +782,33 @@ class Harness:
             return (PASS if mfu >= MFU_GOAL else BELOW), f"{figure}; MFU {100 * mfu:.1f}% of {peak:.0f} TFLOP/s (goal {100 * MFU_GOAL:.0f}%)"
         self.check("1.4B Transformer bf16-mixed, 16 x 512 tokens: MFU", mfu, 6, (90, 0), self.needs_cuda())
 
+    def planner_checks(self):
+        """The layout planner's profile of this machine, kept beside the table."""
+        # Absolute: the binaries run in the checkout (or bundle) folder, not this process's.
+        out = os.path.abspath(os.path.join(self.args.results, "plan-profile.json" if not self.cpu else "plan-profile-cpu.json"))
+        if self.cpu:
+            model = ["--device", "cpu", "--emsize", "32", "--d-hid", "64", "--nhead", "4", "--bptt", "8", "--micro-batches", "1,2", "--max-message-mb", "1"]
+        else:
+            model = ["--device", "cuda", "--precision", "bf16-mixed", "--bptt", "512", "--micro-batches", "1,2,4,8"]
+        ranks = self.gpus if self.gpus >= 2 else (2 if self.cpu else 1)
+        flags = model + (["--nproc-per-node", str(ranks)] if ranks > 1 else []) + ["--out", out]
+
+        def profile():
+            code, stdout, stderr, _ = self.spawn([os.path.join(self.bin, "exercise3"), "profile"] + flags)
+            if code != 0:
+                raise CheckFailed(f"exit {code}: " + (stderr.strip().splitlines() or ["(nothing on stderr)"])[-1])
+            recorded = json.load(open(out))
+            sizes = [p["micro_batch"] for p in recorded["compute"]]
+            layer = {p["micro_batch"]: 1e3 * (p["layer"]["forward_s"] + p["layer"]["backward_s"]) for p in recorded["compute"]}
+            links = ", ".join(f"{link['scope']} all-reduce {1 / link['collectives']['all-reduce']['seconds_per_bus_byte'] / 1e9:.1f} GB/s"
+                              for link in recorded["links"] if link["collectives"]["all-reduce"]["seconds_per_bus_byte"] > 0)
+            figure = f"one layer fwd+bwd {', '.join(f'{layer[b]:.2f} ms at {b}' for b in sizes)}; {links or 'no collectives (one rank)'}; kept as {os.path.basename(out)}"
+            return PASS, figure
+        self.check("exercise3 profile: the planner's profile (1.4B, bf16-mixed, 512 tokens)", profile, 7, (60, 20))
+
     def plan_all(self):
-        for group in (self.learning_checks, self.speed_feature_checks, self.nccl_checks, self.profile_and_memory_checks, self.timing_checks, self.big_model_checks):
+        for group in (self.learning_checks, self.speed_feature_checks, self.nccl_checks, self.profile_and_memory_checks, self.timing_checks,
+                      self.big_model_checks, self.planner_checks):
             group()
 
 

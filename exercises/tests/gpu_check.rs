@@ -289,6 +289,7 @@ fn the_bundle_checks_this_commit_from_a_folder_without_the_checkout() {
         "parameter-server",
         "estimate-memory: exercise1 cnn",
         "pytorch-lightning",
+        "the planner's profile",
     ];
     let mut args = vec!["--device", "cpu", "--budget", "900", "--out", "results"];
     for pattern in selection {
@@ -311,6 +312,9 @@ fn the_bundle_checks_this_commit_from_a_folder_without_the_checkout() {
     }
     assert_eq!(recorded["commit"].as_str(), std::fs::read_to_string(built.join("COMMIT")).ok().as_deref().map(str::trim), "the bundle's commit");
     assert!(work.join("results/gpu-check-cpu.md").exists());
+    // The planner's profile is kept beside the table, a profile the planner reads.
+    let profile = common::plan::profile::Profile::read(&work.join("results/plan-profile-cpu.json"), None).unwrap();
+    assert_eq!((profile.compute.len(), profile.links.len()), (2, 1), "{profile:?}");
     let fired = checks.iter().find(|c| c["path"].as_str().unwrap().contains("never completes")).unwrap();
     assert!(fired["figure"].as_str().unwrap().contains("exit 3"), "{fired}");
 

@@ -223,7 +223,7 @@ impl TransformerJob {
     }
 
     /// Parameters of stage `stage` on one tensor-parallel shard.
-    fn stage_parameters(&self, stage: usize) -> f64 {
+    pub fn stage_parameters(&self, stage: usize) -> f64 {
         let cfg = &self.config;
         let (v, d, h, tp) = (cfg.ntoken as f64, cfg.d_model as f64, cfg.d_hid as f64, self.tp as f64);
         let layers = self.partition.layers[stage].clone().count() as f64;

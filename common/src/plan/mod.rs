@@ -2,6 +2,8 @@
 //! the Transformer's pieces, its optimizer and its collectives cost, from which the planner
 //! predicts every layout's memory and step time.
 pub mod profile;
+pub mod layouts;
+pub mod predict;
 pub mod timeline;
 
 use std::path::PathBuf;

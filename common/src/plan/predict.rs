@@ -1,0 +1,366 @@
+//! A layout's predicted peak memory per rank and step time, from a machine's [`Profile`].
+//!
+//! - **Memory**: the estimator's per-operation accounting (`--estimate-memory`,
+//!   [`TransformerJob`]), the busiest rank's total.
+//! - **Compute**: the profile's pieces at the layout's micro-batch size; a tensor-parallel
+//!   shard does 1/tp of each piece's arithmetic, and with recomputation a stage's backward pass
+//!   runs its layers' forward again.
+//! - **Tensor-parallel talk**, inside each pass: Megatron's two all-reduces of a layer's
+//!   activations forward and two backward (sequence parallelism: a reduce-scatter and an
+//!   all-gather each, the same bytes), one for the embedding, one for the output layer's input.
+//! - **The pipeline**: the schedule's own timeline ([`super::timeline::simulate`]) over the
+//!   stages' costs, the activations sent between devices on the link they cross.
+//! - **Data parallelism**, after the last backward pass, not overlapped: the gradients
+//!   all-reduced (DDP, Horovod), or reduce-scattered and the parameters all-gathered (ZeRO 1
+//!   and 2: the same bytes), ZeRO-3 also all-gathering the parameters for the forward and the
+//!   backward pass; HSDP that within a shard group and each rank's block all-reduced across
+//!   the groups.
+//! - **The optimizer**: the profile's seconds per parameter times the parameters this rank
+//!   updates (ZeRO: its block).
+//!
+//! A group crosses hosts when its ranks do: ranks count shards fastest, then stages, then
+//! replicas ([`crate::comm::layout`]), so shards stay inside a host, stages cross hosts where a
+//! replica's model is larger than a host, and replicas where the job spans several hosts.
+use serde::Serialize;
+
+use super::layouts::{Candidate, Space};
+use super::profile::{Collective, CostFit, LinkScope, Profile};
+use super::timeline::{self, StageCosts};
+use crate::error::UsageError;
+use crate::memory::estimate::TransformerJob;
+use crate::parallel::zero::ZeroStage;
+use crate::pipeline::Partition;
+use crate::precision::Precision;
+
+/// A link's cost where the profile did not measure it, given on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct AssumedLink {
+    pub latency_s: f64,
+    pub bytes_per_second: f64,
+}
+
+/// What the costs of collectives come from: the profile's fits, or what is assumed for a link
+/// it lacks.
+#[derive(Debug, Clone)]
+pub struct Links {
+    within: Option<CostFitSet>,
+    between: Option<CostFitSet>,
+}
+
+#[derive(Debug, Clone)]
+enum CostFitSet {
+    Measured(std::collections::BTreeMap<Collective, CostFit>),
+    Assumed(AssumedLink),
+}
+
+impl CostFitSet {
+    fn seconds(&self, collective: Collective, bytes: f64, ranks: usize) -> f64 {
+        match self {
+            _ if ranks < 2 => 0.0,
+            CostFitSet::Measured(fits) => fits[&collective].seconds(collective, bytes, ranks),
+            CostFitSet::Assumed(link) => link.latency_s + bytes * collective.bus_factor(ranks) / link.bytes_per_second,
+        }
+    }
+}
+
+impl Links {
+    /// The profile's links, a link it lacks taken from `within` or `between` where given.
+    pub fn of(profile: &Profile, within: Option<AssumedLink>, between: Option<AssumedLink>) -> Links {
+        let pick = |scope: LinkScope, assumed: Option<AssumedLink>| match (profile.link(scope), assumed) {
+            (_, Some(link)) => Some(CostFitSet::Assumed(link)),
+            (Some(measured), None) => Some(CostFitSet::Measured(measured.collectives.clone())),
+            (None, None) => None,
+        };
+        Links { within: pick(LinkScope::WithinHost, within), between: pick(LinkScope::BetweenHosts, between) }
+    }
+
+    fn link(&self, scope: LinkScope) -> Result<&CostFitSet, UsageError> {
+        let (link, flag) = match scope {
+            LinkScope::WithinHost => (&self.within, "--within-host-gbps"),
+            LinkScope::BetweenHosts => (&self.between, "--between-hosts-gbps"),
+        };
+        link.as_ref().ok_or_else(|| {
+            UsageError(format!(
+                "the profile has no link {}: record it where the job will run (exercise3 profile over its ranks), or assume one with {flag}",
+                scope.name()
+            ))
+        })
+    }
+
+    /// Seconds of `collective` on `bytes` among `ranks` over the link of `scope`.
+    fn seconds(&self, scope: LinkScope, collective: Collective, bytes: f64, ranks: usize) -> Result<f64, UsageError> {
+        if ranks < 2 {
+            return Ok(0.0);
+        }
+        Ok(self.link(scope)?.seconds(collective, bytes, ranks))
+    }
+}
+
+/// One layout's prediction.
+#[derive(Debug, Clone, Serialize)]
+pub struct Prediction {
+    pub candidate: Candidate,
+    /// The busiest rank's peak, bytes (the estimator's total: held throughout plus the larger
+    /// of the passes and the update).
+    pub memory_bytes: f64,
+    pub step_s: f64,
+    /// The busiest device's forward and backward passes, tensor-parallel talk included.
+    pub compute_s: f64,
+    /// What the pipeline's timeline leaves that device idle.
+    pub bubble_s: f64,
+    /// Data-parallel communication after the passes.
+    pub exposed_comm_s: f64,
+    pub optimizer_s: f64,
+    /// Of `compute_s`, the tensor-parallel collectives.
+    pub tp_comm_s: f64,
+    pub tokens_per_s: f64,
+}
+
+/// Predicts `candidate`'s memory and step time.
+pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Candidate) -> Result<Prediction, UsageError> {
+    let c = *candidate;
+    let gpus = space.gpus_per_node;
+    let cuda = profile.recorded.device != "cpu";
+    let (d, seq) = (space.model.d_model as f64, profile.seq_len as f64);
+    let tokens = seq * c.micro_batch as f64;
+    let mixed = space.precision != Precision::Full;
+    let partition = Partition::even(space.model.nlayers, c.placement().stages()).map_err(|err| UsageError(format!("{err:#}")))?;
+    let job = TransformerJob {
+        config: space.model,
+        bptt: profile.seq_len,
+        batch: c.micro_batch * c.chunks as i64,
+        chunks: c.chunks,
+        accumulate: 1,
+        sequence_parallel: c.sequence_parallel,
+        state_shards: c.shard_group.unwrap_or(c.dp),
+        tp: c.tp,
+        partition: partition.clone(),
+        placement: c.placement(),
+        schedule: c.schedule,
+        checkpoint_activations: c.recompute,
+        stages_share_a_device: false,
+        keyed_masks: c.pp * c.tp > 1,
+        zero: c.zero,
+        optimizer_k: crate::memory::optimizer_bytes_per_parameter(profile.optimizer.kind, 0.9),
+        bucket_bytes: 25.0 * crate::memory::MIB,
+        precision: space.precision,
+        cuda,
+    };
+    let memory_bytes = job.estimate().iter().map(|row| row.total).fold(0.0, f64::max);
+
+    // One micro-batch through each stage.
+    let pieces = profile.pieces_at(c.micro_batch);
+    let tp = c.tp as f64;
+    let activation_bytes = tokens * d * if mixed { 2.0 } else { 4.0 };
+    let within = |collective, bytes| links.seconds(LinkScope::WithinHost, collective, bytes, c.tp);
+    // Megatron's f and g: two all-reduces forward, two backward per layer (sequence
+    // parallel: a reduce-scatter and an all-gather each, the same bus bytes).
+    let talk = if c.sequence_parallel {
+        within(Collective::ReduceScatter, activation_bytes)? + within(Collective::AllGather, activation_bytes)?
+    } else {
+        within(Collective::AllReduce, activation_bytes)?
+    };
+    let stages = c.placement().stages();
+    let (mut forward, mut backward) = (vec![0.0; stages], vec![0.0; stages]);
+    let mut tp_comm = vec![0.0; stages];
+    for s in 0..stages {
+        let layers = partition.layers[s].clone().count() as f64;
+        let mut f = layers * (pieces.layer.forward_s / tp + 2.0 * talk);
+        let mut b = layers * (pieces.layer.backward_s / tp + 2.0 * talk);
+        tp_comm[s] = layers * 4.0 * talk;
+        if c.recompute {
+            b += layers * (pieces.layer.forward_s / tp + 2.0 * talk);
+            tp_comm[s] += layers * 2.0 * talk;
+        }
+        if s == 0 {
+            f += pieces.embedding.forward_s / tp + talk;
+            b += pieces.embedding.backward_s / tp;
+            tp_comm[s] += talk;
+        }
+        if s + 1 == stages {
+            f += pieces.head.forward_s / tp;
+            b += pieces.head.backward_s / tp + talk;
+            tp_comm[s] += talk;
+        }
+        forward[s] = f;
+        backward[s] = b;
+    }
+    // Activations between stages, float32 (a shard's rows of them with sequence parallelism);
+    // a boundary crosses hosts where a replica's ranks outgrow one.
+    let p2p_scope = if c.pp * c.tp > gpus { LinkScope::BetweenHosts } else { LinkScope::WithinHost };
+    let sent = tokens * d * 4.0 / if c.sequence_parallel { tp } else { 1.0 };
+    let transfer = if c.pp > 1 { links.seconds(p2p_scope, Collective::SendRecv, sent, 2)? } else { 0.0 };
+    let costs = StageCosts { forward, backward, transfer };
+    let line = timeline::simulate(c.schedule, c.placement(), c.chunks, &costs);
+    let busiest_tp: f64 = (0..c.pp)
+        .map(|device| c.placement().stages_of(device).map(|s| tp_comm[s]).sum::<f64>() * c.chunks as f64)
+        .fold(0.0, f64::max);
+
+    // The data-parallel step: this rank's parameters (the busiest device's stages).
+    let parameters = (0..c.pp).map(|device| c.placement().stages_of(device).map(|s| job.stage_parameters(s)).sum::<f64>()).fold(0.0, f64::max);
+    let gradient_bytes = parameters * 4.0;
+    let dp_scope = if c.world() > gpus { LinkScope::BetweenHosts } else { LinkScope::WithinHost };
+    let exposed = match (c.zero, c.shard_group) {
+        (_, _) if c.dp == 1 => 0.0,
+        (Some(ZeroStage::Parameters), Some(group)) => {
+            let group_scope = if group * c.pp * c.tp > gpus { LinkScope::BetweenHosts } else { LinkScope::WithinHost };
+            links.seconds(group_scope, Collective::ReduceScatter, gradient_bytes, group)?
+                + 2.0 * links.seconds(group_scope, Collective::AllGather, gradient_bytes, group)?
+                + links.seconds(dp_scope, Collective::AllReduce, gradient_bytes / group as f64, c.dp / group)?
+        }
+        (Some(ZeroStage::Parameters), None) => {
+            links.seconds(dp_scope, Collective::ReduceScatter, gradient_bytes, c.dp)? + 2.0 * links.seconds(dp_scope, Collective::AllGather, gradient_bytes, c.dp)?
+        }
+        (Some(_), _) => links.seconds(dp_scope, Collective::ReduceScatter, gradient_bytes, c.dp)? + links.seconds(dp_scope, Collective::AllGather, gradient_bytes, c.dp)?,
+        (None, _) => links.seconds(dp_scope, Collective::AllReduce, gradient_bytes, c.dp)?,
+    };
+    let updated = match c.zero {
+        Some(_) => parameters / c.shard_group.unwrap_or(c.dp) as f64,
+        None => parameters,
+    };
+    let optimizer_s = updated * profile.optimizer.seconds_per_parameter;
+    let step_s = line.seconds + exposed + optimizer_s;
+    let global_tokens = seq * (c.micro_batch as usize * c.chunks * c.dp) as f64;
+    Ok(Prediction {
+        candidate: c,
+        memory_bytes,
+        step_s,
+        compute_s: line.busiest,
+        bubble_s: line.idle,
+        exposed_comm_s: exposed,
+        optimizer_s,
+        tp_comm_s: busiest_tp,
+        tokens_per_s: global_tokens / step_s,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::profile::{LinkProfile, OptimizerTime, PassTimes, PieceTimes, Recorded, VERSION};
+    use super::*;
+    use crate::models::TransformerConfig;
+    use crate::optim::OptimizerKind;
+    use crate::pipeline::Schedule;
+
+    fn model() -> TransformerConfig {
+        TransformerConfig { ntoken: 64, d_model: 32, nhead: 4, d_hid: 64, nlayers: 4, dropout: 0.0 }
+    }
+
+    /// A profile whose answer is known: a layer 1 s forward and 2 s backward per sequence of a
+    /// micro-batch, the embedding, the output layer and the optimizer free, links of latency 0
+    /// and `seconds_per_bus_byte`.
+    fn profile(seconds_per_bus_byte: f64) -> Profile {
+        let pass = |k: f64| PassTimes { forward_s: k, backward_s: 2.0 * k };
+        let compute = [1, 2].iter().map(|&b| PieceTimes { micro_batch: b, embedding: pass(0.0), layer: pass(b as f64), head: pass(0.0) }).collect();
+        let fit = |c| (c, CostFit { latency_s: 0.0, seconds_per_bus_byte, samples: vec![] });
+        let link = LinkProfile { scope: LinkScope::WithinHost, ranks: 2, backend: "mpi".into(), collectives: Collective::ALL.into_iter().map(fit).collect() };
+        Profile {
+            version: VERSION,
+            recorded: Recorded { device: "cpu".into(), threads: 1, host: "t".into(), unix_time: 0 },
+            model: model(),
+            precision: Precision::Full,
+            seq_len: 8,
+            compute,
+            optimizer: OptimizerTime { kind: OptimizerKind::Sgd, seconds_per_parameter: 0.0, parameters_timed: 1 },
+            links: vec![link],
+        }
+    }
+
+    fn space(gpus: usize, batch: usize) -> Space {
+        Space { nodes: 1, gpus_per_node: gpus, global_batch: batch, model: model(), precision: Precision::Full }
+    }
+
+    fn candidate(dp: usize, pp: usize, tp: usize, chunks: usize, micro_batch: i64) -> Candidate {
+        Candidate {
+            dp,
+            pp,
+            tp,
+            shard_group: None,
+            zero: None,
+            schedule: Schedule::GPipe,
+            virtual_stages: 1,
+            chunks,
+            micro_batch,
+            recompute: false,
+            sequence_parallel: false,
+        }
+    }
+
+    #[test]
+    fn free_links_give_the_compute_the_layout_divides() {
+        let p = profile(0.0);
+        let links = Links::of(&p, None, None);
+        // One rank, a micro-batch of 2: 4 layers × (2 + 4) s.
+        let one = predict(&p, &links, &space(1, 2), &candidate(1, 1, 1, 1, 2)).unwrap();
+        assert!((one.step_s - 24.0).abs() < 1e-9 && one.bubble_s == 0.0, "{one:?}");
+        assert!((one.tokens_per_s - 16.0 / 24.0).abs() < 1e-12);
+        // Two replicas of 1 sequence each: 4 × 3 s.
+        let dp = predict(&p, &links, &space(2, 2), &candidate(2, 1, 1, 1, 1)).unwrap();
+        assert!((dp.step_s - 12.0).abs() < 1e-9, "{dp:?}");
+        // Two shards: half of each layer.
+        let tp = predict(&p, &links, &space(2, 2), &candidate(1, 1, 2, 1, 2)).unwrap();
+        assert!((tp.step_s - 12.0).abs() < 1e-9, "{tp:?}");
+        // Two stages of 2 layers, 2 micro-batches of 1: GPipe's (m + p − 1)(F + B) = 3 × 6 s,
+        // of which each device idles 6.
+        let pp = predict(&p, &links, &space(2, 2), &candidate(1, 2, 1, 2, 1)).unwrap();
+        assert!((pp.step_s - 18.0).abs() < 1e-9 && (pp.bubble_s - 6.0).abs() < 1e-9, "{pp:?}");
+        // Recomputation runs the forward pass again in the backward pass: 3 × (1 + 2 + 1) s.
+        let recompute = predict(&p, &links, &space(2, 2), &Candidate { recompute: true, ..candidate(1, 2, 1, 2, 1) }).unwrap();
+        assert!((recompute.step_s - 3.0 * 8.0).abs() < 1e-9, "{recompute:?}");
+    }
+
+    #[test]
+    fn collectives_cost_what_the_links_bandwidth_says_on_the_bytes_each_layout_moves() {
+        let beta = 1e-6;
+        let p = profile(beta);
+        let links = Links::of(&p, None, None);
+        let s = space(2, 2);
+        // Two replicas: one all-reduce of every parameter's float32 gradient, 2(n−1)/n = 1 bus
+        // byte per byte.
+        let params = crate::models::param_count_formula(&model()) as f64;
+        let dp = predict(&p, &links, &s, &candidate(2, 1, 1, 1, 1)).unwrap();
+        assert!((dp.exposed_comm_s - 4.0 * params * beta).abs() < 1e-9 * params, "{dp:?}");
+        // ZeRO-3: reduce-scatter and two all-gathers, (n−1)/n = ½ each: 1.5 of the above.
+        let zero3 = predict(&p, &links, &s, &Candidate { zero: Some(ZeroStage::Parameters), ..candidate(2, 1, 1, 1, 1) }).unwrap();
+        assert!((zero3.exposed_comm_s / dp.exposed_comm_s - 1.5).abs() < 1e-9, "{zero3:?}");
+        // Tensor parallelism: per layer 4 all-reduces of the activations (8 tokens × 32 × 4
+        // bytes), plus the embedding's and the output layer's.
+        let tp = predict(&p, &links, &s, &candidate(1, 1, 2, 1, 1)).unwrap();
+        let activation = 8.0 * 32.0 * 4.0 * beta;
+        assert!((tp.tp_comm_s - (4.0 * 4.0 + 2.0) * activation).abs() < 1e-12, "{tp:?}");
+        // Sequence parallelism moves the same bytes in two halves.
+        let sp = predict(&p, &links, &s, &Candidate { sequence_parallel: true, ..candidate(1, 1, 2, 1, 1) }).unwrap();
+        assert!((sp.tp_comm_s - tp.tp_comm_s).abs() < 1e-12, "{sp:?}");
+    }
+
+    /// The memory is the estimator's (`--estimate-memory`), tested against measured peaks in
+    /// its own module; here, that each layout reaches it with its own settings.
+    #[test]
+    fn each_layout_is_estimated_with_its_own_settings() {
+        let adam = OptimizerTime { kind: OptimizerKind::Adam, seconds_per_parameter: 0.0, parameters_timed: 1 };
+        let p = Profile { seq_len: 256, optimizer: adam, ..profile(0.0) };
+        // Wide enough for the optimizer state to outweigh ZeRO's buffers.
+        let s = Space { model: TransformerConfig { d_model: 256, d_hid: 1024, ..model() }, ..space(2, 8) };
+        let links = Links::of(&p, None, None);
+        let memory = |c: Candidate| predict(&p, &links, &s, &c).unwrap().memory_bytes;
+        let pipeline = candidate(1, 2, 1, 4, 2);
+        assert!(memory(Candidate { recompute: true, ..pipeline }) < memory(pipeline));
+        let shards = candidate(1, 1, 2, 1, 8);
+        assert!(memory(Candidate { sequence_parallel: true, ..shards }) < memory(shards));
+        let replicas = candidate(2, 1, 1, 1, 4);
+        assert!(memory(Candidate { zero: Some(ZeroStage::Parameters), ..replicas }) < memory(Candidate { zero: Some(ZeroStage::OptimizerState), ..replicas }));
+        assert!(memory(Candidate { zero: Some(ZeroStage::OptimizerState), ..replicas }) < memory(replicas));
+    }
+
+    #[test]
+    fn a_link_the_profile_lacks_is_a_usage_error_unless_assumed() {
+        let p = profile(1e-6);
+        let two_hosts = Space { nodes: 2, gpus_per_node: 1, ..space(1, 2) };
+        let err = predict(&p, &Links::of(&p, None, None), &two_hosts, &candidate(2, 1, 1, 1, 1)).unwrap_err();
+        assert!(err.0.contains("the profile has no link between hosts") && err.0.contains("--between-hosts-gbps"), "{}", err.0);
+        let assumed = AssumedLink { latency_s: 0.0, bytes_per_second: 1e6 };
+        let ok = predict(&p, &Links::of(&p, None, Some(assumed)), &two_hosts, &candidate(2, 1, 1, 1, 1)).unwrap();
+        let params = crate::models::param_count_formula(&model()) as f64;
+        assert!((ok.exposed_comm_s - 4.0 * params / 1e6).abs() < 1e-9 * params, "{ok:?}");
+    }
+}

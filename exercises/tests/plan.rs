@@ -1,6 +1,7 @@
-//! `exercise3 profile` as a user runs it on CPU ranks: a profile with every piece timed at
-//! every micro-batch size asked, the optimizer, and every collective among the ranks; mistakes
-//! are one clear line and exit 2, before anything is measured.
+//! `exercise3 profile` and `exercise3 plan` as a user runs them on CPU ranks: a profile with
+//! every piece timed at every micro-batch size asked, the optimizer, and every collective among
+//! the ranks, and the plan made from it; mistakes are one clear line and exit 2, before
+//! anything is measured.
 use std::process::{Command, Output};
 
 use common::plan::profile::{Collective, LinkScope, Profile, ProfileKey};
@@ -38,6 +39,25 @@ fn two_ranks_profile_the_pieces_the_optimizer_and_every_collective_between_them(
         assert_eq!(fit.samples.iter().map(|s| s.0 as usize).collect::<Vec<_>>(), vec![4 << 10, 32 << 10, 256 << 10, 1 << 20], "{collective:?}");
         assert!(fit.samples.iter().all(|s| s.1 > 0.0) && fit.latency_s >= 0.0 && fit.seconds_per_bus_byte >= 0.0, "{collective:?}: {fit:?}");
     }
+
+    // The plan for this machine's 2 ranks, from that profile.
+    let plan = |extra: &[&str]| {
+        let mut args = vec!["plan", "--profile", out.to_str().unwrap(), "--gpus-per-node", "2", "--global-batch", "4", "--nlayers", "2"];
+        args.extend(extra);
+        Command::new(env!("CARGO_BIN_EXE_exercise3")).args(args).output().expect("exercise3 runs")
+    };
+    let table = plan(&["--memory", "1GiB", "--top", "3"]);
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(table.status.success(), "{text}{}", String::from_utf8_lossy(&table.stderr));
+    assert!(text.contains("1 node(s) × 2 GPU(s) of 1.0 GiB, global batch 4 × 8 tokens, 2 layers of d_model 32") && text.contains("why #1 wins"), "{text}");
+    assert_eq!(text.lines().filter(|l| l.starts_with("| ")).count(), 4, "{text}");
+    let json = plan(&["--memory", "1GiB", "--json"]);
+    let parsed: serde_json::Value = serde_json::from_slice(&json.stdout).expect("--json prints JSON");
+    assert!(parsed["ranked"].as_array().is_some_and(|r| r.len() > 3), "{parsed}");
+    let refused = plan(&["--memory", "1KB"]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("no layout fits in 0.0 GiB per rank") && stderr.trim().lines().count() == 1, "{stderr}");
 }
 
 #[test]

@@ -1,9 +1,9 @@
 //! Planning a layout before launch (issue: `exercise3 plan`): a machine's [`profile`] of what
 //! the Transformer's pieces, its optimizer and its collectives cost, from which the planner
 //! predicts every layout's memory and step time.
-pub mod profile;
 pub mod layouts;
 pub mod predict;
+pub mod profile;
 pub mod timeline;
 
 use std::path::PathBuf;
@@ -154,4 +154,311 @@ fn measure_links(world: &ProcessGroup, device: Device, sizes: &[usize]) -> Resul
         links.extend(link);
     }
     Ok(links)
+}
+
+/// `exercise3 plan`: the job to plan for.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PlanArgs {
+    /// The machine's profile (exercise3 profile --out FILE).
+    #[arg(long)]
+    pub profile: PathBuf,
+    /// Hosts of the job.
+    #[arg(long, default_value_t = 1)]
+    pub nodes: usize,
+    /// GPUs (ranks) per host.
+    #[arg(long)]
+    pub gpus_per_node: usize,
+    /// Memory of one GPU (rank): bytes, or with a unit (80GB, 80GiB, 512MiB).
+    #[arg(long, value_parser = parse_bytes)]
+    pub memory: f64,
+    /// Sequences per optimizer step over all replicas.
+    #[arg(long)]
+    pub global_batch: usize,
+    /// Encoder layers (the profile times one; the plan stacks them).
+    #[arg(long, default_value_t = 12)]
+    pub nlayers: i64,
+    /// The model width the job trains (must be the profile's).
+    #[arg(long)]
+    pub emsize: Option<i64>,
+    /// The precision the job trains in (must be the profile's).
+    #[arg(long, value_enum)]
+    pub precision: Option<Precision>,
+    /// Bandwidth to assume within a host, GB/s, where the profile measured none (one rank).
+    #[arg(long)]
+    pub within_host_gbps: Option<f64>,
+    /// Bandwidth to assume between hosts, GB/s, where the profile measured none (one host).
+    #[arg(long)]
+    pub between_hosts_gbps: Option<f64>,
+    /// Latency of an assumed link's collective, microseconds.
+    #[arg(long, default_value_t = 10.0)]
+    pub link_latency_us: f64,
+    /// How many of the best layouts to print.
+    #[arg(long, default_value_t = 10)]
+    pub top: usize,
+    /// Print the ranked layouts as JSON (for tools) instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Bytes from `80GB`, `80GiB`, `512MiB` or a plain number.
+fn parse_bytes(text: &str) -> Result<f64, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let value: f64 = number.trim().parse().map_err(|_| format!("`{text}` is not a size (80GB, 80GiB, 512MiB or bytes)"))?;
+    let scale = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        "tib" => 1024f64.powi(4),
+        other => return Err(format!("`{other}` is not a unit of size (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")),
+    };
+    match value * scale {
+        bytes if bytes > 0.0 && bytes.is_finite() => Ok(bytes),
+        _ => Err(format!("`{text}`: a size must be positive")),
+    }
+}
+
+/// The plan: every legal layout predicted, those that fit ranked by step time.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Plan {
+    pub nodes: usize,
+    pub gpus_per_node: usize,
+    pub memory_bytes: f64,
+    pub global_batch: usize,
+    pub model: TransformerConfig,
+    pub seq_len: i64,
+    pub precision: Precision,
+    pub profile_device: String,
+    /// How many legal layouts were predicted.
+    pub layouts: usize,
+    /// Those that fit, fastest first.
+    pub ranked: Vec<predict::Prediction>,
+}
+
+/// Plans `args`' job from its profile: a usage error (exit 2) for a profile that cannot be
+/// read or is another model's or precision's, for a link the job needs and the profile lacks,
+/// and for a job no layout fits (saying by how much the smallest misses).
+pub fn plan(args: &PlanArgs) -> Result<Plan> {
+    if args.nodes == 0 || args.gpus_per_node == 0 || args.global_batch == 0 || args.nlayers < 1 {
+        return usage("--nodes, --gpus-per-node, --global-batch and --nlayers must be at least 1");
+    }
+    let raw = Profile::read(&args.profile, None)?;
+    let model = TransformerConfig { nlayers: args.nlayers, ..raw.model };
+    let key = profile::ProfileKey {
+        model: TransformerConfig { d_model: args.emsize.unwrap_or(model.d_model), ..model },
+        precision: args.precision.unwrap_or(raw.precision),
+    };
+    let profile = Profile::read(&args.profile, Some(key))?;
+    let assumed = |gbps: Option<f64>| gbps.map(|g| predict::AssumedLink { latency_s: args.link_latency_us * 1e-6, bytes_per_second: g * 1e9 });
+    let links = predict::Links::of(&profile, assumed(args.within_host_gbps), assumed(args.between_hosts_gbps));
+    let space = layouts::Space { nodes: args.nodes, gpus_per_node: args.gpus_per_node, global_batch: args.global_batch, model, precision: profile.precision };
+    let candidates = layouts::enumerate(&space);
+    if candidates.is_empty() {
+        return usage(format!(
+            "no layout of {} ranks trains a global batch of {} sequences (the replicas must divide it)",
+            args.nodes * args.gpus_per_node,
+            args.global_batch
+        ));
+    }
+    let predictions = candidates.iter().map(|c| predict::predict(&profile, &links, &space, c)).collect::<Result<Vec<_>, _>>()?;
+    let mut ranked: Vec<predict::Prediction> = predictions.iter().filter(|p| p.memory_bytes <= args.memory).cloned().collect();
+    if ranked.is_empty() {
+        let smallest = predictions.iter().min_by(|a, b| a.memory_bytes.total_cmp(&b.memory_bytes)).expect("a layout");
+        return usage(format!(
+            "no layout fits in {:.1} GiB per rank: the smallest needs {:.1} GiB ({}), {:.1} GiB more; add ranks or memory",
+            gib(args.memory),
+            gib(smallest.memory_bytes),
+            smallest.candidate.flags(),
+            gib(smallest.memory_bytes - args.memory)
+        ));
+    }
+    ranked.sort_by(|a, b| a.step_s.total_cmp(&b.step_s).then(a.memory_bytes.total_cmp(&b.memory_bytes)));
+    Ok(Plan {
+        nodes: args.nodes,
+        gpus_per_node: args.gpus_per_node,
+        memory_bytes: args.memory,
+        global_batch: args.global_batch,
+        model,
+        seq_len: profile.seq_len,
+        precision: profile.precision,
+        profile_device: profile.recorded.device.clone(),
+        layouts: predictions.len(),
+        ranked,
+    })
+}
+
+fn gib(bytes: f64) -> f64 {
+    bytes / (1024.0 * 1024.0 * 1024.0)
+}
+
+impl Plan {
+    /// The plan as JSON, every fitting layout ranked (for tools).
+    pub fn to_json(&self) -> Result<String> {
+        Ok(serde_json::to_string_pretty(self)?)
+    }
+
+    /// The best `top` layouts as a table, and why the first wins.
+    pub fn describe(&self, top: usize) -> String {
+        let mut lines = vec![format!(
+            "{} node(s) × {} GPU(s) of {:.1} GiB, global batch {} × {} tokens, {} layers of d_model {}, --precision {}, from a profile of {}: {} of {} layouts fit",
+            self.nodes,
+            self.gpus_per_node,
+            gib(self.memory_bytes),
+            self.global_batch,
+            self.seq_len,
+            self.model.nlayers,
+            self.model.d_model,
+            self.precision.name(),
+            self.profile_device,
+            self.ranked.len(),
+            self.layouts
+        )];
+        lines.push("| # | layout | memory (GiB) | step (s) | tokens/s | compute | of it TP talk | bubble | DP comm | optimizer |".into());
+        lines.push("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|".into());
+        for (i, p) in self.ranked.iter().take(top).enumerate() {
+            lines.push(format!(
+                "| {} | {} | {:.2} | {:.4} | {:.0} | {:.4} | {:.4} | {:.4} | {:.4} | {:.4} |",
+                i + 1,
+                p.candidate.flags(),
+                gib(p.memory_bytes),
+                p.step_s,
+                p.tokens_per_s,
+                p.compute_s,
+                p.tp_comm_s,
+                p.bubble_s,
+                p.exposed_comm_s,
+                p.optimizer_s
+            ));
+        }
+        lines.push(self.why());
+        lines.join("\n")
+    }
+
+    /// Why the first layout wins: against the runner-up, the part of the step that differs most.
+    pub fn why(&self) -> String {
+        let Some(best) = self.ranked.first() else { return String::new() };
+        let Some(next) = self.ranked.get(1) else { return format!("{} is the only layout that fits", best.candidate.flags()) };
+        let parts = [
+            ("compute", best.compute_s - best.tp_comm_s, next.compute_s - next.tp_comm_s),
+            ("tensor-parallel talk", best.tp_comm_s, next.tp_comm_s),
+            ("pipeline bubble", best.bubble_s, next.bubble_s),
+            ("data-parallel communication", best.exposed_comm_s, next.exposed_comm_s),
+            ("optimizer step", best.optimizer_s, next.optimizer_s),
+        ];
+        let (what, mine, theirs) = parts.iter().copied().max_by(|a, b| (a.2 - a.1).total_cmp(&(b.2 - b.1))).expect("parts");
+        format!(
+            "why #1 wins: {:.1}% faster than #2 ({}), most of it in {what} ({:.4} s against {:.4} s)",
+            100.0 * (next.step_s / best.step_s - 1.0),
+            next.candidate.flags(),
+            mine,
+            theirs
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::profile::{Collective, CostFit, LinkProfile, OptimizerTime, PassTimes, PieceTimes};
+    use super::*;
+
+    /// A profile of a small model on 2 ranks, a layer 1 ms per sequence forward and 2 ms
+    /// backward, links of 1 GB/s.
+    fn write_profile(dir: &std::path::Path) -> PathBuf {
+        let pass = |k: f64| PassTimes { forward_s: 1e-3 * k, backward_s: 2e-3 * k };
+        let compute =
+            [1, 4].iter().map(|&b| PieceTimes { micro_batch: b, embedding: pass(0.1 * b as f64), layer: pass(b as f64), head: pass(0.5 * b as f64) }).collect();
+        let fit = |c| (c, CostFit { latency_s: 1e-5, seconds_per_bus_byte: 1e-9, samples: vec![] });
+        let profile = Profile {
+            version: profile::VERSION,
+            recorded: Recorded { device: "cpu".into(), threads: 1, host: "t".into(), unix_time: 0 },
+            model: TransformerConfig { ntoken: 64, d_model: 32, nhead: 4, d_hid: 64, nlayers: 1, dropout: 0.0 },
+            precision: Precision::Full,
+            seq_len: 16,
+            compute,
+            optimizer: OptimizerTime { kind: OptimizerKind::Adam, seconds_per_parameter: 1e-9, parameters_timed: 1 },
+            links: vec![LinkProfile {
+                scope: LinkScope::WithinHost,
+                ranks: 2,
+                backend: "mpi".into(),
+                collectives: Collective::ALL.into_iter().map(fit).collect(),
+            }],
+        };
+        let path = dir.join("profile.json");
+        profile.write(&path).unwrap();
+        path
+    }
+
+    fn args(profile: PathBuf) -> PlanArgs {
+        PlanArgs {
+            profile,
+            nodes: 1,
+            gpus_per_node: 4,
+            memory: 1e9,
+            global_batch: 8,
+            nlayers: 4,
+            emsize: None,
+            precision: None,
+            within_host_gbps: None,
+            between_hosts_gbps: None,
+            link_latency_us: 10.0,
+            top: 10,
+            json: false,
+        }
+    }
+
+    fn refusal(args: &PlanArgs) -> String {
+        let err = plan(args).unwrap_err();
+        assert!(err.downcast_ref::<crate::error::UsageError>().is_some(), "{err:#}");
+        err.to_string()
+    }
+
+    #[test]
+    fn the_layouts_that_fit_are_ranked_fastest_first_and_the_winner_explained() {
+        let dir = tempfile::tempdir().unwrap();
+        let all = plan(&args(write_profile(dir.path()))).unwrap();
+        assert!(all.ranked.len() == all.layouts && all.layouts > 20, "{}", all.describe(50));
+        assert!(all.ranked.windows(2).all(|w| w[0].step_s <= w[1].step_s));
+        // A memory between the smallest and the largest need: only what fits is ranked.
+        let needs: Vec<f64> = all.ranked.iter().map(|p| p.memory_bytes).collect();
+        let limit = (needs.iter().copied().fold(f64::MAX, f64::min) + needs.iter().copied().fold(0.0, f64::max)) / 2.0;
+        let fitting = plan(&PlanArgs { memory: limit, ..args(write_profile(dir.path())) }).unwrap();
+        assert!(fitting.ranked.len() < all.ranked.len() && fitting.ranked.iter().all(|p| p.memory_bytes <= limit));
+        let text = fitting.describe(3);
+        assert_eq!(text.lines().filter(|l| l.starts_with("| ")).count(), 1 + 3, "{text}");
+        assert!(text.contains("why #1 wins: ") && text.contains(&format!("than #2 ({})", fitting.ranked[1].candidate.flags())), "{text}");
+        let json: serde_json::Value = serde_json::from_str(&fitting.to_json().unwrap()).unwrap();
+        assert_eq!(json["ranked"].as_array().unwrap().len(), fitting.ranked.len());
+    }
+
+    #[test]
+    fn a_job_that_fits_nowhere_or_a_profile_that_does_not_match_is_one_usage_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_profile(dir.path());
+        let tiny = refusal(&PlanArgs { memory: 1000.0, ..args(path.clone()) });
+        assert!(tiny.contains("no layout fits in 0.0 GiB per rank: the smallest needs") && tiny.contains("more; add ranks or memory"), "{tiny}");
+        assert!(refusal(&PlanArgs { emsize: Some(64), ..args(path.clone()) }).contains("was measured for another model"));
+        assert!(refusal(&PlanArgs { precision: Some(Precision::BHalf), ..args(path.clone()) }).contains("was measured in --precision 32"));
+        let two_hosts = refusal(&PlanArgs { nodes: 2, ..args(path.clone()) });
+        assert!(two_hosts.contains("the profile has no link between hosts") && two_hosts.contains("--between-hosts-gbps"), "{two_hosts}");
+        assert!(plan(&PlanArgs { nodes: 2, between_hosts_gbps: Some(10.0), ..args(path.clone()) }).is_ok());
+        assert!(refusal(&PlanArgs { global_batch: 0, ..args(path.clone()) }).contains("must be at least 1"));
+        assert!(refusal(&args(dir.path().join("absent.json"))).contains("cannot read the profile"));
+    }
+
+    #[test]
+    fn sizes_read_with_their_units() {
+        assert_eq!(parse_bytes("80GB"), Ok(80e9));
+        assert_eq!(parse_bytes("80GiB"), Ok(80.0 * 1024.0 * 1024.0 * 1024.0));
+        assert_eq!(parse_bytes(" 512 MiB"), Ok(512.0 * 1024.0 * 1024.0));
+        assert_eq!(parse_bytes("1000"), Ok(1000.0));
+        assert!(parse_bytes("80XB").unwrap_err().contains("not a unit of size"));
+        assert!(parse_bytes("-1GB").unwrap_err().contains("must be positive"));
+        assert!(parse_bytes("GB").unwrap_err().contains("is not a size"));
+    }
 }

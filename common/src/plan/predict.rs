@@ -192,9 +192,7 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
     let transfer = if c.pp > 1 { links.seconds(p2p_scope, Collective::SendRecv, sent, 2)? } else { 0.0 };
     let costs = StageCosts { forward, backward, transfer };
     let line = timeline::simulate(c.schedule, c.placement(), c.chunks, &costs);
-    let busiest_tp: f64 = (0..c.pp)
-        .map(|device| c.placement().stages_of(device).map(|s| tp_comm[s]).sum::<f64>() * c.chunks as f64)
-        .fold(0.0, f64::max);
+    let busiest_tp: f64 = (0..c.pp).map(|device| c.placement().stages_of(device).map(|s| tp_comm[s]).sum::<f64>() * c.chunks as f64).fold(0.0, f64::max);
 
     // The data-parallel step: this rank's parameters (the busiest device's stages).
     let parameters = (0..c.pp).map(|device| c.placement().stages_of(device).map(|s| job.stage_parameters(s)).sum::<f64>()).fold(0.0, f64::max);
@@ -209,9 +207,12 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
                 + links.seconds(dp_scope, Collective::AllReduce, gradient_bytes / group as f64, c.dp / group)?
         }
         (Some(ZeroStage::Parameters), None) => {
-            links.seconds(dp_scope, Collective::ReduceScatter, gradient_bytes, c.dp)? + 2.0 * links.seconds(dp_scope, Collective::AllGather, gradient_bytes, c.dp)?
+            links.seconds(dp_scope, Collective::ReduceScatter, gradient_bytes, c.dp)?
+                + 2.0 * links.seconds(dp_scope, Collective::AllGather, gradient_bytes, c.dp)?
         }
-        (Some(_), _) => links.seconds(dp_scope, Collective::ReduceScatter, gradient_bytes, c.dp)? + links.seconds(dp_scope, Collective::AllGather, gradient_bytes, c.dp)?,
+        (Some(_), _) => {
+            links.seconds(dp_scope, Collective::ReduceScatter, gradient_bytes, c.dp)? + links.seconds(dp_scope, Collective::AllGather, gradient_bytes, c.dp)?
+        }
         (None, _) => links.seconds(dp_scope, Collective::AllReduce, gradient_bytes, c.dp)?,
     };
     let updated = match c.zero {

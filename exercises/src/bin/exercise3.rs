@@ -24,6 +24,12 @@
 //!
 //!     exercise3 profile --out h100.json --device cuda --precision bf16-mixed --bptt 512
 //!     exercise3 profile --out cpu.json --nproc-per-node 4 --emsize 256 --d-hid 256 --nhead 4
+//!
+//! `exercise3 plan`: every layout of a job (dp × pp × tp, ZeRO, HSDP, micro-batches, schedule,
+//! recomputation, sequence parallelism) ranked by its predicted step time, those that do not
+//! fit the memory left out.
+//!
+//!     exercise3 plan --profile h100.json --nodes 1 --gpus-per-node 8 --memory 80GB --global-batch 64
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use common::image_classification::{self, ImageArgs};
 use common::language_model::{self, PipelineArgs};
@@ -59,6 +65,11 @@ enum Command {
         #[command(flatten)]
         args: common::plan::ProfileArgs,
     },
+    /// Ranks every layout of a job by predicted step time, from a profile; those that do not fit left out.
+    Plan {
+        #[command(flatten)]
+        args: common::plan::PlanArgs,
+    },
 }
 
 fn main() -> std::process::ExitCode {
@@ -75,6 +86,7 @@ fn main() -> std::process::ExitCode {
         Command::Pipeline { args } => language_model::run_pipeline(&EXERCISE3_PIPELINE, args, &mut listeners).map(drop),
         Command::Tp { args } => language_model::run_pipeline(&EXERCISE3_TP, args, &mut listeners).map(drop),
         Command::Profile { args } => profile(args),
+        Command::Plan { args } => plan(args),
     })
 }
 
@@ -88,4 +100,14 @@ fn profile(args: &common::plan::ProfileArgs) -> anyhow::Result<()> {
         }
         Ok(())
     })
+}
+
+fn plan(args: &common::plan::PlanArgs) -> anyhow::Result<()> {
+    let plan = common::plan::plan(args)?;
+    if args.json {
+        println!("{}", plan.to_json()?);
+    } else {
+        println!("{}", plan.describe(args.top));
+    }
+    Ok(())
 }

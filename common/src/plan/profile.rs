@@ -359,7 +359,7 @@ pub fn measure_compute(cfg: &TransformerConfig, precision: Precision, device: De
     for micro_batch in std::iter::once(first).chain(sizes) {
         let tokens = Tensor::randint(cfg.ntoken, [seq_len, micro_batch], (Kind::Int64, device));
         let hidden = Tensor::randn([seq_len, micro_batch, cfg.d_model], (hidden_kind, device));
-        let in_precision = |f: &mut dyn FnMut() -> Result<Tensor>| precision::autocast(precision, device, || f());
+        let in_precision = |f: &mut dyn FnMut() -> Result<Tensor>| precision::autocast(precision, device, &mut *f);
         let timed = |f: &mut dyn FnMut() -> Result<Tensor>| -> Result<PassTimes> {
             let forward_s = median_seconds(device, 5, || tch::no_grad(|| in_precision(f)).map(drop))?;
             let total = median_seconds(device, 5, || {

@@ -90,6 +90,9 @@ pub struct LmArgs {
     #[arg(long)]
     #[arg(help_heading = "Parallelism")]
     pub sequence_parallel: bool,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub auto: crate::plan::auto::AutoLayoutArgs,
 }
 
 /// exercise3 pipeline's and exercise3 tp's flags: exercise1_nlp's, plus the model-parallel ones.
@@ -175,22 +178,92 @@ struct LmExperiment<'a> {
     pipeline: Option<&'a PipelineArgs>,
     /// A pipeline's stages as [`Experiment::describe`] found them, for the results.
     stages: std::cell::RefCell<Vec<StageSummary>>,
+    /// What `--layout auto` chose and why, said with the model.
+    chosen_layout: Option<String>,
 }
 
 impl<'a> LmExperiment<'a> {
     fn new(preset: &'a Preset, args: &'a LmArgs, pipeline: Option<&'a PipelineArgs>) -> Self {
-        LmExperiment { preset, args, pipeline, stages: Default::default() }
+        LmExperiment { preset, args, pipeline, stages: Default::default(), chosen_layout: None }
     }
 }
 
 /// Runs exercise1_nlp-style `preset` with `args` (see [`experiment::run`]).
 pub fn run(preset: &Preset, args: &LmArgs, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
-    experiment::run(&LmExperiment::new(preset, args, None), listeners)
+    match auto_layout(preset, args, None)? {
+        Some((lm, _, line)) => experiment::run(&LmExperiment { chosen_layout: Some(line), ..LmExperiment::new(preset, &lm, None) }, listeners),
+        None => experiment::run(&LmExperiment::new(preset, args, None), listeners),
+    }
 }
 
 /// Runs exercise3 pipeline-style or tp-style `preset` with `args`.
 pub fn run_pipeline(preset: &Preset, args: &PipelineArgs, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
-    experiment::run(&LmExperiment::new(preset, &args.lm, Some(args)), listeners)
+    match auto_layout(preset, &args.lm, Some(args))? {
+        Some((lm, Some(pipeline), line)) => {
+            let pipeline = PipelineArgs { lm: lm.clone(), ..pipeline };
+            experiment::run(&LmExperiment { chosen_layout: Some(line), ..LmExperiment::new(preset, &lm, Some(&pipeline)) }, listeners)
+        }
+        _ => experiment::run(&LmExperiment::new(preset, &args.lm, Some(args)), listeners),
+    }
+}
+
+/// `--layout auto`: on a rank of the job (or a run of one process), the flags of the layout
+/// the plan chooses for the ranks it was started on, and the line saying which and why. None
+/// without `--layout`, and in a process that is about to start the ranks (they plan for
+/// themselves).
+fn auto_layout(preset: &Preset, lm: &LmArgs, pipeline: Option<&PipelineArgs>) -> Result<Option<(LmArgs, Option<PipelineArgs>, String)>> {
+    use crate::plan::auto::{self, RunShape, Trainer};
+    if lm.auto.layout.is_none() {
+        return Ok(None);
+    }
+    let trainer = match (preset.parallelism, pipeline) {
+        (ModelParallelism::None, None) => Trainer::Exercise1Nlp,
+        (ModelParallelism::Tensor, Some(_)) => Trainer::Exercise3Tp,
+        _ => return usage("--layout auto plans exercise1_nlp and exercise3 tp (exercise3 pipeline's stages are threads of one process)"),
+    };
+    let chosen_by_auto = [
+        ("--tp", lm.tp.is_some()),
+        ("--zero", lm.parallel.zero != 0),
+        ("--shard-group", lm.parallel.shard_group.is_some()),
+        ("--sequence-parallel", lm.sequence_parallel),
+        ("--batch-size", lm.recipe.batch_size.is_some()),
+        ("--pp", pipeline.is_some_and(|p| p.pp.is_some())),
+        ("--chunks", pipeline.is_some_and(|p| p.chunks.is_some())),
+        ("--virtual-stages", pipeline.is_some_and(|p| p.virtual_stages.is_some())),
+        ("--checkpoint-activations", pipeline.is_some_and(|p| p.checkpoint_activations)),
+    ];
+    if let Some((flag, _)) = chosen_by_auto.iter().find(|(_, given)| *given) {
+        return usage(format!("--layout auto chooses {flag} itself: drop {flag}, or drop --layout auto"));
+    }
+    let env = crate::comm::launch::LaunchEnv::detect()?;
+    if env.world_size == 1 && lm.parallel.nproc_per_node.is_some_and(|n| n > 1) {
+        return Ok(None);
+    }
+    let ModelPreset::Transformer { model, bptt, .. } = preset.model else { unreachable!("a language-model exercise has a Transformer preset") };
+    let shape = RunShape {
+        model: lm.apply_to(model),
+        bptt: lm.bptt.unwrap_or(bptt),
+        precision: lm.run.precision,
+        nodes: env.nnodes.max(1),
+        ranks_per_node: env.local_world_size.max(1),
+    };
+    let (c, line) = auto::choose(&lm.auto, &shape, trainer)?;
+    let mut lm = lm.clone();
+    lm.tp = (trainer == Trainer::Exercise3Tp || c.tp > 1).then_some(c.tp);
+    lm.parallel.zero = c.zero.map_or(0, |stage| stage.number());
+    lm.parallel.shard_group = c.shard_group;
+    lm.sequence_parallel = c.sequence_parallel;
+    lm.recipe.batch_size = Some(c.replica_batch() as usize);
+    let pipeline = pipeline.map(|p| PipelineArgs {
+        lm: lm.clone(),
+        pp: Some(c.pp),
+        chunks: Some(c.chunks),
+        schedule: c.schedule,
+        virtual_stages: (c.virtual_stages > 1).then_some(c.virtual_stages),
+        checkpoint_activations: c.recompute,
+        ..p.clone()
+    });
+    Ok(Some((lm, pipeline, line)))
 }
 
 /// The corpus and its add-one unigram model's test perplexity (the baseline to beat).
@@ -453,6 +526,9 @@ impl Experiment for LmExperiment<'_> {
         }
         if ntoken != vocab && groups.is_root() {
             observers.info(format!("--pad-vocab {multiple}: the vocabulary of {vocab} words padded to {ntoken}"))?;
+        }
+        if let Some(line) = self.chosen_layout.as_ref().filter(|_| groups.is_root()) {
+            observers.info(line.clone())?;
         }
         let init = self.preset.recipe_for(&self.args.recipe).output_init;
         let sequence_parallel = self.args.sequence_parallel;

@@ -2,6 +2,8 @@
 //! every piece timed at every micro-batch size asked, the optimizer, and every collective among
 //! the ranks, and the plan made from it; mistakes are one clear line and exit 2, before
 //! anything is measured.
+mod support;
+
 use std::process::{Command, Output};
 
 use common::plan::profile::{Collective, LinkScope, Profile, ProfileKey};
@@ -83,4 +85,93 @@ fn profile_mistakes_are_one_line_and_exit_2_before_measuring() {
         assert!(stderr.contains(says) && stderr.trim().lines().count() == 1, "{extra:?}: {stderr}");
     }
     assert!(!std::path::Path::new(out).exists(), "nothing written");
+}
+
+/// `exercise3 tp --layout auto` on 2 ranks trains with the layout `exercise3 plan` ranks first
+/// among those exercise3 tp runs, and says so; the flags it chooses itself are refused beside it.
+#[test]
+fn layout_auto_trains_with_the_layout_the_plan_ranks_first() {
+    let dir = tempfile::tempdir().unwrap();
+    support::wikitext_sample(dir.path(), [60; 3]);
+    let profile_path = dir.path().join("p.json");
+    let p = profile_path.to_str().unwrap();
+    let recorded = profile(&[
+        "--emsize",
+        "32",
+        "--d-hid",
+        "64",
+        "--nhead",
+        "4",
+        "--vocab",
+        "128",
+        "--bptt",
+        "8",
+        "--max-message-mb",
+        "1",
+        "--micro-batches",
+        "1,2,4",
+        "--nproc-per-node",
+        "2",
+        "--out",
+        p,
+    ]);
+    assert!(recorded.status.success(), "{}", String::from_utf8_lossy(&recorded.stderr));
+    let exercise3 = |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_exercise3")).args(args).env("OMP_NUM_THREADS", "1").output().expect("exercise3 runs");
+    let planned = exercise3(&["plan", "--profile", p, "--gpus-per-node", "2", "--memory", "1GB", "--global-batch", "4", "--nlayers", "2", "--json"]);
+    let plan: serde_json::Value = serde_json::from_slice(&planned.stdout).expect("the plan as JSON");
+    // exercise3 tp runs every layout but ZeRO-3's (exercise1_nlp's whole-model step).
+    let expected = plan["ranked"].as_array().unwrap().iter().find(|p| p["candidate"]["zero"] != "3").expect("a layout exercise3 tp runs").clone();
+    let results = dir.path().join("results");
+    let mut args = vec!["tp", "--layout", "auto", "--plan-profile", p, "--memory", "1GB", "--global-batch", "4", "--nproc-per-node", "2"];
+    let model = [
+        "--device",
+        "cpu",
+        "--emsize",
+        "32",
+        "--d-hid",
+        "64",
+        "--nhead",
+        "4",
+        "--nlayers",
+        "2",
+        "--bptt",
+        "8",
+        "--pad-vocab",
+        "8",
+        "--max-steps",
+        "2",
+        "--epochs",
+        "1",
+    ];
+    args.extend(model);
+    args.extend(["--data-dir", dir.path().to_str().unwrap(), "--results-dir", results.to_str().unwrap()]);
+    let run = exercise3(&args);
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    // (The command names exercise3 tp, or exercise1_nlp for a whole model: the flags follow.)
+    let command = expected["command"].as_str().unwrap();
+    let flags = command.trim_start_matches("exercise3 tp ").trim_start_matches("exercise1_nlp ");
+    assert!(stdout.contains(&format!("--layout auto: {flags} (predicted")), "expected {flags} in\n{stdout}");
+    let json = std::fs::read_dir(&results).unwrap().map(|e| e.unwrap().path()).find(|p| p.to_string_lossy().ends_with("-cpu.json")).expect("results JSON");
+    let layout = &support::read_json(&json)["layout"];
+    for dim in ["dp", "pp", "tp"] {
+        assert_eq!(layout[dim], expected["candidate"][dim], "{dim}: {layout} against {}", expected["candidate"]);
+    }
+
+    // What --layout auto chooses cannot be given beside it; it needs its three flags; and
+    // exercise3 pipeline (stages as threads) is not planned.
+    for (extra, says) in [(vec!["--tp", "2"], "--layout auto chooses --tp itself"), (vec!["--batch-size", "2"], "--layout auto chooses --batch-size itself")] {
+        let mut refused = vec!["tp", "--layout", "auto", "--plan-profile", p, "--memory", "1GB", "--global-batch", "4"];
+        refused.extend(&extra);
+        refused.extend(model);
+        let out = exercise3(&refused);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {stderr}");
+        assert!(stderr.contains(says), "{extra:?}: {stderr}");
+    }
+    let mut missing = vec!["tp", "--layout", "auto", "--plan-profile", p];
+    missing.extend(model);
+    let out = exercise3(&missing);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("give --plan-profile FILE, --memory BYTES and --global-batch N"));
 }

@@ -37,9 +37,34 @@ impl Candidate {
         Placement { devices: self.pp, virtual_stages: self.virtual_stages }
     }
 
-    /// The flags that train with it (`exercise3 tp`'s).
+    /// Sequences per replica's batch (`--batch-size`).
+    pub fn replica_batch(&self) -> i64 {
+        self.micro_batch * self.chunks as i64
+    }
+
+    /// Whether each rank holds the whole model: exercise1_nlp's step, the one that shards
+    /// parameters (ZeRO-2 and 3, HSDP); stages and shards are exercise3 tp's.
+    pub fn whole_model(&self) -> bool {
+        self.pp * self.tp == 1
+    }
+
+    /// The command that trains with it (with `--nproc-per-node` or a launcher for the ranks).
     pub fn flags(&self) -> String {
-        let mut flags = vec![format!("--tp {} --pp {} --dp {}", self.tp, self.pp, self.dp)];
+        let exercise = if self.whole_model() { "exercise1_nlp" } else { "exercise3 tp" };
+        format!("{exercise} {}", self.layout_flags())
+    }
+
+    /// Its flags alone (`--tp 2 --batch-size 8 --sequence-parallel`): what `--layout auto`
+    /// sets.
+    pub fn layout_flags(&self) -> String {
+        let mut flags = Vec::new();
+        if self.tp > 1 {
+            flags.push(format!("--tp {}", self.tp));
+        }
+        if self.pp > 1 {
+            flags.push(format!("--pp {}", self.pp));
+        }
+        flags.push(format!("--batch-size {}", self.replica_batch()));
         if let Some(stage) = self.zero {
             flags.push(format!("--zero {}", stage.number()));
         }

@@ -1,6 +1,7 @@
 //! Planning a layout before launch (issue: `exercise3 plan`): a machine's [`profile`] of what
 //! the Transformer's pieces, its optimizer and its collectives cost, from which the planner
 //! predicts every layout's memory and step time.
+pub mod auto;
 pub mod layouts;
 pub mod predict;
 pub mod profile;

@@ -100,6 +100,8 @@ impl Links {
 #[derive(Debug, Clone, Serialize)]
 pub struct Prediction {
     pub candidate: Candidate,
+    /// The command that trains with it ([`Candidate::flags`]).
+    pub command: String,
     /// The busiest rank's peak, bytes (the estimator's total: held throughout plus the larger
     /// of the passes and the update).
     pub memory_bytes: f64,
@@ -224,6 +226,7 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
     let global_tokens = seq * (c.micro_batch as usize * c.chunks * c.dp) as f64;
     Ok(Prediction {
         candidate: c,
+        command: c.flags(),
         memory_bytes,
         step_s,
         compute_s: line.busiest,

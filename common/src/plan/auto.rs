@@ -79,9 +79,9 @@ pub fn choose(args: &AutoLayoutArgs, shape: &RunShape, trainer: Trainer) -> Resu
     let (Some(path), Some(memory), Some(global_batch)) = (&args.plan_profile, args.memory, args.global_batch) else {
         return usage("--layout auto plans from a profile for a memory and a batch: give --plan-profile FILE, --memory BYTES and --global-batch N");
     };
-    let raw = Profile::read(path, None)?;
-    let model = TransformerConfig { ntoken: raw.model.ntoken, dropout: raw.model.dropout, ..shape.model };
-    let profile = Profile::read(path, Some(ProfileKey { model, precision: shape.precision }))?;
+    let profile = Profile::read(path, None)?;
+    let model = TransformerConfig { ntoken: profile.model.ntoken, dropout: profile.model.dropout, ..shape.model };
+    profile.check(path, ProfileKey { model, precision: shape.precision })?;
     if profile.seq_len != shape.bptt {
         return usage(format!(
             "{} was measured at {} tokens per sequence, this run trains {} (--bptt): record one at {}",

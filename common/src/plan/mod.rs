@@ -249,13 +249,13 @@ pub fn plan(args: &PlanArgs) -> Result<Plan> {
     if args.nodes == 0 || args.gpus_per_node == 0 || args.global_batch == 0 || args.nlayers < 1 {
         return usage("--nodes, --gpus-per-node, --global-batch and --nlayers must be at least 1");
     }
-    let raw = Profile::read(&args.profile, None)?;
-    let model = TransformerConfig { nlayers: args.nlayers, ..raw.model };
+    let profile = Profile::read(&args.profile, None)?;
+    let model = TransformerConfig { nlayers: args.nlayers, ..profile.model };
     let key = profile::ProfileKey {
         model: TransformerConfig { d_model: args.emsize.unwrap_or(model.d_model), ..model },
-        precision: args.precision.unwrap_or(raw.precision),
+        precision: args.precision.unwrap_or(profile.precision),
     };
-    let profile = Profile::read(&args.profile, Some(key))?;
+    profile.check(&args.profile, key)?;
     let assumed = |gbps: Option<f64>| gbps.map(|g| predict::AssumedLink { latency_s: args.link_latency_us * 1e-6, bytes_per_second: g * 1e9 });
     let links = predict::Links::of(&profile, assumed(args.within_host_gbps), assumed(args.between_hosts_gbps));
     let space = layouts::Space { nodes: args.nodes, gpus_per_node: args.gpus_per_node, global_batch: args.global_batch, model, precision: profile.precision };

@@ -222,6 +222,16 @@ impl Profile {
             return Err(UsageError(format!("{shown} times no micro-batch size")).into());
         }
         if let Some(key) = key {
+            profile.check(path, key)?;
+        }
+        Ok(profile)
+    }
+
+    /// Refuses, with a usage error, a profile measured for another model shape or precision
+    /// than `key`'s (`path`: where it was read from, for the message).
+    pub fn check(&self, path: &Path, key: ProfileKey) -> Result<()> {
+        let (shown, profile) = (path.display(), self);
+        {
             let (m, w) = (&profile.model, &key.model);
             let shape = |c: &TransformerConfig| (c.ntoken, c.d_model, c.nhead, c.d_hid);
             if shape(m) != shape(w) {
@@ -240,7 +250,7 @@ impl Profile {
                 .into());
             }
         }
-        Ok(profile)
+        Ok(())
     }
 
     /// Writes the profile to `path` (atomically: a crash leaves the old file or the new one).

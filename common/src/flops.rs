@@ -133,7 +133,12 @@ pub fn peak_tflops(device: Device, precision: Precision, matmul: MatmulPrecision
     if let Some(peak) = given {
         return Some((peak, "--peak-tflops".into()));
     }
-    let name = crate::device::gpu_name(device)?;
+    gpu_peak_tflops(&crate::device::gpu_name(device)?, precision, matmul)
+}
+
+/// The data sheet's peak TFLOP/s of the GPU named `name` (as `nvidia-smi` names it) in
+/// `precision`, and where it comes from; None for a GPU the project does not know.
+pub fn gpu_peak_tflops(name: &str, precision: Precision, matmul: MatmulPrecision) -> Option<(f64, String)> {
     let &(_, fp32, tf32, half) = GPU_PEAKS.iter().find(|(fragment, ..)| name.contains(fragment))?;
     let (peak, kind) = match (precision, matmul) {
         (Precision::Full, MatmulPrecision::Highest) => (fp32, "float32"),

@@ -2,6 +2,7 @@
 //! the Transformer's pieces, its optimizer and its collectives cost, from which the planner
 //! predicts every layout's memory and step time.
 pub mod auto;
+pub mod check;
 pub mod layouts;
 pub mod predict;
 pub mod profile;
@@ -63,6 +64,15 @@ pub struct ProfileArgs {
     /// The largest message the collectives are timed at, MiB.
     #[arg(long, default_value_t = 64)]
     pub max_message_mb: usize,
+    /// LibTorch's threads per rank, as the job will run (0: as the exercises choose, the
+    /// host's cores shared among its ranks).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Time the pieces and the optimizer on rank 0 alone, the other ranks waiting, instead of
+    /// on every rank at once as a job runs them (the same on GPUs, one per rank; not on CPU
+    /// ranks that share a host's cores).
+    #[arg(long)]
+    pub compute_alone: bool,
 }
 
 impl ProfileArgs {
@@ -111,23 +121,37 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
     };
     let model = args.model();
     args.precision.check(device)?;
-    // The pieces and the optimizer on rank 0 alone (the other ranks' work would share its
-    // cores or its host's memory bandwidth).
-    let local = if world.is_root() {
+    // As a run of the exercises sets itself up: its threads, its allocator's settings.
+    crate::device::keep_freed_host_memory();
+    let threads = match args.threads {
+        0 if device == Device::Cpu => (device::usable_cores() / world.local_world_size().max(1)).max(1),
+        n => n,
+    };
+    if let Some(warning) = device::set_threads(threads)? {
+        eprintln!("{warning}");
+    }
+    // The pieces and the optimizer on every rank at once, as a job runs them: ranks sharing a
+    // host's cores (or its memory bandwidth) are timed sharing them. The profile keeps the
+    // ranks' mean.
+    let timing = !args.compute_alone || world.is_root();
+    let mut local = None;
+    if timing {
         let compute = profile::measure_compute(&model, args.precision, device, args.bptt, &args.micro_batches)?;
         let optimizer = profile::measure_optimizer(args.optimizer, device, if device.is_cuda() { 256 << 20 } else { 16 << 20 })?;
-        Some((compute, optimizer))
-    } else {
-        None
-    };
+        local = Some((compute, optimizer));
+    }
     world.barrier()?;
+    if !args.compute_alone {
+        local = local.map(|(compute, optimizer)| profile::mean_over_ranks(world, compute, optimizer)).transpose()?;
+    }
     let links = measure_links(world, device, &message_sizes(args.max_message_mb << 20))?;
-    let Some((compute, optimizer)) = local else { return Ok(None) };
+    let Some((compute, optimizer)) = local.filter(|_| world.is_root()) else { return Ok(None) };
     let recorded = Recorded {
         device: crate::device::gpu_name(device).unwrap_or_else(|| crate::device::device_name(device).into()),
         threads: tch::get_num_threads() as usize,
         host: crate::comm::hosts::this_host(),
         unix_time: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        compute_ranks_per_host: if args.compute_alone { 1 } else { world.local_world_size().max(1) },
     };
     let profile = Profile { version: profile::VERSION, recorded, model, precision: args.precision, seq_len: args.bptt, compute, optimizer, links };
     profile.write(&args.out)?;
@@ -196,6 +220,14 @@ pub struct PlanArgs {
     /// How many of the best layouts to print.
     #[arg(long, default_value_t = 10)]
     pub top: usize,
+    /// Tokens of the whole training (3e11, say): the what-if figures for the fastest layout,
+    /// machine time (hours, GPU-hours) at its predicted speed and the compute in PF-days.
+    #[arg(long)]
+    pub train_tokens: Option<f64>,
+    /// Peak TFLOP/s of one GPU (rank), for the model FLOPs utilization (MFU) of each layout
+    /// [the data sheet's for the profile's GPU, where the project knows it].
+    #[arg(long)]
+    pub peak_tflops: Option<f64>,
     /// Print the ranked layouts as JSON (for tools) instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -240,6 +272,32 @@ pub struct Plan {
     pub layouts: usize,
     /// Those that fit, fastest first.
     pub ranked: Vec<predict::Prediction>,
+    /// The peak TFLOP/s of one rank the MFU is reckoned against, and where it comes from.
+    pub peak_tflops: Option<(f64, String)>,
+    /// Training FLOPs per token of the model (6 per weight of its matrix products, and its
+    /// attention's), recomputation not counted: model FLOPs, as MFU counts them.
+    pub flops_per_token: f64,
+    /// The fastest layout's figures for a whole training (`--train-tokens`).
+    pub what_if: Option<WhatIf>,
+}
+
+/// What a whole training costs at the fastest layout's predicted speed.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct WhatIf {
+    pub train_tokens: f64,
+    /// Wall-clock hours.
+    pub hours: f64,
+    /// Hours times the job's GPUs (ranks).
+    pub gpu_hours: f64,
+    /// The training's model FLOPs in petaFLOP/s-days (10^15 × 86,400 FLOPs each).
+    pub pf_days: f64,
+}
+
+impl WhatIf {
+    fn of(train_tokens: f64, tokens_per_s: f64, ranks: usize, flops_per_token: f64) -> WhatIf {
+        let hours = train_tokens / tokens_per_s / 3600.0;
+        WhatIf { train_tokens, hours, gpu_hours: hours * ranks as f64, pf_days: train_tokens * flops_per_token / (1e15 * 86_400.0) }
+    }
 }
 
 /// Plans `args`' job from its profile: a usage error (exit 2) for a profile that cannot be
@@ -248,6 +306,11 @@ pub struct Plan {
 pub fn plan(args: &PlanArgs) -> Result<Plan> {
     if args.nodes == 0 || args.gpus_per_node == 0 || args.global_batch == 0 || args.nlayers < 1 {
         return usage("--nodes, --gpus-per-node, --global-batch and --nlayers must be at least 1");
+    }
+    for (flag, value) in [("--train-tokens", args.train_tokens), ("--peak-tflops", args.peak_tflops)] {
+        if value.is_some_and(|v| !(v > 0.0 && v.is_finite())) {
+            return usage(format!("{flag} must be a positive number"));
+        }
     }
     let profile = Profile::read(&args.profile, None)?;
     let model = TransformerConfig { nlayers: args.nlayers, ..profile.model };
@@ -280,6 +343,18 @@ pub fn plan(args: &PlanArgs) -> Result<Plan> {
         ));
     }
     ranked.sort_by(|a, b| a.step_s.total_cmp(&b.step_s).then(a.memory_bytes.total_cmp(&b.memory_bytes)));
+    let peak_tflops = match args.peak_tflops {
+        Some(peak) => Some((peak, "--peak-tflops".to_string())),
+        None => crate::flops::gpu_peak_tflops(&profile.recorded.device, profile.precision, crate::precision::MatmulPrecision::Highest),
+    };
+    let flops_per_token = crate::flops::training_flops_per_token(&model, profile.seq_len);
+    let ranks = args.nodes * args.gpus_per_node;
+    if let Some((peak, _)) = &peak_tflops {
+        for p in &mut ranked {
+            p.mfu = Some(flops_per_token * p.tokens_per_s / (ranks as f64 * peak * 1e12));
+        }
+    }
+    let what_if = args.train_tokens.map(|tokens| WhatIf::of(tokens, ranked[0].tokens_per_s, ranks, flops_per_token));
     Ok(Plan {
         nodes: args.nodes,
         gpus_per_node: args.gpus_per_node,
@@ -291,6 +366,9 @@ pub fn plan(args: &PlanArgs) -> Result<Plan> {
         profile_device: profile.recorded.device.clone(),
         layouts: predictions.len(),
         ranked,
+        peak_tflops,
+        flops_per_token,
+        what_if,
     })
 }
 
@@ -338,7 +416,29 @@ impl Plan {
             ));
         }
         lines.push(self.why());
+        lines.extend(self.what_if_line());
         lines.join("\n")
+    }
+
+    /// The fastest layout's machine time, compute and MFU for `--train-tokens`.
+    fn what_if_line(&self) -> Option<String> {
+        let w = self.what_if?;
+        let best = &self.ranked[0];
+        let ranks = self.nodes * self.gpus_per_node;
+        let mfu = match (best.mfu, &self.peak_tflops) {
+            (Some(mfu), Some((peak, source))) => format!("; MFU {:.1}% of {peak} TFLOP/s per GPU ({source})", 100.0 * mfu),
+            _ => "; MFU unknown: no peak for this device (give --peak-tflops)".to_string(),
+        };
+        Some(format!(
+            "what if: {:.3e} tokens at #1's {:.0} tokens/s take {:.1} hours ({:.1} days) on {ranks} GPU(s), {:.0} GPU-hours; {:.3e} model FLOPs = {:.2} PF-days{mfu}",
+            w.train_tokens,
+            best.tokens_per_s,
+            w.hours,
+            w.hours / 24.0,
+            w.gpu_hours,
+            w.train_tokens * self.flops_per_token,
+            w.pf_days
+        ))
     }
 
     /// Why the first layout wins: against the runner-up, the part of the step that differs most.
@@ -377,7 +477,7 @@ mod tests {
         let fit = |c| (c, CostFit { latency_s: 1e-5, seconds_per_bus_byte: 1e-9, samples: vec![] });
         let profile = Profile {
             version: profile::VERSION,
-            recorded: Recorded { device: "cpu".into(), threads: 1, host: "t".into(), unix_time: 0 },
+            recorded: Recorded { device: "cpu".into(), threads: 1, host: "t".into(), unix_time: 0, compute_ranks_per_host: 1 },
             model: TransformerConfig { ntoken: 64, d_model: 32, nhead: 4, d_hid: 64, nlayers: 1, dropout: 0.0 },
             precision: Precision::Full,
             seq_len: 16,
@@ -409,6 +509,8 @@ mod tests {
             between_hosts_gbps: None,
             link_latency_us: 10.0,
             top: 10,
+            train_tokens: None,
+            peak_tflops: None,
             json: false,
         }
     }
@@ -450,6 +552,38 @@ mod tests {
         assert!(plan(&PlanArgs { nodes: 2, between_hosts_gbps: Some(10.0), ..args(path.clone()) }).is_ok());
         assert!(refusal(&PlanArgs { global_batch: 0, ..args(path.clone()) }).contains("must be at least 1"));
         assert!(refusal(&args(dir.path().join("absent.json"))).contains("cannot read the profile"));
+    }
+
+    #[test]
+    fn the_what_if_figures_follow_from_the_fastest_layouts_speed_and_the_models_flops() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_profile(dir.path());
+        // A CPU profile: no data sheet peak, no MFU, unless one is given.
+        let plain = plan(&PlanArgs { train_tokens: Some(1e9), ..args(path.clone()) }).unwrap();
+        assert!(plain.ranked.iter().all(|p| p.mfu.is_none()));
+        assert!(plain.describe(3).contains("MFU unknown: no peak for this device (give --peak-tflops)"), "{}", plain.describe(3));
+        let p = plan(&PlanArgs { train_tokens: Some(1e9), peak_tflops: Some(2.0), ..args(path.clone()) }).unwrap();
+        let (best, w) = (&p.ranked[0], p.what_if.unwrap());
+        // 4 layers × (4·32² + 2·32·64) + 32·64 weights, 6 FLOPs each, and the attention's
+        // 12 · 4 layers · 32 · 16 tokens.
+        let flops = 6.0 * (4.0 * (4096.0 + 4096.0) + 2048.0) + 12.0 * 4.0 * 32.0 * 16.0;
+        assert_eq!(p.flops_per_token, flops);
+        assert!((w.hours * 3600.0 * best.tokens_per_s - 1e9).abs() < 1e-3, "{w:?}");
+        assert!((w.gpu_hours - 4.0 * w.hours).abs() < 1e-9 && (w.pf_days - 1e9 * flops / 8.64e19).abs() < 1e-15, "{w:?}");
+        for row in &p.ranked {
+            assert!((row.mfu.unwrap() - flops * row.tokens_per_s / (4.0 * 2e12)).abs() < 1e-15);
+        }
+        let text = p.describe(3);
+        assert!(
+            text.contains("what if: 1.000e9 tokens at #1's")
+                && text.contains("GPU-hours")
+                && text.contains("PF-days; MFU ")
+                && text.contains("(--peak-tflops)"),
+            "{text}"
+        );
+        // An H100's profile is reckoned against its data sheet's bfloat16 peak.
+        assert_eq!(crate::flops::gpu_peak_tflops("NVIDIA H100 80GB HBM3", Precision::BHalf, crate::precision::MatmulPrecision::Highest).unwrap().0, 989.4);
+        assert!(refusal(&PlanArgs { train_tokens: Some(-1.0), ..args(path) }).contains("--train-tokens must be a positive number"));
     }
 
     #[test]

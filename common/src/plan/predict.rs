@@ -116,6 +116,8 @@ pub struct Prediction {
     /// Of `compute_s`, the tensor-parallel collectives.
     pub tp_comm_s: f64,
     pub tokens_per_s: f64,
+    /// Model FLOPs utilization against the plan's peak per rank, where it knows one.
+    pub mfu: Option<f64>,
 }
 
 /// Predicts `candidate`'s memory and step time.
@@ -235,6 +237,7 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
         optimizer_s,
         tp_comm_s: busiest_tp,
         tokens_per_s: global_tokens / step_s,
+        mfu: None,
     })
 }
 
@@ -260,7 +263,7 @@ mod tests {
         let link = LinkProfile { scope: LinkScope::WithinHost, ranks: 2, backend: "mpi".into(), collectives: Collective::ALL.into_iter().map(fit).collect() };
         Profile {
             version: VERSION,
-            recorded: Recorded { device: "cpu".into(), threads: 1, host: "t".into(), unix_time: 0 },
+            recorded: Recorded { device: "cpu".into(), threads: 1, host: "t".into(), unix_time: 0, compute_ranks_per_host: 1 },
             model: model(),
             precision: Precision::Full,
             seq_len: 8,

@@ -49,6 +49,14 @@ pub struct Recorded {
     pub host: String,
     /// Seconds since the Unix epoch.
     pub unix_time: u64,
+    /// How many ranks of a host timed the pieces at once (1: rank 0 alone). On CPU ranks that
+    /// share a host's cores the pieces' times hold for a job with as many ranks per host.
+    #[serde(default = "one")]
+    pub compute_ranks_per_host: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// Forward and backward seconds of one piece for one micro-batch.
@@ -290,7 +298,7 @@ impl Profile {
     /// A few lines for a person: the pieces at each size, the optimizer, the links.
     pub fn describe(&self) -> String {
         let mut lines = vec![format!(
-            "profile of d_model {}, {} heads, d_hid {}, vocabulary {}, {} tokens per sequence, --precision {} on {} ({} threads, {})",
+            "profile of d_model {}, {} heads, d_hid {}, vocabulary {}, {} tokens per sequence, --precision {} on {} ({} threads, {}; the pieces timed on {} rank(s) at once)",
             self.model.d_model,
             self.model.nhead,
             self.model.d_hid,
@@ -299,7 +307,8 @@ impl Profile {
             self.precision.name(),
             self.recorded.device,
             self.recorded.threads,
-            self.recorded.host
+            self.recorded.host,
+            self.recorded.compute_ranks_per_host
         )];
         lines.push("| micro-batch | embedding fwd+bwd (ms) | one layer fwd+bwd (ms) | output layer + loss fwd+bwd (ms) |".into());
         lines.push("|---:|---:|---:|---:|".into());
@@ -391,6 +400,22 @@ pub fn measure_compute(cfg: &TransformerConfig, precision: Precision, device: De
     Ok(rows)
 }
 
+/// The ranks' mean of each piece's times and of the optimizer's, on every rank (each rank timed
+/// its own, all at once).
+pub fn mean_over_ranks(group: &ProcessGroup, compute: Vec<PieceTimes>, optimizer: OptimizerTime) -> Result<(Vec<PieceTimes>, OptimizerTime)> {
+    let passes = |p: &PieceTimes| [p.embedding, p.layer, p.head];
+    let mut flat: Vec<f64> = compute.iter().flat_map(|p| passes(p).into_iter().flat_map(|t| [t.forward_s, t.backward_s])).collect();
+    flat.push(optimizer.seconds_per_parameter);
+    let device = group.device(true);
+    let mut sums = Tensor::from_slice(&flat).to_device(device);
+    group.all_reduce(&mut sums, ReduceOp::Sum)?;
+    let mean = Vec::<f64>::try_from(sums.to_device(Device::Cpu) / group.world_size() as f64)?;
+    let mut at = mean.chunks_exact(2).map(|t| PassTimes { forward_s: t[0], backward_s: t[1] });
+    let mut next = || at.next().expect("six times per micro-batch size");
+    let compute = compute.iter().map(|p| PieceTimes { micro_batch: p.micro_batch, embedding: next(), layer: next(), head: next() }).collect();
+    Ok((compute, OptimizerTime { seconds_per_parameter: mean[mean.len() - 1], ..optimizer }))
+}
+
 /// Times `kind`'s step over `parameters` float32 parameters (in tensors of 4 Mi elements, with
 /// gradients) on `device`: seconds per parameter.
 pub fn measure_optimizer(kind: OptimizerKind, device: Device, parameters: i64) -> Result<OptimizerTime> {
@@ -474,7 +499,7 @@ mod tests {
     fn profile(compute: Vec<PieceTimes>) -> Profile {
         Profile {
             version: VERSION,
-            recorded: Recorded { device: "cpu".into(), threads: 1, host: "test".into(), unix_time: 0 },
+            recorded: Recorded { device: "cpu".into(), threads: 1, host: "test".into(), unix_time: 0, compute_ranks_per_host: 1 },
             model: tiny(),
             precision: Precision::Full,
             seq_len: 8,

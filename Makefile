@@ -15,7 +15,7 @@ BIN       := target/release
 ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
-.PHONY: test-cluster gpu-bundle exercise1-imagenet data-imagefolder lint system-deps python-tools gpu-check report scaling exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch bench-ps bench-checkpoint bench-data setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
+.PHONY: bench-plan test-cluster gpu-bundle exercise1-imagenet data-imagefolder lint system-deps python-tools gpu-check report scaling exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch bench-ps bench-checkpoint bench-data setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
         exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test test-isa test-slurm clean-results \
         notebooks notebook-kernel jupyter
 
@@ -131,6 +131,15 @@ bench-ps: build
 # results/bench-parallel.csv (NPROC, GLOBAL, STEPS, THREADS, DATA).
 bench-parallel: build
 	$(WITH) bench/parallel.sh
+
+# The layout planner against runs: bench-parallel's Transformer profiled on NPROC=4 CPU ranks,
+# planned (exercise3 plan), and every layout that fits in MEMORY run for STEPS steps; predicted
+# and measured step time and peak memory into results/bench-plan.csv, summarized with
+# results/bench-plan.svg (report plan). HOSTS=2: across two hosts (network namespaces, root),
+# the link between them shaped to LINK_RATE. Settings: HOSTS, NPROC, GLOBAL, STEPS, THREADS,
+# MEMORY, LINK_RATE, DATA (see bench/plan.sh).
+bench-plan: build
+	$(WITH) bench/plan.sh
 
 # What checkpointing costs training: checkpoints every EVERY=2 of STEPS=12 steps of bench-parallel's
 # Transformer on NPROC=4 CPU ranks (dp, ZeRO-3, tp, pp), each as one file and sharded: bytes

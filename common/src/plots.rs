@@ -465,6 +465,58 @@ fn draw_log_log(title: &str, panels: &[LinePanel], svg: &mut String) -> Drawn {
     root.present()
 }
 
+/// One panel of [`against_diagonal`]: named sets of (predicted, measured) points.
+pub struct ScatterPanel {
+    pub caption: String,
+    pub x_title: &'static str,
+    pub y_title: &'static str,
+    pub series: Vec<(String, Vec<(f64, f64)>)>,
+}
+
+/// `panels` side by side under `title`: each set of points, predicted along and measured up,
+/// both axes logarithmic over one range so that the diagonal is "predicted = measured"; it is
+/// drawn, and faintly the lines 20% off it. Written whole, as every chart.
+pub fn against_diagonal(title: &str, panels: &[ScatterPanel], path: &Path) -> Result<()> {
+    let mut svg = String::new();
+    draw_against_diagonal(title, panels, &mut svg).map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))?;
+    crate::atomic_file::write(path, svg)
+}
+
+fn draw_against_diagonal(title: &str, panels: &[ScatterPanel], svg: &mut String) -> Drawn {
+    let root = SVGBackend::with_string(svg, (WIDTH, HEIGHT + 80)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let root = root.titled(title, ("sans-serif", 18))?;
+    let areas = root.split_evenly((1, panels.len().max(1)));
+    for (area, p) in areas.iter().zip(panels) {
+        let values: Vec<f64> = p.series.iter().flat_map(|(_, pts)| pts.iter().flat_map(|&(a, b)| [a, b])).collect();
+        let axis = Axis::log(values.iter().copied());
+        let (x, y) = (axis.clone().titled(p.x_title), axis.titled(p.y_title));
+        let mut chart = panel(area, &p.caption, &x, &y)?;
+        let (lo, hi) = (x.range.start.exp(), x.range.end.exp());
+        for (factor, style) in [(1.0, BLACK.mix(0.6).stroke_width(1)), (1.2, BLACK.mix(0.2).stroke_width(1)), (1.0 / 1.2, BLACK.mix(0.2).stroke_width(1))] {
+            chart.draw_series(std::iter::once(PathElement::new(vec![(x.at(lo), y.at(lo * factor)), (x.at(hi), y.at(hi * factor))], style)))?;
+        }
+        let drawn: Vec<(f64, f64)> = p.series.iter().flat_map(|(_, pts)| pts.iter().map(|&(a, b)| (x.at(a), y.at(b)))).collect();
+        let legend_at = emptiest_corner(drawn.iter(), &x, &y);
+        for ((name, pts), colour) in p.series.iter().zip(CURVES.iter().cycle()) {
+            let style = colour.mix(0.75).filled();
+            let at = finite(pts.iter().map(|&(a, b)| (x.at(a), y.at(b))));
+            chart
+                .draw_series(at.into_iter().map(|pt| Circle::new(pt, 4, style)))?
+                .label(name.clone())
+                .legend(move |(px, py)| Circle::new((px + 10, py), 4, style));
+        }
+        chart
+            .configure_series_labels()
+            .position(legend_at)
+            .label_font(("sans-serif", 13))
+            .border_style(BLACK.mix(0.3))
+            .background_style(WHITE.mix(0.85))
+            .draw()?;
+    }
+    root.present()
+}
+
 /// The devices of the course's CPU-vs-GPU chart, in its order, and their bars' colours: each
 /// has its place, and says so where it did not run.
 const DEVICES: [(&str, RGBColor); 2] = [("cpu", BLUE), ("cuda", METRIC)];

@@ -173,3 +173,117 @@ fn layout_auto_trains_with_the_layout_the_plan_ranks_first() {
         assert!(stderr.contains(says), "{extra:?}: {stderr}");
     }
 }
+
+/// Every kind of row a plan for 4 ranks gives is the layout its command runs (exercise3 tp
+/// fills the ranks the flags leave with shards, so a row must state its layout whole), and the
+/// memory the plan predicts for it is the estimate that command makes of itself
+/// (`--estimate-memory`): one accounting, the same job.
+#[test]
+fn every_kind_of_row_is_the_layout_its_command_runs_with_the_memory_it_estimates_itself() {
+    use common::plan::profile::{CostFit, LinkProfile, OptimizerTime, PassTimes, PieceTimes, Recorded, VERSION};
+    let dir = tempfile::tempdir().unwrap();
+    support::wikitext_sample(dir.path(), [60; 3]);
+    let data = dir.path().to_str().unwrap();
+    // Adam, as the profile says.
+    let model = [
+        "--device",
+        "cpu",
+        "--emsize",
+        "32",
+        "--d-hid",
+        "64",
+        "--nhead",
+        "4",
+        "--nlayers",
+        "4",
+        "--bptt",
+        "8",
+        "--dropout",
+        "0.1",
+        "--pad-vocab",
+        "8",
+        "--optimizer",
+        "adam",
+    ];
+    let estimate = |command: &str, results: &std::path::Path| {
+        let mut words = command.split_whitespace();
+        let binary = match words.next() {
+            Some("exercise1_nlp") => env!("CARGO_BIN_EXE_exercise1_nlp"),
+            _ => env!("CARGO_BIN_EXE_exercise3"),
+        };
+        let out = Command::new(binary)
+            .args(words)
+            .args(model)
+            .args(["--nproc-per-node", "4", "--estimate-memory", "--data-dir", data, "--results-dir", results.to_str().unwrap()])
+            .output()
+            .expect("the exercise runs");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{command}: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        stdout
+    };
+    // The run's vocabulary, as the tokenizer makes it of this text, padded.
+    let first = estimate("exercise1_nlp --batch-size 2", &dir.path().join("vocab"));
+    let model_line = first.lines().find(|l| l.starts_with("Transformer LM: ")).expect("the model's line");
+    let vocab: i64 = model_line.split("vocabulary ").nth(1).and_then(|rest| rest.split(';').next()).and_then(|n| n.parse().ok()).expect("the vocabulary");
+
+    // A profile of that model (its times do not matter here: the layouts and their memory do).
+    let pass = PassTimes { forward_s: 1e-3, backward_s: 2e-3 };
+    let fit = CostFit { latency_s: 1e-5, seconds_per_bus_byte: 1e-9, samples: vec![] };
+    let profile = Profile {
+        version: VERSION,
+        recorded: Recorded { device: "cpu".into(), threads: 1, host: "t".into(), unix_time: 0, compute_ranks_per_host: 4 },
+        model: common::models::TransformerConfig { ntoken: vocab, d_model: 32, nhead: 4, d_hid: 64, nlayers: 1, dropout: 0.1 },
+        precision: Precision::Full,
+        seq_len: 8,
+        compute: [1, 8].iter().map(|&b| PieceTimes { micro_batch: b, embedding: pass, layer: pass, head: pass }).collect(),
+        optimizer: OptimizerTime { kind: common::optim::OptimizerKind::Adam, seconds_per_parameter: 1e-9, parameters_timed: 1 },
+        links: vec![LinkProfile {
+            scope: LinkScope::WithinHost,
+            ranks: 4,
+            backend: "mpi".into(),
+            collectives: Collective::ALL.into_iter().map(|c| (c, fit.clone())).collect(),
+        }],
+    };
+    let path = dir.path().join("p.json");
+    profile.write(&path).unwrap();
+    let planned = Command::new(env!("CARGO_BIN_EXE_exercise3"))
+        .args(["plan", "--profile", path.to_str().unwrap(), "--gpus-per-node", "4", "--memory", "1GB", "--global-batch", "8", "--nlayers", "4", "--json"])
+        .output()
+        .unwrap();
+    let plan: serde_json::Value = serde_json::from_slice(&planned.stdout).expect("the plan as JSON");
+
+    // One row of each kind: replicas, stages, shards, ZeRO stage, shard group, schedule.
+    let mut seen = std::collections::BTreeSet::new();
+    let rows: Vec<&serde_json::Value> = plan["ranked"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|row| {
+            let c = &row["candidate"];
+            seen.insert([&c["dp"], &c["pp"], &c["tp"], &c["zero"], &c["shard_group"], &c["schedule"]].map(|v| v.to_string()))
+        })
+        .collect();
+    assert!(rows.len() >= 12, "{} kinds of row", rows.len());
+    eprintln!("{} kinds of row", rows.len());
+    for (i, row) in rows.iter().enumerate() {
+        let (command, c) = (row["command"].as_str().unwrap(), &row["candidate"]);
+        let results = dir.path().join(format!("r{i}"));
+        let stdout = estimate(command, &results);
+        let (dp, pp, tp) = (c["dp"].as_u64().unwrap(), c["pp"].as_u64().unwrap(), c["tp"].as_u64().unwrap());
+        let mut layout = format!("{dp} replica(s)");
+        if let Some(group) = c["shard_group"].as_u64() {
+            layout = format!("{dp} replica(s) in {} shard group(s) of {group}", dp / group);
+        }
+        if pp > 1 {
+            layout += &format!(" × {pp} stages");
+        }
+        if tp > 1 {
+            layout += &format!(" × {tp} tensor-parallel shards");
+        }
+        assert!(stdout.contains(&format!("; {layout} (4 ranks);")), "{command} should run as {layout}:\n{stdout}");
+        let json = std::fs::read_dir(&results).unwrap().map(|e| e.unwrap().path()).find(|p| p.to_string_lossy().ends_with(".memory-estimate.json")).unwrap();
+        let total = support::read_json(&json)["ranks"].as_array().unwrap().iter().map(|r| r["total"].as_f64().unwrap()).fold(0.0, f64::max);
+        let predicted = row["memory_bytes"].as_f64().unwrap();
+        assert!((predicted / total - 1.0).abs() < 1e-9, "{command}: the plan predicts {predicted} bytes, the run estimates {total}");
+    }
+}

@@ -2,6 +2,9 @@
 //! the predicted and measured step time and peak memory; over all of them, the errors, whether
 //! the measured-best layout was among the predicted best, and how well the two rankings agree
 //! (Spearman's rank correlation).
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
 /// One layout, planned and run.
@@ -79,6 +82,94 @@ impl Summary {
     }
 }
 
+/// One row of `results/bench-plan.csv`.
+#[derive(Debug, Clone, Deserialize)]
+struct CsvRow {
+    bench_started_at: u64,
+    cluster: String,
+    layout: String,
+    predicted_step_s: f64,
+    measured_step_s: f64,
+    predicted_memory_bytes: f64,
+    measured_memory_bytes: f64,
+}
+
+/// The newest bench of each cluster in `csv` (`make bench-plan`'s rows), in the order the
+/// clusters first appear.
+pub fn newest_benches(csv: &Path) -> Result<Vec<(String, Vec<Checked>)>> {
+    let mut reader = csv::Reader::from_path(csv).with_context(|| format!("cannot read {}", csv.display()))?;
+    let rows: Vec<CsvRow> = reader.deserialize().collect::<Result<_, _>>().with_context(|| format!("{} is not bench-plan's CSV", csv.display()))?;
+    let mut clusters: Vec<String> = Vec::new();
+    for row in &rows {
+        if !clusters.contains(&row.cluster) {
+            clusters.push(row.cluster.clone());
+        }
+    }
+    Ok(clusters
+        .into_iter()
+        .map(|cluster| {
+            let newest = rows.iter().filter(|r| r.cluster == cluster).map(|r| r.bench_started_at).max().unwrap_or(0);
+            let checked = rows
+                .iter()
+                .filter(|r| r.cluster == cluster && r.bench_started_at == newest)
+                .map(|r| Checked {
+                    layout: r.layout.clone(),
+                    predicted_step_s: r.predicted_step_s,
+                    measured_step_s: r.measured_step_s,
+                    predicted_memory_bytes: r.predicted_memory_bytes,
+                    measured_memory_bytes: r.measured_memory_bytes,
+                })
+                .collect();
+            (cluster, checked)
+        })
+        .collect())
+}
+
+impl Summary {
+    /// The summary as the README gives it, one line.
+    pub fn describe(&self, cluster: &str) -> String {
+        let pct = |x: f64| format!("{:+.0}%", 100.0 * x);
+        format!(
+            "{cluster}: {} layouts; step time off by {:.0}% (median), {} at worst, leaning {}; peak memory off by {:.1}% (median), {} at worst; \
+             the measured-fastest ({}) was #{} of the plan; Spearman {:.2}",
+            self.layouts,
+            100.0 * self.time.median_abs,
+            pct(self.time.worst),
+            pct(self.time.median),
+            100.0 * self.memory.median_abs,
+            pct(self.memory.worst),
+            self.measured_best,
+            self.measured_best_predicted_rank,
+            self.spearman
+        )
+    }
+}
+
+/// `report plan`: the newest bench of each cluster in `<results>/bench-plan.csv`, summarized,
+/// and drawn predicted against measured (step time, peak memory) into `bench-plan.svg`.
+pub fn report(results_dir: &Path) -> Result<(Vec<(String, Summary)>, PathBuf)> {
+    let benches = newest_benches(&results_dir.join("bench-plan.csv"))?;
+    let summaries = benches.iter().filter_map(|(cluster, rows)| Some((cluster.clone(), Summary::of(rows)?))).collect();
+    let panel = |caption: &str, title_x: &'static str, title_y: &'static str, point: fn(&Checked) -> (f64, f64)| crate::plots::ScatterPanel {
+        caption: caption.into(),
+        x_title: title_x,
+        y_title: title_y,
+        series: benches.iter().map(|(cluster, rows)| (cluster.clone(), rows.iter().map(point).collect())).collect(),
+    };
+    let svg = results_dir.join("bench-plan.svg");
+    crate::plots::against_diagonal(
+        "The plan against runs: one point per layout (the line: predicted = measured)",
+        &[
+            panel("step time", "predicted (s)", "measured (s)", |c| (c.predicted_step_s, c.measured_step_s)),
+            panel("busiest rank's peak memory", "predicted (MiB)", "measured (MiB)", |c| {
+                (c.predicted_memory_bytes / 1048576.0, c.measured_memory_bytes / 1048576.0)
+            }),
+        ],
+        &svg,
+    )?;
+    Ok((summaries, svg))
+}
+
 /// The median (the mean of the middle two for an even count); NaN for none.
 pub fn median(values: impl IntoIterator<Item = f64>) -> f64 {
     let mut v: Vec<f64> = values.into_iter().collect();
@@ -132,6 +223,31 @@ mod tests {
 
     fn row(layout: &str, predicted: f64, measured: f64) -> Checked {
         Checked { layout: layout.into(), predicted_step_s: predicted, measured_step_s: measured, predicted_memory_bytes: 95.0, measured_memory_bytes: 100.0 }
+    }
+
+    #[test]
+    fn the_report_takes_each_clusters_newest_bench_and_draws_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let header = "bench_started_at,cluster,predicted_rank,layout,predicted_step_s,measured_step_s,predicted_memory_bytes,measured_memory_bytes,compute_s,tp_comm_s,bubble_s,exposed_comm_s,optimizer_s";
+        let lines = [
+            header,
+            r#"100,"1x4",1,"exercise1_nlp --batch-size 4",0.1,0.5,1000,1000,0,0,0,0,0"#,
+            r#"200,"1x4",1,"exercise1_nlp --batch-size 4",0.1,0.11,1000,1100,0,0,0,0,0"#,
+            r#"200,"1x4",2,"exercise3 tp --tp 2 --batch-size 8",0.2,0.19,2000,2000,0,0,0,0,0"#,
+            r#"300,"2x2 over 1gbit",1,"exercise3 tp --tp 2 --batch-size 8",0.3,0.3,2000,2000,0,0,0,0,0"#,
+        ];
+        std::fs::write(dir.path().join("bench-plan.csv"), lines.join("\n")).unwrap();
+        let (summaries, svg) = report(dir.path()).unwrap();
+        assert_eq!(summaries.len(), 2);
+        let (cluster, one_host) = &summaries[0];
+        assert_eq!((cluster.as_str(), one_host.layouts), ("1x4", 2), "the older bench of 1x4 is left out");
+        assert!((one_host.memory.worst + 1.0 / 11.0).abs() < 1e-12, "{one_host:?}");
+        let text = one_host.describe(cluster);
+        assert!(text.starts_with("1x4: 2 layouts; step time off by ") && text.contains("was #1 of the plan"), "{text}");
+        let drawn = std::fs::read_to_string(svg).unwrap();
+        assert!(drawn.contains("<svg") && drawn.contains("2x2 over 1gbit") && drawn.contains("step time"), "the chart names its clusters and panels");
+        std::fs::write(dir.path().join("bench-plan.csv"), "what,ever\n1,2\n").unwrap();
+        assert!(report(dir.path()).unwrap_err().to_string().contains("is not bench-plan's CSV"));
     }
 
     #[test]

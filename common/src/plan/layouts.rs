@@ -58,8 +58,14 @@ impl Candidate {
     /// sets.
     pub fn layout_flags(&self) -> String {
         let mut flags = Vec::new();
-        if self.tp > 1 {
+        // exercise3 tp fills the ranks left by the flags given with shards: the layout is
+        // stated whole (`--tp 1 --pp 2 --dp 2`, not `--pp 2`, which it would run as 2 stages
+        // of 2 shards).
+        if !self.whole_model() {
             flags.push(format!("--tp {}", self.tp));
+            if self.dp > 1 {
+                flags.push(format!("--dp {}", self.dp));
+            }
         }
         if self.pp > 1 {
             flags.push(format!("--pp {}", self.pp));

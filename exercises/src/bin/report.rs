@@ -32,6 +32,9 @@ enum Command {
     /// `make bench-ps`: the newest run of each strategy in <results-dir>/bench-ps.csv drawn
     /// into bench-ps.svg (throughput beside test accuracy).
     Ps,
+    /// `make bench-plan`: the newest bench of each cluster in <results-dir>/bench-plan.csv,
+    /// the planner's predictions against the runs summarized, and drawn into bench-plan.svg.
+    Plan,
 }
 
 fn main() -> std::process::ExitCode {
@@ -50,6 +53,13 @@ fn main() -> std::process::ExitCode {
                 let out = common::scaling::collect(&runs, &cli.results_dir)?;
                 print!("{}", common::scaling::markdown(&out.rows));
                 println!("wrote {} and {}", out.csv.display(), out.svg.display());
+            }
+            Some(Command::Plan) => {
+                let (summaries, svg) = common::plan::check::report(&cli.results_dir)?;
+                for (cluster, summary) in &summaries {
+                    println!("{}", summary.describe(cluster));
+                }
+                println!("wrote {}", svg.display());
             }
             Some(Command::Ps) => {
                 let (rows, svg) = common::ps_bench::collect(&cli.results_dir)?;

@@ -112,6 +112,17 @@ fn the_estimate_under_each_zero_stage_is_within_5_percent_of_its_peak() {
     }
 }
 
+/// One sequence per rank: the peak is the update's (averaging the gradients, ZeRO's flattened
+/// buckets, slices and block gradient, publishing the blocks), not the passes'.
+#[test]
+fn the_estimate_of_the_update_under_data_parallelism_and_each_zero_stage_is_within_5_percent_of_its_peak() {
+    for zero in ["0", "1", "2", "3"] {
+        let pairs = small_transformer("exercise1_nlp", &["--nproc-per-node", "2", "--zero", zero, "--batch-size", "1"]);
+        assert_eq!(pairs.len(), 2);
+        assert_within(&format!("exercise1_nlp, 1 sequence per rank, ZeRO-{zero} over 2 ranks"), &pairs, WITHIN);
+    }
+}
+
 #[test]
 fn the_estimate_under_hsdp_is_within_5_percent_of_its_peak() {
     let pairs = small_transformer("exercise1_nlp", &["--nproc-per-node", "4", "--zero", "3", "--shard-group", "2", "--batch-size", "8"]);

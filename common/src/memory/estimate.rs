@@ -476,7 +476,12 @@ impl TransformerJob {
                 reduce.max(gradients * if self.state_shards < self.replicas { 2.0 } else { 1.0 })
             }
         };
-        let total = buffers + parameters + optimizer + passes.max(update);
+        // Replicas under ZeRO start from replica 0's model: the variables broadcast whole (at
+        // stage 3 gathered for it), then the block refreshed from them (`Shards::refresh_block`:
+        // every bucket flattened, the fresh block beside the block), before the first step made
+        // any optimizer state.
+        let startup = if self.zero.is_some() && self.replicas > 1 { buffers + 4.0 * psi + 4.0 * psi_padded + 2.0 * 4.0 * psi_padded / n } else { 0.0 };
+        let total = (buffers + parameters + optimizer + passes.max(update)).max(startup);
         RankEstimate {
             ranks: match (self.placement.devices, self.placement.virtual_stages) {
                 (1, _) => "every rank".to_string(),

@@ -19,9 +19,13 @@
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <set>
+#include <unordered_map>
+#include <vector>
 
 #include <cstdint>
 #include <cstdio>
@@ -253,8 +257,8 @@ class CountingCpuAllocator final : public c10::Allocator {
     header->bytes = n;
     header->deleter = block.get_deleter();
     header->context = block.release_context();
-    add(static_cast<int64_t>(n));
     void* data = base + kHeader;
+    add(static_cast<int64_t>(n), data);
     return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
   }
 
@@ -267,7 +271,14 @@ class CountingCpuAllocator final : public c10::Allocator {
       return;
     }
     auto* header = reinterpret_cast<Header*>(static_cast<char*>(data) - kHeader);
-    instance()->current_.fetch_sub(static_cast<int64_t>(header->bytes), std::memory_order_relaxed);
+    auto* self = instance();
+    if (self->trace_) {
+      std::lock_guard<std::mutex> lock(self->trace_mutex_);
+      self->live_.erase(data);
+      self->current_.fetch_sub(static_cast<int64_t>(header->bytes), std::memory_order_relaxed);
+    } else {
+      self->current_.fetch_sub(static_cast<int64_t>(header->bytes), std::memory_order_relaxed);
+    }
     c10::DeleterFnPtr deleter = header->deleter;
     void* context = header->context;
     if (deleter != nullptr) {
@@ -277,7 +288,54 @@ class CountingCpuAllocator final : public c10::Allocator {
 
   int64_t current() const { return current_.load(std::memory_order_relaxed); }
   int64_t peak() const { return peak_.load(std::memory_order_relaxed); }
-  void reset_peak() { peak_.store(current(), std::memory_order_relaxed); }
+  void reset_peak() {
+    if (trace_) {
+      std::lock_guard<std::mutex> lock(trace_mutex_);
+      peak_.store(current(), std::memory_order_relaxed);
+      snapshot_.assign(live_.begin(), live_.end());
+      snapshot_phase_ = phase_.load();
+      dumped_peak_ = 0;
+      return;
+    }
+    peak_.store(current(), std::memory_order_relaxed);
+  }
+
+  // Debugging (TORCH_EXT_PEAK_TRACE set): the phase later allocations are tagged with.
+  void set_phase(int phase) { phase_.store(phase); }
+
+  // Writes the tensors held at the peak (since the last reset) to `path`, one per line:
+  // `sequence bytes phase`, unless that peak was written already. 1 written, 0 not.
+  int dump(const char* path) {
+    if (!trace_) {
+      return 0;
+    }
+    std::vector<std::pair<void*, Live>> snapshot;
+    int64_t peak;
+    int phase;
+    {
+      std::lock_guard<std::mutex> lock(trace_mutex_);
+      peak = peak_.load();
+      if (peak <= dumped_peak_) {
+        return 0;
+      }
+      dumped_peak_ = peak;
+      snapshot = snapshot_;
+      phase = snapshot_phase_;
+    }
+    std::sort(snapshot.begin(), snapshot.end(), [](const auto& a, const auto& b) { return a.second.seq < b.second.seq; });
+    FILE* f = std::fopen(path, "w");
+    if (f == nullptr) {
+      return 0;
+    }
+    std::fprintf(f, "# peak %lld at phase %d, %zu tensors\n", static_cast<long long>(peak), phase, snapshot.size());
+    for (const auto& [ptr, live] : snapshot) {
+      std::fprintf(f, "%lld %lld %d\n", static_cast<long long>(live.seq), static_cast<long long>(live.bytes), live.phase);
+    }
+    std::fclose(f);
+    return 1;
+  }
+
+  int64_t sequence() const { return seq_.load(); }
 
   // The one instance, installed as LibTorch's CPU allocator on first use.
   static CountingCpuAllocator* instance() {
@@ -298,7 +356,24 @@ class CountingCpuAllocator final : public c10::Allocator {
   static constexpr size_t kHeader = 64;
   static_assert(sizeof(Header) <= kHeader, "the header fits in front of the data");
 
-  void add(int64_t n) {
+  struct Live {
+    int64_t seq;
+    int64_t bytes;
+    int phase;
+  };
+
+  void add(int64_t n, void* data) {
+    if (trace_) {
+      std::lock_guard<std::mutex> lock(trace_mutex_);
+      live_[data] = Live{seq_.fetch_add(1), n, phase_.load()};
+      int64_t now = current_.fetch_add(n, std::memory_order_relaxed) + n;
+      if (now > peak_.load(std::memory_order_relaxed)) {
+        peak_.store(now, std::memory_order_relaxed);
+        snapshot_.assign(live_.begin(), live_.end());
+        snapshot_phase_ = phase_.load();
+      }
+      return;
+    }
     int64_t now = current_.fetch_add(n, std::memory_order_relaxed) + n;
     int64_t peak = peak_.load(std::memory_order_relaxed);
     while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
@@ -308,6 +383,15 @@ class CountingCpuAllocator final : public c10::Allocator {
   c10::Allocator* inner_;
   std::atomic<int64_t> current_{0};
   std::atomic<int64_t> peak_{0};
+  // Debugging only (TORCH_EXT_PEAK_TRACE): every live allocation, and those live at the peak.
+  bool trace_ = std::getenv("TORCH_EXT_PEAK_TRACE") != nullptr;
+  std::mutex trace_mutex_;
+  std::unordered_map<void*, Live> live_;
+  std::vector<std::pair<void*, Live>> snapshot_;
+  int snapshot_phase_ = 0;
+  int64_t dumped_peak_ = 0;
+  std::atomic<int64_t> seq_{0};
+  std::atomic<int> phase_{0};
 };
 
 }  // namespace
@@ -716,6 +800,15 @@ int torch_ext_cpu_memory_stats(int64_t* out) {
 int torch_ext_cpu_memory_reset_peak() {
   return protect_status([&] { CountingCpuAllocator::instance()->reset_peak(); });
 }
+
+// Debugging (TORCH_EXT_PEAK_TRACE set): tags later CPU allocations with `phase`.
+void torch_ext_cpu_memory_phase(int phase) { CountingCpuAllocator::instance()->set_phase(phase); }
+
+// Debugging (TORCH_EXT_PEAK_TRACE set): writes the CPU tensors held at the peak to `path`.
+int torch_ext_cpu_memory_dump(const char* path) { return CountingCpuAllocator::instance()->dump(path); }
+
+// Debugging: the sequence number the next CPU allocation gets (TORCH_EXT_PEAK_TRACE set).
+int64_t torch_ext_cpu_memory_sequence() { return CountingCpuAllocator::instance()->sequence(); }
 
 // The CUDA caching allocator's statistics for `device` (torch.cuda.memory_stats): `out` gets
 // {allocated now, allocated peak, reserved now, reserved peak} in bytes. 0, or -1 on error

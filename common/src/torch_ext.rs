@@ -96,6 +96,9 @@ mod ffi {
         pub fn torch_ext_record_function_exit(range: *mut c_void);
         pub fn torch_ext_cpu_memory_stats(out: *mut i64) -> i32;
         pub fn torch_ext_cpu_memory_reset_peak() -> i32;
+        pub fn torch_ext_cpu_memory_phase(phase: i32);
+        pub fn torch_ext_cpu_memory_dump(path: *const std::ffi::c_char) -> i32;
+        pub fn torch_ext_cpu_memory_sequence() -> i64;
         pub fn torch_ext_cuda_memory_stats(device: i32, out: *mut i64) -> i32;
         pub fn torch_ext_cuda_memory_reset_peak(device: i32) -> i32;
     }
@@ -605,6 +608,35 @@ pub fn cpu_memory() -> Result<HeldBytes> {
 pub fn reset_cpu_memory_peak() -> Result<()> {
     // SAFETY: no pointers cross.
     status(unsafe { ffi::torch_ext_cpu_memory_reset_peak() }, "resetting CPU memory statistics")
+}
+
+/// Debugging the CPU peak (`TORCH_EXT_PEAK_TRACE=<path>` set; otherwise these do nothing):
+/// the phase of a training step later allocations are tagged with (0 outside the steps, 1 the
+/// forward and backward passes, 2 finishing the gradients, 3 the optimizer's update).
+pub fn trace_cpu_memory_phase(phase: i32) {
+    // SAFETY: no pointers cross.
+    unsafe { ffi::torch_ext_cpu_memory_phase(phase) }
+}
+
+/// Debugging the CPU peak: writes the CPU tensors held at the peak since the last reset to
+/// `<TORCH_EXT_PEAK_TRACE>.<pid>` (`sequence bytes phase` a line, the first line the peak and
+/// the sequence number `since` of the first allocation after the baseline), when it is a new peak.
+pub fn trace_cpu_memory_dump(since: i64) {
+    let Some(base) = std::env::var_os("TORCH_EXT_PEAK_TRACE") else { return };
+    let path = format!("{}.{}", base.to_string_lossy(), std::process::id());
+    let Ok(c_path) = std::ffi::CString::new(path.clone()) else { return };
+    // SAFETY: a NUL-terminated path that outlives the call.
+    if unsafe { ffi::torch_ext_cpu_memory_dump(c_path.as_ptr()) } == 1 {
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            let _ = std::fs::write(&path, format!("# baseline sequence {since}\n{text}"));
+        }
+    }
+}
+
+/// Debugging the CPU peak: the sequence number of the next CPU allocation.
+pub fn trace_cpu_memory_sequence() -> i64 {
+    // SAFETY: no pointers cross.
+    unsafe { ffi::torch_ext_cpu_memory_sequence() }
 }
 
 /// The CUDA caching allocator's bytes on GPU `device` (`torch.cuda.memory_stats`): allocated to

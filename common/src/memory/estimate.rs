@@ -9,11 +9,24 @@
 //! keeps no `seq × seq` scores; CUDA's dropout keeps a byte per element for its mask where the
 //! CPU's keeps a float), and what the pipeline's schedule keeps alive: a stage holds as many
 //! micro-batches' activations as its schedule has forward passes ahead of their backward
-//! passes ([`crate::pipeline::schedule::peak_live`], read off the schedule itself). The CPU
+//! passes ([`crate::pipeline::schedule::peak_live`], read off the schedule itself).
+//!
+//! The peak is found by walking each device's passes in the schedule's order
+//! ([`crate::pipeline::schedule::device_ops`]) and adding at each what that pass itself holds
+//! at its most: the loss's gradients on the last stage, the gradient received from the next
+//! stage, the embedding's fresh gradient beside those earlier backward passes summed, ZeRO-3's
+//! gathered and reduced parts; then the update after the passes: the gradient averager's
+//! largest bucket, ZeRO's flattened buckets, slices and block gradient and the buffers of
+//! publishing the blocks, the optimizer's temporaries. Each term is a tensor the code makes
+//! (the comments name it), found with the counting allocator's trace of what is held at the
+//! peak (`TORCH_EXT_PEAK_TRACE=<path>`, [`crate::torch_ext::trace_cpu_memory_dump`]). The CPU
 //! figures were checked tensor by tensor against `torch.autograd.graph.saved_tensors_hooks`
-//! and against the measured peak (tests: within 20%); the CUDA figures follow the same
-//! accounting with CUDA's kernels and were not measured here. An image model's activations are
-//! measured instead: one forward pass of a few images on the CPU, scaled to the batch.
+//! and against the measured peak (tests/memory.rs: within 5% for the whole model, ZeRO 1 to 3,
+//! HSDP, tensor parallelism with and without sequence parallelism, GPipe, 1F1B and interleaved
+//! pipelines); the CUDA figures follow the same accounting with CUDA's kernels and were not
+//! measured here (the caching allocator's rounding and LibTorch's workspaces are not counted).
+//! An image model's activations are measured instead: one forward pass of a few images on the
+//! CPU, scaled to the batch.
 use serde::Serialize;
 
 use crate::models::TransformerConfig;
@@ -31,16 +44,20 @@ pub struct RankEstimate {
     pub parameters: f64,
     pub gradients: f64,
     pub optimizer: f64,
+    /// Buffers the model holds beside its parameters (the positional encoding).
+    pub buffers: f64,
     /// Activations kept for the backward passes at their most.
     pub activations: f64,
     /// The same with `--checkpoint-activations` (pipelines: each stage keeps its inputs and
     /// recomputes the rest), where it applies.
     pub activations_recomputed: Option<f64>,
-    /// What a pass holds on top of the saved activations at its peak (the output layer's
-    /// logits and their gradients; ZeRO-3's gathered part; the update's temporaries).
+    /// What the passes hold on top of the saved activations at their peak (the output layer's
+    /// logits and their gradients; the gradients an earlier backward pass made; ZeRO-3's
+    /// gathered part; the embedding's fresh gradient).
     pub transient: f64,
-    /// The most this rank holds at once: the model state held throughout, and the larger of
-    /// the activation phase and the update.
+    /// The most this rank holds at once: the parameters, optimizer state and buffers held
+    /// throughout, and the larger of the passes' peak (activations, transient) and the
+    /// update's (gradients, their averaging's buffers, the optimizer's temporaries).
     pub total: f64,
     /// One encoder layer's saved activations for one micro-batch (the Transformer).
     pub per_layer: Option<f64>,
@@ -139,6 +156,8 @@ pub struct TransformerJob {
     /// The replicas that average the gradients and divide ZeRO's state (ZeRO's N): all of them,
     /// or HSDP's shard group ([`crate::comm::layout::Layout::state_shards`]).
     pub state_shards: usize,
+    /// The data-parallel replicas, all of them (HSDP: more than `state_shards`).
+    pub replicas: usize,
     pub tp: usize,
     /// The stages and how they sit on devices (one device: the whole model, no pipeline).
     pub partition: Partition,
@@ -153,6 +172,9 @@ pub struct TransformerJob {
     pub zero: Option<ZeroStage>,
     /// Bytes of optimizer state per parameter (ZeRO's K).
     pub optimizer_k: f64,
+    /// Bytes per element of the largest parameter that the optimizer's update allocates beside
+    /// it ([`crate::memory::update_bytes_per_parameter`]).
+    pub update_bytes_per_parameter: f64,
     /// `--bucket-mb` in bytes: how the replicas average the gradients.
     pub bucket_bytes: f64,
     pub precision: Precision,
@@ -222,23 +244,46 @@ impl TransformerJob {
             + k.weight_copy_bytes * layer_weights
     }
 
-    /// Parameters of stage `stage` on one tensor-parallel shard.
-    pub fn stage_parameters(&self, stage: usize) -> f64 {
+    /// Stage `stage`'s parameters on one tensor-parallel shard, as the model lists them (by
+    /// name, [`crate::models::named_parameters`]'s order): each one's name and elements.
+    /// Sharded: q/k/v rows and out_proj columns, linear1 rows, linear2 columns (with their
+    /// biases where they are cut); whole on every shard: out_proj's and linear2's biases, the
+    /// layer norms.
+    pub fn stage_parameter_list(&self, stage: usize) -> Vec<(String, f64)> {
         let cfg = &self.config;
         let (v, d, h, tp) = (cfg.ntoken as f64, cfg.d_model as f64, cfg.d_hid as f64, self.tp as f64);
-        let layers = self.partition.layers[stage].clone().count() as f64;
-        // Sharded: q/k/v rows and out_proj columns, linear1 rows, linear2 columns (with their
-        // biases where they are cut); whole on every shard: out_proj's and linear2's biases,
-        // the layer norms.
-        let per_layer = (4.0 * d * d + 3.0 * d + 2.0 * d * h + h) / tp + 2.0 * d + 4.0 * d;
-        let mut params = layers * per_layer;
+        let mut list = Vec::new();
         if stage == 0 {
-            params += v * d / tp;
+            list.push(("embedding.weight".to_string(), v * d / tp));
         }
         if stage + 1 == self.partition.stages() {
-            params += (v * d + v) / tp;
+            list.push(("linear.weight".to_string(), v * d / tp));
+            list.push(("linear.bias".to_string(), v / tp));
         }
-        params
+        let layer = [
+            ("self_attn.in_proj_weight", 3.0 * d * d / tp),
+            ("self_attn.in_proj_bias", 3.0 * d / tp),
+            ("self_attn.out_proj.weight", d * d / tp),
+            ("self_attn.out_proj.bias", d),
+            ("linear1.weight", h * d / tp),
+            ("linear1.bias", h / tp),
+            ("linear2.weight", d * h / tp),
+            ("linear2.bias", d),
+            ("norm1.weight", d),
+            ("norm1.bias", d),
+            ("norm2.weight", d),
+            ("norm2.bias", d),
+        ];
+        for i in self.partition.layers[stage].clone() {
+            list.extend(layer.iter().map(|(name, n)| (format!("transformer_encoder.layers.{i}.{name}"), *n)));
+        }
+        list.sort_by(|a, b| a.0.cmp(&b.0));
+        list
+    }
+
+    /// Parameters of stage `stage` on one tensor-parallel shard.
+    pub fn stage_parameters(&self, stage: usize) -> f64 {
+        self.stage_parameter_list(stage).iter().map(|(_, n)| n).sum()
     }
 
     /// The estimate for every device of the pipeline (one row per device, or one for all).
@@ -257,8 +302,13 @@ impl TransformerJob {
         let last = self.partition.stages() - 1;
         let (t, d, v, tp) = (self.micro_tokens(), cfg.d_model as f64, cfg.ntoken as f64, self.tp as f64);
         let mixed = self.precision != Precision::Full;
-        let psi: f64 = stages.iter().map(|&s| self.stage_parameters(s)).sum();
+        // The device's parameters in the order its ranks list them (the buckets' order).
+        let params: Vec<(String, f64)> = stages.iter().flat_map(|&s| self.stage_parameter_list(s)).collect();
+        let psi: f64 = params.iter().map(|(_, n)| n).sum();
         let (parameters, gradients, optimizer) = model_state_parts(psi, self.optimizer_k, self.state_shards as f64, self.zero);
+        // The token embedding's positional encoding (`[MAX_LEN, 1, d]`, float32, whole on every
+        // shard), a buffer the stage holding the embedding keeps.
+        let buffers = if stages.contains(&0) { 4.0 * crate::models::transformer::MAX_LEN as f64 * d } else { 0.0 };
 
         // One micro-batch through each of this device's stages: its layers, the embedding on
         // stage 0, the output layer's saved log-probabilities on the last; what passes between
@@ -277,11 +327,12 @@ impl TransformerJob {
         // (Sequence parallel: the embedding's mask, the output layer's saved input and what
         // passes between stages are this shard's rows.)
         let rows = self.whole_share();
+        let embedding_saved = mask * t * d * rows + 8.0 * t;
         let stage_bytes = |s: usize| -> f64 {
             let layers = self.partition.layers[s].clone().count() as f64;
             let mut bytes = layers * per_layer;
             if s == 0 {
-                bytes += mask * t * d * rows + 8.0 * t;
+                bytes += embedding_saved;
             } else if mixed {
                 bytes += 4.0 * t * d * rows;
             }
@@ -292,39 +343,145 @@ impl TransformerJob {
             }
             bytes
         };
+        // Recomputed: a held micro-batch keeps its stage input only.
+        let input_bytes = |s: usize| if s == 0 { 8.0 * t } else { 4.0 * t * d * rows };
+        let ops = if self.placement.stages() == 1 {
+            vec![schedule::Op::forward(0, 0), schedule::Op::backward(0, 0)]
+        } else {
+            schedule::device_ops(self.schedule, self.placement, device, self.chunks)
+        };
+        let held = schedule::peak_live(&ops);
         let per_stage: f64 = stages.iter().map(|&s| stage_bytes(s)).sum::<f64>() / stages.len() as f64;
-        let held =
-            if self.placement.stages() == 1 { 1 } else { schedule::peak_live(&schedule::device_ops(self.schedule, self.placement, device, self.chunks)) };
         let activations = held as f64 * per_stage;
-        // Recomputed: each held micro-batch keeps its stage input, one is whole while its
-        // backward pass recomputes it.
         let activations_recomputed = (self.placement.stages() > 1).then(|| {
-            let inputs: f64 = stages.iter().map(|&s| if s == 0 { 8.0 * t } else { 4.0 * t * d * rows }).sum::<f64>() / stages.len() as f64;
+            let inputs: f64 = stages.iter().map(|&s| input_bytes(s)).sum::<f64>() / stages.len() as f64;
             held as f64 * inputs + per_stage
         });
+        let recompute = self.checkpoint_activations && self.placement.stages() > 1;
+        let kept = |s: usize| if recompute { input_bytes(s) } else { stage_bytes(s) };
 
-        // At the peak of a pass: the output layer's backward holds the gradient of the
-        // log-probabilities and of the logits beside the saved log-probabilities; elsewhere the
-        // gradients flowing back through a layer (about a layer's activations).
-        let mut transient = if stages.contains(&last) { 8.0 * t * v / tp } else { per_layer };
-        if self.zero == Some(ZeroStage::Parameters) {
-            // The largest part (embedding or output layer) gathered whole, and its gradient.
-            transient += 2.0 * 4.0 * (v * d + v) / tp;
+        // ZeRO's buckets of this rank's parameters (elements, each padded to a multiple of the
+        // ranks as `parallel::zero::Buckets` pads them), and the gradient averager's.
+        let n = self.state_shards as f64;
+        let padded = |elements: f64| (elements / n).ceil() * n;
+        let zero_buckets: Vec<f64> = match self.zero {
+            None => Vec::new(),
+            Some(ZeroStage::OptimizerState) => vec![padded(psi)],
+            Some(ZeroStage::Gradients) => zero2_buckets(&params, self.bucket_bytes).into_iter().map(padded).collect(),
+            Some(ZeroStage::Parameters) => zero3_parts(&params).into_iter().map(padded).collect(),
+        };
+        let psi_padded: f64 = zero_buckets.iter().sum();
+        // ZeRO-2 and 3 reduce a bucket (a part) once its gradients are all there: the bucket
+        // flattened (`Buckets::flat`), this rank's slice of the reduce-scatter, and the block's
+        // gradient (made at the step's first reduction); beside them the bucket's whole
+        // gradients (and at stage 3 its parameters).
+        let zero_reduce = |elements: f64| 4.0 * padded(elements) * (1.0 + 1.0 / n) + 4.0 * psi_padded / n;
+        // ZeRO-3 gathers a part as its forward and its backward pass start: the all-gather's
+        // buffer of every rank's slice, the slices put together (`Buckets::unslice`'s cat), and
+        // the parameters' own storage refilled: twice the padded part and the part.
+        let gather = |elements: f64| 4.0 * (2.0 * padded(elements) + elements);
+
+        // The forward and backward passes, op by op as the schedule runs them on this device:
+        // the activations of the micro-batches it holds, and at each op what the op itself
+        // holds on top of them at its most. Gradients are there once a backward pass of the
+        // step ran (or from the step's earlier batches when it accumulates).
+        // (From ZeRO-2 on, the block's gradient: the whole gradients go as their buckets are
+        // reduced.)
+        let whole_grads = gradients;
+        let embedding_grad = 4.0 * v * d / tp;
+        let (mut live, mut backward_ran, mut passes) = (0.0, self.accumulate > 1, 0.0f64);
+        for op in &ops {
+            let s = op.stage;
+            let grads = if backward_ran { whole_grads } else { 0.0 };
+            match op.direction {
+                schedule::Direction::Forward => {
+                    live += kept(s);
+                    let mut at = live + grads;
+                    if self.zero == Some(ZeroStage::Parameters) && s == last {
+                        // The output layer gathered for its forward pass (its logits not yet made).
+                        at = at - 4.0 * t * v / tp + gather((v * d + v) / tp);
+                    }
+                    passes = passes.max(at);
+                }
+                schedule::Direction::Backward => {
+                    // Recomputation makes the stage's activations whole again for its backward pass.
+                    let held_now = live - kept(s) + stage_bytes(s);
+                    let mut at = if s == last {
+                        // The loss's backward: the gradient of the log-probabilities and of
+                        // the logits beside the saved log-probabilities.
+                        held_now + grads + 8.0 * t * v / tp
+                    } else {
+                        // The gradient received from the next stage and the product the
+                        // backward pass starts from (`(output · grad).sum()`).
+                        held_now + grads + 8.0 * t * d * rows
+                    };
+                    if self.zero == Some(ZeroStage::Parameters) && s == last {
+                        // The output layer gathered again for its backward pass, the gradient
+                        // of the logits in place of the log-probabilities; then its part
+                        // reduced, the logits' gradient gone: the part's parameters and whole
+                        // gradients, the part flattened, this rank's slice, the block's gradient.
+                        let part = (v * d + v) / tp;
+                        at = at.max(held_now + grads + gather(part));
+                        at = at.max(held_now - 4.0 * t * v / tp + zero_reduce(part) + 8.0 * part);
+                    }
+                    if s == 0 {
+                        // The embedding's backward, the other layers' activations of this
+                        // micro-batch gone: a fresh gradient of the embedding's weight beside
+                        // those summed by earlier backward passes (or, in the first, the
+                        // gradients of this stage's layers made just before).
+                        let rest = live - kept(s) + embedding_saved;
+                        let fresh = if backward_ran { whole_grads + embedding_grad } else { whole_grads };
+                        at = at.max(rest + fresh);
+                    }
+                    passes = passes.max(at);
+                    live -= kept(s);
+                    backward_ran = true;
+                }
+            }
         }
-        // Gradients are there during the passes when earlier micro-batches' backward passes
-        // made them (1F1B's steady state, accumulation); GPipe and a single batch reach their
-        // activation peak before the first backward pass.
-        // ZeRO-2 and -3 add each bucket's reduced slice to the block's gradient as the backward
-        // pass goes: the block's gradient is there while the earlier layers' activations are.
-        let sharded_during = matches!(self.zero, Some(ZeroStage::Gradients | ZeroStage::Parameters));
-        let gradients_during =
-            if sharded_during || self.accumulate > 1 || (held < self.chunks * stages.len() && self.placement.stages() > 1) { gradients } else { 0.0 };
-        let saved = if self.checkpoint_activations { activations_recomputed.unwrap_or(activations) } else { activations };
-        // The update: the gradients averaged over the replicas (their buffers), then the
-        // largest parameter's temporaries in the optimizer, beside the whole state.
-        let largest = 4.0 * (v * d + v) / tp;
-        let update = gradients + gradient_sync_bytes(psi, self.state_shards, self.zero, self.bucket_bytes).max(2.0 * largest);
-        let total = parameters + optimizer + (saved + transient + gradients_during).max(update);
+        let transient = passes - activations.min(passes);
+
+        // After the passes (the activations gone): averaging the gradients over the replicas
+        // and the update, beside the gradients.
+        let largest = params.iter().map(|(_, n)| *n).fold(0.0, f64::max);
+        let update = match self.zero {
+            // Plain replicas: each bucket flattened (`GradientAverager`'s cat) and the
+            // all-reduce's result buffer; the optimizer's own temporaries.
+            None => {
+                let sync = if self.state_shards > 1 { 2.0 * 4.0 * average_buckets(&params, self.bucket_bytes).into_iter().fold(0.0, f64::max) } else { 0.0 };
+                gradients + sync.max(self.update_bytes_per_parameter * largest)
+            }
+            // ZeRO-1: reducing (the whole gradients flattened, this rank's slice and the block's
+            // gradient), then publishing (the all-gather's buffer of every block and the
+            // buckets put together, `Buckets::unblock`), the whole gradients still held.
+            Some(ZeroStage::OptimizerState) => {
+                let block = 4.0 * psi_padded / n;
+                gradients + zero_reduce(psi).max(block + 2.0 * 4.0 * psi_padded)
+            }
+            // ZeRO-2: each bucket reduced as the backward pass ends its gradients (counted
+            // here without the activations its earlier layers still hold), then publishing as
+            // ZeRO-1 (every bucket's cat) beside the block's gradient.
+            Some(ZeroStage::Gradients) => {
+                let unpadded = zero2_buckets(&params, self.bucket_bytes);
+                let reduce = unpadded.iter().map(|&b| 4.0 * b + zero_reduce(b)).fold(0.0, f64::max);
+                reduce.max(gradients + 2.0 * 4.0 * psi_padded)
+            }
+            // ZeRO-3: each part reduced at the end of its backward pass (the output layer's
+            // is counted in the passes; here the others, without the activations the earlier
+            // layers still hold); then the block's gradient (HSDP: averaged over the shard
+            // groups, the all-reduce's result buffer beside it).
+            Some(ZeroStage::Parameters) => {
+                let parts = zero3_parts(&params);
+                let reduce = parts.iter().map(|&p| 8.0 * p + zero_reduce(p)).fold(0.0, f64::max);
+                reduce.max(gradients * if self.state_shards < self.replicas { 2.0 } else { 1.0 })
+            }
+        };
+        // Replicas under ZeRO start from replica 0's model: the variables broadcast whole (at
+        // stage 3 gathered for it), then the block refreshed from them (`Shards::refresh_block`:
+        // every bucket flattened, the fresh block beside the block), before the first step made
+        // any optimizer state.
+        let startup = if self.zero.is_some() && self.replicas > 1 { buffers + 4.0 * psi + 4.0 * psi_padded + 2.0 * 4.0 * psi_padded / n } else { 0.0 };
+        let total = (buffers + parameters + optimizer + passes.max(update)).max(startup);
         RankEstimate {
             ranks: match (self.placement.devices, self.placement.virtual_stages) {
                 (1, _) => "every rank".to_string(),
@@ -334,6 +491,7 @@ impl TransformerJob {
             parameters,
             gradients,
             optimizer,
+            buffers,
             activations,
             activations_recomputed,
             transient,
@@ -345,11 +503,64 @@ impl TransformerJob {
     }
 }
 
-/// What averaging the gradients over `dp` replicas holds beside them, for `psi` parameters and
+/// ZeRO-2's buckets of `params` (elements each): in the order gradients arrive (the list
+/// reversed), a bucket closed once it holds `bucket` bytes or more
+/// (`parallel::zero::Shards::build`).
+fn zero2_buckets(params: &[(String, f64)], bucket: f64) -> Vec<f64> {
+    let mut buckets = vec![0.0];
+    for (_, n) in params.iter().rev() {
+        if 4.0 * buckets.last().expect("a bucket") >= bucket {
+            buckets.push(0.0);
+        }
+        *buckets.last_mut().expect("a bucket") += n;
+    }
+    buckets
+}
+
+/// ZeRO-3's parts of `params` (elements each): the embedding, each encoder layer, the output
+/// layer (`TransformerLm::part_of`).
+fn zero3_parts(params: &[(String, f64)]) -> Vec<f64> {
+    let mut parts: Vec<(String, f64)> = Vec::new();
+    for (name, n) in params {
+        let part = match name.strip_prefix("transformer_encoder.layers.") {
+            Some(rest) => rest.split('.').next().unwrap_or_default().to_string(),
+            None => name.split('.').next().unwrap_or_default().to_string(),
+        };
+        match parts.iter_mut().find(|(p, _)| *p == part) {
+            Some((_, total)) => *total += n,
+            None => parts.push((part, *n)),
+        }
+    }
+    parts.into_iter().map(|(_, n)| n).collect()
+}
+
+/// The gradient averager's buckets of `params` (elements each), in their order: as many
+/// consecutive gradients as fit `bucket` bytes, a larger one alone
+/// (`comm::data_parallel::GradientAverager`).
+fn average_buckets(params: &[(String, f64)], bucket: f64) -> Vec<f64> {
+    let mut buckets = Vec::new();
+    let mut rest = params;
+    while !rest.is_empty() {
+        let mut bytes = 0.0;
+        let len = rest
+            .iter()
+            .take_while(|(_, n)| {
+                bytes += 4.0 * n;
+                bytes <= bucket
+            })
+            .count()
+            .max(1);
+        buckets.push(rest[..len].iter().map(|(_, n)| n).sum());
+        rest = &rest[len..];
+    }
+    buckets
+}
+
+/// An image model's: what averaging the gradients over `dp` replicas holds beside them, for `psi` parameters and
 /// buckets of `bucket` bytes (`--bucket-mb`): plain data parallelism a bucket's flat copy and its
 /// average; ZeRO-1 and 2 a bucket of gradients flattened for the reduce-scatter and the
 /// parameters gathered whole again after the update; ZeRO-3 a bucket (its parts are gathered in
-/// the passes, [`TransformerJob::estimate`]'s transient).
+/// the passes, counted as the passes' transient).
 fn gradient_sync_bytes(psi: f64, dp: usize, zero: Option<ZeroStage>, bucket: f64) -> f64 {
     let (grads, bucket) = (4.0 * psi, bucket.min(4.0 * psi));
     match (dp, zero) {
@@ -368,6 +579,7 @@ fn sum_rows(rows: &[RankEstimate], name: &str) -> RankEstimate {
         parameters: sum(|r| r.parameters),
         gradients: sum(|r| r.gradients),
         optimizer: sum(|r| r.optimizer),
+        buffers: sum(|r| r.buffers),
         activations: sum(|r| r.activations),
         activations_recomputed: rows.iter().map(|r| r.activations_recomputed).sum(),
         transient: rows.iter().map(|r| r.transient).fold(0.0, f64::max),
@@ -420,6 +632,7 @@ impl ImageJob {
             parameters,
             gradients,
             optimizer,
+            buffers: 0.0,
             activations,
             activations_recomputed: None,
             transient,
@@ -493,17 +706,17 @@ pub fn table(rows: &[RankEstimate]) -> String {
     if recompute {
         out += " activations recomputed |";
     }
-    out += " transient | total (MiB) |\n|---|---:|---:|---:|---:|";
+    out += " transient | buffers | total (MiB) |\n|---|---:|---:|---:|---:|";
     if recompute {
         out += "---:|";
     }
-    out += "---:|---:|\n";
+    out += "---:|---:|---:|\n";
     for r in rows {
         out += &format!("| {} | {} | {} | {} | {} |", r.ranks, mib(r.parameters), mib(r.gradients), mib(r.optimizer), mib(r.activations));
         if recompute {
             out += &format!(" {} |", r.activations_recomputed.map_or("-".into(), mib));
         }
-        out += &format!(" {} | {} |\n", mib(r.transient), mib(r.total));
+        out += &format!(" {} | {} | {} |\n", mib(r.transient), mib(r.buffers), mib(r.total));
     }
     out
 }
@@ -521,6 +734,7 @@ mod tests {
             accumulate: 1,
             sequence_parallel: false,
             state_shards: 1,
+            replicas: 1,
             tp: 1,
             partition: Partition::even(4, 1).unwrap(),
             placement: Placement::one_stage_each(1),
@@ -530,6 +744,7 @@ mod tests {
             keyed_masks: false,
             zero: None,
             optimizer_k: 8.0,
+            update_bytes_per_parameter: 0.0,
             bucket_bytes: 25.0 * MIB,
             precision: Precision::Full,
             cuda: false,

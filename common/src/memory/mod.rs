@@ -97,13 +97,15 @@ pub struct MemoryMeter {
     devices: Vec<(Device, i64, Peaks)>,
     /// The peak resident set could be reset (CPU).
     rss_reset: bool,
+    /// Debugging (`TORCH_EXT_PEAK_TRACE`): the first CPU allocation after the baseline.
+    trace_since: i64,
 }
 
 impl MemoryMeter {
     /// Resets the peaks of `devices` (every device this process trains on) and notes what they
     /// hold now.
     pub fn start(devices: &[Device]) -> Result<MemoryMeter> {
-        let mut meter = MemoryMeter { devices: Vec::new(), rss_reset: false };
+        let mut meter = MemoryMeter { devices: Vec::new(), rss_reset: false, trace_since: torch_ext::trace_cpu_memory_sequence() };
         for &device in devices {
             if meter.devices.iter().any(|(d, _, _)| *d == device) {
                 continue;
@@ -122,6 +124,9 @@ impl MemoryMeter {
     fn after_training(&mut self) -> Result<()> {
         for (device, _, peaks) in &mut self.devices {
             peaks.training = peaks.training.max(held(*device)?.peak);
+            if *device == Device::Cpu {
+                torch_ext::trace_cpu_memory_dump(self.trace_since);
+            }
         }
         Ok(())
     }
@@ -235,6 +240,18 @@ pub fn optimizer_bytes_per_parameter(kind: crate::optim::OptimizerKind, momentum
         OptimizerKind::Adam | OptimizerKind::Lamb => 8.0,
         OptimizerKind::Sgd | OptimizerKind::Lars if momentum > 0.0 => 4.0,
         OptimizerKind::Sgd | OptimizerKind::Lars => 0.0,
+    }
+}
+
+/// The bytes per element of the largest parameter that an unsharded optimizer's update
+/// allocates beside it: Adam none (one pass over memory on the CPU, LibTorch's fused kernel on
+/// CUDA), SGD none (in place; weight decay aside), LARS and LAMB their update's temporaries
+/// (two parameter-sized tensors).
+pub fn update_bytes_per_parameter(kind: crate::optim::OptimizerKind) -> f64 {
+    use crate::optim::OptimizerKind;
+    match kind {
+        OptimizerKind::Adam | OptimizerKind::Sgd => 0.0,
+        OptimizerKind::Lars | OptimizerKind::Lamb => 8.0,
     }
 }
 

@@ -820,6 +820,7 @@ fn optimizer_step(
     let examples: usize = micro.iter().map(Batch::len).sum();
     optimizer.zero_grad();
     let mut out = StepOutput::default();
+    crate::torch_ext::trace_cpu_memory_phase(1);
     for (i, batch) in micro.iter().enumerate() {
         let ctx = StepContext {
             precision: config.precision,
@@ -833,7 +834,9 @@ fn optimizer_step(
     }
     let finishing = Instant::now();
     let finish_name = gradient_phase(step.sync().gradient_collective(config.clip_grad_norm.is_some()), scaler.is_some(), config.clip_grad_norm.is_some());
+    crate::torch_ext::trace_cpu_memory_phase(2);
     finish_gradients(&*step, optimizer, scaler.as_deref(), config.clip_grad_norm)?;
+    crate::torch_ext::trace_cpu_memory_phase(3);
     let stepping = Instant::now();
     match scaler.as_mut() {
         Some(scaler) => {
@@ -844,6 +847,7 @@ fn optimizer_step(
         None => optimizer.step()?,
     }
     synchronize(device);
+    crate::torch_ext::trace_cpu_memory_phase(0);
     let mut phases = std::mem::take(&mut out.phases);
     phases.push((finish_name, finishing, stepping));
     phases.push(("optimizer", stepping, Instant::now()));

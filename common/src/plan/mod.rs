@@ -279,6 +279,9 @@ pub struct Plan {
     pub flops_per_token: f64,
     /// The fastest layout's figures for a whole training (`--train-tokens`).
     pub what_if: Option<WhatIf>,
+    /// What the table rests on that the reader should know (a CPU profile timed with another
+    /// number of ranks per host, an assumed link).
+    pub notes: Vec<String>,
 }
 
 /// What a whole training costs at the fastest layout's predicted speed.
@@ -355,6 +358,19 @@ pub fn plan(args: &PlanArgs) -> Result<Plan> {
         }
     }
     let what_if = args.train_tokens.map(|tokens| WhatIf::of(tokens, ranked[0].tokens_per_s, ranks, flops_per_token));
+    let mut notes = Vec::new();
+    let timed_with = profile.recorded.compute_ranks_per_host;
+    if profile.recorded.device == "cpu" && timed_with != args.gpus_per_node {
+        notes.push(format!(
+            "note: the profile timed the pieces with {timed_with} rank(s) of a host at once and this plan puts {} on each: CPU ranks share their host's cores, so its compute times hold for {timed_with}",
+            args.gpus_per_node
+        ));
+    }
+    for (flag, gbps) in [("--within-host-gbps", args.within_host_gbps), ("--between-hosts-gbps", args.between_hosts_gbps)] {
+        if let Some(gbps) = gbps {
+            notes.push(format!("note: {flag} {gbps}: the link's costs are assumed, not measured ({} us latency)", args.link_latency_us));
+        }
+    }
     Ok(Plan {
         nodes: args.nodes,
         gpus_per_node: args.gpus_per_node,
@@ -369,6 +385,7 @@ pub fn plan(args: &PlanArgs) -> Result<Plan> {
         peak_tflops,
         flops_per_token,
         what_if,
+        notes,
     })
 }
 
@@ -417,6 +434,7 @@ impl Plan {
         }
         lines.push(self.why());
         lines.extend(self.what_if_line());
+        lines.extend(self.notes.iter().cloned());
         lines.join("\n")
     }
 
@@ -562,6 +580,11 @@ mod tests {
         let plain = plan(&PlanArgs { train_tokens: Some(1e9), ..args(path.clone()) }).unwrap();
         assert!(plain.ranked.iter().all(|p| p.mfu.is_none()));
         assert!(plain.describe(3).contains("MFU unknown: no peak for this device (give --peak-tflops)"), "{}", plain.describe(3));
+        // The profile timed one rank alone; the plan puts 4 on a host.
+        assert!(plain.describe(3).contains("the profile timed the pieces with 1 rank(s) of a host at once and this plan puts 4 on each"));
+        let assumed = plan(&PlanArgs { nodes: 2, between_hosts_gbps: Some(10.0), gpus_per_node: 1, ..args(path.clone()) }).unwrap();
+        let text = assumed.describe(3);
+        assert!(text.contains("note: --between-hosts-gbps 10: the link's costs are assumed") && !text.contains("rank(s) of a host at once"), "{text}");
         let p = plan(&PlanArgs { train_tokens: Some(1e9), peak_tflops: Some(2.0), ..args(path.clone()) }).unwrap();
         let (best, w) = (&p.ranked[0], p.what_if.unwrap());
         // 4 layers × (4·32² + 2·32·64) + 32·64 weights, 6 FLOPs each, and the attention's

@@ -137,7 +137,7 @@ bench-parallel: build
 # and measured step time and peak memory into results/bench-plan.csv, summarized with
 # results/bench-plan.svg (report plan). HOSTS=2: across two hosts (network namespaces, root),
 # the link between them shaped to LINK_RATE. Settings: HOSTS, NPROC, GLOBAL, STEPS, THREADS,
-# MEMORY, LINK_RATE, DATA (see bench/plan.sh).
+# MEMORY, LINK_RATE, SAMPLE, DATA (see bench/plan.sh).
 bench-plan: build
 	$(WITH) bench/plan.sh
 

@@ -17,6 +17,7 @@
 #
 #   make bench-plan                         HOSTS=1 NPROC=4 GLOBAL=16 STEPS=6 THREADS=1 MEMORY=1GiB
 #   make bench-plan HOSTS=2 LINK_RATE=1gbit
+#   make bench-plan SAMPLE=3                 the plan's best 3, then every 3rd layout of its ranking
 #
 # Not a test: the ranks share this machine's cores, and the runs are timed while nothing else
 # runs (run it alone).
@@ -24,11 +25,12 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 HOSTS="${HOSTS:-1}"; NPROC="${NPROC:-4}"; GLOBAL="${GLOBAL:-16}"; STEPS="${STEPS:-6}"; THREADS="${THREADS:-1}"
-MEMORY="${MEMORY:-1GiB}"; LINK_RATE="${LINK_RATE:-1gbit}"
+MEMORY="${MEMORY:-1GiB}"; LINK_RATE="${LINK_RATE:-1gbit}"; SAMPLE="${SAMPLE:-1}"
 bin="$root/${BIN:-target/release}"
 csv="results/bench-plan.csv"
 [[ "$HOSTS" == 1 || "$HOSTS" == 2 ]] || { echo "error: HOSTS=$HOSTS: 1 or 2" >&2; exit 2; }
 ((NPROC % HOSTS == 0)) || { echo "error: NPROC=$NPROC ranks do not divide over HOSTS=$HOSTS" >&2; exit 2; }
+[[ "$SAMPLE" =~ ^[1-9][0-9]*$ ]] || { echo "error: SAMPLE=$SAMPLE: a whole number of 1 or more" >&2; exit 2; }
 ((STEPS > 2)) || { echo "error: STEPS=$STEPS: the first 2 steps are not timed, so at least 3" >&2; exit 2; }
 # shellcheck source=bench/transformer.sh
 source "$root/bench/transformer.sh"
@@ -78,7 +80,7 @@ cp "$work/profile.json" "results/bench-plan-profile-${cluster%% *}.json"
 mapfile -t rows < <(python3 -c 'import json,sys
 for p in json.load(open(sys.argv[1]))["ranked"]:
     print("\t".join(map(str, [p["command"], p["step_s"], p["memory_bytes"], p["compute_s"], p["tp_comm_s"], p["bubble_s"], p["exposed_comm_s"], p["optimizer_s"]])))' "$work/plan.json")
-echo "running the ${#rows[@]} layouts that fit in $MEMORY, $STEPS steps each"
+echo "running the ${#rows[@]} layouts that fit in $MEMORY (SAMPLE=$SAMPLE: the best 3, then every ${SAMPLE}th), $STEPS steps each"
 
 header="bench_started_at,cluster,predicted_rank,layout,predicted_step_s,measured_step_s,predicted_memory_bytes,measured_memory_bytes,compute_s,tp_comm_s,bubble_s,exposed_comm_s,optimizer_s"
 if [[ -f "$csv" && "$(head -n 1 "$csv")" != "$header" ]]; then
@@ -89,6 +91,7 @@ started="$(date +%s)"
 rank=0
 for row in "${rows[@]}"; do
     rank=$((rank + 1))
+    ((rank <= 3 || (rank - 1) % SAMPLE == 0)) || continue
     IFS=$'\t' read -r command predicted memory rest <<< "$row"
     read -r -a flags <<< "$command"
     rm -rf "$work/run"

@@ -68,11 +68,12 @@ pub struct ProfileArgs {
     /// host's cores shared among its ranks).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
-    /// Time the pieces and the optimizer on rank 0 alone, the other ranks waiting, instead of
-    /// on every rank at once as a job runs them (the same on GPUs, one per rank; not on CPU
-    /// ranks that share a host's cores).
+    /// Time the pieces and the optimizer on every rank at once (the profile keeps their mean)
+    /// instead of on rank 0 alone, the others waiting. Alone is what the planner models CPU
+    /// ranks that share a host's cores from (the profile records the cores); together, the
+    /// times hold only for as many ranks per host as timed them.
     #[arg(long)]
-    pub compute_alone: bool,
+    pub compute_together: bool,
 }
 
 impl ProfileArgs {
@@ -130,18 +131,18 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
     if let Some(warning) = device::set_threads(threads)? {
         eprintln!("{warning}");
     }
-    // The pieces and the optimizer on every rank at once, as a job runs them: ranks sharing a
-    // host's cores (or its memory bandwidth) are timed sharing them. The profile keeps the
-    // ranks' mean.
-    let timing = !args.compute_alone || world.is_root();
+    // The pieces and the optimizer on rank 0 alone: the planner shares a host's cores among
+    // the ranks that compute at each moment of a step (a pipeline's idle stages leave theirs to
+    // the busy ones), from the cores recorded here.
+    let timing = args.compute_together || world.is_root();
     let mut local = None;
     if timing {
         let compute = profile::measure_compute(&model, args.precision, device, args.bptt, &args.micro_batches)?;
-        let optimizer = profile::measure_optimizer(args.optimizer, device, if device.is_cuda() { 256 << 20 } else { 16 << 20 })?;
+        let optimizer = profile::measure_optimizer(args.optimizer, &model, device, if device.is_cuda() { 256 << 20 } else { 16 << 20 })?;
         local = Some((compute, optimizer));
     }
     world.barrier()?;
-    if !args.compute_alone {
+    if args.compute_together {
         local = local.map(|(compute, optimizer)| profile::mean_over_ranks(world, compute, optimizer)).transpose()?;
     }
     let links = measure_links(world, device, &message_sizes(args.max_message_mb << 20))?;
@@ -151,7 +152,8 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
         threads: tch::get_num_threads() as usize,
         host: crate::comm::hosts::this_host(),
         unix_time: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
-        compute_ranks_per_host: if args.compute_alone { 1 } else { world.local_world_size().max(1) },
+        compute_ranks_per_host: if args.compute_together { world.local_world_size().max(1) } else { 1 },
+        cores: if device == Device::Cpu { device::usable_cores() } else { 0 },
     };
     let profile = Profile { version: profile::VERSION, recorded, model, precision: args.precision, seq_len: args.bptt, compute, optimizer, links };
     profile.write(&args.out)?;
@@ -359,11 +361,17 @@ pub fn plan(args: &PlanArgs) -> Result<Plan> {
     }
     let what_if = args.train_tokens.map(|tokens| WhatIf::of(tokens, ranked[0].tokens_per_s, ranks, flops_per_token));
     let mut notes = Vec::new();
-    let timed_with = profile.recorded.compute_ranks_per_host;
-    if profile.recorded.device == "cpu" && timed_with != args.gpus_per_node {
+    let recorded = &profile.recorded;
+    let timed_with = recorded.compute_ranks_per_host;
+    if recorded.device == "cpu" && recorded.cores == 0 && timed_with != args.gpus_per_node {
         notes.push(format!(
             "note: the profile timed the pieces with {timed_with} rank(s) of a host at once and this plan puts {} on each: CPU ranks share their host's cores, so its compute times hold for {timed_with}",
             args.gpus_per_node
+        ));
+    } else if recorded.slowdown(args.gpus_per_node as f64) > 1.0 {
+        notes.push(format!(
+            "note: {} CPU ranks of {} thread(s) share each host's {} cores (the profile's host): a rank computes at the speed its host's busy ranks leave it",
+            args.gpus_per_node, recorded.threads, recorded.cores
         ));
     }
     for (flag, gbps) in [("--within-host-gbps", args.within_host_gbps), ("--between-hosts-gbps", args.between_hosts_gbps)] {
@@ -495,12 +503,12 @@ mod tests {
         let fit = |c| (c, CostFit { latency_s: 1e-5, seconds_per_bus_byte: 1e-9, samples: vec![] });
         let profile = Profile {
             version: profile::VERSION,
-            recorded: Recorded { device: "cpu".into(), threads: 1, host: "t".into(), unix_time: 0, compute_ranks_per_host: 1 },
+            recorded: Recorded { device: "cpu".into(), threads: 1, host: "t".into(), unix_time: 0, compute_ranks_per_host: 1, cores: 0 },
             model: TransformerConfig { ntoken: 64, d_model: 32, nhead: 4, d_hid: 64, nlayers: 1, dropout: 0.0 },
             precision: Precision::Full,
             seq_len: 16,
             compute,
-            optimizer: OptimizerTime { kind: OptimizerKind::Adam, seconds_per_parameter: 1e-9, parameters_timed: 1 },
+            optimizer: OptimizerTime { kind: OptimizerKind::Adam, seconds_per_parameter: 1e-9, clip_seconds_per_parameter: 0.0, parameters_timed: 1 },
             links: vec![LinkProfile {
                 scope: LinkScope::WithinHost,
                 ranks: 2,

@@ -106,12 +106,14 @@ pub struct Prediction {
     /// of the passes and the update).
     pub memory_bytes: f64,
     pub step_s: f64,
-    /// The busiest device's forward and backward passes, tensor-parallel talk included.
+    /// The busiest device's forward and backward passes, tensor-parallel talk included (CPU
+    /// ranks: as slow as their host's busy ranks make them).
     pub compute_s: f64,
     /// What the pipeline's timeline leaves that device idle.
     pub bubble_s: f64,
     /// Data-parallel communication after the passes.
     pub exposed_comm_s: f64,
+    /// Clipping the gradients and the optimizer's step.
     pub optimizer_s: f64,
     /// Of `compute_s`, the tensor-parallel collectives.
     pub tp_comm_s: f64,
@@ -154,8 +156,16 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
     };
     let memory_bytes = job.estimate().iter().map(|row| row.total).fold(0.0, f64::max);
 
-    // One micro-batch through each stage.
+    // CPU ranks share their host's cores: the profile's times are alone (or, timed on
+    // several ranks of a host at once, as slow as that many busy ranks make them), and a
+    // collective's were timed with every rank of the host taking part.
+    let recorded = &profile.recorded;
+    let slowdown = |busy: f64| recorded.slowdown(busy);
+    let timed_busy = slowdown(recorded.compute_ranks_per_host as f64);
+    let all_busy = slowdown(gpus as f64);
+    // One micro-batch through each stage, alone.
     let pieces = profile.pieces_at(c.micro_batch);
+    let alone = |t: f64| t / timed_busy;
     let tp = c.tp as f64;
     let activation_bytes = tokens * d * if mixed { 2.0 } else { 4.0 };
     let within = |collective, bytes| links.seconds(LinkScope::WithinHost, collective, bytes, c.tp);
@@ -165,27 +175,27 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
         within(Collective::ReduceScatter, activation_bytes)? + within(Collective::AllGather, activation_bytes)?
     } else {
         within(Collective::AllReduce, activation_bytes)?
-    };
+    } / all_busy;
     let stages = c.placement().stages();
     let (mut forward, mut backward) = (vec![0.0; stages], vec![0.0; stages]);
     let mut tp_comm = vec![0.0; stages];
     for s in 0..stages {
         let layers = partition.layers[s].clone().count() as f64;
-        let mut f = layers * (pieces.layer.forward_s / tp + 2.0 * talk);
-        let mut b = layers * (pieces.layer.backward_s / tp + 2.0 * talk);
+        let mut f = layers * (alone(pieces.layer.forward_s) / tp + 2.0 * talk);
+        let mut b = layers * (alone(pieces.layer.backward_s) / tp + 2.0 * talk);
         tp_comm[s] = layers * 4.0 * talk;
         if c.recompute {
-            b += layers * (pieces.layer.forward_s / tp + 2.0 * talk);
+            b += layers * (alone(pieces.layer.forward_s) / tp + 2.0 * talk);
             tp_comm[s] += layers * 2.0 * talk;
         }
         if s == 0 {
-            f += pieces.embedding.forward_s / tp + talk;
-            b += pieces.embedding.backward_s / tp;
+            f += alone(pieces.embedding.forward_s) / tp + talk;
+            b += alone(pieces.embedding.backward_s) / tp;
             tp_comm[s] += talk;
         }
         if s + 1 == stages {
-            f += pieces.head.forward_s / tp;
-            b += pieces.head.backward_s / tp + talk;
+            f += alone(pieces.head.forward_s) / tp;
+            b += alone(pieces.head.backward_s) / tp + talk;
             tp_comm[s] += talk;
         }
         forward[s] = f;
@@ -197,7 +207,14 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
     let sent = tokens * d * 4.0 / if c.sequence_parallel { tp } else { 1.0 };
     let transfer = if c.pp > 1 { links.seconds(p2p_scope, Collective::SendRecv, sent, 2)? } else { 0.0 };
     let costs = StageCosts { forward, backward, transfer };
-    let line = timeline::simulate(c.schedule, c.placement(), c.chunks, &costs);
+    // Ranks count shards fastest, then pipeline devices, then replicas.
+    let mut ranks = vec![vec![0.0; c.pp]; space.nodes.max(1)];
+    for rank in 0..c.world() {
+        let host = (rank / gpus).min(ranks.len() - 1);
+        ranks[host][(rank / c.tp) % c.pp] += 1.0;
+    }
+    let sharing = timeline::Sharing { ranks, slowdown: &slowdown };
+    let line = timeline::simulate(c.schedule, c.placement(), c.chunks, &costs, &sharing);
     let busiest_tp: f64 = (0..c.pp).map(|device| c.placement().stages_of(device).map(|s| tp_comm[s]).sum::<f64>() * c.chunks as f64).fold(0.0, f64::max);
 
     // The data-parallel step: this rank's parameters (the busiest device's stages).
@@ -225,7 +242,9 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
         Some(_) => parameters / c.shard_group.unwrap_or(c.dp) as f64,
         None => parameters,
     };
-    let optimizer_s = updated * profile.optimizer.seconds_per_parameter;
+    // Every rank clips and steps at once. Without ZeRO each clips every gradient it holds.
+    let clipped = if c.zero.is_some() { updated } else { parameters };
+    let optimizer_s = (updated * profile.optimizer.seconds_per_parameter + clipped * profile.optimizer.clip_seconds_per_parameter) * all_busy;
     let step_s = line.seconds + exposed + optimizer_s;
     let global_tokens = seq * (c.micro_batch as usize * c.chunks * c.dp) as f64;
     Ok(Prediction {
@@ -265,12 +284,12 @@ mod tests {
         let link = LinkProfile { scope: LinkScope::WithinHost, ranks: 2, backend: "mpi".into(), collectives: Collective::ALL.into_iter().map(fit).collect() };
         Profile {
             version: VERSION,
-            recorded: Recorded { device: "cpu".into(), threads: 1, host: "t".into(), unix_time: 0, compute_ranks_per_host: 1 },
+            recorded: Recorded { device: "cpu".into(), threads: 1, host: "t".into(), unix_time: 0, compute_ranks_per_host: 1, cores: 0 },
             model: model(),
             precision: Precision::Full,
             seq_len: 8,
             compute,
-            optimizer: OptimizerTime { kind: OptimizerKind::Sgd, seconds_per_parameter: 0.0, parameters_timed: 1 },
+            optimizer: OptimizerTime { kind: OptimizerKind::Sgd, seconds_per_parameter: 0.0, clip_seconds_per_parameter: 0.0, parameters_timed: 1 },
             links: vec![link],
         }
     }
@@ -318,6 +337,32 @@ mod tests {
         assert!((recompute.step_s - 3.0 * 8.0).abs() < 1e-9, "{recompute:?}");
     }
 
+    /// CPU ranks on a host of 2 cores, a thread each: 4 replicas compute at half speed, and
+    /// clip and step at half speed; a pipeline's stages hand each other the bubble.
+    #[test]
+    fn ranks_that_share_a_hosts_cores_compute_at_their_share() {
+        let optimizer = OptimizerTime { kind: OptimizerKind::Sgd, seconds_per_parameter: 1e-9, clip_seconds_per_parameter: 2e-9, parameters_timed: 1 };
+        let shared = Profile { recorded: Recorded { cores: 2, ..profile(0.0).recorded }, optimizer, ..profile(0.0) };
+        let links = Links::of(&shared, None, None);
+        let params = crate::models::param_count_formula(&model()) as f64;
+        // Alone, one sequence: 4 layers × 3 s; four replicas on 2 cores: twice that.
+        let dp = predict(&shared, &links, &space(4, 4), &candidate(4, 1, 1, 1, 1)).unwrap();
+        assert!((dp.compute_s - 24.0).abs() < 1e-9, "{dp:?}");
+        assert!((dp.optimizer_s - 2.0 * 3e-9 * params).abs() < 1e-12 * params, "{dp:?}");
+        // Two ranks on 2 cores: as alone.
+        let two = predict(&shared, &links, &space(2, 2), &candidate(2, 1, 1, 1, 1)).unwrap();
+        assert!((two.compute_s - 12.0).abs() < 1e-9, "{two:?}");
+        // Two stages × 2 replicas on 2 cores, GPipe over 2 micro-batches: alone 3 × 6 s with
+        // a third of each device idle. Shared, the 4 ranks' 48 s of work on 2 cores: never
+        // 2 × 18 s, as the idle stage leaves its core to the busy one, and here never a core
+        // idle, so 24 s.
+        let pipeline = predict(&shared, &links, &space(4, 4), &candidate(2, 2, 1, 2, 1)).unwrap();
+        let alone = predict(&profile(0.0), &links, &space(4, 4), &candidate(2, 2, 1, 2, 1)).unwrap();
+        assert!((alone.step_s - alone.optimizer_s - 18.0).abs() < 1e-9, "{alone:?}");
+        let line = pipeline.step_s - pipeline.optimizer_s;
+        assert!((line - 24.0).abs() < 1e-9, "{pipeline:?}");
+    }
+
     #[test]
     fn collectives_cost_what_the_links_bandwidth_says_on_the_bytes_each_layout_moves() {
         let beta = 1e-6;
@@ -346,7 +391,7 @@ mod tests {
     /// its own module; here, that each layout reaches it with its own settings.
     #[test]
     fn each_layout_is_estimated_with_its_own_settings() {
-        let adam = OptimizerTime { kind: OptimizerKind::Adam, seconds_per_parameter: 0.0, parameters_timed: 1 };
+        let adam = OptimizerTime { kind: OptimizerKind::Adam, seconds_per_parameter: 0.0, clip_seconds_per_parameter: 0.0, parameters_timed: 1 };
         let p = Profile { seq_len: 256, optimizer: adam, ..profile(0.0) };
         // Wide enough for the optimizer state to outweigh ZeRO's buffers.
         let s = Space { model: TransformerConfig { d_model: 256, d_hid: 1024, ..model() }, ..space(2, 8) };

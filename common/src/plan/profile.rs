@@ -53,6 +53,22 @@ pub struct Recorded {
     /// share a host's cores the pieces' times hold for a job with as many ranks per host.
     #[serde(default = "one")]
     pub compute_ranks_per_host: usize,
+    /// The host's usable cores (0: not recorded). With `threads` and the ranks per host, what
+    /// CPU ranks that share the cores each get ([`Recorded::sharing`]).
+    #[serde(default)]
+    pub cores: usize,
+}
+
+impl Recorded {
+    /// How much slower a CPU rank runs than alone while `busy` ranks of its host compute at
+    /// once, each on `threads` threads: the host's cores shared evenly (1 on a GPU, one rank
+    /// each, or where the cores were not recorded).
+    pub fn slowdown(&self, busy: f64) -> f64 {
+        if self.device != "cpu" || self.cores == 0 {
+            return 1.0;
+        }
+        (busy * self.threads.max(1) as f64 / self.cores as f64).max(1.0)
+    }
 }
 
 fn one() -> usize {
@@ -82,11 +98,15 @@ pub struct PieceTimes {
     pub head: PassTimes,
 }
 
-/// The optimizer's step, per parameter (its update is elementwise: linear in the parameters).
+/// The optimizer's step, per parameter (its update is elementwise: linear in the parameters),
+/// and the gradients' clipping before it (the exercises' language-model recipe clips).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct OptimizerTime {
     pub kind: OptimizerKind,
     pub seconds_per_parameter: f64,
+    /// Clipping the gradients to a norm, per parameter (0 in profiles that did not time it).
+    #[serde(default)]
+    pub clip_seconds_per_parameter: f64,
     /// How many parameters the step was timed on.
     pub parameters_timed: i64,
 }
@@ -298,7 +318,7 @@ impl Profile {
     /// A few lines for a person: the pieces at each size, the optimizer, the links.
     pub fn describe(&self) -> String {
         let mut lines = vec![format!(
-            "profile of d_model {}, {} heads, d_hid {}, vocabulary {}, {} tokens per sequence, --precision {} on {} ({} threads, {}; the pieces timed on {} rank(s) at once)",
+            "profile of d_model {}, {} heads, d_hid {}, vocabulary {}, {} tokens per sequence, --precision {} on {} ({} threads, {}, {} cores; the pieces timed on {} rank(s) at once)",
             self.model.d_model,
             self.model.nhead,
             self.model.d_hid,
@@ -308,6 +328,7 @@ impl Profile {
             self.recorded.device,
             self.recorded.threads,
             self.recorded.host,
+            self.recorded.cores,
             self.recorded.compute_ranks_per_host
         )];
         lines.push("| micro-batch | embedding fwd+bwd (ms) | one layer fwd+bwd (ms) | output layer + loss fwd+bwd (ms) |".into());
@@ -315,7 +336,12 @@ impl Profile {
         for p in &self.compute {
             lines.push(format!("| {} | {:.3} | {:.3} | {:.3} |", p.micro_batch, 1e3 * p.embedding.total(), 1e3 * p.layer.total(), 1e3 * p.head.total()));
         }
-        lines.push(format!("optimizer {}: {:.3} ns per parameter", self.optimizer.kind.name(), 1e9 * self.optimizer.seconds_per_parameter));
+        lines.push(format!(
+            "optimizer {}: {:.3} ns per parameter; clipping the gradients {:.3} ns per parameter",
+            self.optimizer.kind.name(),
+            1e9 * self.optimizer.seconds_per_parameter,
+            1e9 * self.optimizer.clip_seconds_per_parameter
+        ));
         for link in &self.links {
             for (collective, fit) in &link.collectives {
                 let bandwidth = if fit.seconds_per_bus_byte > 0.0 { 1.0 / fit.seconds_per_bus_byte / 1e9 } else { f64::INFINITY };
@@ -405,33 +431,44 @@ pub fn measure_compute(cfg: &TransformerConfig, precision: Precision, device: De
 pub fn mean_over_ranks(group: &ProcessGroup, compute: Vec<PieceTimes>, optimizer: OptimizerTime) -> Result<(Vec<PieceTimes>, OptimizerTime)> {
     let passes = |p: &PieceTimes| [p.embedding, p.layer, p.head];
     let mut flat: Vec<f64> = compute.iter().flat_map(|p| passes(p).into_iter().flat_map(|t| [t.forward_s, t.backward_s])).collect();
-    flat.push(optimizer.seconds_per_parameter);
+    flat.extend([optimizer.seconds_per_parameter, optimizer.clip_seconds_per_parameter]);
     let device = group.device(true);
     let mut sums = Tensor::from_slice(&flat).to_device(device);
     group.all_reduce(&mut sums, ReduceOp::Sum)?;
     let mean = Vec::<f64>::try_from(sums.to_device(Device::Cpu) / group.world_size() as f64)?;
-    let mut at = mean.chunks_exact(2).map(|t| PassTimes { forward_s: t[0], backward_s: t[1] });
+    let (pieces, optimizer_mean) = mean.split_at(mean.len() - 2);
+    let mut at = pieces.chunks_exact(2).map(|t| PassTimes { forward_s: t[0], backward_s: t[1] });
     let mut next = || at.next().expect("six times per micro-batch size");
     let compute = compute.iter().map(|p| PieceTimes { micro_batch: p.micro_batch, embedding: next(), layer: next(), head: next() }).collect();
-    Ok((compute, OptimizerTime { seconds_per_parameter: mean[mean.len() - 1], ..optimizer }))
+    Ok((compute, OptimizerTime { seconds_per_parameter: optimizer_mean[0], clip_seconds_per_parameter: optimizer_mean[1], ..optimizer }))
 }
 
-/// Times `kind`'s step over `parameters` float32 parameters (in tensors of 4 Mi elements, with
-/// gradients) on `device`: seconds per parameter.
-pub fn measure_optimizer(kind: OptimizerKind, device: Device, parameters: i64) -> Result<OptimizerTime> {
-    let chunk = 4 << 20;
-    let params: Vec<(String, Tensor)> = (0..(parameters + chunk - 1) / chunk)
-        .map(|i| {
-            let n = chunk.min(parameters - i * chunk);
-            let p = Tensor::randn([n], (Kind::Float, device)).set_requires_grad(true);
-            // A gradient to step with: d(p·g)/dp = g.
-            (&p * Tensor::randn([n], (Kind::Float, device))).sum(Kind::Float).backward();
-            (format!("p{i}"), p)
-        })
-        .collect();
+/// Times `kind`'s step, and clipping the gradients to a norm, over float32 parameters shaped
+/// as `cfg`'s (its embedding and output layer, and as many layers as bring them to at least
+/// `parameters`) on `device`: seconds per parameter of each. The shapes matter: each tensor
+/// costs the step a few operations' overhead besides its elements.
+pub fn measure_optimizer(kind: OptimizerKind, cfg: &TransformerConfig, device: Device, parameters: i64) -> Result<OptimizerTime> {
+    let count = |nlayers| crate::models::param_count_formula(&TransformerConfig { nlayers, ..*cfg });
+    let layer = count(2) - count(1);
+    let nlayers = ((parameters - (count(1) - layer)) as f64 / layer as f64).ceil().max(1.0) as i64;
+    let vs = tch::nn::VarStore::new(device);
+    let config = TransformerConfig { nlayers, ..*cfg };
+    TransformerPart::new(&vs.root(), &config, PartSpan::whole(nlayers), crate::comm::tensor_parallel::Shard::WHOLE, &mut |_| {})?;
+    let params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    for (_, p) in &params {
+        // A gradient to step with: d(p·g)/dp = g.
+        (p * Tensor::randn_like(p)).sum(Kind::Float).backward();
+    }
+    let timed = count(nlayers);
+    let tensors: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
+    // A norm no gradient reaches: every clip scales, as a clipped run's early steps do.
+    let clip_s = median_seconds(device, 5, || {
+        crate::optim::clip_grad_norm(&tensors, 1e-6);
+        Ok(())
+    })?;
     let mut optimizer = kind.build(params, 1e-4, 0.9, 0.0, OptimizerKernel::Auto);
-    let seconds = median_seconds(device, 5, || optimizer.step())?;
-    Ok(OptimizerTime { kind, seconds_per_parameter: seconds / parameters as f64, parameters_timed: parameters })
+    let step_s = median_seconds(device, 5, || optimizer.step())?;
+    Ok(OptimizerTime { kind, seconds_per_parameter: step_s / timed as f64, clip_seconds_per_parameter: clip_s / timed as f64, parameters_timed: timed })
 }
 
 /// Times every collective over `group` on `device` at message sizes `sizes` (bytes of float32)
@@ -499,12 +536,12 @@ mod tests {
     fn profile(compute: Vec<PieceTimes>) -> Profile {
         Profile {
             version: VERSION,
-            recorded: Recorded { device: "cpu".into(), threads: 1, host: "test".into(), unix_time: 0, compute_ranks_per_host: 1 },
+            recorded: Recorded { device: "cpu".into(), threads: 1, host: "test".into(), unix_time: 0, compute_ranks_per_host: 1, cores: 0 },
             model: tiny(),
             precision: Precision::Full,
             seq_len: 8,
             compute,
-            optimizer: OptimizerTime { kind: OptimizerKind::Adam, seconds_per_parameter: 1e-9, parameters_timed: 1 },
+            optimizer: OptimizerTime { kind: OptimizerKind::Adam, seconds_per_parameter: 1e-9, clip_seconds_per_parameter: 0.0, parameters_timed: 1 },
             links: Vec::new(),
         }
     }
@@ -576,7 +613,12 @@ mod tests {
                 assert!(pass.forward_s > 0.0 && pass.backward_s >= 0.0 && pass.total().is_finite(), "{row:?}");
             }
         }
-        let optimizer = measure_optimizer(OptimizerKind::Adam, Device::Cpu, 1000).unwrap();
-        assert!(optimizer.seconds_per_parameter > 0.0 && optimizer.parameters_timed == 1000);
+        // The model's own tensors, as many layers as reach the count asked.
+        let cfg = tiny();
+        let count = |nlayers| crate::models::param_count_formula(&TransformerConfig { nlayers, ..cfg });
+        let wanted = count(3) - 1;
+        let optimizer = measure_optimizer(OptimizerKind::Adam, &cfg, Device::Cpu, wanted).unwrap();
+        assert_eq!(optimizer.parameters_timed, count(3));
+        assert!(optimizer.seconds_per_parameter > 0.0 && optimizer.clip_seconds_per_parameter > 0.0, "{optimizer:?}");
     }
 }

@@ -20,54 +20,107 @@ pub struct StageCosts {
     pub transfer: f64,
 }
 
+/// How the ranks that run the devices' operations share their hosts' cores: CPU ranks on a
+/// host with fewer cores than they use run slower while more of them compute, and faster while
+/// others idle in the bubble. GPUs, one per rank, share nothing ([`Sharing::none`]).
+pub struct Sharing<'a> {
+    /// For each host, how many of its ranks run each device's operations (every replica's and
+    /// shard's ranks of that pipeline device).
+    pub ranks: Vec<Vec<f64>>,
+    /// How much slower than alone a rank runs while this many ranks of its host compute.
+    pub slowdown: &'a dyn Fn(f64) -> f64,
+}
+
+impl Sharing<'_> {
+    pub fn none() -> Sharing<'static> {
+        Sharing { ranks: Vec::new(), slowdown: &|_| 1.0 }
+    }
+
+    /// Each device's speed (1: as alone) while `running` devices compute.
+    fn speeds(&self, running: &[bool]) -> Vec<f64> {
+        let mut speed = vec![1.0f64; running.len()];
+        for host in &self.ranks {
+            let busy: f64 = host.iter().zip(running).filter(|(_, &r)| r).map(|(n, _)| n).sum();
+            let on_host = 1.0 / (self.slowdown)(busy).max(1.0);
+            for (device, n) in host.iter().enumerate() {
+                if *n > 0.0 {
+                    speed[device] = speed[device].min(on_host);
+                }
+            }
+        }
+        speed
+    }
+}
+
 /// What the timeline of one mini-batch comes to.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Timeline {
     /// From the first forward pass to the last backward pass on any device.
     pub seconds: f64,
-    /// The busiest device's compute.
+    /// The busiest device's time computing.
     pub busiest: f64,
     /// The busiest device's idle time within `seconds` (the bubble and waits for transfers).
     pub idle: f64,
 }
 
-/// Runs `micro_batches` through `placement`'s devices as `schedule` orders them.
+/// Runs `micro_batches` through `placement`'s devices as `schedule` orders them, the costs
+/// being each pass's seconds alone, the devices sharing cores as `sharing` says. Event by
+/// event: an operation starts as soon as its device is free and its input has arrived, and
+/// runs at the speed its host's busy ranks leave it until the next start or end.
 ///
 /// # Panics
 /// Where the costs do not cover the placement's stages, or the schedule cannot run it
 /// ([`Placement::check`] refuses those first).
-pub fn simulate(schedule: Schedule, placement: Placement, micro_batches: usize, costs: &StageCosts) -> Timeline {
+pub fn simulate(schedule: Schedule, placement: Placement, micro_batches: usize, costs: &StageCosts, sharing: &Sharing) -> Timeline {
     let stages = placement.stages();
+    let devices = placement.devices;
     assert!(costs.forward.len() == stages && costs.backward.len() == stages, "costs for {stages} stages");
-    let ops: Vec<Vec<Op>> = (0..placement.devices).map(|d| schedule::device_ops(schedule, placement, d, micro_batches)).collect();
-    let mut next = vec![0usize; placement.devices];
-    let mut free = vec![0.0f64; placement.devices];
-    let mut busy = vec![0.0f64; placement.devices];
-    let mut done: HashMap<Op, f64> = HashMap::new();
+    let ops: Vec<Vec<Op>> = (0..devices).map(|d| schedule::device_ops(schedule, placement, d, micro_batches)).collect();
     let total: usize = ops.iter().map(Vec::len).sum();
+    let mut next = vec![0usize; devices];
+    // Each device's operation in progress and its seconds of work left (at speed 1).
+    let mut running: Vec<Option<(Op, f64)>> = vec![None; devices];
+    let mut busy = vec![0.0f64; devices];
+    let mut done: HashMap<Op, f64> = HashMap::new();
+    let mut now = 0.0f64;
     while done.len() < total {
-        let mut progressed = false;
-        for device in 0..placement.devices {
-            // Run this device's next operations for as long as their inputs are there.
-            while let Some(&op) = ops[device].get(next[device]) {
-                let Some(ready) = input_ready(op, stages, placement, costs, &done) else { break };
+        // Start what can start now; note when the rest's inputs arrive.
+        let mut arrival = f64::INFINITY;
+        for device in 0..devices {
+            if running[device].is_some() {
+                continue;
+            }
+            let Some(&op) = ops[device].get(next[device]) else { continue };
+            let Some(ready) = input_ready(op, stages, placement, costs, &done) else { continue };
+            if ready <= now {
                 let cost = match op.direction {
                     Direction::Forward => costs.forward[op.stage],
                     Direction::Backward => costs.backward[op.stage],
                 };
-                let start = free[device].max(ready);
-                free[device] = start + cost;
-                busy[device] += cost;
-                done.insert(op, free[device]);
+                running[device] = Some((op, cost));
                 next[device] += 1;
-                progressed = true;
+            } else {
+                arrival = arrival.min(ready);
             }
         }
-        assert!(progressed, "the schedule's operations wait on each other: {} of {total} done", done.len());
+        let speed = sharing.speeds(&running.iter().map(Option::is_some).collect::<Vec<_>>());
+        let finish: Vec<f64> = (0..devices).map(|d| running[d].map_or(f64::INFINITY, |(_, left)| left / speed[d])).collect();
+        let step = finish.iter().copied().fold(arrival - now, f64::min);
+        assert!(step.is_finite(), "the schedule's operations wait on each other: {} of {total} done", done.len());
+        for device in 0..devices {
+            let Some((op, left)) = running[device] else { continue };
+            busy[device] += step;
+            if finish[device] <= step {
+                done.insert(op, now + step);
+                running[device] = None;
+            } else {
+                running[device] = Some((op, left - step * speed[device]));
+            }
+        }
+        now += step;
     }
-    let seconds = free.iter().copied().fold(0.0, f64::max);
     let busiest = busy.iter().copied().fold(0.0, f64::max);
-    Timeline { seconds, busiest, idle: seconds - busiest }
+    Timeline { seconds: now, busiest, idle: now - busiest }
 }
 
 /// When `op`'s input is on its device: at once for the first stage's forward and the last
@@ -96,7 +149,7 @@ mod tests {
 
     #[test]
     fn one_stage_runs_its_micro_batches_back_to_back() {
-        let t = simulate(Schedule::GPipe, Placement::one_stage_each(1), 5, &equal(1, 1.0, 2.0, 9.0));
+        let t = simulate(Schedule::GPipe, Placement::one_stage_each(1), 5, &equal(1, 1.0, 2.0, 9.0), &Sharing::none());
         assert_eq!((t.seconds, t.busiest, t.idle), (15.0, 15.0, 0.0));
     }
 
@@ -110,7 +163,7 @@ mod tests {
                 let stages = placement.stages();
                 // The model's work split over more stages: each 1/V of a device's.
                 let (f, b) = (1.0 / virtual_stages as f64, 2.0 / virtual_stages as f64);
-                let t = simulate(schedule, placement, m, &equal(stages, f, b, 0.0));
+                let t = simulate(schedule, placement, m, &equal(stages, f, b, 0.0), &Sharing::none());
                 let work = m as f64 * 3.0;
                 assert!((t.busiest - work).abs() < 1e-9, "{schedule:?} {devices}×{m}: {t:?}");
                 let bubble = theoretical_bubble(devices, m, virtual_stages);
@@ -124,10 +177,32 @@ mod tests {
         // Two stages, the second twice as slow: after the first micro-batch fills the pipe, the
         // slow stage works without pause; every transfer delays the start and the turn.
         let costs = StageCosts { forward: vec![1.0, 2.0], backward: vec![2.0, 4.0], transfer: 0.5 };
-        let t = simulate(Schedule::GPipe, Placement::one_stage_each(2), 4, &costs);
+        let t = simulate(Schedule::GPipe, Placement::one_stage_each(2), 4, &costs, &Sharing::none());
         // Stage 1: forwards start at 1.5 and run back to back (4 × 2), then its 4 backwards (4 × 4);
         // stage 0's last backward waits for stage 1's last (transfer) and takes 2.
         assert!((t.seconds - (1.5 + 8.0 + 16.0 + 0.5 + 2.0)).abs() < 1e-9, "{t:?}");
         assert!((t.busiest - 24.0).abs() < 1e-9);
+    }
+
+    /// Two stages whose ranks share one host's cores: on one core the step is the work of both,
+    /// back to back whatever the schedule (the bubble hands the core to the busy stage); on
+    /// two, each stage has its own and the bubble is GPipe's.
+    #[test]
+    fn stages_that_share_cores_give_each_other_the_bubble() {
+        let costs = equal(2, 1.0, 2.0, 0.0);
+        let ranks = vec![vec![1.0, 1.0]];
+        for (cores, seconds) in [(1.0, 12.0), (2.0, 9.0)] {
+            let slowdown = move |busy: f64| busy / cores;
+            let sharing = Sharing { ranks: ranks.clone(), slowdown: &slowdown };
+            for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+                let t = simulate(schedule, Placement::one_stage_each(2), 2, &costs, &sharing);
+                assert!((t.seconds - seconds).abs() < 1e-9, "{schedule:?} on {cores} core(s): {t:?}");
+            }
+        }
+        // Ranks on other hosts do not slow these: each host counts its own.
+        let slowdown = |busy: f64| busy;
+        let apart = Sharing { ranks: vec![vec![1.0, 0.0], vec![0.0, 1.0]], slowdown: &slowdown };
+        let t = simulate(Schedule::GPipe, Placement::one_stage_each(2), 2, &costs, &apart);
+        assert!((t.seconds - 9.0).abs() < 1e-9, "{t:?}");
     }
 }

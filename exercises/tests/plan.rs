@@ -20,8 +20,12 @@ const SMALL: [&str; 14] =
 fn two_ranks_profile_the_pieces_the_optimizer_and_every_collective_between_them() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("cpu.json");
+    // As many threads per rank as the machine has cores: the two ranks outnumber them, and
+    // the profile measures what sharing them costs.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = cores.to_string();
     let mut args = SMALL.to_vec();
-    args.extend(["--nproc-per-node", "2", "--out", out.to_str().unwrap()]);
+    args.extend(["--nproc-per-node", "2", "--threads", &threads, "--out", out.to_str().unwrap()]);
     let output = profile(&args);
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
@@ -30,7 +34,12 @@ fn two_ranks_profile_the_pieces_the_optimizer_and_every_collective_between_them(
     let read = Profile::read(&out, Some(ProfileKey { model, precision: Precision::Full })).unwrap();
     assert_eq!(read.compute.iter().map(|p| p.micro_batch).collect::<Vec<_>>(), vec![1, 3]);
     assert!(read.compute.iter().all(|p| [p.embedding, p.layer, p.head].iter().all(|t| t.forward_s > 0.0)));
-    assert!(read.optimizer.seconds_per_parameter > 0.0);
+    assert!(read.optimizer.seconds_per_parameter > 0.0 && read.optimizer.clip_seconds_per_parameter > 0.0, "{:?}", read.optimizer);
+    // Timed on rank 0 alone; the host's cores and the measured cost of sharing them recorded.
+    assert_eq!((read.recorded.compute_ranks_per_host, read.recorded.cores, read.recorded.threads), (1, cores, cores));
+    let shared = read.recorded.shared.expect("2 ranks of all the cores' threads share them");
+    assert!(shared.ranks == 2 && shared.slowdown.is_finite() && shared.slowdown > 0.0, "{shared:?}");
+    assert!(stdout.contains("2 ranks computing at once on those cores"), "{stdout}");
     // One host: its link, no network.
     assert_eq!(read.links.len(), 1);
     let link = read.link(LinkScope::WithinHost).unwrap();
@@ -231,7 +240,7 @@ fn every_kind_of_row_is_the_layout_its_command_runs_with_the_memory_it_estimates
     let fit = CostFit { latency_s: 1e-5, seconds_per_bus_byte: 1e-9, samples: vec![] };
     let profile = Profile {
         version: VERSION,
-        recorded: Recorded { device: "cpu".into(), threads: 1, host: "t".into(), unix_time: 0, compute_ranks_per_host: 4, cores: 0 },
+        recorded: Recorded { device: "cpu".into(), threads: 1, host: "t".into(), unix_time: 0, compute_ranks_per_host: 4, cores: 0, shared: None },
         model: common::models::TransformerConfig { ntoken: vocab, d_model: 32, nhead: 4, d_hid: 64, nlayers: 1, dropout: 0.1 },
         precision: Precision::Full,
         seq_len: 8,

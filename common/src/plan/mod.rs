@@ -142,6 +142,17 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
         local = Some((compute, optimizer));
     }
     world.barrier()?;
+    // What sharing a host's cores costs, where its ranks outnumber them: every host measures
+    // at once (rank 0's is recorded), at the middle micro-batch size.
+    let per_host = world.local_world_size().max(1);
+    let shared = if device == Device::Cpu && per_host * threads > device::usable_cores() {
+        let host = world.split(world.rank() / per_host, world.rank())?;
+        let mut sizes = args.micro_batches.clone();
+        sizes.sort_unstable();
+        Some(profile::measure_sharing(&model, device, args.bptt, sizes[sizes.len() / 2], &host)?)
+    } else {
+        None
+    };
     if args.compute_together {
         local = local.map(|(compute, optimizer)| profile::mean_over_ranks(world, compute, optimizer)).transpose()?;
     }
@@ -154,6 +165,7 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
         unix_time: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         compute_ranks_per_host: if args.compute_together { world.local_world_size().max(1) } else { 1 },
         cores: if device == Device::Cpu { device::usable_cores() } else { 0 },
+        shared,
     };
     let profile = Profile { version: profile::VERSION, recorded, model, precision: args.precision, seq_len: args.bptt, compute, optimizer, links };
     profile.write(&args.out)?;
@@ -503,7 +515,7 @@ mod tests {
         let fit = |c| (c, CostFit { latency_s: 1e-5, seconds_per_bus_byte: 1e-9, samples: vec![] });
         let profile = Profile {
             version: profile::VERSION,
-            recorded: Recorded { device: "cpu".into(), threads: 1, host: "t".into(), unix_time: 0, compute_ranks_per_host: 1, cores: 0 },
+            recorded: Recorded { device: "cpu".into(), threads: 1, host: "t".into(), unix_time: 0, compute_ranks_per_host: 1, cores: 0, shared: None },
             model: TransformerConfig { ntoken: 64, d_model: 32, nhead: 4, d_hid: 64, nlayers: 1, dropout: 0.0 },
             precision: Precision::Full,
             seq_len: 16,

@@ -54,20 +54,39 @@ pub struct Recorded {
     #[serde(default = "one")]
     pub compute_ranks_per_host: usize,
     /// The host's usable cores (0: not recorded). With `threads` and the ranks per host, what
-    /// CPU ranks that share the cores each get ([`Recorded::sharing`]).
+    /// CPU ranks that share the cores each get ([`Recorded::slowdown`]).
     #[serde(default)]
     pub cores: usize,
+    /// Where the host's ranks outnumber its cores: what sharing them was measured to cost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared: Option<SharedCores>,
+}
+
+/// How much slower a rank computed while `ranks` ranks of its host did than alone (measured by
+/// [`measure_sharing`]): more than the cores' division alone, as the ranks also take turns on
+/// the cores, evict each other's caches and share the memory bandwidth.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SharedCores {
+    pub ranks: usize,
+    pub slowdown: f64,
 }
 
 impl Recorded {
     /// How much slower a CPU rank runs than alone while `busy` ranks of its host compute at
-    /// once, each on `threads` threads: the host's cores shared evenly (1 on a GPU, one rank
-    /// each, or where the cores were not recorded).
+    /// once, each on `threads` threads: 1 while they have a core per thread; beyond, the
+    /// measured cost of sharing ([`SharedCores`]) on a line from there, or where none was
+    /// measured the cores divided evenly. 1 on a GPU (one rank each), or where the cores were
+    /// not recorded.
     pub fn slowdown(&self, busy: f64) -> f64 {
         if self.device != "cpu" || self.cores == 0 {
             return 1.0;
         }
-        (busy * self.threads.max(1) as f64 / self.cores as f64).max(1.0)
+        let unshared = self.cores as f64 / self.threads.max(1) as f64;
+        match self.shared {
+            _ if busy <= unshared => 1.0,
+            Some(SharedCores { ranks, slowdown }) if ranks as f64 > unshared => 1.0 + (busy - unshared) * (slowdown - 1.0) / (ranks as f64 - unshared),
+            _ => busy / unshared,
+        }
     }
 }
 
@@ -331,6 +350,9 @@ impl Profile {
             self.recorded.cores,
             self.recorded.compute_ranks_per_host
         )];
+        if let Some(SharedCores { ranks, slowdown }) = self.recorded.shared {
+            lines.push(format!("{ranks} ranks computing at once on those cores: each {slowdown:.2}× slower than alone"));
+        }
         lines.push("| micro-batch | embedding fwd+bwd (ms) | one layer fwd+bwd (ms) | output layer + loss fwd+bwd (ms) |".into());
         lines.push("|---:|---:|---:|---:|".into());
         for p in &self.compute {
@@ -424,6 +446,47 @@ pub fn measure_compute(cfg: &TransformerConfig, precision: Precision, device: De
     }
     rows.remove(0);
     Ok(rows)
+}
+
+/// How much slower rank 0 of `host` (the ranks of one host) runs the probe's forward and
+/// backward pass (embedding, a layer, the output layer and the loss: the mix of a training
+/// step) at `micro_batch` while every rank of the host runs it too than while the others wait:
+/// medians of `REPEATS` passes each, every pass started together.
+pub fn measure_sharing(cfg: &TransformerConfig, device: Device, seq_len: i64, micro_batch: i64, host: &ProcessGroup) -> Result<SharedCores> {
+    const REPEATS: usize = 9;
+    let vs = tch::nn::VarStore::new(device);
+    let probe = TransformerPart::new(
+        &vs.root(),
+        &TransformerConfig { nlayers: 1, ..*cfg },
+        PartSpan::whole(1),
+        crate::comm::tensor_parallel::Shard::WHOLE,
+        &mut |_| {},
+    )?;
+    let (_, layer) = probe.layers().next().expect("the probe has one layer");
+    let tokens = Tensor::randint(cfg.ntoken, [seq_len, micro_batch], (Kind::Int64, device));
+    let pass = || -> Result<f64> {
+        let start = Instant::now();
+        let hidden = probe.embed(&tokens, true, Masks::Shared, None)?;
+        let logits = probe.decode(&layer.forward_masked(&hidden, true, Masks::Shared, 0), None)?;
+        probe.loss_and_hits(&logits, &tokens, None, false)?.0.backward();
+        Ok(start.elapsed().as_secs_f64())
+    };
+    pass()?;
+    let median = |everyone: bool| -> Result<f64> {
+        let mut times = Vec::new();
+        for _ in 0..REPEATS {
+            host.barrier()?;
+            if everyone || host.rank() == 0 {
+                times.push(pass()?);
+            }
+            host.barrier()?;
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times.get(times.len() / 2).copied().unwrap_or(0.0))
+    };
+    let alone = median(false)?;
+    let together = median(true)?;
+    Ok(SharedCores { ranks: host.world_size(), slowdown: if alone > 0.0 { together / alone } else { 1.0 } })
 }
 
 /// The ranks' mean of each piece's times and of the optimizer's, on every rank (each rank timed
@@ -536,7 +599,7 @@ mod tests {
     fn profile(compute: Vec<PieceTimes>) -> Profile {
         Profile {
             version: VERSION,
-            recorded: Recorded { device: "cpu".into(), threads: 1, host: "test".into(), unix_time: 0, compute_ranks_per_host: 1, cores: 0 },
+            recorded: Recorded { device: "cpu".into(), threads: 1, host: "test".into(), unix_time: 0, compute_ranks_per_host: 1, cores: 0, shared: None },
             model: tiny(),
             precision: Precision::Full,
             seq_len: 8,
@@ -549,6 +612,22 @@ mod tests {
     fn pieces(micro_batch: i64, seconds: f64) -> PieceTimes {
         let pass = PassTimes { forward_s: seconds, backward_s: 2.0 * seconds };
         PieceTimes { micro_batch, embedding: pass, layer: pass, head: pass }
+    }
+
+    /// A CPU rank runs as alone while its host has a core per thread; beyond, the measured cost
+    /// of sharing on a line from there, or the cores divided evenly where none was measured;
+    /// a GPU's ranks never share.
+    #[test]
+    fn ranks_beyond_the_cores_run_as_much_slower_as_sharing_was_measured_to_cost() {
+        let even = Recorded { cores: 2, threads: 1, ..profile(Vec::new()).recorded };
+        assert_eq!([1.0, 2.0, 3.0, 4.0].map(|b| even.slowdown(b)), [1.0, 1.0, 1.5, 2.0]);
+        let measured = Recorded { shared: Some(SharedCores { ranks: 4, slowdown: 2.5 }), ..even.clone() };
+        assert_eq!([2.0, 3.0, 4.0, 6.0].map(|b| measured.slowdown(b)), [1.0, 1.75, 2.5, 4.0]);
+        let two_threads = Recorded { threads: 2, ..even.clone() };
+        assert_eq!(two_threads.slowdown(2.0), 2.0);
+        for other in [Recorded { cores: 0, ..even.clone() }, Recorded { device: "NVIDIA H100 80GB HBM3".into(), ..even }] {
+            assert_eq!(other.slowdown(8.0), 1.0, "{other:?}");
+        }
     }
 
     #[test]

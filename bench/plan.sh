@@ -13,7 +13,8 @@
 #      in the plan, Spearman's rank correlation; chart results/bench-plan.svg.
 # HOSTS=2 runs it across two hosts: network namespaces on this machine (scripts/lib/hosts.sh,
 # root), NPROC/2 ranks on each started by `mpirun -H`, the link between them shaped to
-# LINK_RATE (tc tbf); the profile then measures that link too.
+# LINK_RATE (tc tbf); the profile then measures that link too, and the plan gives each host
+# its share of this machine's cores (--cores-per-node).
 #
 #   make bench-plan                         HOSTS=1 NPROC=4 GLOBAL=16 STEPS=6 THREADS=1 MEMORY=1GiB
 #   make bench-plan HOSTS=2 LINK_RATE=1gbit
@@ -73,10 +74,11 @@ launch "$bin/exercise3" profile --out "$work/profile.json" "${profile_model[@]}"
     --micro-batches 1,2,4,8,16 --threads "$THREADS" --max-message-mb 64 > "$work/profile.log" 2>&1 \
     || { echo "error: exercise3 profile failed:" >&2; tail -n 20 "$work/profile.log" >&2; exit 1; }
 cp "$work/profile.json" "results/bench-plan-profile-${cluster%% *}.json"
-"$bin/exercise3" plan --profile "$work/profile.json" --nodes "$HOSTS" --gpus-per-node "$per_host" --memory "$MEMORY" \
-    --global-batch "$GLOBAL" --nlayers 4 --json > "$work/plan.json"
-"$bin/exercise3" plan --profile "$work/profile.json" --nodes "$HOSTS" --gpus-per-node "$per_host" --memory "$MEMORY" \
-    --global-batch "$GLOBAL" --nlayers 4 --top 5
+# The simulated hosts share this machine's cores: each gets its share.
+plan=("$bin/exercise3" plan --profile "$work/profile.json" --nodes "$HOSTS" --gpus-per-node "$per_host" --memory "$MEMORY"
+      --global-batch "$GLOBAL" --nlayers 4 --cores-per-node "$(( $(nproc) / HOSTS > 0 ? $(nproc) / HOSTS : 1 ))")
+"${plan[@]}" --json > "$work/plan.json"
+"${plan[@]}" --top 5
 mapfile -t rows < <(python3 -c 'import json,sys
 for p in json.load(open(sys.argv[1]))["ranked"]:
     print("\t".join(map(str, [p["command"], p["step_s"], p["memory_bytes"], p["compute_s"], p["tp_comm_s"], p["bubble_s"], p["exposed_comm_s"], p["optimizer_s"]])))' "$work/plan.json")

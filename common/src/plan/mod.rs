@@ -231,6 +231,10 @@ pub struct PlanArgs {
     /// Latency of an assumed link's collective, microseconds.
     #[arg(long, default_value_t = 10.0)]
     pub link_latency_us: f64,
+    /// The cores each host gives its CPU ranks, where they are not the profile's host's (hosts
+    /// that share one machine, or CPU nodes of another size).
+    #[arg(long)]
+    pub cores_per_node: Option<usize>,
     /// How many of the best layouts to print.
     #[arg(long, default_value_t = 10)]
     pub top: usize,
@@ -329,7 +333,12 @@ pub fn plan(args: &PlanArgs) -> Result<Plan> {
             return usage(format!("{flag} must be a positive number"));
         }
     }
-    let profile = Profile::read(&args.profile, None)?;
+    let mut profile = Profile::read(&args.profile, None)?;
+    match args.cores_per_node {
+        Some(0) => return usage("--cores-per-node must be at least 1"),
+        Some(cores) => profile.recorded.cores = cores,
+        None => {}
+    }
     let model = TransformerConfig { nlayers: args.nlayers, ..profile.model };
     let key = profile::ProfileKey {
         model: TransformerConfig { d_model: args.emsize.unwrap_or(model.d_model), ..model },
@@ -546,6 +555,7 @@ mod tests {
             within_host_gbps: None,
             between_hosts_gbps: None,
             link_latency_us: 10.0,
+            cores_per_node: None,
             top: 10,
             train_tokens: None,
             peak_tflops: None,
@@ -575,6 +585,20 @@ mod tests {
         assert!(text.contains("why #1 wins: ") && text.contains(&format!("than #2 ({})", fitting.ranked[1].candidate.flags())), "{text}");
         let json: serde_json::Value = serde_json::from_str(&fitting.to_json().unwrap()).unwrap();
         assert_eq!(json["ranked"].as_array().unwrap().len(), fitting.ranked.len());
+    }
+
+    /// `--cores-per-node` stands for the profile's host's cores: 4 CPU ranks of a thread on 2
+    /// cores compute at half speed; 0 cores is a usage error.
+    #[test]
+    fn the_cores_a_host_gives_its_ranks_can_be_given_for_the_plan() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_profile(dir.path());
+        let replicas = |plan: &Plan| plan.ranked.iter().find(|p| p.candidate.dp == 4 && p.candidate.zero.is_none()).expect("4 replicas").clone();
+        let own = plan(&args(path.clone())).unwrap();
+        let two = plan(&PlanArgs { cores_per_node: Some(2), ..args(path.clone()) }).unwrap();
+        assert!((replicas(&two).compute_s / replicas(&own).compute_s - 2.0).abs() < 1e-9, "{:?} {:?}", replicas(&two), replicas(&own));
+        assert!(two.notes.iter().any(|n| n.contains("4 CPU ranks of 1 thread(s) share each host's 2 cores")), "{:?}", two.notes);
+        assert!(refusal(&PlanArgs { cores_per_node: Some(0), ..args(path) }).contains("--cores-per-node must be at least 1"));
     }
 
     #[test]

@@ -382,6 +382,12 @@ impl Profile {
     }
 }
 
+/// `cfg`'s whole model with `nlayers` layers, unsharded, in `vs`: what the profile times.
+fn probe_model(vs: &tch::nn::VarStore, cfg: &TransformerConfig, nlayers: i64) -> Result<TransformerPart> {
+    let config = TransformerConfig { nlayers, ..*cfg };
+    Ok(TransformerPart::new(&vs.root(), &config, PartSpan::whole(nlayers), crate::comm::tensor_parallel::Shard::WHOLE, &mut |_| {})?)
+}
+
 /// Median seconds of `repeats` runs of `work` after one warm-up run, waiting for the device.
 fn median_seconds(device: Device, repeats: usize, mut work: impl FnMut() -> Result<()>) -> Result<f64> {
     let mut run = || -> Result<f64> {
@@ -403,13 +409,7 @@ fn median_seconds(device: Device, repeats: usize, mut work: impl FnMut() -> Resu
 /// difference.
 pub fn measure_compute(cfg: &TransformerConfig, precision: Precision, device: Device, seq_len: i64, micro_batches: &[i64]) -> Result<Vec<PieceTimes>> {
     let mut vs = tch::nn::VarStore::new(device);
-    let probe = TransformerPart::new(
-        &vs.root(),
-        &TransformerConfig { nlayers: 1, ..*cfg },
-        PartSpan::whole(1),
-        crate::comm::tensor_parallel::Shard::WHOLE,
-        &mut |_| {},
-    )?;
+    let probe = probe_model(&vs, cfg, 1)?;
     if let Some(kind) = precision.weights_kind() {
         vs.set_kind(kind);
     }
@@ -455,13 +455,7 @@ pub fn measure_compute(cfg: &TransformerConfig, precision: Precision, device: De
 pub fn measure_sharing(cfg: &TransformerConfig, device: Device, seq_len: i64, micro_batch: i64, host: &ProcessGroup) -> Result<SharedCores> {
     const REPEATS: usize = 9;
     let vs = tch::nn::VarStore::new(device);
-    let probe = TransformerPart::new(
-        &vs.root(),
-        &TransformerConfig { nlayers: 1, ..*cfg },
-        PartSpan::whole(1),
-        crate::comm::tensor_parallel::Shard::WHOLE,
-        &mut |_| {},
-    )?;
+    let probe = probe_model(&vs, cfg, 1)?;
     let (_, layer) = probe.layers().next().expect("the probe has one layer");
     let tokens = Tensor::randint(cfg.ntoken, [seq_len, micro_batch], (Kind::Int64, device));
     let pass = || -> Result<f64> {
@@ -515,8 +509,7 @@ pub fn measure_optimizer(kind: OptimizerKind, cfg: &TransformerConfig, device: D
     let layer = count(2) - count(1);
     let nlayers = ((parameters - (count(1) - layer)) as f64 / layer as f64).ceil().max(1.0) as i64;
     let vs = tch::nn::VarStore::new(device);
-    let config = TransformerConfig { nlayers, ..*cfg };
-    TransformerPart::new(&vs.root(), &config, PartSpan::whole(nlayers), crate::comm::tensor_parallel::Shard::WHOLE, &mut |_| {})?;
+    probe_model(&vs, cfg, nlayers)?;
     let params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     for (_, p) in &params {
         // A gradient to step with: d(p·g)/dp = g.

@@ -789,7 +789,7 @@ class Harness:
         if self.cpu:
             model = ["--device", "cpu", "--emsize", "32", "--d-hid", "64", "--nhead", "4", "--bptt", "8", "--micro-batches", "1,2", "--max-message-mb", "1"]
         else:
-            model = ["--device", "cuda", "--precision", "bf16-mixed", "--bptt", "512", "--micro-batches", "1,2,4,8"]
+            model = ["--device", "cuda", "--precision", "bf16-mixed", "--bptt", "512", "--micro-batches", "1,2,4,8,16"]
         ranks = self.gpus if self.gpus >= 2 else (2 if self.cpu else 1)
         flags = model + (["--nproc-per-node", str(ranks)] if ranks > 1 else []) + ["--out", out]
 
@@ -805,6 +805,61 @@ class Harness:
             figure = f"one layer fwd+bwd {', '.join(f'{layer[b]:.2f} ms at {b}' for b in sizes)}; {links or 'no collectives (one rank)'}; kept as {os.path.basename(out)}"
             return PASS, figure
         self.check("exercise3 profile: the planner's profile (1.4B, bf16-mixed, 512 tokens)", profile, 7, (60, 20))
+        self.check("the plan against runs on one GPU: step time and peak memory of every layout that fits, at 3 global batches",
+                   lambda: self.plan_against_runs(out), 7, (120, 40))
+
+    def plan_against_runs(self, profile):
+        """`exercise3 plan` for one GPU from the profile just recorded, at a few global batches;
+        every layout it ranks run for a few steps; predicted against measured step time (steady
+        state) and peak memory (bytes tensors held in training over what they held before), as
+        `make bench-plan` compares them on CPU ranks. The rows go to <results>/plan-check.csv in
+        bench-plan.csv's columns."""
+        if not os.path.exists(profile):
+            raise CheckFailed("no profile (the check before this one did not record it)")
+        if self.cpu:
+            model = ["--emsize", "32", "--d-hid", "64", "--nhead", "4", "--nlayers", "2", "--bptt", "8", "--precision", "32"]
+            batches, steps, memory = [2, 4], 6, "1GiB"
+        else:
+            model = ["--emsize", "4096", "--d-hid", "4096", "--nhead", "16", "--nlayers", "12", "--bptt", "512", "--precision", "bf16-mixed"]
+            batches, steps, memory = [8, 16, 32], 10, "78GiB"
+        plan_model = [model[i + j] for i in range(0, len(model), 2) if model[i] in ("--emsize", "--nlayers", "--precision") for j in (0, 1)]
+        bptt = int(model[model.index("--bptt") + 1])
+        # The profile's vocabulary is WikiText-2's (its default); the generated text has fewer
+        # words, so the runs pad theirs up to it: the same model the plan predicts.
+        vocab = str(json.load(open(profile))["model"]["ntoken"])
+        rows, lines = [], []
+        for batch in batches:
+            code, stdout, stderr, _ = self.spawn([os.path.join(self.bin, "exercise3"), "plan", "--profile", profile, "--nodes", "1", "--gpus-per-node", "1",
+                                                  "--memory", memory, "--global-batch", str(batch), *plan_model, "--json"])
+            if code != 0:
+                raise CheckFailed(f"exercise3 plan: exit {code}: " + (stderr.strip().splitlines() or ["(nothing on stderr)"])[-1])
+            for rank, predicted in enumerate(json.loads(stdout)["ranked"], 1):
+                binary, *layout = predicted["command"].split()
+                run = self.run(f"plan-b{batch}-{rank}", binary, ["--device", self.device, "--data-dir", self.wikitext, *model, "--pad-vocab", vocab,
+                                                                 "--optimizer", "adam", "--lr", "1e-4", "--max-steps", str(steps), "--epochs", "1", *layout])
+                data = run["json"]
+                step = data["global_batch"] * data["bptt"] / data["steady_throughput"]
+                held = max(p["training_peak_bytes"] - p["baseline_bytes"] for p in data["peak_memory"])
+                rows.append((batch, rank, predicted, step, held))
+                lines.append(f"{' '.join(layout)}: {1e3 * predicted['step_s']:.0f} vs {1e3 * step:.0f} ms ({predicted['step_s'] / step - 1:+.0%}), "
+                             f"{predicted['memory_bytes'] / 2**30:.2f} vs {held / 2**30:.2f} GiB ({predicted['memory_bytes'] / held - 1:+.0%})")
+        if not rows:
+            raise CheckFailed(f"no layout fits in {memory} at global batches {batches}")
+        cluster = f"1x{'GPU' if not self.cpu else 'CPU'} {self.gpu_name or self.device}".strip()
+        started = int(self.started)
+        header = "bench_started_at,cluster,predicted_rank,layout,predicted_step_s,measured_step_s,predicted_memory_bytes,measured_memory_bytes,compute_s,tp_comm_s,bubble_s,exposed_comm_s,optimizer_s"
+        with open(os.path.join(self.args.results, "plan-check.csv"), "w") as f:
+            f.write(header + "\n")
+            for batch, rank, p, step, held in rows:
+                f.write(",".join(map(str, [started, f'"{cluster} global batch {batch}"', rank, f'"{p["command"]}"', p["step_s"], f"{step:.6f}", p["memory_bytes"],
+                                           held, p["compute_s"], p["tp_comm_s"], p["bubble_s"], p["exposed_comm_s"], p["optimizer_s"]])) + "\n")
+        time_errors = sorted(abs(p["step_s"] / step - 1) for _, _, p, step, _ in rows)
+        memory_errors = [abs(p["memory_bytes"] / held - 1) for _, _, p, _, held in rows]
+        median = time_errors[len(time_errors) // 2] if len(time_errors) % 2 else sum(time_errors[len(time_errors) // 2 - 1:][:2]) / 2
+        met = median <= 0.10 and time_errors[-1] <= 0.20 and max(memory_errors) <= 0.05
+        figure = (f"{len(rows)} layouts: step time error median {median:.0%}, worst {time_errors[-1]:.0%}; memory worst {max(memory_errors):.0%} "
+                  f"(goals 10%, 20%, 5%); " + "; ".join(lines))
+        return (PASS if met else BELOW), figure
 
     def plan_all(self):
         for group in (self.learning_checks, self.speed_feature_checks, self.nccl_checks, self.profile_and_memory_checks, self.timing_checks,

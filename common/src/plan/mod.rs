@@ -195,6 +195,9 @@ fn measure_links(world: &ProcessGroup, device: Device, sizes: &[usize]) -> Resul
     Ok(links)
 }
 
+/// Step times closer than this (relative) tie: well inside the time model's error.
+const TIE: f64 = 0.005;
+
 /// `exercise3 plan`: the job to plan for.
 #[derive(Debug, Clone, clap::Args)]
 pub struct PlanArgs {
@@ -488,10 +491,21 @@ impl Plan {
         ))
     }
 
-    /// Why the first layout wins: against the runner-up, the part of the step that differs most.
+    /// Why the first layout wins: against the first layout predicted clearly slower, the part of
+    /// the step that differs most. Layouts closer than [`TIE`] are said to tie: the model cannot
+    /// tell them apart (ZeRO 1 and 2 move the same bytes, say).
     pub fn why(&self) -> String {
         let Some(best) = self.ranked.first() else { return String::new() };
-        let Some(next) = self.ranked.get(1) else { return format!("{} is the only layout that fits", best.candidate.flags()) };
+        if self.ranked.len() == 1 {
+            return format!("{} is the only layout that fits", best.candidate.flags());
+        }
+        let ties = self.ranked[1..].iter().take_while(|p| p.step_s <= best.step_s * (1.0 + TIE)).count();
+        let tied = match ties {
+            0 => String::new(),
+            1 => format!("#2 ({}) ties with it (within {:.1}%, closer than the model can tell apart); ", self.ranked[1].candidate.flags(), 100.0 * TIE),
+            n => format!("#2 to #{} tie with it (within {:.1}%, closer than the model can tell apart); ", n + 1, 100.0 * TIE),
+        };
+        let Some(next) = self.ranked.get(ties + 1) else { return format!("why #1 wins: it does not; {tied}no layout that fits is clearly slower") };
         let parts = [
             ("compute", best.compute_s - best.tp_comm_s, next.compute_s - next.tp_comm_s),
             ("tensor-parallel talk", best.tp_comm_s, next.tp_comm_s),
@@ -501,8 +515,9 @@ impl Plan {
         ];
         let (what, mine, theirs) = parts.iter().copied().max_by(|a, b| (a.2 - a.1).total_cmp(&(b.2 - b.1))).expect("parts");
         format!(
-            "why #1 wins: {:.1}% faster than #2 ({}), most of it in {what} ({:.4} s against {:.4} s)",
+            "why #1 wins: {tied}{:.1}% faster than #{} ({}), most of it in {what} ({:.4} s against {:.4} s)",
             100.0 * (next.step_s / best.step_s - 1.0),
+            ties + 2,
             next.candidate.flags(),
             mine,
             theirs
@@ -582,7 +597,19 @@ mod tests {
         assert!(fitting.ranked.len() < all.ranked.len() && fitting.ranked.iter().all(|p| p.memory_bytes <= limit));
         let text = fitting.describe(3);
         assert_eq!(text.lines().filter(|l| l.starts_with("| ")).count(), 1 + 3, "{text}");
-        assert!(text.contains("why #1 wins: ") && text.contains(&format!("than #2 ({})", fitting.ranked[1].candidate.flags())), "{text}");
+        let slower = fitting.ranked.iter().position(|p| p.step_s > fitting.ranked[0].step_s * (1.0 + TIE)).expect("a slower layout");
+        assert!(text.contains("why #1 wins: ") && text.contains(&format!("than #{} ({})", slower + 1, fitting.ranked[slower].candidate.flags())), "{text}");
+        // Layouts predicted as fast tie, and the reason is given against the first one slower.
+        let mut tied = fitting.clone();
+        let first = tied.ranked[0].clone();
+        tied.ranked[1] = predict::Prediction { step_s: first.step_s * 1.001, ..tied.ranked[1].clone() };
+        let slower = predict::Prediction { step_s: first.step_s * 1.2, optimizer_s: first.optimizer_s + 0.2 * first.step_s, ..first.clone() };
+        tied.ranked[2] = predict::Prediction { candidate: tied.ranked[2].candidate.clone(), ..slower };
+        let why = tied.why();
+        assert!(why.starts_with(&format!("why #1 wins: #2 ({}) ties with it (within 0.5%", tied.ranked[1].candidate.flags())), "{why}");
+        assert!(why.contains(&format!("20.0% faster than #3 ({}), most of it in optimizer step", tied.ranked[2].candidate.flags())), "{why}");
+        tied.ranked.truncate(2);
+        assert!(tied.why().ends_with("no layout that fits is clearly slower"), "{}", tied.why());
         let json: serde_json::Value = serde_json::from_str(&fitting.to_json().unwrap()).unwrap();
         assert_eq!(json["ranked"].as_array().unwrap().len(), fitting.ranked.len());
     }

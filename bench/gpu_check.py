@@ -787,9 +787,9 @@ class Harness:
         # Absolute: the binaries run in the checkout (or bundle) folder, not this process's.
         out = os.path.abspath(os.path.join(self.args.results, "plan-profile.json" if not self.cpu else "plan-profile-cpu.json"))
         if self.cpu:
-            model = ["--device", "cpu", "--emsize", "32", "--d-hid", "64", "--nhead", "4", "--bptt", "8", "--micro-batches", "1,2", "--max-message-mb", "1"]
+            model = ["--device", "cpu", "--emsize", "32", "--d-hid", "64", "--nhead", "4", "--nlayers", "2", "--bptt", "8", "--micro-batches", "1,2", "--max-message-mb", "1"]
         else:
-            model = ["--device", "cuda", "--precision", "bf16-mixed", "--bptt", "512", "--micro-batches", "1,2,4,8,16"]
+            model = ["--device", "cuda", "--precision", "bf16-mixed", "--nlayers", "12", "--bptt", "512", "--micro-batches", "1,2,4,8,16"]
         ranks = self.gpus if self.gpus >= 2 else (2 if self.cpu else 1)
         flags = model + (["--nproc-per-node", str(ranks)] if ranks > 1 else []) + ["--out", out]
 

@@ -50,6 +50,16 @@ fn two_ranks_profile_the_pieces_the_optimizer_and_every_collective_between_them(
         assert_eq!(fit.samples.iter().map(|s| s.0 as usize).collect::<Vec<_>>(), vec![4 << 10, 32 << 10, 256 << 10, 1 << 20], "{collective:?}");
         assert!(fit.samples.iter().all(|s| s.1 > 0.0) && fit.latency_s >= 0.0 && fit.seconds_per_bus_byte >= 0.0, "{collective:?}: {fit:?}");
     }
+    // The gradients' average as runs do it, over the model's 12 layers (the default
+    // --nlayers, well under 16 Mi parameters), beside the link's all-reduce fit for those bytes.
+    let sync = read.gradient_sync.expect("2 ranks of a host: their gradient average timed");
+    let twelve = common::models::param_count_formula(&common::models::TransformerConfig { nlayers: 12, ..model });
+    assert!(sync.ranks == 2 && sync.parameters == twelve && sync.seconds > 0.0, "{sync:?}");
+    let fit = &link.collectives[&Collective::AllReduce];
+    // (To a few ulps: serde_json's default float parsing may miss the last bit.)
+    assert!((sync.all_reduce_s / fit.seconds(Collective::AllReduce, twelve as f64 * 4.0, 2) - 1.0).abs() < 1e-12, "{sync:?} {fit:?}");
+    assert_eq!(read.optimizer.parameters_timed, twelve, "the optimizer timed over the same model");
+    assert!(stdout.contains("the gradients' average as runs do it, over 2 ranks"), "{stdout}");
 
     // The plan for this machine's 2 ranks, from that profile.
     let plan = |extra: &[&str]| {
@@ -251,6 +261,7 @@ fn every_kind_of_row_is_the_layout_its_command_runs_with_the_memory_it_estimates
             clip_seconds_per_parameter: 0.0,
             parameters_timed: 1,
         },
+        gradient_sync: None,
         links: vec![LinkProfile {
             scope: LinkScope::WithinHost,
             ranks: 4,

@@ -43,6 +43,13 @@ pub struct ProfileArgs {
     pub pad_vocab: Option<i64>,
     #[arg(long, default_value_t = 0.2)]
     pub dropout: f64,
+    /// Encoder layers of the job: the pieces time one whatever it is (the plan stacks
+    /// `exercise3 plan --nlayers`); the optimizer's step is timed over the model's embedding,
+    /// output layer and this many layers (fewer where they pass 16 Mi parameters on a CPU,
+    /// 256 Mi on a GPU: enough to time), since its cost per parameter follows the model's
+    /// proportions.
+    #[arg(long, default_value_t = 12)]
+    pub nlayers: i64,
     /// Tokens per sequence.
     #[arg(long, default_value_t = 35)]
     pub bptt: i64,
@@ -89,6 +96,9 @@ impl ProfileArgs {
         self.model().validate()?;
         if self.micro_batches.is_empty() || self.micro_batches.iter().any(|&b| b < 1) {
             return usage("--micro-batches takes sizes of 1 or more, comma-separated");
+        }
+        if self.nlayers < 1 {
+            return usage(format!("--nlayers must be at least 1, got {}", self.nlayers));
         }
         if self.bptt < 1 {
             return usage(format!("--bptt must be at least 1, got {}", self.bptt));
@@ -138,7 +148,8 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
     let mut local = None;
     if timing {
         let compute = profile::measure_compute(&model, args.precision, device, args.bptt, &args.micro_batches)?;
-        let optimizer = profile::measure_optimizer(args.optimizer, &model, device, if device.is_cuda() { 256 << 20 } else { 16 << 20 })?;
+        let enough = if device.is_cuda() { 256 << 20 } else { 16 << 20 };
+        let optimizer = profile::measure_optimizer(args.optimizer, &model, device, args.nlayers, enough)?;
         local = Some((compute, optimizer));
     }
     world.barrier()?;
@@ -157,6 +168,18 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
         local = local.map(|(compute, optimizer)| profile::mean_over_ranks(world, compute, optimizer)).transpose()?;
     }
     let links = measure_links(world, device, &message_sizes(args.max_message_mb << 20))?;
+    // The gradient average as runs do it, among the first host's ranks (every rank there takes
+    // part), beside its link's all-reduce fit.
+    let within = world.split(world.rank() / per_host, world.rank())?;
+    let first_host_link = links.iter().find(|l| l.scope == LinkScope::WithinHost);
+    let gradient_sync = match first_host_link {
+        Some(link) if world.rank() < per_host => {
+            let enough = if device.is_cuda() { 256 << 20 } else { 16 << 20 };
+            Some(profile::measure_gradient_sync(&within, link, &model, device, args.nlayers, enough, DEFAULT_BUCKET_BYTES)?)
+        }
+        _ => None,
+    };
+    world.barrier()?;
     let Some((compute, optimizer)) = local.filter(|_| world.is_root()) else { return Ok(None) };
     let recorded = Recorded {
         device: crate::device::gpu_name(device).unwrap_or_else(|| crate::device::device_name(device).into()),
@@ -167,7 +190,8 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
         cores: if device == Device::Cpu { device::usable_cores() } else { 0 },
         shared,
     };
-    let profile = Profile { version: profile::VERSION, recorded, model, precision: args.precision, seq_len: args.bptt, compute, optimizer, links };
+    let profile =
+        Profile { version: profile::VERSION, recorded, model, precision: args.precision, seq_len: args.bptt, compute, optimizer, links, gradient_sync };
     profile.write(&args.out)?;
     Ok(Some(profile))
 }
@@ -194,6 +218,9 @@ fn measure_links(world: &ProcessGroup, device: Device, sizes: &[usize]) -> Resul
     }
     Ok(links)
 }
+
+/// The exercises' default gradient bucket (`--bucket-mb 25`).
+const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 
 /// Step times closer than this (relative) tie: well inside the time model's error.
 const TIE: f64 = 0.005;
@@ -545,6 +572,7 @@ mod tests {
             seq_len: 16,
             compute,
             optimizer: OptimizerTime { kind: OptimizerKind::Adam, seconds_per_parameter: 1e-9, clip_seconds_per_parameter: 0.0, parameters_timed: 1 },
+            gradient_sync: None,
             links: vec![LinkProfile {
                 scope: LinkScope::WithinHost,
                 ranks: 2,
@@ -604,7 +632,7 @@ mod tests {
         let first = tied.ranked[0].clone();
         tied.ranked[1] = predict::Prediction { step_s: first.step_s * 1.001, ..tied.ranked[1].clone() };
         let slower = predict::Prediction { step_s: first.step_s * 1.2, optimizer_s: first.optimizer_s + 0.2 * first.step_s, ..first.clone() };
-        tied.ranked[2] = predict::Prediction { candidate: tied.ranked[2].candidate.clone(), ..slower };
+        tied.ranked[2] = predict::Prediction { candidate: tied.ranked[2].candidate, ..slower };
         let why = tied.why();
         assert!(why.starts_with(&format!("why #1 wins: #2 ({}) ties with it (within 0.5%", tied.ranked[1].candidate.flags())), "{why}");
         assert!(why.contains(&format!("20.0% faster than #3 ({}), most of it in optimizer step", tied.ranked[2].candidate.flags())), "{why}");

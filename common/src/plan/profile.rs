@@ -37,6 +37,32 @@ pub struct Profile {
     pub optimizer: OptimizerTime,
     /// Collective costs on each kind of link the job had (none for a profile of one rank).
     pub links: Vec<LinkProfile>,
+    /// The data-parallel gradient average as a run does it, within the first host (none for a
+    /// profile of one rank per host).
+    #[serde(default)]
+    pub gradient_sync: Option<GradientSync>,
+}
+
+/// The gradients' average as the exercises run it (`GradientAverager`: packed into 25 MiB
+/// buckets, all-reduced, divided and copied back), timed over the model's gradients among the
+/// first host's ranks, beside what the link's all-reduce fit predicts for the same bytes. The
+/// difference is the copies' (and the buckets' latencies'): a cost per parameter of the rank
+/// that every data-parallel exchange pays besides its collectives.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct GradientSync {
+    pub ranks: usize,
+    pub parameters: i64,
+    /// Median wall time of one average, every rank started together.
+    pub seconds: f64,
+    /// The within-host all-reduce fit's seconds for the same bytes among as many ranks.
+    pub all_reduce_s: f64,
+}
+
+impl GradientSync {
+    /// What the average costs beyond its all-reduce, per parameter (never below 0).
+    pub fn overhead_seconds_per_parameter(&self) -> f64 {
+        ((self.seconds - self.all_reduce_s) / self.parameters.max(1) as f64).max(0.0)
+    }
 }
 
 /// Where a profile was measured.
@@ -378,6 +404,16 @@ impl Profile {
                 ));
             }
         }
+        if let Some(sync) = self.gradient_sync {
+            lines.push(format!(
+                "the gradients' average as runs do it, over {} ranks: {:.2} ms for {} parameters, {:.2} ms of it beyond the all-reduce fit ({:.3} ns per parameter)",
+                sync.ranks,
+                1e3 * sync.seconds,
+                sync.parameters,
+                1e3 * (sync.seconds - sync.all_reduce_s).max(0.0),
+                1e9 * sync.overhead_seconds_per_parameter()
+            ));
+        }
         lines.join("\n")
     }
 }
@@ -406,7 +442,7 @@ fn median_seconds(device: Device, repeats: usize, mut work: impl FnMut() -> Resu
 /// `device` in `precision` (autocast for the mixed precisions, 16-bit weights for the true
 /// ones), training mode (dropout as configured): a probe of one whole layer, the encoder
 /// layers being all alike. Forward alone, then forward and backward; the backward time is the
-/// difference.
+/// difference. Each the median of 7 samples, taken in rounds over every size.
 pub fn measure_compute(cfg: &TransformerConfig, precision: Precision, device: Device, seq_len: i64, micro_batches: &[i64]) -> Result<Vec<PieceTimes>> {
     let mut vs = tch::nn::VarStore::new(device);
     let probe = probe_model(&vs, cfg, 1)?;
@@ -419,33 +455,63 @@ pub fn measure_compute(cfg: &TransformerConfig, precision: Precision, device: De
     sizes.sort_unstable();
     sizes.dedup();
     anyhow::ensure!(!sizes.is_empty(), "no micro-batch size to time");
-    let mut rows = Vec::new();
-    // The first size twice, the first time untimed: its first passes page in the weights and
-    // grow the allocator's pools, which no later step pays.
-    let first = sizes[0];
-    for micro_batch in std::iter::once(first).chain(sizes) {
-        let tokens = Tensor::randint(cfg.ntoken, [seq_len, micro_batch], (Kind::Int64, device));
-        let hidden = Tensor::randn([seq_len, micro_batch, cfg.d_model], (hidden_kind, device));
-        let in_precision = |f: &mut dyn FnMut() -> Result<Tensor>| precision::autocast(precision, device, &mut *f);
-        let timed = |f: &mut dyn FnMut() -> Result<Tensor>| -> Result<PassTimes> {
-            let forward_s = median_seconds(device, 5, || tch::no_grad(|| in_precision(f)).map(drop))?;
-            let total = median_seconds(device, 5, || {
-                let output = in_precision(f)?;
-                output.to_kind(Kind::Float).sum(Kind::Float).backward();
-                Ok(())
-            })?;
-            Ok(PassTimes { forward_s, backward_s: (total - forward_s).max(0.0) })
-        };
-        let embedding = timed(&mut || probe.embed(&tokens, true, Masks::Shared, None))?;
-        let layer = timed(&mut || Ok(layer.forward_masked(&hidden.detach().set_requires_grad(true), true, Masks::Shared, 0)))?;
-        let head = timed(&mut || {
-            let logits = probe.decode(&hidden.detach().set_requires_grad(true), None)?;
-            Ok(probe.loss_and_hits(&logits, &tokens, None, false)?.0)
-        })?;
-        rows.push(PieceTimes { micro_batch, embedding, layer, head });
+    let inputs: Vec<(i64, Tensor, Tensor)> = sizes
+        .iter()
+        .map(|&b| (b, Tensor::randint(cfg.ntoken, [seq_len, b], (Kind::Int64, device)), Tensor::randn([seq_len, b, cfg.d_model], (hidden_kind, device))))
+        .collect();
+    // One piece's pass on one micro-batch: 0 the embedding, 1 the layer, 2 the output layer
+    // and its loss.
+    let pass = |piece: usize, tokens: &Tensor, hidden: &Tensor| -> Result<Tensor> {
+        precision::autocast(precision, device, || match piece {
+            0 => probe.embed(tokens, true, Masks::Shared, None),
+            1 => Ok(layer.forward_masked(&hidden.detach().set_requires_grad(true), true, Masks::Shared, 0)),
+            _ => {
+                let logits = probe.decode(&hidden.detach().set_requires_grad(true), None)?;
+                Ok(probe.loss_and_hits(&logits, tokens, None, false)?.0)
+            }
+        })
+    };
+    let once = |piece: usize, tokens: &Tensor, hidden: &Tensor, backward: bool| -> Result<f64> {
+        let start = Instant::now();
+        if backward {
+            pass(piece, tokens, hidden)?.to_kind(Kind::Float).sum(Kind::Float).backward();
+        } else {
+            drop(tch::no_grad(|| pass(piece, tokens, hidden))?);
+        }
+        crate::device::synchronize(device);
+        Ok(start.elapsed().as_secs_f64())
+    };
+    // Every pass once untimed (the first page in the weights and grow the allocator's pools,
+    // which no later step pays), then ROUNDS rounds over every size and piece: a slow spell of
+    // the machine falls on one sample of each rather than on every sample of one size.
+    const ROUNDS: usize = 7;
+    let mut samples: Vec<[[Vec<f64>; 2]; 3]> = vec![Default::default(); inputs.len()];
+    for round in 0..=ROUNDS {
+        for ((_, tokens, hidden), size) in inputs.iter().zip(&mut samples) {
+            for (piece, passes) in size.iter_mut().enumerate() {
+                for (backward, times) in [false, true].into_iter().zip(passes.iter_mut()) {
+                    let seconds = once(piece, tokens, hidden, backward)?;
+                    if round > 0 {
+                        times.push(seconds);
+                    }
+                }
+            }
+        }
     }
-    rows.remove(0);
-    Ok(rows)
+    let median = |times: &[f64]| {
+        let mut sorted = times.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        sorted[sorted.len() / 2]
+    };
+    let times = |s: &[Vec<f64>; 2]| {
+        let forward_s = median(&s[0]);
+        PassTimes { forward_s, backward_s: (median(&s[1]) - forward_s).max(0.0) }
+    };
+    Ok(inputs
+        .iter()
+        .zip(&samples)
+        .map(|((micro_batch, _, _), s)| PieceTimes { micro_batch: *micro_batch, embedding: times(&s[0]), layer: times(&s[1]), head: times(&s[2]) })
+        .collect())
 }
 
 /// How much slower rank 0 of `host` (the ranks of one host) runs the probe's forward and
@@ -501,13 +567,13 @@ pub fn mean_over_ranks(group: &ProcessGroup, compute: Vec<PieceTimes>, optimizer
 }
 
 /// Times `kind`'s step, and clipping the gradients to a norm, over float32 parameters shaped
-/// as `cfg`'s (its embedding and output layer, and as many layers as bring them to at least
-/// `parameters`) on `device`: seconds per parameter of each. The shapes matter: each tensor
-/// costs the step a few operations' overhead besides its elements.
-pub fn measure_optimizer(kind: OptimizerKind, cfg: &TransformerConfig, device: Device, parameters: i64) -> Result<OptimizerTime> {
+/// as `cfg`'s model of `nlayers` layers (its embedding and output layer and its layers, fewer
+/// layers where they would pass `enough` parameters) on `device`: seconds per parameter of
+/// each. The proportions matter: each tensor costs the step a few operations' overhead besides
+/// its elements, and a narrow model's layers are many small tensors beside its embedding.
+pub fn measure_optimizer(kind: OptimizerKind, cfg: &TransformerConfig, device: Device, nlayers: i64, enough: i64) -> Result<OptimizerTime> {
     let count = |nlayers| crate::models::param_count_formula(&TransformerConfig { nlayers, ..*cfg });
-    let layer = count(2) - count(1);
-    let nlayers = ((parameters - (count(1) - layer)) as f64 / layer as f64).ceil().max(1.0) as i64;
+    let nlayers = nlayers.clamp(1, layers_reaching(cfg, enough));
     let vs = tch::nn::VarStore::new(device);
     probe_model(&vs, cfg, nlayers)?;
     let params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
@@ -525,6 +591,46 @@ pub fn measure_optimizer(kind: OptimizerKind, cfg: &TransformerConfig, device: D
     let mut optimizer = kind.build(params, 1e-4, 0.9, 0.0, OptimizerKernel::Auto);
     let step_s = median_seconds(device, 5, || optimizer.step())?;
     Ok(OptimizerTime { kind, seconds_per_parameter: step_s / timed as f64, clip_seconds_per_parameter: clip_s / timed as f64, parameters_timed: timed })
+}
+
+/// Times the exercises' gradient average (`GradientAverager`, buckets of `bucket_bytes`) over
+/// `group` on the float32 gradients of `cfg`'s model of `nlayers` layers (fewer where they pass
+/// `enough` parameters, as the optimizer is timed), every rank of `group` started together;
+/// `link` is the group's measured link, whose all-reduce fit is set beside it.
+pub fn measure_gradient_sync(
+    group: &ProcessGroup,
+    link: &LinkProfile,
+    cfg: &TransformerConfig,
+    device: Device,
+    nlayers: i64,
+    enough: i64,
+    bucket_bytes: usize,
+) -> Result<GradientSync> {
+    let nlayers = nlayers.clamp(1, layers_reaching(cfg, enough));
+    let vs = tch::nn::VarStore::new(device);
+    probe_model(&vs, cfg, nlayers)?;
+    let params: Vec<Tensor> = vs.trainable_variables();
+    for p in &params {
+        (p * Tensor::randn_like(p)).sum(Kind::Float).backward();
+    }
+    let parameters = crate::models::param_count_formula(&TransformerConfig { nlayers, ..*cfg });
+    let averager = crate::comm::data_parallel::GradientAverager::new(bucket_bytes, false);
+    let seconds = median_seconds(device, 5, || {
+        group.barrier()?;
+        averager.average(group, &params)
+    })?;
+    // Every rank's figure is rank 0's (each timed its own wait).
+    let seconds = agree_samples(group, &[(parameters as f64, seconds)])?[0].1;
+    let all_reduce_s = link.collectives[&Collective::AllReduce].seconds(Collective::AllReduce, parameters as f64 * 4.0, group.world_size());
+    Ok(GradientSync { ranks: group.world_size(), parameters, seconds, all_reduce_s })
+}
+
+/// Layers of `cfg` that bring its parameters (embedding and output layer included) to at least
+/// `enough`.
+fn layers_reaching(cfg: &TransformerConfig, enough: i64) -> i64 {
+    let count = |nlayers| crate::models::param_count_formula(&TransformerConfig { nlayers, ..*cfg });
+    let layer = count(2) - count(1);
+    ((enough - (count(1) - layer)) as f64 / layer as f64).ceil().max(1.0) as i64
 }
 
 /// Times every collective over `group` on `device` at message sizes `sizes` (bytes of float32)
@@ -598,6 +704,7 @@ mod tests {
             seq_len: 8,
             compute,
             optimizer: OptimizerTime { kind: OptimizerKind::Adam, seconds_per_parameter: 1e-9, clip_seconds_per_parameter: 0.0, parameters_timed: 1 },
+            gradient_sync: None,
             links: Vec::new(),
         }
     }
@@ -685,11 +792,12 @@ mod tests {
                 assert!(pass.forward_s > 0.0 && pass.backward_s >= 0.0 && pass.total().is_finite(), "{row:?}");
             }
         }
-        // The model's own tensors, as many layers as reach the count asked.
+        // The model's own tensors: its layers, or as many as reach the count that is enough.
         let cfg = tiny();
         let count = |nlayers| crate::models::param_count_formula(&TransformerConfig { nlayers, ..cfg });
-        let wanted = count(3) - 1;
-        let optimizer = measure_optimizer(OptimizerKind::Adam, &cfg, Device::Cpu, wanted).unwrap();
+        let enough = count(3) - 1;
+        assert_eq!(measure_optimizer(OptimizerKind::Adam, &cfg, Device::Cpu, 2, enough).unwrap().parameters_timed, count(2));
+        let optimizer = measure_optimizer(OptimizerKind::Adam, &cfg, Device::Cpu, 12, enough).unwrap();
         assert_eq!(optimizer.parameters_timed, count(3));
         assert!(optimizer.seconds_per_parameter > 0.0 && optimizer.clip_seconds_per_parameter > 0.0, "{optimizer:?}");
     }

@@ -56,8 +56,10 @@ fn estimated_and_measured(binary: &str, args: &[&str]) -> Vec<(f64, f64)> {
         .collect();
     let largest = peaks.iter().map(|p| p["training_peak_bytes"].as_i64().unwrap().max(p["evaluation_peak_bytes"].as_i64().unwrap())).max();
     assert_eq!(results["peak_memory_bytes"].as_i64(), largest, "the CSV's figure is the largest rank's peak");
-    // One estimate row per stage; one for all ranks when they hold alike.
-    (0..measured.len()).map(|rank| (totals[rank.min(totals.len() - 1)], measured[rank])).collect()
+    // One estimate row per stage (its tensor-parallel shards are consecutive ranks); one for all
+    // ranks when they hold alike.
+    assert_eq!(measured.len() % totals.len(), 0, "{totals:?} against {measured:?}");
+    (0..measured.len()).map(|rank| (totals[rank * totals.len() / measured.len()], measured[rank])).collect()
 }
 
 /// Asserts each rank's estimate within `bound` (a fraction, both directions) of its measured
@@ -155,6 +157,20 @@ fn the_estimate_of_each_pipeline_stage_is_within_5_percent_of_its_peak() {
     let pairs = small_transformer("exercise3", &interleaved);
     assert_eq!(pairs.len(), 2);
     assert_within("exercise3 pipeline, 2 ranks of 2 virtual stages each, interleaved over 4 micro-batches", &pairs, WITHIN);
+}
+
+/// GPipe holds every micro-batch's activations when the last stage's backward passes start: from
+/// the second on, the output layer's fresh gradient is made beside them and the gradients summed
+/// so far; under tensor parallelism the vocabulary-parallel loss keeps two logits-sized tensors
+/// per micro-batch. (Missing both, the estimate of the last stage was 22% too low.)
+#[test]
+fn the_estimate_of_tensor_parallel_stages_holding_many_micro_batches_is_within_5_percent_of_its_peak() {
+    let pairs = small_transformer(
+        "exercise3",
+        &["tp", "--tp", "2", "--pp", "2", "--batch-size", "16", "--chunks", "8", "--schedule", "gpipe", "--nproc-per-node", "4"],
+    );
+    assert_eq!(pairs.len(), 4);
+    assert_within("exercise3 tp, 2 stages of 2 shards, gpipe over 8 micro-batches", &pairs, WITHIN);
 }
 
 #[test]

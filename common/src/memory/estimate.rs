@@ -13,9 +13,9 @@
 //!
 //! The peak is found by walking each device's passes in the schedule's order
 //! ([`crate::pipeline::schedule::device_ops`]) and adding at each what that pass itself holds
-//! at its most: the loss's gradients on the last stage, the gradient received from the next
-//! stage, the embedding's fresh gradient beside those earlier backward passes summed, ZeRO-3's
-//! gathered and reduced parts; then the update after the passes: the gradient averager's
+//! at its most: the loss's gradients on the last stage, the output layer's and the embedding's
+//! fresh gradients beside those earlier backward passes summed, the gradient received from the
+//! next stage, ZeRO-3's gathered and reduced parts; then the update after the passes: the gradient averager's
 //! largest bucket, ZeRO's flattened buckets, slices and block gradient and the buffers of
 //! publishing the blocks, the optimizer's temporaries. Each term is a tensor the code makes
 //! (the comments name it), found with the counting allocator's trace of what is held at the
@@ -328,6 +328,18 @@ impl TransformerJob {
         // passes between stages are this shard's rows.)
         let rows = self.whole_share();
         let embedding_saved = mask * t * d * rows + 8.0 * t;
+        // The loss's saved logits-sized tensors: the whole model's cross-entropy keeps its
+        // log-probabilities; the vocabulary-parallel one (`tp::vocab_parallel_cross_entropy`)
+        // keeps the exponentials and the shifted logits (`gather` saves its whole input).
+        let logits_bytes = 4.0 * t * v / tp;
+        let loss_saved = if self.tp > 1 { 2.0 * logits_bytes } else { logits_bytes };
+        // Its backward pass at its most, beside what it saved: the whole model's the gradients
+        // of the log-probabilities and of the logits; the vocabulary-parallel one's the
+        // exponentials' gradient, made after they are let go, and the gather's.
+        let loss_backward = if self.tp > 1 { logits_bytes } else { 2.0 * logits_bytes };
+        // The output layer's fresh gradient (weight and bias): made beside the gradients that
+        // earlier backward passes summed, while the other micro-batches' activations are held.
+        let output_fresh_grad = 4.0 * (v * d + v) / tp;
         let stage_bytes = |s: usize| -> f64 {
             let layers = self.partition.layers[s].clone().count() as f64;
             let mut bytes = layers * per_layer;
@@ -337,7 +349,7 @@ impl TransformerJob {
                 bytes += 4.0 * t * d * rows;
             }
             if s == last {
-                bytes += (if mixed { 2.0 } else { 4.0 }) * t * d * rows + 4.0 * t * v / tp + 8.0 * t;
+                bytes += (if mixed { 2.0 } else { 4.0 }) * t * d * rows + loss_saved + 8.0 * t;
             } else {
                 bytes += 4.0 * t * d * rows;
             }
@@ -399,17 +411,18 @@ impl TransformerJob {
                     let mut at = live + grads;
                     if self.zero == Some(ZeroStage::Parameters) && s == last {
                         // The output layer gathered for its forward pass (its logits not yet made).
-                        at = at - 4.0 * t * v / tp + gather((v * d + v) / tp);
+                        at = at - loss_saved + gather((v * d + v) / tp);
                     }
                     passes = passes.max(at);
                 }
                 schedule::Direction::Backward => {
                     // Recomputation makes the stage's activations whole again for its backward pass.
                     let held_now = live - kept(s) + stage_bytes(s);
+                    // The output layer's backward: the loss's saved tensors gone, the logits'
+                    // gradient in their place.
+                    let at_output_layer = held_now - loss_saved + logits_bytes;
                     let mut at = if s == last {
-                        // The loss's backward: the gradient of the log-probabilities and of
-                        // the logits beside the saved log-probabilities.
-                        held_now + grads + 8.0 * t * v / tp
+                        (held_now + grads + loss_backward).max(at_output_layer + grads + output_fresh_grad)
                     } else {
                         // The gradient received from the next stage and the product the
                         // backward pass starts from (`(output · grad).sum()`).
@@ -421,8 +434,8 @@ impl TransformerJob {
                         // reduced, the logits' gradient gone: the part's parameters and whole
                         // gradients, the part flattened, this rank's slice, the block's gradient.
                         let part = (v * d + v) / tp;
-                        at = at.max(held_now + grads + gather(part));
-                        at = at.max(held_now - 4.0 * t * v / tp + zero_reduce(part) + 8.0 * part);
+                        at = at.max(at_output_layer + grads + gather(part));
+                        at = at.max(at_output_layer - logits_bytes + zero_reduce(part) + 8.0 * part);
                     }
                     if s == 0 {
                         // The embedding's backward, the other layers' activations of this

@@ -35,6 +35,14 @@ fn two_ranks_profile_the_pieces_the_optimizer_and_every_collective_between_them(
     assert_eq!(read.compute.iter().map(|p| p.micro_batch).collect::<Vec<_>>(), vec![1, 3]);
     assert!(read.compute.iter().all(|p| [p.embedding, p.layer, p.head].iter().all(|t| t.forward_s > 0.0)));
     assert!(read.optimizer.seconds_per_parameter > 0.0 && read.optimizer.clip_seconds_per_parameter > 0.0, "{:?}", read.optimizer);
+    // Shards of the degrees the model cuts into (4 heads: 2 and 4 of the default 2,4,8), timed
+    // at every size, and their share of the whole printed.
+    assert_eq!(read.shards.iter().map(|s| s.tp).collect::<Vec<_>>(), vec![2, 4]);
+    for shard in &read.shards {
+        assert_eq!(shard.compute.iter().map(|p| p.micro_batch).collect::<Vec<_>>(), vec![1, 3]);
+        assert!(shard.compute.iter().all(|p| [p.embedding, p.layer, p.head].iter().all(|t| t.forward_s > 0.0)), "{shard:?}");
+    }
+    assert!(stdout.contains("a shard of 2: one layer takes ") && stdout.contains("a shard of 4: "), "{stdout}");
     // Timed on rank 0 alone; the host's cores and the measured cost of sharing them recorded.
     assert_eq!((read.recorded.compute_ranks_per_host, read.recorded.cores, read.recorded.threads), (1, cores, cores));
     let shared = read.recorded.shared.expect("2 ranks of all the cores' threads share them");
@@ -93,6 +101,7 @@ fn profile_mistakes_are_one_line_and_exit_2_before_measuring() {
         (vec!["--micro-batches", "0", "--out", out], "--micro-batches takes sizes of 1 or more"),
         (vec!["--device", "both", "--out", out], "--device both: a profile is of one device"),
         (vec!["--nhead", "5", "--out", out], "--emsize 32 must be divisible by --nhead 5"),
+        (vec!["--shards", "2,0", "--out", out], "--shards takes tensor-parallel degrees of 1 or more"),
         (vec!["--out", unwritable.to_str().unwrap()], "--out"),
     ] {
         // (The extra flags replace SMALL's of the same name, with their values.)
@@ -262,6 +271,7 @@ fn every_kind_of_row_is_the_layout_its_command_runs_with_the_memory_it_estimates
             parameters_timed: 1,
         },
         gradient_sync: None,
+        shards: Vec::new(),
         links: vec![LinkProfile {
             scope: LinkScope::WithinHost,
             ranks: 4,

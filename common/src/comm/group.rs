@@ -17,7 +17,7 @@ use anyhow::{bail, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::launch::{LaunchEnv, LaunchSource};
-use super::single::SingleProcess;
+use super::single::{SilentShards, SingleProcess};
 use super::{Backend, Collectives, ReduceOp};
 use crate::error::{usage, UsageError};
 
@@ -148,6 +148,22 @@ impl ProcessGroup {
             stats: Default::default(),
             cuda: Rc::new(SingleProcess),
             cpu: Rc::new(SingleProcess),
+            #[cfg(feature = "mpi")]
+            mpi: None,
+        }
+    }
+
+    /// Rank 0 of `size` ranks that exchange nothing ([`SilentShards`]): a tensor-parallel shard
+    /// run with it does its own arithmetic alone, to be timed.
+    pub fn silent(size: usize) -> ProcessGroup {
+        ProcessGroup {
+            env: LaunchEnv::single(),
+            rank: 0,
+            size,
+            nccl: false,
+            stats: Default::default(),
+            cuda: Rc::new(SilentShards { size }),
+            cpu: Rc::new(SilentShards { size }),
             #[cfg(feature = "mpi")]
             mpi: None,
         }

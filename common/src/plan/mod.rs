@@ -19,7 +19,7 @@ use crate::error::usage;
 use crate::models::TransformerConfig;
 use crate::optim::OptimizerKind;
 use crate::precision::Precision;
-use profile::{LinkScope, Profile, Recorded};
+use profile::{LinkScope, Profile, Recorded, ShardPieces};
 
 /// `exercise3 profile`: what to measure, and where to write it.
 #[derive(Debug, Clone, clap::Args)]
@@ -75,6 +75,11 @@ pub struct ProfileArgs {
     /// host's cores shared among its ranks).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// Tensor-parallel degrees whose shard (1/tp of the heads, the feed-forward width and the
+    /// vocabulary) is timed too, its arithmetic alone: those the model cuts into. The plan
+    /// gives other degrees 1/tp of the whole's time.
+    #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
+    pub shards: Vec<usize>,
     /// Time the pieces and the optimizer on every rank at once (the profile keeps their mean)
     /// instead of on rank 0 alone, the others waiting. Alone is what the planner models CPU
     /// ranks that share a host's cores from (the profile records the cores); together, the
@@ -91,6 +96,15 @@ impl ProfileArgs {
         TransformerConfig { ntoken, d_model: self.emsize, nhead: self.nhead, d_hid: self.d_hid, nlayers: 1, dropout: self.dropout }
     }
 
+    /// The degrees of `--shards` whose shards the model has (beyond 1), in increasing order.
+    fn shard_degrees(&self) -> Vec<usize> {
+        let model = self.model();
+        let mut degrees: Vec<usize> = self.shards.iter().copied().filter(|&tp| tp > 1 && model.validate_shards(tp).is_ok()).collect();
+        degrees.sort_unstable();
+        degrees.dedup();
+        degrees
+    }
+
     /// Checks what can be checked before anything is measured.
     fn check(&self) -> Result<()> {
         self.model().validate()?;
@@ -99,6 +113,9 @@ impl ProfileArgs {
         }
         if self.nlayers < 1 {
             return usage(format!("--nlayers must be at least 1, got {}", self.nlayers));
+        }
+        if self.shards.contains(&0) {
+            return usage("--shards takes tensor-parallel degrees of 1 or more, comma-separated");
         }
         if self.bptt < 1 {
             return usage(format!("--bptt must be at least 1, got {}", self.bptt));
@@ -147,10 +164,15 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
     let timing = args.compute_together || world.is_root();
     let mut local = None;
     if timing {
-        let compute = profile::measure_compute(&model, args.precision, device, args.bptt, &args.micro_batches)?;
+        let compute = profile::measure_compute(&model, args.precision, device, args.bptt, &args.micro_batches, 1)?;
+        let shards = args
+            .shard_degrees()
+            .into_iter()
+            .map(|tp| Ok(ShardPieces { tp, compute: profile::measure_compute(&model, args.precision, device, args.bptt, &args.micro_batches, tp)? }))
+            .collect::<Result<Vec<_>>>()?;
         let enough = if device.is_cuda() { 256 << 20 } else { 16 << 20 };
         let optimizer = profile::measure_optimizer(args.optimizer, &model, device, args.nlayers, enough)?;
-        local = Some((compute, optimizer));
+        local = Some((compute, shards, optimizer));
     }
     world.barrier()?;
     // What sharing a host's cores costs, where its ranks outnumber them: every host measures
@@ -165,7 +187,7 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
         None
     };
     if args.compute_together {
-        local = local.map(|(compute, optimizer)| profile::mean_over_ranks(world, compute, optimizer)).transpose()?;
+        local = local.map(|(compute, shards, optimizer)| profile::mean_over_ranks(world, compute, shards, optimizer)).transpose()?;
     }
     let links = measure_links(world, device, &message_sizes(args.max_message_mb << 20))?;
     // The gradient average as runs do it, among the first host's ranks (every rank there takes
@@ -180,7 +202,7 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
         _ => None,
     };
     world.barrier()?;
-    let Some((compute, optimizer)) = local.filter(|_| world.is_root()) else { return Ok(None) };
+    let Some((compute, shards, optimizer)) = local.filter(|_| world.is_root()) else { return Ok(None) };
     let recorded = Recorded {
         device: crate::device::gpu_name(device).unwrap_or_else(|| crate::device::device_name(device).into()),
         threads: tch::get_num_threads() as usize,
@@ -191,7 +213,7 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
         shared,
     };
     let profile =
-        Profile { version: profile::VERSION, recorded, model, precision: args.precision, seq_len: args.bptt, compute, optimizer, links, gradient_sync };
+        Profile { version: profile::VERSION, recorded, model, precision: args.precision, seq_len: args.bptt, compute, optimizer, links, gradient_sync, shards };
     profile.write(&args.out)?;
     Ok(Some(profile))
 }
@@ -573,6 +595,7 @@ mod tests {
             compute,
             optimizer: OptimizerTime { kind: OptimizerKind::Adam, seconds_per_parameter: 1e-9, clip_seconds_per_parameter: 0.0, parameters_timed: 1 },
             gradient_sync: None,
+            shards: Vec::new(),
             links: vec![LinkProfile {
                 scope: LinkScope::WithinHost,
                 ranks: 2,

@@ -3,8 +3,8 @@
 //! - **Memory**: the estimator's per-operation accounting (`--estimate-memory`,
 //!   [`TransformerJob`]), the busiest rank's total.
 //! - **Compute**: the profile's pieces at the layout's micro-batch size; a tensor-parallel
-//!   shard does 1/tp of each piece's arithmetic, and with recomputation a stage's backward pass
-//!   runs its layers' forward again.
+//!   shard's as the profile timed a shard of that degree (else 1/tp of the whole's), and with
+//!   recomputation a stage's backward pass runs its forward again.
 //! - **Tensor-parallel talk**, inside each pass: Megatron's two all-reduces of a layer's
 //!   activations forward and two backward (sequence parallelism: a reduce-scatter and an
 //!   all-gather each, the same bytes), one for the embedding, one for the output layer's input.
@@ -163,10 +163,14 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
     let slowdown = |busy: f64| recorded.slowdown(busy);
     let timed_busy = slowdown(recorded.compute_ranks_per_host as f64);
     let all_busy = slowdown(gpus as f64);
-    // One micro-batch through each stage, alone.
-    let pieces = profile.pieces_at(c.micro_batch);
-    let alone = |t: f64| t / timed_busy;
+    // One micro-batch through each stage, alone: a shard's own time where the profile timed
+    // shards of this degree, else 1/tp of the whole's.
     let tp = c.tp as f64;
+    let (pieces, share) = match profile.shard_pieces_at(c.tp, c.micro_batch) {
+        Some(shard) if c.tp > 1 => (shard, 1.0),
+        _ => (profile.pieces_at(c.micro_batch), tp),
+    };
+    let alone = |t: f64| t / timed_busy;
     let activation_bytes = tokens * d * if mixed { 2.0 } else { 4.0 };
     let within = |collective, bytes| links.seconds(LinkScope::WithinHost, collective, bytes, c.tp);
     // Megatron's f and g: two all-reduces forward, two backward per layer (sequence
@@ -181,19 +185,19 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
     let mut tp_comm = vec![0.0; stages];
     for s in 0..stages {
         let layers = partition.layers[s].clone().count() as f64;
-        let mut f = layers * (alone(pieces.layer.forward_s) / tp + 2.0 * talk);
-        let mut b = layers * (alone(pieces.layer.backward_s) / tp + 2.0 * talk);
+        let mut f = layers * (alone(pieces.layer.forward_s) / share + 2.0 * talk);
+        let mut b = layers * (alone(pieces.layer.backward_s) / share + 2.0 * talk);
         let mut forward_talk = layers * 2.0 * talk;
         tp_comm[s] = layers * 4.0 * talk;
         if s == 0 {
-            f += alone(pieces.embedding.forward_s) / tp + talk;
-            b += alone(pieces.embedding.backward_s) / tp;
+            f += alone(pieces.embedding.forward_s) / share + talk;
+            b += alone(pieces.embedding.backward_s) / share;
             forward_talk += talk;
             tp_comm[s] += talk;
         }
         if s + 1 == stages {
-            f += alone(pieces.head.forward_s) / tp;
-            b += alone(pieces.head.backward_s) / tp + talk;
+            f += alone(pieces.head.forward_s) / share;
+            b += alone(pieces.head.backward_s) / share + talk;
             tp_comm[s] += talk;
         }
         if c.recompute {
@@ -274,7 +278,7 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
 
 #[cfg(test)]
 mod tests {
-    use super::super::profile::{GradientSync, LinkProfile, OptimizerTime, PassTimes, PieceTimes, Recorded, VERSION};
+    use super::super::profile::{GradientSync, LinkProfile, OptimizerTime, PassTimes, PieceTimes, Recorded, ShardPieces, VERSION};
     use super::*;
     use crate::models::TransformerConfig;
     use crate::optim::OptimizerKind;
@@ -301,8 +305,13 @@ mod tests {
             compute,
             optimizer: OptimizerTime { kind: OptimizerKind::Sgd, seconds_per_parameter: 0.0, clip_seconds_per_parameter: 0.0, parameters_timed: 1 },
             gradient_sync: None,
+            shards: Vec::new(),
             links: vec![link],
         }
+    }
+
+    fn scaled(t: PassTimes, k: f64) -> PassTimes {
+        PassTimes { forward_s: k * t.forward_s, backward_s: k * t.backward_s }
     }
 
     fn space(gpus: usize, batch: usize) -> Space {
@@ -339,6 +348,22 @@ mod tests {
         // Two shards: half of each layer.
         let tp = predict(&p, &links, &space(2, 2), &candidate(1, 1, 2, 1, 2)).unwrap();
         assert!((tp.step_s - 12.0).abs() < 1e-9, "{tp:?}");
+        // Unless the profile timed a shard of 2: then its own time (here 0.7 of the whole's
+        // at every piece and size), 4 × 0.7 × 6 s; a shard of 4 it did not time stays 1/4.
+        let shard_of = |tp: usize, k: f64| ShardPieces {
+            tp,
+            compute: p
+                .compute
+                .iter()
+                .map(|w| PieceTimes { micro_batch: w.micro_batch, embedding: scaled(w.embedding, k), layer: scaled(w.layer, k), head: scaled(w.head, k) })
+                .collect(),
+        };
+        let timed = Profile { shards: vec![shard_of(2, 0.7)], ..p.clone() };
+        let slow_shards = predict(&timed, &links, &space(2, 2), &candidate(1, 1, 2, 1, 2)).unwrap();
+        assert!((slow_shards.step_s - 16.8).abs() < 1e-9, "{slow_shards:?}");
+        let four = predict(&timed, &links, &space(4, 4), &candidate(1, 1, 4, 1, 4)).unwrap();
+        let four_untimed = predict(&p, &links, &space(4, 4), &candidate(1, 1, 4, 1, 4)).unwrap();
+        assert_eq!(four.step_s, four_untimed.step_s);
         // Two stages of 2 layers, 2 micro-batches of 1: GPipe's (m + p − 1)(F + B) = 3 × 6 s,
         // of which each device idles 6.
         let pp = predict(&p, &links, &space(2, 2), &candidate(1, 2, 1, 2, 1)).unwrap();

@@ -12,6 +12,7 @@ use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
+use crate::comm::tensor_parallel::Shard;
 use crate::comm::{ProcessGroup, ReduceOp};
 use crate::error::UsageError;
 use crate::models::{Masks, PartSpan, TransformerConfig, TransformerPart};
@@ -41,6 +42,20 @@ pub struct Profile {
     /// profile of one rank per host).
     #[serde(default)]
     pub gradient_sync: Option<GradientSync>,
+    /// Tensor-parallel shards' pieces, timed as the whole model's are (none in profiles that
+    /// timed no shard: the plan then gives a shard 1/tp of the whole's time).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shards: Vec<ShardPieces>,
+}
+
+/// The pieces of shard 0 of `tp` (1/tp of the heads, of the feed-forward width and of the
+/// vocabulary) at each micro-batch size, its collectives left out (the plan adds the link's).
+/// Its own time, because a shard's smaller products use the device less well: at small sizes a
+/// shard takes more than 1/tp of the whole.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShardPieces {
+    pub tp: usize,
+    pub compute: Vec<PieceTimes>,
 }
 
 /// The gradients' average as the exercises run it (`GradientAverager`: packed into 25 MiB
@@ -332,27 +347,14 @@ impl Profile {
         crate::atomic_file::write(path, text + "\n").with_context(|| format!("writing the profile {}", path.display()))
     }
 
-    /// The pieces' times for a micro-batch of `micro_batch` sequences: measured at that size,
-    /// or interpolated linearly between the two measured sizes around it (extrapolated from
-    /// the nearest two outside them), never below zero.
+    /// The pieces' times for a micro-batch of `micro_batch` sequences ([`interpolate`]d).
     pub fn pieces_at(&self, micro_batch: i64) -> PieceTimes {
-        let compute = &self.compute;
-        if let Some(exact) = compute.iter().find(|p| p.micro_batch == micro_batch) {
-            return *exact;
-        }
-        if compute.len() == 1 {
-            // One size measured: proportional to the micro-batch.
-            let only = compute[0];
-            let k = micro_batch as f64 / only.micro_batch as f64;
-            let scale = |t: PassTimes| PassTimes { forward_s: t.forward_s * k, backward_s: t.backward_s * k };
-            return PieceTimes { micro_batch, embedding: scale(only.embedding), layer: scale(only.layer), head: scale(only.head) };
-        }
-        let upper = compute.iter().position(|p| p.micro_batch > micro_batch).unwrap_or(compute.len() - 1).max(1);
-        let (a, b) = (compute[upper - 1], compute[upper]);
-        let k = (micro_batch - a.micro_batch) as f64 / (b.micro_batch - a.micro_batch) as f64;
-        let line = |x: f64, y: f64| (x + k * (y - x)).max(0.0);
-        let pass = |x: PassTimes, y: PassTimes| PassTimes { forward_s: line(x.forward_s, y.forward_s), backward_s: line(x.backward_s, y.backward_s) };
-        PieceTimes { micro_batch, embedding: pass(a.embedding, b.embedding), layer: pass(a.layer, b.layer), head: pass(a.head, b.head) }
+        interpolate(&self.compute, micro_batch)
+    }
+
+    /// [`Profile::pieces_at`] of a shard of `tp`, where the profile timed that degree.
+    pub fn shard_pieces_at(&self, tp: usize, micro_batch: i64) -> Option<PieceTimes> {
+        self.shards.iter().find(|s| s.tp == tp).map(|s| interpolate(&s.compute, micro_batch))
     }
 
     /// The fit of `collective` on the link of `scope`, if the profile measured one.
@@ -383,6 +385,22 @@ impl Profile {
         lines.push("|---:|---:|---:|---:|".into());
         for p in &self.compute {
             lines.push(format!("| {} | {:.3} | {:.3} | {:.3} |", p.micro_batch, 1e3 * p.embedding.total(), 1e3 * p.layer.total(), 1e3 * p.head.total()));
+        }
+        for shard in &self.shards {
+            // A shard's layer against 1/tp of the whole's, at each size.
+            let against: Vec<String> = shard
+                .compute
+                .iter()
+                .map(|p| format!("{:.2}", p.layer.total() * shard.tp as f64 / self.pieces_at(p.micro_batch).layer.total().max(f64::MIN_POSITIVE)))
+                .collect();
+            let sizes: Vec<String> = shard.compute.iter().map(|p| p.micro_batch.to_string()).collect();
+            lines.push(format!(
+                "a shard of {}: one layer takes {} × 1/{} of the whole's at micro-batches {}",
+                shard.tp,
+                against.join(", "),
+                shard.tp,
+                sizes.join(", ")
+            ));
         }
         lines.push(format!(
             "optimizer {}: {:.3} ns per parameter; clipping the gradients {:.3} ns per parameter",
@@ -418,10 +436,32 @@ impl Profile {
     }
 }
 
-/// `cfg`'s whole model with `nlayers` layers, unsharded, in `vs`: what the profile times.
-fn probe_model(vs: &tch::nn::VarStore, cfg: &TransformerConfig, nlayers: i64) -> Result<TransformerPart> {
+/// The pieces' times at `micro_batch` from those measured at each size (`compute`, in
+/// increasing size): measured at that size, or interpolated linearly between the two measured
+/// sizes around it (extrapolated from the nearest two outside them), never below zero.
+fn interpolate(compute: &[PieceTimes], micro_batch: i64) -> PieceTimes {
+    if let Some(exact) = compute.iter().find(|p| p.micro_batch == micro_batch) {
+        return *exact;
+    }
+    if compute.len() == 1 {
+        // One size measured: proportional to the micro-batch.
+        let only = compute[0];
+        let k = micro_batch as f64 / only.micro_batch as f64;
+        let scale = |t: PassTimes| PassTimes { forward_s: t.forward_s * k, backward_s: t.backward_s * k };
+        return PieceTimes { micro_batch, embedding: scale(only.embedding), layer: scale(only.layer), head: scale(only.head) };
+    }
+    let upper = compute.iter().position(|p| p.micro_batch > micro_batch).unwrap_or(compute.len() - 1).max(1);
+    let (a, b) = (compute[upper - 1], compute[upper]);
+    let k = (micro_batch - a.micro_batch) as f64 / (b.micro_batch - a.micro_batch) as f64;
+    let line = |x: f64, y: f64| (x + k * (y - x)).max(0.0);
+    let pass = |x: PassTimes, y: PassTimes| PassTimes { forward_s: line(x.forward_s, y.forward_s), backward_s: line(x.backward_s, y.backward_s) };
+    PieceTimes { micro_batch, embedding: pass(a.embedding, b.embedding), layer: pass(a.layer, b.layer), head: pass(a.head, b.head) }
+}
+
+/// `cfg`'s model with `nlayers` layers in `vs`, whole or `shard`: what the profile times.
+fn probe_model(vs: &tch::nn::VarStore, cfg: &TransformerConfig, nlayers: i64, shard: Shard) -> Result<TransformerPart> {
     let config = TransformerConfig { nlayers, ..*cfg };
-    Ok(TransformerPart::new(&vs.root(), &config, PartSpan::whole(nlayers), crate::comm::tensor_parallel::Shard::WHOLE, &mut |_| {})?)
+    Ok(TransformerPart::new(&vs.root(), &config, PartSpan::whole(nlayers), shard, &mut |_| {})?)
 }
 
 /// Median seconds of `repeats` runs of `work` after one warm-up run, waiting for the device.
@@ -440,12 +480,23 @@ fn median_seconds(device: Device, repeats: usize, mut work: impl FnMut() -> Resu
 
 /// Times the model's pieces at each of `micro_batches` sequences of `seq_len` tokens on
 /// `device` in `precision` (autocast for the mixed precisions, 16-bit weights for the true
-/// ones), training mode (dropout as configured): a probe of one whole layer, the encoder
-/// layers being all alike. Forward alone, then forward and backward; the backward time is the
-/// difference. Each the median of 7 samples, taken in rounds over every size.
-pub fn measure_compute(cfg: &TransformerConfig, precision: Precision, device: Device, seq_len: i64, micro_batches: &[i64]) -> Result<Vec<PieceTimes>> {
+/// ones), training mode (dropout as configured): a probe of one layer, the encoder layers
+/// being all alike, whole (`tp` 1) or shard 0 of `tp` with silent collectives (its arithmetic
+/// alone). Forward alone, then forward and backward; the backward time is the difference.
+/// Each the median of 7 samples, taken in rounds over every size.
+pub fn measure_compute(
+    cfg: &TransformerConfig,
+    precision: Precision,
+    device: Device,
+    seq_len: i64,
+    micro_batches: &[i64],
+    tp: usize,
+) -> Result<Vec<PieceTimes>> {
     let mut vs = tch::nn::VarStore::new(device);
-    let probe = probe_model(&vs, cfg, 1)?;
+    let shard = Shard { index: 0, count: tp.max(1) };
+    let silent = (tp > 1).then(|| ProcessGroup::silent(tp));
+    let group = silent.as_ref();
+    let probe = probe_model(&vs, cfg, 1, shard)?;
     if let Some(kind) = precision.weights_kind() {
         vs.set_kind(kind);
     }
@@ -463,11 +514,11 @@ pub fn measure_compute(cfg: &TransformerConfig, precision: Precision, device: De
     // and its loss.
     let pass = |piece: usize, tokens: &Tensor, hidden: &Tensor| -> Result<Tensor> {
         precision::autocast(precision, device, || match piece {
-            0 => probe.embed(tokens, true, Masks::Shared, None),
-            1 => Ok(layer.forward_masked(&hidden.detach().set_requires_grad(true), true, Masks::Shared, 0)),
+            0 => probe.embed(tokens, true, Masks::Shared, group),
+            1 => layer.forward_sharded(&hidden.detach().set_requires_grad(true), true, Masks::Shared, 0, group),
             _ => {
-                let logits = probe.decode(&hidden.detach().set_requires_grad(true), None)?;
-                Ok(probe.loss_and_hits(&logits, tokens, None, false)?.0)
+                let logits = probe.decode(&hidden.detach().set_requires_grad(true), group)?;
+                Ok(probe.loss_and_hits(&logits, tokens, group, false)?.0)
             }
         })
     };
@@ -521,7 +572,7 @@ pub fn measure_compute(cfg: &TransformerConfig, precision: Precision, device: De
 pub fn measure_sharing(cfg: &TransformerConfig, device: Device, seq_len: i64, micro_batch: i64, host: &ProcessGroup) -> Result<SharedCores> {
     const REPEATS: usize = 9;
     let vs = tch::nn::VarStore::new(device);
-    let probe = probe_model(&vs, cfg, 1)?;
+    let probe = probe_model(&vs, cfg, 1, Shard::WHOLE)?;
     let (_, layer) = probe.layers().next().expect("the probe has one layer");
     let tokens = Tensor::randint(cfg.ntoken, [seq_len, micro_batch], (Kind::Int64, device));
     let pass = || -> Result<f64> {
@@ -549,11 +600,17 @@ pub fn measure_sharing(cfg: &TransformerConfig, device: Device, seq_len: i64, mi
     Ok(SharedCores { ranks: host.world_size(), slowdown: if alone > 0.0 { together / alone } else { 1.0 } })
 }
 
-/// The ranks' mean of each piece's times and of the optimizer's, on every rank (each rank timed
-/// its own, all at once).
-pub fn mean_over_ranks(group: &ProcessGroup, compute: Vec<PieceTimes>, optimizer: OptimizerTime) -> Result<(Vec<PieceTimes>, OptimizerTime)> {
+/// The ranks' mean of each piece's times (the whole model's and each shard's) and of the
+/// optimizer's, on every rank (each rank timed its own, all at once).
+pub fn mean_over_ranks(
+    group: &ProcessGroup,
+    compute: Vec<PieceTimes>,
+    shards: Vec<ShardPieces>,
+    optimizer: OptimizerTime,
+) -> Result<(Vec<PieceTimes>, Vec<ShardPieces>, OptimizerTime)> {
     let passes = |p: &PieceTimes| [p.embedding, p.layer, p.head];
-    let mut flat: Vec<f64> = compute.iter().flat_map(|p| passes(p).into_iter().flat_map(|t| [t.forward_s, t.backward_s])).collect();
+    let all_pieces = || compute.iter().chain(shards.iter().flat_map(|s| &s.compute));
+    let mut flat: Vec<f64> = all_pieces().flat_map(|p| passes(p).into_iter().flat_map(|t| [t.forward_s, t.backward_s])).collect();
     flat.extend([optimizer.seconds_per_parameter, optimizer.clip_seconds_per_parameter]);
     let device = group.device(true);
     let mut sums = Tensor::from_slice(&flat).to_device(device);
@@ -562,8 +619,12 @@ pub fn mean_over_ranks(group: &ProcessGroup, compute: Vec<PieceTimes>, optimizer
     let (pieces, optimizer_mean) = mean.split_at(mean.len() - 2);
     let mut at = pieces.chunks_exact(2).map(|t| PassTimes { forward_s: t[0], backward_s: t[1] });
     let mut next = || at.next().expect("six times per micro-batch size");
-    let compute = compute.iter().map(|p| PieceTimes { micro_batch: p.micro_batch, embedding: next(), layer: next(), head: next() }).collect();
-    Ok((compute, OptimizerTime { seconds_per_parameter: optimizer_mean[0], clip_seconds_per_parameter: optimizer_mean[1], ..optimizer }))
+    let mut mean_of = |sizes: &[PieceTimes]| -> Vec<PieceTimes> {
+        sizes.iter().map(|p| PieceTimes { micro_batch: p.micro_batch, embedding: next(), layer: next(), head: next() }).collect()
+    };
+    let mean_compute = mean_of(&compute);
+    let mean_shards = shards.iter().map(|s| ShardPieces { tp: s.tp, compute: mean_of(&s.compute) }).collect();
+    Ok((mean_compute, mean_shards, OptimizerTime { seconds_per_parameter: optimizer_mean[0], clip_seconds_per_parameter: optimizer_mean[1], ..optimizer }))
 }
 
 /// Times `kind`'s step, and clipping the gradients to a norm, over float32 parameters shaped
@@ -575,7 +636,7 @@ pub fn measure_optimizer(kind: OptimizerKind, cfg: &TransformerConfig, device: D
     let count = |nlayers| crate::models::param_count_formula(&TransformerConfig { nlayers, ..*cfg });
     let nlayers = nlayers.clamp(1, layers_reaching(cfg, enough));
     let vs = tch::nn::VarStore::new(device);
-    probe_model(&vs, cfg, nlayers)?;
+    probe_model(&vs, cfg, nlayers, Shard::WHOLE)?;
     let params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     for (_, p) in &params {
         // A gradient to step with: d(p·g)/dp = g.
@@ -608,7 +669,7 @@ pub fn measure_gradient_sync(
 ) -> Result<GradientSync> {
     let nlayers = nlayers.clamp(1, layers_reaching(cfg, enough));
     let vs = tch::nn::VarStore::new(device);
-    probe_model(&vs, cfg, nlayers)?;
+    probe_model(&vs, cfg, nlayers, Shard::WHOLE)?;
     let params: Vec<Tensor> = vs.trainable_variables();
     for p in &params {
         (p * Tensor::randn_like(p)).sum(Kind::Float).backward();
@@ -705,6 +766,7 @@ mod tests {
             compute,
             optimizer: OptimizerTime { kind: OptimizerKind::Adam, seconds_per_parameter: 1e-9, clip_seconds_per_parameter: 0.0, parameters_timed: 1 },
             gradient_sync: None,
+            shards: Vec::new(),
             links: Vec::new(),
         }
     }
@@ -757,6 +819,21 @@ mod tests {
     }
 
     #[test]
+    fn a_shard_is_timed_alone_at_every_size_and_only_its_degree_is_read_from_it() {
+        let rows = measure_compute(&tiny(), Precision::Full, Device::Cpu, 8, &[1, 2], 2).unwrap();
+        assert_eq!(rows.iter().map(|r| r.micro_batch).collect::<Vec<_>>(), vec![1, 2]);
+        assert!(rows.iter().all(|r| [r.embedding, r.layer, r.head].iter().all(|t| t.forward_s > 0.0 && t.total().is_finite())), "{rows:?}");
+        let p = Profile { shards: vec![ShardPieces { tp: 2, compute: vec![pieces(1, 0.5), pieces(4, 2.5)] }], ..profile(vec![pieces(1, 1.0), pieces(4, 4.0)]) };
+        assert!((p.shard_pieces_at(2, 2).unwrap().layer.forward_s - (0.5 + 2.0 / 3.0)).abs() < 1e-12);
+        assert_eq!(p.shard_pieces_at(2, 4), Some(pieces(4, 2.5)));
+        assert_eq!(p.shard_pieces_at(4, 4), None, "a degree not timed");
+        assert!(p.describe().contains("a shard of 2: one layer takes 1.00, 1.25 × 1/2 of the whole's at micro-batches 1, 4"), "{}", p.describe());
+        let dir = tempfile::tempdir().unwrap();
+        p.write(&dir.path().join("p.json")).unwrap();
+        assert_eq!(Profile::read(&dir.path().join("p.json"), None).unwrap(), p);
+    }
+
+    #[test]
     fn a_profile_reads_back_and_a_mismatched_or_broken_one_is_one_usage_line() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("profile.json");
@@ -785,7 +862,7 @@ mod tests {
 
     #[test]
     fn the_pieces_are_timed_at_every_size_asked_forward_and_backward() {
-        let rows = measure_compute(&tiny(), Precision::Full, Device::Cpu, 8, &[4, 1, 4]).unwrap();
+        let rows = measure_compute(&tiny(), Precision::Full, Device::Cpu, 8, &[4, 1, 4], 1).unwrap();
         assert_eq!(rows.iter().map(|r| r.micro_batch).collect::<Vec<_>>(), vec![1, 4]);
         for row in rows {
             for pass in [row.embedding, row.layer, row.head] {

@@ -133,11 +133,12 @@ bench-parallel: build
 	$(WITH) bench/parallel.sh
 
 # The layout planner against runs: bench-parallel's Transformer profiled on NPROC=4 CPU ranks,
-# planned (exercise3 plan), and every layout that fits in MEMORY run for STEPS steps; predicted
-# and measured step time and peak memory into results/bench-plan.csv, summarized with
-# results/bench-plan.svg (report plan). HOSTS=2: across two hosts (network namespaces, root),
-# the link between them shaped to LINK_RATE. Settings: HOSTS, NPROC, GLOBAL, STEPS, THREADS,
-# MEMORY, LINK_RATE, SAMPLE, DATA (see bench/plan.sh).
+# planned (exercise3 plan), and every layout that fits in MEMORY run for STEPS steps, REPEAT=2
+# times, then profiled again; predicted and measured step time and peak memory into
+# results/bench-plan.csv, summarized with the bench's own noise and results/bench-plan.svg
+# (report plan). HOSTS=2: across two hosts (network namespaces, root), the link between them
+# shaped to LINK_RATE. Settings: HOSTS, NPROC, GLOBAL, STEPS, THREADS, MEMORY, LINK_RATE,
+# SAMPLE, REPEAT, DATA (see bench/plan.sh).
 bench-plan: build
 	$(WITH) bench/plan.sh
 

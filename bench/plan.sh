@@ -5,20 +5,24 @@
 # batch (GLOBAL streams of 35 tokens):
 #   1. `exercise3 profile` over the job's ranks, with the runs' threads (THREADS);
 #   2. `exercise3 plan --json`: every legal layout, those that fit in MEMORY per rank ranked;
-#   3. every one of them run for STEPS steps (the first 2 not timed) as the plan's row says;
-#   4. per layout the predicted and measured step time and the busiest rank's peak memory
-#      (bytes held by tensors in training over what they held before) appended to
+#   3. every one of them run for STEPS steps (the first 2 not timed) as the plan's row says,
+#      REPEAT times (the second time in the reverse order), then the machine profiled again;
+#   4. per run the predicted (from each profile) and measured step time and the busiest rank's
+#      peak memory (bytes held by tensors in training over what they held before) appended to
 #      results/bench-plan.csv, and `report plan` summarizes the newest run of each cluster:
-#      time errors (median and worst), memory errors, where the measured-fastest layout stood
-#      in the plan, Spearman's rank correlation; chart results/bench-plan.svg.
+#      time errors (median and worst; a layout's mean run against the mean of its two
+#      predictions), memory errors, where the measured-fastest layout stood in the plan,
+#      Spearman's rank correlation, and the bench's own noise (a layout's runs apart, the two
+#      profiles' predictions apart); chart results/bench-plan.svg.
 # HOSTS=2 runs it across two hosts: network namespaces on this machine (scripts/lib/hosts.sh,
 # root), NPROC/2 ranks on each started by `mpirun -H`, the link between them shaped to
 # LINK_RATE (tc tbf); the profile then measures that link too, and the plan gives each host
 # its share of this machine's cores (--cores-per-node).
 #
-#   make bench-plan                         HOSTS=1 NPROC=4 GLOBAL=16 STEPS=6 THREADS=1 MEMORY=1GiB
+#   make bench-plan                         HOSTS=1 NPROC=4 GLOBAL=16 STEPS=6 THREADS=1 MEMORY=1GiB REPEAT=2
 #   make bench-plan HOSTS=2 LINK_RATE=1gbit
 #   make bench-plan SAMPLE=3                 the plan's best 3, then every 3rd layout of its ranking
+#   make bench-plan REPEAT=1                 each layout once, one profile (half the time; no noise figures)
 #
 # Not a test: the ranks share this machine's cores, and the runs are timed while nothing else
 # runs (run it alone).
@@ -26,12 +30,13 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 HOSTS="${HOSTS:-1}"; NPROC="${NPROC:-4}"; GLOBAL="${GLOBAL:-16}"; STEPS="${STEPS:-6}"; THREADS="${THREADS:-1}"
-MEMORY="${MEMORY:-1GiB}"; LINK_RATE="${LINK_RATE:-1gbit}"; SAMPLE="${SAMPLE:-1}"
+MEMORY="${MEMORY:-1GiB}"; LINK_RATE="${LINK_RATE:-1gbit}"; SAMPLE="${SAMPLE:-1}"; REPEAT="${REPEAT:-2}"
 bin="$root/${BIN:-target/release}"
 csv="results/bench-plan.csv"
 [[ "$HOSTS" == 1 || "$HOSTS" == 2 ]] || { echo "error: HOSTS=$HOSTS: 1 or 2" >&2; exit 2; }
 ((NPROC % HOSTS == 0)) || { echo "error: NPROC=$NPROC ranks do not divide over HOSTS=$HOSTS" >&2; exit 2; }
 [[ "$SAMPLE" =~ ^[1-9][0-9]*$ ]] || { echo "error: SAMPLE=$SAMPLE: a whole number of 1 or more" >&2; exit 2; }
+[[ "$REPEAT" =~ ^[1-9][0-9]*$ ]] || { echo "error: REPEAT=$REPEAT: a whole number of 1 or more" >&2; exit 2; }
 ((STEPS > 2)) || { echo "error: STEPS=$STEPS: the first 2 steps are not timed, so at least 3" >&2; exit 2; }
 # shellcheck source=bench/transformer.sh
 source "$root/bench/transformer.sh"
@@ -67,49 +72,77 @@ vocab="$(sed -n 's/^Transformer LM: .*, vocabulary \([0-9]*\);.*/\1/p' "$work/vo
 [[ -n "$vocab" ]] || { echo "error: no vocabulary in exercise1_nlp's output:" >&2; cat "$work/vocab.log" >&2; exit 1; }
 
 echo "profile: $cluster ranks, d 256, vocabulary $vocab, $THREADS thread(s) per rank"
-# The model's flags (one layer is timed and the plan stacks them; the optimizer is timed over
-# the model's layers).
-launch "$bin/exercise3" profile --out "$work/profile.json" "${model[@]}" --vocab "$vocab" --pad-vocab 128 \
-    --micro-batches 1,2,4,8,16 --threads "$THREADS" --max-message-mb 64 > "$work/profile.log" 2>&1 \
-    || { echo "error: exercise3 profile failed:" >&2; tail -n 20 "$work/profile.log" >&2; exit 1; }
+# profile OUT: the machine measured for the plan, the model's flags (one layer is timed and the
+# plan stacks them; the optimizer is timed over the model's layers).
+profile() {
+    launch "$bin/exercise3" profile --out "$1" "${model[@]}" --vocab "$vocab" --pad-vocab 128 \
+        --micro-batches 1,2,4,8,16 --threads "$THREADS" --max-message-mb 64 > "$work/profile.log" 2>&1 \
+        || { echo "error: exercise3 profile failed:" >&2; tail -n 20 "$work/profile.log" >&2; exit 1; }
+}
+profile "$work/profile.json"
 cp "$work/profile.json" "results/bench-plan-profile-${cluster%% *}.json"
-# The simulated hosts share this machine's cores: each gets its share.
-plan=("$bin/exercise3" plan --profile "$work/profile.json" --nodes "$HOSTS" --gpus-per-node "$per_host" --memory "$MEMORY"
-      --global-batch "$GLOBAL" --nlayers 4 --cores-per-node "$(( $(nproc) / HOSTS > 0 ? $(nproc) / HOSTS : 1 ))")
-"${plan[@]}" --json > "$work/plan.json"
-"${plan[@]}" --top 5
+# plan PROFILE ARGS...: the simulated hosts share this machine's cores, each gets its share.
+plan() {
+    "$bin/exercise3" plan --profile "$1" --nodes "$HOSTS" --gpus-per-node "$per_host" --memory "$MEMORY" \
+        --global-batch "$GLOBAL" --nlayers 4 --cores-per-node "$(( $(nproc) / HOSTS > 0 ? $(nproc) / HOSTS : 1 ))" "${@:2}"
+}
+plan "$work/profile.json" --json > "$work/plan.json"
+plan "$work/profile.json" --top 5
 mapfile -t rows < <(python3 -c 'import json,sys
 for p in json.load(open(sys.argv[1]))["ranked"]:
     print("\t".join(map(str, [p["command"], p["step_s"], p["memory_bytes"], p["compute_s"], p["tp_comm_s"], p["bubble_s"], p["exposed_comm_s"], p["optimizer_s"]])))' "$work/plan.json")
-echo "running the ${#rows[@]} layouts that fit in $MEMORY (SAMPLE=$SAMPLE: the best 3, then every ${SAMPLE}th), $STEPS steps each"
+selected=()
+for ((rank = 1; rank <= ${#rows[@]}; rank++)); do
+    ((rank <= 3 || (rank - 1) % SAMPLE == 0)) && selected+=("$rank")
+done
+echo "running ${#selected[@]} of the ${#rows[@]} layouts that fit in $MEMORY (SAMPLE=$SAMPLE: the best 3, then every ${SAMPLE}th), $STEPS steps each, $REPEAT time(s)"
 
-header="bench_started_at,cluster,predicted_rank,layout,predicted_step_s,measured_step_s,predicted_memory_bytes,measured_memory_bytes,compute_s,tp_comm_s,bubble_s,exposed_comm_s,optimizer_s"
+header="bench_started_at,cluster,predicted_rank,layout,predicted_step_s,measured_step_s,predicted_memory_bytes,measured_memory_bytes,compute_s,tp_comm_s,bubble_s,exposed_comm_s,optimizer_s,pass,predicted_step_s_after"
 if [[ -f "$csv" && "$(head -n 1 "$csv")" != "$header" ]]; then
     mv "$csv" "$csv.$(date +%s).old"; echo "note: $csv had other columns; moved it aside" >&2
 fi
 [[ -f "$csv" ]] || echo "$header" > "$csv"
 started="$(date +%s)"
-rank=0
-for row in "${rows[@]}"; do
-    rank=$((rank + 1))
-    ((rank <= 3 || (rank - 1) % SAMPLE == 0)) || continue
-    IFS=$'\t' read -r command predicted memory rest <<< "$row"
-    read -r -a flags <<< "$command"
-    rm -rf "$work/run"
-    if ! launch "$bin/${flags[0]}" "${flags[@]:1}" "${transformer_flags[@]}" --pad-vocab 128 --max-steps "$STEPS" \
-        --results-dir "$work/run" > "$work/run.log" 2>&1; then
-        echo "error: #$rank $command failed:" >&2; tail -n 20 "$work/run.log" >&2; exit 1
-    fi
-    python3 - "$work/run" "$csv" "$started" "$cluster" "$rank" "$command" "$predicted" "$memory" "$rest" <<'PY'
+# Each pass runs the layouts in the other order, so that a slow spell of the machine does not
+# fall on the same layouts' runs; the bench's rows wait in $work/rows until the profile after.
+for ((pass = 1; pass <= REPEAT; pass++)); do
+    order=("${selected[@]}")
+    ((pass % 2 == 1)) || mapfile -t order < <(printf '%s\n' "${selected[@]}" | tac)
+    for rank in "${order[@]}"; do
+        IFS=$'\t' read -r command predicted memory rest <<< "${rows[rank - 1]}"
+        read -r -a flags <<< "$command"
+        rm -rf "$work/run"
+        if ! launch "$bin/${flags[0]}" "${flags[@]:1}" "${transformer_flags[@]}" --pad-vocab 128 --max-steps "$STEPS" \
+            --results-dir "$work/run" > "$work/run.log" 2>&1; then
+            echo "error: #$rank $command failed:" >&2; tail -n 20 "$work/run.log" >&2; exit 1
+        fi
+        python3 - "$work/run" "$work/rows" "$started" "$cluster" "$rank" "$command" "$predicted" "$memory" "$rest" "$pass" <<'PY'
 import glob, json, sys
-run, csv, started, cluster, rank, command, predicted, memory, rest = sys.argv[1:]
+run, rows, started, cluster, rank, command, predicted, memory, rest, run_pass = sys.argv[1:]
 d = json.load(open(glob.glob(f"{run}/*-cpu.json")[0]))
 step = d["global_batch"] * d["bptt"] / d["steady_throughput"]
 held = max(p["training_peak_bytes"] - p["baseline_bytes"] for p in d["peak_memory"])
-row = [started, f'"{cluster}"', rank, f'"{command}"', predicted, f"{step:.6f}", memory, held] + rest.split("\t")
-open(csv, "a").write(",".join(map(str, row)) + "\n")
-print(f"#{rank} {command}: predicted {float(predicted):.3f} s, measured {step:.3f} s ({float(predicted) / step - 1:+.0%}); "
+row = [started, f'"{cluster}"', rank, f'"{command}"', predicted, f"{step:.6f}", memory, held] + rest.split("\t") + [run_pass]
+open(rows, "a").write(",".join(map(str, row)) + ",\n")
+print(f"#{rank} {command} (run {run_pass}): predicted {float(predicted):.3f} s, measured {step:.3f} s ({float(predicted) / step - 1:+.0%}); "
       f"memory predicted {float(memory) / 2**20:.1f} MiB, measured {held / 2**20:.1f} MiB ({float(memory) / held - 1:+.0%})")
 PY
+    done
 done
+# Run more than once, the machine is profiled again: the two profiles' predictions apart say how
+# far the profile itself moves in the bench's time.
+if ((REPEAT > 1)); then
+    echo "profile again, after the runs"
+    profile "$work/profile-after.json"
+    plan "$work/profile-after.json" --json > "$work/plan-after.json"
+fi
+python3 - "$work/rows" "$work/plan-after.json" "$csv" <<'PY'
+import csv, io, json, os, sys
+rows, after, out = sys.argv[1:]
+predicted = {p["command"]: p["step_s"] for p in json.load(open(after))["ranked"]} if os.path.exists(after) else {}
+with open(out, "a") as f:
+    for line in open(rows).read().splitlines():
+        layout = next(csv.reader(io.StringIO(line)))[3]
+        f.write(line + (str(predicted[layout]) if layout in predicted else "") + "\n")
+PY
 "$bin/report" --results-dir results plan

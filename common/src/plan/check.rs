@@ -1,7 +1,9 @@
 //! The plan against runs (`make bench-plan`): for each layout that was planned and then run,
 //! the predicted and measured step time and peak memory; over all of them, the errors, whether
 //! the measured-best layout was among the predicted best, and how well the two rankings agree
-//! (Spearman's rank correlation).
+//! (Spearman's rank correlation). A bench that runs each layout more than once, and profiles the
+//! machine again after the runs, also says how far its own figures move when taken again: the
+//! noise that no model can be checked closer than.
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
@@ -62,6 +64,18 @@ pub struct Summary {
     pub measured_best: String,
     /// Spearman's rank correlation of predicted against measured step times.
     pub spearman: f64,
+    /// How far the bench's own figures moved when taken again.
+    pub noise: Noise,
+}
+
+/// The bench's figures taken twice: the same layout's runs against each other, and the profile
+/// taken after the runs against the one taken before.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Noise {
+    /// Each layout run more than once: its slowest step time over its fastest, less one.
+    pub repeat: Option<Errors>,
+    /// Each layout's step time predicted from the later profile over the earlier, less one.
+    pub profiles: Option<Errors>,
 }
 
 impl Summary {
@@ -78,6 +92,7 @@ impl Summary {
             measured_best_predicted_rank: predicted_rank,
             measured_best: fastest.layout.clone(),
             spearman: spearman(&predicted, &measured),
+            noise: Noise::default(),
         })
     }
 }
@@ -92,11 +107,62 @@ struct CsvRow {
     measured_step_s: f64,
     predicted_memory_bytes: f64,
     measured_memory_bytes: f64,
+    /// The step time predicted from the profile taken after the runs, where one was (its `pass`
+    /// column, which run of the layout a row is, only tells a reader).
+    #[serde(default)]
+    predicted_step_s_after: Option<f64>,
+}
+
+/// One cluster's newest bench: a row per layout (its runs' mean step time, the mean of its
+/// predictions from the profiles before and after the runs), and the bench's noise.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Bench {
+    pub cluster: String,
+    pub rows: Vec<Checked>,
+    pub noise: Noise,
+}
+
+impl Bench {
+    /// `rows`: one bench's CSV rows, a layout's runs in any order.
+    fn of(cluster: String, rows: &[&CsvRow]) -> Bench {
+        let mut layouts: Vec<&str> = Vec::new();
+        for row in rows {
+            if !layouts.contains(&row.layout.as_str()) {
+                layouts.push(&row.layout);
+            }
+        }
+        let (mut checked, mut repeat, mut profiles) = (Vec::new(), Vec::new(), Vec::new());
+        for layout in layouts {
+            let runs: Vec<&CsvRow> = rows.iter().copied().filter(|r| r.layout == layout).collect();
+            let mean = |f: fn(&CsvRow) -> f64| runs.iter().map(|r| f(r)).sum::<f64>() / runs.len() as f64;
+            let (fastest, slowest) = runs.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), r| (lo.min(r.measured_step_s), hi.max(r.measured_step_s)));
+            if runs.len() > 1 {
+                repeat.push(slowest / fastest - 1.0);
+            }
+            let before = runs[0].predicted_step_s;
+            let predicted = match runs[0].predicted_step_s_after {
+                Some(after) => {
+                    profiles.push(after / before - 1.0);
+                    (before + after) / 2.0
+                }
+                None => before,
+            };
+            checked.push(Checked {
+                layout: layout.to_string(),
+                predicted_step_s: predicted,
+                measured_step_s: mean(|r| r.measured_step_s),
+                predicted_memory_bytes: runs[0].predicted_memory_bytes,
+                measured_memory_bytes: runs.iter().map(|r| r.measured_memory_bytes).fold(0.0, f64::max),
+            });
+        }
+        let summarized = |errors: Vec<f64>| (!errors.is_empty()).then(|| Errors::of(errors));
+        Bench { cluster, rows: checked, noise: Noise { repeat: summarized(repeat), profiles: summarized(profiles) } }
+    }
 }
 
 /// The newest bench of each cluster in `csv` (`make bench-plan`'s rows), in the order the
 /// clusters first appear.
-pub fn newest_benches(csv: &Path) -> Result<Vec<(String, Vec<Checked>)>> {
+pub fn newest_benches(csv: &Path) -> Result<Vec<Bench>> {
     let mut reader = csv::Reader::from_path(csv).with_context(|| format!("cannot read {}", csv.display()))?;
     let rows: Vec<CsvRow> = reader.deserialize().collect::<Result<_, _>>().with_context(|| format!("{} is not bench-plan's CSV", csv.display()))?;
     let mut clusters: Vec<String> = Vec::new();
@@ -109,18 +175,8 @@ pub fn newest_benches(csv: &Path) -> Result<Vec<(String, Vec<Checked>)>> {
         .into_iter()
         .map(|cluster| {
             let newest = rows.iter().filter(|r| r.cluster == cluster).map(|r| r.bench_started_at).max().unwrap_or(0);
-            let checked = rows
-                .iter()
-                .filter(|r| r.cluster == cluster && r.bench_started_at == newest)
-                .map(|r| Checked {
-                    layout: r.layout.clone(),
-                    predicted_step_s: r.predicted_step_s,
-                    measured_step_s: r.measured_step_s,
-                    predicted_memory_bytes: r.predicted_memory_bytes,
-                    measured_memory_bytes: r.measured_memory_bytes,
-                })
-                .collect();
-            (cluster, checked)
+            let bench: Vec<&CsvRow> = rows.iter().filter(|r| r.cluster == cluster && r.bench_started_at == newest).collect();
+            Bench::of(cluster, &bench)
         })
         .collect())
 }
@@ -129,7 +185,7 @@ impl Summary {
     /// The summary as the README gives it, one line.
     pub fn describe(&self, cluster: &str) -> String {
         let pct = |x: f64| format!("{:+.0}%", 100.0 * x);
-        format!(
+        let mut line = format!(
             "{cluster}: {} layouts; step time off by {:.0}% (median), {} at worst, leaning {}; peak memory off by {:.1}% (median), {} at worst; \
              the measured-fastest ({}) was #{} of the plan; Spearman {:.2}",
             self.layouts,
@@ -141,7 +197,18 @@ impl Summary {
             self.measured_best,
             self.measured_best_predicted_rank,
             self.spearman
-        )
+        );
+        if let Some(repeat) = self.noise.repeat {
+            line += &format!("; the noise: a layout's runs {:.0}% apart (median), {:.0}% at worst", 100.0 * repeat.median_abs, 100.0 * repeat.worst.abs());
+        }
+        if let Some(profiles) = self.noise.profiles {
+            line += &format!(
+                "; the profile after the runs predicts {} (median) of the one before, {} at worst",
+                pct(profiles.median),
+                pct(profiles.worst)
+            );
+        }
+        line
     }
 }
 
@@ -149,12 +216,15 @@ impl Summary {
 /// and drawn predicted against measured (step time, peak memory) into `bench-plan.svg`.
 pub fn report(results_dir: &Path) -> Result<(Vec<(String, Summary)>, PathBuf)> {
     let benches = newest_benches(&results_dir.join("bench-plan.csv"))?;
-    let summaries = benches.iter().filter_map(|(cluster, rows)| Some((cluster.clone(), Summary::of(rows)?))).collect();
+    let summaries = benches
+        .iter()
+        .filter_map(|bench| Some((bench.cluster.clone(), Summary { noise: bench.noise, ..Summary::of(&bench.rows)? })))
+        .collect();
     let panel = |caption: &str, title_x: &'static str, title_y: &'static str, point: fn(&Checked) -> (f64, f64)| crate::plots::ScatterPanel {
         caption: caption.into(),
         x_title: title_x,
         y_title: title_y,
-        series: benches.iter().map(|(cluster, rows)| (cluster.clone(), rows.iter().map(point).collect())).collect(),
+        series: benches.iter().map(|bench| (bench.cluster.clone(), bench.rows.iter().map(point).collect())).collect(),
     };
     let svg = results_dir.join("bench-plan.svg");
     crate::plots::against_diagonal(
@@ -248,6 +318,47 @@ mod tests {
         assert!(drawn.contains("<svg") && drawn.contains("2x2 over 1gbit") && drawn.contains("step time"), "the chart names its clusters and panels");
         std::fs::write(dir.path().join("bench-plan.csv"), "what,ever\n1,2\n").unwrap();
         assert!(report(dir.path()).unwrap_err().to_string().contains("is not bench-plan's CSV"));
+    }
+
+    #[test]
+    fn a_layout_run_twice_is_checked_by_its_mean_and_the_spread_of_runs_and_profiles_is_the_noise() {
+        let dir = tempfile::tempdir().unwrap();
+        let header = "bench_started_at,cluster,predicted_rank,layout,predicted_step_s,measured_step_s,predicted_memory_bytes,measured_memory_bytes,compute_s,tp_comm_s,bubble_s,exposed_comm_s,optimizer_s,pass,predicted_step_s_after";
+        let lines = [
+            header,
+            // An older bench of the same cluster, each layout once, without the new columns' values.
+            r#"100,"1x2",1,"a",0.1,0.5,1000,1000,0,0,0,0,0,1,"#,
+            // The newest: a and b twice each (the second pass in reverse), profiled again after.
+            r#"200,"1x2",1,"a",1.0,1.0,1000,1000,0,0,0,0,0,1,1.15"#,
+            r#"200,"1x2",2,"b",2.0,2.5,2000,2000,0,0,0,0,0,1,1.9"#,
+            r#"200,"1x2",2,"b",2.0,1.5,2000,2100,0,0,0,0,0,2,1.9"#,
+            r#"200,"1x2",1,"a",1.0,1.2,1000,1000,0,0,0,0,0,2,1.15"#,
+        ];
+        std::fs::write(dir.path().join("bench-plan.csv"), lines.join("\n")).unwrap();
+        let benches = newest_benches(&dir.path().join("bench-plan.csv")).unwrap();
+        assert_eq!(benches.len(), 1);
+        let bench = &benches[0];
+        let [a, b] = &bench.rows[..] else { panic!("a row per layout, not per run: {bench:?}") };
+        assert_eq!((a.layout.as_str(), b.layout.as_str()), ("a", "b"), "in the order the plan ranked them");
+        // Measured: the runs' mean; predicted: the two profiles' mean; memory: the higher peak.
+        assert!((a.measured_step_s - 1.1).abs() < 1e-12 && (a.predicted_step_s - 1.075).abs() < 1e-12, "{a:?}");
+        assert!((b.measured_step_s - 2.0).abs() < 1e-12 && (b.predicted_step_s - 1.95).abs() < 1e-12, "{b:?}");
+        assert_eq!(b.measured_memory_bytes, 2100.0);
+        // a's runs 20% apart, b's 2.5/1.5 − 1 = 66.7%; the later profile +15% and −5%.
+        let repeat = bench.noise.repeat.unwrap();
+        assert!((repeat.worst - 2.0 / 3.0).abs() < 1e-12 && (repeat.median_abs - (0.2 + 2.0 / 3.0) / 2.0).abs() < 1e-12, "{repeat:?}");
+        let profiles = bench.noise.profiles.unwrap();
+        assert!((profiles.worst - 0.15).abs() < 1e-12 && (profiles.median - 0.05).abs() < 1e-12, "{profiles:?}");
+        let (summaries, _) = report(dir.path()).unwrap();
+        let text = summaries[0].1.describe("1x2");
+        assert!(text.contains("; the noise: a layout's runs 43% apart (median), 67% at worst"), "{text}");
+        assert!(text.contains("; the profile after the runs predicts +5% (median) of the one before, +15% at worst"), "{text}");
+        // A bench of single runs and one profile has no noise to tell.
+        let once = [header, r#"300,"1x2",1,"a",1.0,1.0,1000,1000,0,0,0,0,0,1,"#];
+        std::fs::write(dir.path().join("bench-plan.csv"), once.join("\n")).unwrap();
+        let (summaries, _) = report(dir.path()).unwrap();
+        assert_eq!(summaries[0].1.noise, Noise::default());
+        assert!(!summaries[0].1.describe("1x2").contains("noise"));
     }
 
     #[test]

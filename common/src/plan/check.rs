@@ -202,11 +202,7 @@ impl Summary {
             line += &format!("; the noise: a layout's runs {:.0}% apart (median), {:.0}% at worst", 100.0 * repeat.median_abs, 100.0 * repeat.worst.abs());
         }
         if let Some(profiles) = self.noise.profiles {
-            line += &format!(
-                "; the profile after the runs predicts {} (median) of the one before, {} at worst",
-                pct(profiles.median),
-                pct(profiles.worst)
-            );
+            line += &format!("; the profile after the runs predicts {} (median) of the one before, {} at worst", pct(profiles.median), pct(profiles.worst));
         }
         line
     }
@@ -216,10 +212,7 @@ impl Summary {
 /// and drawn predicted against measured (step time, peak memory) into `bench-plan.svg`.
 pub fn report(results_dir: &Path) -> Result<(Vec<(String, Summary)>, PathBuf)> {
     let benches = newest_benches(&results_dir.join("bench-plan.csv"))?;
-    let summaries = benches
-        .iter()
-        .filter_map(|bench| Some((bench.cluster.clone(), Summary { noise: bench.noise, ..Summary::of(&bench.rows)? })))
-        .collect();
+    let summaries = benches.iter().filter_map(|bench| Some((bench.cluster.clone(), Summary { noise: bench.noise, ..Summary::of(&bench.rows)? }))).collect();
     let panel = |caption: &str, title_x: &'static str, title_y: &'static str, point: fn(&Checked) -> (f64, f64)| crate::plots::ScatterPanel {
         caption: caption.into(),
         x_title: title_x,

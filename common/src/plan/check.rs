@@ -125,12 +125,7 @@ pub struct Bench {
 impl Bench {
     /// `rows`: one bench's CSV rows, a layout's runs in any order.
     fn of(cluster: String, rows: &[&CsvRow]) -> Bench {
-        let mut layouts: Vec<&str> = Vec::new();
-        for row in rows {
-            if !layouts.contains(&row.layout.as_str()) {
-                layouts.push(&row.layout);
-            }
-        }
+        let layouts = first_appearances(rows.iter().map(|r| r.layout.as_str()));
         let (mut checked, mut repeat, mut profiles) = (Vec::new(), Vec::new(), Vec::new());
         for layout in layouts {
             let runs: Vec<&CsvRow> = rows.iter().copied().filter(|r| r.layout == layout).collect();
@@ -165,14 +160,9 @@ impl Bench {
 pub fn newest_benches(csv: &Path) -> Result<Vec<Bench>> {
     let mut reader = csv::Reader::from_path(csv).with_context(|| format!("cannot read {}", csv.display()))?;
     let rows: Vec<CsvRow> = reader.deserialize().collect::<Result<_, _>>().with_context(|| format!("{} is not bench-plan's CSV", csv.display()))?;
-    let mut clusters: Vec<String> = Vec::new();
-    for row in &rows {
-        if !clusters.contains(&row.cluster) {
-            clusters.push(row.cluster.clone());
-        }
-    }
-    Ok(clusters
+    Ok(first_appearances(rows.iter().map(|r| r.cluster.as_str()))
         .into_iter()
+        .map(String::from)
         .map(|cluster| {
             let newest = rows.iter().filter(|r| r.cluster == cluster).map(|r| r.bench_started_at).max().unwrap_or(0);
             let bench: Vec<&CsvRow> = rows.iter().filter(|r| r.cluster == cluster && r.bench_started_at == newest).collect();
@@ -231,6 +221,17 @@ pub fn report(results_dir: &Path) -> Result<(Vec<(String, Summary)>, PathBuf)> {
         &svg,
     )?;
     Ok((summaries, svg))
+}
+
+/// Each distinct value once, in the order it first appears.
+fn first_appearances<'a>(values: impl Iterator<Item = &'a str>) -> Vec<&'a str> {
+    let mut seen: Vec<&str> = Vec::new();
+    for value in values {
+        if !seen.contains(&value) {
+            seen.push(value);
+        }
+    }
+    seen
 }
 
 /// The median (the mean of the middle two for an even count); NaN for none.

@@ -158,6 +158,8 @@ fn profile_prints_the_phases_and_the_operators_and_writes_both_traces() {
         assert!(stdout.contains(phase), "no {phase} row: {stdout}");
     }
     assert!(!stdout.contains("all-reduce |"), "no replicas, no all-reduce: {stdout}");
+    // Besides the mean per step, the median of the steps LibTorch's profiler left alone.
+    assert!(stdout.contains("| per step (ms) | median, typical steps (ms) |") && stdout.contains("outside LibTorch's profiler's steps 2..3"), "{stdout}");
     // LibTorch's profiler over steps 2 and 3: the course CNN's convolutions by self CPU time.
     assert!(stdout.contains("LibTorch's profiler, steps 2..3 (2 recorded), operators and kernels by self CPU time"), "{stdout}");
     assert!(stdout.contains("| aten::mkldnn_convolution | 4 |") || stdout.contains("| aten::convolution | 4 |"), "two convolutions a step: {stdout}");

@@ -48,6 +48,9 @@ fn two_ranks_profile_the_pieces_the_optimizer_and_every_collective_between_them(
     let shared = read.recorded.shared.expect("2 ranks of all the cores' threads share them");
     assert!(shared.ranks == 2 && shared.slowdown.is_finite() && shared.slowdown > 0.0, "{shared:?}");
     assert!(stdout.contains("2 ranks computing at once on those cores"), "{stdout}");
+    // How unevenly equal passes run here, for the plan's waits.
+    assert!(read.spread.is_finite() && read.spread > 0.0, "{}", read.spread);
+    assert!(stdout.contains("equal passes vary by "), "{stdout}");
     // One host: its link, no network.
     assert_eq!(read.links.len(), 1);
     let link = read.link(LinkScope::WithinHost).unwrap();
@@ -272,6 +275,7 @@ fn every_kind_of_row_is_the_layout_its_command_runs_with_the_memory_it_estimates
         },
         gradient_sync: None,
         shards: Vec::new(),
+        spread: 0.0,
         links: vec![LinkProfile {
             scope: LinkScope::WithinHost,
             ranks: 4,

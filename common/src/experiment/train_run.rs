@@ -248,7 +248,7 @@ fn observers_for<'s, E: Experiment>(exp: &E, name: &str, groups: &Groups, device
         if spread || root {
             let rank = spread.then_some(groups.world.rank());
             let torch = TorchProfiler::new(window, device.is_cuda(), run.trace_path(name, "torch-trace", rank));
-            observers.add(ProfileSink::new(run.trace_path(name, "trace", rank), torch, groups.world.rank(), root));
+            observers.add(ProfileSink::new(run.trace_path(name, "trace", rank), torch, groups.world.rank(), root, run.steady_after));
         }
     }
     Ok(observers)

@@ -7,6 +7,7 @@ pub mod layouts;
 pub mod predict;
 pub mod profile;
 pub mod timeline;
+pub mod variability;
 
 use std::path::PathBuf;
 
@@ -172,7 +173,10 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
             .collect::<Result<Vec<_>>>()?;
         let enough = if device.is_cuda() { 256 << 20 } else { 16 << 20 };
         let optimizer = profile::measure_optimizer(args.optimizer, &model, device, args.nlayers, enough)?;
-        local = Some((compute, shards, optimizer));
+        let mut sizes = args.micro_batches.clone();
+        sizes.sort_unstable();
+        let spread = profile::measure_spread(&model, args.precision, device, args.bptt, sizes[sizes.len() / 2])?;
+        local = Some(profile::Timings { compute, shards, optimizer, spread });
     }
     world.barrier()?;
     // What sharing a host's cores costs, where its ranks outnumber them: every host measures
@@ -187,7 +191,7 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
         None
     };
     if args.compute_together {
-        local = local.map(|(compute, shards, optimizer)| profile::mean_over_ranks(world, compute, shards, optimizer)).transpose()?;
+        local = local.map(|timings| profile::mean_over_ranks(world, timings)).transpose()?;
     }
     let links = measure_links(world, device, &message_sizes(args.max_message_mb << 20))?;
     // The gradient average as runs do it, among the first host's ranks (every rank there takes
@@ -202,7 +206,7 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
         _ => None,
     };
     world.barrier()?;
-    let Some((compute, shards, optimizer)) = local.filter(|_| world.is_root()) else { return Ok(None) };
+    let Some(profile::Timings { compute, shards, optimizer, spread }) = local.filter(|_| world.is_root()) else { return Ok(None) };
     let recorded = Recorded {
         device: crate::device::gpu_name(device).unwrap_or_else(|| crate::device::device_name(device).into()),
         threads: tch::get_num_threads() as usize,
@@ -212,8 +216,19 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
         cores: if device == Device::Cpu { device::usable_cores() } else { 0 },
         shared,
     };
-    let profile =
-        Profile { version: profile::VERSION, recorded, model, precision: args.precision, seq_len: args.bptt, compute, optimizer, links, gradient_sync, shards };
+    let profile = Profile {
+        version: profile::VERSION,
+        recorded,
+        model,
+        precision: args.precision,
+        seq_len: args.bptt,
+        compute,
+        optimizer,
+        links,
+        gradient_sync,
+        shards,
+        spread,
+    };
     profile.write(&args.out)?;
     Ok(Some(profile))
 }
@@ -496,11 +511,11 @@ impl Plan {
             self.ranked.len(),
             self.layouts
         )];
-        lines.push("| # | layout | memory (GiB) | step (s) | tokens/s | compute | of it TP talk | bubble | DP comm | optimizer |".into());
-        lines.push("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|".into());
+        lines.push("| # | layout | memory (GiB) | step (s) | tokens/s | compute | of it TP talk | bubble | waits | DP comm | optimizer |".into());
+        lines.push("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|".into());
         for (i, p) in self.ranked.iter().take(top).enumerate() {
             lines.push(format!(
-                "| {} | {} | {:.2} | {:.4} | {:.0} | {:.4} | {:.4} | {:.4} | {:.4} | {:.4} |",
+                "| {} | {} | {:.2} | {:.4} | {:.0} | {:.4} | {:.4} | {:.4} | {:.4} | {:.4} | {:.4} |",
                 i + 1,
                 p.candidate.flags(),
                 gib(p.memory_bytes),
@@ -509,6 +524,7 @@ impl Plan {
                 p.compute_s,
                 p.tp_comm_s,
                 p.bubble_s,
+                p.waits_s,
                 p.exposed_comm_s,
                 p.optimizer_s
             ));
@@ -559,6 +575,7 @@ impl Plan {
             ("compute", best.compute_s - best.tp_comm_s, next.compute_s - next.tp_comm_s),
             ("tensor-parallel talk", best.tp_comm_s, next.tp_comm_s),
             ("pipeline bubble", best.bubble_s, next.bubble_s),
+            ("waits for slower ranks", best.waits_s, next.waits_s),
             ("data-parallel communication", best.exposed_comm_s, next.exposed_comm_s),
             ("optimizer step", best.optimizer_s, next.optimizer_s),
         ];
@@ -596,6 +613,7 @@ mod tests {
             optimizer: OptimizerTime { kind: OptimizerKind::Adam, seconds_per_parameter: 1e-9, clip_seconds_per_parameter: 0.0, parameters_timed: 1 },
             gradient_sync: None,
             shards: Vec::new(),
+            spread: 0.0,
             links: vec![LinkProfile {
                 scope: LinkScope::WithinHost,
                 ranks: 2,

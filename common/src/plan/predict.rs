@@ -26,6 +26,7 @@ use serde::Serialize;
 use super::layouts::{Candidate, Space};
 use super::profile::{Collective, CostFit, LinkScope, Profile};
 use super::timeline::{self, StageCosts};
+use super::variability;
 use crate::error::UsageError;
 use crate::memory::estimate::TransformerJob;
 use crate::parallel::zero::ZeroStage;
@@ -111,6 +112,10 @@ pub struct Prediction {
     pub compute_s: f64,
     /// What the pipeline's timeline leaves that device idle.
     pub bubble_s: f64,
+    /// What the machine's variability adds (`Profile::spread`): ranks that wait for the
+    /// slowest, a stage's shards at every pass, the stages for late hand-overs, the replicas at
+    /// the gradients' average ([`super::variability`]).
+    pub waits_s: f64,
     /// Data-parallel communication after the passes.
     pub exposed_comm_s: f64,
     /// Clipping the gradients and the optimizer's step.
@@ -223,6 +228,14 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
     }
     let sharing = timeline::Sharing { ranks, slowdown: &slowdown };
     let line = timeline::simulate(c.schedule, c.placement(), c.chunks, &costs, &sharing);
+    // Passes of uneven length: a replica's timeline drawn around its mean passes, and the
+    // replicas waiting for the slowest of them at the gradients' average.
+    let waits_s = if profile.spread > 0.0 {
+        let varied = variability::replica_timeline(c.schedule, c.placement(), c.chunks, &costs, &sharing, profile.spread, c.tp);
+        (varied.mean_s - line.seconds).max(0.0) + if c.dp > 1 { varied.sd_s * variability::expected_slowest(c.dp) } else { 0.0 }
+    } else {
+        0.0
+    };
     let busiest_tp: f64 = (0..c.pp).map(|device| c.placement().stages_of(device).map(|s| tp_comm[s]).sum::<f64>() * c.chunks as f64).fold(0.0, f64::max);
 
     // The data-parallel step: this rank's parameters (the busiest device's stages).
@@ -259,7 +272,7 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
     // Every rank clips and steps at once. Without ZeRO each clips every gradient it holds.
     let clipped = if c.zero.is_some() { updated } else { parameters };
     let optimizer_s = (updated * profile.optimizer.seconds_per_parameter + clipped * profile.optimizer.clip_seconds_per_parameter) * all_busy;
-    let step_s = line.seconds + exposed + optimizer_s;
+    let step_s = line.seconds + waits_s + exposed + optimizer_s;
     let global_tokens = seq * (c.micro_batch as usize * c.chunks * c.dp) as f64;
     Ok(Prediction {
         candidate: c,
@@ -268,6 +281,7 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
         step_s,
         compute_s: line.busiest,
         bubble_s: line.idle,
+        waits_s,
         exposed_comm_s: exposed,
         optimizer_s,
         tp_comm_s: busiest_tp,
@@ -306,6 +320,7 @@ mod tests {
             optimizer: OptimizerTime { kind: OptimizerKind::Sgd, seconds_per_parameter: 0.0, clip_seconds_per_parameter: 0.0, parameters_timed: 1 },
             gradient_sync: None,
             shards: Vec::new(),
+            spread: 0.0,
             links: vec![link],
         }
     }
@@ -332,6 +347,36 @@ mod tests {
             recompute: false,
             sequence_parallel: false,
         }
+    }
+
+    /// A machine whose passes vary (spread 0.1): a lone rank's passes back to back take their
+    /// mean; two replicas wait for the slower at the average, 1/√π of a replica's standard
+    /// deviation on average; two stages wait for each other's late passes; two shards for the
+    /// slower shard at every pass. None of it where the profile measured no spread.
+    #[test]
+    fn ranks_of_a_varying_machine_wait_for_the_slowest() {
+        let steady = profile(0.0);
+        let varying = Profile { spread: 0.1, ..steady.clone() };
+        let links = Links::of(&steady, None, None);
+        let both = |space: Space, c: Candidate| (predict(&steady, &links, &space, &c).unwrap(), predict(&varying, &links, &space, &c).unwrap());
+
+        let (plain, varied) = both(space(1, 2), candidate(1, 1, 1, 1, 2));
+        assert_eq!(plain.waits_s, 0.0);
+        // Two passes of 8 and 16 s, drawn: a few percent of error in the mean of 32 draws.
+        assert!(varied.waits_s < 0.05 * plain.step_s && (varied.step_s - plain.step_s - varied.waits_s).abs() < 1e-9, "{varied:?}");
+
+        let (plain, varied) = both(space(2, 2), candidate(2, 1, 1, 1, 1));
+        // Each replica's passes: 4 and 8 s, sd 0.1 · √(4² + 8²) ≈ 0.89 s; the slower of two
+        // ends 0.5642 of that past the mean, about 0.5 s.
+        let expected = 0.1 * (16.0f64 + 64.0).sqrt() * 0.5642;
+        assert!(plain.waits_s == 0.0 && (varied.waits_s / expected - 1.0).abs() < 0.4, "{varied:?} against {expected}");
+
+        let (plain, varied) = both(space(2, 2), candidate(1, 2, 1, 2, 1));
+        assert!(plain.waits_s == 0.0 && varied.waits_s > 0.01 * plain.step_s, "stages wait for late hand-overs: {varied:?}");
+        let (plain, varied) = both(space(2, 2), candidate(1, 1, 2, 1, 2));
+        // Every pass the later of two shards': 0.5642 · 0.1 of it on average.
+        let expected = 0.1 * 0.5642 * plain.step_s;
+        assert!(plain.waits_s == 0.0 && (varied.waits_s / expected - 1.0).abs() < 0.4, "{varied:?} against {expected}");
     }
 
     #[test]

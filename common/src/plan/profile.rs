@@ -46,6 +46,12 @@ pub struct Profile {
     /// timed no shard: the plan then gives a shard 1/tp of the whole's time).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub shards: Vec<ShardPieces>,
+    /// How unevenly equal work runs here: the relative standard deviation of one forward and
+    /// backward pass's time, pass after pass ([`measure_spread`]). Ranks that meet wait for the
+    /// slowest; the plan draws passes with this spread ([`super::variability`]). 0 in profiles
+    /// that did not measure it: passes of their mean length.
+    #[serde(default)]
+    pub spread: f64,
 }
 
 /// The pieces of shard 0 of `tp` (1/tp of the heads, of the feed-forward width and of the
@@ -381,6 +387,12 @@ impl Profile {
         if let Some(SharedCores { ranks, slowdown }) = self.recorded.shared {
             lines.push(format!("{ranks} ranks computing at once on those cores: each {slowdown:.2}× slower than alone"));
         }
+        if self.spread > 0.0 {
+            lines.push(format!(
+                "equal passes vary by {:.1}% (relative standard deviation, pass after pass): ranks that meet wait for the slowest",
+                100.0 * self.spread
+            ));
+        }
         lines.push("| micro-batch | embedding fwd+bwd (ms) | one layer fwd+bwd (ms) | output layer + loss fwd+bwd (ms) |".into());
         lines.push("|---:|---:|---:|---:|".into());
         for p in &self.compute {
@@ -600,23 +612,67 @@ pub fn measure_sharing(cfg: &TransformerConfig, device: Device, seq_len: i64, mi
     Ok(SharedCores { ranks: host.world_size(), slowdown: if alone > 0.0 { together / alone } else { 1.0 } })
 }
 
-/// The ranks' mean of each piece's times (the whole model's and each shard's) and of the
-/// optimizer's, on every rank (each rank timed its own, all at once).
-pub fn mean_over_ranks(
-    group: &ProcessGroup,
-    compute: Vec<PieceTimes>,
-    shards: Vec<ShardPieces>,
-    optimizer: OptimizerTime,
-) -> Result<(Vec<PieceTimes>, Vec<ShardPieces>, OptimizerTime)> {
+/// How unevenly the probe's forward and backward pass (the embedding, a layer, the output
+/// layer and its loss) at `micro_batch` runs on `device`, pass after pass: the relative
+/// standard deviation of `REPEATS` passes' times, from their median absolute deviation (a
+/// normal's σ is 1.4826 of it), so that one pass stalled by something rare does not set it.
+pub fn measure_spread(cfg: &TransformerConfig, precision: Precision, device: Device, seq_len: i64, micro_batch: i64) -> Result<f64> {
+    const REPEATS: usize = 15;
+    let mut vs = tch::nn::VarStore::new(device);
+    let probe = probe_model(&vs, cfg, 1, Shard::WHOLE)?;
+    if let Some(kind) = precision.weights_kind() {
+        vs.set_kind(kind);
+    }
+    let (_, layer) = probe.layers().next().expect("the probe has one layer");
+    let tokens = Tensor::randint(cfg.ntoken, [seq_len, micro_batch], (Kind::Int64, device));
+    let pass = || -> Result<f64> {
+        let start = Instant::now();
+        let loss = precision::autocast(precision, device, || -> Result<Tensor> {
+            let hidden = probe.embed(&tokens, true, Masks::Shared, None)?;
+            let logits = probe.decode(&layer.forward_masked(&hidden, true, Masks::Shared, 0), None)?;
+            Ok(probe.loss_and_hits(&logits, &tokens, None, false)?.0)
+        })?;
+        loss.to_kind(Kind::Float).backward();
+        crate::device::synchronize(device);
+        Ok(start.elapsed().as_secs_f64())
+    };
+    pass()?;
+    let times = (0..REPEATS).map(|_| pass()).collect::<Result<Vec<f64>>>()?;
+    Ok(relative_spread(&times))
+}
+
+/// 1.4826 × the median absolute deviation over the median: a normal sample's relative σ,
+/// robust to a few outliers. 0 for fewer than 2 times.
+fn relative_spread(times: &[f64]) -> f64 {
+    let median = |values: &mut Vec<f64>| {
+        values.sort_by(f64::total_cmp);
+        values[values.len() / 2]
+    };
+    if times.len() < 2 {
+        return 0.0;
+    }
+    let middle = median(&mut times.to_vec());
+    let deviation = median(&mut times.iter().map(|t| (t - middle).abs()).collect());
+    if middle > 0.0 {
+        1.4826 * deviation / middle
+    } else {
+        0.0
+    }
+}
+
+/// The ranks' mean of each piece's times (the whole model's and each shard's), of the
+/// optimizer's and of the passes' spread, on every rank (each rank timed its own, all at once).
+pub fn mean_over_ranks(group: &ProcessGroup, local: Timings) -> Result<Timings> {
+    let Timings { compute, shards, optimizer, spread } = local;
     let passes = |p: &PieceTimes| [p.embedding, p.layer, p.head];
     let all_pieces = || compute.iter().chain(shards.iter().flat_map(|s| &s.compute));
     let mut flat: Vec<f64> = all_pieces().flat_map(|p| passes(p).into_iter().flat_map(|t| [t.forward_s, t.backward_s])).collect();
-    flat.extend([optimizer.seconds_per_parameter, optimizer.clip_seconds_per_parameter]);
+    flat.extend([optimizer.seconds_per_parameter, optimizer.clip_seconds_per_parameter, spread]);
     let device = group.device(true);
     let mut sums = Tensor::from_slice(&flat).to_device(device);
     group.all_reduce(&mut sums, ReduceOp::Sum)?;
     let mean = Vec::<f64>::try_from(sums.to_device(Device::Cpu) / group.world_size() as f64)?;
-    let (pieces, optimizer_mean) = mean.split_at(mean.len() - 2);
+    let (pieces, optimizer_mean) = mean.split_at(mean.len() - 3);
     let mut at = pieces.chunks_exact(2).map(|t| PassTimes { forward_s: t[0], backward_s: t[1] });
     let mut next = || at.next().expect("six times per micro-batch size");
     let mut mean_of = |sizes: &[PieceTimes]| -> Vec<PieceTimes> {
@@ -624,7 +680,22 @@ pub fn mean_over_ranks(
     };
     let mean_compute = mean_of(&compute);
     let mean_shards = shards.iter().map(|s| ShardPieces { tp: s.tp, compute: mean_of(&s.compute) }).collect();
-    Ok((mean_compute, mean_shards, OptimizerTime { seconds_per_parameter: optimizer_mean[0], clip_seconds_per_parameter: optimizer_mean[1], ..optimizer }))
+    Ok(Timings {
+        compute: mean_compute,
+        shards: mean_shards,
+        optimizer: OptimizerTime { seconds_per_parameter: optimizer_mean[0], clip_seconds_per_parameter: optimizer_mean[1], ..optimizer },
+        spread: optimizer_mean[2],
+    })
+}
+
+/// What a rank times of its own: the pieces, whole and as shards, the optimizer's step and
+/// the passes' spread.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Timings {
+    pub compute: Vec<PieceTimes>,
+    pub shards: Vec<ShardPieces>,
+    pub optimizer: OptimizerTime,
+    pub spread: f64,
 }
 
 /// Times `kind`'s step, and clipping the gradients to a norm, over float32 parameters shaped
@@ -767,6 +838,7 @@ mod tests {
             optimizer: OptimizerTime { kind: OptimizerKind::Adam, seconds_per_parameter: 1e-9, clip_seconds_per_parameter: 0.0, parameters_timed: 1 },
             gradient_sync: None,
             shards: Vec::new(),
+            spread: 0.0,
             links: Vec::new(),
         }
     }
@@ -790,6 +862,17 @@ mod tests {
         for other in [Recorded { cores: 0, ..even.clone() }, Recorded { device: "NVIDIA H100 80GB HBM3".into(), ..even }] {
             assert_eq!(other.slowdown(8.0), 1.0, "{other:?}");
         }
+    }
+
+    #[test]
+    fn the_spread_is_a_normal_samples_relative_sigma_and_one_stall_does_not_set_it() {
+        // Deviations from the median 1.0: 0.1, 0, 0.1; their median 0.1; × 1.4826.
+        assert!((relative_spread(&[0.9, 1.0, 1.1]) - 0.14826).abs() < 1e-12);
+        // One pass stalled fivefold among equal ones: no spread.
+        assert_eq!(relative_spread(&[1.0, 1.0, 5.0, 1.0, 1.0]), 0.0);
+        assert_eq!(relative_spread(&[2.0]), 0.0);
+        // Scaling every time scales nothing.
+        assert!((relative_spread(&[9.0, 10.0, 11.0]) - 0.14826).abs() < 1e-12);
     }
 
     #[test]

@@ -72,6 +72,20 @@ pub struct Timeline {
 /// Where the costs do not cover the placement's stages, or the schedule cannot run it
 /// ([`Placement::check`] refuses those first).
 pub fn simulate(schedule: Schedule, placement: Placement, micro_batches: usize, costs: &StageCosts, sharing: &Sharing) -> Timeline {
+    simulate_varied(schedule, placement, micro_batches, costs, sharing, &mut |_| 1.0)
+}
+
+/// [`simulate`] with each operation's cost multiplied by `vary(op)`, drawn as the operation
+/// starts: passes of uneven length, as a machine's variability makes them
+/// ([`super::variability`]).
+pub fn simulate_varied(
+    schedule: Schedule,
+    placement: Placement,
+    micro_batches: usize,
+    costs: &StageCosts,
+    sharing: &Sharing,
+    vary: &mut dyn FnMut(Op) -> f64,
+) -> Timeline {
     let stages = placement.stages();
     let devices = placement.devices;
     assert!(costs.forward.len() == stages && costs.backward.len() == stages, "costs for {stages} stages");
@@ -93,10 +107,11 @@ pub fn simulate(schedule: Schedule, placement: Placement, micro_batches: usize, 
             let Some(&op) = ops[device].get(next[device]) else { continue };
             let Some(ready) = input_ready(op, stages, placement, costs, &done) else { continue };
             if ready <= now {
-                let cost = match op.direction {
-                    Direction::Forward => costs.forward[op.stage],
-                    Direction::Backward => costs.backward[op.stage],
-                };
+                let cost = vary(op)
+                    * match op.direction {
+                        Direction::Forward => costs.forward[op.stage],
+                        Direction::Backward => costs.backward[op.stage],
+                    };
                 running[device] = Some((op, cost));
                 next[device] += 1;
             } else {

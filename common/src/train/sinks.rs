@@ -241,6 +241,8 @@ pub struct ProfileSink {
     header: RunHeader,
     /// The steps are a pipeline's: the trace holds the stages' passes only.
     pipelined: bool,
+    /// The run's warm-up steps (`--steady-after`), which the table's medians leave out.
+    warmup: usize,
 }
 
 /// Operators and kernels the profile shows (torch's `row_limit`).
@@ -248,14 +250,23 @@ const OPERATOR_ROWS: usize = 20;
 
 impl ProfileSink {
     /// `trace`: the phases' Chrome trace; `torch`: LibTorch's profiler and its window; `rank`
-    /// names the trace's process row; `print`: whether this rank prints the tables.
-    pub fn new(trace: PathBuf, torch: TorchProfiler, rank: usize, print: bool) -> ProfileSink {
-        ProfileSink { profiler: Profiler::new(true, rank), trace, torch, recorded: None, print, header: RunHeader::default(), pipelined: false }
+    /// names the trace's process row; `print`: whether this rank prints the tables; `warmup`:
+    /// the run's warm-up steps.
+    pub fn new(trace: PathBuf, torch: TorchProfiler, rank: usize, print: bool, warmup: usize) -> ProfileSink {
+        ProfileSink { profiler: Profiler::new(true, rank), trace, torch, recorded: None, print, header: RunHeader::default(), pipelined: false, warmup }
     }
 
     /// The tables and the files written, at the run's end.
     fn finish(&mut self, steps: usize) -> Result<()> {
-        let phases = self.profiler.table(steps);
+        // Typical steps (counted from 1): after the warm-up, outside LibTorch's window.
+        let (warmup, window) = (self.warmup, self.torch.window());
+        let typical = |step: usize| step > warmup && !(window.first..=window.last).contains(&step);
+        let counted = (1..=steps).filter(|&s| typical(s)).count();
+        let table = self.profiler.table(steps, &|index| typical(index + 1));
+        let phases = format!(
+            "{table}(per step: the mean over all {steps} steps; median: over the {counted} typical ones, after --steady-after {warmup} and outside LibTorch's profiler's steps {}..{})\n",
+            window.first, window.last
+        );
         self.profiler.write_chrome_trace(&self.trace)?;
         if let Some(recorded) = self.torch.finish()? {
             self.recorded = Some(recorded);
@@ -310,7 +321,7 @@ impl Observer for ProfileSink {
                     // count in the table.
                     self.pipelined = true;
                     for &(phase, start, end) in step.phases {
-                        self.profiler.add_to_table(phase, phase_seconds(&[(phase, start, end)], phase));
+                        self.profiler.add_to_table(phase, index, phase_seconds(&[(phase, start, end)], phase));
                     }
                     let origin = step.phases.iter().map(|p| p.1).min().unwrap_or_else(Instant::now);
                     for trace in step.stage_traces {
@@ -323,7 +334,7 @@ impl Observer for ProfileSink {
             }
             Event::EpochEnded { stats, .. } => match (stats.eval_interval, self.pipelined) {
                 (Some((start, end)), false) => self.profiler.record("evaluation", start, end, stats.end_step),
-                (Some((start, end)), true) => self.profiler.add_to_table("evaluation", (end - start).as_secs_f64()),
+                (Some((start, end)), true) => self.profiler.add_to_table("evaluation", stats.end_step, (end - start).as_secs_f64()),
                 (None, _) => {}
             },
             Event::Finished(report) => self.finish(report.steps)?,

@@ -4,8 +4,6 @@
 //! forward of the same micro-batch, a backward pass for the next stage's backward, plus the
 //! transfer between devices). The bubble is what this timeline leaves idle, not a formula: it
 //! covers every schedule, unequal stages and the transfers.
-use std::collections::HashMap;
-
 use crate::pipeline::schedule::{self, Direction, Op};
 use crate::pipeline::{Placement, Schedule};
 
@@ -95,9 +93,9 @@ pub fn simulate_varied(
     // Each device's operation in progress and its seconds of work left (at speed 1).
     let mut running: Vec<Option<(Op, f64)>> = vec![None; devices];
     let mut busy = vec![0.0f64; devices];
-    let mut done: HashMap<Op, f64> = HashMap::new();
+    let mut done = Done::new(stages, micro_batches);
     let mut now = 0.0f64;
-    while done.len() < total {
+    while done.count < total {
         // Start what can start now; note when the rest's inputs arrive.
         let mut arrival = f64::INFINITY;
         for device in 0..devices {
@@ -121,7 +119,7 @@ pub fn simulate_varied(
         let speed = sharing.speeds(&running.iter().map(Option::is_some).collect::<Vec<_>>());
         let finish: Vec<f64> = (0..devices).map(|d| running[d].map_or(f64::INFINITY, |(_, left)| left / speed[d])).collect();
         let step = finish.iter().copied().fold(arrival - now, f64::min);
-        assert!(step.is_finite(), "the schedule's operations wait on each other: {} of {total} done", done.len());
+        assert!(step.is_finite(), "the schedule's operations wait on each other: {} of {total} done", done.count);
         for device in 0..devices {
             let Some((op, left)) = running[device] else { continue };
             busy[device] += step;
@@ -138,17 +136,51 @@ pub fn simulate_varied(
     Timeline { seconds: now, busiest, idle: now - busiest }
 }
 
+/// When each operation ended, by direction, stage and micro-batch (a table: the plan runs the
+/// timeline many times per layout, and a hash map's lookups were most of its time).
+struct Done {
+    ended: Vec<Option<f64>>,
+    stages: usize,
+    micro_batches: usize,
+    count: usize,
+}
+
+impl Done {
+    fn new(stages: usize, micro_batches: usize) -> Done {
+        Done { ended: vec![None; 2 * stages * micro_batches], stages, micro_batches, count: 0 }
+    }
+
+    fn index(&self, op: Op) -> usize {
+        let direction = match op.direction {
+            Direction::Forward => 0,
+            Direction::Backward => 1,
+        };
+        (direction * self.stages + op.stage) * self.micro_batches + op.micro_batch
+    }
+
+    fn get(&self, op: Op) -> Option<f64> {
+        self.ended[self.index(op)]
+    }
+
+    fn insert(&mut self, op: Op, at: f64) {
+        let i = self.index(op);
+        if self.ended[i].replace(at).is_none() {
+            self.count += 1;
+        }
+    }
+}
+
 /// When `op`'s input is on its device: at once for the first stage's forward and the last
 /// stage's backward (after its own forward), else when the neighbouring stage's pass is done
 /// plus a transfer where that stage is on another device. None while it is not done.
-fn input_ready(op: Op, stages: usize, placement: Placement, costs: &StageCosts, done: &HashMap<Op, f64>) -> Option<f64> {
+fn input_ready(op: Op, stages: usize, placement: Placement, costs: &StageCosts, done: &Done) -> Option<f64> {
     let from = match op.direction {
         Direction::Forward if op.stage == 0 => return Some(0.0),
         Direction::Forward => Op::forward(op.stage - 1, op.micro_batch),
         Direction::Backward if op.stage + 1 == stages => Op::forward(op.stage, op.micro_batch),
         Direction::Backward => Op::backward(op.stage + 1, op.micro_batch),
     };
-    let finished = *done.get(&from)?;
+    let finished = done.get(from)?;
     let moved = placement.device_of(from.stage) != placement.device_of(op.stage);
     Some(finished + if moved { costs.transfer } else { 0.0 })
 }

@@ -73,6 +73,8 @@ pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
     quiet_panics();
     match catch_panic(body) {
         Ok(()) => ExitCode::SUCCESS,
+        // `exercise3 plan ... | head`: the reader has what it wanted; nothing to report.
+        Err(err) if closed_stdout(&format!("{err:#}")) => ExitCode::SUCCESS,
         Err(err) => {
             let message = first_line(&err);
             let first_line = message.as_str();
@@ -113,9 +115,23 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
 /// ([`catch_panic`]) and becomes an error of one line; the default hook would first print the
 /// whole message and its frames, so it stays silent unless `RUST_BACKTRACE` asks for them.
 pub fn quiet_panics() {
-    if std::env::var_os("RUST_BACKTRACE").is_none() {
-        std::panic::set_hook(Box::new(|_| {}));
-    }
+    let backtraces = std::env::var_os("RUST_BACKTRACE").is_some();
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let text = info.payload().downcast_ref::<String>().map(String::as_str).or_else(|| info.payload().downcast_ref::<&str>().copied());
+        // A reader that closed our stdout (`| head`) is not a fault to show frames for.
+        if backtraces && !text.is_some_and(closed_stdout) {
+            default(info);
+        }
+    }));
+}
+
+/// Whether `message` is `println!`'s panic on a stdout whose reader has gone (`| head`): Rust
+/// ignores SIGPIPE, so the write fails instead of ending the process as it would a C tool.
+/// (SIGPIPE stays ignored: a rank's write to a dead peer's socket must fail with an error the
+/// run reports, not kill the rank without a word.)
+fn closed_stdout(message: &str) -> bool {
+    message.contains("failed printing to stdout") && message.contains("Broken pipe")
 }
 
 /// Runs `body`, turning a panic in it into an error: [`OutOfMemory`] when LibTorch could not

@@ -86,6 +86,15 @@ fn two_ranks_profile_the_pieces_the_optimizer_and_every_collective_between_them(
     let json = plan(&["--memory", "1GiB", "--json"]);
     let parsed: serde_json::Value = serde_json::from_slice(&json.stdout).expect("--json prints JSON");
     assert!(parsed["ranked"].as_array().is_some_and(|r| r.len() > 3), "{parsed}");
+    // Piped into a reader that has gone (`| head`): the plan ends quietly, as a C tool would.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let mut args =
+        vec!["plan", "--profile", out.to_str().unwrap(), "--gpus-per-node", "2", "--global-batch", "4", "--nlayers", "2", "--memory", "1GiB", "--json"];
+    args.push("--top");
+    args.push("1");
+    let closed = Command::new(env!("CARGO_BIN_EXE_exercise3")).args(&args).stdout(writer).output().expect("exercise3 runs");
+    assert!(closed.status.success() && closed.stderr.is_empty(), "{:?}: {}", closed.status, String::from_utf8_lossy(&closed.stderr));
     let refused = plan(&["--memory", "1KB"]);
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert_eq!(refused.status.code(), Some(2), "{stderr}");

@@ -583,19 +583,9 @@ pub fn measure_compute(
 /// medians of `REPEATS` passes each, every pass started together.
 pub fn measure_sharing(cfg: &TransformerConfig, device: Device, seq_len: i64, micro_batch: i64, host: &ProcessGroup) -> Result<SharedCores> {
     const REPEATS: usize = 9;
-    let vs = tch::nn::VarStore::new(device);
-    let probe = probe_model(&vs, cfg, 1, Shard::WHOLE)?;
-    let (_, layer) = probe.layers().next().expect("the probe has one layer");
-    let tokens = Tensor::randint(cfg.ntoken, [seq_len, micro_batch], (Kind::Int64, device));
-    let pass = || -> Result<f64> {
-        let start = Instant::now();
-        let hidden = probe.embed(&tokens, true, Masks::Shared, None)?;
-        let logits = probe.decode(&layer.forward_masked(&hidden, true, Masks::Shared, 0), None)?;
-        probe.loss_and_hits(&logits, &tokens, None, false)?.0.backward();
-        Ok(start.elapsed().as_secs_f64())
-    };
+    let mut pass = timed_probe_pass(cfg, Precision::Full, device, seq_len, micro_batch)?;
     pass()?;
-    let median = |everyone: bool| -> Result<f64> {
+    let mut median = |everyone: bool| -> Result<f64> {
         let mut times = Vec::new();
         for _ in 0..REPEATS {
             host.barrier()?;
@@ -612,20 +602,20 @@ pub fn measure_sharing(cfg: &TransformerConfig, device: Device, seq_len: i64, mi
     Ok(SharedCores { ranks: host.world_size(), slowdown: if alone > 0.0 { together / alone } else { 1.0 } })
 }
 
-/// How unevenly the probe's forward and backward pass (the embedding, a layer, the output
-/// layer and its loss) at `micro_batch` runs on `device`, pass after pass: the relative
-/// standard deviation of `REPEATS` passes' times, from their median absolute deviation (a
-/// normal's σ is 1.4826 of it), so that one pass stalled by something rare does not set it.
-pub fn measure_spread(cfg: &TransformerConfig, precision: Precision, device: Device, seq_len: i64, micro_batch: i64) -> Result<f64> {
-    const REPEATS: usize = 15;
+/// A timer of the probe's whole forward and backward pass (the embedding, a layer, the output
+/// layer and its loss) at `micro_batch` in `precision` on `device`: each call runs one pass and
+/// returns its seconds, the device waited for. What the sharing and the spread both repeat.
+fn timed_probe_pass(cfg: &TransformerConfig, precision: Precision, device: Device, seq_len: i64, micro_batch: i64) -> Result<impl FnMut() -> Result<f64>> {
     let mut vs = tch::nn::VarStore::new(device);
     let probe = probe_model(&vs, cfg, 1, Shard::WHOLE)?;
     if let Some(kind) = precision.weights_kind() {
         vs.set_kind(kind);
     }
-    let (_, layer) = probe.layers().next().expect("the probe has one layer");
     let tokens = Tensor::randint(cfg.ntoken, [seq_len, micro_batch], (Kind::Int64, device));
-    let pass = || -> Result<f64> {
+    Ok(move || -> Result<f64> {
+        // The variables live in `vs`: keep it for as long as the timer.
+        let _weights = &vs;
+        let (_, layer) = probe.layers().next().expect("the probe has one layer");
         let start = Instant::now();
         let loss = precision::autocast(precision, device, || -> Result<Tensor> {
             let hidden = probe.embed(&tokens, true, Masks::Shared, None)?;
@@ -635,7 +625,16 @@ pub fn measure_spread(cfg: &TransformerConfig, precision: Precision, device: Dev
         loss.to_kind(Kind::Float).backward();
         crate::device::synchronize(device);
         Ok(start.elapsed().as_secs_f64())
-    };
+    })
+}
+
+/// How unevenly the probe's forward and backward pass (the embedding, a layer, the output
+/// layer and its loss) at `micro_batch` runs on `device`, pass after pass: the relative
+/// standard deviation of `REPEATS` passes' times, from their median absolute deviation (a
+/// normal's σ is 1.4826 of it), so that one pass stalled by something rare does not set it.
+pub fn measure_spread(cfg: &TransformerConfig, precision: Precision, device: Device, seq_len: i64, micro_batch: i64) -> Result<f64> {
+    const REPEATS: usize = 15;
+    let mut pass = timed_probe_pass(cfg, precision, device, seq_len, micro_batch)?;
     pass()?;
     let times = (0..REPEATS).map(|_| pass()).collect::<Result<Vec<f64>>>()?;
     Ok(relative_spread(&times))

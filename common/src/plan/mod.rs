@@ -303,6 +303,11 @@ pub struct PlanArgs {
     /// that share one machine, or CPU nodes of another size).
     #[arg(long)]
     pub cores_per_node: Option<usize>,
+    /// The hosts are network namespaces or containers of one machine (as `make test-cluster`'s):
+    /// their CPU ranks share that machine's cores (the profile's host's, or --cores-per-node)
+    /// as one pool, while what crosses hosts takes the link between them.
+    #[arg(long)]
+    pub hosts_share_cores: bool,
     /// How many of the best layouts to print.
     #[arg(long, default_value_t = 10)]
     pub top: usize,
@@ -415,7 +420,14 @@ pub fn plan(args: &PlanArgs) -> Result<Plan> {
     profile.check(&args.profile, key)?;
     let assumed = |gbps: Option<f64>| gbps.map(|g| predict::AssumedLink { latency_s: args.link_latency_us * 1e-6, bytes_per_second: g * 1e9 });
     let links = predict::Links::of(&profile, assumed(args.within_host_gbps), assumed(args.between_hosts_gbps));
-    let space = layouts::Space { nodes: args.nodes, gpus_per_node: args.gpus_per_node, global_batch: args.global_batch, model, precision: profile.precision };
+    let space = layouts::Space {
+        nodes: args.nodes,
+        gpus_per_node: args.gpus_per_node,
+        global_batch: args.global_batch,
+        model,
+        precision: profile.precision,
+        hosts_share_cores: args.hosts_share_cores,
+    };
     let candidates = layouts::enumerate(&space);
     if candidates.is_empty() {
         return usage(format!(
@@ -460,7 +472,12 @@ pub fn plan(args: &PlanArgs) -> Result<Plan> {
             "note: the profile timed the pieces with {timed_with} rank(s) of a host at once and this plan puts {} on each: CPU ranks share their host's cores, so its compute times hold for {timed_with}",
             args.gpus_per_node
         ));
-    } else if recorded.slowdown(args.gpus_per_node as f64) > 1.0 {
+    } else if args.hosts_share_cores && recorded.slowdown(ranks as f64) > 1.0 {
+        notes.push(format!(
+            "note: the {} hosts' {ranks} CPU ranks of {} thread(s) share one machine's {} cores (--hosts-share-cores): a rank computes at the speed the machine's busy ranks leave it",
+            args.nodes, recorded.threads, recorded.cores
+        ));
+    } else if !args.hosts_share_cores && recorded.slowdown(args.gpus_per_node as f64) > 1.0 {
         notes.push(format!(
             "note: {} CPU ranks of {} thread(s) share each host's {} cores (the profile's host): a rank computes at the speed its host's busy ranks leave it",
             args.gpus_per_node, recorded.threads, recorded.cores
@@ -644,6 +661,7 @@ mod tests {
             between_hosts_gbps: None,
             link_latency_us: 10.0,
             cores_per_node: None,
+            hosts_share_cores: false,
             top: 10,
             train_tokens: None,
             peak_tflops: None,
@@ -688,7 +706,8 @@ mod tests {
     }
 
     /// `--cores-per-node` stands for the profile's host's cores: 4 CPU ranks of a thread on 2
-    /// cores compute at half speed; 0 cores is a usage error.
+    /// cores compute at half speed, and 8 on two hosts that share those 2 cores at half that;
+    /// 0 cores is a usage error.
     #[test]
     fn the_cores_a_host_gives_its_ranks_can_be_given_for_the_plan() {
         let dir = tempfile::tempdir().unwrap();
@@ -698,6 +717,13 @@ mod tests {
         let two = plan(&PlanArgs { cores_per_node: Some(2), ..args(path.clone()) }).unwrap();
         assert!((replicas(&two).compute_s / replicas(&own).compute_s - 2.0).abs() < 1e-9, "{:?} {:?}", replicas(&two), replicas(&own));
         assert!(two.notes.iter().any(|n| n.contains("4 CPU ranks of 1 thread(s) share each host's 2 cores")), "{:?}", two.notes);
+        // Two hosts of one machine (--hosts-share-cores): its 2 cores for all 8 ranks, said so.
+        let machine = PlanArgs { nodes: 2, cores_per_node: Some(2), hosts_share_cores: true, between_hosts_gbps: Some(1.0), ..args(path.clone()) };
+        let pooled = plan(&machine).unwrap();
+        let eight = |plan: &Plan| plan.ranked.iter().find(|p| p.candidate.dp == 8 && p.candidate.zero.is_none()).expect("8 replicas").clone();
+        let split = plan(&PlanArgs { hosts_share_cores: false, ..machine.clone() }).unwrap();
+        assert!((eight(&pooled).compute_s / eight(&split).compute_s - 2.0).abs() < 1e-9, "{:?} {:?}", eight(&pooled), eight(&split));
+        assert!(pooled.notes.iter().any(|n| n.contains("the 2 hosts' 8 CPU ranks of 1 thread(s) share one machine's 2 cores")), "{:?}", pooled.notes);
         assert!(refusal(&PlanArgs { cores_per_node: Some(0), ..args(path) }).contains("--cores-per-node must be at least 1"));
     }
 

@@ -21,6 +21,8 @@
 //! A group crosses hosts when its ranks do: ranks count shards fastest, then stages, then
 //! replicas ([`crate::comm::layout`]), so shards stay inside a host, stages cross hosts where a
 //! replica's model is larger than a host, and replicas where the job spans several hosts.
+//! Groups of one kind talk at once, and those that cross hosts share each host's link: the
+//! profile timed one group alone on it ([`Span`]).
 use serde::Serialize;
 
 use super::layouts::{Candidate, Space};
@@ -88,12 +90,35 @@ impl Links {
         })
     }
 
-    /// Seconds of `collective` on `bytes` among `ranks` over the link of `scope`.
-    fn seconds(&self, scope: LinkScope, collective: Collective, bytes: f64, ranks: usize) -> Result<f64, UsageError> {
+    /// Seconds of `collective` on `bytes` among `ranks` over the link of `span`, its bytes
+    /// sharing the link's bandwidth with the span's other groups (their latencies overlap).
+    fn seconds(&self, span: Span, collective: Collective, bytes: f64, ranks: usize) -> Result<f64, UsageError> {
         if ranks < 2 {
             return Ok(0.0);
         }
-        Ok(self.link(scope)?.seconds(collective, bytes, ranks))
+        Ok(self.link(span.scope)?.seconds(collective, bytes * span.groups_sharing as f64, ranks))
+    }
+}
+
+/// Where a kind of group talks, and how many groups of that kind share the link at once.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Span {
+    pub scope: LinkScope,
+    /// Groups of the kind that each host's link carries at once: 1 within a host (each
+    /// measured with the host's ranks taking part), and between hosts one per rank offset
+    /// below the groups' stride that the host holds, whose bytes all pass its one link.
+    pub groups_sharing: usize,
+}
+
+impl Span {
+    /// The span of groups of `members` ranks `stride` apart (shards 1, stages tp, replicas
+    /// tp × pp) on hosts of `gpus` ranks: within a host while a group fits in one.
+    pub fn of(members: usize, stride: usize, gpus: usize) -> Span {
+        if members * stride > gpus {
+            Span { scope: LinkScope::BetweenHosts, groups_sharing: stride.min(gpus).max(1) }
+        } else {
+            Span { scope: LinkScope::WithinHost, groups_sharing: 1 }
+        }
     }
 }
 
@@ -167,7 +192,9 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
     let recorded = &profile.recorded;
     let slowdown = |busy: f64| recorded.slowdown(busy);
     let timed_busy = slowdown(recorded.compute_ranks_per_host as f64);
-    let all_busy = slowdown(gpus as f64);
+    // Hosts that are one machine's namespaces share its cores as one pool.
+    let pools = if space.hosts_share_cores { 1 } else { space.nodes.max(1) };
+    let all_busy = slowdown(c.world().div_ceil(pools) as f64);
     // One micro-batch through each stage, alone: a shard's own time where the profile timed
     // shards of this degree, else 1/tp of the whole's.
     let tp = c.tp as f64;
@@ -177,7 +204,7 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
     };
     let alone = |t: f64| t / timed_busy;
     let activation_bytes = tokens * d * if mixed { 2.0 } else { 4.0 };
-    let within = |collective, bytes| links.seconds(LinkScope::WithinHost, collective, bytes, c.tp);
+    let within = |collective, bytes| links.seconds(Span::of(c.tp, 1, gpus), collective, bytes, c.tp);
     // Megatron's f and g: two all-reduces forward, two backward per layer (sequence
     // parallel: a reduce-scatter and an all-gather each, the same bus bytes).
     let talk = if c.sequence_parallel {
@@ -216,15 +243,14 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
     }
     // Activations between stages, float32 (a shard's rows of them with sequence parallelism);
     // a boundary crosses hosts where a replica's ranks outgrow one.
-    let p2p_scope = if c.pp * c.tp > gpus { LinkScope::BetweenHosts } else { LinkScope::WithinHost };
     let sent = tokens * d * 4.0 / if c.sequence_parallel { tp } else { 1.0 };
-    let transfer = if c.pp > 1 { links.seconds(p2p_scope, Collective::SendRecv, sent, 2)? } else { 0.0 };
+    let transfer = if c.pp > 1 { links.seconds(Span::of(c.pp, c.tp, gpus), Collective::SendRecv, sent, 2)? } else { 0.0 };
     let costs = StageCosts { forward, backward, transfer };
     // Ranks count shards fastest, then pipeline devices, then replicas.
-    let mut ranks = vec![vec![0.0; c.pp]; space.nodes.max(1)];
+    let mut ranks = vec![vec![0.0; c.pp]; pools];
     for rank in 0..c.world() {
-        let host = (rank / gpus).min(ranks.len() - 1);
-        ranks[host][(rank / c.tp) % c.pp] += 1.0;
+        let pool = (rank / gpus).min(pools - 1);
+        ranks[pool][(rank / c.tp) % c.pp] += 1.0;
     }
     let sharing = timeline::Sharing { ranks, slowdown: &slowdown };
     let line = timeline::simulate(c.schedule, c.placement(), c.chunks, &costs, &sharing);
@@ -241,23 +267,24 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
     // The data-parallel step: this rank's parameters (the busiest device's stages).
     let parameters = (0..c.pp).map(|device| c.placement().stages_of(device).map(|s| job.stage_parameters(s)).sum::<f64>()).fold(0.0, f64::max);
     let gradient_bytes = parameters * 4.0;
-    let dp_scope = if c.world() > gpus { LinkScope::BetweenHosts } else { LinkScope::WithinHost };
+    let replica = c.pp * c.tp;
+    let dp_span = Span::of(c.dp, replica, gpus);
     let exposed = match (c.zero, c.shard_group) {
         (_, _) if c.dp == 1 => 0.0,
         (Some(ZeroStage::Parameters), Some(group)) => {
-            let group_scope = if group * c.pp * c.tp > gpus { LinkScope::BetweenHosts } else { LinkScope::WithinHost };
-            links.seconds(group_scope, Collective::ReduceScatter, gradient_bytes, group)?
-                + 2.0 * links.seconds(group_scope, Collective::AllGather, gradient_bytes, group)?
-                + links.seconds(dp_scope, Collective::AllReduce, gradient_bytes / group as f64, c.dp / group)?
+            let group_span = Span::of(group, replica, gpus);
+            links.seconds(group_span, Collective::ReduceScatter, gradient_bytes, group)?
+                + 2.0 * links.seconds(group_span, Collective::AllGather, gradient_bytes, group)?
+                + links.seconds(Span::of(c.dp / group, group * replica, gpus), Collective::AllReduce, gradient_bytes / group as f64, c.dp / group)?
         }
         (Some(ZeroStage::Parameters), None) => {
-            links.seconds(dp_scope, Collective::ReduceScatter, gradient_bytes, c.dp)?
-                + 2.0 * links.seconds(dp_scope, Collective::AllGather, gradient_bytes, c.dp)?
+            links.seconds(dp_span, Collective::ReduceScatter, gradient_bytes, c.dp)?
+                + 2.0 * links.seconds(dp_span, Collective::AllGather, gradient_bytes, c.dp)?
         }
         (Some(_), _) => {
-            links.seconds(dp_scope, Collective::ReduceScatter, gradient_bytes, c.dp)? + links.seconds(dp_scope, Collective::AllGather, gradient_bytes, c.dp)?
+            links.seconds(dp_span, Collective::ReduceScatter, gradient_bytes, c.dp)? + links.seconds(dp_span, Collective::AllGather, gradient_bytes, c.dp)?
         }
-        (None, _) => links.seconds(dp_scope, Collective::AllReduce, gradient_bytes, c.dp)?,
+        (None, _) => links.seconds(dp_span, Collective::AllReduce, gradient_bytes, c.dp)?,
     } + if c.dp > 1 {
         // Packing the gradients into buckets and back, beyond the collectives (as measured for
         // the exercises' average; ZeRO's buckets copy as much).
@@ -330,7 +357,7 @@ mod tests {
     }
 
     fn space(gpus: usize, batch: usize) -> Space {
-        Space { nodes: 1, gpus_per_node: gpus, global_batch: batch, model: model(), precision: Precision::Full }
+        Space { nodes: 1, gpus_per_node: gpus, global_batch: batch, model: model(), precision: Precision::Full, hosts_share_cores: false }
     }
 
     fn candidate(dp: usize, pp: usize, tp: usize, chunks: usize, micro_batch: i64) -> Candidate {
@@ -458,6 +485,31 @@ mod tests {
         assert!((line - 24.0).abs() < 1e-9, "{pipeline:?}");
     }
 
+    /// Two hosts that are namespaces of one machine of 2 cores: split evenly (1 core each),
+    /// a stage's 2 shards always share a core; as one pool, a stage computing while the other
+    /// idles (GPipe over one micro-batch) has both cores. Replicas all computing at once share
+    /// the cores either way.
+    #[test]
+    fn hosts_of_one_machine_share_its_cores_as_one_pool() {
+        let machine = |cores| Profile { recorded: Recorded { cores, ..profile(0.0).recorded }, ..profile(0.0) };
+        let free = AssumedLink { latency_s: 0.0, bytes_per_second: f64::INFINITY };
+        let hosts = |pooled, batch| Space { nodes: 2, gpus_per_node: 2, hosts_share_cores: pooled, ..space(2, batch) };
+        let step = |cores, pooled, batch, c: Candidate| {
+            let p = machine(cores);
+            predict(&p, &Links::of(&p, None, Some(free)), &hosts(pooled, batch), &c).unwrap()
+        };
+        // A micro-batch of 2 through 2 stages of 2 layers, each half a shard's: forward 2 s and
+        // backward 4 s a stage, one after the other: 12 s alone.
+        let pipeline = candidate(1, 2, 2, 1, 2);
+        let split = step(1, false, 2, pipeline);
+        let pooled = step(2, true, 2, pipeline);
+        assert!((pooled.step_s - 12.0).abs() < 1e-9 && (split.step_s - 24.0).abs() < 1e-9, "{pooled:?} {split:?}");
+        // 4 replicas of 4 layers × 3 s: 4 ranks on 2 cores, half speed.
+        let replicas = candidate(4, 1, 1, 1, 1);
+        let (split, pooled) = (step(1, false, 4, replicas), step(2, true, 4, replicas));
+        assert!((pooled.compute_s - 24.0).abs() < 1e-9 && (split.compute_s - 24.0).abs() < 1e-9, "{pooled:?} {split:?}");
+    }
+
     #[test]
     fn collectives_cost_what_the_links_bandwidth_says_on_the_bytes_each_layout_moves() {
         let beta = 1e-6;
@@ -492,6 +544,33 @@ mod tests {
         // Faster than its fit (noise): no negative cost.
         let faster = Profile { gradient_sync: Some(GradientSync { seconds: 0.001, ..sync }), ..p.clone() };
         assert_eq!(predict(&faster, &links, &s, &candidate(2, 1, 1, 1, 1)).unwrap().exposed_comm_s, dp.exposed_comm_s);
+    }
+
+    /// Groups of a kind talk at once, and between hosts their bytes share each host's one link
+    /// (the profile timed one group alone on it). On 2 hosts of 2 ranks: 4 replicas are one
+    /// group whose ring crosses the link once each way, as fast as alone; 2 stages × 2
+    /// replicas are two pairs crossing at once, each at half the link, twice as long as on
+    /// hosts of one rank each.
+    #[test]
+    fn groups_that_cross_hosts_at_once_share_the_link() {
+        let within = Span { scope: LinkScope::WithinHost, groups_sharing: 1 };
+        let between = |groups_sharing| Span { scope: LinkScope::BetweenHosts, groups_sharing };
+        assert_eq!(Span::of(2, 1, 2), within, "a pair of shards inside a host");
+        assert_eq!(Span::of(4, 1, 2), between(1), "4 replicas of one rank each");
+        assert_eq!(Span::of(2, 2, 2), between(2), "2 replicas of 2 stages or 2 shards");
+        assert_eq!(Span::of(2, 8, 4), between(4), "a host of 4 ranks holds 4 of the 8 groups");
+        assert_eq!(Span::of(2, 2, 4), within, "2 replicas of 2 inside a host of 4");
+
+        let p = profile(0.0);
+        let links = Links::of(&p, None, Some(AssumedLink { latency_s: 0.0, bytes_per_second: 1e6 }));
+        let hosts = |nodes, gpus| Space { nodes, gpus_per_node: gpus, ..space(1, 4) };
+        let params = crate::models::param_count_formula(&model()) as f64;
+        // One all-reduce among 4: 2(n−1)/n = 1.5 bus bytes per gradient byte.
+        let dp = predict(&p, &links, &hosts(2, 2), &candidate(4, 1, 1, 1, 1)).unwrap();
+        assert!((dp.exposed_comm_s - 1.5 * 4.0 * params / 1e6).abs() < 1e-9 * params, "{dp:?}");
+        let shared = predict(&p, &links, &hosts(2, 2), &candidate(2, 2, 1, 2, 1)).unwrap();
+        let alone = predict(&p, &links, &hosts(4, 1), &candidate(2, 2, 1, 2, 1)).unwrap();
+        assert!(alone.exposed_comm_s > 0.0 && (shared.exposed_comm_s / alone.exposed_comm_s - 2.0).abs() < 1e-9, "{shared:?} against {alone:?}");
     }
 
     /// The memory is the estimator's (`--estimate-memory`), tested against measured peaks in

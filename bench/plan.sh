@@ -16,8 +16,9 @@
 #      profiles' predictions apart); chart results/bench-plan.svg.
 # HOSTS=2 runs it across two hosts: network namespaces on this machine (scripts/lib/hosts.sh,
 # root), NPROC/2 ranks on each started by `mpirun -H`, the link between them shaped to
-# LINK_RATE (tc tbf); the profile then measures that link too, and the plan takes both hosts'
-# ranks as sharing this machine's cores (--hosts-share-cores).
+# LINK_RATE (tc tbf); the profile then measures that link too, finds the hosts one machine
+# (one kernel) and measures the sharing of its cores over all their ranks, and the plan takes
+# the hosts' ranks as sharing those cores, as the profile says.
 #
 #   make bench-plan                         HOSTS=1 NPROC=4 GLOBAL=16 STEPS=6 THREADS=1 MEMORY=1GiB REPEAT=2
 #   make bench-plan HOSTS=2 LINK_RATE=1gbit
@@ -81,12 +82,10 @@ profile() {
 }
 profile "$work/profile.json"
 cp "$work/profile.json" "results/bench-plan-profile-${cluster%% *}.json"
-# plan PROFILE ARGS...: the simulated hosts are namespaces of this machine and share its cores.
-sharing=()
-((HOSTS > 1)) && sharing=(--hosts-share-cores)
+# plan PROFILE ARGS...: the plan for the job the profile was taken on.
 plan() {
     "$bin/exercise3" plan --profile "$1" --nodes "$HOSTS" --gpus-per-node "$per_host" --memory "$MEMORY" \
-        --global-batch "$GLOBAL" --nlayers 4 "${sharing[@]}" "${@:2}"
+        --global-batch "$GLOBAL" --nlayers 4 "${@:2}"
 }
 plan "$work/profile.json" --json > "$work/plan.json"
 plan "$work/profile.json" --top 5

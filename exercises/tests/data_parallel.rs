@@ -769,7 +769,8 @@ fn a_second_signal_to_the_launcher_ends_the_job_at_once() {
 /// Ranks on two hosts: `scripts/test-two-hosts` makes two network namespaces with their own
 /// addresses and host names, starts 2 ranks with `mpirun -H node1:1,node2:1` from node1 (Open
 /// MPI's TCP transport between the addresses) and the same 2 ranks on node1 alone, and checks
-/// the hosts in the results, the placement line, and that the losses are the same.
+/// the hosts in the results, the placement line, and that the losses are the same; and that a
+/// profile across the two hosts finds them one machine, whose cores both ranks share.
 #[test]
 fn ranks_on_two_hosts_train_as_they_do_on_one() {
     let work = tempfile::tempdir().unwrap();
@@ -782,6 +783,7 @@ fn ranks_on_two_hosts_train_as_they_do_on_one() {
     }
     assert!(out.status.success(), "{stdout}{stderr}");
     assert!(stdout.contains("ok: 2 ranks on node1 and node2"), "{stdout}{stderr}");
+    assert!(stdout.contains("ok: the profile found node1 and node2 one machine, its cores shared by 2 ranks"), "{stdout}{stderr}");
 }
 
 /// A rank slower than the others (its every step 250 ms longer, `COURSE_TEST_SLOW_RANK`): the

@@ -271,7 +271,16 @@ fn every_kind_of_row_is_the_layout_its_command_runs_with_the_memory_it_estimates
     let fit = CostFit { latency_s: 1e-5, seconds_per_bus_byte: 1e-9, samples: vec![] };
     let profile = Profile {
         version: VERSION,
-        recorded: Recorded { device: "cpu".into(), threads: 1, host: "t".into(), unix_time: 0, compute_ranks_per_host: 4, cores: 0, shared: None },
+        recorded: Recorded {
+            device: "cpu".into(),
+            threads: 1,
+            host: "t".into(),
+            unix_time: 0,
+            compute_ranks_per_host: 4,
+            cores: 0,
+            shared: None,
+            hosts_per_machine: 1,
+        },
         model: common::models::TransformerConfig { ntoken: vocab, d_model: 32, nhead: 4, d_hid: 64, nlayers: 1, dropout: 0.1 },
         precision: Precision::Full,
         seq_len: 8,

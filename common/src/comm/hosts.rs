@@ -18,6 +18,36 @@ pub fn this_host() -> String {
         .unwrap_or_else(|| "localhost".into())
 }
 
+/// The machine this process runs on: its kernel's boot id (`/proc/sys/kernel/random/boot_id`),
+/// which the network namespaces and containers of one machine share and two machines never
+/// do. None where the kernel does not say (not Linux).
+pub fn this_machine() -> Option<u128> {
+    let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    u128::from_str_radix(&text.trim().replace('-', ""), 16).ok()
+}
+
+/// Each rank's machine, numbered from 0 in the order the machines first appear, from the
+/// ranks' [`this_machine`] ids: ranks of one id share a machine; a rank whose id is unknown
+/// counts as its host's (`host_of` its rank), a machine of its own.
+pub fn machine_numbers(ids: &[Option<u128>], host_of: impl Fn(usize) -> usize) -> Vec<usize> {
+    #[derive(PartialEq)]
+    enum Key {
+        Kernel(u128),
+        Host(usize),
+    }
+    let mut seen: Vec<Key> = Vec::new();
+    ids.iter()
+        .enumerate()
+        .map(|(rank, id)| {
+            let key = id.map_or(Key::Host(host_of(rank)), Key::Kernel);
+            seen.iter().position(|k| *k == key).unwrap_or_else(|| {
+                seen.push(key);
+                seen.len() - 1
+            })
+        })
+        .collect()
+}
+
 /// Records the job's hosts by job rank (the first record stands: there is one job per process).
 pub(crate) fn record(hosts: Vec<String>) {
     let _ = JOB_HOSTS.set(hosts);
@@ -95,5 +125,18 @@ mod tests {
         let long = "x".repeat(100);
         assert_eq!(from_bytes(&to_bytes(&long)), "x".repeat(NAME_BYTES));
         assert!(!this_host().is_empty());
+    }
+
+    #[test]
+    fn ranks_of_one_kernel_share_a_machine_and_an_unknown_one_is_its_hosts() {
+        // Two namespaces of one machine (ranks 0-3, hosts 0 and 1), another machine (4, 5),
+        // and a host that does not say (6, 7: host 3).
+        let ids = [Some(7), Some(7), Some(7), Some(7), Some(9), Some(9), None, None];
+        assert_eq!(machine_numbers(&ids, |rank| rank / 2), vec![0, 0, 0, 0, 1, 1, 2, 2]);
+        assert_eq!(machine_numbers(&[None, None, None], |rank| rank), vec![0, 1, 2]);
+        // Linux says, and says the same each time.
+        if cfg!(target_os = "linux") {
+            assert!(this_machine().is_some_and(|id| Some(id) == this_machine()));
+        }
     }
 }

@@ -91,7 +91,7 @@ pub fn choose(args: &AutoLayoutArgs, shape: &RunShape, trainer: Trainer) -> Resu
             shape.bptt
         ));
     }
-    let space = Space { nodes: shape.nodes, gpus_per_node: shape.ranks_per_node, global_batch, model, precision: shape.precision, hosts_share_cores: false };
+    let space = Space { nodes: shape.nodes, gpus_per_node: shape.ranks_per_node, global_batch, model, precision: shape.precision, hosts_per_machine: 1 };
     let links = predict::Links::of(&profile, None, None);
     let candidates: Vec<Candidate> = layouts::enumerate(&space).into_iter().filter(|c| trainer.runs(c)).collect();
     let predictions = candidates.iter().map(|c| predict::predict(&profile, &links, &space, c)).collect::<Result<Vec<Prediction>, _>>()?;

@@ -102,10 +102,11 @@ pub struct Space {
     pub global_batch: usize,
     pub model: TransformerConfig,
     pub precision: Precision,
-    /// The hosts are network namespaces or containers of one machine (`make test-cluster`'s,
-    /// `make bench-plan HOSTS=2`): every host's CPU ranks share the profile's host's cores,
-    /// while the links between them are still the hosts'.
-    pub hosts_share_cores: bool,
+    /// How many hosts are network namespaces or containers of one machine (`make
+    /// test-cluster`'s, `make bench-plan HOSTS=2`), 1 for hosts of their own: each such group's
+    /// CPU ranks share one machine's cores (the profile's host's), while the links between the
+    /// hosts are still the hosts'.
+    pub hosts_per_machine: usize,
 }
 
 fn divisors(n: usize) -> impl Iterator<Item = usize> {
@@ -194,7 +195,7 @@ mod tests {
 
     fn space(nodes: usize, gpus: usize, batch: usize) -> Space {
         let model = TransformerConfig { ntoken: 64, d_model: 32, nhead: 4, d_hid: 64, nlayers: 4, dropout: 0.0 };
-        Space { nodes, gpus_per_node: gpus, global_batch: batch, model, precision: Precision::Full, hosts_share_cores: false }
+        Space { nodes, gpus_per_node: gpus, global_batch: batch, model, precision: Precision::Full, hosts_per_machine: 1 }
     }
 
     #[test]

@@ -15,7 +15,7 @@ use anyhow::Result;
 use rayon::prelude::*;
 use tch::Device;
 
-use crate::comm::{Backend, ProcessGroup};
+use crate::comm::{hosts, Backend, ProcessGroup};
 use crate::device::{self, DeviceChoice};
 use crate::error::usage;
 use crate::models::TransformerConfig;
@@ -180,14 +180,18 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
         local = Some(profile::Timings { compute, shards, optimizer, spread });
     }
     world.barrier()?;
-    // What sharing a host's cores costs, where its ranks outnumber them: every host measures
-    // at once (rank 0's is recorded), at the middle micro-batch size.
+    // What sharing a machine's cores costs, where its ranks outnumber them: every machine
+    // measures at once (rank 0's is recorded), at the middle micro-batch size. A machine may
+    // hold several of the job's hosts (network namespaces, containers): their ranks share it.
     let per_host = world.local_world_size().max(1);
-    let shared = if device == Device::Cpu && per_host * threads > device::usable_cores() {
-        let host = world.split(world.rank() / per_host, world.rank())?;
+    let machines = machine_numbers(world, per_host)?;
+    let per_machine = machines.iter().filter(|&&m| m == machines[0]).count();
+    let crowded = device == Device::Cpu && machines.iter().filter(|&&m| m == machines[world.rank()]).count() * threads > device::usable_cores();
+    let shared = if world.any_of(&[crowded])?[0] {
+        let machine = world.split(machines[world.rank()], world.rank())?;
         let mut sizes = args.micro_batches.clone();
         sizes.sort_unstable();
-        Some(profile::measure_sharing(&model, device, args.bptt, sizes[sizes.len() / 2], &host)?)
+        Some(profile::measure_sharing(&model, device, args.bptt, sizes[sizes.len() / 2], &machine)?)
     } else {
         None
     };
@@ -216,6 +220,7 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
         compute_ranks_per_host: if args.compute_together { world.local_world_size().max(1) } else { 1 },
         cores: if device == Device::Cpu { device::usable_cores() } else { 0 },
         shared,
+        hosts_per_machine: (per_machine / per_host).max(1),
     };
     let profile = Profile {
         version: profile::VERSION,
@@ -305,7 +310,8 @@ pub struct PlanArgs {
     pub cores_per_node: Option<usize>,
     /// The hosts are network namespaces or containers of one machine (as `make test-cluster`'s):
     /// their CPU ranks share that machine's cores (the profile's host's, or --cores-per-node)
-    /// as one pool, while what crosses hosts takes the link between them.
+    /// as one pool, while what crosses hosts takes the link between them. Without it, as many
+    /// hosts share a machine as did where the profile was taken (it tells from their kernel).
     #[arg(long)]
     pub hosts_share_cores: bool,
     /// How many of the best layouts to print.
@@ -397,6 +403,23 @@ impl WhatIf {
 /// Plans `args`' job from its profile: a usage error (exit 2) for a profile that cannot be
 /// read or is another model's or precision's, for a link the job needs and the profile lacks,
 /// and for a job no layout fits (saying by how much the smallest misses).
+/// Each rank's machine ([`hosts::machine_numbers`]), from every rank's kernel, gathered; a
+/// rank that cannot tell counts as its host's (`per_host` ranks each, in rank order).
+fn machine_numbers(world: &ProcessGroup, per_host: usize) -> Result<Vec<usize>> {
+    let id = hosts::this_machine();
+    let [high, low] = id.map_or([0, 0], |id| [(id >> 64) as u64 as i64, id as u64 as i64]);
+    let mine = tch::Tensor::from_slice(&[high, low, i64::from(id.is_some())]);
+    let ids: Vec<Option<u128>> = world
+        .all_gather(&mine)?
+        .iter()
+        .map(|t| {
+            let [high, low, known] = [0, 1, 2].map(|i| t.int64_value(&[i]));
+            (known != 0).then_some(((high as u64 as u128) << 64) | low as u64 as u128)
+        })
+        .collect();
+    Ok(hosts::machine_numbers(&ids, |rank| rank / per_host))
+}
+
 pub fn plan(args: &PlanArgs) -> Result<Plan> {
     if args.nodes == 0 || args.gpus_per_node == 0 || args.global_batch == 0 || args.nlayers < 1 {
         return usage("--nodes, --gpus-per-node, --global-batch and --nlayers must be at least 1");
@@ -426,7 +449,7 @@ pub fn plan(args: &PlanArgs) -> Result<Plan> {
         global_batch: args.global_batch,
         model,
         precision: profile.precision,
-        hosts_share_cores: args.hosts_share_cores,
+        hosts_per_machine: if args.hosts_share_cores { args.nodes } else { profile.recorded.hosts_per_machine.clamp(1, args.nodes) },
     };
     let candidates = layouts::enumerate(&space);
     if candidates.is_empty() {
@@ -472,12 +495,16 @@ pub fn plan(args: &PlanArgs) -> Result<Plan> {
             "note: the profile timed the pieces with {timed_with} rank(s) of a host at once and this plan puts {} on each: CPU ranks share their host's cores, so its compute times hold for {timed_with}",
             args.gpus_per_node
         ));
-    } else if args.hosts_share_cores && recorded.slowdown(ranks as f64) > 1.0 {
+    } else if space.hosts_per_machine > 1 && recorded.slowdown((space.hosts_per_machine * args.gpus_per_node) as f64) > 1.0 {
+        let why = if args.hosts_share_cores { "--hosts-share-cores" } else { "as where the profile was taken" };
         notes.push(format!(
-            "note: the {} hosts' {ranks} CPU ranks of {} thread(s) share one machine's {} cores (--hosts-share-cores): a rank computes at the speed the machine's busy ranks leave it",
-            args.nodes, recorded.threads, recorded.cores
+            "note: {} hosts' {} CPU ranks of {} thread(s) share one machine's {} cores ({why}): a rank computes at the speed the machine's busy ranks leave it",
+            space.hosts_per_machine,
+            space.hosts_per_machine * args.gpus_per_node,
+            recorded.threads,
+            recorded.cores
         ));
-    } else if !args.hosts_share_cores && recorded.slowdown(args.gpus_per_node as f64) > 1.0 {
+    } else if space.hosts_per_machine == 1 && recorded.slowdown(args.gpus_per_node as f64) > 1.0 {
         notes.push(format!(
             "note: {} CPU ranks of {} thread(s) share each host's {} cores (the profile's host): a rank computes at the speed its host's busy ranks leave it",
             args.gpus_per_node, recorded.threads, recorded.cores
@@ -626,7 +653,16 @@ mod tests {
         let fit = |c| (c, CostFit { latency_s: 1e-5, seconds_per_bus_byte: 1e-9, samples: vec![] });
         let profile = Profile {
             version: profile::VERSION,
-            recorded: Recorded { device: "cpu".into(), threads: 1, host: "t".into(), unix_time: 0, compute_ranks_per_host: 1, cores: 0, shared: None },
+            recorded: Recorded {
+                device: "cpu".into(),
+                threads: 1,
+                host: "t".into(),
+                unix_time: 0,
+                compute_ranks_per_host: 1,
+                cores: 0,
+                shared: None,
+                hosts_per_machine: 1,
+            },
             model: TransformerConfig { ntoken: 64, d_model: 32, nhead: 4, d_hid: 64, nlayers: 1, dropout: 0.0 },
             precision: Precision::Full,
             seq_len: 16,
@@ -706,8 +742,8 @@ mod tests {
     }
 
     /// `--cores-per-node` stands for the profile's host's cores: 4 CPU ranks of a thread on 2
-    /// cores compute at half speed, and 8 on two hosts that share those 2 cores at half that;
-    /// 0 cores is a usage error.
+    /// cores compute at half speed, and 8 on two hosts that share those 2 cores at half that
+    /// (told by the flag, or by a profile taken on such hosts); 0 cores is a usage error.
     #[test]
     fn the_cores_a_host_gives_its_ranks_can_be_given_for_the_plan() {
         let dir = tempfile::tempdir().unwrap();
@@ -723,7 +759,20 @@ mod tests {
         let eight = |plan: &Plan| plan.ranked.iter().find(|p| p.candidate.dp == 8 && p.candidate.zero.is_none()).expect("8 replicas").clone();
         let split = plan(&PlanArgs { hosts_share_cores: false, ..machine.clone() }).unwrap();
         assert!((eight(&pooled).compute_s / eight(&split).compute_s - 2.0).abs() < 1e-9, "{:?} {:?}", eight(&pooled), eight(&split));
-        assert!(pooled.notes.iter().any(|n| n.contains("the 2 hosts' 8 CPU ranks of 1 thread(s) share one machine's 2 cores")), "{:?}", pooled.notes);
+        assert!(
+            pooled.notes.iter().any(|n| n.contains("2 hosts' 8 CPU ranks of 1 thread(s) share one machine's 2 cores (--hosts-share-cores)")),
+            "{:?}",
+            pooled.notes
+        );
+        // A profile taken on 2 hosts of one machine says so: the plan pools them without the
+        // flag, as where the profile was taken.
+        let mut taken = Profile::read(&path, None).unwrap();
+        taken.recorded.hosts_per_machine = 2;
+        let namespaces = dir.path().join("namespaces.json");
+        taken.write(&namespaces).unwrap();
+        let told = plan(&PlanArgs { profile: namespaces, hosts_share_cores: false, ..machine.clone() }).unwrap();
+        assert!((eight(&told).compute_s / eight(&pooled).compute_s - 1.0).abs() < 1e-9, "{:?} {:?}", eight(&told), eight(&pooled));
+        assert!(told.notes.iter().any(|n| n.contains("share one machine's 2 cores (as where the profile was taken)")), "{:?}", told.notes);
         assert!(refusal(&PlanArgs { cores_per_node: Some(0), ..args(path) }).contains("--cores-per-node must be at least 1"));
     }
 

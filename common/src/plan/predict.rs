@@ -193,7 +193,8 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
     let slowdown = |busy: f64| recorded.slowdown(busy);
     let timed_busy = slowdown(recorded.compute_ranks_per_host as f64);
     // Hosts that are one machine's namespaces share its cores as one pool.
-    let pools = if space.hosts_share_cores { 1 } else { space.nodes.max(1) };
+    let hosts_per_pool = space.hosts_per_machine.clamp(1, space.nodes.max(1));
+    let pools = space.nodes.max(1).div_ceil(hosts_per_pool);
     let all_busy = slowdown(c.world().div_ceil(pools) as f64);
     // One micro-batch through each stage, alone: a shard's own time where the profile timed
     // shards of this degree, else 1/tp of the whole's.
@@ -249,7 +250,7 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
     // Ranks count shards fastest, then pipeline devices, then replicas.
     let mut ranks = vec![vec![0.0; c.pp]; pools];
     for rank in 0..c.world() {
-        let pool = (rank / gpus).min(pools - 1);
+        let pool = (rank / gpus / hosts_per_pool).min(pools - 1);
         ranks[pool][(rank / c.tp) % c.pp] += 1.0;
     }
     let sharing = timeline::Sharing { ranks, slowdown: &slowdown };
@@ -339,7 +340,16 @@ mod tests {
         let link = LinkProfile { scope: LinkScope::WithinHost, ranks: 2, backend: "mpi".into(), collectives: Collective::ALL.into_iter().map(fit).collect() };
         Profile {
             version: VERSION,
-            recorded: Recorded { device: "cpu".into(), threads: 1, host: "t".into(), unix_time: 0, compute_ranks_per_host: 1, cores: 0, shared: None },
+            recorded: Recorded {
+                device: "cpu".into(),
+                threads: 1,
+                host: "t".into(),
+                unix_time: 0,
+                compute_ranks_per_host: 1,
+                cores: 0,
+                shared: None,
+                hosts_per_machine: 1,
+            },
             model: model(),
             precision: Precision::Full,
             seq_len: 8,
@@ -357,7 +367,7 @@ mod tests {
     }
 
     fn space(gpus: usize, batch: usize) -> Space {
-        Space { nodes: 1, gpus_per_node: gpus, global_batch: batch, model: model(), precision: Precision::Full, hosts_share_cores: false }
+        Space { nodes: 1, gpus_per_node: gpus, global_batch: batch, model: model(), precision: Precision::Full, hosts_per_machine: 1 }
     }
 
     fn candidate(dp: usize, pp: usize, tp: usize, chunks: usize, micro_batch: i64) -> Candidate {
@@ -488,12 +498,12 @@ mod tests {
     /// Two hosts that are namespaces of one machine of 2 cores: split evenly (1 core each),
     /// a stage's 2 shards always share a core; as one pool, a stage computing while the other
     /// idles (GPipe over one micro-batch) has both cores. Replicas all computing at once share
-    /// the cores either way.
+    /// the cores either way. Four hosts, two to a machine, make two pools.
     #[test]
     fn hosts_of_one_machine_share_its_cores_as_one_pool() {
         let machine = |cores| Profile { recorded: Recorded { cores, ..profile(0.0).recorded }, ..profile(0.0) };
         let free = AssumedLink { latency_s: 0.0, bytes_per_second: f64::INFINITY };
-        let hosts = |pooled, batch| Space { nodes: 2, gpus_per_node: 2, hosts_share_cores: pooled, ..space(2, batch) };
+        let hosts = |pooled, batch| Space { nodes: 2, gpus_per_node: 2, hosts_per_machine: if pooled { 2 } else { 1 }, ..space(2, batch) };
         let step = |cores, pooled, batch, c: Candidate| {
             let p = machine(cores);
             predict(&p, &Links::of(&p, None, Some(free)), &hosts(pooled, batch), &c).unwrap()
@@ -508,6 +518,14 @@ mod tests {
         let replicas = candidate(4, 1, 1, 1, 1);
         let (split, pooled) = (step(1, false, 4, replicas), step(2, true, 4, replicas));
         assert!((pooled.compute_s - 24.0).abs() < 1e-9 && (split.compute_s - 24.0).abs() < 1e-9, "{pooled:?} {split:?}");
+        // 4 hosts of one rank, machines of one core: 4 replicas at full speed on 4 machines,
+        // half on 2 (2 hosts each), a quarter on one.
+        let p = machine(1);
+        let on = |hosts_per_machine| {
+            let space = Space { nodes: 4, gpus_per_node: 1, hosts_per_machine, ..space(1, 4) };
+            predict(&p, &Links::of(&p, None, Some(free)), &space, &replicas).unwrap().compute_s
+        };
+        assert_eq!([1, 2, 4].map(|h| (on(h) / 12.0 * 1e9).round() / 1e9), [1.0, 2.0, 4.0]);
     }
 
     #[test]

@@ -104,9 +104,15 @@ pub struct Recorded {
     /// CPU ranks that share the cores each get ([`Recorded::slowdown`]).
     #[serde(default)]
     pub cores: usize,
-    /// Where the host's ranks outnumber its cores: what sharing them was measured to cost.
+    /// Where the machine's ranks outnumber its cores: what sharing them was measured to cost.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared: Option<SharedCores>,
+    /// How many of the job's hosts were one machine: network namespaces or containers of one
+    /// kernel ([`crate::comm::hosts::this_machine`]), sharing its cores, as `make bench-plan
+    /// HOSTS=2`'s. The sharing was measured over all their ranks, and a plan from the profile
+    /// pools as many hosts' ranks on one machine's cores.
+    #[serde(default = "one")]
+    pub hosts_per_machine: usize,
 }
 
 /// How much slower a rank computed while `ranks` ranks of its host did than alone (measured by
@@ -384,6 +390,9 @@ impl Profile {
             self.recorded.cores,
             self.recorded.compute_ranks_per_host
         )];
+        if self.recorded.hosts_per_machine > 1 {
+            lines.push(format!("{} hosts of one machine (one kernel): their ranks share its cores", self.recorded.hosts_per_machine));
+        }
         if let Some(SharedCores { ranks, slowdown }) = self.recorded.shared {
             lines.push(format!("{ranks} ranks computing at once on those cores: each {slowdown:.2}× slower than alone"));
         }
@@ -829,7 +838,16 @@ mod tests {
     fn profile(compute: Vec<PieceTimes>) -> Profile {
         Profile {
             version: VERSION,
-            recorded: Recorded { device: "cpu".into(), threads: 1, host: "test".into(), unix_time: 0, compute_ranks_per_host: 1, cores: 0, shared: None },
+            recorded: Recorded {
+                device: "cpu".into(),
+                threads: 1,
+                host: "test".into(),
+                unix_time: 0,
+                compute_ranks_per_host: 1,
+                cores: 0,
+                shared: None,
+                hosts_per_machine: 1,
+            },
             model: tiny(),
             precision: Precision::Full,
             seq_len: 8,

@@ -653,16 +653,7 @@ mod tests {
         let fit = |c| (c, CostFit { latency_s: 1e-5, seconds_per_bus_byte: 1e-9, samples: vec![] });
         let profile = Profile {
             version: profile::VERSION,
-            recorded: Recorded {
-                device: "cpu".into(),
-                threads: 1,
-                host: "t".into(),
-                unix_time: 0,
-                compute_ranks_per_host: 1,
-                cores: 0,
-                shared: None,
-                hosts_per_machine: 1,
-            },
+            recorded: Recorded::one_cpu_rank("t"),
             model: TransformerConfig { ntoken: 64, d_model: 32, nhead: 4, d_hid: 64, nlayers: 1, dropout: 0.0 },
             precision: Precision::Full,
             seq_len: 16,

@@ -340,16 +340,7 @@ mod tests {
         let link = LinkProfile { scope: LinkScope::WithinHost, ranks: 2, backend: "mpi".into(), collectives: Collective::ALL.into_iter().map(fit).collect() };
         Profile {
             version: VERSION,
-            recorded: Recorded {
-                device: "cpu".into(),
-                threads: 1,
-                host: "t".into(),
-                unix_time: 0,
-                compute_ranks_per_host: 1,
-                cores: 0,
-                shared: None,
-                hosts_per_machine: 1,
-            },
+            recorded: Recorded::one_cpu_rank("t"),
             model: model(),
             precision: Precision::Full,
             seq_len: 8,

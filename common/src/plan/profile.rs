@@ -143,6 +143,14 @@ impl Recorded {
     }
 }
 
+#[cfg(test)]
+impl Recorded {
+    /// One CPU rank of one thread, its cores not recorded: where the planner's tests start.
+    pub(crate) fn one_cpu_rank(host: &str) -> Recorded {
+        Recorded { device: "cpu".into(), threads: 1, host: host.into(), unix_time: 0, compute_ranks_per_host: 1, cores: 0, shared: None, hosts_per_machine: 1 }
+    }
+}
+
 fn one() -> usize {
     1
 }
@@ -838,16 +846,7 @@ mod tests {
     fn profile(compute: Vec<PieceTimes>) -> Profile {
         Profile {
             version: VERSION,
-            recorded: Recorded {
-                device: "cpu".into(),
-                threads: 1,
-                host: "test".into(),
-                unix_time: 0,
-                compute_ranks_per_host: 1,
-                cores: 0,
-                shared: None,
-                hosts_per_machine: 1,
-            },
+            recorded: Recorded::one_cpu_rank("test"),
             model: tiny(),
             precision: Precision::Full,
             seq_len: 8,

@@ -185,8 +185,9 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
     // hold several of the job's hosts (network namespaces, containers): their ranks share it.
     let per_host = world.local_world_size().max(1);
     let machines = machine_numbers(world, per_host)?;
-    let per_machine = machines.iter().filter(|&&m| m == machines[0]).count();
-    let crowded = device == Device::Cpu && machines.iter().filter(|&&m| m == machines[world.rank()]).count() * threads > device::usable_cores();
+    let ranks_on = |machine: usize| machines.iter().filter(|&&m| m == machine).count();
+    let per_machine = ranks_on(machines[0]);
+    let crowded = device == Device::Cpu && ranks_on(machines[world.rank()]) * threads > device::usable_cores();
     let shared = if world.any_of(&[crowded])?[0] {
         let machine = world.split(machines[world.rank()], world.rank())?;
         let mut sizes = args.micro_batches.clone();
@@ -400,9 +401,6 @@ impl WhatIf {
     }
 }
 
-/// Plans `args`' job from its profile: a usage error (exit 2) for a profile that cannot be
-/// read or is another model's or precision's, for a link the job needs and the profile lacks,
-/// and for a job no layout fits (saying by how much the smallest misses).
 /// Each rank's machine ([`hosts::machine_numbers`]), from every rank's kernel, gathered; a
 /// rank that cannot tell counts as its host's (`per_host` ranks each, in rank order).
 fn machine_numbers(world: &ProcessGroup, per_host: usize) -> Result<Vec<usize>> {
@@ -420,6 +418,9 @@ fn machine_numbers(world: &ProcessGroup, per_host: usize) -> Result<Vec<usize>> 
     Ok(hosts::machine_numbers(&ids, |rank| rank / per_host))
 }
 
+/// Plans `args`' job from its profile: a usage error (exit 2) for a profile that cannot be
+/// read or is another model's or precision's, for a link the job needs and the profile lacks,
+/// and for a job no layout fits (saying by how much the smallest misses).
 pub fn plan(args: &PlanArgs) -> Result<Plan> {
     if args.nodes == 0 || args.gpus_per_node == 0 || args.global_batch == 0 || args.nlayers < 1 {
         return usage("--nodes, --gpus-per-node, --global-batch and --nlayers must be at least 1");

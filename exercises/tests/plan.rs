@@ -45,9 +45,15 @@ fn two_ranks_profile_the_pieces_the_optimizer_and_every_collective_between_them(
     assert!(stdout.contains("a shard of 2: one layer takes ") && stdout.contains("a shard of 4: "), "{stdout}");
     // Timed on rank 0 alone; the host's cores and the measured cost of sharing them recorded.
     assert_eq!((read.recorded.compute_ranks_per_host, read.recorded.cores, read.recorded.threads), (1, cores, cores));
-    let shared = read.recorded.shared.expect("2 ranks of all the cores' threads share them");
+    let shared = read.recorded.shared.as_ref().expect("2 ranks of all the cores' threads share them");
     assert!(shared.ranks == 2 && shared.slowdown.is_finite() && shared.slowdown > 0.0, "{shared:?}");
     assert!(stdout.contains("2 ranks computing at once on those cores"), "{stdout}");
+    // And what a pair of shards loses waiting for each other on them (the degrees that divide
+    // the 2 ranks: 2), without and with sequence parallelism, at every size.
+    let waits: Vec<(usize, bool, i64)> = shared.shard_waits.iter().map(|w| (w.tp, w.sequence_parallel, w.micro_batch)).collect();
+    assert_eq!(waits, vec![(2, false, 1), (2, false, 3), (2, true, 1), (2, true, 3)]);
+    assert!(shared.shard_waits.iter().all(|w| w.layer_s.is_finite() && w.layer_s >= 0.0), "{shared:?}");
+    assert!(stdout.contains("shards of 2 among them wait for each other ") && stdout.contains("shards of 2 with sequence parallelism among them"), "{stdout}");
     // How unevenly equal passes run here, for the plan's waits.
     assert!(read.spread.is_finite() && read.spread > 0.0, "{}", read.spread);
     assert!(stdout.contains("equal passes vary by "), "{stdout}");

@@ -192,7 +192,14 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
         let machine = world.split(machines[world.rank()], world.rank())?;
         let mut sizes = args.micro_batches.clone();
         sizes.sort_unstable();
-        Some(profile::measure_sharing(&model, device, args.bptt, sizes[sizes.len() / 2], &machine)?)
+        let mut shared = profile::measure_sharing(&model, device, args.bptt, sizes[sizes.len() / 2], &machine)?;
+        // Shards wait for their partners' turns on the cores: every degree that divides the
+        // machine's ranks, at every size.
+        sizes.dedup();
+        for tp in args.shard_degrees().into_iter().filter(|&tp| machine.world_size() % tp == 0) {
+            shared.shard_waits.extend(profile::measure_shard_waits(&model, device, args.bptt, &sizes, tp, &machine)?);
+        }
+        Some(shared)
     } else {
         None
     };

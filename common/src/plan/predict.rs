@@ -8,6 +8,8 @@
 //! - **Tensor-parallel talk**, inside each pass: Megatron's two all-reduces of a layer's
 //!   activations forward and two backward (sequence parallelism: a reduce-scatter and an
 //!   all-gather each, the same bytes), one for the embedding, one for the output layer's input.
+//!   CPU ranks beyond their host's cores also wait at each for a partner's turn on a core, as
+//!   the profile measured ([`super::profile::ShardWait`]), while the timeline has them crowded.
 //! - **The pipeline**: the schedule's own timeline ([`super::timeline::simulate`]) over the
 //!   stages' costs, the activations sent between devices on the link they cross.
 //! - **Data parallelism**, after the last backward pass, not overlapped: the gradients
@@ -122,6 +124,27 @@ impl Span {
     }
 }
 
+/// How often a stage's tensor-parallel shards meet per micro-batch, forward and backward: the
+/// collectives that every shard of the group must reach before any goes on, in one encoder
+/// layer, the embedding, and the output layer with its loss (as the model runs them: a test
+/// counts them there).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Meetings {
+    pub layer: [f64; 2],
+    pub embedding: [f64; 2],
+    pub head: [f64; 2],
+}
+
+impl Meetings {
+    pub fn of(sequence_parallel: bool) -> Meetings {
+        if sequence_parallel {
+            Meetings { layer: [4.0, 7.0], embedding: [1.0, 1.0], head: [3.0, 2.0] }
+        } else {
+            Meetings { layer: [2.0, 2.0], embedding: [1.0, 0.0], head: [2.0, 1.0] }
+        }
+    }
+}
+
 /// One layout's prediction.
 #[derive(Debug, Clone, Serialize)]
 pub struct Prediction {
@@ -145,7 +168,8 @@ pub struct Prediction {
     pub exposed_comm_s: f64,
     /// Clipping the gradients and the optimizer's step.
     pub optimizer_s: f64,
-    /// Of `compute_s`, the tensor-parallel collectives.
+    /// Of `compute_s`, the tensor-parallel collectives, and where CPU ranks outnumber the
+    /// cores the shards' waits for their partners' turns on them.
     pub tp_comm_s: f64,
     pub tokens_per_s: f64,
     /// Model FLOPs utilization against the plan's peak per rank, where it knows one.
@@ -208,52 +232,73 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
     let within = |collective, bytes| links.seconds(Span::of(c.tp, 1, gpus), collective, bytes, c.tp);
     // Megatron's f and g: two all-reduces forward, two backward per layer (sequence
     // parallel: a reduce-scatter and an all-gather each, the same bus bytes).
-    let talk = if c.sequence_parallel {
+    let linked_talk = if c.sequence_parallel {
         within(Collective::ReduceScatter, activation_bytes)? + within(Collective::AllGather, activation_bytes)?
     } else {
         within(Collective::AllReduce, activation_bytes)?
-    } / all_busy;
+    };
+    let talk = linked_talk / all_busy;
+    // Where the machine's ranks outnumber its cores, the shards also wait at each meeting for
+    // their partners' turns on the cores, as measured for shards all computing at once (beyond
+    // the link's own time); the timeline charges the share its crowding at each moment says.
+    let meetings = Meetings::of(c.sequence_parallel);
+    let per_meeting = match &recorded.shared {
+        Some(shared) if c.tp > 1 => shared.shard_wait(c.tp, c.micro_batch, c.sequence_parallel).map_or(0.0, |layer_s| {
+            let talks_per_meeting = if c.sequence_parallel { 2.0 } else { 1.0 };
+            (layer_s / (meetings.layer[0] + meetings.layer[1]) - linked_talk / talks_per_meeting).max(0.0)
+        }),
+        _ => 0.0,
+    };
     let stages = c.placement().stages();
     let (mut forward, mut backward) = (vec![0.0; stages], vec![0.0; stages]);
     let mut tp_comm = vec![0.0; stages];
+    let mut waits = vec![[0.0; 2]; stages];
     for s in 0..stages {
         let layers = partition.layers[s].clone().count() as f64;
-        let mut f = layers * (alone(pieces.layer.forward_s) / share + 2.0 * talk);
-        let mut b = layers * (alone(pieces.layer.backward_s) / share + 2.0 * talk);
-        let mut forward_talk = layers * 2.0 * talk;
-        tp_comm[s] = layers * 4.0 * talk;
+        let mut f = layers * alone(pieces.layer.forward_s) / share;
+        let mut b = layers * alone(pieces.layer.backward_s) / share;
+        // Each pass's talks over the link: two per layer each way, the embedding's forward,
+        // the output layer's input backward.
+        let (mut forward_talks, mut backward_talks) = (2.0 * layers, 2.0 * layers);
+        let mut met = [layers * meetings.layer[0], layers * meetings.layer[1]];
         if s == 0 {
-            f += alone(pieces.embedding.forward_s) / share + talk;
+            f += alone(pieces.embedding.forward_s) / share;
             b += alone(pieces.embedding.backward_s) / share;
-            forward_talk += talk;
-            tp_comm[s] += talk;
+            forward_talks += 1.0;
+            met = [met[0] + meetings.embedding[0], met[1] + meetings.embedding[1]];
         }
         if s + 1 == stages {
             f += alone(pieces.head.forward_s) / share;
-            b += alone(pieces.head.backward_s) / share + talk;
-            tp_comm[s] += talk;
+            b += alone(pieces.head.backward_s) / share;
+            backward_talks += 1.0;
+            met = [met[0] + meetings.head[0], met[1] + meetings.head[1]];
         }
         if c.recompute {
             // The executor keeps a stage's input alone and runs the stage's whole forward again
             // before its backward: the embedding and the output layer with its loss too.
             b += f;
-            tp_comm[s] += forward_talk;
+            backward_talks += forward_talks;
+            met[1] += met[0];
         }
-        forward[s] = f;
-        backward[s] = b;
+        forward[s] = f + forward_talks * talk;
+        backward[s] = b + backward_talks * talk;
+        tp_comm[s] = (forward_talks + backward_talks) * talk;
+        waits[s] = met.map(|m| m * per_meeting);
     }
     // Activations between stages, float32 (a shard's rows of them with sequence parallelism);
     // a boundary crosses hosts where a replica's ranks outgrow one.
     let sent = tokens * d * 4.0 / if c.sequence_parallel { tp } else { 1.0 };
     let transfer = if c.pp > 1 { links.seconds(Span::of(c.pp, c.tp, gpus), Collective::SendRecv, sent, 2)? } else { 0.0 };
-    let costs = StageCosts { forward, backward, transfer };
+    let costs =
+        StageCosts { forward, backward, transfer, forward_waits: waits.iter().map(|w| w[0]).collect(), backward_waits: waits.iter().map(|w| w[1]).collect() };
     // Ranks count shards fastest, then pipeline devices, then replicas.
     let mut ranks = vec![vec![0.0; c.pp]; pools];
     for rank in 0..c.world() {
         let pool = (rank / gpus / hosts_per_pool).min(pools - 1);
         ranks[pool][(rank / c.tp) % c.pp] += 1.0;
     }
-    let sharing = timeline::Sharing { ranks, slowdown: &slowdown };
+    let crowding = |busy: f64| recorded.crowding(busy);
+    let sharing = timeline::Sharing { ranks, slowdown: &slowdown, crowding: &crowding };
     let line = timeline::simulate(c.schedule, c.placement(), c.chunks, &costs, &sharing);
     // Passes of uneven length: a replica's timeline drawn around its mean passes, and the
     // replicas waiting for the slowest of them at the gradients' average.
@@ -312,7 +357,7 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
         waits_s,
         exposed_comm_s: exposed,
         optimizer_s,
-        tp_comm_s: busiest_tp,
+        tp_comm_s: busiest_tp + line.partner_waits,
         tokens_per_s: global_tokens / step_s,
         mfu: None,
     })
@@ -486,6 +531,30 @@ mod tests {
         assert!((line - 24.0).abs() < 1e-9, "{pipeline:?}");
     }
 
+    /// Shards on crowded cores wait for their partners at every meeting, as the profile
+    /// measured per layer: 2 replicas of 2 shards (4 ranks) on 2 cores pay it at all 20 of a
+    /// micro-batch's meetings (4 layers of 4, the embedding's 1, the output layer's 3), a
+    /// fifth of a layer's wait each; with sequence parallelism 51 (4 of 11, 2, 5), an eleventh
+    /// each. 2 shards alone on the 2 cores pay nothing.
+    #[test]
+    fn shards_on_crowded_cores_wait_for_their_partners_at_every_meeting() {
+        use super::super::profile::{ShardWait, SharedCores};
+        let wait = |sequence_parallel, layer_s| ShardWait { tp: 2, micro_batch: 1, sequence_parallel, layer_s };
+        let shared = SharedCores { ranks: 4, slowdown: 2.0, shard_waits: vec![wait(false, 0.4), wait(true, 1.1)] };
+        let quiet = Profile { recorded: Recorded { cores: 2, ..profile(0.0).recorded }, ..profile(0.0) };
+        let crowded = Profile { recorded: Recorded { shared: Some(shared), ..quiet.recorded.clone() }, ..quiet.clone() };
+        let links = Links::of(&quiet, None, None);
+        let extra = |space: Space, c: Candidate| {
+            let (a, b) = (predict(&crowded, &links, &space, &c).unwrap(), predict(&quiet, &links, &space, &c).unwrap());
+            assert!((a.tp_comm_s - b.tp_comm_s - (a.compute_s - b.compute_s)).abs() < 1e-9, "the waits are tensor-parallel talk: {a:?} {b:?}");
+            a.compute_s - b.compute_s
+        };
+        let replicas = candidate(2, 1, 2, 1, 1);
+        assert!((extra(space(4, 2), replicas) - 20.0 * 0.1).abs() < 1e-9);
+        assert!((extra(space(4, 2), Candidate { sequence_parallel: true, ..replicas }) - 51.0 * 0.1).abs() < 1e-9);
+        assert_eq!(extra(space(2, 1), candidate(1, 1, 2, 1, 1)), 0.0);
+    }
+
     /// Two hosts that are namespaces of one machine of 2 cores: split evenly (1 core each),
     /// a stage's 2 shards always share a core; as one pool, a stage computing while the other
     /// idles (GPipe over one micro-batch) has both cores. Replicas all computing at once share
@@ -580,6 +649,49 @@ mod tests {
         let shared = predict(&p, &links, &hosts(2, 2), &candidate(2, 2, 1, 2, 1)).unwrap();
         let alone = predict(&p, &links, &hosts(4, 1), &candidate(2, 2, 1, 2, 1)).unwrap();
         assert!(alone.exposed_comm_s > 0.0 && (shared.exposed_comm_s / alone.exposed_comm_s - 2.0).abs() < 1e-9, "{shared:?} against {alone:?}");
+    }
+
+    /// The planner's count of the shards' meetings is the model's: a shard of 2 run with a
+    /// silent group of 2 counts its collectives, forward and backward.
+    #[test]
+    fn the_shards_meet_as_often_as_the_model_calls_collectives() {
+        use crate::comm::tensor_parallel::Shard;
+        use crate::comm::ProcessGroup;
+        use crate::models::{Masks, PartSpan, TransformerPart};
+        use tch::{Kind, Tensor};
+        let cfg = TransformerConfig { ntoken: 64, d_model: 16, nhead: 2, d_hid: 32, nlayers: 1, dropout: 0.0 };
+        let (seq, batch) = (7, 2);
+        for sequence_parallel in [false, true] {
+            let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+            let part = TransformerPart::new(&vs.root(), &cfg, PartSpan::whole(1), Shard { index: 0, count: 2 }, &mut |_| {}).unwrap();
+            let part = if sequence_parallel { part.sequence_parallel().unwrap() } else { part };
+            let group = ProcessGroup::silent(2);
+            let calls = || {
+                let s = group.comm_stats();
+                (s.all_reduce.calls + s.all_gather.calls + s.reduce_scatter.calls + s.broadcast.calls) as f64
+            };
+            let rows = if sequence_parallel { (seq + 1) / 2 } else { seq };
+            let tokens = Tensor::randint(cfg.ntoken, [seq, batch], (Kind::Int64, tch::Device::Cpu));
+            let hidden = || Tensor::randn([rows, batch, cfg.d_model], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+            // [forward, backward] of one piece's pass.
+            let count = |pass: &mut dyn FnMut() -> Tensor| {
+                let before = calls();
+                let out = pass();
+                let forward = calls() - before;
+                out.sum(Kind::Float).backward();
+                [forward, calls() - before - forward]
+            };
+            let (_, layer) = part.layers().next().unwrap();
+            let counted = Meetings {
+                layer: count(&mut || layer.forward_sharded(&hidden(), true, Masks::Shared, 0, Some(&group)).unwrap()),
+                embedding: count(&mut || part.embed(&tokens, true, Masks::Shared, Some(&group)).unwrap()),
+                head: count(&mut || {
+                    let logits = part.decode(&hidden(), Some(&group)).unwrap();
+                    part.loss_and_hits(&logits, &tokens, Some(&group), false).unwrap().0
+                }),
+            };
+            assert_eq!(counted, Meetings::of(sequence_parallel), "sequence parallel: {sequence_parallel}");
+        }
     }
 
     /// The memory is the estimator's (`--estimate-memory`), tested against measured peaks in

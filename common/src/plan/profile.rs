@@ -118,10 +118,52 @@ pub struct Recorded {
 /// How much slower a rank computed while `ranks` ranks of its host did than alone (measured by
 /// [`measure_sharing`]): more than the cores' division alone, as the ranks also take turns on
 /// the cores, evict each other's caches and share the memory bandwidth.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SharedCores {
     pub ranks: usize,
     pub slowdown: f64,
+    /// What tensor-parallel shards lost waiting for each other while those ranks computed, in
+    /// groups of shards (measured by [`measure_shard_waits`]; none in profiles that did not).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shard_waits: Vec<ShardWait>,
+}
+
+/// What a layer's tensor-parallel shards lose waiting for each other while every rank of the
+/// machine computes, in groups of `tp` shards, at one micro-batch size: more than the link's
+/// fits say, which were timed among ranks that did nothing else. A shard that reaches a
+/// collective while a partner is off its core waits for the partner's turn on it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ShardWait {
+    pub tp: usize,
+    pub micro_batch: i64,
+    #[serde(default)]
+    pub sequence_parallel: bool,
+    /// Seconds one layer's forward and backward pass took beyond the same pass with silent
+    /// collectives, every rank computing.
+    pub layer_s: f64,
+}
+
+impl SharedCores {
+    /// [`ShardWait::layer_s`] of shards of `tp` at `micro_batch`, with or without sequence
+    /// parallelism: the nearest measured degree's (the smaller on a tie), between its measured
+    /// sizes on a line and beyond them as at the nearest (a wait for a turn on a core does not
+    /// grow with the message). None where no degree was measured in that mode.
+    pub fn shard_wait(&self, tp: usize, micro_batch: i64, sequence_parallel: bool) -> Option<f64> {
+        let measured = || self.shard_waits.iter().filter(|w| w.sequence_parallel == sequence_parallel);
+        let distance = |w: &ShardWait| ((w.tp as f64).ln() - (tp as f64).ln()).abs();
+        let nearest = measured().min_by(|a, b| distance(a).total_cmp(&distance(b)).then(a.tp.cmp(&b.tp)))?.tp;
+        let mut points: Vec<(f64, f64)> = measured().filter(|w| w.tp == nearest).map(|w| (w.micro_batch as f64, w.layer_s)).collect();
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let b = micro_batch as f64;
+        Some(match points.iter().position(|p| p.0 >= b) {
+            None => points[points.len() - 1].1,
+            Some(0) => points[0].1,
+            Some(i) => {
+                let ((x0, y0), (x1, y1)) = (points[i - 1], points[i]);
+                y0 + (b - x0) / (x1 - x0) * (y1 - y0)
+            }
+        })
+    }
 }
 
 impl Recorded {
@@ -137,8 +179,22 @@ impl Recorded {
         let unshared = self.cores as f64 / self.threads.max(1) as f64;
         match self.shared {
             _ if busy <= unshared => 1.0,
-            Some(SharedCores { ranks, slowdown }) if ranks as f64 > unshared => 1.0 + (busy - unshared) * (slowdown - 1.0) / (ranks as f64 - unshared),
+            Some(SharedCores { ranks, slowdown, .. }) if ranks as f64 > unshared => 1.0 + (busy - unshared) * (slowdown - 1.0) / (ranks as f64 - unshared),
             _ => busy / unshared,
+        }
+    }
+
+    /// What share of the shards' waits measured while `shared.ranks` ranks computed
+    /// ([`SharedCores::shard_waits`]) a collective pays while `busy` ranks of its host compute,
+    /// each on `threads` threads: none while they have a core per thread, all of it at the
+    /// measured crowd, on a line between (and beyond). 0 where nothing was measured.
+    pub fn crowding(&self, busy: f64) -> f64 {
+        let unshared = self.cores as f64 / self.threads.max(1) as f64;
+        match &self.shared {
+            Some(shared) if self.device == "cpu" && shared.ranks as f64 > unshared && !shared.shard_waits.is_empty() => {
+                ((busy - unshared) / (shared.ranks as f64 - unshared)).max(0.0)
+            }
+            _ => 0.0,
         }
     }
 }
@@ -401,8 +457,17 @@ impl Profile {
         if self.recorded.hosts_per_machine > 1 {
             lines.push(format!("{} hosts of one machine (one kernel): their ranks share its cores", self.recorded.hosts_per_machine));
         }
-        if let Some(SharedCores { ranks, slowdown }) = self.recorded.shared {
+        if let Some(SharedCores { ranks, slowdown, shard_waits }) = &self.recorded.shared {
             lines.push(format!("{ranks} ranks computing at once on those cores: each {slowdown:.2}× slower than alone"));
+            for (tp, sequence_parallel) in shard_waits.iter().map(|w| (w.tp, w.sequence_parallel)).collect::<std::collections::BTreeSet<_>>() {
+                let waits: Vec<String> = shard_waits
+                    .iter()
+                    .filter(|w| (w.tp, w.sequence_parallel) == (tp, sequence_parallel))
+                    .map(|w| format!("{:.2} ms at {}", 1e3 * w.layer_s, w.micro_batch))
+                    .collect();
+                let mode = if sequence_parallel { " with sequence parallelism" } else { "" };
+                lines.push(format!("  shards of {tp}{mode} among them wait for each other {} per layer's pass (micro-batch)", waits.join(", ")));
+            }
         }
         if self.spread > 0.0 {
             lines.push(format!(
@@ -616,7 +681,85 @@ pub fn measure_sharing(cfg: &TransformerConfig, device: Device, seq_len: i64, mi
     };
     let alone = median(false)?;
     let together = median(true)?;
-    Ok(SharedCores { ranks: host.world_size(), slowdown: if alone > 0.0 { together / alone } else { 1.0 } })
+    Ok(SharedCores { ranks: host.world_size(), slowdown: if alone > 0.0 { together / alone } else { 1.0 }, shard_waits: Vec::new() })
+}
+
+/// Times one encoder layer's shard of `tp` forward and backward at each of `micro_batches`,
+/// without and with sequence parallelism, on every rank of `machine` at once, the ranks in
+/// groups of `tp` consecutive ones (as shards are placed): `PASSES` passes back to back with
+/// the group's real collectives, then as many with silent ones, in `ROUNDS` rounds. Back to
+/// back, as a step's passes run, so that every rank computes throughout; the difference per
+/// pass is each [`ShardWait`] (the median round's, averaged over the ranks).
+pub fn measure_shard_waits(
+    cfg: &TransformerConfig,
+    device: Device,
+    seq_len: i64,
+    micro_batches: &[i64],
+    tp: usize,
+    machine: &ProcessGroup,
+) -> Result<Vec<ShardWait>> {
+    const PASSES: usize = 8;
+    const ROUNDS: usize = 3;
+    let group = machine.split(machine.rank() / tp, machine.rank())?;
+    let silent = ProcessGroup::silent(group.world_size());
+    let mut waits = Vec::new();
+    for sequence_parallel in [false, true] {
+        for &micro_batch in micro_batches {
+            // Under sequence parallelism a shard holds its rows of the (padded) sequence.
+            let rows = if sequence_parallel { (seq_len + tp as i64 - 1) / tp as i64 } else { seq_len };
+            let hidden = Tensor::randn([rows, micro_batch, cfg.d_model], (Kind::Float, device));
+            let mut talking = timed_shard_pass(cfg, device, &hidden, sequence_parallel, group.rank(), &group)?;
+            let mut quiet = timed_shard_pass(cfg, device, &hidden, sequence_parallel, 0, &silent)?;
+            let back_to_back = |pass: &mut dyn FnMut() -> Result<f64>| -> Result<f64> {
+                machine.barrier()?;
+                let start = Instant::now();
+                for _ in 0..PASSES {
+                    pass()?;
+                }
+                Ok(start.elapsed().as_secs_f64())
+            };
+            talking()?;
+            quiet()?;
+            let mut differences = (0..ROUNDS).map(|_| Ok(back_to_back(&mut talking)? - back_to_back(&mut quiet)?)).collect::<Result<Vec<f64>>>()?;
+            differences.sort_by(f64::total_cmp);
+            waits.push((sequence_parallel, micro_batch, differences[ROUNDS / 2] / PASSES as f64));
+        }
+    }
+    let mut mean = Tensor::from_slice(&waits.iter().map(|w| w.2).collect::<Vec<f64>>());
+    machine.all_reduce(&mut mean, ReduceOp::Sum)?;
+    let mean = Vec::<f64>::try_from(mean / machine.world_size() as f64)?;
+    Ok(waits
+        .iter()
+        .zip(mean)
+        .map(|(&(sequence_parallel, micro_batch, _), layer_s)| ShardWait { tp, micro_batch, sequence_parallel, layer_s: layer_s.max(0.0) })
+        .collect())
+}
+
+/// A timer of one encoder layer's shard `index` of `group`'s size, forward and backward on
+/// `hidden` (this shard's rows of it under `sequence_parallel`), its collectives over `group`:
+/// each call runs one pass and returns its seconds.
+fn timed_shard_pass<'a>(
+    cfg: &TransformerConfig,
+    device: Device,
+    hidden: &Tensor,
+    sequence_parallel: bool,
+    index: usize,
+    group: &'a ProcessGroup,
+) -> Result<impl FnMut() -> Result<f64> + 'a> {
+    let vs = tch::nn::VarStore::new(device);
+    let probe = probe_model(&vs, cfg, 1, Shard { index, count: group.world_size() })?;
+    let probe = if sequence_parallel { probe.sequence_parallel()? } else { probe };
+    let hidden = hidden.shallow_clone();
+    Ok(move || -> Result<f64> {
+        // The variables live in `vs`: keep it for as long as the timer.
+        let _weights = &vs;
+        let (_, layer) = probe.layers().next().expect("the probe has one layer");
+        let start = Instant::now();
+        let out = layer.forward_sharded(&hidden.detach().set_requires_grad(true), true, Masks::Shared, 0, Some(group))?;
+        out.sum(Kind::Float).backward();
+        crate::device::synchronize(device);
+        Ok(start.elapsed().as_secs_f64())
+    })
 }
 
 /// A timer of the probe's whole forward and backward pass (the embedding, a layer, the output
@@ -871,13 +1014,37 @@ mod tests {
     fn ranks_beyond_the_cores_run_as_much_slower_as_sharing_was_measured_to_cost() {
         let even = Recorded { cores: 2, threads: 1, ..profile(Vec::new()).recorded };
         assert_eq!([1.0, 2.0, 3.0, 4.0].map(|b| even.slowdown(b)), [1.0, 1.0, 1.5, 2.0]);
-        let measured = Recorded { shared: Some(SharedCores { ranks: 4, slowdown: 2.5 }), ..even.clone() };
+        let measured = Recorded { shared: Some(SharedCores { ranks: 4, slowdown: 2.5, shard_waits: Vec::new() }), ..even.clone() };
         assert_eq!([2.0, 3.0, 4.0, 6.0].map(|b| measured.slowdown(b)), [1.0, 1.75, 2.5, 4.0]);
         let two_threads = Recorded { threads: 2, ..even.clone() };
         assert_eq!(two_threads.slowdown(2.0), 2.0);
         for other in [Recorded { cores: 0, ..even.clone() }, Recorded { device: "NVIDIA H100 80GB HBM3".into(), ..even }] {
             assert_eq!(other.slowdown(8.0), 1.0, "{other:?}");
         }
+    }
+
+    /// Shards' waits are looked up at the nearest measured degree and mode, on a line between
+    /// measured sizes and flat beyond them; they count only where the ranks outnumber the
+    /// cores, in full at the measured crowd.
+    #[test]
+    fn shards_wait_as_measured_at_the_nearest_degree_and_only_on_crowded_cores() {
+        let wait = |tp, micro_batch, sequence_parallel, layer_s| ShardWait { tp, micro_batch, sequence_parallel, layer_s };
+        let shared = SharedCores {
+            ranks: 4,
+            slowdown: 2.0,
+            shard_waits: vec![wait(2, 1, false, 1.0), wait(2, 4, false, 4.0), wait(4, 1, false, 10.0), wait(2, 1, true, 0.5)],
+        };
+        assert_eq!(shared.shard_wait(2, 2, false), Some(2.0));
+        assert_eq!((shared.shard_wait(2, 8, false), shared.shard_wait(2, 1, false)), (Some(4.0), Some(1.0)));
+        assert_eq!(shared.shard_wait(8, 3, false), Some(10.0), "8 is nearest 4");
+        assert_eq!(shared.shard_wait(3, 1, false), Some(10.0), "3 is nearer 4 than 2 (by ratio)");
+        assert_eq!(shared.shard_wait(4, 16, true), Some(0.5), "the only degree measured with sequence parallelism");
+        assert_eq!(SharedCores { shard_waits: Vec::new(), ..shared.clone() }.shard_wait(2, 1, false), None);
+        let crowd = Recorded { cores: 2, threads: 1, shared: Some(shared.clone()), ..profile(Vec::new()).recorded };
+        assert_eq!([1.0, 2.0, 3.0, 4.0, 6.0].map(|b| crowd.crowding(b)), [0.0, 0.0, 0.5, 1.0, 2.0]);
+        let none_measured = Recorded { shared: Some(SharedCores { shard_waits: Vec::new(), ..shared }), ..crowd.clone() };
+        assert_eq!(none_measured.crowding(4.0), 0.0);
+        assert_eq!(Recorded { device: "NVIDIA H100 80GB HBM3".into(), ..crowd }.crowding(4.0), 0.0);
     }
 
     #[test]

@@ -16,6 +16,19 @@ pub struct StageCosts {
     pub backward: Vec<f64>,
     /// One activation (or its gradient) from a device to the next.
     pub transfer: f64,
+    /// Seconds each stage's forward and backward pass waits for its tensor-parallel partners
+    /// while its host's cores are as crowded as [`Sharing::crowding`] measures in full: a shard
+    /// that reaches a collective while a partner is off its core waits for the partner's turn.
+    pub forward_waits: Vec<f64>,
+    pub backward_waits: Vec<f64>,
+}
+
+impl StageCosts {
+    /// Passes that never wait for partners (no shards, or cores enough for every rank).
+    pub fn new(forward: Vec<f64>, backward: Vec<f64>, transfer: f64) -> StageCosts {
+        let stages = forward.len();
+        StageCosts { forward, backward, transfer, forward_waits: vec![0.0; stages], backward_waits: vec![0.0; stages] }
+    }
 }
 
 /// How the ranks that run the devices' operations share their hosts' cores: CPU ranks on a
@@ -27,18 +40,25 @@ pub struct Sharing<'a> {
     pub ranks: Vec<Vec<f64>>,
     /// How much slower than alone a rank runs while this many ranks of its host compute.
     pub slowdown: &'a dyn Fn(f64) -> f64,
+    /// What share of a pass's waits for its partners ([`StageCosts::forward_waits`]) it pays
+    /// while this many ranks of its host compute: 0 while they have a core each.
+    pub crowding: &'a dyn Fn(f64) -> f64,
 }
 
 impl Sharing<'_> {
     pub fn none() -> Sharing<'static> {
-        Sharing { ranks: Vec::new(), slowdown: &|_| 1.0 }
+        Sharing { ranks: Vec::new(), slowdown: &|_| 1.0, crowding: &|_| 0.0 }
+    }
+
+    /// Each host's busy ranks while `running` devices compute.
+    fn busy(&self, running: &[bool]) -> Vec<f64> {
+        self.ranks.iter().map(|host| host.iter().zip(running).filter(|(_, &r)| r).map(|(n, _)| n).sum()).collect()
     }
 
     /// Each device's speed (1: as alone) while `running` devices compute.
     fn speeds(&self, running: &[bool]) -> Vec<f64> {
         let mut speed = vec![1.0f64; running.len()];
-        for host in &self.ranks {
-            let busy: f64 = host.iter().zip(running).filter(|(_, &r)| r).map(|(n, _)| n).sum();
+        for (host, busy) in self.ranks.iter().zip(self.busy(running)) {
             let on_host = 1.0 / (self.slowdown)(busy).max(1.0);
             for (device, n) in host.iter().enumerate() {
                 if *n > 0.0 {
@@ -47,6 +67,12 @@ impl Sharing<'_> {
             }
         }
         speed
+    }
+
+    /// The share of its waits for partners that `device`'s pass pays while `running` devices
+    /// compute: the most crowded of the hosts its ranks are on.
+    fn crowded(&self, running: &[bool], device: usize) -> f64 {
+        self.ranks.iter().zip(self.busy(running)).filter(|(host, _)| host[device] > 0.0).map(|(_, busy)| (self.crowding)(busy)).fold(0.0, f64::max)
     }
 }
 
@@ -59,6 +85,9 @@ pub struct Timeline {
     pub busiest: f64,
     /// The busiest device's idle time within `seconds` (the bubble and waits for transfers).
     pub idle: f64,
+    /// The most any device waited for its tensor-parallel partners on crowded cores (within
+    /// its busy time).
+    pub partner_waits: f64,
 }
 
 /// Runs `micro_batches` through `placement`'s devices as `schedule` orders them, the costs
@@ -93,11 +122,13 @@ pub fn simulate_varied(
     // Each device's operation in progress and its seconds of work left (at speed 1).
     let mut running: Vec<Option<(Op, f64)>> = vec![None; devices];
     let mut busy = vec![0.0f64; devices];
+    let mut waited = vec![0.0f64; devices];
     let mut done = Done::new(stages, micro_batches);
     let mut now = 0.0f64;
     while done.count < total {
         // Start what can start now; note when the rest's inputs arrive.
         let mut arrival = f64::INFINITY;
+        let mut started = Vec::new();
         for device in 0..devices {
             if running[device].is_some() {
                 continue;
@@ -112,11 +143,25 @@ pub fn simulate_varied(
                     };
                 running[device] = Some((op, cost));
                 next[device] += 1;
+                started.push(device);
             } else {
                 arrival = arrival.min(ready);
             }
         }
-        let speed = sharing.speeds(&running.iter().map(Option::is_some).collect::<Vec<_>>());
+        let computing: Vec<bool> = running.iter().map(Option::is_some).collect();
+        let speed = sharing.speeds(&computing);
+        // What the passes just started wait for their partners, as crowded as the cores are
+        // now that every device that could start has: wall seconds, in work at its speed.
+        for device in started {
+            let Some((op, left)) = running[device] else { continue };
+            let waits = match op.direction {
+                Direction::Forward => &costs.forward_waits,
+                Direction::Backward => &costs.backward_waits,
+            };
+            let wait = waits[op.stage] * sharing.crowded(&computing, device);
+            waited[device] += wait;
+            running[device] = Some((op, left + wait * speed[device]));
+        }
         let finish: Vec<f64> = (0..devices).map(|d| running[d].map_or(f64::INFINITY, |(_, left)| left / speed[d])).collect();
         let step = finish.iter().copied().fold(arrival - now, f64::min);
         assert!(step.is_finite(), "the schedule's operations wait on each other: {} of {total} done", done.count);
@@ -133,7 +178,7 @@ pub fn simulate_varied(
         now += step;
     }
     let busiest = busy.iter().copied().fold(0.0, f64::max);
-    Timeline { seconds: now, busiest, idle: now - busiest }
+    Timeline { seconds: now, busiest, idle: now - busiest, partner_waits: waited.iter().copied().fold(0.0, f64::max) }
 }
 
 /// When each operation ended, by direction, stage and micro-batch (a table: the plan runs the
@@ -191,7 +236,7 @@ mod tests {
     use crate::pipeline::schedule::theoretical_bubble;
 
     fn equal(stages: usize, forward: f64, backward: f64, transfer: f64) -> StageCosts {
-        StageCosts { forward: vec![forward; stages], backward: vec![backward; stages], transfer }
+        StageCosts::new(vec![forward; stages], vec![backward; stages], transfer)
     }
 
     #[test]
@@ -223,7 +268,7 @@ mod tests {
     fn the_slowest_stage_and_the_transfers_set_the_pace() {
         // Two stages, the second twice as slow: after the first micro-batch fills the pipe, the
         // slow stage works without pause; every transfer delays the start and the turn.
-        let costs = StageCosts { forward: vec![1.0, 2.0], backward: vec![2.0, 4.0], transfer: 0.5 };
+        let costs = StageCosts::new(vec![1.0, 2.0], vec![2.0, 4.0], 0.5);
         let t = simulate(Schedule::GPipe, Placement::one_stage_each(2), 4, &costs, &Sharing::none());
         // Stage 1: forwards start at 1.5 and run back to back (4 × 2), then its 4 backwards (4 × 4);
         // stage 0's last backward waits for stage 1's last (transfer) and takes 2.
@@ -240,7 +285,7 @@ mod tests {
         let ranks = vec![vec![1.0, 1.0]];
         for (cores, seconds) in [(1.0, 12.0), (2.0, 9.0)] {
             let slowdown = move |busy: f64| busy / cores;
-            let sharing = Sharing { ranks: ranks.clone(), slowdown: &slowdown };
+            let sharing = Sharing { ranks: ranks.clone(), slowdown: &slowdown, crowding: &|_| 0.0 };
             for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
                 let t = simulate(schedule, Placement::one_stage_each(2), 2, &costs, &sharing);
                 assert!((t.seconds - seconds).abs() < 1e-9, "{schedule:?} on {cores} core(s): {t:?}");
@@ -248,8 +293,31 @@ mod tests {
         }
         // Ranks on other hosts do not slow these: each host counts its own.
         let slowdown = |busy: f64| busy;
-        let apart = Sharing { ranks: vec![vec![1.0, 0.0], vec![0.0, 1.0]], slowdown: &slowdown };
+        let apart = Sharing { ranks: vec![vec![1.0, 0.0], vec![0.0, 1.0]], slowdown: &slowdown, crowding: &|_| 0.0 };
         let t = simulate(Schedule::GPipe, Placement::one_stage_each(2), 2, &costs, &apart);
         assert!((t.seconds - 9.0).abs() < 1e-9, "{t:?}");
+    }
+
+    /// Shards wait for their partners only while their host's ranks outnumber its cores: 4
+    /// ranks of one stage on 2 cores compute at half speed and pay each pass's wait in full; 2
+    /// ranks pay none; two stages of 2 pay it only while both compute (GPipe over one
+    /// micro-batch: never).
+    #[test]
+    fn shards_wait_for_their_partners_only_on_crowded_cores() {
+        let slowdown = |busy: f64| (busy / 2.0).max(1.0);
+        let crowding = |busy: f64| ((busy - 2.0) / 2.0).max(0.0);
+        let on = |ranks: Vec<f64>| Sharing { ranks: vec![ranks], slowdown: &slowdown, crowding: &crowding };
+        let waiting = |stages| StageCosts { forward_waits: vec![0.25; stages], backward_waits: vec![0.5; stages], ..equal(stages, 1.0, 2.0, 0.0) };
+        // Two micro-batches: 2 × 3 s of work at half speed, and 2 × 0.75 s of waits.
+        let crowded = simulate(Schedule::GPipe, Placement::one_stage_each(1), 2, &waiting(1), &on(vec![4.0]));
+        assert!((crowded.seconds - 13.5).abs() < 1e-9 && (crowded.partner_waits - 1.5).abs() < 1e-9, "{crowded:?}");
+        let roomy = simulate(Schedule::GPipe, Placement::one_stage_each(1), 2, &waiting(1), &on(vec![2.0]));
+        assert!((roomy.seconds - 6.0).abs() < 1e-9 && roomy.partner_waits == 0.0, "{roomy:?}");
+        let apart = simulate(Schedule::GPipe, Placement::one_stage_each(2), 1, &waiting(2), &on(vec![2.0, 2.0]));
+        assert!((apart.seconds - 6.0).abs() < 1e-9 && apart.partner_waits == 0.0, "{apart:?}");
+        // Over 4 micro-batches the stages overlap, and the waits come back.
+        let overlapping = simulate(Schedule::OneFOneB, Placement::one_stage_each(2), 4, &waiting(2), &on(vec![2.0, 2.0]));
+        let free = simulate(Schedule::OneFOneB, Placement::one_stage_each(2), 4, &equal(2, 1.0, 2.0, 0.0), &on(vec![2.0, 2.0]));
+        assert!(overlapping.partner_waits > 0.0 && overlapping.seconds > free.seconds, "{overlapping:?} against {free:?}");
     }
 }

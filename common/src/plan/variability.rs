@@ -131,7 +131,7 @@ mod tests {
     }
 
     fn two_stages() -> StageCosts {
-        StageCosts { forward: vec![1.0, 1.0], backward: vec![2.0, 2.0], transfer: 0.0 }
+        StageCosts::new(vec![1.0, 1.0], vec![2.0, 2.0], 0.0)
     }
 
     #[test]
@@ -147,7 +147,7 @@ mod tests {
     /// passes' timeline; shards that wait for the slowest at every pass, more so.
     #[test]
     fn waiting_for_each_other_lengthens_a_pipeline_not_a_lone_stage() {
-        let one = StageCosts { forward: vec![1.0], backward: vec![2.0], transfer: 0.0 };
+        let one = StageCosts::new(vec![1.0], vec![2.0], 0.0);
         let lone = replica_timeline(Schedule::GPipe, Placement::one_stage_each(1), 8, &one, &Sharing::none(), 0.2, 1);
         assert!((lone.mean_s / 24.0 - 1.0).abs() < 0.03, "{lone:?}");
         // Eight passes of sd 0.2·(1 or 2): the sum's sd is 0.2·√(4·1 + 4·4)... of 8 passes.

@@ -166,12 +166,11 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
     let timing = args.compute_together || world.is_root();
     let mut local = None;
     if timing {
-        let compute = profile::measure_compute(&model, args.precision, device, args.bptt, &args.micro_batches, 1)?;
-        let shards = args
-            .shard_degrees()
-            .into_iter()
-            .map(|tp| Ok(ShardPieces { tp, compute: profile::measure_compute(&model, args.precision, device, args.bptt, &args.micro_batches, tp)? }))
-            .collect::<Result<Vec<_>>>()?;
+        // The whole and every shard in the same rounds: the plan weighs one against the other.
+        let degrees: Vec<usize> = std::iter::once(1).chain(args.shard_degrees()).collect();
+        let mut measured = profile::measure_compute(&model, args.precision, device, args.bptt, &args.micro_batches, &degrees)?.into_iter();
+        let compute = measured.next().expect("the whole is the first degree timed");
+        let shards = degrees[1..].iter().zip(measured).map(|(&tp, compute)| ShardPieces { tp, compute }).collect();
         let enough = if device.is_cuda() { 256 << 20 } else { 16 << 20 };
         let optimizer = profile::measure_optimizer(args.optimizer, &model, device, args.nlayers, enough)?;
         let mut sizes = args.micro_batches.clone();

@@ -575,114 +575,144 @@ fn median_seconds(device: Device, repeats: usize, mut work: impl FnMut() -> Resu
 /// Times the model's pieces at each of `micro_batches` sequences of `seq_len` tokens on
 /// `device` in `precision` (autocast for the mixed precisions, 16-bit weights for the true
 /// ones), training mode (dropout as configured): a probe of one layer, the encoder layers
-/// being all alike, whole (`tp` 1) or shard 0 of `tp` with silent collectives (its arithmetic
-/// alone). Forward alone, then forward and backward; the backward time is the difference.
-/// Each the median of 7 samples, taken in rounds over every size.
+/// being all alike, at each of `degrees`: whole (1) or shard 0 of that many with silent
+/// collectives (its arithmetic alone). Forward alone, then forward and backward; the backward
+/// time is the difference. Each the median of [`SAMPLES`] samples taken in rounds over every
+/// degree, size and piece ([`medians_in_rounds`]): the plan compares a shard's times with the
+/// whole's, so a slow spell must not fall on one degree's samples alone. Returns each degree's
+/// rows, in the order of `degrees`.
 pub fn measure_compute(
     cfg: &TransformerConfig,
     precision: Precision,
     device: Device,
     seq_len: i64,
     micro_batches: &[i64],
-    tp: usize,
-) -> Result<Vec<PieceTimes>> {
-    let mut vs = tch::nn::VarStore::new(device);
-    let shard = Shard { index: 0, count: tp.max(1) };
-    let silent = (tp > 1).then(|| ProcessGroup::silent(tp));
-    let group = silent.as_ref();
-    let probe = probe_model(&vs, cfg, 1, shard)?;
-    if let Some(kind) = precision.weights_kind() {
-        vs.set_kind(kind);
-    }
+    degrees: &[usize],
+) -> Result<Vec<Vec<PieceTimes>>> {
     let hidden_kind = precision.weights_kind().unwrap_or(Kind::Float);
-    let (_, layer) = probe.layers().next().expect("the probe has one layer");
     let mut sizes = micro_batches.to_vec();
     sizes.sort_unstable();
     sizes.dedup();
     anyhow::ensure!(!sizes.is_empty(), "no micro-batch size to time");
-    let inputs: Vec<(i64, Tensor, Tensor)> = sizes
+    // Each degree's probe: its weights (kept alive with it) and its silent group.
+    let probes = degrees
         .iter()
-        .map(|&b| (b, Tensor::randint(cfg.ntoken, [seq_len, b], (Kind::Int64, device)), Tensor::randn([seq_len, b, cfg.d_model], (hidden_kind, device))))
+        .map(|&tp| {
+            let mut vs = tch::nn::VarStore::new(device);
+            let probe = probe_model(&vs, cfg, 1, Shard { index: 0, count: tp.max(1) })?;
+            if let Some(kind) = precision.weights_kind() {
+                vs.set_kind(kind);
+            }
+            Ok((vs, probe, (tp > 1).then(|| ProcessGroup::silent(tp))))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let inputs: Vec<(Tensor, Tensor)> = sizes
+        .iter()
+        .map(|&b| (Tensor::randint(cfg.ntoken, [seq_len, b], (Kind::Int64, device)), Tensor::randn([seq_len, b, cfg.d_model], (hidden_kind, device))))
         .collect();
     // One piece's pass on one micro-batch: 0 the embedding, 1 the layer, 2 the output layer
     // and its loss.
-    let pass = |piece: usize, tokens: &Tensor, hidden: &Tensor| -> Result<Tensor> {
+    let pass = |degree: usize, piece: usize, tokens: &Tensor, hidden: &Tensor| -> Result<Tensor> {
+        let (_, probe, silent) = &probes[degree];
+        let group = silent.as_ref();
         precision::autocast(precision, device, || match piece {
             0 => probe.embed(tokens, true, Masks::Shared, group),
-            1 => layer.forward_sharded(&hidden.detach().set_requires_grad(true), true, Masks::Shared, 0, group),
+            1 => {
+                let (_, layer) = probe.layers().next().expect("the probe has one layer");
+                layer.forward_sharded(&hidden.detach().set_requires_grad(true), true, Masks::Shared, 0, group)
+            }
             _ => {
                 let logits = probe.decode(&hidden.detach().set_requires_grad(true), group)?;
                 Ok(probe.loss_and_hits(&logits, tokens, group, false)?.0)
             }
         })
     };
-    let once = |piece: usize, tokens: &Tensor, hidden: &Tensor, backward: bool| -> Result<f64> {
+    // The cells: degree, then size, then piece, then forward alone or forward and backward.
+    let cells_per_degree = inputs.len() * 3 * 2;
+    let medians = medians_in_rounds(degrees.len() * cells_per_degree, |cell| {
+        let (degree, rest) = (cell / cells_per_degree, cell % cells_per_degree);
+        let (size, piece, backward) = (rest / 6, rest % 6 / 2, rest % 2 == 1);
+        let (tokens, hidden) = &inputs[size];
         let start = Instant::now();
         if backward {
-            pass(piece, tokens, hidden)?.to_kind(Kind::Float).sum(Kind::Float).backward();
+            pass(degree, piece, tokens, hidden)?.to_kind(Kind::Float).sum(Kind::Float).backward();
         } else {
-            drop(tch::no_grad(|| pass(piece, tokens, hidden))?);
+            drop(tch::no_grad(|| pass(degree, piece, tokens, hidden))?);
         }
         crate::device::synchronize(device);
         Ok(start.elapsed().as_secs_f64())
+    })?;
+    let times = |cell: usize| {
+        let forward_s = medians[cell];
+        PassTimes { forward_s, backward_s: (medians[cell + 1] - forward_s).max(0.0) }
     };
-    // Every pass once untimed (the first page in the weights and grow the allocator's pools,
-    // which no later step pays), then ROUNDS rounds over every size and piece: a slow spell of
-    // the machine falls on one sample of each rather than on every sample of one size.
-    const ROUNDS: usize = 7;
-    let mut samples: Vec<[[Vec<f64>; 2]; 3]> = vec![Default::default(); inputs.len()];
-    for round in 0..=ROUNDS {
-        for ((_, tokens, hidden), size) in inputs.iter().zip(&mut samples) {
-            for (piece, passes) in size.iter_mut().enumerate() {
-                for (backward, times) in [false, true].into_iter().zip(passes.iter_mut()) {
-                    let seconds = once(piece, tokens, hidden, backward)?;
-                    if round > 0 {
-                        times.push(seconds);
-                    }
-                }
+    Ok((0..degrees.len())
+        .map(|degree| {
+            sizes
+                .iter()
+                .enumerate()
+                .map(|(size, &micro_batch)| {
+                    let cell = |piece: usize| times(degree * cells_per_degree + size * 6 + piece * 2);
+                    PieceTimes { micro_batch, embedding: cell(0), layer: cell(1), head: cell(2) }
+                })
+                .collect()
+        })
+        .collect())
+}
+
+/// Samples of each timed cell (a piece's pass at one size and degree) that the profile keeps.
+const SAMPLES: usize = 7;
+
+/// The median of [`SAMPLES`] samples of each of `cells` cells that `time` measures, after one
+/// untimed pass over all of them (the first pages in the weights and grows the allocator's
+/// pools, which no later step pays). The samples are taken in rounds over every cell, so that
+/// a slow spell of the machine as long as a round falls on at most one sample of each cell
+/// rather than on every sample of some.
+fn medians_in_rounds(cells: usize, mut time: impl FnMut(usize) -> Result<f64>) -> Result<Vec<f64>> {
+    let mut samples = vec![Vec::with_capacity(SAMPLES); cells];
+    for round in 0..=SAMPLES {
+        for (cell, times) in samples.iter_mut().enumerate() {
+            let seconds = time(cell)?;
+            if round > 0 {
+                times.push(seconds);
             }
         }
     }
-    let median = |times: &[f64]| {
-        let mut sorted = times.to_vec();
-        sorted.sort_by(f64::total_cmp);
-        sorted[sorted.len() / 2]
-    };
-    let times = |s: &[Vec<f64>; 2]| {
-        let forward_s = median(&s[0]);
-        PassTimes { forward_s, backward_s: (median(&s[1]) - forward_s).max(0.0) }
-    };
-    Ok(inputs
-        .iter()
-        .zip(&samples)
-        .map(|((micro_batch, _, _), s)| PieceTimes { micro_batch: *micro_batch, embedding: times(&s[0]), layer: times(&s[1]), head: times(&s[2]) })
+    Ok(samples
+        .into_iter()
+        .map(|mut times| {
+            times.sort_by(f64::total_cmp);
+            times[times.len() / 2]
+        })
         .collect())
 }
 
 /// How much slower rank 0 of `host` (the ranks of one host) runs the probe's forward and
 /// backward pass (embedding, a layer, the output layer and the loss: the mix of a training
 /// step) at `micro_batch` while every rank of the host runs it too than while the others wait:
-/// medians of `REPEATS` passes each, every pass started together.
+/// medians of `REPEATS` passes each, every pass started together, the two kinds taken in turn
+/// so that a slow spell of the machine falls on both rather than on one.
 pub fn measure_sharing(cfg: &TransformerConfig, device: Device, seq_len: i64, micro_batch: i64, host: &ProcessGroup) -> Result<SharedCores> {
     // 27, not 9: five measurements of 4 ranks on 2 cores came out 1.63–2.59× with 9 passes
     // each, 1.86–2.11× with 27 (about a second more).
     const REPEATS: usize = 27;
     let mut pass = timed_probe_pass(cfg, Precision::Full, device, seq_len, micro_batch)?;
     pass()?;
-    let mut median = |everyone: bool| -> Result<f64> {
-        let mut times = Vec::new();
-        for _ in 0..REPEATS {
+    let (mut alone, mut together) = (Vec::new(), Vec::new());
+    for _ in 0..REPEATS {
+        for (everyone, times) in [(false, &mut alone), (true, &mut together)] {
             host.barrier()?;
             if everyone || host.rank() == 0 {
                 times.push(pass()?);
             }
             host.barrier()?;
         }
+    }
+    let median = |mut times: Vec<f64>| {
         times.sort_by(f64::total_cmp);
-        Ok(times.get(times.len() / 2).copied().unwrap_or(0.0))
+        times.get(times.len() / 2).copied().unwrap_or(0.0)
     };
-    let alone = median(false)?;
-    let together = median(true)?;
+    let (alone, together) = (median(alone), median(together));
     Ok(SharedCores { ranks: host.world_size(), slowdown: if alone > 0.0 { together / alone } else { 1.0 }, shard_waits: Vec::new() })
 }
 
@@ -1088,9 +1118,12 @@ mod tests {
 
     #[test]
     fn a_shard_is_timed_alone_at_every_size_and_only_its_degree_is_read_from_it() {
-        let rows = measure_compute(&tiny(), Precision::Full, Device::Cpu, 8, &[1, 2], 2).unwrap();
-        assert_eq!(rows.iter().map(|r| r.micro_batch).collect::<Vec<_>>(), vec![1, 2]);
-        assert!(rows.iter().all(|r| [r.embedding, r.layer, r.head].iter().all(|t| t.forward_s > 0.0 && t.total().is_finite())), "{rows:?}");
+        let degrees = measure_compute(&tiny(), Precision::Full, Device::Cpu, 8, &[1, 2], &[1, 2]).unwrap();
+        assert_eq!(degrees.len(), 2, "the whole and the shard of 2");
+        for rows in &degrees {
+            assert_eq!(rows.iter().map(|r| r.micro_batch).collect::<Vec<_>>(), vec![1, 2]);
+            assert!(rows.iter().all(|r| [r.embedding, r.layer, r.head].iter().all(|t| t.forward_s > 0.0 && t.total().is_finite())), "{rows:?}");
+        }
         let p = Profile { shards: vec![ShardPieces { tp: 2, compute: vec![pieces(1, 0.5), pieces(4, 2.5)] }], ..profile(vec![pieces(1, 1.0), pieces(4, 4.0)]) };
         assert!((p.shard_pieces_at(2, 2).unwrap().layer.forward_s - (0.5 + 2.0 / 3.0)).abs() < 1e-12);
         assert_eq!(p.shard_pieces_at(2, 4), Some(pieces(4, 2.5)));
@@ -1099,6 +1132,34 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         p.write(&dir.path().join("p.json")).unwrap();
         assert_eq!(Profile::read(&dir.path().join("p.json"), None).unwrap(), p);
+    }
+
+    #[test]
+    fn a_slow_spell_as_long_as_a_round_moves_no_cells_median() {
+        // 30 cells (5 degrees and sizes × 3 pieces × 2 passes, say) take 1 s each, except
+        // while the machine is slowed 3× for as long as one round takes, starting anywhere:
+        // every cell's median stays 1 s. (Had each cell's samples been taken together, the
+        // spell would have slowed 5 cells' every sample.)
+        let cells = 30;
+        let timed = (SAMPLES + 1) * cells;
+        for spell_start in 0..timed - cells {
+            let mut clock = 0;
+            let medians = medians_in_rounds(cells, |_| {
+                clock += 1;
+                Ok(if (spell_start..spell_start + cells).contains(&(clock - 1)) { 3.0 } else { 1.0 })
+            })
+            .unwrap();
+            assert_eq!(medians, vec![1.0; cells], "a spell from sample {spell_start}");
+        }
+        // The first pass over the cells is not kept: each cell's median is of its later samples.
+        let mut calls = vec![0; 4];
+        let medians = medians_in_rounds(4, |cell| {
+            calls[cell] += 1;
+            Ok(if calls[cell] == 1 { 100.0 } else { cell as f64 + calls[cell] as f64 })
+        })
+        .unwrap();
+        assert_eq!(calls, vec![SAMPLES + 1; 4]);
+        assert_eq!(medians, (0..4).map(|cell| cell as f64 + 2.0 + (SAMPLES / 2) as f64).collect::<Vec<_>>());
     }
 
     #[test]
@@ -1130,7 +1191,7 @@ mod tests {
 
     #[test]
     fn the_pieces_are_timed_at_every_size_asked_forward_and_backward() {
-        let rows = measure_compute(&tiny(), Precision::Full, Device::Cpu, 8, &[4, 1, 4], 1).unwrap();
+        let rows = measure_compute(&tiny(), Precision::Full, Device::Cpu, 8, &[4, 1, 4], &[1]).unwrap().remove(0);
         assert_eq!(rows.iter().map(|r| r.micro_batch).collect::<Vec<_>>(), vec![1, 4]);
         for row in rows {
             for pass in [row.embedding, row.layer, row.head] {

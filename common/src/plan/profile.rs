@@ -690,29 +690,27 @@ fn medians_in_rounds(cells: usize, mut time: impl FnMut(usize) -> Result<f64>) -
 /// How much slower rank 0 of `host` (the ranks of one host) runs the probe's forward and
 /// backward pass (embedding, a layer, the output layer and the loss: the mix of a training
 /// step) at `micro_batch` while every rank of the host runs it too than while the others wait:
-/// medians of `REPEATS` passes each, every pass started together, the two kinds taken in turn
-/// so that a slow spell of the machine falls on both rather than on one.
+/// medians of `REPEATS` passes each, every pass started together.
 pub fn measure_sharing(cfg: &TransformerConfig, device: Device, seq_len: i64, micro_batch: i64, host: &ProcessGroup) -> Result<SharedCores> {
     // 27, not 9: five measurements of 4 ranks on 2 cores came out 1.63–2.59× with 9 passes
     // each, 1.86–2.11× with 27 (about a second more).
     const REPEATS: usize = 27;
     let mut pass = timed_probe_pass(cfg, Precision::Full, device, seq_len, micro_batch)?;
     pass()?;
-    let (mut alone, mut together) = (Vec::new(), Vec::new());
-    for _ in 0..REPEATS {
-        for (everyone, times) in [(false, &mut alone), (true, &mut together)] {
+    let mut median = |everyone: bool| -> Result<f64> {
+        let mut times = Vec::new();
+        for _ in 0..REPEATS {
             host.barrier()?;
             if everyone || host.rank() == 0 {
                 times.push(pass()?);
             }
             host.barrier()?;
         }
-    }
-    let median = |mut times: Vec<f64>| {
         times.sort_by(f64::total_cmp);
-        times.get(times.len() / 2).copied().unwrap_or(0.0)
+        Ok(times.get(times.len() / 2).copied().unwrap_or(0.0))
     };
-    let (alone, together) = (median(alone), median(together));
+    let alone = median(false)?;
+    let together = median(true)?;
     Ok(SharedCores { ranks: host.world_size(), slowdown: if alone > 0.0 { together / alone } else { 1.0 }, shard_waits: Vec::new() })
 }
 

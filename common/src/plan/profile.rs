@@ -627,11 +627,13 @@ pub fn measure_compute(
             }
         })
     };
-    // The cells: degree, then size, then piece, then forward alone or forward and backward.
-    let cells_per_degree = inputs.len() * 3 * 2;
-    let medians = medians_in_rounds(degrees.len() * cells_per_degree, |cell| {
-        let (degree, rest) = (cell / cells_per_degree, cell % cells_per_degree);
-        let (size, piece, backward) = (rest / 6, rest % 6 / 2, rest % 2 == 1);
+    // The cells, degree by degree, then size, then piece, then forward alone and forward and
+    // backward: the medians come back in this order, which the rows below read in chunks.
+    let cells: Vec<(usize, usize, usize, bool)> = (0..degrees.len())
+        .flat_map(|degree| (0..inputs.len()).flat_map(move |size| (0..3).flat_map(move |piece| [false, true].map(|backward| (degree, size, piece, backward)))))
+        .collect();
+    let medians = medians_in_rounds(cells.len(), |cell| {
+        let (degree, size, piece, backward) = cells[cell];
         let (tokens, hidden) = &inputs[size];
         let start = Instant::now();
         if backward {
@@ -642,19 +644,17 @@ pub fn measure_compute(
         crate::device::synchronize(device);
         Ok(start.elapsed().as_secs_f64())
     })?;
-    let times = |cell: usize| {
-        let forward_s = medians[cell];
-        PassTimes { forward_s, backward_s: (medians[cell + 1] - forward_s).max(0.0) }
+    let times = |forward_and_backward: &[f64]| {
+        let forward_s = forward_and_backward[0];
+        PassTimes { forward_s, backward_s: (forward_and_backward[1] - forward_s).max(0.0) }
     };
-    Ok((0..degrees.len())
+    Ok(medians
+        .chunks(inputs.len() * 3 * 2)
         .map(|degree| {
-            sizes
-                .iter()
-                .enumerate()
-                .map(|(size, &micro_batch)| {
-                    let cell = |piece: usize| times(degree * cells_per_degree + size * 6 + piece * 2);
-                    PieceTimes { micro_batch, embedding: cell(0), layer: cell(1), head: cell(2) }
-                })
+            degree
+                .chunks(3 * 2)
+                .zip(&sizes)
+                .map(|(size, &micro_batch)| PieceTimes { micro_batch, embedding: times(&size[0..2]), layer: times(&size[2..4]), head: times(&size[4..6]) })
                 .collect()
         })
         .collect())

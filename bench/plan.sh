@@ -5,7 +5,9 @@
 # batch (GLOBAL streams of 35 tokens):
 #   1. `exercise3 profile` over the job's ranks, with the runs' threads (THREADS);
 #   2. `exercise3 plan --json`: every legal layout, those that fit in MEMORY per rank ranked;
-#   3. every one of them run for STEPS steps (the first 2 not timed) as the plan's row says,
+#   3. every one of them run for STEPS steps (the first 2 not timed; 10 timed, since this VM's
+#      speed wanders by a third from one second to the next and 4 timed steps averaged it over
+#      about one second) as the plan's row says,
 #      REPEAT times (the second time in the reverse order), then the machine profiled again;
 #   4. per run the predicted (from each profile) and measured step time and the busiest rank's
 #      peak memory (bytes held by tensors in training over what they held before) appended to
@@ -20,7 +22,7 @@
 # (one kernel) and measures the sharing of its cores over all their ranks, and the plan takes
 # the hosts' ranks as sharing those cores, as the profile says.
 #
-#   make bench-plan                         HOSTS=1 NPROC=4 GLOBAL=16 STEPS=6 THREADS=1 MEMORY=1GiB REPEAT=2
+#   make bench-plan                         HOSTS=1 NPROC=4 GLOBAL=16 STEPS=12 THREADS=1 MEMORY=1GiB REPEAT=2
 #   make bench-plan HOSTS=2 LINK_RATE=1gbit
 #   make bench-plan SAMPLE=3                 the plan's best 3, then every 3rd layout of its ranking
 #   make bench-plan REPEAT=1                 each layout once, one profile (half the time; no noise figures)
@@ -30,7 +32,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-HOSTS="${HOSTS:-1}"; NPROC="${NPROC:-4}"; GLOBAL="${GLOBAL:-16}"; STEPS="${STEPS:-6}"; THREADS="${THREADS:-1}"
+HOSTS="${HOSTS:-1}"; NPROC="${NPROC:-4}"; GLOBAL="${GLOBAL:-16}"; STEPS="${STEPS:-12}"; THREADS="${THREADS:-1}"
 MEMORY="${MEMORY:-1GiB}"; LINK_RATE="${LINK_RATE:-1gbit}"; SAMPLE="${SAMPLE:-1}"; REPEAT="${REPEAT:-2}"
 bin="$root/${BIN:-target/release}"
 csv="results/bench-plan.csv"

@@ -1,6 +1,7 @@
 //! `common::comm`: the launch environment (pure parsing), the single-process group, and,
 //! on two real MPI ranks, the collectives, point-to-point messages, the data-parallel helpers,
-//! `--nproc-per-node` relaunching and what happens when a rank fails; on four, sub-groups.
+//! `--nproc-per-node` relaunching and what happens when a rank fails; on four, sub-groups;
+//! and the layout planner's one measurement that needs ranks to agree (the cores' sharing).
 //!
 //! The two-rank tests start this very test binary under `mpirun -np 2 <this binary> --exact
 //! rank_entry`, with `TEST_SCENARIO` naming what the ranks do; `rank_entry` does nothing when
@@ -246,6 +247,7 @@ fn rank_entry() {
         "p2p" => p2p(),
         "split" => split(),
         "shards" => shards(),
+        "sharing" => sharing(),
         other => panic!("unknown scenario {other}"),
     };
     println!("scenario {scenario} passed on rank {rank}");
@@ -777,6 +779,33 @@ fn reduce_scatter_and_all_gather_on_two_and_four_ranks() {
     for ranks in [2, 4] {
         launch(Some(ranks), "shards", &[], Duration::from_secs(60)).assert_passed("shards", ranks);
     }
+}
+
+/// The layout planner's figure for ranks sharing a host's cores: each round of equal passes
+/// together lasts as long as its slowest rank's. Rank 0's passes take 1 s, rank 1's 2.5 s:
+/// sharing costs 2.5× (rank 0's own passes would say 1×). Rank 0 passes once alone and once
+/// together per round, rank 1 only together, each after one untimed pass.
+fn sharing() -> usize {
+    let group = ProcessGroup::init(Backend::Auto).unwrap();
+    let rank = group.rank();
+    let mut passes = 0;
+    let slowdown = common::plan::profile::sharing_slowdown(&group, || {
+        passes += 1;
+        Ok(if rank == 0 { 1.0 } else { 2.5 })
+    })
+    .unwrap();
+    assert_eq!(slowdown, 2.5, "rank {rank}");
+    let mut counts = Tensor::from_slice(&[if rank == 0 { passes } else { 0 }, if rank == 1 { passes } else { 0 }]);
+    group.all_reduce(&mut counts, ReduceOp::Sum).unwrap();
+    let [zero, one] = <[i64; 2]>::try_from(Vec::<i64>::try_from(&counts).unwrap()).unwrap();
+    assert_eq!(zero - 1, 2 * (one - 1), "rank {rank}: rank 0 passed {zero} times, rank 1 {one}");
+    rank
+}
+
+#[test]
+#[cfg_attr(not(feature = "mpi"), ignore = "needs the `mpi` feature")]
+fn sharing_the_cores_costs_what_the_slowest_rank_of_each_round_took() {
+    two_ranks("sharing").assert_passed("sharing", 2);
 }
 
 #[test]

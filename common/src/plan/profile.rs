@@ -115,9 +115,10 @@ pub struct Recorded {
     pub hosts_per_machine: usize,
 }
 
-/// How much slower a rank computed while `ranks` ranks of its host did than alone (measured by
-/// [`measure_sharing`]): more than the cores' division alone, as the ranks also take turns on
-/// the cores, evict each other's caches and share the memory bandwidth.
+/// How much slower ranks computed while `ranks` ranks of its host did than one alone, each
+/// round of equal passes as long as its slowest rank's (measured by [`measure_sharing`]): more
+/// than the cores' division alone, as the ranks also take turns on the cores, evict each
+/// other's caches and share the memory bandwidth.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SharedCores {
     pub ranks: usize,
@@ -458,7 +459,9 @@ impl Profile {
             lines.push(format!("{} hosts of one machine (one kernel): their ranks share its cores", self.recorded.hosts_per_machine));
         }
         if let Some(SharedCores { ranks, slowdown, shard_waits }) = &self.recorded.shared {
-            lines.push(format!("{ranks} ranks computing at once on those cores: each {slowdown:.2}× slower than alone"));
+            lines.push(format!(
+                "{ranks} ranks computing at once on those cores: {slowdown:.2}× as long as one alone (each round of equal passes as long as its slowest)"
+            ));
             for (tp, sequence_parallel) in shard_waits.iter().map(|w| (w.tp, w.sequence_parallel)).collect::<std::collections::BTreeSet<_>>() {
                 let waits: Vec<String> = shard_waits
                     .iter()
@@ -692,31 +695,43 @@ fn trimmed_means_in_rounds(cells: usize, mut time: impl FnMut(usize) -> Result<f
         .collect())
 }
 
-/// How much slower rank 0 of `host` (the ranks of one host) runs the probe's forward and
+/// How much slower the ranks of `host` (the ranks of one host) run the probe's forward and
 /// backward pass (embedding, a layer, the output layer and the loss: the mix of a training
-/// step) at `micro_batch` while every rank of the host runs it too than while the others wait:
-/// medians of `REPEATS` passes each, every pass started together.
+/// step) at `micro_batch` while every rank of the host runs it too than rank 0 alone
+/// ([`sharing_slowdown`]).
 pub fn measure_sharing(cfg: &TransformerConfig, device: Device, seq_len: i64, micro_batch: i64, host: &ProcessGroup) -> Result<SharedCores> {
+    let pass = timed_probe_pass(cfg, Precision::Full, device, seq_len, micro_batch)?;
+    Ok(SharedCores { ranks: host.world_size(), slowdown: sharing_slowdown(host, pass)?, shard_waits: Vec::new() })
+}
+
+/// How much longer `pass` (one pass, returning its seconds; every rank's is the same work)
+/// takes while every rank of `host` runs it at once than while rank 0 runs it alone: medians
+/// of `REPEATS` rounds each, every round started together, after one untimed pass. A round
+/// together lasts as long as its slowest rank's pass, since what a step does together ends in
+/// collectives that wait for the last rank. (Rank 0's own pass is not the figure: the
+/// scheduler lets some ranks finish before others, and 4 ranks on 2 cores measured 1.77–1.88×
+/// that way, below the 2× the cores' division sets, while the runs behaved as 2.2–2.5×.)
+pub fn sharing_slowdown(host: &ProcessGroup, mut pass: impl FnMut() -> Result<f64>) -> Result<f64> {
     // 27, not 9: five measurements of 4 ranks on 2 cores came out 1.63–2.59× with 9 passes
     // each, 1.86–2.11× with 27 (about a second more).
     const REPEATS: usize = 27;
-    let mut pass = timed_probe_pass(cfg, Precision::Full, device, seq_len, micro_batch)?;
     pass()?;
     let mut median = |everyone: bool| -> Result<f64> {
-        let mut times = Vec::new();
+        let mut times = Vec::with_capacity(REPEATS);
         for _ in 0..REPEATS {
             host.barrier()?;
-            if everyone || host.rank() == 0 {
-                times.push(pass()?);
-            }
+            times.push(if everyone || host.rank() == 0 { pass()? } else { 0.0 });
             host.barrier()?;
         }
-        times.sort_by(f64::total_cmp);
-        Ok(times.get(times.len() / 2).copied().unwrap_or(0.0))
+        let mut slowest = Tensor::from_slice(&times);
+        host.all_reduce(&mut slowest, ReduceOp::Max)?;
+        let mut slowest = Vec::<f64>::try_from(slowest)?;
+        slowest.sort_by(f64::total_cmp);
+        Ok(slowest[REPEATS / 2])
     };
     let alone = median(false)?;
     let together = median(true)?;
-    Ok(SharedCores { ranks: host.world_size(), slowdown: if alone > 0.0 { together / alone } else { 1.0 }, shard_waits: Vec::new() })
+    Ok(if alone > 0.0 { together / alone } else { 1.0 })
 }
 
 /// Times one encoder layer's shard of `tp` forward and backward at each of `micro_batches`,

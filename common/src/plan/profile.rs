@@ -710,27 +710,32 @@ pub fn measure_sharing(cfg: &TransformerConfig, device: Device, seq_len: i64, mi
 /// together lasts as long as its slowest rank's pass, since what a step does together ends in
 /// collectives that wait for the last rank. (Rank 0's own pass is not the figure: the
 /// scheduler lets some ranks finish before others, and 4 ranks on 2 cores measured 1.77–1.88×
-/// that way, below the 2× the cores' division sets, while the runs behaved as 2.2–2.5×.)
+/// that way, below the 2× the cores' division sets, while the runs behaved as 2.2–2.5×.) The
+/// rounds alone and together alternate, so that the machine's drift over the seconds this
+/// takes falls on both alike: six profiles minutes apart gave 2.08–2.31× so, 1.59–2.30× with
+/// every round alone first (2026-11-29).
 pub fn sharing_slowdown(host: &ProcessGroup, mut pass: impl FnMut() -> Result<f64>) -> Result<f64> {
     // 27, not 9: five measurements of 4 ranks on 2 cores came out 1.63–2.59× with 9 passes
     // each, 1.86–2.11× with 27 (about a second more).
     const REPEATS: usize = 27;
     pass()?;
-    let mut median = |everyone: bool| -> Result<f64> {
-        let mut times = Vec::with_capacity(REPEATS);
-        for _ in 0..REPEATS {
+    let (mut alone, mut together) = (Vec::with_capacity(REPEATS), Vec::with_capacity(REPEATS));
+    for _ in 0..REPEATS {
+        for everyone in [false, true] {
             host.barrier()?;
-            times.push(if everyone || host.rank() == 0 { pass()? } else { 0.0 });
+            let seconds = if everyone || host.rank() == 0 { pass()? } else { 0.0 };
             host.barrier()?;
+            if everyone { &mut together } else { &mut alone }.push(seconds);
         }
+    }
+    let median_of_slowest = |times: Vec<f64>| -> Result<f64> {
         let mut slowest = Tensor::from_slice(&times);
         host.all_reduce(&mut slowest, ReduceOp::Max)?;
         let mut slowest = Vec::<f64>::try_from(slowest)?;
         slowest.sort_by(f64::total_cmp);
         Ok(slowest[REPEATS / 2])
     };
-    let alone = median(false)?;
-    let together = median(true)?;
+    let (alone, together) = (median_of_slowest(alone)?, median_of_slowest(together)?);
     Ok(if alone > 0.0 { together / alone } else { 1.0 })
 }
 

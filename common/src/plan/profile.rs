@@ -731,9 +731,7 @@ pub fn sharing_slowdown(host: &ProcessGroup, mut pass: impl FnMut() -> Result<f6
     let median_of_slowest = |times: Vec<f64>| -> Result<f64> {
         let mut slowest = Tensor::from_slice(&times);
         host.all_reduce(&mut slowest, ReduceOp::Max)?;
-        let mut slowest = Vec::<f64>::try_from(slowest)?;
-        slowest.sort_by(f64::total_cmp);
-        Ok(slowest[REPEATS / 2])
+        Ok(super::check::median(Vec::<f64>::try_from(slowest)?))
     };
     let (alone, together) = (median_of_slowest(alone)?, median_of_slowest(together)?);
     Ok(if alone > 0.0 { together / alone } else { 1.0 })

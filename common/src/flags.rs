@@ -371,6 +371,13 @@ pub struct ParallelArgs {
     #[arg(long, default_value_t = 25.0)]
     #[arg(help_heading = "Parallelism")]
     pub bucket_mb: f64,
+    /// A check, not a way to train faster: allow more ranks than GPUs, several on one GPU, each
+    /// given an NCCL host id of its own (NCCL_HOSTID) so that NCCL, which refuses two ranks on
+    /// one GPU of one host, connects them over its socket transport (on loopback within a node).
+    /// Their kernels take turns on the GPU.
+    #[arg(long)]
+    #[arg(help_heading = "Parallelism")]
+    pub share_gpu: bool,
     /// Send gradients as fp16 (NCCL only).
     #[arg(long)]
     #[arg(help_heading = "Parallelism")]

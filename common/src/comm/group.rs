@@ -606,7 +606,16 @@ fn start_nccl(env: &LaunchEnv, rank: usize, size: usize, mpi: Option<&dyn Collec
             return usage(format!("NCCL's ranks meet at MASTER_ADDR:MASTER_PORT when {} starts them without MPI: set both (torchrun does)", env.source))
         }
     };
-    Ok(Rc::new(NcclCollectives::new(rank, size, cuda_index(env.local_rank), &id)?))
+    let gpus = tch::Cuda::device_count().max(1) as usize;
+    match NcclCollectives::new(rank, size, cuda_index(env.local_rank), &id) {
+        Ok(nccl) => Ok(Rc::new(nccl)),
+        // NCCL's own word for this is "invalid usage": say what it was and what allows it.
+        Err(err) if env.local_world_size > gpus && std::env::var_os(super::shared_gpu::HOST_ID_VAR).is_none() => Err(err.context(format!(
+            "{} ranks on this node's {gpus} GPU(s): NCCL refuses two ranks on one GPU of one host (--share-gpu allows it, as a check)",
+            env.local_world_size
+        ))),
+        Err(err) => Err(err),
+    }
 }
 
 #[cfg(not(feature = "nccl"))]

@@ -115,6 +115,7 @@ pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod rendezvous;
+pub mod shared_gpu;
 pub mod single;
 pub mod tensor_parallel;
 pub mod transfer;

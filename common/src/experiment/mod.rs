@@ -156,7 +156,7 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
             return usage(crate::parallelize::cannot_average(run.precision, layout.dp, "mpi", Device::Cpu));
         }
         let servers = parallel.parameter_server().map_or(0, |ps| ps.servers);
-        if let Some(warning) = check_rank_count(n, servers, run.device, parallel.max_ranks_per_core)? {
+        if let Some(warning) = check_rank_count(n, servers, run.device, parallel.max_ranks_per_core, parallel.share_gpu)? {
             session_observers(exp, true, listeners).warn(warning)?;
         }
     }
@@ -169,6 +169,12 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
     if exp.preset().per_device && !env.is_distributed() && parallel.backend == Backend::Auto {
         return run_per_device(exp, listeners);
     }
+    // Before any engine starts: NCCL reads its host id once, at its first call.
+    let shared_gpu = match (parallel.share_gpu, on_gpus(run.device)) {
+        (true, true) if env.is_distributed() => Some(crate::comm::shared_gpu::apply(&env, gpu_count())?),
+        (true, false) => Some("note: --share-gpu places ranks on GPUs; these train on the CPU, where it changes nothing".to_string()),
+        _ => None,
+    };
     let servers = parallel.parameter_server();
     // Errors on one rank abort every rank (MPI_Abort) instead of leaving the others waiting.
     ProcessGroup::run(Job::backend(parallel.backend, servers.as_ref()), |world| {
@@ -190,6 +196,9 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
         }
         if let Some(placement) = crate::comm::hosts::placement() {
             session.info(placement)?;
+        }
+        if let Some(note) = shared_gpu.as_ref().filter(|_| world.is_root()) {
+            session.info(note.clone())?;
         }
         if run.threads == 0 && world.local_world_size() > 1 && device == Device::Cpu {
             // Ranks sharing a node share its cores (torchrun sets OMP_NUM_THREADS=1 for the same reason).
@@ -256,24 +265,36 @@ fn writable_dir(dir: &std::path::Path, flag: &str) -> Result<()> {
     }
 }
 
-/// How many local ranks `--nproc-per-node` may start: no more GPU ranks than GPUs (NCCL takes
-/// one GPU per rank); CPU ranks beyond the cores take turns (a warning), beyond
-/// `max_per_core` per core they are refused: every rank is a LibTorch process with its own
-/// memory, and a thousand of them end with the OOM killer.
 /// How a job of `world` ranks divides the work: the exercise's layout, its replicas in the
 /// shard groups `--shard-group` asks for.
 fn job_layout<E: Experiment>(exp: &E, world: usize) -> Result<Layout> {
     exp.layout(world)?.with_shard_group(exp.parallel_args().shard_group)
 }
 
-fn check_rank_count(n: usize, servers: usize, choice: DeviceChoice, max_per_core: usize) -> Result<Option<String>> {
-    let on_gpus = match choice {
+/// Whether a run of `choice` trains on GPUs (`both`: where there is one).
+fn on_gpus(choice: DeviceChoice) -> bool {
+    match choice {
         DeviceChoice::Cpu => false,
         DeviceChoice::Cuda => true,
         DeviceChoice::Both => device::cuda_available(),
-    };
-    if on_gpus {
-        return match too_many_gpu_ranks(n, servers, tch::Cuda::device_count().max(0) as usize) {
+    }
+}
+
+/// The GPUs this process sees.
+fn gpu_count() -> usize {
+    tch::Cuda::device_count().max(0) as usize
+}
+
+/// How many local ranks `--nproc-per-node` may start: no more GPU ranks than GPUs (NCCL takes
+/// one GPU per rank) unless `share_gpu` (`--share-gpu`, a check; rank 0 says so); CPU ranks
+/// beyond the cores take turns (a warning), beyond `max_per_core` per core they are refused:
+/// every rank is a LibTorch process with its own memory, and a thousand of them end with the
+/// OOM killer.
+fn check_rank_count(n: usize, servers: usize, choice: DeviceChoice, max_per_core: usize, share_gpu: bool) -> Result<Option<String>> {
+    if on_gpus(choice) {
+        let gpus = gpu_count();
+        return match too_many_gpu_ranks(n, servers, gpus) {
+            Some(_) if share_gpu && gpus > 0 => Ok(None),
             Some(refusal) => usage(refusal),
             None => Ok(None),
         };
@@ -300,9 +321,10 @@ fn too_many_gpu_ranks(n: usize, servers: usize, gpus: usize) -> Option<String> {
         0 => String::new(),
         s => format!(" ({s} of the {n} serve parameters on the CPU; the other {on_gpus} train on GPUs)"),
     };
+    let share = if gpus > 0 { " (--share-gpu allows it as a check of the multi-rank paths, not to train faster)" } else { "" };
     Some(format!(
         "--nproc-per-node {n}: this node has {gpus} GPU(s), and each training rank needs its own (NCCL refuses two ranks on one GPU){servers_note}; \
-         use --nproc-per-node {fits} or --device cpu"
+         use --nproc-per-node {fits} or --device cpu{share}"
     ))
 }
 
@@ -370,21 +392,28 @@ mod tests {
     #[test]
     fn cpu_ranks_beyond_the_cores_are_warned_about_and_beyond_the_limit_refused() {
         let cores = device::usable_cores();
-        assert_eq!(check_rank_count(cores, 0, DeviceChoice::Cpu, 4).unwrap(), None);
-        let warning = check_rank_count(cores + 1, 0, DeviceChoice::Cpu, 4).unwrap().unwrap();
+        assert_eq!(check_rank_count(cores, 0, DeviceChoice::Cpu, 4, false).unwrap(), None);
+        let warning = check_rank_count(cores + 1, 0, DeviceChoice::Cpu, 4, false).unwrap().unwrap();
         assert!(warning.contains(&format!("{} CPU ranks on {cores} core(s)", cores + 1)), "{warning}");
-        assert!(check_rank_count(4 * cores, 0, DeviceChoice::Cpu, 4).unwrap().is_some());
-        let refused = check_rank_count(4 * cores + 1, 0, DeviceChoice::Cpu, 4).unwrap_err();
+        assert!(check_rank_count(4 * cores, 0, DeviceChoice::Cpu, 4, false).unwrap().is_some());
+        let refused = check_rank_count(4 * cores + 1, 0, DeviceChoice::Cpu, 4, false).unwrap_err();
         assert!(refused.is::<crate::error::UsageError>() && refused.to_string().contains("--max-ranks-per-core"), "{refused}");
         // Raised explicitly, the limit lets them start.
-        assert!(check_rank_count(4 * cores + 1, 0, DeviceChoice::Cpu, 5).is_ok());
+        assert!(check_rank_count(4 * cores + 1, 0, DeviceChoice::Cpu, 5, false).is_ok());
     }
 
     #[test]
     fn more_gpu_ranks_than_gpus_are_refused() {
         let gpus = tch::Cuda::device_count() as usize;
-        let err = check_rank_count(gpus + 1, 0, DeviceChoice::Cuda, 4).unwrap_err();
+        let err = check_rank_count(gpus + 1, 0, DeviceChoice::Cuda, 4, false).unwrap_err();
         assert!(err.to_string().contains(&format!("this node has {gpus} GPU(s)")), "{err}");
+        assert_eq!(err.to_string().contains("--share-gpu allows it"), gpus > 0, "the opt-in is named where it would help: {err}");
+        // The opt-in lets them start where there is a GPU to share, and only there.
+        let shared = check_rank_count(gpus + 1, 0, DeviceChoice::Cuda, 4, true);
+        match gpus {
+            0 => assert!(shared.unwrap_err().to_string().contains("this node has 0 GPU(s)")),
+            _ => assert_eq!(shared.unwrap(), None),
+        }
     }
 
     #[test]
@@ -398,6 +427,8 @@ mod tests {
         // Without servers every rank needs a GPU.
         let refusal = too_many_gpu_ranks(2, 0, 1).unwrap();
         assert!(refusal.contains("this node has 1 GPU(s)") && refusal.contains("use --nproc-per-node 1 or --device cpu"), "{refusal}");
+        assert!(refusal.contains("--share-gpu allows it as a check"), "{refusal}");
+        assert!(!too_many_gpu_ranks(2, 0, 0).unwrap().contains("--share-gpu"), "no GPU to share");
         assert_eq!(too_many_gpu_ranks(1, 0, 1), None);
     }
 }

@@ -35,7 +35,8 @@ pub struct PeakMemory {
     pub training_peak_bytes: i64,
     /// The same over the evaluations between epochs (none when none ran).
     pub evaluation_peak_bytes: Option<i64>,
-    /// CUDA: the peak of bytes the caching allocator reserved (allocated plus its cache).
+    /// CUDA: the peak of bytes the caching allocator reserved (allocated plus its cache) in the
+    /// training steps, read over the same steps as `training_peak_bytes`.
     pub peak_reserved_bytes: Option<i64>,
     /// CPU: the process's peak resident set (all of its memory: libraries, data, allocator
     /// slack) since training started where the system can reset it (Linux), else since its start.
@@ -85,6 +86,8 @@ pub fn count_cpu_tensors() -> Result<()> {
 #[derive(Debug, Clone, Copy, Default)]
 struct Peaks {
     training: i64,
+    /// CUDA: reserved bytes over the same steps as `training` (the evaluations' left out).
+    training_reserved: Option<i64>,
     evaluation: Option<i64>,
 }
 
@@ -112,7 +115,8 @@ impl MemoryMeter {
             }
             reset_peak(device)?;
             let held = held(device)?.current;
-            meter.devices.push((device, held, Peaks { training: held, evaluation: None }));
+            let training_reserved = reserved(device)?.map(|r| r.current);
+            meter.devices.push((device, held, Peaks { training: held, training_reserved, evaluation: None }));
             if device == Device::Cpu {
                 meter.rss_reset = reset_peak_rss();
             }
@@ -124,6 +128,9 @@ impl MemoryMeter {
     fn after_training(&mut self) -> Result<()> {
         for (device, _, peaks) in &mut self.devices {
             peaks.training = peaks.training.max(held(*device)?.peak);
+            if let Some(now) = reserved(*device)? {
+                peaks.training_reserved = Some(peaks.training_reserved.unwrap_or(0).max(now.peak));
+            }
             if *device == Device::Cpu {
                 torch_ext::trace_cpu_memory_dump(self.trace_since);
             }
@@ -156,10 +163,7 @@ impl MemoryMeter {
                     baseline_bytes: baseline,
                     training_peak_bytes: peaks.training,
                     evaluation_peak_bytes: peaks.evaluation,
-                    peak_reserved_bytes: match device {
-                        Device::Cuda(i) => Some(torch_ext::cuda_memory(i)?.1.peak),
-                        _ => None,
-                    },
+                    peak_reserved_bytes: peaks.training_reserved,
                     peak_rss_bytes: match device {
                         Device::Cpu => peak_rss().filter(|_| self.rss_reset || cfg!(not(target_os = "linux"))),
                         _ => None,
@@ -180,6 +184,15 @@ impl Observer for Reading<'_> {
             _ => {}
         }
         Ok(Control::Continue)
+    }
+}
+
+/// CUDA: what the caching allocator reserves now and at the peak (its peak is reset with the
+/// allocated one, so after an evaluation it starts again from what stays reserved).
+fn reserved(device: Device) -> Result<Option<torch_ext::HeldBytes>> {
+    match device {
+        Device::Cuda(i) => Ok(Some(torch_ext::cuda_memory(i)?.1)),
+        _ => Ok(None),
     }
 }
 

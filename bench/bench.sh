@@ -187,7 +187,13 @@ cifar_data() {
     done
     mkdir -p "$work/cifar10"
     src="$(cd "$src" && pwd)"
-    for f in data_batch_{1..5}.bin; do ln -s "$src/$f" "$work/cifar10/$f"; done
+    local records=0
+    for f in data_batch_{1..5}.bin; do
+        ln -s "$src/$f" "$work/cifar10/$f"
+        records=$(( records + $(stat -L -c %s "$src/$f") / 3073 ))
+    done
+    # Batches of 100 per epoch (both sides' batch): our binary's --epochs must cover --max-steps.
+    cifar_batches=$(( (records + 99) / 100 ))
     head -c $((100 * 3073)) "$src/test_batch.bin" >"$work/cifar10/test_batch.bin"
     for marker in "${CIFAR_DIR:-data/cifar10}/GENERATED.txt" "$src/GENERATED.txt"; do
         [[ -f "$marker" ]] && cp "$marker" "$work/cifar10/GENERATED.txt"
@@ -218,12 +224,13 @@ side_command() {
     read -r -a flags <<<"$(peer_flags "$side")"
     read -r -a model_flags <<<"$NLP_MODEL_FLAGS"
     local layout=(); [[ "$CHANNELS_LAST" == 1 ]] && layout=(--channels-last)
-    local per_epoch=$(( (50000 + 99) / 100 ))
     case "$entry:$side" in
-        nlp:rust*) cmd=("$bin/exercise1_nlp" --data-dir "$work/wikitext-2" --max-steps "$steps" --epochs 1 "${model_flags[@]}") ;;
+        # --epochs: enough for --max-steps to end every run (an epoch has at least one step); the
+        # reference's stream wraps around instead.
+        nlp:rust*) cmd=("$bin/exercise1_nlp" --data-dir "$work/wikitext-2" --max-steps "$steps" --epochs "$steps" "${model_flags[@]}") ;;
         nlp:*) cmd=("$python" bench/exercise1_nlp_reference.py --data-dir "$work/wikitext-2" --max-steps "$steps" "${model_flags[@]}" "${flags[@]}") ;;
         *:rust*) cmd=("$bin/exercise1" --model "$entry" --data-dir "$work/cifar10" --max-steps "$steps"
-                      --epochs $(( (steps + per_epoch - 1) / per_epoch )) "${rust_workers[@]}" "${layout[@]}") ;;
+                      --epochs $(( (steps + cifar_batches - 1) / cifar_batches )) "${rust_workers[@]}" "${layout[@]}") ;;
         *:lightning) cmd=("$python" bench/exercise1_lightning.py --model "$entry" --data-dir "$work/cifar10" --max-steps "$steps") ;;
         *) cmd=("$python" bench/exercise1_reference.py --model "$entry" --data-dir "$work/cifar10" --max-steps "$steps"
                 --loader "$LOADER" --workers "$PY_WORKERS" "${flags[@]}") ;;

@@ -224,6 +224,8 @@ def rows_for(entry, runs, a):
         else:
             print(f"WARNING: {exercise} {model}: no {mode} peer completed every round: no fastest peer to compare our {mode} run with")
         for name, rs in complete.items():
+            if rs[0]["steps"] != ours[0]["steps"]:
+                print(f"WARNING: {exercise} {model}: the {name} peer trained {rs[0]['steps']} steps, ours {ours[0]['steps']}")
             if rs[0].get("params") is not None and rs[0]["params"] != ours[0]["params"]:
                 print(f"WARNING: {exercise} {model}: Rust has {ours[0]['params']} parameters, the {name} peer "
                       f"{rs[0]['params']}: not the same model")

@@ -1,23 +1,30 @@
 #!/usr/bin/env python3
-"""PyTorch eager reference for exercise1: the same model, data, batch, optimizer and timing as
-target/release/exercise1, reporting training images/s.
+"""PyTorch reference for exercise1 and its peers: the same model, data, batch, optimizer and timing
+as target/release/exercise1, trained the ways a PyTorch user would, reporting training images/s.
 
     python bench/exercise1_reference.py --model cnn --data-dir data/cifar10 --max-steps 30 --threads 2
+    python bench/exercise1_reference.py --model resnet34 --device cuda --fused --channels-last
+    python bench/exercise1_reference.py --model cnn --device cuda --compile            # torch.compile, default mode
+    python bench/exercise1_reference.py --model cnn --device cuda --cuda-graph --fused # the whole step in a CUDA graph
 
-Prints one JSON line: {"impl": "pytorch", "images_per_s": ..., "params": ..., ...}.
+Prints one JSON line: {"impl": "pytorch", "steady_throughput": ..., "params": ..., "step_losses": [...], ...}.
 
 The configuration is the Rust binary's (common/src/image_classification.rs): the course's CNN
 (10-way head) or torchvision's ResNet34 / ResNet50 / VGG19 (1000-way heads), CIFAR-10 from the binary
-batches in --data-dir, fp32, batch 100, Adam lr 1e-3 as `torch.optim.Adam` chooses its
-implementation by default (a per-parameter loop on the CPU, the foreach kernels on a GPU),
-cross-entropy, shuffled every epoch, no augmentation, cudnn.benchmark on a GPU.
+batches in --data-dir, fp32 (or bf16-mixed), batch 100, Adam lr 1e-3, cross-entropy, shuffled
+every epoch, no augmentation, cudnn.benchmark on a GPU. The peers (bench/peers.py): Adam's
+default implementation or --fused, --channels-last, --compile [default|reduce-overhead],
+--cuda-graph; a peer that does not exist on the device is refused with one line (exit 2).
 
-Timing mirrors common/src/train.rs: an epoch's clock starts before its order is drawn and
+Timing mirrors common/src/train/mod.rs: an epoch's clock starts before its order is drawn and
 stops after its last step (the loader's start and shutdown included); each step runs from
-fetching the batch to the end of the optimizer step, split into data wait, forward+backward
-(forward, loss, arg-max hits, zero_grad, backward) and optimizer, with a CUDA synchronize
-before each clock reading on a GPU. Throughput = images / epoch time, as the Rust JSON's
-`throughput`. Evaluation is not timed on either side and is skipped here.
+fetching the batch to the end of the optimizer step, with one device synchronisation, after
+the optimizer, as the Rust loop waits once per step. The steady-state throughput (the figure
+`make bench` compares) runs from one step's end to the next one's after --steady-after steps.
+Each step's split into data wait, forward+backward (forward, loss, arg-max hits, zero_grad,
+backward) and optimizer comes from CUDA events on a GPU (host clocks on the CPU), read after
+the run. The run exits 1 when a step's loss is not finite. Evaluation is not timed on either
+side and is skipped here.
 
 Data path (--loader):
   memory      (default) the whole training split as one uint8 tensor; each step gathers its
@@ -39,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402
 import vision_models  # noqa: E402
 
 MEAN = (0.4914, 0.4822, 0.4465)
@@ -189,16 +197,19 @@ def main():
     p.add_argument("--precision", default="32", choices=["32", "bf16-mixed"],
                    help="bf16-mixed: the forward pass and loss under torch.autocast(bfloat16), as the Rust binaries")
     p.add_argument("--channels-last", action="store_true", help="model and inputs in channels-last memory format")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (default mode)")
+    peers.add_peer_flags(p)
     p.add_argument("--describe", action="store_true",
                    help="print the model's parameter count and state_dict shapes as JSON, and exit (no data, no training)")
     p.add_argument("--forward", metavar="FILE",
                    help="load the model's state_dict and an input batch (`input`) from the .safetensors FILE, print "
                         "the eval-mode logits and the state_dict keys the file lacked or had beyond it as JSON, and exit")
     a = p.parse_args()
+    device = torch.device(a.device)
+    peers.check_peer(a, device)
+    if a.max_steps < 1 or a.batch_size < 1:
+        peers.usage_error("--max-steps and --batch-size must be at least 1")
     if a.threads:
         torch.set_num_threads(a.threads)
-    device = torch.device(a.device)
     num_classes = a.num_classes or (10 if a.model == "cnn" else 1000)
     torch.manual_seed(a.seed)
     model, source = vision_models.build(a.model, num_classes, a.layouts)
@@ -229,11 +240,11 @@ def main():
     fmt = torch.channels_last if a.channels_last else torch.contiguous_format
     model = model.to(memory_format=fmt)
     model.train()
-    optimizer_model = model
-    if a.compile:
-        model = torch.compile(model)
-    optimizer = torch.optim.Adam(optimizer_model.parameters(), lr=a.lr)
-    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.precision == "bf16-mixed")
+    optimizer = torch.optim.Adam(model.parameters(), lr=a.lr, **peers.optimizer_kwargs(a, capturable=True))
+    forward = torch.compile(model, mode=a.compile) if a.compile else model
+    # A captured step may not keep autocast's cache of cast weights across the capture's end.
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.precision == "bf16-mixed",
+                                      cache_enabled=False if a.cuda_graph else None)
     if a.loader == "memory":
         loader = MemoryLoader(images, labels, a.batch_size, a.seed, device)
     elif a.loader == "imagefolder":
@@ -241,14 +252,31 @@ def main():
     else:
         loader = DataLoaderLoader(images, labels, a.batch_size, a.seed, device, a.workers, a.prefetch)
 
+    def train_step(inputs, targets, backward_done, set_to_none=True):
+        """Forward, loss, arg-max hits, backward, update (common/src/train/mod.rs's optimizer_step)."""
+        with autocast():
+            logits = forward(inputs)
+            loss = F.cross_entropy(logits, targets)
+        hits = logits.argmax(-1).eq(targets).sum()
+        optimizer.zero_grad(set_to_none=set_to_none)
+        loss.backward()
+        backward_done()
+        optimizer.step()
+        return loss.detach(), hits
+
+    graphed = peers.GraphedStep(train_step, optimizer) if a.cuda_graph else None
+
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    hits_sum = torch.zeros((), dtype=torch.int64, device=device)
-    data_wait = forward_backward = optimizer_time = train_time = 0.0
-    step, seen, epoch = 0, 0, 0
+    clock = peers.StepClock(device)
+    # The step's loss and hits stay on the device (no host synchronisation per step).
+    step_losses = torch.zeros(a.max_steps, dtype=torch.float64, device=device)
+    step_hits = torch.zeros(a.max_steps, dtype=torch.int64, device=device)
+    batch_sizes = []
+    train_time = 0.0
+    step, epoch = 0, 0
     # Steady state as the Rust loop measures it: from one step's end to the next one's within
     # an epoch, after the first --steady-after steps.
     steady_s, steady_images, steady_steps = 0.0, 0, 0
@@ -258,50 +286,53 @@ def main():
         batches = loader.epoch(epoch)
         last_end = None
         while step < a.max_steps:
-            t0 = time.perf_counter()
+            clock.begin()
             batch = next(batches, None)
             if batch is None:
+                clock.discard()
                 break
             inputs, targets = batch
             inputs = inputs.contiguous(memory_format=fmt)
-            t1 = time.perf_counter()
-            with autocast():
-                logits = model(inputs)
-                loss = F.cross_entropy(logits, targets)
-            hits = logits.argmax(-1).eq(targets).sum()
-            optimizer.zero_grad()
-            loss.backward()
-            sync()
-            t2 = time.perf_counter()
-            optimizer.step()
-            sync()
-            t3 = time.perf_counter()
-            data_wait += t1 - t0
-            forward_backward += t2 - t1
-            optimizer_time += t3 - t2
-            loss_sum += loss.detach().to(torch.float64) * len(targets)
-            hits_sum += hits
-            seen += len(targets)
+            clock.mark()
+            if a.compile == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()  # a new iteration: earlier graph outputs may be overwritten
+            if graphed:
+                loss, hits, kind = graphed(inputs, targets, clock)
+            else:
+                loss, hits = train_step(inputs, targets, clock.mark)
+                kind = "eager"
+            step_losses[step] = loss
+            step_hits[step] = hits
+            clock.end(kind)
+            sync()  # once per step, after the optimizer: where the Rust loop waits for the device
+            end = time.perf_counter()
+            batch_sizes.append(len(targets))
             step += 1
             if step > a.steady_after and last_end is not None:
-                steady_s += t3 - last_end
+                steady_s += end - last_end
                 steady_images += len(targets)
                 steady_steps += 1
-            last_end = t3
+            last_end = end
         batches.close()  # shuts a DataLoader's workers down, as the Rust loop drops its loader
         train_time += time.perf_counter() - epoch_start
         epoch += 1
 
+    losses = step_losses[:step].tolist()
+    peers.finite_or_exit(f"exercise1_reference {a.model}", losses)
+    seen = sum(batch_sizes)
     print(json.dumps({
         "impl": "pytorch", "exercise": "exercise1", "model": a.model, "params": params, "layouts": source,
         "device": a.device, "threads": torch.get_num_threads(), "loader": a.loader,
         "workers": a.workers if a.loader != "memory" else 0, "batch_size": a.batch_size,
-        "steps": step, "images": seen, "train_time_s": train_time, "images_per_s": seen / train_time,
+        "steps": step, "images": seen, "examples_per_step": seen / step, "unit": "images/s",
+        "train_time_s": train_time, "images_per_s": seen / train_time,
         "steady_throughput": steady_images / steady_s if steady_steps else None, "steady_steps": steady_steps,
-        "precision": a.precision, "channels_last": a.channels_last, "compile": a.compile,
+        "precision": a.precision, "channels_last": a.channels_last, "compile": a.compile, "cuda_graph": a.cuda_graph,
+        "optimizer": "adam", "optimizer_impl": peers.describe_optimizer(optimizer), "lr": a.lr,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "data_wait_s": data_wait, "forward_backward_s": forward_backward, "optimizer_s": optimizer_time,
-        "train_loss": loss_sum.item() / max(seen, 1), "train_acc": hits_sum.item() / max(seen, 1),
+        "phase_clock": "cuda events" if device.type == "cuda" else "host", **clock.phases(),
+        "step_losses": losses, "last_loss": losses[-1],
+        "train_loss": sum(l * n for l, n in zip(losses, batch_sizes)) / seen, "train_acc": step_hits[:step].sum().item() / seen,
         "generated_data": generated, "torch_version": torch.__version__,
     }))
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# `make bench-nlp`: training throughput (tokens/s) of exercise1_nlp against the PyTorch eager
-# reference (bench/exercise1_nlp_reference.py): same model, batch, bptt, data and threads,
-# run alternately (Rust, PyTorch, Rust, PyTorch, ...) so that both see the same machine state;
-# prints the medians and their ratio and appends them to results/bench-nlp.csv (and a row to
-# results/bench.csv). It is the `nlp` entry of bench/bench.sh (`make bench`).
+# `make bench-nlp`: training throughput (tokens/s) of exercise1_nlp against its PyTorch peers
+# (bench/exercise1_nlp_reference.py: eager with SGD's default implementation and fused, and the
+# others PEERS names): same model, batch, bptt, recipe, data and threads, every side once per
+# round with the order rotated, so that all see the same machine state; prints the medians and
+# the ratios, appends ours and the eager default peer's to results/bench-nlp.csv (and a row to
+# results/bench.csv). It is the `nlp` entry of bench/bench.sh (`make bench`), whose settings apply.
 #
 #   ROUNDS=3 STEPS=20 THREADS=2 DEVICE=cpu MODEL_FLAGS="--emsize 256 --d-hid 256" make bench-nlp
 #

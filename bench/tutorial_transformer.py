@@ -1,6 +1,12 @@
 """The model of PyTorch's tutorial "Language modeling with nn.Transformer and torchtext",
 verbatim (TransformerModel, PositionalEncoding): the Python side of every comparison with the
 Rust model (common/tests/reference/transformer_parity.py, bench/exercise1_nlp_reference.py).
+
+One addition: `forward`'s optional `is_causal`, passed to the encoder. Without it the encoder
+finds out whether the mask is causal by comparing it with one on the host
+(`bool((mask == causal).all())`): a device synchronisation in every forward pass, which a CUDA
+graph cannot record and torch.compile breaks its graph at. The tutorial's mask is causal, so
+`is_causal=True` computes the same (the same attention kernel) without the wait.
 """
 import math
 
@@ -42,11 +48,11 @@ class TransformerModel(nn.Module):
         self.linear.bias.data.zero_()
         self.linear.weight.data.uniform_(-initrange, initrange)
 
-    def forward(self, src, src_mask=None):
+    def forward(self, src, src_mask=None, is_causal=None):
         src = self.embedding(src) * math.sqrt(self.d_model)
         src = self.pos_encoder(src)
         if src_mask is None:
             src_mask = nn.Transformer.generate_square_subsequent_mask(len(src))
-        output = self.transformer_encoder(src, src_mask)
+        output = self.transformer_encoder(src, src_mask, is_causal=is_causal)
         output = self.linear(output)
         return output

@@ -100,10 +100,12 @@ bench-pipeline: build
 bench-allreduce: data-cifar10
 	NPROC=$(NPROC) $(WITH) bench/allreduce.sh
 
-# Rust vs PyTorch eager throughput, side by side, A B A B: exercise1's cnn, resnet34 and vgg19
-# (images/s) and exercise1_nlp (tokens/s); medians, ratios, results/bench.csv. Settings: BENCH,
-# ROUNDS, THREADS, DEVICE, CNN_STEPS, RESNET34_STEPS, VGG19_STEPS, NLP_STEPS, LOADER, WORKERS
-# (see bench/bench.sh).
+# Rust against every PyTorch peer a user would pick (eager with the default and the fused
+# optimizer, channels-last, torch.compile; with CUDA_GRAPH=1 PyTorch's CUDA-graph peers), side by
+# side in rotated rounds: exercise1's cnn, resnet34 and vgg19 (images/s) and exercise1_nlp
+# (tokens/s); medians, spreads, the ratio against the fastest peer, results/bench.csv. Settings:
+# BENCH, ROUNDS, PEERS, CUDA_GRAPH, THREADS, DEVICE, PRECISION, *_STEPS, LOADER, WORKERS (see
+# bench/bench.sh).
 bench: data-cifar10 data-wikitext2
 	$(WITH) bench/bench.sh
 
@@ -161,17 +163,20 @@ scaling: build
 bench-nlp: data-wikitext2
 	$(WITH) bench/nlp.sh
 
-# Every GPU path on this machine's GPU(s) in one command (bench/gpu_check.py): the exercises in
-# every precision and option, pipelines, NCCL ranks, ZeRO, --profile, memory; checks that what
-# is claimed holds; side-by-side timings against PyTorch eager and the 1.4B model's MFU; the table
-# in results/gpu-check.md and .json. ARGS: --no-timings, --only PATTERN, --rounds N, --keep.
-# Without a GPU: one line, exit 2. From prebuilt binaries (no Rust on the GPU node), see docs/gpu-bundle.md.
+# Every GPU path on this machine's GPU(s) (bench/gpu_check.py), in tiers of at most 6 minutes on an
+# H200: the multi-rank paths against one rank (over NCCL; ranks beyond the GPUs share one), every
+# exercise in every precision, the speed features equal to the plain path, side-by-side timings
+# against every PyTorch peer (3 rounds), memory, the 1.4B model's MFU, the planner; the table in
+# results/gpu-check.md and .json, every row with its own GPU, commit and date. ARGS: --tier N,
+# --next, --tiers, --only PATTERN, --no-timings, --keep. Without a GPU: one line, exit 2.
+# From prebuilt binaries (no Rust on the GPU node), see docs/gpu-bundle.md.
 gpu-check: build
 	$(WITH) sh -c '"$$TORCH_PYTHON" bench/gpu_check.py $(ARGS)'
 
 # The folder that checks this commit on a bare GPU node (no Rust, no network, 64 MiB at most):
-# stripped binaries, the MPI they load, bench/ and run.sh (scripts/gpu-bundle). On the node:
-#   .gpu-bundle/run.sh --budget 420 --out results        (--device cpu: its self-test, anywhere)
+# stripped binaries, the MPI they load, bench/, run.sh and the committed table (scripts/gpu-bundle).
+# On the node:
+#   .gpu-bundle/run.sh --next --out results        (--device cpu --tier N: a tier's self-test, anywhere)
 gpu-bundle: build
 	$(WITH) scripts/gpu-bundle
 

@@ -3,7 +3,9 @@
 # commit the bundle was made from on this node, with this node's own Python and PyTorch 2.11.0,
 # no Rust and no network needed.
 #
-#   run.sh [--budget SECONDS] [--only PATTERN]... [--out DIR] [--resume-from TABLE] [--device cpu] [gpu_check.py's flags]
+#   run.sh --next [--out DIR]   the first tier the committed table (committed-gpu-check.json) lacks
+#   run.sh --tier N [--budget SECONDS] [--only PATTERN]... [--out DIR] [--resume-from TABLE] [--device cpu] [gpu_check.py's flags]
+#   run.sh --tiers              the tiers, their expected time here, and which the committed table has
 #   run.sh --libraries          where each bundled binary's libraries come from here, then exit
 #
 # --out DIR (default results/ under the current folder) gets gpu-check.md and .json, rewritten

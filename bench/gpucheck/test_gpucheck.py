@@ -1,0 +1,280 @@
+"""The harness's own tests (run by exercises/tests/gpu_check.rs under $TORCH_PYTHON): every
+comparison a GPU row rests on fails when its two sides differ, a merged or resumed table keeps
+each row's provenance, the tiers fit their time, and the NCCL rows fall back to MPI when NCCL
+refuses. No binaries run here: the runs are made up."""
+import json
+import os
+import struct
+import sys
+import tempfile
+import types
+import unittest
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gpucheck import harness, machine, multirank, table, tiers, timings  # noqa: E402
+from gpucheck.harness import CheckFailed, Harness  # noqa: E402
+
+
+def write_safetensors(path, tensors):
+    """A .safetensors file of float32 `tensors` (the format our checkpoints use)."""
+    header, body, offset = {}, b"", 0
+    for name, t in tensors.items():
+        data = t.contiguous().to(torch.float32).numpy().tobytes()
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        body += data
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + body)
+
+
+def fake_args(**kw):
+    args = dict(bin="/nowhere", python=sys.executable, budget=480, no_timings=False, results=tempfile.mkdtemp())
+    args.update(kw)
+    return types.SimpleNamespace(**args)
+
+
+def fake_harness(device="cuda", gpus=1, committed=None):
+    return Harness(fake_args(), device, gpus, "NVIDIA Test GPU", "abc1234", None, committed)
+
+
+class Runs:
+    """Made-up runs: a results JSON and a whole-model checkpoint in a folder each."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp()
+
+    def make(self, key, steps=4, losses=(2.5,), params=None):
+        folder = os.path.join(self.dir, key)
+        os.makedirs(folder)
+        params = params or {"w": torch.ones(3, 2), "b": torch.zeros(2)}
+        write_safetensors(os.path.join(folder, "run.safetensors"), params)
+        write_safetensors(os.path.join(folder, "run.previous.safetensors"), {k: v * 0 for k, v in params.items()})  # an older one, left beside it
+        history = [{"train_loss": x} for x in losses]
+        return {"json": {"steps": steps, "history": history, "step_losses": list(losses)}, "dir": folder, "stdout": "", "stderr": ""}
+
+
+class Comparisons(unittest.TestCase):
+    def setUp(self):
+        self.h = fake_harness()
+        self.runs = Runs()
+        self.base = {"w": torch.linspace(-1, 1, 6).reshape(3, 2), "b": torch.tensor([0.5, -0.25])}
+
+    def test_equal_runs_pass_and_say_the_bound(self):
+        a = self.runs.make("a", params=self.base)
+        b = self.runs.make("b", params={k: v * (1 + 1e-7) for k, v in self.base.items()})
+        figure = self.h.same_training(a, b, 1e-5, "2 ranks = 1 rank")
+        self.assertIn("bound 1e-05", figure)
+        self.assertIn("4 steps", figure)
+
+    def test_parameters_apart_fail_naming_the_tensor(self):
+        a = self.runs.make("a", params=self.base)
+        moved = dict(self.base, b=self.base["b"] + torch.tensor([0.0, 1e-3]))
+        b = self.runs.make("b", params=moved)
+        with self.assertRaises(CheckFailed) as e:
+            self.h.same_training(a, b, 1e-5, "x")
+        self.assertIn("(relative, b)", str(e.exception))
+
+    def test_losses_apart_fail(self):
+        a = self.runs.make("a", losses=(2.5, 2.4), params=self.base)
+        b = self.runs.make("b", losses=(2.5, 2.41), params=self.base)
+        with self.assertRaisesRegex(CheckFailed, "epoch training losses"):
+            self.h.same_training(a, b, 1e-5, "x")
+
+    def test_other_step_counts_fail(self):
+        a = self.runs.make("a", steps=4, params=self.base)
+        b = self.runs.make("b", steps=5, params=self.base)
+        with self.assertRaisesRegex(CheckFailed, "4 optimizer steps against 5"):
+            self.h.same_training(a, b, 1e-5, "x")
+
+    def test_other_tensors_or_shapes_fail(self):
+        a = self.runs.make("a", params=self.base)
+        b = self.runs.make("b", params=dict(self.base, extra=torch.ones(1)))
+        with self.assertRaisesRegex(CheckFailed, "other tensors"):
+            self.h.same_parameters(a, b, 1e-5)
+        c = self.runs.make("c", params=dict(self.base, w=torch.ones(2, 3)))
+        with self.assertRaisesRegex(CheckFailed, "shapes"):
+            self.h.same_parameters(a, c, 1e-5)
+
+    def test_a_non_finite_parameter_fails(self):
+        a = self.runs.make("a", params=self.base)
+        b = self.runs.make("b", params=dict(self.base, b=torch.tensor([float("nan"), 0.0])))
+        with self.assertRaisesRegex(CheckFailed, "not finite"):
+            self.h.same_parameters(a, b, 1.0)
+
+    def test_step_losses_apart_fail_from_the_first_step_beyond(self):
+        a = {"json": {"step_losses": [1.0, 1.0, 1.0]}}
+        b = {"json": {"step_losses": [1.0, 1.0, 1.1]}}
+        with self.assertRaisesRegex(CheckFailed, "from step 3"):
+            Harness.same_losses(a, b, 1e-3)
+        self.assertIn("first 2 steps", Harness.same_losses(a, b, 1e-3, steps=2))
+
+    def test_the_loader_check_fails_when_its_baseline_cannot_judge(self):
+        self.assertEqual(machine.loader_verdict(960, 1000, cpu=False)[0], table.PASS)
+        self.assertEqual(machine.loader_verdict(900, 1000, cpu=False)[0], table.BELOW)
+        # A memory-fed baseline 7.9x slower than the files it judges (the H100 row): no verdict.
+        with self.assertRaisesRegex(CheckFailed, "slower than the files"):
+            machine.loader_verdict(3824, 486, cpu=False)
+        # The CPU self-test's sizes cannot judge speed: it reports.
+        self.assertEqual(machine.loader_verdict(3824, 486, cpu=True)[0], table.PASS)
+
+
+class Provenance(unittest.TestCase):
+    def rows(self, gpu, commit, at, checks, verdict="pass"):
+        return {"gpu": gpu, "commit": commit, "finished_at": at, "device": "cuda", "gpus": 1,
+                "checks": [{"path": c, "check": c, "tier": 1, "verdict": verdict, "figure": f"{c} on {gpu}", "seconds": 3.0, "gpu": gpu, "commit": commit,
+                            "finished_at": at} for c in checks]}
+
+    def test_a_merged_table_keeps_each_rows_provenance(self):
+        h100 = self.rows("NVIDIA H100 80GB HBM3", "950766e", 1795794024, ["a", "b"])
+        h200 = self.rows("NVIDIA H200", "eb26e4c", 1795843107, ["b", "c"])
+        merged = table.merge([h100, h200])
+        by_check = {r["check"]: r for r in merged["checks"]}
+        self.assertEqual((by_check["a"]["gpu"], by_check["a"]["commit"]), ("NVIDIA H100 80GB HBM3", "950766e"))
+        # A check both ran is the later table's, with the later run's provenance.
+        self.assertEqual((by_check["b"]["gpu"], by_check["b"]["commit"], by_check["b"]["figure"]), ("NVIDIA H200", "eb26e4c", "b on NVIDIA H200"))
+        md = table.render(merged["checks"], table.header_of(merged))
+        self.assertIn("| 1 | a | pass | a on NVIDIA H100 80GB HBM3 |  | 3 | H100 80GB HBM3 950766e 2026-11-27 |", md)
+        self.assertIn("| 1 | c | pass | c on NVIDIA H200 |  | 3 | H200 eb26e4c 2026-11-28 |", md)
+        self.assertIn("Rows from H100 80GB HBM3 950766e 2026-11-27; H200 eb26e4c 2026-11-28", md)
+
+    def test_a_check_not_run_later_keeps_its_earlier_row(self):
+        first = self.rows("NVIDIA H200", "aaaaaaa", 1795000000, ["a"])
+        later = self.rows("NVIDIA H200", "bbbbbbb", 1796000000, ["a"], verdict="not run (budget)")
+        merged = table.merge([first, later])
+        self.assertEqual([(r["commit"], r["verdict"]) for r in merged["checks"]], [("aaaaaaa", "pass")])
+
+    def test_an_old_table_gets_its_own_provenance_on_its_rows(self):
+        old = {"gpu": "NVIDIA H200", "commit": "eb26e4c", "finished_at": 1795843107,
+               "checks": [{"path": "a", "verdict": "pass", "seconds": 2.0}, {"path": "b", "verdict": "not run (budget)", "seconds": None}]}
+        rows = table.with_provenance(old)["checks"]
+        self.assertEqual((rows[0]["gpu"], rows[0]["commit"], rows[0]["finished_at"]), ("NVIDIA H200", "eb26e4c", 1795843107))
+        self.assertNotIn("commit", rows[1])
+
+    def test_a_resumed_run_carries_passed_rows_unchanged(self):
+        earlier = self.rows("NVIDIA H100 80GB HBM3", "950766e", 1795794024, ["only check"])
+        h = Harness(fake_args(), "cuda", 1, "NVIDIA H200", "eb26e4c", earlier, None)
+        h.check("only check", lambda: (table.PASS, "ran again"), 1, (1, 1))
+        h.select()
+        h.execute(lambda rows: None)
+        self.assertEqual(h.rows, earlier["checks"], "carried as measured, never relabelled")
+
+    def test_a_new_row_carries_this_run(self):
+        h = fake_harness()
+        h.check("x", lambda: (table.PASS, "fine"), 1, (1, 1))
+        h.select()
+        h.execute(lambda rows: None)
+        self.assertEqual((h.rows[0]["gpu"], h.rows[0]["commit"]), ("NVIDIA Test GPU", "abc1234"))
+        self.assertIsNotNone(h.rows[0]["finished_at"])
+
+
+class Tiers(unittest.TestCase):
+    def planned(self, device="cuda", committed=None):
+        sys.path.insert(0, harness.BENCH)
+        import gpu_check
+        h = fake_harness(device, committed=committed)
+        gpu_check.plan_all(h)
+        return h
+
+    def test_every_tier_fits_its_time_by_recorded_and_estimated_seconds(self):
+        committed = table.read(os.path.join(harness.ROOT, "results", "gpu-check.json"), "test")
+        h = self.planned(committed=committed)
+        for t in tiers.NAMES:
+            self.assertTrue(any(p.tier == t for p in h.plan), f"tier {t} has no checks")
+            self.assertLessEqual(tiers.expected(h, t), tiers.TIER_SECONDS, f"tier {t}: {tiers.NAMES[t]}")
+        self.assertEqual(sorted({p.tier for p in h.plan}), sorted(tiers.NAMES))
+
+    def test_the_multi_rank_rows_come_first(self):
+        h = self.planned()
+        first = [p.path for p in h.plan[:5]]
+        self.assertTrue(all(p.tier == 1 for p in h.plan[:20]))
+        self.assertIn("exercise2 (Horovod style): 2 ranks x 20 = 1 rank x 40", first)
+
+    def test_next_is_the_first_tier_the_committed_table_lacks(self):
+        h = self.planned()
+        self.assertEqual(tiers.next_tier(None, h), 1)
+        ran = lambda tier: [{"path": p.path, "check": p.path, "verdict": "pass"} for p in h.plan if p.tier == tier]
+        self.assertEqual(tiers.next_tier({"checks": ran(1)}, h), 2)
+        self.assertEqual(tiers.next_tier({"checks": ran(1) + ran(2) + ran(4)}, h), 3)
+        # A row left for the budget does not count as had.
+        budget = [dict(r, verdict="not run (budget)") for r in ran(3)]
+        self.assertEqual(tiers.next_tier({"checks": ran(1) + ran(2) + budget}, h), 3)
+        everything = [r for t in tiers.NAMES for r in ran(t)]
+        self.assertIsNone(tiers.next_tier({"checks": everything}, h))
+
+
+class NcclFallback(unittest.TestCase):
+    def test_a_refusal_by_nccl_reruns_over_mpi_and_the_row_says_so(self):
+        h = fake_harness(gpus=1)
+        calls = []
+
+        def run(key, binary, args, ok=True, env=None, checkpoint=False):
+            calls.append(args)
+            refused = "--backend" in args and args[args.index("--backend") + 1] == "nccl"
+            return {"code": 1 if refused else 0, "stderr": "error on rank 0: ncclCommInitRank failed: invalid usage" if refused else "", "stdout": ""}
+        h.run = run
+        ranks = multirank.Ranks(h)
+        ranks.mode = "Default"
+        ranks.run("row", "exercise2", ["--model", "cnn"], 2)
+        self.assertEqual([a[a.index("--backend") + 1] for a in calls], ["nccl", "mpi"])
+        self.assertTrue(all("--share-gpu" in a for a in calls), "2 ranks on 1 GPU share it")
+        self.assertIn("NCCL refused: error on rank 0: ncclCommInitRank failed", ranks.over(2))
+        self.assertEqual(ranks.verdict(), table.BELOW)
+        # The later rows go over MPI straight away.
+        ranks.run("row2", "exercise2", [], 2)
+        self.assertEqual(calls[-1][calls[-1].index("--backend") + 1], "mpi")
+
+    def test_a_failure_that_is_not_ncclS_is_a_failure(self):
+        h = fake_harness(gpus=1)
+        h.run = lambda *a, **k: {"code": 1, "stderr": "error: the loss is nan", "stdout": ""}
+        ranks = multirank.Ranks(h)
+        with self.assertRaisesRegex(CheckFailed, "the loss is nan"):
+            ranks.run("row", "exercise2", [], 2)
+        self.assertIsNone(ranks.refused)
+
+    def test_ranks_within_the_gpus_do_not_share_and_an_exclusive_gpu_is_said(self):
+        h = fake_harness(gpus=2)
+        ranks = multirank.Ranks(h)
+        self.assertNotIn("--share-gpu", ranks.flags(2))
+        self.assertIn("--share-gpu", ranks.flags(4))
+        ranks.mode = "Exclusive_Process"
+        self.assertIsNone(ranks.needs(2))
+        self.assertIn("Exclusive_Process", ranks.needs(4))
+
+
+class Timings(unittest.TestCase):
+    ROW = {"unit": "images/s", "rounds": "3", "rust_mode": "eager", "rust_throughput": "110", "rust_min": "105", "rust_max": "112",
+           "fastest_peer": "fused", "fastest_peer_throughput": "100", "fastest_peer_min": "98", "fastest_peer_max": "101", "ratio_fastest": "1.08",
+           "peers": "eager fused", "pytorch_throughput": "90", "pytorch_fused_throughput": "100", "rust_data_ms": "0.1", "rust_fwd_bwd_ms": "1.0",
+           "rust_optim_ms": "0.2", "fastest_peer_data_ms": "0.1", "fastest_peer_fwd_bwd_ms": "1.1", "fastest_peer_optim_ms": "0.1"}
+
+    def test_a_row_holds_ours_against_the_fastest_peer_with_spreads_and_phases(self):
+        h = fake_harness()
+        rows = [dict(self.ROW), dict(self.ROW, rust_mode="cuda-graph", ratio_fastest="0.9")]
+        with mock.patch.object(timings, "run_bench", lambda *a, **k: rows):
+            self.check_rows(h)
+
+    def check_rows(self, h):
+        [row] = timings.bench(h, "32", "resnet34", graph=False)
+        self.assertEqual((row["verdict"], row["ratio"]), (table.BELOW, 1.08), "ResNet34's goal is 1.1x the fastest peer")
+        self.assertIn("fastest peer fused 100 (98-101) images/s, 3 rounds", row["figure"])
+        self.assertIn("peers eager 90, fused 100", row["figure"])
+        self.assertIn("ms/step ours data 0.10, fwd+bwd 1.00, optimizer 0.20, fused data 0.10", row["figure"])
+        self.assertEqual(row["extra"]["rust_mode"], "eager", "the whole bench row is kept")
+        [cnn] = timings.bench(h, "32", "cnn", graph=False)
+        self.assertEqual(cnn["verdict"], table.PASS)
+        [graph] = timings.bench(h, "32", "cnn", graph=True)
+        self.assertEqual((graph["verdict"], graph["ratio"]), (table.BELOW, 0.9), "the graph row is graph against graph")
+
+    def test_a_row_without_a_ratio_against_the_fastest_peer_fails(self):
+        h = fake_harness()
+        with mock.patch.object(timings, "run_bench", lambda *a, **k: [dict(self.ROW, ratio_fastest="")]):
+            with self.assertRaisesRegex(CheckFailed, "no ratio against the fastest peer"):
+                timings.bench(h, "32", "cnn", graph=False)
+
+
+if __name__ == "__main__":
+    unittest.main()

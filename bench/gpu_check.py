@@ -39,7 +39,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpucheck import features, learning, machine, multirank, table, tiers, timings  # noqa: E402
+from gpucheck import docs, features, learning, machine, multirank, table, tiers, timings  # noqa: E402
 from gpucheck.harness import ROOT, Harness, kill_group  # noqa: E402
 
 DEFAULT_BUDGET = 480
@@ -86,7 +86,9 @@ def committed_table(path):
 def plan_all(h):
     """Every check of every tier, in tier order (within a tier, as the modules plan them)."""
     for module in (multirank, learning, features, timings, machine):
+        h.planning = module.__name__.rsplit(".", 1)[-1]
         module.plan(h)
+    h.planning = None
     h.plan.sort(key=lambda p: p.tier)
 
 
@@ -104,6 +106,8 @@ def parse():
     p.add_argument("--plan-from", metavar="TABLE", help="a recorded check whose wall times plan this run's budget (it runs every check)")
     p.add_argument("--table", metavar="JSON", help="print the table of a recorded check and exit with its verdict")
     p.add_argument("--merge", metavar="TABLE", nargs="+", help="merge recorded checks (earliest first) into --out's gpu-check.json/.md, each row keeping its provenance")
+    p.add_argument("--docs", action="store_true", help="rewrite the GPU figures' blocks in README and docs/ from the committed table, and exit")
+    p.add_argument("--check", action="store_true", help="with --docs: change nothing, exit 1 naming each block that is not what the table gives")
     p.add_argument("--only", action="append", help="run only the checks whose path contains this (repeatable)")
     p.add_argument("--no-timings", action="store_true", help="skip the side-by-side timings against PyTorch")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the harness's own test, the checks that need no CUDA, tiny")
@@ -124,6 +128,23 @@ def main():
         table.write(os.path.join(args.results, f"{stem}.json"), merged)
         print(f"merged {len(args.merge)} tables ({len(merged['checks'])} rows) into {os.path.join(args.results, stem + '.json')}")
         return 0
+    if args.check and not args.docs:
+        print("gpu-check: --check goes with --docs", file=sys.stderr)
+        return 2
+    if args.docs:
+        committed = committed_table(args.committed)
+        if committed is None:
+            print("gpu-check: --docs needs the committed table (results/gpu-check.json)", file=sys.stderr)
+            return 2
+        # The checks a GPU's tiers plan (what the pages say has or has not run).
+        h = Harness(args, "cuda", 1, committed.get("gpu"), git_commit(), None, committed)
+        plan_all(h)
+        problems = docs.update(ROOT, committed, h.plan, args.check)
+        for line in problems:
+            print(f"gpu-check --docs: {line}", file=sys.stderr)
+        if not args.check:
+            print(f"gpu-check --docs: the blocks of {', '.join(docs.PAGES)} written from the committed table")
+        return 1 if problems else 0
     if not args.budget > 0:
         print(f"gpu-check: --budget must be a positive number of seconds, got {args.budget:g}", file=sys.stderr)
         return 2

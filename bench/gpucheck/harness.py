@@ -49,8 +49,8 @@ class Planned:
     several rows. `estimate`: (seconds on a GPU, seconds on the CPU) when no table measured it.
     `needs`: why it cannot run here, or None."""
 
-    def __init__(self, path, body, tier, estimate, needs=None, limit=None):
-        self.path, self.body, self.tier, self.estimate, self.needs, self.limit = path, body, tier, estimate, needs, limit
+    def __init__(self, path, body, tier, estimate, needs=None, limit=None, kind=None):
+        self.path, self.body, self.tier, self.estimate, self.needs, self.limit, self.kind = path, body, tier, estimate, needs, limit, kind
 
 
 def tail(stderr, lines=1):
@@ -86,6 +86,7 @@ class Harness:
         self.python_env = self.node_env()
         self.runs = {}
         self.plan = []      # every check of every tier, in order
+        self.planning = None  # the kind of check being planned (its module's name)
         self.selected = []  # the ones this run executes
         self.rows = []
         # Rows of an earlier run (--resume-from) and wall times to plan with (--resume-from,
@@ -184,8 +185,9 @@ class Harness:
         return self.record(key, out, command, code, stdout, stderr, seconds, ok)
 
     def check(self, path, body, tier, estimate, needs=None, limit=None):
-        """Plans the check `path` (run later, in order, by `execute`, if its tier and --only select it)."""
-        self.plan.append(Planned(path, body, tier, estimate, needs, limit))
+        """Plans the check `path` (run later, in order, by `execute`, if its tier and --only select
+        it), of the kind (the module) planning now."""
+        self.plan.append(Planned(path, body, tier, estimate, needs, limit, self.planning))
 
     def select(self, tiers=None, only=None):
         """The checks of `tiers` (None: all) whose path contains one of `only` (None: any)."""

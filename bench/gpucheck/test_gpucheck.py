@@ -14,7 +14,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gpucheck import harness, machine, multirank, table, tiers, timings  # noqa: E402
+from gpucheck import docs, harness, machine, multirank, table, tiers, timings  # noqa: E402
 from gpucheck.harness import CheckFailed, Harness  # noqa: E402
 
 
@@ -274,6 +274,40 @@ class Timings(unittest.TestCase):
         with mock.patch.object(timings, "run_bench", lambda *a, **k: [dict(self.ROW, ratio_fastest="")]):
             with self.assertRaisesRegex(CheckFailed, "no ratio against the fastest peer"):
                 timings.bench(h, "32", "cnn", graph=False)
+
+
+class Docs(unittest.TestCase):
+    def setUp(self):
+        self.root = tempfile.mkdtemp()
+        for page in docs.PAGES:
+            os.makedirs(os.path.dirname(os.path.join(self.root, page)), exist_ok=True)
+            with open(os.path.join(self.root, page), "w") as f:
+                f.write("# a page\n")
+        self.recorded = {"checks": [{"path": "timing exercise1 cnn 32", "check": "timing exercise1 cnn 32: every PyTorch peer", "tier": 2, "verdict": "pass",
+                                     "figure": "ours 2 vs fastest peer fused 1", "ratio": 2.0, "seconds": 9, "gpu": "NVIDIA H200", "commit": "abc1234",
+                                     "finished_at": 1796000000, "extra": {"fastest_peer": "fused", "peers": "eager fused", "rounds": "3"}}]}
+        self.plan = Tiers().planned().plan
+
+    def write(self, page, text):
+        with open(os.path.join(self.root, page), "w") as f:
+            f.write(text)
+
+    def test_a_block_is_written_from_the_table_and_a_stale_one_is_found(self):
+        self.write("README.md", "<!-- gpu-check:timings -->\nold figures\n<!-- /gpu-check:timings -->\n")
+        problems = docs.update(self.root, self.recorded, self.plan, check=True)
+        self.assertTrue(any("README.md: its gpu-check blocks (timings)" in p for p in problems), problems)
+        self.assertEqual(docs.update(self.root, self.recorded, self.plan, check=False), [])
+        with open(os.path.join(self.root, "README.md")) as f:
+            text = f.read()
+        self.assertIn("| timing exercise1 cnn 32 | pass | ours 2 vs fastest peer fused 1 | 2.00x | the fastest of eager, fused; 3 rounds | H200 abc1234", text)
+        self.assertEqual(docs.update(self.root, self.recorded, self.plan, check=True), [], "written, it is what the table gives")
+
+    def test_what_ran_on_a_gpu_is_said_only_inside_a_block(self):
+        self.write("docs/speed.md", "--cuda-graph: **Not yet run on a GPU**.\n")
+        self.write("docs/course.md", "<!-- gpu-check:nope -->\n<!-- /gpu-check:nope -->\n")
+        problems = docs.update(self.root, self.recorded, self.plan, check=True)
+        self.assertTrue(any(p.startswith("docs/speed.md: says what has or has not run on a GPU outside") for p in problems), problems)
+        self.assertTrue(any("unknown block gpu-check:nope" in p for p in problems), problems)
 
 
 if __name__ == "__main__":

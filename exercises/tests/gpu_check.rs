@@ -44,6 +44,14 @@ fn the_harness_unit_tests_pass() {
     assert!(ran >= 20, "{said}");
 }
 
+/// The GPU figures README and docs/ quote are the committed table's (`bench/gpu_check.py --docs`
+/// writes them), and no page says what ran on a GPU outside those blocks.
+#[test]
+fn the_docs_gpu_figures_are_the_committed_tables() {
+    let out = gpu_check(&["--docs", "--check"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
 #[test]
 fn the_table_of_a_recorded_check_names_every_path_and_fails_with_it() {
     let recorded = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/reference/gpu-check-recorded.json");

@@ -148,7 +148,14 @@ def planner(h):
         layer = {p["micro_batch"]: 1e3 * (p["layer"]["forward_s"] + p["layer"]["backward_s"]) for p in recorded["compute"]}
         links = ", ".join(f"{link['scope']} all-reduce {1 / link['collectives']['all-reduce']['seconds_per_bus_byte'] / 1e9:.1f} GB/s"
                           for link in recorded["links"] if link["collectives"]["all-reduce"]["seconds_per_bus_byte"] > 0)
-        figure = f"one layer fwd+bwd {', '.join(f'{layer[b]:.2f} ms at {b}' for b in sizes)}; {links or 'no collectives (one rank)'}; kept as {os.path.basename(out)}"
+        # A tensor-parallel shard's own layer (its arithmetic alone) against 1/tp of the whole's.
+        shards = []
+        for shard in recorded.get("shards") or []:
+            largest = max(shard["compute"], key=lambda p: p["micro_batch"])
+            own = 1e3 * (largest["layer"]["forward_s"] + largest["layer"]["backward_s"])
+            shards.append(f"tp {shard['tp']}: {own:.2f} ms ({own / (layer[largest['micro_batch']] / shard['tp']):.2f}x 1/{shard['tp']})")
+        figure = (f"one layer fwd+bwd {', '.join(f'{layer[b]:.2f} ms at {b}' for b in sizes)}; a shard's layer at {max(sizes)}: "
+                  f"{', '.join(shards) or 'none timed'}; {links or 'no collectives (one rank)'}; kept as {os.path.basename(out)}")
         return PASS, figure
     h.check("exercise3 profile: the planner's profile (1.4B, bf16-mixed, 512 tokens)", profile, MACHINE, (60, 20))
     h.check("the plan against runs on one GPU: step time and peak memory of every layout that fits, at 3 global batches",

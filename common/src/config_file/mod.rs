@@ -10,13 +10,12 @@
 //! ```
 //!
 //! A key is a flag's long name (`batch-size` or `batch_size`). A DeepSpeed configuration is read
-//! too, its keys mapped to the matching flags: `zero_optimization.stage` → `--zero`,
-//! `zero_optimization.reduce_bucket_size` (elements of 4 bytes) → `--bucket-mb`,
-//! `zero_optimization.overlap_comm` (the buckets' communication during the backward pass, which
-//! our ZeRO-2 always overlaps: `true` only), `train_micro_batch_size_per_gpu` → `--batch-size`,
-//! `gradient_accumulation_steps` → `--accumulate`, `fp16.enabled` / `bf16.enabled` →
-//! `--precision 16-mixed` / `bf16-mixed`, `gradient_clipping` → `--clip`. An unknown key or a value
-//! of the wrong type is one line naming the key, exit 2, before anything runs.
+//! too ([`deepspeed`]): its keys mapped to the matching flags, the ones that ask for something
+//! this project does not do accepted and named in one line each ("note: ..."), before the run;
+//! a key DeepSpeed itself does not know, an unknown flag or a value of the wrong type is one line
+//! naming the key, exit 2, before anything runs.
+mod deepspeed;
+
 use std::ffi::OsString;
 use std::path::Path;
 use std::sync::OnceLock;
@@ -34,7 +33,12 @@ pub fn get_matches(cmd: Command) -> ArgMatches {
 pub fn get_matches_from(cmd: Command, argv: Vec<OsString>) -> ArgMatches {
     let cmd = with_config_flags(cmd);
     let argv = match expand(&cmd, argv) {
-        Ok(argv) => argv,
+        Ok((argv, notes)) => {
+            if speaks_for_the_job(&argv) {
+                notes.iter().for_each(|note| eprintln!("note: {note}"));
+            }
+            argv
+        }
         Err(message) => {
             eprintln!("error: {message}");
             std::process::exit(2);
@@ -55,6 +59,16 @@ pub fn get_matches_from(cmd: Command, argv: Vec<OsString>) -> ArgMatches {
     let command = [Some(program.as_str()), sub.as_ref().map(Command::get_name)].into_iter().flatten().collect::<Vec<_>>().join(" ");
     let _ = GIVEN.set(Given { command, toml: text });
     matches
+}
+
+/// Whether this process says what the job's configuration means, once per job: rank 0 of a
+/// launcher's ranks, or a process started alone, but not one about to start the ranks itself
+/// (`--nproc-per-node`, whose rank 0 will say it).
+fn speaks_for_the_job(argv: &[OsString]) -> bool {
+    match crate::comm::LaunchEnv::detect() {
+        Ok(env) if env.is_distributed() => env.rank == 0,
+        _ => !argv.iter().any(|a| a == "--nproc-per-node" || a.to_string_lossy().starts_with("--nproc-per-node=")),
+    }
 }
 
 /// The flags this process was started with, resolved as `--print-config` prints them.
@@ -106,9 +120,10 @@ fn with_config_flags(cmd: Command) -> Command {
 }
 
 /// `argv` with the flags of `--config FILE` put in front of the command line's own (after the
-/// subcommand's name, for a command that has subcommands).
-fn expand(cmd: &Command, argv: Vec<OsString>) -> Result<Vec<OsString>, String> {
-    let Some(at) = argv.iter().position(|a| a == "--config" || a.to_string_lossy().starts_with("--config=")) else { return Ok(argv) };
+/// subcommand's name, for a command that has subcommands), and the notes on what the file asks
+/// for that has no effect here.
+fn expand(cmd: &Command, argv: Vec<OsString>) -> Result<(Vec<OsString>, Vec<String>), String> {
+    let Some(at) = argv.iter().position(|a| a == "--config" || a.to_string_lossy().starts_with("--config=")) else { return Ok((argv, Vec::new())) };
     let file = match argv[at].to_string_lossy().strip_prefix("--config=") {
         Some(value) => value.to_string(),
         None => argv.get(at + 1).map(|v| v.to_string_lossy().into_owned()).ok_or("--config needs a FILE")?,
@@ -118,16 +133,17 @@ fn expand(cmd: &Command, argv: Vec<OsString>) -> Result<Vec<OsString>, String> {
         Some((i, name)) => (cmd.find_subcommand(name.to_string_lossy().as_ref()).expect("found above"), i + 1),
         None => (cmd, 1),
     };
-    let flags = flags_of(target, Path::new(&file))?;
+    let mut notes = Vec::new();
+    let flags = flags_of(target, Path::new(&file), &mut notes)?;
     let mut out = argv[..insert_at].to_vec();
     out.extend(flags);
     out.extend(argv[insert_at..].iter().cloned());
-    Ok(out)
+    Ok((out, notes))
 }
 
 /// The flags `file` gives for `cmd`: `--key value`, `--flag` for `true`, each checked against the
 /// command (the key exists, the value parses) before anything runs.
-fn flags_of(cmd: &Command, file: &Path) -> Result<Vec<OsString>, String> {
+fn flags_of(cmd: &Command, file: &Path, notes: &mut Vec<String>) -> Result<Vec<OsString>, String> {
     let text = std::fs::read_to_string(file).map_err(|e| format!("--config {}: {e}", file.display()))?;
     let table: Value = if file.extension().is_some_and(|e| e == "json") {
         serde_json::from_str(&text).map_err(|e| format!("--config {}: not JSON: {e}", file.display()))?
@@ -136,7 +152,9 @@ fn flags_of(cmd: &Command, file: &Path) -> Result<Vec<OsString>, String> {
     };
     let Value::Object(table) = table else { return Err(format!("--config {}: not a table of flags", file.display())) };
     let mut flags = Vec::new();
-    for (key, value) in deepspeed(table).map_err(|e| format!("--config {}: {e}", file.display()))? {
+    let translation = deepspeed::translate(table).map_err(|e| format!("--config {}: {e}", file.display()))?;
+    notes.extend(translation.notes.iter().map(|n| format!("--config {}: {n}", file.display())));
+    for (key, value) in translation.flags {
         let name = key.replace('_', "-");
         let Some(arg) = cmd.get_arguments().find(|a| a.get_long() == Some(name.as_str())).filter(|a| !matches!(a.get_id().as_str(), "config" | "print_config"))
         else {
@@ -193,50 +211,6 @@ fn scalar(value: &Value) -> Option<String> {
         Value::Bool(b) => Some(b.to_string()),
         _ => None,
     }
-}
-
-/// The table's keys as flags: DeepSpeed's sections and names mapped to ours, the rest as they are.
-fn deepspeed(table: serde_json::Map<String, Value>) -> Result<Vec<(String, Value)>, String> {
-    let mut out = Vec::new();
-    for (key, value) in table {
-        match (key.as_str(), value) {
-            ("zero_optimization", Value::Object(zero)) => {
-                for (k, v) in zero {
-                    match (k.as_str(), &v) {
-                        ("stage", _) => out.push(("zero".into(), v)),
-                        ("reduce_bucket_size", Value::Number(n)) => {
-                            let mib = n.as_f64().unwrap_or(0.0) * 4.0 / (1024.0 * 1024.0);
-                            out.push(("bucket-mb".into(), serde_json::json!(mib)));
-                        }
-                        ("overlap_comm", Value::Bool(true)) => {} // what our ZeRO-2 does anyway
-                        ("overlap_comm", _) => {
-                            return Err(
-                                "key `zero_optimization.overlap_comm`: only true (the gradients' buckets always communicate during the backward pass here)"
-                                    .into(),
-                            )
-                        }
-                        ("contiguous_gradients", Value::Bool(_)) => {} // a memory layout detail of DeepSpeed's
-                        _ => return Err(format!("unknown key `zero_optimization.{k}`: stage, reduce_bucket_size and overlap_comm are read")),
-                    }
-                }
-            }
-            ("train_micro_batch_size_per_gpu", v) => out.push(("batch-size".into(), v)),
-            ("gradient_accumulation_steps", v) => out.push(("accumulate".into(), v)),
-            ("gradient_clipping", v) => out.push(("clip".into(), v)),
-            ("fp16" | "bf16", Value::Object(section)) => {
-                if section.get("enabled") == Some(&Value::Bool(true)) {
-                    out.push(("precision".into(), Value::String(if key == "fp16" { "16-mixed" } else { "bf16-mixed" }.into())));
-                }
-            }
-            (_, Value::Object(_)) => {
-                return Err(format!(
-                    "unknown section `{key}`: flags are keys of the top level (DeepSpeed's zero_optimization, fp16 and bf16 sections are read)"
-                ))
-            }
-            (_, v) => out.push((key, v)),
-        }
-    }
-    Ok(out)
 }
 
 /// The flags `matches` resolved for `cmd` from the file and the command line, as a TOML
@@ -298,6 +272,8 @@ mod tests {
             .arg(Arg::new("bucket_mb").long("bucket-mb").value_parser(clap::value_parser!(f64)))
             .arg(Arg::new("precision").long("precision"))
             .arg(Arg::new("accumulate").long("accumulate").value_parser(clap::value_parser!(usize)))
+            .arg(Arg::new("optimizer").long("optimizer"))
+            .arg(Arg::new("weight_decay").long("weight-decay").value_parser(clap::value_parser!(f64)))
     }
 
     fn file(text: &str, ext: &str) -> tempfile::TempPath {
@@ -314,7 +290,7 @@ mod tests {
     fn the_files_flags_come_first_and_the_command_line_wins() {
         let cfg = file("lr = 0.5\nbatch_size = 32\naugment = true\n", ".toml");
         let p = cfg.to_str().unwrap();
-        let m = with_config_flags(command()).get_matches_from(expand(&with_config_flags(command()), argv(&["x", "--config", p, "--lr", "0.1"])).unwrap());
+        let m = with_config_flags(command()).get_matches_from(expand(&with_config_flags(command()), argv(&["x", "--config", p, "--lr", "0.1"])).unwrap().0);
         assert_eq!(m.get_one::<f64>("lr"), Some(&0.1));
         assert_eq!(m.get_one::<usize>("batch_size"), Some(&32));
         assert!(m.get_flag("augment"));
@@ -338,20 +314,59 @@ mod tests {
         assert!(e.contains("unknown section `lr`"), "{e}");
     }
 
-    #[test]
-    fn idris_zero2_deepspeed_json_reads_as_the_matching_flags() {
-        let json = r#"{"train_micro_batch_size_per_gpu": 64, "gradient_accumulation_steps": 2,
-            "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8, "overlap_comm": true, "contiguous_gradients": true},
-            "fp16": {"enabled": true}}"#;
-        let cfg = file(json, ".json");
+    fn expand_file(text: &str) -> Result<(ArgMatches, Vec<String>), String> {
         let cmd = with_config_flags(command());
-        let m = cmd.clone().get_matches_from(expand(&cmd, argv(&["x", "--config", cfg.to_str().unwrap()])).unwrap());
+        let cfg = file(text, ".json");
+        let (argv, notes) = expand(&cmd, argv(&["x", "--config", cfg.to_str().unwrap()]))?;
+        Ok((cmd.get_matches_from(argv), notes))
+    }
+
+    #[test]
+    fn the_idris_slides_zero2_file_reads_verbatim_as_the_matching_flags() {
+        // IDRIS's DLO-JZ slide, verbatim (../shared/course/001_…, the "ZeRO" slide).
+        let text = include_str!("../../../exercises/tests/reference/ds_config_zero2.json");
+        assert!(text.contains("\"reduce_scatter\": true") && text.contains("\"allgather_bucket_size\": 5e8"), "{text}");
+        let (m, notes) = expand_file(text).unwrap();
         assert_eq!(m.get_one::<u8>("zero"), Some(&2));
-        assert_eq!(m.get_one::<usize>("batch_size"), Some(&64));
-        assert_eq!(m.get_one::<usize>("accumulate"), Some(&2));
-        assert_eq!(m.get_one::<String>("precision").map(String::as_str), Some("16-mixed"));
         assert!((m.get_one::<f64>("bucket_mb").unwrap() - 5e8 * 4.0 / 1048576.0).abs() < 1e-9);
-        let bad = file(r#"{"zero_optimization": {"stage": 2, "overlap_comm": false}}"#, ".json");
-        assert!(expand(&cmd, argv(&["x", "--config", bad.to_str().unwrap()])).unwrap_err().contains("zero_optimization.overlap_comm"));
+        // Every key there is what this project does but the all-gather's bucket, which it does
+        // not cut (one all-gather per step): named, once.
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(notes[0].contains("`zero_optimization.allgather_bucket_size` = 500000000.0 has no effect here"), "{notes:?}");
+    }
+
+    #[test]
+    fn deepspeeds_other_keys_map_or_are_named_and_unknown_ones_are_errors() {
+        let json = r#"{"train_micro_batch_size_per_gpu": 64, "gradient_accumulation_steps": 2, "fp16": {"enabled": true, "loss_scale": 0},
+            "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8, "overlap_comm": false, "allgather_bucket_size": 2e8,
+                                  "offload_optimizer": {"device": "cpu"}, "round_robin_gradients": false},
+            "optimizer": {"type": "Adam", "params": {"lr": 0.0003, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}},
+            "train_batch_size": 256, "wall_clock_breakdown": false, "tensorboard": {"enabled": false}}"#;
+        let (m, notes) = expand_file(json).unwrap();
+        assert_eq!((m.get_one::<u8>("zero"), m.get_one::<usize>("batch_size"), m.get_one::<usize>("accumulate")), (Some(&2), Some(&64), Some(&2)));
+        assert_eq!(m.get_one::<String>("precision").map(String::as_str), Some("16-mixed"));
+        assert_eq!((m.get_one::<String>("optimizer").map(String::as_str), m.get_one::<f64>("lr")), (Some("adam"), Some(&0.0003)));
+        assert_eq!(m.get_one::<f64>("weight_decay"), Some(&0.01));
+        // Named, one line each: what it asks for and why it does nothing here; silent at what
+        // this project does or at DeepSpeed's default for what it lacks.
+        let named = |key: &str| notes.iter().filter(|n| n.contains(&format!("`{key}`"))).count();
+        for key in ["zero_optimization.overlap_comm", "zero_optimization.allgather_bucket_size", "zero_optimization.offload_optimizer", "train_batch_size"] {
+            assert_eq!(named(key), 1, "{key}: {notes:?}");
+        }
+        for key in ["fp16.loss_scale", "zero_optimization.round_robin_gradients", "wall_clock_breakdown", "tensorboard", "optimizer.params.betas"] {
+            assert_eq!(named(key), 0, "{key}: {notes:?}");
+        }
+        assert_eq!(notes.len(), 4, "{notes:?}");
+        assert!(notes.iter().all(|n| n.contains("has no effect here: ") && !n.contains('\n')), "{notes:?}");
+        // An optimizer this project lacks is named, not swapped in silently.
+        let (_, notes) = expand_file(r#"{"optimizer": {"type": "AdamW", "params": {"lr": 0.001}}}"#).unwrap();
+        assert!(notes.iter().any(|n| n.contains("`optimizer.type` = \"adamw\" has no effect here")), "{notes:?}");
+        // A key DeepSpeed itself does not know is an error naming it.
+        let e = expand_file(r#"{"zero_optimization": {"stage": 2, "reduce_scater": true}}"#).unwrap_err();
+        assert!(e.contains("unknown key `zero_optimization.reduce_scater`") && e.contains("DeepSpeed has no such key"), "{e}");
+        let e = expand_file(r#"{"fp16": {"enabled": true, "scale": 8}}"#).unwrap_err();
+        assert!(e.contains("unknown key `fp16.scale`"), "{e}");
+        let e = expand_file(r#"{"zero_optimisation": {"stage": 2}}"#).unwrap_err();
+        assert!(e.contains("unknown section `zero_optimisation`"), "{e}");
     }
 }

@@ -299,7 +299,18 @@ fn bundle_on_a_node(node: &Path) -> (PathBuf, PathBuf, bool) {
         assert!([bytes >> 20, (bytes >> 20) + 1].iter().any(|mib| said.contains(&format!(": {mib} MiB ("))), "the size ({bytes} bytes) is printed: {said}");
     }
     lock.unlock().unwrap();
-    for file in ["run.sh", "payload.tar.gz", "COMMIT", "PAYLOAD_ID", "MANIFEST.txt", "committed-gpu-check.json", "bench/gpu_check.py", "bench/gpucheck/harness.py", "bench/bench.sh", "bench/exercise1_lightning.py"] {
+    for file in [
+        "run.sh",
+        "payload.tar.gz",
+        "COMMIT",
+        "PAYLOAD_ID",
+        "MANIFEST.txt",
+        "committed-gpu-check.json",
+        "bench/gpu_check.py",
+        "bench/gpucheck/harness.py",
+        "bench/bench.sh",
+        "bench/exercise1_lightning.py",
+    ] {
         assert!(built.join(file).is_file(), "no {file} in the bundle");
     }
     // On the "node": a copy of the bundle alone, run from another folder.
@@ -354,7 +365,12 @@ fn self_test(tiers: &[u32]) -> (serde_json::Value, tempfile::TempDir) {
 }
 
 fn row<'a>(recorded: &'a serde_json::Value, pattern: &str) -> &'a serde_json::Value {
-    recorded["checks"].as_array().unwrap().iter().find(|c| c["path"].as_str().unwrap().contains(pattern)).unwrap_or_else(|| panic!("no row {pattern:?}: {recorded}"))
+    recorded["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["path"].as_str().unwrap().contains(pattern))
+        .unwrap_or_else(|| panic!("no row {pattern:?}: {recorded}"))
 }
 
 #[test]
@@ -386,8 +402,19 @@ fn the_bundle_finds_its_libraries_on_a_bare_node_and_refuses_another_pytorch() {
 #[test]
 fn the_bundle_runs_tier_1_on_the_cpu_the_multi_rank_rows_over_mpi() {
     let (recorded, _node) = self_test(&[1]);
-    for pattern in ["exercise2 (Horovod style): 2 ranks x 20", "exercise3 ddp", "parameter-server --sync", "exercise1_nlp --zero 3", "HSDP", "--tp 2: 2 shards",
-                    "--sequence-parallel", "pipeline interleaved across 2 processes", "--tp 2 --pp 2", "sharded checkpoint", "collective watchdog: a healthy"] {
+    for pattern in [
+        "exercise2 (Horovod style): 2 ranks x 20",
+        "exercise3 ddp",
+        "parameter-server --sync",
+        "exercise1_nlp --zero 3",
+        "HSDP",
+        "--tp 2: 2 shards",
+        "--sequence-parallel",
+        "pipeline interleaved across 2 processes",
+        "--tp 2 --pp 2",
+        "sharded checkpoint",
+        "collective watchdog: a healthy",
+    ] {
         let c = row(&recorded, pattern);
         assert_eq!(c["verdict"], "pass", "{c}");
         assert!(c["figure"].as_str().unwrap().contains("over MPI (CPU ranks)"), "{c}");

@@ -1,11 +1,13 @@
 //! exercise3 tp as a user runs it on CPU ranks: the model cut over 2 ranks trains the model one
 //! rank trains (dropout on), its checkpoint holds whole tensors and resumes on one rank, the
-//! results carry the layout and the traffic of a step, and mistakes are one clear line.
+//! results carry the layout and the traffic of a step, and mistakes are one clear line. Clipped
+//! steps on 2 shards are one rank's, each of lr × clip.
 mod support;
 
 use std::path::Path;
 use std::process::{Command, Output};
 use support::{read_json, stderr, wikitext_sample};
+use tch::Kind;
 
 fn exercise3(command: &str, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_exercise3")).arg(command).args(args).output().expect("exercise3 runs")
@@ -231,4 +233,72 @@ fn exercise1_nlp_on_two_shards_trains_the_model_of_one_rank() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(stderr(&out).contains("--tp 2 runs each shard of a layer in a process of its own"), "{}", stderr(&out));
+}
+
+/// Gradient clipping on 2 shards clips as one rank does (exercise1_nlp, SGD without momentum,
+/// no dropout): at a clip below every step's gradient norm, each step moves the weights by
+/// lr × clip on both layouts (less torch's 1e-6 guard: 1 − 1e-6/‖g‖; an unclipped step moves by
+/// lr × ‖g‖, less), and the two train the same model to 1e-5. One step per epoch (`--bptt 512`
+/// covers each of the 8 columns of the 796 training tokens), every epoch's checkpoint kept: the
+/// weights after each step; the first step at rate 0 (`--warmup-steps 1 --warmup-start 0`), so
+/// the first checkpoint holds the initial weights. `--pad-vocab 16384` gives the output layer
+/// and the embedding the size of a real vocabulary (285 words here): gradients with a long tail
+/// of tiny rows, whose norm torch's CPU 2-norm made short, by an amount that depends on the
+/// tensor's length. Clipping by it, here, the steps overshot lr × clip by 5.5e-5 to 6.4e-5 on one
+/// rank and by half as much on 2 shards, and the layouts ended 3.1e-5 apart.
+#[test]
+fn clipped_steps_on_two_shards_move_as_one_rank_by_lr_times_clip() {
+    const EPOCHS: usize = 4;
+    let data = tempfile::tempdir().unwrap();
+    wikitext_sample(data.path(), [20, 10, 10]);
+    // SMALL's SGD at --lr 0.5, its vocabulary padded further.
+    let (lr, clip) = (0.5, 0.5);
+    assert_eq!(SMALL[SMALL.iter().position(|a| *a == "--lr").unwrap() + 1], lr.to_string());
+    let mut small = SMALL;
+    small[small.iter().position(|a| *a == "--pad-vocab").unwrap() + 1] = "16384";
+    let run = |dir: &Path, placement: &[&str]| -> Vec<Vec<(String, tch::Tensor)>> {
+        let (dir_s, epochs, clip) = (dir.to_str().unwrap(), EPOCHS.to_string(), clip.to_string());
+        let mut args = vec!["--data-dir", data.path().to_str().unwrap(), "--checkpoint-dir", dir_s, "--results-dir", dir_s, "--quiet"];
+        args.extend(["--epochs", &epochs, "--keep-checkpoints", &epochs, "--checkpoint-format", "whole", "--bptt", "512"]);
+        args.extend(["--lr-schedule", "constant", "--warmup-steps", "1", "--warmup-start", "0", "--clip", &clip, "--dropout", "0"]);
+        args.extend(small);
+        args.extend(placement);
+        let out = Command::new(env!("CARGO_BIN_EXE_exercise1_nlp")).args(&args).output().expect("exercise1_nlp runs");
+        assert!(out.status.success(), "{placement:?}: {}", stderr(&out));
+        (1..=EPOCHS)
+            .map(|epoch| {
+                let path = dir.join(format!("exercise1_nlp-transformer-cpu-epoch{epoch}.safetensors"));
+                let mut tensors: Vec<_> = common::checkpoint::load(&path).unwrap().tensors.into_iter().filter(|(k, _)| k.starts_with("model.")).collect();
+                tensors.sort_by(|a, b| a.0.cmp(&b.0));
+                tensors
+            })
+            .collect()
+    };
+    let (one, two) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let whole = run(one.path(), &["--tp", "1"]);
+    let shards = run(two.path(), &["--nproc-per-node", "2", "--tp", "2"]);
+    // Each step's move: the norm of the difference of consecutive checkpoints, over lr × clip.
+    let moves = |epochs: &[Vec<(String, tch::Tensor)>]| -> Vec<f64> {
+        let squares = |after: &tch::Tensor, before: &tch::Tensor| {
+            (after.to_kind(Kind::Double) - before.to_kind(Kind::Double)).square().sum(Kind::Double).double_value(&[])
+        };
+        let moved = |step: usize| epochs[step].iter().zip(&epochs[step - 1]).map(|((_, a), (_, b))| squares(a, b)).sum::<f64>().sqrt();
+        (1..EPOCHS).map(|step| moved(step) / (lr * clip)).collect()
+    };
+    let (whole_moves, shard_moves) = (moves(&whole), moves(&shards));
+    let apart: Vec<(&String, f64)> = whole[EPOCHS - 1]
+        .iter()
+        .zip(&shards[EPOCHS - 1])
+        .map(|((name, x), (_, y))| (name, (x - y).abs().max().double_value(&[]) / x.abs().max().double_value(&[]).max(1e-12)))
+        .collect();
+    let worst = apart.iter().map(|a| a.1).fold(0.0, f64::max);
+    println!("steps 2..{EPOCHS} moved by × lr × clip: one rank {whole_moves:?}, 2 shards {shard_moves:?}; the layouts {worst:e} apart");
+    for (what, moves) in [("one rank", &whole_moves), ("2 shards", &shard_moves)] {
+        for (step, ratio) in moves.iter().enumerate() {
+            assert!((ratio - 1.0).abs() <= 1e-5, "{what}: step {} moved the weights by {ratio} × lr × clip, not 1 (clipped)", step + 2);
+        }
+    }
+    for (name, rel) in apart {
+        assert!(rel <= 1e-5, "{name}: one rank vs 2 shards differ by {rel:e} after {} clipped steps", EPOCHS - 1);
+    }
 }

@@ -312,34 +312,39 @@ impl std::fmt::Display for OptimizerKind {
 /// `max_norm / (total + 1e-6)` clamped to 1, every gradient multiplied by it. Parameters without
 /// a gradient are ignored; with none at all the result is 0. A non-finite norm is returned, not
 /// an error (torch's default `error_if_nonfinite=False`).
+///
+/// On one CUDA device it is torch's computation, bitwise. Elsewhere (the CPU, a model spread over
+/// devices) the norm is the squares' sum accumulated in float64 ([`sum_of_squares`]), not
+/// torch's: its CPU 2-norm comes out short by up to a few 1e-4 on large gradients, which would
+/// clip by a coefficient that much too large, and by another one where the same gradients are
+/// cut into tensor-parallel shards.
 pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
     tch::no_grad(|| {
-        let mut grads: Vec<Tensor> = params.iter().map(Tensor::grad).filter(Tensor::defined).collect();
+        let grads: Vec<Tensor> = params.iter().map(Tensor::grad).filter(Tensor::defined).collect();
         let Some(first) = grads.first() else {
             return 0.0;
         };
         let device = first.device();
-        let total = if grads.iter().all(|g| g.device() == device) {
+        let refs: Vec<&Tensor> = grads.iter().collect();
+        let one_gpu = device.is_cuda() && grads.iter().all(|g| g.device() == device);
+        let total = match one_gpu {
             // torch's way on one device: `_foreach_norm` (one multi-tensor launch), then the
             // norm of the norms.
-            let refs: Vec<&Tensor> = grads.iter().collect();
-            crate::torch_ext::foreach_total_norm(&refs).unwrap_or_else(|err| panic!("{err:#}"))
-        } else {
-            // A model spread over devices (pipeline stages in one process): each gradient's norm
-            // (`at::norm(g, 2)`, the same `linalg_vector_norm`), gathered on the first device.
-            let norms: Vec<Tensor> = grads.iter().map(|g| g.norm().to_device(device)).collect();
-            Tensor::stack(&norms, 0).norm()
+            true => crate::torch_ext::foreach_total_norm(&refs).unwrap_or_else(|err| panic!("{err:#}")),
+            // The CPU, or a model spread over devices (pipeline stages in one process): the
+            // squares summed in float64, on the first device.
+            false => sum_of_squares(&refs).sqrt(),
         };
         // torch evaluates `max_norm / (total + 1e-6)` as `reciprocal(total + 1e-6) * max_norm`
-        // in the gradients' precision; doing the same keeps the clipped gradients bitwise equal.
+        // in the norm's precision; doing the same keeps the clipped gradients bitwise equal on
+        // one GPU (elsewhere it is float64, rounded to each gradient's precision).
         let coef = ((&total + 1e-6).reciprocal() * max_norm).clamp_max(1.0);
         // torch multiplies even when the coefficient is 1 (exact), so no branch is needed.
-        if grads.iter().all(|g| g.device() == device) {
-            let refs: Vec<&Tensor> = grads.iter().collect();
+        if one_gpu {
             crate::torch_ext::foreach_mul_tensor_(&refs, &coef).unwrap_or_else(|err| panic!("{err:#}"));
         } else {
-            for g in &mut grads {
-                let _ = g.g_mul_(&coef.to_device(g.device()));
+            for g in &refs {
+                let _ = g.shallow_clone().g_mul_(&coef.to_device(g.device()).to_kind(g.kind()));
             }
         }
         // Recording a CUDA graph, the norm is not computed yet: nothing to read.
@@ -348,6 +353,41 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
         }
         total.double_value(&[])
     })
+}
+
+/// `Σ ‖g‖²` over `grads` (at least one), as a 0-dim float64 tensor on the first one's device,
+/// accumulated in float64.
+///
+/// Not torch's 2-norm on the CPU: LibTorch's CPU `linalg_vector_norm` (which `_foreach_norm`
+/// falls back to there) accumulates a float32 tensor's squares in float32 and loses the small
+/// ones once the sum has grown (its `sum` of the same squares does not). It comes out short on
+/// large gradients with a long tail of small entries, a language model's output layer and
+/// embedding (25120 × 32 here: the batch's words large, every other row tiny), by an amount that
+/// depends on the tensor's length: in exercise1_nlp's first step the model's norm came out
+/// 2.2e-4 short on one rank and 1.1e-4 short on two tensor-parallel shards (each holding half of
+/// those tensors), so the two layouts clipped by coefficients 1.1e-4 apart, and both to a norm
+/// above `max_norm`. Squared in the gradient's precision (float32 for 16-bit gradients, whose
+/// squares could overflow) and summed in float64, the result is within about 1e-9 of the exact
+/// one (each square rounded once), and the same to float64 rounding however the gradients are
+/// cut. On one CUDA device, torch's `_foreach_norm` (one launch, which sums in blocks of partial
+/// sums) is used, squared in float64.
+fn sum_of_squares(grads: &[&Tensor]) -> Tensor {
+    let device = grads[0].device();
+    if device.is_cuda() && grads.iter().all(|g| g.device() == device) {
+        let total = crate::torch_ext::foreach_total_norm(grads).unwrap_or_else(|err| panic!("{err:#}"));
+        return total.to_kind(Kind::Double).square();
+    }
+    let squares: Vec<Tensor> = grads
+        .iter()
+        .map(|g| {
+            let g = match g.kind() {
+                Kind::Half | Kind::BFloat16 => g.to_kind(Kind::Float),
+                _ => g.shallow_clone(),
+            };
+            g.square().sum(Kind::Double).to_device(device)
+        })
+        .collect();
+    Tensor::stack(&squares, 0).sum(Kind::Double)
 }
 
 /// Where a model's parameters live, for the norm of its gradient: the ranks holding its other
@@ -370,20 +410,21 @@ impl NormScope<'_> {
 
 /// [`clip_grad_norm`] for a model whose parameters are spread over the ranks of `scope.model`
 /// (the stages of a pipeline, the shards of its layers): every rank passes its own parameters,
-/// and the total norm is that of the whole model, `sqrt(Σ_ranks Σ_counted params ‖g‖²)`, so
+/// and the total norm is that of the whole model, `sqrt(Σ_ranks Σ_counted params ‖g‖²)` (each
+/// rank's squares by [`sum_of_squares`], as one rank holding the whole model sums them), so
 /// every rank scales by the same coefficient as the unpartitioned model would. Without a group
-/// it is [`clip_grad_norm`] itself (bitwise torch's). Every rank of the group must call it.
+/// it is [`clip_grad_norm`] itself. Every rank of the group must call it.
 pub(crate) fn clip_grad_norm_over(params: &[Tensor], max_norm: f64, scope: NormScope<'_>) -> Result<f64> {
     let Some(group) = scope.model else { return Ok(clip_grad_norm(params, max_norm)) };
     tch::no_grad(|| {
         let grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();
-        let local: f64 = grads.iter().enumerate().filter(|(i, g)| g.defined() && scope.counts(*i)).map(|(_, g)| g.norm().double_value(&[]).powi(2)).sum();
-        let grads: Vec<Tensor> = grads.into_iter().filter(Tensor::defined).collect();
+        let counted: Vec<&Tensor> = grads.iter().enumerate().filter(|(i, g)| g.defined() && scope.counts(*i)).map(|(_, g)| g).collect();
+        let local = if counted.is_empty() { 0.0 } else { sum_of_squares(&counted).double_value(&[]) };
         let mut total = Tensor::from(local);
         group.all_reduce(&mut total, crate::comm::ReduceOp::Sum)?;
         let total = total.double_value(&[]).sqrt();
         let coef = (max_norm / (total + 1e-6)).min(1.0);
-        for g in &grads {
+        for g in grads.iter().filter(|g| g.defined()) {
             let _ = g.shallow_clone().g_mul_scalar_(coef);
         }
         Ok(total)
@@ -655,5 +696,39 @@ mod tests {
         assert!(format!("{}", lars.make_capturable().unwrap_err()).contains("lars optimizer cannot run inside a CUDA graph"));
         let mut unfused = Adam::new(make(), AdamConfig { fused: Some(false), ..AdamConfig::default() });
         assert!(unfused.make_capturable().is_err());
+    }
+
+    /// A language model's output-layer gradient (25120 × 32: the rows of the batch's 50 words
+    /// large, every other row tiny), clipped whole and cut into the halves two tensor-parallel
+    /// shards hold: the norm is the exact one both ways (torch's CPU 2-norm of it is 2.4e-4 short,
+    /// and of the halves by another amount, which this failed by), so both scale by the same
+    /// coefficient, to `max_norm`.
+    #[test]
+    fn the_norm_of_a_large_gradient_is_exact_whole_or_cut_into_shards() {
+        tch::manual_seed(0);
+        let grad = Tensor::randn([25120, 32], (Kind::Float, Device::Cpu)) * 1e-5;
+        grad.narrow(0, 0, 50).copy_(&(Tensor::randn([50, 32], (Kind::Float, Device::Cpu)) * 1e-2));
+        let norm = |t: &Tensor| t.to_kind(Kind::Double).square().sum(Kind::Double).sqrt().double_value(&[]);
+        let exact = norm(&grad);
+        let with_grad = |g: &Tensor| {
+            let p = g.zeros_like().set_requires_grad(true);
+            (&p * g).sum(Kind::Float).backward();
+            p
+        };
+        // Clipping: the norm is twice the clip.
+        let max_norm = exact / 2.0;
+        let whole = [with_grad(&grad)];
+        let total = clip_grad_norm(&whole, max_norm);
+        assert!((total / exact - 1.0).abs() < 1e-9, "whole: norm {total}, exactly {exact}");
+        let group = crate::comm::ProcessGroup::single();
+        let halves: Vec<Tensor> = grad.chunk(2, 0).iter().map(with_grad).collect();
+        let sharded = clip_grad_norm_over(&halves, max_norm, NormScope { model: Some(&group), counted: &[] }).unwrap();
+        assert!((sharded / total - 1.0).abs() < 1e-12, "cut in two: norm {sharded}, whole {total}");
+        let clipped = whole[0].grad();
+        let rejoined = Tensor::cat(&[halves[0].grad(), halves[1].grad()], 0);
+        let apart = ((&rejoined - &clipped).abs().max() / clipped.abs().max()).double_value(&[]);
+        assert!(apart <= 1.2e-7, "the halves' clipped gradients differ from the whole one's by {apart:e}");
+        let after = norm(&clipped) / (max_norm * exact / (exact + 1e-6));
+        assert!((after - 1.0).abs() < 1e-6, "clipped to {} of max_norm (with torch's 1e-6)", after);
     }
 }

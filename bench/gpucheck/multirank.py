@@ -298,6 +298,6 @@ def plan(h):
         waited = re.search(r"waited (\d+) s", line)
         if waited is None or int(waited.group(1)) > timeout + 10:
             raise CheckFailed(f"the job was not ended within the timeout ({timeout} s) and 10 s: {line[:160]}")
-        return ranks.verdict(), f"ended in {took:.0f} s (exit 3) {ranks.over(2)}: {line.strip()[:140]}"
+        return ranks.verdict(), f"ended in {took:.0f} s (exit 3) {ranks.over(2)}: {line.strip()[:260]}"
     h.check("collective watchdog: a rank whose collective never completes ends the job, naming the rank and the operation", watchdog_fires, MULTIRANK, (18, 15),
             need2)

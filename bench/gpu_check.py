@@ -39,11 +39,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpucheck import docs, features, learning, machine, multirank, table, tiers, timings  # noqa: E402
+from gpucheck import course, docs, features, learning, machine, multirank, table, tiers, timings  # noqa: E402
 from gpucheck.harness import ROOT, Harness, kill_group  # noqa: E402
 
 DEFAULT_BUDGET = 480
-BINARIES = ("exercise1", "exercise1_nlp", "exercise2", "exercise3", "prepare_data")
+BINARIES = ("exercise1", "exercise1_nlp", "exercise2", "exercise3", "prepare_data", "why_gpus")
 
 
 def detect_gpus(python):
@@ -85,11 +85,18 @@ def committed_table(path):
 
 def plan_all(h):
     """Every check of every tier, in tier order (within a tier, as the modules plan them)."""
-    for module in (multirank, learning, features, timings, machine):
+    for module in (multirank, learning, features, timings, machine, course):
         h.planning = module.__name__.rsplit(".", 1)[-1]
         module.plan(h)
     h.planning = None
     h.plan.sort(key=lambda p: p.tier)
+
+
+def tier_arg(text):
+    try:
+        return tiers.tier_number(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
 
 
 def parse():
@@ -98,7 +105,7 @@ def parse():
     p.add_argument("--python", default=os.environ.get("TORCH_PYTHON", sys.executable), help="a Python with PyTorch 2.11 (TORCH_PYTHON)")
     p.add_argument("--results", "--out", default=os.path.join(ROOT, "results"), help="where gpu-check.json and gpu-check.md go")
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET, help=f"seconds for the whole run, data included (default {DEFAULT_BUDGET})")
-    p.add_argument("--tier", type=int, action="append", help="run only this tier (repeatable; --tiers lists them)")
+    p.add_argument("--tier", type=tier_arg, action="append", help="run only this tier, by number or name (course; repeatable; --tiers lists them)")
     p.add_argument("--next", action="store_true", help="run the first tier the committed table has no rows for")
     p.add_argument("--tiers", action="store_true", help="list the tiers with their expected time here and whether the committed table has them, and exit")
     p.add_argument("--committed", metavar="TABLE", help="the committed table for --next and the estimates (default: the bundle's, else results/gpu-check.json)")

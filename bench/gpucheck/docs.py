@@ -93,6 +93,8 @@ def generate(recorded, plan):
         "graphs": rows_table(graphs, "`--cuda-graph` has not run on a GPU yet."),
         "mfu": rows_table(mfu, "The 1.4B model's MFU has not been measured on a GPU yet."),
         "memory": rows_table(memory, "No peak memory has been measured on a GPU yet."),
+        "course": rows_table(of_kind("course"), "The course tier has not run on a GPU yet (`run.sh --tier course`; its printouts and charts then go to "
+                                                "`results/course-gpu/`)."),
         "tiers": "| tier | what | checks |\n|---:|---|---:|\n" + "\n".join(
             f"| {t} | {tiers.NAMES[t]} | {sum(1 for p in plan if p.tier == t)} |" for t in sorted(tiers.NAMES)) + "\n",
     }

@@ -173,14 +173,14 @@ class Harness:
             self.foreign(run)  # every run a check relies on, not only those whose losses it reads
         return run
 
-    def run(self, key, binary, args, ok=True, env=None, checkpoint=False):
+    def run(self, key, binary, args, ok=True, env=None, checkpoint=False, quiet=True):
         """Runs `binary args` with its own results folder; returns the run (results JSON or None,
         stdout, stderr, seconds, exit code, folder). Kept under `key` for later comparisons.
         `checkpoint`: the trained model is written there too, whole (`same_parameters` reads it)."""
         out = os.path.join(self.work, key)
         os.makedirs(out, exist_ok=True)
         saving = ["--checkpoint-dir", out, "--checkpoint-format", "whole"] if checkpoint else []
-        command = [os.path.join(self.bin, binary)] + list(args) + saving + ["--quiet", "--results-dir", out]
+        command = [os.path.join(self.bin, binary)] + list(args) + saving + (["--quiet"] if quiet else []) + ["--results-dir", out]
         code, stdout, stderr, seconds = self.spawn(command, env=env)
         return self.record(key, out, command, code, stdout, stderr, seconds, ok)
 
@@ -398,6 +398,15 @@ class Harness:
                 lines = f.read().splitlines()[:200]
             with open(path, "w") as f:
                 f.write("\n".join(lines) + "\n")
+
+    def cifar_full(self):
+        """A whole-sized CIFAR-10 (50,000 training and 10,000 test images, generated: the checks
+        that read it time or run whole epochs), made on first use."""
+        full = os.path.join(self.work, "cifar10-full")
+        if not os.path.isdir(full):
+            subprocess.run([os.path.join(self.bin, "prepare_data"), "generate", "--dataset", "cifar10", "--out", full], check=True, capture_output=True,
+                           env=self.env)
+        return full
 
     def image(self, key, model, precision, extra=(), steps=None, data=None):
         steps = steps or ({"cnn": 40, "resnet34": 30, "vgg19": 20}[model] if not self.cpu else 6)

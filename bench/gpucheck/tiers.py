@@ -18,6 +18,8 @@ MULTIRANK, LEARNING = 1, 1
 FEATURES = 2
 MEMORY = 9
 MACHINE = 10
+# The course as taught (`--tier course`).
+COURSE = 11
 # The side-by-side timings: (precision, entry) -> tier, sized by their runs (every peer, a
 # warm-up and 3 rounds each; torch.compile's warm-up the largest part).
 TIMINGS = {
@@ -42,7 +44,20 @@ NAMES = {
     8: "timings bf16-mixed: VGG19",
     9: "ResNet50 from JPEG files against torchvision's DataLoader; memory against --estimate-memory; the profiler",
     10: "the machine: the 1.4B model's MFU, the planner's profile and its plan against runs, JPEG files keeping up",
+    11: "the course as taught (--tier course): exercise1 --device both, ResNet34 and VGG19 for 5 epochs, exercise1_nlp's 3 epochs, why_gpus, exercise2 and exercise3 ddp on 2 ranks",
 }
+# Tiers by name.
+ALIASES = {"course": COURSE}
+
+
+def tier_number(text):
+    """A tier given on the command line: its number or its name."""
+    if text in ALIASES:
+        return ALIASES[text]
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"not a tier: {text!r} (a number, or {', '.join(ALIASES)})")
 
 
 def expected(harness, tier):

@@ -56,19 +56,11 @@ def plan(h):
             TIMINGS[("32", "resnet50 jpeg")], (90, 30))
 
 
-def full_cifar(h):
-    """A whole-sized CIFAR-10 (generated: the figures are throughput)."""
-    full = os.path.join(h.work, "cifar10-full")
-    if not os.path.isdir(full):
-        subprocess.run([os.path.join(h.bin, "prepare_data"), "generate", "--dataset", "cifar10", "--out", full], check=True, capture_output=True, env=h.env)
-    return full
-
-
 def run_bench(h, precision, entry, graph, peers=None):
     """bench/bench.sh for one entry; its CSV rows."""
     csv_path = os.path.join(h.work, f"bench-{precision}-{entry}-{graph}-{peers or 'all'}.csv")
     env = dict(h.env, DEVICE=h.device, PRECISION=precision, BENCH=entry, ROUNDS=str(ROUNDS), BIN=h.bin, BENCH_CSV=csv_path, CUDA_GRAPH="1" if graph else "0",
-               TORCH_PYTHON=h.python, CIFAR_DIR=full_cifar(h), WIKITEXT_DIR=h.wikitext, CNN_STEPS="30" if not h.cpu else "4", RESNET34_STEPS="15",
+               TORCH_PYTHON=h.python, CIFAR_DIR=h.cifar_full(), WIKITEXT_DIR=h.wikitext, CNN_STEPS="30" if not h.cpu else "4", RESNET34_STEPS="15",
                VGG19_STEPS="10", NLP_STEPS="15" if not h.cpu else "4", MIN_SECONDS="2" if not h.cpu else "0.2", BENCH_NOTE="gpu-check")
     if h.cpu:
         # The CPU self-test: the harness's machinery (rotated rounds, medians, the fastest peer),

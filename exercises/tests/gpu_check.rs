@@ -269,7 +269,7 @@ fn on_a_bare_node(bundle: &Path, work: &Path, args: &[&str], hide_mpi: bool) -> 
 /// MPI can be hidden).
 fn bundle_on_a_node(node: &Path) -> (PathBuf, PathBuf, bool) {
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_exercise1")).parent().unwrap().to_path_buf();
-    let stamp = ["exercise1", "exercise1_nlp", "exercise2", "exercise3", "prepare_data"]
+    let stamp = ["exercise1", "exercise1_nlp", "exercise2", "exercise3", "prepare_data", "why_gpus"]
         .iter()
         .map(|b| std::fs::metadata(bin.join(b)).unwrap())
         .map(|m| format!("{}-{:?}", m.len(), m.modified().unwrap()))
@@ -332,17 +332,18 @@ fn bundle_on_a_node(node: &Path) -> (PathBuf, PathBuf, bool) {
 /// goal on this machine, and so may the plan's predictions for a tiny model: they work, which
 /// is what is checked); the rest say what they need. Returns the recorded table and the node's
 /// folder (its results under `work/results`).
-fn self_test(tiers: &[u32]) -> (serde_json::Value, tempfile::TempDir) {
+fn self_test(tiers: &[&str]) -> (serde_json::Value, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let (bundle, work, hide_mpi) = bundle_on_a_node(dir.path());
     let tier_args: Vec<String> = tiers.iter().flat_map(|t| ["--tier".to_string(), t.to_string()]).collect();
+    let numbers: Vec<u64> = tiers.iter().map(|t| if *t == "course" { 11 } else { t.parse().unwrap() }).collect();
     let mut args = vec!["--device", "cpu", "--budget", "1800", "--out", "results"];
     args.extend(tier_args.iter().map(String::as_str));
     let out = on_a_bare_node(&bundle, &work, &args, hide_mpi);
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     print!("{stdout}");
     assert!(out.status.success(), "{stdout}\n{}", stderr(&out));
-    for tier in tiers {
+    for tier in &numbers {
         assert!(stdout.contains(&format!("tier {tier}: ")) && stdout.contains("expected about"), "each tier's expected time is said first: {stdout}");
     }
     let recorded = read_json(&work.join("results/gpu-check-cpu.json"));
@@ -351,7 +352,7 @@ fn self_test(tiers: &[u32]) -> (serde_json::Value, tempfile::TempDir) {
     assert!(!checks.is_empty());
     for c in checks {
         let (path, verdict) = (c["path"].as_str().unwrap(), c["verdict"].as_str().unwrap());
-        assert!(tiers.contains(&(c["tier"].as_u64().unwrap() as u32)), "{path}: a row of another tier");
+        assert!(numbers.contains(&c["tier"].as_u64().unwrap()), "{path}: a row of another tier");
         if verdict.starts_with("not run (needs ") {
             continue;
         }
@@ -401,7 +402,7 @@ fn the_bundle_finds_its_libraries_on_a_bare_node_and_refuses_another_pytorch() {
 /// an equality against one rank, and the exercises learning.
 #[test]
 fn the_bundle_runs_tier_1_on_the_cpu_the_multi_rank_rows_over_mpi() {
-    let (recorded, _node) = self_test(&[1]);
+    let (recorded, _node) = self_test(&["1"]);
     for pattern in [
         "exercise2 (Horovod style): 2 ranks x 20",
         "exercise3 ddp",
@@ -430,7 +431,7 @@ fn the_bundle_runs_tier_1_on_the_cpu_the_multi_rank_rows_over_mpi() {
 /// the PyTorch peers through bench.sh.
 #[test]
 fn the_bundle_runs_tier_2_on_the_cpu() {
-    let (recorded, _node) = self_test(&[2]);
+    let (recorded, _node) = self_test(&["2"]);
     for pattern in ["fused kernel", "checkpoint + --resume", "pipeline 1f1b = gpipe"] {
         assert_eq!(row(&recorded, pattern)["verdict"], "pass");
     }
@@ -443,7 +444,7 @@ fn the_bundle_runs_tier_2_on_the_cpu() {
 /// the Lightning Trainer); ResNet34's, VGG19's and the CUDA graphs' say they need a GPU.
 #[test]
 fn the_bundle_runs_the_timing_tiers_on_the_cpu() {
-    let (recorded, _node) = self_test(&[3, 4, 5, 6, 7, 8]);
+    let (recorded, _node) = self_test(&["3", "4", "5", "6", "7", "8"]);
     for pattern in ["timing exercise1_nlp 32", "timing exercise1 cnn bf16-mixed", "pytorch-lightning"] {
         let c = row(&recorded, pattern);
         assert!(c["ratio"].as_f64().is_some_and(|r| r > 0.0), "{c}");
@@ -457,7 +458,7 @@ fn the_bundle_runs_the_timing_tiers_on_the_cpu() {
 /// planner's profile (kept beside the table) and its plan against runs.
 #[test]
 fn the_bundle_runs_tiers_9_and_10_on_the_cpu() {
-    let (recorded, node) = self_test(&[9, 10]);
+    let (recorded, node) = self_test(&["9", "10"]);
     for pattern in ["profiler", "estimate-memory: exercise1 cnn", "the loader keeps up", "the planner's profile", "the plan against runs"] {
         row(&recorded, pattern);
     }
@@ -477,4 +478,23 @@ fn the_bundle_runs_tiers_9_and_10_on_the_cpu() {
         assert!(row[3].starts_with("\"exercise1_nlp --batch-size "), "{row:?}");
         assert!((4..8).all(|i| figure(i) > 0.0), "predicted and measured, time and memory: {row:?}");
     }
+}
+
+/// The course tier on the CPU: the course's runs as the course runs them (at sizes a CPU does in
+/// seconds), their printouts with the slides' rows beside ours, results and charts kept in
+/// results/course-gpu/ and in the one archive a node sends back.
+#[test]
+fn the_bundle_runs_the_course_tier_on_the_cpu() {
+    let (recorded, node) = self_test(&["course"]);
+    let rows = recorded["checks"].as_array().unwrap();
+    assert_eq!(rows.len(), 7, "{recorded}");
+    assert!(rows.iter().all(|r| r["verdict"] == "pass"), "{recorded}");
+    let kept = node.path().join("work/results/course-gpu");
+    let printout = std::fs::read_to_string(kept.join("exercise1-cnn/stdout.txt")).unwrap();
+    assert!(printout.contains("| course: cpu |") && printout.contains("test_acc_epoch"), "the slide's rows beside ours: {printout}");
+    assert!(kept.join("why_gpus/why_gpus.svg").is_file() && kept.join("exercise2/stdout.txt").is_file());
+    assert!(std::fs::read_to_string(kept.join("RUN.txt")).unwrap().contains("commit"), "where and when it ran");
+    let archive = Command::new("tar").arg("tzf").arg(node.path().join("work/results/course-gpu.tar.gz")).output().unwrap();
+    let listed = String::from_utf8_lossy(&archive.stdout);
+    assert!(listed.contains("course-gpu/exercise3-ddp/stdout.txt") && listed.contains("course-gpu/RUN.txt"), "{listed}");
 }

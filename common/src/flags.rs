@@ -278,14 +278,15 @@ pub struct RecipeArgs {
     #[arg(long)]
     #[arg(help_heading = "Training")]
     pub scale_lr: bool,
-    /// Ramp the learning rate up linearly, step by step, over this many epochs...
-    #[arg(long, default_value_t = 0, conflicts_with = "warmup_steps")]
+    /// Ramp the learning rate up linearly, step by step, over this many epochs... (0: no
+    /// warm-up, the preset's neither) [default: the preset's]
+    #[arg(long, conflicts_with = "warmup_steps")]
     #[arg(help_heading = "Training")]
-    pub warmup_epochs: usize,
-    /// ...or over this many optimizer steps.
-    #[arg(long, default_value_t = 0)]
+    pub warmup_epochs: Option<usize>,
+    /// ...or over this many optimizer steps (0: none).
+    #[arg(long)]
     #[arg(help_heading = "Training")]
-    pub warmup_steps: usize,
+    pub warmup_steps: Option<usize>,
     /// Where the warm-up starts, as a share of the learning rate [default: 1/(--accumulate ×
     /// ranks) with --scale-lr: from the small batch's rate, as Goyal et al.].
     #[arg(long)]
@@ -309,8 +310,8 @@ impl Default for RecipeArgs {
             gamma: None,
             accumulate: 1,
             scale_lr: false,
-            warmup_epochs: 0,
-            warmup_steps: 0,
+            warmup_epochs: None,
+            warmup_steps: None,
             warmup_start: None,
         }
     }
@@ -332,7 +333,7 @@ impl RecipeArgs {
         if !positive(self.gamma) || !non_negative(self.clip) || !non_negative(self.momentum) || !non_negative(self.weight_decay) {
             return usage("--gamma must be positive; --clip, --momentum and --weight-decay non-negative");
         }
-        let warming = self.warmup_epochs > 0 || self.warmup_steps > 0;
+        let warming = self.warmup_epochs.is_some_and(|n| n > 0) || self.warmup_steps.is_some_and(|n| n > 0);
         if warming && !self.scale_lr && self.warmup_start.is_none() {
             return usage(
                 "--warmup-epochs/--warmup-steps ramp up a scaled learning rate: use it with --scale-lr (Goyal et al.: from \

@@ -30,13 +30,14 @@ impl RunRecipe {
         let growth = (args.accumulate * replicas) as f64;
         let lr = args.lr.unwrap_or(base.lr) * if args.scale_lr || base.scale_lr { growth } else { 1.0 };
         let steps_per_epoch = batches_per_epoch.div_ceil(args.accumulate).max(1);
-        let warmup_steps = args.warmup_steps.max(args.warmup_epochs * steps_per_epoch);
+        // A warm-up asked for (0: none, the preset's neither), else the preset's.
+        let asked = args.warmup_steps.or(args.warmup_epochs.map(|epochs| epochs * steps_per_epoch));
         let mut schedule = LrSchedule::new(args.lr_schedule.unwrap_or(base.schedule), epochs * steps_per_epoch);
         schedule.gamma = args.gamma.unwrap_or(base.gamma);
-        schedule.warmup = match (warmup_steps, base.warmup_steps) {
-            (0, 0) => None,
-            (0, steps) => Some(Warmup { steps, start: args.warmup_start.unwrap_or(crate::presets::WARMUP_START) }),
-            (steps, _) => Some(Warmup { steps, start: args.warmup_start.unwrap_or(1.0 / growth) }),
+        schedule.warmup = match (asked, base.warmup_steps) {
+            (Some(0), _) | (None, 0) => None,
+            (None, steps) => Some(Warmup { steps, start: args.warmup_start.unwrap_or(crate::presets::WARMUP_START) }),
+            (Some(steps), _) => Some(Warmup { steps, start: args.warmup_start.unwrap_or(1.0 / growth) }),
         };
         RunRecipe {
             epochs,
@@ -74,7 +75,7 @@ mod tests {
     fn linear_scaling_and_warmup_follow_the_effective_batch() {
         // 2 replicas × --accumulate 4: an 8 times larger batch, so 8 times the rate, reached
         // after 2 epochs of 25 steps (100 batches / 4) from the small batch's rate.
-        let args = RecipeArgs { accumulate: 4, scale_lr: true, warmup_epochs: 2, lr: Some(0.1), ..RecipeArgs::default() };
+        let args = RecipeArgs { accumulate: 4, scale_lr: true, warmup_epochs: Some(2), lr: Some(0.1), ..RecipeArgs::default() };
         let recipe = RunRecipe::resolve(&EXERCISE2, &args, 2, 100, 10);
         assert_eq!((recipe.lr, recipe.accumulate, recipe.batch_size), (0.8, 4, 100));
         assert_eq!(recipe.schedule.warmup, Some(Warmup { steps: 50, start: 0.125 }));
@@ -110,13 +111,28 @@ mod tests {
     }
 
     #[test]
+    fn a_warmup_of_zero_turns_the_presets_off() {
+        // exercise3's 1.4B recipe warms up over 100 steps; --warmup-steps 0 (or --warmup-epochs 0)
+        // means none, not "not given".
+        let preset = &crate::presets::EXERCISE3_PIPELINE;
+        assert_eq!(RunRecipe::resolve(preset, &RecipeArgs::default(), 1, 10, 1).schedule.warmup.map(|w| w.steps), Some(100));
+        for args in [RecipeArgs { warmup_steps: Some(0), ..RecipeArgs::default() }, RecipeArgs { warmup_epochs: Some(0), ..RecipeArgs::default() }] {
+            assert!(RunRecipe::resolve(preset, &args, 1, 10, 1).schedule.warmup.is_none());
+        }
+        assert_eq!(
+            RunRecipe::resolve(preset, &RecipeArgs { warmup_steps: Some(7), ..RecipeArgs::default() }, 1, 10, 1).schedule.warmup.map(|w| w.steps),
+            Some(7)
+        );
+    }
+
+    #[test]
     fn a_warmup_needs_to_know_where_it_starts() {
-        let err = RecipeArgs { warmup_steps: 10, ..RecipeArgs::default() }.check().unwrap_err();
+        let err = RecipeArgs { warmup_steps: Some(10), ..RecipeArgs::default() }.check().unwrap_err();
         assert!(format!("{err}").contains("use it with --scale-lr"), "{err}");
-        assert!(RecipeArgs { warmup_steps: 10, warmup_start: Some(0.0), ..RecipeArgs::default() }.check().is_ok());
+        assert!(RecipeArgs { warmup_steps: Some(10), warmup_start: Some(0.0), ..RecipeArgs::default() }.check().is_ok());
         let err = RecipeArgs { accumulate: 0, ..RecipeArgs::default() }.check().unwrap_err();
         assert!(format!("{err}").contains("--accumulate must be at least 1"));
-        let one_cycle = RecipeArgs { scale_lr: true, warmup_epochs: 1, lr_schedule: Some(ScheduleKind::OneCycle), ..RecipeArgs::default() };
+        let one_cycle = RecipeArgs { scale_lr: true, warmup_epochs: Some(1), lr_schedule: Some(ScheduleKind::OneCycle), ..RecipeArgs::default() };
         assert!(format!("{}", one_cycle.check().unwrap_err()).contains("warms up by itself"));
     }
 }

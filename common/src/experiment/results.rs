@@ -227,7 +227,7 @@ fn run_results<'a, E: Experiment>(exp: &E, built: &'a Built<'_, E::Model>, measu
         parameter_server: measured.parameter_server.as_ref(),
         matmul_precision: run.matmul_precision.name(),
         scale_lr: exp.recipe_args().scale_lr || exp.preset().recipe_for(exp.recipe_args()).scale_lr,
-        warmup_epochs: exp.recipe_args().warmup_epochs,
+        warmup_epochs: exp.recipe_args().warmup_epochs.unwrap_or(0),
     }
 }
 

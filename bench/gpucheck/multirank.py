@@ -12,11 +12,12 @@ admits one process at a time: the rows that need several then say so and do not 
 CPU (the bundle's self-test) the same rows run over MPI.
 
 What "equal" means here: the same optimizer steps, the same epoch training losses (every
-replica's mean) and the same trained parameters (the whole-model checkpoints, element by
-element), to BOUND relative, which is what adding the same float32 numbers in another order
-allows over a few steps at a constant rate (SGD, no dropout, no warm-up; on a GPU with
---deterministic kernels and no TF32). The steps are few on purpose: a ReLU that changes sides
-between two runs makes its unit's gradient jump, and the longer runs go the likelier that gets.
+replica's mean) and the same trained parameters (the whole-model checkpoints, each tensor's
+relative difference ‖a − b‖ / ‖a‖), to BOUND, which is what adding the same float32 numbers in
+another order allows over a few steps at a constant rate (SGD, no dropout, no warm-up; on a GPU
+with --deterministic kernels and no TF32). The steps are few on purpose: a ReLU whose input is
+within rounding of 0 may fall on either side in the two runs, and the longer they go the more
+such tokens' gradients part.
 """
 import os
 import re
@@ -29,8 +30,9 @@ from .harness import CheckFailed, tail
 from .table import PASS, BELOW
 from .tiers import MULTIRANK
 
-# Relative bound on losses and parameters of two runs that add in another order.
-BOUND = {"cpu": 1e-5, "cuda": 1e-4}
+# Relative bound on losses and parameters (‖a − b‖ / ‖a‖ per tensor) of two runs that add in
+# another order (harness.same_parameters says why the norm).
+BOUND = {"cpu": 1e-4, "cuda": 1e-4}
 # float16 gradients round each value to 2^-11 of itself before they are averaged.
 FP16_BOUND = 1e-2
 # What in a failed run's stderr says that NCCL itself refused (not our code).
@@ -152,17 +154,22 @@ def plan(h):
 
     # ---- the language model: data parallelism, ZeRO, HSDP, tensor and sequence parallelism ----
     size = ["--emsize", "32", "--d-hid", "64", "--nhead", "4"] if h.cpu else ["--emsize", "256", "--d-hid", "512", "--nhead", "4"]
-    # The tutorial's SGD and clipping (at 0.5, active every step here), at a rate that learns
-    # in 4 steps without the warm-up of exercise3's preset; windows of 32 tokens, which 2 and 4
-    # sequence shards divide.
-    recipe = ["--optimizer", "sgd", "--lr", "0.5", "--momentum", "0", "--clip", "0.5", "--lr-schedule", "constant", "--warmup-steps", "0", "--dropout", "0",
-              "--bptt", "32", "--pad-vocab", "8", "--max-steps", "4", "--epochs", "1", "--seed", "7", *exact]
+    # SGD at a constant rate, without exercise3's warm-up, in small steps: where a step moves the
+    # model far, rounding's differences grow from step to step (measured on the CPU: exercise3's
+    # model at lr 0.5 unclipped, 1 in 1,000 after 4 steps; in small steps, 2e-7). exercise1_nlp
+    # unclipped at lr 0.2 (an averaging that sums, or drops a rank, moves it elsewhere); exercise3
+    # clipped at 0.002, below its gradient's norm (about 0.007) at every step, so that the norm of
+    # the whole model's gradient, summed over shards and stages, sets each step. Windows of 32
+    # tokens, which 2 and 4 sequence shards divide.
+    common_recipe = ["--optimizer", "sgd", "--momentum", "0", "--lr-schedule", "constant", "--warmup-steps", "0", "--dropout", "0", "--bptt", "32",
+                     "--pad-vocab", "8", "--max-steps", "4", "--epochs", "1", "--seed", "7", *exact]
+    recipes = {"exercise1_nlp": ["--lr", "0.2", "--clip", "0"], "exercise3": ["--lr", "0.5", "--clip", "0.002"]}
 
-    def lm(layers=2):
-        return ["--data-dir", h.wikitext, *size, "--nlayers", str(layers), *recipe]
+    def lm(layers=2, binary="exercise1_nlp"):
+        return ["--data-dir", h.wikitext, *size, "--nlayers", str(layers), *common_recipe, *recipes[binary]]
 
     def one_lm(key, binary, sub, extra, layers=2):
-        return h.cached(key, lambda: h.run(key, binary, [*sub, *lm(layers), "--device", h.device, *extra], checkpoint=True))
+        return h.cached(key, lambda: h.run(key, binary, [*sub, *lm(layers, binary), "--device", h.device, *extra], checkpoint=True))
 
     # Two models: without --tp (the exercise's own layers) and with it (the tensor-parallel
     # layers, initialised in their own order): each layout is held to the one it trains.
@@ -210,14 +217,14 @@ def plan(h):
         mpi = schedule == "interleaved"
 
         def body():
-            run = ranks.run(f"pp2-{schedule}", "exercise3", ["pipeline", *lm(4), *staged, *extra], 2, mpi)
+            run = ranks.run(f"pp2-{schedule}", "exercise3", ["pipeline", *lm(4, "exercise3"), *staged, *extra], 2, mpi)
             return ranks.verdict(mpi), h.same_training(run, one_process_pipeline(), bound, f"2 stage processes, {schedule}, {ranks.over(2, mpi)} = one process")
         return body
     for schedule in ["gpipe", "1f1b", "interleaved"]:
         h.check(f"exercise3 pipeline {schedule} across 2 processes = one process", pipeline_row(schedule), MULTIRANK, (8, 8), need2)
 
     def tp_times_pp():
-        run = ranks.run("tp2-pp2", "exercise3", ["tp", *lm(4), *staged, "--tp", "2", "--pp", "2"], 4)
+        run = ranks.run("tp2-pp2", "exercise3", ["tp", *lm(4, "exercise3"), *staged, "--tp", "2", "--pp", "2"], 4)
         one = one_lm("one-tp", "exercise3", ["tp"], staged, layers=4)
         return ranks.verdict(), h.same_training(run, one, bound, f"TP 2 x PP 2 on 4 ranks {ranks.over(4)} = 1 rank")
     h.check("exercise3 tp --tp 2 --pp 2: 4 ranks = 1 rank", tp_times_pp, MULTIRANK, (14, 14), ranks.needs(4))
@@ -244,10 +251,10 @@ def plan(h):
             if "resumed" not in resumed["stdout"] or resumed["json"]["steps"] != 2:
                 raise CheckFailed(f"the run on {n} rank(s) did not resume at step 2 ({resumed['json']['steps']} steps): {tail(resumed['stdout'])}")
             resumed["checkpoint_dir"] = folder
-            worst = h.same_parameters(resumed, straight, bound)
+            worst, _ = h.same_parameters(resumed, straight, bound)
             lines.append(f"on {n} rank(s) {worst:.1e}")
         return ranks.verdict(), (f"written by 2 ZeRO-3 ranks {ranks.over(2)} at step 2 of 4, resumed; the parameters at step 4 against a straight run: "
-                                 f"{', '.join(lines)} (relative; bound {bound:.0e})")
+                                 f"{', '.join(lines)} (relative norm; bound {bound:.0e})")
     h.check("sharded checkpoint: written by 2 ZeRO-3 ranks, resumed on 1 and on 4 = straight", sharded_resume, MULTIRANK, (28, 30), ranks.needs(4))
 
     # ---- torchrun's way: RANK, WORLD_SIZE, MASTER_ADDR set by hand, one process each ----------

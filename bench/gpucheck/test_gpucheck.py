@@ -76,7 +76,28 @@ class Comparisons(unittest.TestCase):
         b = self.runs.make("b", params=moved)
         with self.assertRaises(CheckFailed) as e:
             self.h.same_training(a, b, 1e-5, "x")
-        self.assertIn("(relative, b)", str(e.exception))
+        self.assertIn("(relative norm, b)", str(e.exception))
+
+    def test_a_bias_updated_by_another_coefficient_fails_where_the_norm_of_the_whole_would_not(self):
+        # The clipping defect's signature: every update 1.1e-4 larger. A bias that starts at 0
+        # is all updates, so its relative difference is the coefficient's.
+        start = {"w": torch.linspace(-1, 1, 6).reshape(3, 2)}
+        update = {"w": torch.full((3, 2), 1e-3), "b": torch.tensor([0.01, -0.02])}
+        one = {"w": start["w"] + update["w"], "b": update["b"]}
+        other = {"w": start["w"] + update["w"] * (1 + 4e-4), "b": update["b"] * (1 + 4e-4)}
+        a, b = self.runs.make("a", params=one), self.runs.make("b", params=other)
+        with self.assertRaisesRegex(CheckFailed, r"relative norm, b"):
+            self.h.same_parameters(a, b, 1e-4)
+
+    def test_one_element_apart_by_rounding_twice_amplified_passes(self):
+        # A ReLU on either side for one token: one element of a large tensor 1e-4 off.
+        big = torch.linspace(-1, 1, 4096).reshape(64, 64)
+        moved = big.clone()
+        moved[3, 5] += 1e-4
+        a, b = self.runs.make("a", params={"w": big}), self.runs.make("b", params={"w": moved})
+        worst, largest = self.h.same_parameters(a, b, 1e-4)
+        self.assertLess(worst, 1e-5)
+        self.assertGreater(largest, 5e-5)
 
     def test_losses_apart_fail(self):
         a = self.runs.make("a", losses=(2.5, 2.4), params=self.base)

@@ -40,7 +40,7 @@ impl RunRecipe {
         };
         RunRecipe {
             epochs,
-            batch_size: Self::batch_size(preset, args, replicas),
+            batch_size: Self::batch_size(preset, args),
             accumulate: args.accumulate,
             optimizer: args.optimizer.unwrap_or(base.optimizer),
             lr,
@@ -51,16 +51,9 @@ impl RunRecipe {
         }
     }
 
-    /// Examples per batch on each replica: `--batch-size`, else the recipe's, which a recipe of
-    /// the job's batch (JSC's 256) splits over the `replicas` (rounded down: 256 over 3 GPUs is
-    /// 85 each).
-    pub fn batch_size(preset: &Preset, args: &RecipeArgs, replicas: usize) -> usize {
-        let base = preset.recipe_for(args);
-        match (args.batch_size, base.batch_split) {
-            (Some(batch), _) => batch,
-            (None, true) => (base.batch_size / replicas.max(1)).max(1),
-            (None, false) => base.batch_size,
-        }
+    /// Examples per batch on each replica: `--batch-size`, else the recipe's.
+    pub fn batch_size(preset: &Preset, args: &RecipeArgs) -> usize {
+        args.batch_size.unwrap_or(preset.recipe_for(args).batch_size)
     }
 }
 
@@ -87,18 +80,24 @@ mod tests {
     }
 
     #[test]
-    fn the_courses_resnet50_recipes_split_the_batch_or_scale_the_rate_over_the_gpus() {
+    fn the_courses_resnet50_recipes_keep_the_batch_per_gpu_and_scale_the_rate_over_the_gpus() {
         use crate::flags::RecipeSource;
         use crate::models::Arch;
+        use crate::presets::EXERCISE1;
         let course = RecipeArgs { recipe: RecipeSource::Course, ..RecipeArgs::default() };
-        // JSC: Adam at 0.02 whatever the GPUs, 256 images a step split over them.
+        // JSC's ddp_training.py: Adam at 0.02 and 128 images per GPU whatever the GPUs (each
+        // Lightning process its own DataLoader(batch_size=128)), max_epochs=10.
         let jsc = EXERCISE2.with_image_model(Arch::Resnet50);
-        for (gpus, each) in [(1, 256), (4, 64), (16, 16), (3, 85)] {
+        for gpus in [1, 3, 4, 16, 128] {
             let recipe = RunRecipe::resolve(&jsc, &course, gpus, 10, 1);
-            assert_eq!((recipe.batch_size, recipe.lr, recipe.optimizer), (each, 0.02, crate::optim::OptimizerKind::Adam), "{gpus} GPUs");
+            assert_eq!((recipe.batch_size, recipe.lr, recipe.optimizer), (128, 0.02, crate::optim::OptimizerKind::Adam), "{gpus} GPUs");
+        }
+        for exercise in [EXERCISE1, EXERCISE2] {
+            let jsc = exercise.with_image_model(Arch::Resnet50);
+            assert_eq!((jsc.epochs_for(&course), jsc.epochs_for(&RecipeArgs::default())), (10, exercise.epochs), "{}: JSC's max_epochs=10", exercise.name);
         }
         assert_eq!(RunRecipe::resolve(&jsc, &RecipeArgs { batch_size: Some(32), ..course.clone() }, 4, 10, 1).batch_size, 32, "--batch-size wins");
-        assert_eq!(RunRecipe::resolve(&jsc, &RecipeArgs::default(), 4, 10, 1).batch_size, 100, "the exercise's own recipe is per replica");
+        assert_eq!(RunRecipe::resolve(&jsc, &RecipeArgs::default(), 4, 10, 1).batch_size, 100, "the exercise's own recipe");
         // Namal/BSC: SGD without momentum at 0.01 × the GPUs, the batch per GPU.
         let namal = EXERCISE2.with_image_model(Arch::Resnet50v2);
         let recipe = RunRecipe::resolve(&namal, &course, 4, 10, 1);

@@ -160,10 +160,19 @@ const LARGE_MODEL_RECIPE: Recipe = Recipe {
 const JSC_RESNET50_RECIPE: Recipe = Recipe { batch_size: 128, lr: 0.02, epochs: Some(10), image_size: Some(256), ..IMAGE_RECIPE };
 
 /// Namal/BSC's ResNet50V2 on CIFAR-10 resized to 128×128 (Keras, `MirroredStrategy`): Keras's
-/// SGD (no momentum) at lr 0.01 × the GPUs. The batch is not in the course material we have:
-/// the exercise's own (`--batch-size` to change it).
-const NAMAL_RESNET50V2_RECIPE: Recipe =
-    Recipe { optimizer: OptimizerKind::Sgd, lr: 0.01, momentum: 0.0, scale_lr: true, image_size: Some(128), ..IMAGE_RECIPE };
+/// SGD (no momentum) at lr 0.01 × the GPUs, 5 epochs, 256 images per GPU. The slide's command
+/// lines are `--epochs 5 --batch_size 256/512/1024 --n_gpus 1/2/4`, and a `MirroredStrategy`'s
+/// batch is the global one, split over its replicas: 256 each.
+const NAMAL_RESNET50V2_RECIPE: Recipe = Recipe {
+    batch_size: 256,
+    optimizer: OptimizerKind::Sgd,
+    lr: 0.01,
+    momentum: 0.0,
+    epochs: Some(5),
+    scale_lr: true,
+    image_size: Some(128),
+    ..IMAGE_RECIPE
+};
 
 /// exercise1: the simple CNN on CIFAR-10, CPU vs GPU, 5 epochs.
 pub const EXERCISE1: Preset = Preset {
@@ -351,6 +360,7 @@ mod tests {
         // The image exercises list the courses' ResNet50 recipes.
         let text = EXERCISE2.describe();
         assert!(text.contains("--model resnet50 --recipe course, JSC's:\n  --epochs 10 --batch-size 128 --optimizer adam --lr 0.02"), "{text}");
+        assert!(text.contains("--model resnet50v2 --recipe course, Namal/BSC's:\n  --epochs 5 --batch-size 256 --optimizer sgd --lr 0.01"), "{text}");
         assert!(text.contains("--scale-lr --image-size 128 (Resize) --momentum 0"), "{text}");
     }
 }

@@ -78,7 +78,7 @@ fn exercise2_trains_resnet50_on_two_ranks_that_agree() {
 
 /// `--recipe course` with the courses' ResNet50s on 2 ranks: JSC's 128 images on each (its DDP
 /// script's DataLoader in every process) at Adam's 0.02, for its 10 epochs; Namal/BSC's
-/// ResNet50V2 at 128×128 with SGD at 0.01 × 2.
+/// ResNet50V2 at 128×128 with SGD at 0.01 × 2, for its 5 epochs.
 #[test]
 fn the_courses_resnet50_recipes_on_two_ranks() {
     let data = tempfile::tempdir().unwrap();
@@ -102,6 +102,7 @@ fn the_courses_resnet50_recipes_on_two_ranks() {
     assert!(said.contains("resnet50v2 with a 10-way head: 23,539,850 parameters, 2 replicas × batch 2"), "{said}");
     assert_eq!((json["image_size"].as_i64(), json["lr"].as_f64(), json["optimizer"].as_str()), (Some(128), Some(0.02), Some("sgd")), "{json}");
     assert_eq!(json["scale_lr"].as_bool(), Some(true), "{json}");
+    assert_eq!(json["epochs"].as_u64(), Some(5), "Namal/BSC's --epochs 5: {json}");
 }
 
 /// `--image-size 64` on MNIST's 28×28 digits: the CNN is built for 64×64 inputs (its fc1 takes

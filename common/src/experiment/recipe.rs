@@ -98,11 +98,18 @@ mod tests {
         }
         assert_eq!(RunRecipe::resolve(&jsc, &RecipeArgs { batch_size: Some(32), ..course.clone() }, 4, 10, 1).batch_size, 32, "--batch-size wins");
         assert_eq!(RunRecipe::resolve(&jsc, &RecipeArgs::default(), 4, 10, 1).batch_size, 100, "the exercise's own recipe");
-        // Namal/BSC: SGD without momentum at 0.01 × the GPUs, the batch per GPU.
+        // Namal/BSC: SGD without momentum at 0.01 × the GPUs, 256 per GPU (MirroredStrategy's
+        // --batch_size 256/512/1024 on --n_gpus 1/2/4 is the global batch), --epochs 5.
         let namal = EXERCISE2.with_image_model(Arch::Resnet50v2);
-        let recipe = RunRecipe::resolve(&namal, &course, 4, 10, 1);
-        assert_eq!((recipe.optimizer, recipe.momentum, recipe.batch_size), (crate::optim::OptimizerKind::Sgd, 0.0, 100));
-        assert!((recipe.lr - 0.04).abs() < 1e-12, "{}", recipe.lr);
+        for (gpus, lr) in [(1, 0.01), (2, 0.02), (4, 0.04)] {
+            let recipe = RunRecipe::resolve(&namal, &course, gpus, 10, 1);
+            assert_eq!((recipe.optimizer, recipe.momentum, recipe.batch_size), (crate::optim::OptimizerKind::Sgd, 0.0, 256), "{gpus} GPUs");
+            assert!((recipe.lr - lr).abs() < 1e-12, "{gpus} GPUs: {}", recipe.lr);
+        }
+        for exercise in [EXERCISE1, EXERCISE2] {
+            let namal = exercise.with_image_model(Arch::Resnet50v2);
+            assert_eq!((namal.epochs_for(&course), namal.epochs_for(&RecipeArgs::default())), (5, exercise.epochs), "{}: Namal/BSC's --epochs 5", exercise.name);
+        }
         assert_eq!(RunRecipe::resolve(&namal, &RecipeArgs { lr: Some(0.1), ..course.clone() }, 2, 10, 1).lr, 0.2, "--lr is the one GPU's rate");
         // Other models keep the exercise's course recipe.
         assert_eq!(EXERCISE2.with_image_model(Arch::Vgg19).course, EXERCISE2.course);

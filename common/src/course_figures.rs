@@ -46,8 +46,22 @@ pub fn for_run(exercise: &str, model: &str) -> &'static [CourseFigure] {
     // exercise1_nlp.py: the totals of the 3 epochs (`4748.23 s`, `219.23 s`) and the tutorial's
     // `| End of training | test loss 5.48 | test ppl 240.33`; each epoch's time beside them.
     const NLP: [CourseFigure; 2] = [
-        CourseFigure { device: "cpu", train_time_s: Some(4748.23), time_note: Some("≈1600 s/epoch"), test_acc: None, test_loss: Some(5.48), test_ppl: Some(240.33) },
-        CourseFigure { device: "gpu", train_time_s: Some(219.23), time_note: Some("≈70–79 s/epoch"), test_acc: None, test_loss: Some(5.40), test_ppl: Some(221.61) },
+        CourseFigure {
+            device: "cpu",
+            train_time_s: Some(4748.23),
+            time_note: Some("≈1600 s/epoch"),
+            test_acc: None,
+            test_loss: Some(5.48),
+            test_ppl: Some(240.33),
+        },
+        CourseFigure {
+            device: "gpu",
+            train_time_s: Some(219.23),
+            time_note: Some("≈70–79 s/epoch"),
+            test_acc: None,
+            test_loss: Some(5.40),
+            test_ppl: Some(221.61),
+        },
     ];
     // `Test set: Accuracy: 81.08%`, `Elapsed time: 126.31 s`.
     const EXERCISE2: [CourseFigure; 1] = [row("2 GPUs", 126.31, Some(0.8108), None)];

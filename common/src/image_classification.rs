@@ -454,14 +454,14 @@ impl Experiment for ImageExperiment<'_> {
                 }
             };
             observers.info(format!(
-                "{}: {} on {} ({} train / {} test images from {}{how}), {}, LibTorch {}",
+                "{}: {} on {} ({} train / {} test images from {}{how}), batch {}, LibTorch {}",
                 self.preset.name,
                 self.arch().name(),
                 args.dataset.name(),
                 data.train_len(),
                 data.test_len(),
                 dir.display(),
-                format!("batch {}", self.batch_size()),
+                self.batch_size(),
                 crate::torch_version()
             ))?;
         }

@@ -163,16 +163,8 @@ const JSC_RESNET50_RECIPE: Recipe = Recipe { batch_size: 128, lr: 0.02, epochs: 
 /// SGD (no momentum) at lr 0.01 × the GPUs, 5 epochs, 256 images per GPU. The slide's command
 /// lines are `--epochs 5 --batch_size 256/512/1024 --n_gpus 1/2/4`, and a `MirroredStrategy`'s
 /// batch is the global one, split over its replicas: 256 each.
-const NAMAL_RESNET50V2_RECIPE: Recipe = Recipe {
-    batch_size: 256,
-    optimizer: OptimizerKind::Sgd,
-    lr: 0.01,
-    momentum: 0.0,
-    epochs: Some(5),
-    scale_lr: true,
-    image_size: Some(128),
-    ..IMAGE_RECIPE
-};
+const NAMAL_RESNET50V2_RECIPE: Recipe =
+    Recipe { batch_size: 256, optimizer: OptimizerKind::Sgd, lr: 0.01, momentum: 0.0, epochs: Some(5), scale_lr: true, image_size: Some(128), ..IMAGE_RECIPE };
 
 /// exercise1: the simple CNN on CIFAR-10, CPU vs GPU, 5 epochs.
 pub const EXERCISE1: Preset = Preset {

@@ -108,7 +108,12 @@ mod tests {
         }
         for exercise in [EXERCISE1, EXERCISE2] {
             let namal = exercise.with_image_model(Arch::Resnet50v2);
-            assert_eq!((namal.epochs_for(&course), namal.epochs_for(&RecipeArgs::default())), (5, exercise.epochs), "{}: Namal/BSC's --epochs 5", exercise.name);
+            assert_eq!(
+                (namal.epochs_for(&course), namal.epochs_for(&RecipeArgs::default())),
+                (5, exercise.epochs),
+                "{}: Namal/BSC's --epochs 5",
+                exercise.name
+            );
         }
         assert_eq!(RunRecipe::resolve(&namal, &RecipeArgs { lr: Some(0.1), ..course.clone() }, 2, 10, 1).lr, 0.2, "--lr is the one GPU's rate");
         // Other models keep the exercise's course recipe.

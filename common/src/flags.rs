@@ -16,7 +16,7 @@ pub struct RunArgs {
     #[arg(long)]
     #[arg(help_heading = "Data")]
     pub data_dir: Option<PathBuf>,
-    /// Epochs [default: the exercise's].
+    /// Epochs [default: the exercise's, or the course's with --recipe course where its script sets them].
     #[arg(long)]
     #[arg(help_heading = "Training")]
     pub epochs: Option<usize>,

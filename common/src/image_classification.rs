@@ -260,17 +260,9 @@ impl<'a> ImageExperiment<'a> {
         }
     }
 
-    /// Images per batch on each of `replicas` data-parallel replicas.
-    fn batch_size(&self, replicas: usize) -> usize {
-        experiment::RunRecipe::batch_size(&self.preset, &self.args.recipe, replicas)
-    }
-
-    /// The batch as the start-up line says it, before the replicas are known.
-    fn batch_note(&self) -> String {
-        match (self.args.recipe.batch_size, self.preset.recipe_for(&self.args.recipe)) {
-            (None, recipe) if recipe.batch_split => format!("batch {} split over the replicas", recipe.batch_size),
-            _ => format!("batch {}", self.batch_size(1)),
-        }
+    /// Images per batch on each data-parallel replica.
+    fn batch_size(&self) -> usize {
+        experiment::RunRecipe::batch_size(&self.preset, &self.args.recipe)
     }
 
     /// Loader threads for training on `device`: `--workers`, else for data in memory 2 for a
@@ -462,14 +454,14 @@ impl Experiment for ImageExperiment<'_> {
                 }
             };
             observers.info(format!(
-                "{}: {} on {} ({} train / {} test images from {}{how}), {}, LibTorch {}",
+                "{}: {} on {} ({} train / {} test images from {}{how}), batch {}, LibTorch {}",
                 self.preset.name,
                 self.arch().name(),
                 args.dataset.name(),
                 data.train_len(),
                 data.test_len(),
                 dir.display(),
-                self.batch_note(),
+                self.batch_size(),
                 crate::torch_version()
             ))?;
         }
@@ -515,7 +507,7 @@ impl Experiment for ImageExperiment<'_> {
             spec.num_classes,
             report::group_thousands(trained + frozen),
             if frozen > 0 { format!(", {} of them trained", report::group_thousands(trained)) } else { String::new() },
-            if replicas > 1 { format!(", {replicas} replicas × batch {}", self.batch_size(replicas)) } else { String::new() }
+            if replicas > 1 { format!(", {replicas} replicas × batch {}", self.batch_size()) } else { String::new() }
         ))
     }
 
@@ -575,7 +567,7 @@ impl Experiment for ImageExperiment<'_> {
 
     fn sources(&self, data: &ImageData, device: Device, shard: (usize, usize)) -> Result<Sources> {
         let args = self.args;
-        let batch = self.batch_size(shard.1);
+        let batch = self.batch_size();
         let workers = self.workers(device);
         let prefetch = args.prefetch.unwrap_or(LoaderConfig::train(batch, 0, device).prefetch);
         let train = LoaderConfig { workers, prefetch, shard, ..LoaderConfig::train(batch, args.run.seed, device) };

@@ -13,6 +13,8 @@ use crate::train::ScheduleKind;
 /// How an exercise optimizes, unless its flags say otherwise.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Recipe {
+    /// Examples per batch on each data-parallel replica, as every process's own `DataLoader`
+    /// (Lightning's, DDP's) has them: the global batch is this × the replicas.
     pub batch_size: usize,
     pub optimizer: OptimizerKind,
     pub lr: f64,
@@ -27,9 +29,9 @@ pub struct Recipe {
     pub warmup_steps: usize,
     /// How the Transformer's output layer starts (image models ignore it).
     pub output_init: OutputInit,
-    /// `batch_size` is the job's, split over the data-parallel replicas (JSC's 256 over the
-    /// GPUs), rather than each replica's.
-    pub batch_split: bool,
+    /// Epochs where the course's script sets its own (JSC's `max_epochs=10`, Namal/BSC's
+    /// `--epochs 5`); `None`: the exercise's ([`Preset::epochs`]). `--epochs` wins.
+    pub epochs: Option<usize>,
     /// The rate grows with the effective batch, as `--scale-lr` (Namal/BSC's 0.01 × GPUs).
     pub scale_lr: bool,
     /// Images resized to N×N (`Resize((N, N))`; image models only), as the course's recipe does.
@@ -99,7 +101,7 @@ const IMAGE_RECIPE: Recipe = Recipe {
     gamma: 1.0,
     warmup_steps: 0,
     output_init: OutputInit::Tutorial,
-    batch_split: false,
+    epochs: None,
     scale_lr: false,
     image_size: None,
 };
@@ -116,7 +118,7 @@ const TUTORIAL_RECIPE: Recipe = Recipe {
     gamma: 0.95,
     warmup_steps: 0,
     output_init: OutputInit::Tutorial,
-    batch_split: false,
+    epochs: None,
     scale_lr: false,
     image_size: None,
 };
@@ -145,20 +147,24 @@ const LARGE_MODEL_RECIPE: Recipe = Recipe {
     gamma: 1.0,
     warmup_steps: 100,
     output_init: OutputInit::Scaled,
-    batch_split: false,
+    epochs: None,
     scale_lr: false,
     image_size: None,
 };
 
-/// JSC's ResNet50 hands-on ("Getting started with AI on supercomputers"): Adam at lr 0.02, a
-/// batch of 256 split over the GPUs, every image `Resize((256, 256))`.
-const JSC_RESNET50_RECIPE: Recipe = Recipe { batch_size: 256, lr: 0.02, batch_split: true, image_size: Some(256), ..IMAGE_RECIPE };
+/// JSC's ResNet50 hands-on ("Getting started with AI on supercomputers"): Adam at lr 0.02,
+/// `max_epochs=10`, every image `Resize((256, 256))`, and 128 images per GPU: its DDP script
+/// (`ddp_training.py`) builds `ImageNetDataModule(..., 128, ...)`, and every Lightning process
+/// makes its own `DataLoader(batch_size=128)`, so the global batch is 128 × the GPUs. (The 1-GPU
+/// script, `gpu_training.py`, which the slide also runs on 1 node × 4 GPUs, has 256.)
+const JSC_RESNET50_RECIPE: Recipe = Recipe { batch_size: 128, lr: 0.02, epochs: Some(10), image_size: Some(256), ..IMAGE_RECIPE };
 
 /// Namal/BSC's ResNet50V2 on CIFAR-10 resized to 128×128 (Keras, `MirroredStrategy`): Keras's
-/// SGD (no momentum) at lr 0.01 × the GPUs. The batch is not in the course material we have:
-/// the exercise's own (`--batch-size` to change it).
+/// SGD (no momentum) at lr 0.01 × the GPUs, 5 epochs, 256 images per GPU. The slide's command
+/// lines are `--epochs 5 --batch_size 256/512/1024 --n_gpus 1/2/4`, and a `MirroredStrategy`'s
+/// batch is the global one, split over its replicas: 256 each.
 const NAMAL_RESNET50V2_RECIPE: Recipe =
-    Recipe { optimizer: OptimizerKind::Sgd, lr: 0.01, momentum: 0.0, scale_lr: true, image_size: Some(128), ..IMAGE_RECIPE };
+    Recipe { batch_size: 256, optimizer: OptimizerKind::Sgd, lr: 0.01, momentum: 0.0, epochs: Some(5), scale_lr: true, image_size: Some(128), ..IMAGE_RECIPE };
 
 /// exercise1: the simple CNN on CIFAR-10, CPU vs GPU, 5 epochs.
 pub const EXERCISE1: Preset = Preset {
@@ -250,6 +256,12 @@ impl Preset {
         }
     }
 
+    /// The epochs the recipe `args` pick trains for unless `--epochs` says otherwise: the
+    /// course's where its script sets them, else the exercise's.
+    pub fn epochs_for(&self, args: &RecipeArgs) -> usize {
+        self.recipe_for(args).epochs.unwrap_or(self.epochs)
+    }
+
     /// The preset as `--help` shows it: the defaults of the flags that say "the preset's".
     pub fn describe(&self) -> String {
         let mut out = format!("The {} preset (flags given override it):\n", self.name);
@@ -279,8 +291,8 @@ impl Preset {
 
 /// A recipe as the flags that give it.
 fn describe_recipe(r: &Recipe) -> String {
-    let split = if r.batch_split { " (split over the replicas)" } else { "" };
-    let mut out = format!(" --batch-size {}{split} --optimizer {} --lr {} --lr-schedule {}", r.batch_size, r.optimizer.name(), r.lr, schedule_name(r.schedule));
+    let mut out = r.epochs.map_or_else(String::new, |epochs| format!(" --epochs {epochs}"));
+    out += &format!(" --batch-size {} --optimizer {} --lr {} --lr-schedule {}", r.batch_size, r.optimizer.name(), r.lr, schedule_name(r.schedule));
     if r.scale_lr {
         out += " --scale-lr";
     }
@@ -339,7 +351,8 @@ mod tests {
         assert!(!text.contains("resnet50"), "{text}");
         // The image exercises list the courses' ResNet50 recipes.
         let text = EXERCISE2.describe();
-        assert!(text.contains("--model resnet50 --recipe course, JSC's:\n  --batch-size 256 (split over the replicas) --optimizer adam --lr 0.02"), "{text}");
+        assert!(text.contains("--model resnet50 --recipe course, JSC's:\n  --epochs 10 --batch-size 128 --optimizer adam --lr 0.02"), "{text}");
+        assert!(text.contains("--model resnet50v2 --recipe course, Namal/BSC's:\n  --epochs 5 --batch-size 256 --optimizer sgd --lr 0.01"), "{text}");
         assert!(text.contains("--scale-lr --image-size 128 (Resize) --momentum 0"), "{text}");
     }
 }

@@ -252,9 +252,7 @@ pub fn comparison_table(records: &[RunRecord], missing: Option<&str>) -> String 
     // The slide's figures beside ours, marked as the course's.
     let course = crate::course_figures::for_run(&first.exercise, &first.model);
     for c in course {
-        let figure = crate::course_figures::CourseFigure::figure(if lm { c.test_ppl } else { c.test_acc }, if lm { 1 } else { 4 });
-        let loss = crate::course_figures::CourseFigure::figure(c.test_loss, 2);
-        let _ = writeln!(out, "| course: {} | - | {:>14} | - | {figure:>8} | {loss:>9} | - |", c.device, c.time());
+        let _ = writeln!(out, "| course: {} | - | {:>14} | - | {:>8} | {:>9} | - |", c.device, c.time(), c.metric(lm), c.loss(lm));
     }
     if !course.is_empty() {
         let _ = writeln!(out, "{}; ours: this machine, these flags", crate::course_figures::SOURCE);
@@ -393,12 +391,16 @@ pub(crate) mod tests {
     #[test]
     fn the_course_figures_stand_beside_ours_marked_as_the_courses() {
         let table = comparison_table(&[record("cpu", 100.0), record("cuda", 400.0)], None);
-        assert!(table.contains("| course: cpu | - |          129.9 | - |   0.6310 |      1.06 | - |"), "{table}");
-        assert!(table.contains("| course: gpu | - |           52.3 |"), "{table}");
+        // exercise1.py's slide: 129.9463222026825 s, test_acc_epoch 0.6310999989509583,
+        // test_loss_epoch 1.0603944063186646; on the GPU 52.2851619720459 s, 0.6330000162124634.
+        assert!(table.contains("| course: cpu | - |         129.95 | - |   0.6311 |    1.0604 | - |"), "{table}");
+        assert!(table.contains("| course: gpu | - |          52.29 | - |   0.6330 |    1.0520 | - |"), "{table}");
         assert!(table.contains(crate::course_figures::SOURCE), "{table}");
         let nlp = RunRecord { exercise: "exercise1_nlp".into(), model: "transformer".into(), ..record("cpu", 100.0) };
         let table = comparison_table(&[nlp], None);
-        assert!(table.contains("| course: cpu | - | 4748.0 (≈1600 s/epoch) | - |    240.3 |"), "{table}");
+        // The tutorial's `| End of training | test loss 5.48 | test ppl 240.33`, in 4748.23 s.
+        assert!(table.contains("| course: cpu | - | 4748.23 (≈1600 s/epoch) | - |   240.33 |      5.48 | - |"), "{table}");
+        assert!(table.contains("| course: gpu | - | 219.23 (≈70–79 s/epoch) | - |   221.61 |      5.40 | - |"), "{table}");
         let tp = RunRecord { exercise: "exercise3_tp".into(), model: "transformer".into(), ..record("cpu", 100.0) };
         assert!(!comparison_table(&[tp], None).contains("course"), "no slide for tensor parallelism");
     }

@@ -33,9 +33,12 @@ fn why_gpus_times_scalar_and_matrix_work_at_every_size() {
 }
 
 /// Two ranks, each its own batch: different losses, and after the one step the same
-/// parameters, those of SGD on the average of the two ranks' gradients (recomputed here).
+/// parameters, those of SGD at the slide's rate on the average of the two ranks' gradients
+/// (recomputed here).
 #[test]
 fn hello_ddp_steps_two_ranks_to_the_same_parameters() {
+    // The DDP hello world's slide: torch.optim.SGD(ddp_model.parameters(), lr=0.01).
+    const SLIDE_LR: f64 = 0.01;
     let out = Command::new(env!("CARGO_BIN_EXE_hello_ddp")).output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -57,7 +60,7 @@ fn hello_ddp_steps_two_ranks_to_the_same_parameters() {
     tch::manual_seed(0);
     let vs = nn::VarStore::new(Device::Cpu);
     let model = nn::linear(vs.root() / "net", 10, 10, Default::default());
-    let mut optimizer = nn::Sgd::default().build(&vs, 1e-3).unwrap();
+    let mut optimizer = nn::Sgd::default().build(&vs, SLIDE_LR).unwrap();
     let params = vs.trainable_variables();
     let mut grads: Vec<Tensor> = params.iter().map(Tensor::zeros_like).collect();
     for rank in 0..2 {
@@ -72,7 +75,7 @@ fn hello_ddp_steps_two_ranks_to_the_same_parameters() {
     }
     tch::no_grad(|| {
         for (p, g) in params.iter().zip(&grads) {
-            let _ = p.shallow_clone().f_sub_(&(g * 1e-3)).unwrap();
+            let _ = p.shallow_clone().f_sub_(&(g * SLIDE_LR)).unwrap();
         }
     });
     let expected: f64 = params.iter().map(|p| p.sum(Kind::Double).double_value(&[])).sum();

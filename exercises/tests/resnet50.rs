@@ -76,8 +76,9 @@ fn exercise2_trains_resnet50_on_two_ranks_that_agree() {
     assert_eq!(read_json(&results.path().join("exercise2-resnet50-cpu.json"))["steps"].as_u64(), Some(2));
 }
 
-/// `--recipe course` with the courses' ResNet50s on 2 ranks: JSC's batch of 256 is split over
-/// them at Adam's 0.02; Namal/BSC's ResNet50V2 trains at 128×128 with SGD at 0.01 × 2.
+/// `--recipe course` with the courses' ResNet50s on 2 ranks: JSC's 128 images on each (its DDP
+/// script's DataLoader in every process) at Adam's 0.02, for its 10 epochs; Namal/BSC's
+/// ResNet50V2 at 128×128 with SGD at 0.01 × 2, for its 5 epochs.
 #[test]
 fn the_courses_resnet50_recipes_on_two_ranks() {
     let data = tempfile::tempdir().unwrap();
@@ -94,12 +95,14 @@ fn the_courses_resnet50_recipes_on_two_ranks() {
     // JSC's, without its resize to 256 (a step of 128 such images takes minutes on 2 cores; the
     // recipe's sizes are checked in `image_classification`'s unit test).
     let (said, json) = train(&["--model", "resnet50", "--image-size", "32", "--num-classes", "10"]);
-    assert!(said.contains("batch 256 split over the replicas") && said.contains("2 replicas × batch 128"), "{said}");
+    assert!(said.contains(", batch 128, ") && said.contains("2 replicas × batch 128"), "{said}");
     assert_eq!((json["batch_size"].as_u64(), json["lr"].as_f64(), json["optimizer"].as_str()), (Some(128), Some(0.02), Some("adam")), "{json}");
+    assert_eq!((json["epochs"].as_u64(), json["world_size"].as_u64()), (Some(10), Some(2)), "JSC's max_epochs=10 (--max-steps cuts it short): {json}");
     let (said, json) = train(&["--model", "resnet50v2", "--batch-size", "2"]);
     assert!(said.contains("resnet50v2 with a 10-way head: 23,539,850 parameters, 2 replicas × batch 2"), "{said}");
     assert_eq!((json["image_size"].as_i64(), json["lr"].as_f64(), json["optimizer"].as_str()), (Some(128), Some(0.02), Some("sgd")), "{json}");
     assert_eq!(json["scale_lr"].as_bool(), Some(true), "{json}");
+    assert_eq!(json["epochs"].as_u64(), Some(5), "Namal/BSC's --epochs 5: {json}");
 }
 
 /// `--image-size 64` on MNIST's 28×28 digits: the CNN is built for 64×64 inputs (its fc1 takes

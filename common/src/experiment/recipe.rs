@@ -41,7 +41,7 @@ impl RunRecipe {
         };
         RunRecipe {
             epochs,
-            batch_size: Self::batch_size(preset, args, replicas),
+            batch_size: Self::batch_size(preset, args),
             accumulate: args.accumulate,
             optimizer: args.optimizer.unwrap_or(base.optimizer),
             lr,
@@ -52,16 +52,9 @@ impl RunRecipe {
         }
     }
 
-    /// Examples per batch on each replica: `--batch-size`, else the recipe's, which a recipe of
-    /// the job's batch (JSC's 256) splits over the `replicas` (rounded down: 256 over 3 GPUs is
-    /// 85 each).
-    pub fn batch_size(preset: &Preset, args: &RecipeArgs, replicas: usize) -> usize {
-        let base = preset.recipe_for(args);
-        match (args.batch_size, base.batch_split) {
-            (Some(batch), _) => batch,
-            (None, true) => (base.batch_size / replicas.max(1)).max(1),
-            (None, false) => base.batch_size,
-        }
+    /// Examples per batch on each replica: `--batch-size`, else the recipe's.
+    pub fn batch_size(preset: &Preset, args: &RecipeArgs) -> usize {
+        args.batch_size.unwrap_or(preset.recipe_for(args).batch_size)
     }
 }
 
@@ -88,23 +81,41 @@ mod tests {
     }
 
     #[test]
-    fn the_courses_resnet50_recipes_split_the_batch_or_scale_the_rate_over_the_gpus() {
+    fn the_courses_resnet50_recipes_keep_the_batch_per_gpu_and_scale_the_rate_over_the_gpus() {
         use crate::flags::RecipeSource;
         use crate::models::Arch;
+        use crate::presets::EXERCISE1;
         let course = RecipeArgs { recipe: RecipeSource::Course, ..RecipeArgs::default() };
-        // JSC: Adam at 0.02 whatever the GPUs, 256 images a step split over them.
+        // JSC's ddp_training.py: Adam at 0.02 and 128 images per GPU whatever the GPUs (each
+        // Lightning process its own DataLoader(batch_size=128)), max_epochs=10.
         let jsc = EXERCISE2.with_image_model(Arch::Resnet50);
-        for (gpus, each) in [(1, 256), (4, 64), (16, 16), (3, 85)] {
+        for gpus in [1, 3, 4, 16, 128] {
             let recipe = RunRecipe::resolve(&jsc, &course, gpus, 10, 1);
-            assert_eq!((recipe.batch_size, recipe.lr, recipe.optimizer), (each, 0.02, crate::optim::OptimizerKind::Adam), "{gpus} GPUs");
+            assert_eq!((recipe.batch_size, recipe.lr, recipe.optimizer), (128, 0.02, crate::optim::OptimizerKind::Adam), "{gpus} GPUs");
+        }
+        for exercise in [EXERCISE1, EXERCISE2] {
+            let jsc = exercise.with_image_model(Arch::Resnet50);
+            assert_eq!((jsc.epochs_for(&course), jsc.epochs_for(&RecipeArgs::default())), (10, exercise.epochs), "{}: JSC's max_epochs=10", exercise.name);
         }
         assert_eq!(RunRecipe::resolve(&jsc, &RecipeArgs { batch_size: Some(32), ..course.clone() }, 4, 10, 1).batch_size, 32, "--batch-size wins");
-        assert_eq!(RunRecipe::resolve(&jsc, &RecipeArgs::default(), 4, 10, 1).batch_size, 100, "the exercise's own recipe is per replica");
-        // Namal/BSC: SGD without momentum at 0.01 × the GPUs, the batch per GPU.
+        assert_eq!(RunRecipe::resolve(&jsc, &RecipeArgs::default(), 4, 10, 1).batch_size, 100, "the exercise's own recipe");
+        // Namal/BSC: SGD without momentum at 0.01 × the GPUs, 256 per GPU (MirroredStrategy's
+        // --batch_size 256/512/1024 on --n_gpus 1/2/4 is the global batch), --epochs 5.
         let namal = EXERCISE2.with_image_model(Arch::Resnet50v2);
-        let recipe = RunRecipe::resolve(&namal, &course, 4, 10, 1);
-        assert_eq!((recipe.optimizer, recipe.momentum, recipe.batch_size), (crate::optim::OptimizerKind::Sgd, 0.0, 100));
-        assert!((recipe.lr - 0.04).abs() < 1e-12, "{}", recipe.lr);
+        for (gpus, lr) in [(1, 0.01), (2, 0.02), (4, 0.04)] {
+            let recipe = RunRecipe::resolve(&namal, &course, gpus, 10, 1);
+            assert_eq!((recipe.optimizer, recipe.momentum, recipe.batch_size), (crate::optim::OptimizerKind::Sgd, 0.0, 256), "{gpus} GPUs");
+            assert!((recipe.lr - lr).abs() < 1e-12, "{gpus} GPUs: {}", recipe.lr);
+        }
+        for exercise in [EXERCISE1, EXERCISE2] {
+            let namal = exercise.with_image_model(Arch::Resnet50v2);
+            assert_eq!(
+                (namal.epochs_for(&course), namal.epochs_for(&RecipeArgs::default())),
+                (5, exercise.epochs),
+                "{}: Namal/BSC's --epochs 5",
+                exercise.name
+            );
+        }
         assert_eq!(RunRecipe::resolve(&namal, &RecipeArgs { lr: Some(0.1), ..course.clone() }, 2, 10, 1).lr, 0.2, "--lr is the one GPU's rate");
         // Other models keep the exercise's course recipe.
         assert_eq!(EXERCISE2.with_image_model(Arch::Vgg19).course, EXERCISE2.course);

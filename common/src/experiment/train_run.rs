@@ -172,7 +172,9 @@ fn build<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<'g>, session: 
     let meter = RefCell::new(MemoryMeter::start(&exp.devices(&plan, device))?);
     let parallel_step = parallelize(&plan, groups, dp, device, run.seed, run.precision, session)?;
     exp.describe(&plan, parallel_step.as_ref(), groups, device, session)?;
-    let recipe = RunRecipe::resolve(preset, exp.recipe_args(), replicas, sources.train.batches_per_epoch(), run.epochs.unwrap_or(preset.epochs));
+    // --epochs, else the recipe's course's (JSC's 10, Namal/BSC's 5), else the exercise's.
+    let epochs = run.epochs.unwrap_or_else(|| preset.epochs_for(exp.recipe_args()));
+    let recipe = RunRecipe::resolve(preset, exp.recipe_args(), replicas, sources.train.batches_per_epoch(), epochs);
     let kernel = exp.recipe_args().optimizer_kernel;
     let spec = OptimizerSpec { kind: recipe.optimizer, lr: recipe.lr, momentum: recipe.momentum, weight_decay: recipe.weight_decay, kernel };
     let build = |named| spec.build(named);

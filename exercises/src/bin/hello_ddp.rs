@@ -1,6 +1,6 @@
 //! The DDP "hello world" every participant types first (PyTorch's DDP tutorial, the course's
 //! exercise 3 warm-up): a `Linear(10, 10)` on each of two processes, wrapped as DDP wraps it
-//! (rank 0's weights broadcast to all), MSE against random targets, SGD at lr 0.001, one step.
+//! (rank 0's weights broadcast to all), MSE against random targets, SGD at lr 0.01 (the slide's `lr=0.01`), one step.
 //! Each rank draws its own data, so the losses differ; the averaged gradients make the
 //! parameters after the step the same on every rank, which each rank prints.
 //!
@@ -52,7 +52,8 @@ fn hello(cli: &Cli, group: &ProcessGroup) -> anyhow::Result<()> {
     let vs = nn::VarStore::new(device);
     let model = nn::linear(vs.root() / "net", 10, 10, Default::default());
     broadcast_parameters(group, &vs, 0)?;
-    let mut optimizer = nn::Sgd::default().build(&vs, 1e-3)?;
+    // optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
+    let mut optimizer = nn::Sgd::default().build(&vs, 1e-2)?;
     // Each rank its own batch: outputs = ddp_model(torch.randn(20, 10)); labels = torch.randn(20, 10).
     tch::manual_seed(1 + group.rank() as i64);
     let inputs = Tensor::randn([20, 10], (Kind::Float, device));

@@ -149,7 +149,7 @@ def plan(h):
         run = ranks.run("ps-sync-2", "exercise2", [*image, "--batch-size", "20", "--strategy", "parameter-server", "--sync"], 3)
         one = one_image_rank("exercise2", [])
         where = "2 workers on the CPU" if h.cpu else f"2 workers on {h.gpus} GPU(s)"
-        return ranks.verdict(), h.same_training(run, one, bound, f"{where} and 1 server on the CPU, synchronous = 1 rank x 40")
+        return ranks.verdict(), h.same_training(run, one, bound, f"{where} and 1 server on the CPU, synchronous, {ranks.over(2)} = 1 rank x 40")
     h.check("exercise2 --strategy parameter-server --sync: 2 workers x 20 and a server = 1 rank x 40", parameter_server, MULTIRANK, (10, 10), ranks.needs(2))
 
     # ---- the language model: data parallelism, ZeRO, HSDP, tensor and sequence parallelism ----

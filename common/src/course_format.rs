@@ -45,6 +45,22 @@ pub fn tutorial_end_of_training(test_loss: f64) -> String {
     format!("{rule}\n| End of training | test loss {test_loss:5.2} | test ppl {ppl:8.2}\n{rule}")
 }
 
+/// The image scripts' line after `trainer.fit`, the seconds as Python prints a float:
+/// `Time for training on cpu: 129.9463222026825` (exercise1.py, the CNN) or `Time for training
+/// resnet on gpu: 116.25382375717163` (exercise1_CNN.py names its model: `resnet`, `vgg19`).
+/// `device` is the script's word, `cpu` or `gpu`.
+pub fn time_for_training(model: Option<&str>, device: &str, seconds: f64) -> String {
+    match model {
+        Some(model) => format!("Time for training {model} on {device}: {seconds:?}"),
+        None => format!("Time for training on {device}: {seconds:?}"),
+    }
+}
+
+/// The exercise1_nlp script's first line: `Device: cpu` or `Device: cuda` (torch's device type).
+pub fn device_line(device_type: &str) -> String {
+    format!("Device: {device_type}")
+}
+
 /// Lightning's table after `trainer.test`: the metrics sorted by name, each value as Python
 /// prints a float32 tensor's `.item()` (`0.6330000162124634`).
 pub fn lightning_test_table(metrics: &[(&str, f64)]) -> String {
@@ -70,6 +86,17 @@ mod tests {
         assert_eq!(horovod_step(1, 2, 10, 24960, 25000, 0.123456), "[1,1]<stdout>:Epoch [2/10], Step [24960/25000], Loss: 0.1235");
         assert_eq!(horovod_test_set(0.8108), "Test set: Accuracy: 81.08%");
         assert_eq!(tutorial_total_parameters(1_444_261_998), "Total parameters in model: 1,444,261,998");
+    }
+
+    /// The slide's lines (2. Fundamentals of Deep Learning), each from its own figure.
+    #[test]
+    fn the_image_scripts_time_line_and_the_nlp_scripts_device_line() {
+        assert_eq!(time_for_training(None, "cpu", 129.9463222026825), "Time for training on cpu: 129.9463222026825");
+        assert_eq!(time_for_training(Some("resnet"), "gpu", 116.25382375717163), "Time for training resnet on gpu: 116.25382375717163");
+        assert_eq!(time_for_training(Some("vgg19"), "cpu", 2580.444151163101), "Time for training vgg19 on cpu: 2580.444151163101");
+        // Python prints a whole float with its ".0".
+        assert_eq!(time_for_training(None, "gpu", 52.0), "Time for training on gpu: 52.0");
+        assert_eq!(device_line("cuda"), "Device: cuda");
     }
 
     // The expected blocks are the tutorial's and Lightning's own format strings run in Python

@@ -580,6 +580,8 @@ impl Experiment for LmExperiment<'_> {
                     report::group_thousands(params),
                     if groups.layout.dp > 1 { format!(", {} replicas × batch {}", groups.layout.dp, self.batch_size()) } else { String::new() }
                 ))?;
+                // The tutorial script's first line, to hold against its printout.
+                observers.info(crate::course_format::device_line(if device.is_cuda() { "cuda" } else { "cpu" }))?;
             }
             return Ok(());
         };

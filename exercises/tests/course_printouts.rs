@@ -46,6 +46,30 @@ fn the_image_exercise_prints_lightnings_test_table_with_its_figures() {
     for rule in [header - 1, header + 1, header + 4] {
         assert_eq!(lines[rule], "─".repeat(120), "line {rule}");
     }
+    // exercise1.py's line before the table: trainer.fit's seconds (training and validation) as
+    // Python prints a float.
+    let time = lines[header - 2].strip_prefix("Time for training on cpu: ").unwrap_or_else(|| panic!("no time line above the table:\n{stdout}"));
+    let seconds: f64 = time.parse().unwrap();
+    assert!(time.contains('.') && seconds >= json["train_time_s"].as_f64().unwrap(), "{time} against {}", json["train_time_s"]);
+}
+
+/// exercise1_CNN.py's printout for the pretrained models: the model named in the time line
+/// (`resnet`), the metrics logged as `Test Acc` and `Test loss`.
+#[test]
+fn resnet34_prints_the_cnn_scripts_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, results) = (dir.path().join("data"), dir.path().join("results"));
+    let out = run(env!("CARGO_BIN_EXE_prepare_data"), &["generate", "--dataset", "cifar10", "--train", "8", "--test", "8", "--out", data.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let args = ["--model", "resnet34", "--device", "cpu", "--data-dir", data.to_str().unwrap(), "--batch-size", "8", "--epochs", "1"];
+    let out = run(env!("CARGO_BIN_EXE_exercise1"), &[&args[..], &["--quiet", "--results-dir", results.to_str().unwrap()]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    let header = lines.iter().position(|l| l.trim_start().starts_with("Test metric")).unwrap_or_else(|| panic!("no Lightning table in:\n{stdout}"));
+    assert!(lines[header - 2].starts_with("Time for training resnet on cpu: "), "{stdout}");
+    let names: Vec<String> = lines[header + 2..header + 4].iter().map(|l| l.trim().rsplit_once(' ').unwrap().0.trim().to_string()).collect();
+    assert_eq!(names, ["Test Acc", "Test loss"], "{stdout}");
 }
 
 #[test]
@@ -88,6 +112,9 @@ fn the_language_model_prints_the_tutorials_epoch_and_final_blocks() {
         let line = stdout.lines().find(|l| l.starts_with(&head)).unwrap_or_else(|| panic!("no '{head}' in:\n{stdout}"));
         assert!(line.ends_with(&tail), "{line:?} does not end with {tail:?}");
     }
+    // The tutorial script's first line, before the first epoch's block.
+    let device = stdout.lines().position(|l| l == "Device: cpu").unwrap_or_else(|| panic!("no 'Device: cpu' line in:\n{stdout}"));
+    assert!(stdout.lines().position(|l| l.starts_with("| end of epoch")).unwrap() > device, "{stdout}");
     let test_loss = json["test_loss"].as_f64().unwrap();
     let end = format!("| End of training | test loss {test_loss:5.2} | test ppl {:8.2}", test_loss.exp());
     let rule = "=".repeat(89);

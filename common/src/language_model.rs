@@ -657,15 +657,15 @@ impl Experiment for LmExperiment<'_> {
 
     fn sources(&self, data: &LmData, device: Device, shard: (usize, usize)) -> Result<Sources> {
         let (bptt, eval_batch_size, corpus) = (self.bptt(), self.eval_batch_size(), &data.corpus);
-        let batches = |tokens: &tch::Tensor, batch: i64| TokenBatches::sharded(tokens, batch, bptt, device, shard);
         // Evaluation windows go side by side, about four training batches' worth of streams per
         // pass (a pipeline's micro-batches then carry whole streams): the same losses in far
         // fewer, larger passes.
         let group = (4 * self.batch_size()).div_ceil(eval_batch_size as usize);
+        let evaluation = |tokens: &tch::Tensor| TokenBatches::evaluation_share(tokens, eval_batch_size, bptt, device, shard).grouped(group);
         Ok(Sources {
-            train: Box::new(batches(&corpus.train, self.batch_size() as i64)),
-            eval: Box::new(batches(&corpus.valid, eval_batch_size).grouped(group)),
-            test: Some(Box::new(batches(&corpus.test, eval_batch_size).grouped(group))),
+            train: Box::new(TokenBatches::sharded(&corpus.train, self.batch_size() as i64, bptt, device, shard)),
+            eval: Box::new(evaluation(&corpus.valid)),
+            test: Some(Box::new(evaluation(&corpus.test))),
             examples_per_epoch: corpus.train.numel(),
         })
     }

@@ -292,6 +292,13 @@ fn the_language_model_data_parallel_equals_one_rank_with_the_doubled_batch() {
     );
     println!("exercise1_nlp, 2 ranks × 4 streams vs 1 rank × 8, {} SGD steps: max relative parameter difference {worst:e}", json["steps"]);
     assert!(worst <= 1e-5, "2 ranks × 4 and 1 rank × 8 differ by {worst:e}");
+    // The same model scores the same: the two ranks evaluate one rank's windows between them (the
+    // validation and test splits cut into the same streams whatever the job's size; they were
+    // cut into 2 × as many, and the 2 ranks' loss differed from 1 rank's by about 1e-3).
+    for key in ["test_loss", "eval_loss"] {
+        let (a, b) = (single[key].as_f64().or(single["history"][0][key].as_f64()).unwrap(), json[key].as_f64().or(json["history"][0][key].as_f64()).unwrap());
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "{key}: 2 ranks {b}, 1 rank {a}");
+    }
 
     // ZeRO-3 (FSDP) on the language model: its parts are the embedding, the layer and the output
     // layer, each gathered for its forward and again for its backward pass and reduce-scattered

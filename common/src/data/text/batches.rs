@@ -28,6 +28,22 @@ impl TokenBatches {
         TokenBatches { data: mine.to_device(device), bptt, group: 1 }
     }
 
+    /// Replica `index` of `count`'s share of an evaluation split: the `batch_size` streams one
+    /// process makes of it, stream `s` to replica `s mod count`. The replicas together evaluate
+    /// exactly one process's windows, so the evaluation loss does not depend on the job's size
+    /// (with [`TokenBatches::sharded`]'s `batch_size × count` streams it did: 4 replicas scored
+    /// 9.5114 where one scored 9.5047). Every replica holds as many windows as the others (the
+    /// streams are equally long), so those whose forward passes meet in collectives (ZeRO-3's
+    /// gathers) take as many passes. With more replicas than streams, each takes one stream of
+    /// `count`: every replica needs one.
+    pub fn evaluation_share(tokens: &Tensor, batch_size: i64, bptt: i64, device: Device, (index, count): (usize, usize)) -> Self {
+        let streams = batch_size.max(count as i64);
+        let all = batchify(tokens, streams);
+        let mine: Vec<i64> = (index as i64..streams).step_by(count).collect();
+        let mine = all.index_select(1, &Tensor::from_slice(&mine)).contiguous();
+        TokenBatches { data: mine.to_device(device), bptt, group: 1 }
+    }
+
     /// The same windows, `group` of them side by side in each batch (`[bptt, batch × group]`;
     /// the shorter last window alone): what evaluation runs, since every window is evaluated
     /// on its own anyway (each column is one stream's window, its own causal context), so the
@@ -73,5 +89,56 @@ impl BatchSource for TokenBatches {
             })
             .collect();
         Box::new(batches.into_iter().map(Ok))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Kind;
+
+    /// Every (input, target) pair of token ids the batches of `source` hold, sorted: each input
+    /// token with the token it must predict.
+    fn pairs(source: &TokenBatches) -> Vec<(i64, i64)> {
+        let mut pairs = Vec::new();
+        for batch in source.epoch(0) {
+            let batch = batch.unwrap();
+            let inputs = Vec::<i64>::try_from(batch.inputs.reshape([-1])).unwrap();
+            let targets = Vec::<i64>::try_from(&batch.targets).unwrap();
+            pairs.extend(inputs.into_iter().zip(targets));
+        }
+        pairs.sort();
+        pairs
+    }
+
+    /// The replicas' shares of an evaluation split hold, together, exactly the pairs one process
+    /// evaluates, each once, in as many batches on every replica; with more replicas than
+    /// streams each still gets one. (The training shares, `batch_size × count` streams, would
+    /// not: their streams break the split elsewhere, 4 replicas' windows another set.)
+    #[test]
+    fn the_replicas_evaluate_one_processs_windows_between_them() {
+        let tokens = Tensor::arange(1003, (Kind::Int64, Device::Cpu));
+        let (streams, bptt) = (10, 7);
+        let one = pairs(&TokenBatches::evaluation_share(&tokens, streams, bptt, Device::Cpu, (0, 1)).grouped(3));
+        assert_eq!(one, pairs(&TokenBatches::new(&tokens, streams, bptt, Device::Cpu)), "one replica evaluates what one process does");
+        for count in [2, 3, 4, 10] {
+            let shares: Vec<TokenBatches> =
+                (0..count).map(|i| TokenBatches::evaluation_share(&tokens, streams, bptt, Device::Cpu, (i, count)).grouped(3)).collect();
+            let mut together: Vec<(i64, i64)> = shares.iter().flat_map(pairs).collect();
+            together.sort();
+            assert_eq!(together, one, "{count} replicas");
+            assert!(shares.iter().all(|s| s.batches_per_epoch() == shares[0].batches_per_epoch()), "{count} replicas: as many passes each");
+        }
+        let sharded: Vec<(i64, i64)> = {
+            let mut all: Vec<(i64, i64)> = (0..4).flat_map(|i| pairs(&TokenBatches::sharded(&tokens, streams, bptt, Device::Cpu, (i, 4)))).collect();
+            all.sort();
+            all
+        };
+        assert_ne!(sharded, one, "the training shares cut the split into other streams");
+        let many: Vec<TokenBatches> = (0..12).map(|i| TokenBatches::evaluation_share(&tokens, streams, bptt, Device::Cpu, (i, 12))).collect();
+        assert!(
+            many.iter().all(|s| s.data.size()[1] == 1 && s.batches_per_epoch() == many[0].batches_per_epoch()),
+            "12 replicas of 10 streams: one stream each"
+        );
     }
 }

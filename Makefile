@@ -3,6 +3,7 @@
 #
 #   make exercise1          CPU vs GPU table for the course's CNN on CIFAR-10
 #   make exercise1 ARGS="--model resnet34 --max-steps 20"
+#   make check              lint and the fast tests (make test: all of them)
 #   make test
 #
 # Use an existing PyTorch 2.11.0 instead of .venv:  make TORCH_PYTHON=/path/to/python ...
@@ -16,7 +17,7 @@ ARGS      ?=
 export TORCH_PYTHON LIBTORCH
 
 .PHONY: bench-plan test-cluster gpu-bundle exercise1-imagenet data-imagefolder lint system-deps python-tools gpu-check report scaling exercise2 exercise3-ddp exercise3-pipeline exercise3-tp bench-parallel bench bench-allreduce bench-pipeline bench-largebatch bench-ps bench-checkpoint bench-data setup build data data-cifar10 data-mnist data-wikitext2 exercise1 exercise1-cpu exercise1-gpu \
-        exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp test test-isa test-slurm clean-results \
+        exercise1_nlp exercise1_nlp-cpu exercise1_nlp-gpu bench-nlp check test test-isa test-slurm clean-results \
         notebooks notebook-kernel jupyter
 
 system-deps:
@@ -205,6 +206,13 @@ test: build python-tools lint
 	    echo ">> cargo-nextest not found: running the tests one at a time (cargo install cargo-nextest for a faster make test)"; \
 	    $(CARGO) test --release --workspace --no-fail-fast -- --test-threads 1; \
 	fi
+
+# The fast tier: lint, the unit tests and the quick single-process integration tests, without
+# the groups .config/nextest.toml names (multi-rank: tests that start ranks; long: tests that
+# train to a bar, time, or build the GPU bundle). Under 5 minutes after the build on 2 cores;
+# `make test` runs everything (docs/tests.md).
+check: build python-tools lint
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(CARGO) nextest run --release --workspace --no-fail-fast -E 'not (group(multi-rank) | group(long))'
 
 # The tests whose bars rest on floating-point arithmetic (learning, precision, layouts compared
 # within a tolerance) under every CPU path this machine has: OMP_NUM_THREADS 1 and 2 ×

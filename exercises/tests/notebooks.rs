@@ -27,7 +27,7 @@ fn source(cell: &serde_json::Value) -> String {
 #[test]
 fn there_is_a_clean_notebook_per_exercise_for_our_kernel() {
     let names: Vec<String> = notebooks().iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
-    assert_eq!(names, ["exercise1.ipynb", "exercise1_nlp.ipynb", "exercise2.ipynb", "exercise3_pipeline.ipynb"]);
+    assert_eq!(names, ["exercise1.ipynb", "exercise1_nlp.ipynb", "exercise2.ipynb", "exercise3_ddp.ipynb", "exercise3_pipeline.ipynb", "exercise3_tp.ipynb"]);
     for path in notebooks() {
         let name = path.display();
         let nb: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();

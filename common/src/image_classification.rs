@@ -613,7 +613,7 @@ impl Experiment for ImageExperiment<'_> {
             Arch::Resnet34 => (Some("resnet"), ["Test Acc", "Test loss"]),
             arch => (Some(arch.name()), ["Test Acc", "Test loss"]),
         };
-        let fit_s: f64 = fit.history.iter().map(|e| e.train_time_s + e.eval_interval.map_or(0.0, |(start, end)| (end - start).as_secs_f64())).sum();
+        let fit_s: f64 = fit.history.iter().map(|e| e.train_time_s + e.eval_seconds()).sum();
         let time = crate::course_format::time_for_training(model, if device.is_cuda() { "gpu" } else { "cpu" }, fit_s);
         let table = crate::course_format::lightning_test_table(&[(names[0], test.accuracy()), (names[1], test.mean_loss())]);
         let memory_format = if self.args.channels_last { "channels-last" } else { "nchw" };

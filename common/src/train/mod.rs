@@ -205,6 +205,13 @@ pub struct EpochStats {
     pub eval_interval: Option<(Instant, Instant)>,
 }
 
+impl EpochStats {
+    /// Seconds the epoch's evaluation took (0 where there was none).
+    pub fn eval_seconds(&self) -> f64 {
+        self.eval_interval.map_or(0.0, |(start, end)| (end - start).as_secs_f64())
+    }
+}
+
 fn is_zero_usize(n: &usize) -> bool {
     *n == 0
 }

@@ -73,8 +73,7 @@ impl Observer for ConsoleLog {
                 );
                 if self.metric == Metric::Perplexity {
                     // The Transformer tutorial's own block, to hold against its printout.
-                    let eval_s = stats.eval_interval.map_or(0.0, |(start, end)| (end - start).as_secs_f64());
-                    println!("{}", crate::course_format::tutorial_epoch_end(stats.epoch, stats.train_time_s + eval_s, stats.eval_loss));
+                    println!("{}", crate::course_format::tutorial_epoch_end(stats.epoch, stats.train_time_s + stats.eval_seconds(), stats.eval_loss));
                 }
             }
             _ => {}

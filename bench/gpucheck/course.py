@@ -127,3 +127,18 @@ def plan(h):
             COURSE, (40, 20), ranks.needs(2))
     h.check("course: exercise3 ddp on 2 ranks, the course's VGG19, 100 steps with the course's printout", data_parallel("exercise3", ["ddp"], "vgg19"), COURSE,
             (55, 30), ranks.needs(2))
+
+    def pipe():
+        devices = "cuda:0,cuda:0" if gpu else "cpu,cpu"
+        # (It writes no results folder: its printout is the point.)
+        out = os.path.join(h.work, "course-pipe")
+        os.makedirs(out, exist_ok=True)
+        command = [os.path.join(h.bin, "exercise3"), "pipe", "--devices", devices]
+        run = h.record("course-pipe", out, command, *h.spawn(command), True)
+        keep(h, "exercise3-pipe", run)
+        lines = run["stdout"].splitlines()
+        gradients = next((l for l in lines if l.startswith("gradients of")), None)
+        if gradients is None or float(gradients.rsplit(" ", 1)[1]) > 1e-5:
+            raise CheckFailed(f"the pipelined step's gradients are not the whole batch's: {gradients}")
+        return PASS, f"{gradients.split(': ', 1)[1]}; {lines[-1].split('; ', 1)[1]}"
+    h.check("course: exercise3 pipe, the slides' Pipe example (Linear(16, 8), Linear(8, 4), chunks 8) against naive model parallelism", pipe, COURSE, (5, 3))

@@ -137,6 +137,16 @@ pub fn keep_freed_host_memory() {
     }
 }
 
+/// Two pipeline stages' devices where none are named: two GPUs where the machine has them, its
+/// one GPU twice, or the CPU twice.
+pub fn two_stage_devices() -> Vec<Device> {
+    match if cuda_available() { tch::Cuda::device_count() } else { 0 } {
+        0 => vec![Device::Cpu; 2],
+        1 => vec![Device::Cuda(0); 2],
+        _ => vec![Device::Cuda(0), Device::Cuda(1)],
+    }
+}
+
 /// A device named on the command line: `cpu`, `cuda` (the first GPU) or `cuda:N`. Fails with a
 /// usage error for other names and for GPUs this machine does not have.
 pub fn parse_device(name: &str) -> Result<Device, UsageError> {

@@ -306,14 +306,14 @@ impl LmExperiment<'_> {
         if !pipeline.devices.is_empty() {
             return Ok(pipeline.devices.iter().map(|name| device::parse_device(name)).collect::<Result<_, _>>()?);
         }
-        let gpus = if device::cuda_available() { tch::Cuda::device_count() } else { 0 };
-        Ok(match (self.args.run.device, gpus) {
-            (DeviceChoice::Cpu, _) => vec![Device::Cpu; 2],
-            (DeviceChoice::Cuda, 0) => return usage(device::no_cuda_message()),
-            (_, 0) => vec![Device::Cpu; 2],
-            (_, 1) => vec![Device::Cuda(0); 2],
-            (_, _) => vec![Device::Cuda(0), Device::Cuda(1)],
-        })
+        let devices = match self.args.run.device {
+            DeviceChoice::Cpu => vec![Device::Cpu; 2],
+            _ => device::two_stage_devices(),
+        };
+        match (self.args.run.device, devices[0]) {
+            (DeviceChoice::Cuda, Device::Cpu) => usage(device::no_cuda_message()),
+            _ => Ok(devices),
+        }
     }
 
     /// `--tp` asks for one process per shard: a usage error where the job has fewer ranks

@@ -487,9 +487,11 @@ fn the_bundle_runs_tiers_9_and_10_on_the_cpu() {
 fn the_bundle_runs_the_course_tier_on_the_cpu() {
     let (recorded, node) = self_test(&["course"]);
     let rows = recorded["checks"].as_array().unwrap();
-    assert_eq!(rows.len(), 7, "{recorded}");
+    assert_eq!(rows.len(), 8, "{recorded}");
     assert!(rows.iter().all(|r| r["verdict"] == "pass"), "{recorded}");
     let kept = node.path().join("work/results/course-gpu");
+    let pipe = std::fs::read_to_string(kept.join("exercise3-pipe/stdout.txt")).unwrap();
+    assert!(pipe.contains("Pipe(Sequential(Linear(16, 8) on cpu, Linear(8, 4) on cpu), chunks=8)"), "the slides' Pipe example: {pipe}");
     let printout = std::fs::read_to_string(kept.join("exercise1-cnn/stdout.txt")).unwrap();
     assert!(printout.contains("| course: cpu |") && printout.contains("test_acc_epoch"), "the slide's rows beside ours: {printout}");
     assert!(kept.join("why_gpus/why_gpus.svg").is_file() && kept.join("exercise2/stdout.txt").is_file());

@@ -400,3 +400,28 @@ fn a_checkpoint_from_stages_in_processes_resumes_in_one_process() {
     assert!(out.contains("resumed exercise3_pipeline-transformer-cpu") && out.contains("after epoch 1"), "{out}");
     assert_same_model(straight.path(), resumed.path(), 1e-5, "2 epochs straight vs 1 epoch in 2 processes + 1 resumed in one");
 }
+
+/// `exercise3 pipe`, the slides' `Pipe` example: its two layers on two devices, the pipelined
+/// step's gradients those of the whole batch, both ways timed side by side, the theory's bubble
+/// for each; a wrong flag is one line and exit 2.
+#[test]
+fn the_slides_pipe_example_runs_beside_naive_model_parallelism() {
+    let pipe = |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_exercise3")).arg("pipe").args(args).output().expect("exercise3 runs");
+    let out = pipe(&["--devices", "cpu,cpu", "--steps", "3"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.starts_with("Pipe(Sequential(Linear(16, 8) on cpu, Linear(8, 4) on cpu), chunks=8)\n"), "{stdout}");
+    assert!(stdout.contains("model(input [16, 16]): [16, 4] on cpu;"), "{stdout}");
+    let difference: f64 =
+        stdout.split("largest difference ").nth(1).and_then(|rest| rest.lines().next()).and_then(|d| d.parse().ok()).expect("the gradients' difference");
+    assert!(difference < 1e-6, "{stdout}");
+    // GPipe's bubble (D−1)/(N+D−1) for D = 2 devices: 50% with one micro-batch, 11.1% with 8.
+    let row = |name: &str| stdout.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("no `{name}` row in {stdout}")).to_string();
+    assert!(row("naive model parallelism").trim_end().ends_with("50.0%"), "{stdout}");
+    assert!(row("pipeline (GPipe)").trim_end().ends_with("11.1%"), "{stdout}");
+    assert!(stdout.contains("medians of 3 steps each"), "{stdout}");
+
+    let out = pipe(&["--devices", "cpu", "--steps", "1"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert_eq!(stderr(&out).trim(), "error: --devices names 1 devices for the 2 layers of --sizes [16, 8, 4]: one device a layer");
+}

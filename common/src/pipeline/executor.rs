@@ -9,21 +9,40 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde::Serialize;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::link::{Link, Stash};
 use super::schedule::{Direction, Op};
-use super::stage::Stage;
 use crate::comm::ProcessGroup;
 use crate::models::Masks;
 use crate::seed_keys::mix_key;
 use crate::torch_ext::Generator;
 
+/// What the executor needs of a stage: a consecutive piece of some model, on one device. The
+/// Transformer's [`super::Stage`] is one; [`super::sequential::LinearStage`] (the slides'
+/// `Pipe` example) is another.
+pub trait PipelineStage {
+    /// The stage's place in the model, from 0.
+    fn index(&self) -> usize;
+    fn device(&self) -> Device;
+    /// Takes the model's inputs (which need no gradient).
+    fn is_first(&self) -> bool;
+    /// Ends in the loss.
+    fn is_last(&self) -> bool;
+    /// One micro-batch through the stage, its dropout masks drawn as `masks` says; a
+    /// tensor-parallel shard talks to the other shards over `tp`.
+    fn forward_masked(&self, input: &Tensor, train: bool, masks: Masks, tp: Option<&ProcessGroup>) -> Result<Tensor>;
+    /// The last stage's mean loss of its `output` against `targets`, and, when asked, the
+    /// number of correct predictions.
+    fn loss_and_hits(&self, output: &Tensor, targets: &Tensor, tp: Option<&ProcessGroup>, count_hits: bool) -> Result<(Tensor, Option<Tensor>)>;
+}
+
 /// The micro-batches as the first and last stage see them.
 pub struct MicroBatches {
-    /// Token ids per micro-batch, on the first stage's device (empty on other devices).
+    /// The model's input per micro-batch (token ids for the language model), on the first
+    /// stage's device (empty on other devices).
     pub inputs: Vec<Tensor>,
-    /// Target ids per micro-batch, on the last stage's device (empty on other devices).
+    /// Targets per micro-batch, on the last stage's device (empty on other devices).
     pub targets: Vec<Tensor>,
     /// Each micro-batch's share of the mini-batch (its sequences / all sequences): the
     /// weighted micro-batch losses sum to the mini-batch's mean loss.
@@ -114,9 +133,9 @@ pub struct StageOutcome {
 /// stages after them (before the last). A tensor-parallel shard of a stage runs its passes with
 /// the other shards of its group `tp` (which see the same micro-batches).
 #[allow(clippy::too_many_arguments)]
-pub fn run_device(
+pub fn run_device<S: PipelineStage>(
     device: usize,
-    stages: &[&Stage],
+    stages: &[&S],
     ops: &[Op],
     batches: &MicroBatches,
     mut prev: Option<&mut dyn Link>,
@@ -127,25 +146,25 @@ pub fn run_device(
 ) -> Result<StageOutcome> {
     let on = stages.first().context("a pipeline device holds at least one stage")?.device();
     let stage_of = |index: usize| {
-        stages.iter().copied().find(|s| s.index == index).with_context(|| format!("device {device} runs a pass of stage {index}, which it does not hold"))
+        stages.iter().copied().find(|s| s.index() == index).with_context(|| format!("device {device} runs a pass of stage {index}, which it does not hold"))
     };
     let mut saved: HashMap<(usize, usize), Saved> = HashMap::new();
     let mut stash = Stash::default();
     let mut loss_sum: Option<Tensor> = None;
     let mut hits = Tensor::zeros([], (Kind::Int64, on));
-    let stage_indices = stages.iter().map(|s| s.index).collect();
+    let stage_indices = stages.iter().map(|s| s.index()).collect();
     let mut trace = StageTrace { device, stages: stage_indices, intervals: Vec::with_capacity(ops.len()), peak_live: 0 };
     // A stage's forward pass of micro-batch m, in the run's precision (autocast is per thread:
     // this one's), its dropout masks keyed to the micro-batch (a recomputation redraws the same
     // ones; the layers' whole-model indices key them further, whatever stage holds them).
     let generator = RefCell::new(Generator::new(on)?);
-    let forward = |stage: &Stage, m: usize, input: &Tensor, train: bool| -> Result<Tensor> {
+    let forward = |stage: &S, m: usize, input: &Tensor, train: bool| -> Result<Tensor> {
         let masks = Masks::Keyed { generator: &generator, key: mix_key(&[options.dropout_key, m as u64]), positions: batches.positions };
         crate::precision::autocast(options.precision, on, || stage.forward_masked(input, train, masks, tp))
     };
     // A stage's output for micro-batch m: the last stage's is its weighted loss (and,
     // evaluating, its hits added to the count).
-    let finish = |stage: &Stage, m: usize, output: Tensor, hits: Option<&mut Tensor>| -> Result<Tensor> {
+    let finish = |stage: &S, m: usize, output: Tensor, hits: Option<&mut Tensor>| -> Result<Tensor> {
         if !stage.is_last() {
             return Ok(output);
         }

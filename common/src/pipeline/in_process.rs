@@ -6,9 +6,9 @@ use std::time::Instant;
 use anyhow::{anyhow, Result};
 use tch::{Device, Tensor};
 
-use super::executor::{self, MicroBatches, StageOptions, StageOutcome};
+use super::executor::{self, MicroBatches, PipelineStage, StageOptions, StageOutcome};
 use super::link::{ChannelLink, Link, NeighbourGone};
-use super::{schedule, split_batch, Partition, PipelineOptions, Placement, Stage, Staged, StepReport};
+use super::{schedule, split_batch, Partition, PipelineOptions, Placement, Schedule, Stage, Staged, StepReport};
 use crate::error::usage;
 use crate::models::TransformerConfig;
 use crate::parallel::Peers;
@@ -61,116 +61,128 @@ impl Pipeline {
     /// `train`, forward and backward passes in the schedule's order (gradients accumulate);
     /// without, forward passes only.
     pub fn run_batch(&mut self, src: &Tensor, targets: &Tensor, options: StageOptions) -> Result<StepReport> {
-        let train = options.train;
-        let chunks = if train { self.options.chunks } else { super::chunks_for(self.options.chunks, src.size()[1]) };
+        let chunks = if options.train { self.options.chunks } else { super::chunks_for(self.options.chunks, src.size()[1]) };
         let (inputs, weights) = split_batch(src, chunks)?;
         let (targets, _) = split_batch(targets, chunks)?;
-        let placement = self.placement;
-        let count = placement.devices;
-        // Each device's stages, in model order.
-        let mut held: Vec<Vec<&mut Stage>> = (0..count).map(|_| Vec::new()).collect();
-        for stage in self.stages.iter_mut() {
-            held[placement.device_of(stage.index)].push(stage);
-        }
-        // What each device needs of the batch: the inputs on the first stage's device, the
-        // targets on the last's.
-        let batches: Vec<MicroBatches> = held
-            .iter()
-            .map(|stages| {
-                let on = stages[0].device();
-                MicroBatches {
-                    inputs: match stages.iter().any(|s| s.is_first()) {
-                        true => inputs.iter().map(|t| t.to_device(on)).collect(),
-                        false => Vec::new(),
-                    },
-                    targets: match stages.iter().any(|s| s.is_last()) {
-                        true => targets.iter().map(|t| t.to_device(on)).collect(),
-                        false => Vec::new(),
-                    },
-                    weights: weights.clone(),
-                    positions: src.size()[0],
-                }
+        let batches = MicroBatches { inputs, targets, weights, positions: src.size()[0] };
+        run_in_threads(&mut self.stages, self.placement, self.options.schedule, self.options.threads_per_stage, &batches, options)
+    }
+}
+
+/// One mini-batch, already cut into `batches`, through `stages` (in model order, stage `s` on
+/// device `placement.device_of(s)`), the devices running concurrently in threads joined by
+/// channels: with `options.train`, forward and backward passes in `schedule`'s order (gradients
+/// accumulate); without, forward passes only. `threads`: LibTorch threads per device thread.
+pub fn run_in_threads<S: PipelineStage + Send>(
+    stages: &mut [S],
+    placement: Placement,
+    schedule: Schedule,
+    threads: Option<usize>,
+    batches: &MicroBatches,
+    options: StageOptions,
+) -> Result<StepReport> {
+    let train = options.train;
+    let chunks = batches.inputs.len();
+    let count = placement.devices;
+    // Each device's stages, in model order.
+    let mut held: Vec<Vec<&mut S>> = (0..count).map(|_| Vec::new()).collect();
+    for stage in stages.iter_mut() {
+        held[placement.device_of(stage.index())].push(stage);
+    }
+    // What each device needs of the batch: the inputs on the first stage's device, the targets
+    // on the last's.
+    let placed: Vec<MicroBatches> = held
+        .iter()
+        .map(|stages| {
+            let on = stages[0].device();
+            let here = |wanted: bool, tensors: &[Tensor]| match wanted {
+                true => tensors.iter().map(|t| t.to_device(on)).collect(),
+                false => Vec::new(),
+            };
+            MicroBatches {
+                inputs: here(stages.iter().any(|s| s.is_first()), &batches.inputs),
+                targets: here(stages.iter().any(|s| s.is_last()), &batches.targets),
+                weights: batches.weights.clone(),
+                positions: batches.positions,
+            }
+        })
+        .collect();
+
+    // Link d joins device d to device d + 1 (d holds `.0` as its next, d + 1 holds `.1` as its
+    // prev); with interleaving the last device's next leads back to device 0, which runs the
+    // following stages.
+    let cyclic = placement.virtual_stages > 1;
+    let (mut nexts, mut prevs): (Vec<Option<ChannelLink>>, Vec<Option<ChannelLink>>) = (Vec::new(), (0..count).map(|_| None).collect());
+    for d in 0..count {
+        let (earlier, later) = match d + 1 < count || cyclic {
+            true => ChannelLink::pair(),
+            false => {
+                nexts.push(None);
+                continue;
+            }
+        };
+        nexts.push(Some(earlier));
+        prevs[(d + 1) % count] = Some(later);
+    }
+
+    let clock = Instant::now();
+    // `--profile`: the stages' threads record into LibTorch's profiler as this one does.
+    let profiler = crate::torch_ext::ProfilerThreadState::current();
+    let profiler = &profiler;
+    let results: Vec<Result<StageOutcome>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = held
+            .into_iter()
+            .zip(placed)
+            .zip(prevs.into_iter().zip(nexts))
+            .enumerate()
+            .map(|(device, ((stages, batches), (mut prev, mut next)))| {
+                scope.spawn(move || {
+                    let _recorded = profiler.as_ref().map(|p| p.join());
+                    let stages: Vec<&S> = stages.into_iter().map(|s| &*s).collect();
+                    if let Some(n) = threads {
+                        tch::set_num_threads(n as i32);
+                    }
+                    let ops = match train {
+                        true => schedule::device_ops(schedule, placement, device, chunks),
+                        false => schedule::forward_ops(placement, device, chunks),
+                    };
+                    executor::run_device(
+                        device,
+                        &stages,
+                        &ops,
+                        &batches,
+                        prev.as_mut().map(|l| l as &mut dyn Link),
+                        next.as_mut().map(|l| l as &mut dyn Link),
+                        options,
+                        None,
+                        clock,
+                    )
+                })
             })
             .collect();
-
-        // Link d joins device d to device d + 1 (d holds `.0` as its next, d + 1 holds `.1` as
-        // its prev); with interleaving the last device's next leads back to device 0, which
-        // runs the following stages.
-        let cyclic = placement.virtual_stages > 1;
-        let (mut nexts, mut prevs): (Vec<Option<ChannelLink>>, Vec<Option<ChannelLink>>) = (Vec::new(), (0..count).map(|_| None).collect());
-        for d in 0..count {
-            let (earlier, later) = match d + 1 < count || cyclic {
-                true => ChannelLink::pair(),
-                false => {
-                    nexts.push(None);
-                    continue;
+        handles.into_iter().enumerate().map(|(i, handle)| handle.join().unwrap_or_else(|_| Err(anyhow!("pipeline stage {i} panicked")))).collect()
+    });
+    let wall_s = clock.elapsed().as_secs_f64();
+    let mut report = StepReport { loss: f64::NAN, hits: 0, wall_s, stage_busy_s: Vec::new(), traces: Vec::new() };
+    let mut consequence = None;
+    for (i, result) in results.into_iter().enumerate() {
+        match result {
+            Ok(outcome) => {
+                report.stage_busy_s.push(outcome.trace.busy_s());
+                report.traces.push(outcome.trace);
+                if let Some(loss) = outcome.loss {
+                    report.loss = loss;
                 }
-            };
-            nexts.push(Some(earlier));
-            prevs[(d + 1) % count] = Some(later);
-        }
-
-        let schedule = self.options.schedule;
-        let threads = self.options.threads_per_stage;
-        let clock = Instant::now();
-        // `--profile`: the stages' threads record into LibTorch's profiler as this one does.
-        let profiler = crate::torch_ext::ProfilerThreadState::current();
-        let profiler = &profiler;
-        let results: Vec<Result<StageOutcome>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = held
-                .into_iter()
-                .zip(batches)
-                .zip(prevs.into_iter().zip(nexts))
-                .enumerate()
-                .map(|(device, ((stages, batches), (mut prev, mut next)))| {
-                    scope.spawn(move || {
-                        let _recorded = profiler.as_ref().map(|p| p.join());
-                        let stages: Vec<&Stage> = stages.into_iter().map(|s| &*s).collect();
-                        if let Some(n) = threads {
-                            tch::set_num_threads(n as i32);
-                        }
-                        let ops = match train {
-                            true => schedule::device_ops(schedule, placement, device, chunks),
-                            false => schedule::forward_ops(placement, device, chunks),
-                        };
-                        executor::run_device(
-                            device,
-                            &stages,
-                            &ops,
-                            &batches,
-                            prev.as_mut().map(|l| l as &mut dyn Link),
-                            next.as_mut().map(|l| l as &mut dyn Link),
-                            options,
-                            None,
-                            clock,
-                        )
-                    })
-                })
-                .collect();
-            handles.into_iter().enumerate().map(|(i, handle)| handle.join().unwrap_or_else(|_| Err(anyhow!("pipeline stage {i} panicked")))).collect()
-        });
-        let wall_s = clock.elapsed().as_secs_f64();
-        let mut report = StepReport { loss: f64::NAN, hits: 0, wall_s, stage_busy_s: Vec::new(), traces: Vec::new() };
-        let mut consequence = None;
-        for (i, result) in results.into_iter().enumerate() {
-            match result {
-                Ok(outcome) => {
-                    report.stage_busy_s.push(outcome.trace.busy_s());
-                    report.traces.push(outcome.trace);
-                    if let Some(loss) = outcome.loss {
-                        report.loss = loss;
-                    }
-                    report.hits += outcome.hits.unwrap_or(0);
-                }
-                // A stage that stopped because its neighbour did: report the neighbour's error.
-                Err(err) if err.is::<NeighbourGone>() => consequence = consequence.or(Some(err.context(format!("pipeline stage {i}")))),
-                Err(err) => return Err(err.context(format!("pipeline stage {i}"))),
+                report.hits += outcome.hits.unwrap_or(0);
             }
+            // A stage that stopped because its neighbour did: report the neighbour's error.
+            Err(err) if err.is::<NeighbourGone>() => consequence = consequence.or(Some(err.context(format!("pipeline stage {i}")))),
+            Err(err) => return Err(err.context(format!("pipeline stage {i}"))),
         }
-        match consequence {
-            Some(err) => Err(err),
-            None => Ok(report),
-        }
+    }
+    match consequence {
+        Some(err) => Err(err),
+        None => Ok(report),
     }
 }
 

@@ -8,12 +8,14 @@
 //! - [`Placement`]: which device runs each stage: one stage per device, or with the interleaved
 //!   schedule `virtual_stages` per device (stage `s` on device `s mod devices`).
 //! - [`Stage`]: a piece of the model with its own var store on its own device, variables named
-//!   as in the whole model.
+//!   as in the whole model; [`sequential`] the slides' `Pipe` example, two `Linear` layers. Both
+//!   are [`executor::PipelineStage`]s, what the executor runs.
 //! - [`schedule`]: GPipe's fill-drain, 1F1B or interleaved 1F1B, as a list of passes per
 //!   device.
 //! - [`executor::run_device`]: one device's passes, exchanging activations and gradients with
 //!   its neighbours over a [`link::Link`], tagged with the pass they feed.
-//! - [`Pipeline`]: all stages in one process, one thread per device, joined by channels.
+//! - [`Pipeline`]: all stages in one process, one thread per device, joined by channels
+//!   ([`in_process::run_in_threads`], for any stages).
 //! - [`process::StageProcess`]: one stage per process (`torch.distributed.pipelining`'s way),
 //!   activations and gradients sent point-to-point through the process group (MPI for CPU
 //!   tensors, NCCL for CUDA tensors), replicated `--dp` times for data parallelism.
@@ -39,6 +41,7 @@ pub mod partition;
 pub mod placement;
 pub mod process;
 pub mod schedule;
+pub mod sequential;
 pub mod stage;
 
 pub use in_process::Pipeline;
@@ -189,13 +192,18 @@ fn evaluate_batches(source: &dyn BatchSource, mut run: impl FnMut(&Tensor, &Tens
 /// as possible (sizes differ by at most one; `torch.chunk` would make fewer, larger chunks) and
 /// returns them with their shares of the batch.
 pub fn split_batch(batch: &Tensor, chunks: usize) -> Result<(Vec<Tensor>, Vec<f64>)> {
-    let n = batch.size()[1];
+    split_along(batch, chunks, 1, "sequences")
+}
+
+/// [`split_batch`] along dimension `dim`, whose entries are `what` (for the message).
+pub fn split_along(batch: &Tensor, chunks: usize, dim: i64, what: &str) -> Result<(Vec<Tensor>, Vec<f64>)> {
+    let n = batch.size()[dim as usize];
     if chunks == 0 || chunks as i64 > n {
-        return usage(format!("--chunks {chunks} must be between 1 and the batch's {n} sequences (each micro-batch needs one)"));
+        return usage(format!("--chunks {chunks} must be between 1 and the batch's {n} {what} (each micro-batch needs one)"));
     }
     let (base, extra) = (n / chunks as i64, n % chunks as i64);
     let sizes: Vec<i64> = (0..chunks as i64).map(|i| base + i64::from(i < extra)).collect();
-    let parts = batch.split_with_sizes(&sizes, 1);
+    let parts = batch.split_with_sizes(&sizes, dim);
     Ok((parts, sizes.iter().map(|&s| s as f64 / n as f64).collect()))
 }
 

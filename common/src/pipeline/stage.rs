@@ -6,6 +6,7 @@ use anyhow::{Context, Result};
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Tensor};
 
+use super::executor::PipelineStage;
 use super::LayerCosts;
 use crate::comm::tensor_parallel::{self as tp, Shard, SplitTable};
 use crate::comm::ProcessGroup;
@@ -194,6 +195,32 @@ impl Stage {
         });
         let head = median_time(device, || Stage::loss(&run(part.decode(&hidden, None)), &tokens).backward());
         LayerCosts { embedding, layers: vec![layer; cfg.nlayers as usize], head }
+    }
+}
+
+impl PipelineStage for Stage {
+    fn index(&self) -> usize {
+        self.index
+    }
+
+    fn device(&self) -> Device {
+        Stage::device(self)
+    }
+
+    fn is_first(&self) -> bool {
+        Stage::is_first(self)
+    }
+
+    fn is_last(&self) -> bool {
+        Stage::is_last(self)
+    }
+
+    fn forward_masked(&self, input: &Tensor, train: bool, masks: Masks, tp: Option<&ProcessGroup>) -> Result<Tensor> {
+        Stage::forward_masked(self, input, train, masks, tp)
+    }
+
+    fn loss_and_hits(&self, output: &Tensor, targets: &Tensor, tp: Option<&ProcessGroup>, count_hits: bool) -> Result<(Tensor, Option<Tensor>)> {
+        Stage::loss_and_hits(self, output, targets, tp, count_hits)
     }
 }
 

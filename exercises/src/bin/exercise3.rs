@@ -13,6 +13,13 @@
 //!     exercise3 pipeline --devices cuda:0,cuda:1
 //!     exercise3 pipeline --devices cpu,cpu --emsize 256 --d-hid 256 --nlayers 4 --max-steps 20
 //!
+//! `exercise3 pipe`: the slides' `Pipe` example, `Linear(16, 8)` on one device and
+//! `Linear(8, 4)` on the next with `chunks = 8`, against naive model parallelism (the whole batch
+//! through one device, then the next).
+//!
+//!     exercise3 pipe --devices cuda:0,cuda:1
+//!     exercise3 pipe --sizes 4096,4096,4096 --batch 512 --chunks 8
+//!
 //! `exercise3 tp`: the same model with every layer cut over the ranks (Megatron-LM's tensor
 //! parallelism); `--pp` and `--dp` add pipeline stages and replicas (3D parallelism).
 //!
@@ -55,6 +62,11 @@ enum Command {
         #[command(flatten)]
         args: PipelineArgs,
     },
+    /// The slides' Pipe example (Linear(16, 8), then Linear(8, 4) on the next device, chunks 8) against naive model parallelism.
+    Pipe {
+        #[command(flatten)]
+        args: common::pipeline::sequential::PipeArgs,
+    },
     /// The 1.4B-parameter Transformer LM on WikiText-2, tensor-parallel over the ranks (Megatron-LM).
     Tp {
         #[command(flatten)]
@@ -84,6 +96,7 @@ fn main() -> std::process::ExitCode {
     common::error::run_main(|| match &cli.command {
         Command::Ddp { args } => image_classification::run(&EXERCISE3_DDP, args, &mut listeners).map(drop),
         Command::Pipeline { args } => language_model::run_pipeline(&EXERCISE3_PIPELINE, args, &mut listeners).map(drop),
+        Command::Pipe { args } => common::pipeline::sequential::compare(args).map(|comparison| println!("{}", comparison.describe())),
         Command::Tp { args } => language_model::run_pipeline(&EXERCISE3_TP, args, &mut listeners).map(drop),
         Command::Profile { args } => profile(args),
         Command::Plan { args } => plan(args),

@@ -14,13 +14,41 @@ pub struct CourseFigure {
     pub test_acc: Option<f64>,
     pub test_loss: Option<f64>,
     pub test_ppl: Option<f64>,
+    /// The slide's printout of each epoch, where it shows one.
+    pub epochs: &'static [CourseEpoch],
+    /// What the step lines of the data-parallel printouts count (their `Epoch [2/10], Step
+    /// [24960/25000]`), where the slide shows them.
+    pub step_log: Option<StepLog>,
+}
+
+/// One epoch of a slide's printout.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CourseEpoch {
+    /// 1-based.
+    pub epoch: usize,
+    /// The epoch's seconds (training and validation), as the tutorial prints them.
+    pub time_s: Option<f64>,
+    pub valid_loss: Option<f64>,
+    /// As printed: the exponential of the unrounded loss.
+    pub valid_ppl: Option<f64>,
+    /// The epoch's last step lines, in the slide's order: the rank that printed each (where
+    /// mpirun tags it) and its loss.
+    pub losses: &'static [(Option<usize>, f64)],
+}
+
+/// The step lines' counts: `Epoch [e/epochs], Step [examples/shard]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepLog {
+    pub epochs: usize,
+    pub examples: usize,
+    pub shard: usize,
 }
 
 /// Where the course's figures come from, said under every table that shows them.
 pub const SOURCE: &str = "course rows: the slides' published figures (V100/A100 nodes, PyTorch/Lightning), not measured here";
 
 const fn row(device: &'static str, train_time_s: f64, test_acc: Option<f64>, test_loss: Option<f64>) -> CourseFigure {
-    CourseFigure { device, train_time_s: Some(train_time_s), time_note: None, test_acc, test_loss, test_ppl: None }
+    CourseFigure { device, train_time_s: Some(train_time_s), time_note: None, test_acc, test_loss, test_ppl: None, epochs: &[], step_log: None }
 }
 
 /// The slide's rows for `exercise` (a preset's name) training `model`; none where the course
@@ -43,8 +71,8 @@ pub fn for_run(exercise: &str, model: &str) -> &'static [CourseFigure] {
         row("cpu", 2580.444151163101, Some(0.10000000149011612), Some(2.3030905723571777)),
         row("gpu", 127.65016007423401, Some(0.10000000149011612), Some(2.303698778152466)),
     ];
-    // exercise1_nlp.py: the totals of the 3 epochs (`4748.23 s`, `219.23 s`) and the tutorial's
-    // `| End of training | test loss 5.48 | test ppl 240.33`; each epoch's time beside them.
+    // exercise1_nlp.py: the totals of the 3 epochs (`4748.23 s`, `219.23 s`), the tutorial's
+    // block after each epoch and its `| End of training | test loss 5.48 | test ppl 240.33`.
     const NLP: [CourseFigure; 2] = [
         CourseFigure {
             device: "cpu",
@@ -53,6 +81,8 @@ pub fn for_run(exercise: &str, model: &str) -> &'static [CourseFigure] {
             test_acc: None,
             test_loss: Some(5.48),
             test_ppl: Some(240.33),
+            epochs: &[tutorial_epoch(1, 1618.58, 5.75, 313.30), tutorial_epoch(2, 1635.81, 5.69, 296.32), tutorial_epoch(3, 1493.84, 5.57, 263.73)],
+            step_log: None,
         },
         CourseFigure {
             device: "gpu",
@@ -61,12 +91,36 @@ pub fn for_run(exercise: &str, model: &str) -> &'static [CourseFigure] {
             test_acc: None,
             test_loss: Some(5.40),
             test_ppl: Some(221.61),
+            epochs: &[tutorial_epoch(1, 79.06, 5.75, 314.83), tutorial_epoch(2, 70.25, 5.58, 265.83), tutorial_epoch(3, 69.92, 5.49, 242.84)],
+            step_log: None,
         },
     ];
-    // `Test set: Accuracy: 81.08%`, `Elapsed time: 126.31 s`.
-    const EXERCISE2: [CourseFigure; 1] = [row("2 GPUs", 126.31, Some(0.8108), None)];
+    // `horovodrun -np 2 python exercise2.py`: each rank's last step of epochs 2, 4, …, 10, then
+    // `Test set: Accuracy: 81.08%`, `Elapsed time: 126.31 s ≈ 2 min`.
+    const EXERCISE2: [CourseFigure; 1] = [CourseFigure {
+        epochs: &[
+            losses_at(2, &[(Some(1), 0.5788), (Some(0), 0.4635)]),
+            losses_at(4, &[(Some(1), 0.3478), (Some(0), 0.2552)]),
+            losses_at(6, &[(Some(1), 0.2159), (Some(0), 0.1682)]),
+            losses_at(8, &[(Some(1), 0.1184), (Some(0), 0.0652)]),
+            losses_at(10, &[(Some(0), 0.1116), (Some(1), 0.0584)]),
+        ],
+        step_log: Some(CIFAR_OVER_2),
+        ..row("2 GPUs", 126.31, Some(0.8108), None)
+    }];
+    // `python exercise3.py` (DDP, `mp.spawn`): the same lines, untagged, so whose is unknown.
     const EXERCISE3_DDP: [CourseFigure; 2] = [
-        row("2 GPUs", 234.65, Some(0.8176), None),
+        CourseFigure {
+            epochs: &[
+                losses_at(2, &[(None, 1.5240), (None, 1.4402)]),
+                losses_at(4, &[(None, 0.7013), (None, 0.7268)]),
+                losses_at(6, &[(None, 0.5393), (None, 0.4175)]),
+                losses_at(8, &[(None, 0.3391), (None, 0.4450)]),
+                losses_at(10, &[(None, 0.3889), (None, 0.3106)]),
+            ],
+            step_log: Some(CIFAR_OVER_2),
+            ..row("2 GPUs", 234.65, Some(0.8176), None)
+        },
         // Lightning's DDP slide: `Time for training vgg19 on gpu: 81.21439981460571`.
         CourseFigure {
             device: "2 GPUs, Lightning DDP",
@@ -75,10 +129,26 @@ pub fn for_run(exercise: &str, model: &str) -> &'static [CourseFigure] {
             test_acc: None,
             test_loss: None,
             test_ppl: None,
+            epochs: &[],
+            step_log: None,
         },
     ];
-    const PIPELINE: [CourseFigure; 1] =
-        [CourseFigure { device: "2 GPUs", train_time_s: None, time_note: Some("≈28 s/epoch"), test_acc: None, test_loss: Some(0.20), test_ppl: None }];
+    // `python exercise3.py` (the pipeline): `end of epoch 1 | time: 28.42s | valid loss 1.22`, …,
+    // `End of training | test loss 0.20`.
+    const PIPELINE: [CourseFigure; 1] = [CourseFigure {
+        device: "2 GPUs",
+        train_time_s: None,
+        time_note: Some("≈28 s/epoch"),
+        test_acc: None,
+        test_loss: Some(0.20),
+        test_ppl: None,
+        epochs: &[
+            CourseEpoch { epoch: 1, time_s: Some(28.42), valid_loss: Some(1.22), valid_ppl: None, losses: &[] },
+            CourseEpoch { epoch: 2, time_s: Some(27.36), valid_loss: Some(0.25), valid_ppl: None, losses: &[] },
+            CourseEpoch { epoch: 3, time_s: Some(27.49), valid_loss: Some(0.23), valid_ppl: None, losses: &[] },
+        ],
+        step_log: None,
+    }];
     match (exercise, model) {
         ("exercise1", "cnn") => &CNN,
         ("exercise1", "resnet34") => &RESNET34,
@@ -92,6 +162,20 @@ pub fn for_run(exercise: &str, model: &str) -> &'static [CourseFigure] {
 }
 
 /// A `time` command's `real XmY.Zs` in minutes.
+/// A tutorial epoch: its time, validation loss and perplexity.
+const fn tutorial_epoch(epoch: usize, time_s: f64, valid_loss: f64, valid_ppl: f64) -> CourseEpoch {
+    CourseEpoch { epoch, time_s: Some(time_s), valid_loss: Some(valid_loss), valid_ppl: Some(valid_ppl), losses: &[] }
+}
+
+/// A data-parallel epoch: its last step's loss lines.
+const fn losses_at(epoch: usize, losses: &'static [(Option<usize>, f64)]) -> CourseEpoch {
+    CourseEpoch { epoch, time_s: None, valid_loss: None, valid_ppl: None, losses }
+}
+
+/// The Horovod and DDP slides' step lines: 10 epochs, a shard of 25,000 images (CIFAR-10's
+/// 50,000 over 2 ranks), the last line of each epoch at 24,960.
+const CIFAR_OVER_2: StepLog = StepLog { epochs: 10, examples: 24960, shard: 25000 };
+
 const fn minutes(whole_minutes: f64, seconds: f64) -> f64 {
     whole_minutes + seconds / 60.0
 }

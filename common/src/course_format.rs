@@ -1,8 +1,98 @@
 //! The course material's own printouts, so that a participant can hold our run against the
 //! slide line by line: the PyTorch Transformer tutorial's block after each epoch and at the end
-//! of training (`exercise1_nlp`, the pipeline), and Lightning's test-metric table, as
-//! `trainer.test` prints it without `rich` into a Slurm log (the image exercises).
-//! [`crate::course_figures`] holds the slides' numbers; this module their shape.
+//! of training (`exercise1_nlp`), the pipeline exercise's shorter lines, the Horovod and DDP
+//! scripts' step lines, and Lightning's test-metric table, as `trainer.test` prints it without
+//! `rich` into a Slurm log (the image exercises). [`CourseScript`] says which script an
+//! exercise's printout follows. [`crate::course_figures`] holds the slides' numbers; this module
+//! their shape.
+use serde::Serialize;
+
+use crate::course_figures::CourseFigure;
+
+/// The course script whose printout an exercise follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum CourseScript {
+    /// exercise1.py and exercise1_CNN.py: Lightning's `trainer.fit`, then `trainer.test`'s table.
+    Lightning,
+    /// exercise1_nlp.py: the PyTorch Transformer tutorial's blocks.
+    Tutorial,
+    /// exercise2.py under `horovodrun`: every line tagged by mpirun with its rank,
+    /// `[1,RANK]<stdout>:`.
+    Horovod,
+    /// exercise3.py's DDP part under `mp.spawn`: the Horovod script's lines, untagged.
+    Ddp,
+    /// exercise3.py's pipeline: the tutorial's lines without their rules, padding and perplexity,
+    /// `end of epoch 1 | time: 28.42s | valid loss 1.22`.
+    Pipeline,
+}
+
+impl CourseScript {
+    /// A training step's line from rank `rank`: [`ddp_step`]'s, tagged under Horovod
+    /// (`[1,0]<stdout>:Epoch [2/10], Step [24960/25000], Loss: 0.1234`).
+    pub fn step_line(self, rank: usize, epoch: usize, epochs: usize, examples: usize, shard: usize, loss: f64) -> String {
+        self.tagged(rank, ddp_step(epoch, epochs, examples, shard, loss))
+    }
+
+    /// The script's last lines on rank 0: `Test set: Accuracy: 81.08%` (where there is an
+    /// accuracy) and `Elapsed time: 126.31 s ≈ 2 min`.
+    pub fn final_lines(self, accuracy: Option<f64>, seconds: f64) -> Vec<String> {
+        let lines = accuracy.map(horovod_test_set).into_iter().chain([elapsed_time(seconds)]);
+        lines.map(|line| self.tagged(0, line)).collect()
+    }
+
+    /// The language model's line or block after each epoch of `seconds` (training and
+    /// validation); none for the image scripts, which print no such line.
+    pub fn epoch_end(self, epoch: usize, seconds: f64, valid_loss: f64) -> Option<String> {
+        match self {
+            CourseScript::Tutorial => Some(tutorial_epoch_end(epoch, seconds, valid_loss)),
+            CourseScript::Pipeline => Some(pipeline_epoch_end(epoch, seconds, valid_loss)),
+            _ => None,
+        }
+    }
+
+    /// The language model's line or block after training.
+    pub fn end_of_training(self, test_loss: f64) -> String {
+        match self {
+            CourseScript::Pipeline => pipeline_end_of_training(test_loss),
+            _ => tutorial_end_of_training(test_loss),
+        }
+    }
+
+    /// A slide's printout rebuilt from its numbers ([`crate::course_figures`]) in this script's
+    /// shape: each epoch's lines, then the end's. Empty where the slide shows no epochs.
+    pub fn slide_printout(self, figure: &CourseFigure) -> Vec<String> {
+        let mut lines = Vec::new();
+        for e in figure.epochs {
+            let (time, loss) = (e.time_s.unwrap_or(f64::NAN), e.valid_loss.unwrap_or(f64::NAN));
+            match (self, figure.step_log) {
+                (CourseScript::Tutorial, _) => lines.push(tutorial_epoch_line(e.epoch, time, loss, e.valid_ppl.unwrap_or(loss.exp()))),
+                (CourseScript::Pipeline, _) => lines.push(pipeline_epoch_end(e.epoch, time, loss)),
+                (_, Some(log)) => {
+                    lines.extend(e.losses.iter().map(|&(rank, loss)| self.step_line(rank.unwrap_or(0), e.epoch, log.epochs, log.examples, log.shard, loss)))
+                }
+                (_, None) => {}
+            }
+        }
+        if figure.epochs.is_empty() {
+            return lines;
+        }
+        match (self, figure.test_loss) {
+            (CourseScript::Tutorial, Some(loss)) => lines.push(tutorial_end_line(loss, figure.test_ppl.unwrap_or(loss.exp()))),
+            (CourseScript::Pipeline, Some(loss)) => lines.push(pipeline_end_of_training(loss)),
+            _ if figure.step_log.is_some() => lines.extend(self.final_lines(figure.test_acc, figure.train_time_s.unwrap_or(f64::NAN))),
+            _ => {}
+        }
+        lines
+    }
+
+    /// `line` as mpirun's `--tag-output` shows it from `rank` under Horovod, else as it is.
+    fn tagged(self, rank: usize, line: String) -> String {
+        match self {
+            CourseScript::Horovod => format!("[1,{rank}]<stdout>:{line}"),
+            _ => line,
+        }
+    }
+}
 
 /// The tutorial's rule lines are 89 characters wide.
 const TUTORIAL_WIDTH: usize = 89;
@@ -17,20 +107,39 @@ const LIGHTNING_WIDTH: usize = 120;
 /// `| end of epoch   1 | time: 98.49s | valid loss  5.78 | valid ppl   324.03`.
 pub fn tutorial_epoch_end(epoch: usize, seconds: f64, valid_loss: f64) -> String {
     let rule = "-".repeat(TUTORIAL_WIDTH);
-    let ppl = valid_loss.exp();
-    format!("{rule}\n| end of epoch {epoch:3} | time: {seconds:5.2}s | valid loss {valid_loss:5.2} | valid ppl {ppl:8.2}\n{rule}")
+    format!("{rule}\n{}\n{rule}", tutorial_epoch_line(epoch, seconds, valid_loss, valid_loss.exp()))
 }
 
-/// The course's Horovod script's line, as `mpirun --tag-output` (horovodrun) shows it from rank
-/// `rank`: `[1,0]<stdout>:Epoch [2/10], Step [24960/25000], Loss: 0.1234` (`epoch` 1-based; the
-/// step in examples of this rank's shard).
-pub fn horovod_step(rank: usize, epoch: usize, epochs: usize, examples: usize, shard: usize, loss: f64) -> String {
-    format!("[1,{rank}]<stdout>:Epoch [{epoch}/{epochs}], Step [{examples}/{shard}], Loss: {loss:.4}")
+/// The middle line of [`tutorial_epoch_end`], the perplexity given (a slide's, printed from the
+/// unrounded loss).
+pub fn tutorial_epoch_line(epoch: usize, seconds: f64, valid_loss: f64, valid_ppl: f64) -> String {
+    format!("| end of epoch {epoch:3} | time: {seconds:5.2}s | valid loss {valid_loss:5.2} | valid ppl {valid_ppl:8.2}")
 }
 
-/// The Horovod script's end: `Test set: Accuracy: 81.08%`.
+/// The pipeline exercise's line after each epoch: `end of epoch 1 | time: 28.42s | valid loss 1.22`.
+pub fn pipeline_epoch_end(epoch: usize, seconds: f64, valid_loss: f64) -> String {
+    format!("end of epoch {epoch} | time: {seconds:.2}s | valid loss {valid_loss:.2}")
+}
+
+/// The pipeline exercise's last line: `End of training | test loss 0.20`.
+pub fn pipeline_end_of_training(test_loss: f64) -> String {
+    format!("End of training | test loss {test_loss:.2}")
+}
+
+/// The course's DDP script's line: `Epoch [2/10], Step [24960/25000], Loss: 0.1234` (`epoch`
+/// 1-based; the step in examples of this rank's shard).
+pub fn ddp_step(epoch: usize, epochs: usize, examples: usize, shard: usize, loss: f64) -> String {
+    format!("Epoch [{epoch}/{epochs}], Step [{examples}/{shard}], Loss: {loss:.4}")
+}
+
+/// The data-parallel scripts' test line: `Test set: Accuracy: 81.08%`.
 pub fn horovod_test_set(accuracy: f64) -> String {
     format!("Test set: Accuracy: {:.2}%", 100.0 * accuracy)
+}
+
+/// The data-parallel scripts' last line: `Elapsed time: 126.31 s ≈ 2 min` (the minutes rounded).
+pub fn elapsed_time(seconds: f64) -> String {
+    format!("Elapsed time: {seconds:.2} s ≈ {:.0} min", seconds / 60.0)
 }
 
 /// The pipeline tutorial's count: `Total parameters in model: 1,444,261,998`.
@@ -41,8 +150,12 @@ pub fn tutorial_total_parameters(params: i64) -> String {
 /// The tutorial's block after training: `| End of training | test loss  5.49 | test ppl   242.78`.
 pub fn tutorial_end_of_training(test_loss: f64) -> String {
     let rule = "=".repeat(TUTORIAL_WIDTH);
-    let ppl = test_loss.exp();
-    format!("{rule}\n| End of training | test loss {test_loss:5.2} | test ppl {ppl:8.2}\n{rule}")
+    format!("{rule}\n{}\n{rule}", tutorial_end_line(test_loss, test_loss.exp()))
+}
+
+/// The middle line of [`tutorial_end_of_training`], the perplexity given.
+pub fn tutorial_end_line(test_loss: f64, test_ppl: f64) -> String {
+    format!("| End of training | test loss {test_loss:5.2} | test ppl {test_ppl:8.2}")
 }
 
 /// The image scripts' line after `trainer.fit`, the seconds as Python prints a float:
@@ -83,8 +196,19 @@ mod tests {
 
     #[test]
     fn the_horovod_script_and_pipeline_tutorial_lines() {
-        assert_eq!(horovod_step(1, 2, 10, 24960, 25000, 0.123456), "[1,1]<stdout>:Epoch [2/10], Step [24960/25000], Loss: 0.1235");
+        assert_eq!(CourseScript::Horovod.step_line(1, 2, 10, 24960, 25000, 0.123456), "[1,1]<stdout>:Epoch [2/10], Step [24960/25000], Loss: 0.1235");
         assert_eq!(horovod_test_set(0.8108), "Test set: Accuracy: 81.08%");
+        assert_eq!(elapsed_time(126.31), "Elapsed time: 126.31 s ≈ 2 min");
+        assert_eq!(elapsed_time(234.65), "Elapsed time: 234.65 s ≈ 4 min");
+        assert_eq!(CourseScript::Ddp.step_line(1, 2, 10, 24960, 25000, 1.524), "Epoch [2/10], Step [24960/25000], Loss: 1.5240");
+        assert_eq!(
+            CourseScript::Horovod.final_lines(Some(0.8108), 126.31),
+            ["[1,0]<stdout>:Test set: Accuracy: 81.08%", "[1,0]<stdout>:Elapsed time: 126.31 s ≈ 2 min"]
+        );
+        assert_eq!(CourseScript::Ddp.final_lines(None, 81.2), ["Elapsed time: 81.20 s ≈ 1 min"]);
+        assert_eq!(CourseScript::Pipeline.epoch_end(1, 28.4213, 1.2249).unwrap(), "end of epoch 1 | time: 28.42s | valid loss 1.22");
+        assert_eq!(CourseScript::Pipeline.end_of_training(0.2021), "End of training | test loss 0.20");
+        assert_eq!(CourseScript::Lightning.epoch_end(1, 1.0, 1.0), None);
         assert_eq!(tutorial_total_parameters(1_444_261_998), "Total parameters in model: 1,444,261,998");
     }
 
@@ -97,6 +221,81 @@ mod tests {
         // Python prints a whole float with its ".0".
         assert_eq!(time_for_training(None, "gpu", 52.0), "Time for training on gpu: 52.0");
         assert_eq!(device_line("cuda"), "Device: cuda");
+    }
+
+    /// Every epoch line and end line the slides print, rebuilt from the stored figures, against
+    /// the slides' text (LRZ's material: its conversion to text collapsed the padding, so spaces
+    /// are compared collapsed).
+    #[test]
+    fn the_slides_printouts_rebuilt_from_their_figures() {
+        let collapse = |line: &str| line.split_whitespace().collect::<Vec<_>>().join(" ");
+        let slide = |exercise: &str, model: &str, row: usize| {
+            let script = crate::presets::by_name(exercise).unwrap().script;
+            script.slide_printout(&crate::course_figures::for_run(exercise, model)[row]).iter().map(|l| collapse(l)).collect::<Vec<_>>()
+        };
+        assert_eq!(
+            slide("exercise1_nlp", "transformer", 0),
+            [
+                "| end of epoch 1 | time: 1618.58s | valid loss 5.75 | valid ppl 313.30",
+                "| end of epoch 2 | time: 1635.81s | valid loss 5.69 | valid ppl 296.32",
+                "| end of epoch 3 | time: 1493.84s | valid loss 5.57 | valid ppl 263.73",
+                "| End of training | test loss 5.48 | test ppl 240.33",
+            ]
+        );
+        assert_eq!(
+            slide("exercise1_nlp", "transformer", 1),
+            [
+                "| end of epoch 1 | time: 79.06s | valid loss 5.75 | valid ppl 314.83",
+                "| end of epoch 2 | time: 70.25s | valid loss 5.58 | valid ppl 265.83",
+                "| end of epoch 3 | time: 69.92s | valid loss 5.49 | valid ppl 242.84",
+                "| End of training | test loss 5.40 | test ppl 221.61",
+            ]
+        );
+        assert_eq!(
+            slide("exercise2", "resnet34", 0),
+            [
+                "[1,1]<stdout>:Epoch [2/10], Step [24960/25000], Loss: 0.5788",
+                "[1,0]<stdout>:Epoch [2/10], Step [24960/25000], Loss: 0.4635",
+                "[1,1]<stdout>:Epoch [4/10], Step [24960/25000], Loss: 0.3478",
+                "[1,0]<stdout>:Epoch [4/10], Step [24960/25000], Loss: 0.2552",
+                "[1,1]<stdout>:Epoch [6/10], Step [24960/25000], Loss: 0.2159",
+                "[1,0]<stdout>:Epoch [6/10], Step [24960/25000], Loss: 0.1682",
+                "[1,1]<stdout>:Epoch [8/10], Step [24960/25000], Loss: 0.1184",
+                "[1,0]<stdout>:Epoch [8/10], Step [24960/25000], Loss: 0.0652",
+                "[1,0]<stdout>:Epoch [10/10], Step [24960/25000], Loss: 0.1116",
+                "[1,1]<stdout>:Epoch [10/10], Step [24960/25000], Loss: 0.0584",
+                "[1,0]<stdout>:Test set: Accuracy: 81.08%",
+                "[1,0]<stdout>:Elapsed time: 126.31 s ≈ 2 min",
+            ]
+        );
+        assert_eq!(
+            slide("exercise3_ddp", "vgg19", 0),
+            [
+                "Epoch [2/10], Step [24960/25000], Loss: 1.5240",
+                "Epoch [2/10], Step [24960/25000], Loss: 1.4402",
+                "Epoch [4/10], Step [24960/25000], Loss: 0.7013",
+                "Epoch [4/10], Step [24960/25000], Loss: 0.7268",
+                "Epoch [6/10], Step [24960/25000], Loss: 0.5393",
+                "Epoch [6/10], Step [24960/25000], Loss: 0.4175",
+                "Epoch [8/10], Step [24960/25000], Loss: 0.3391",
+                "Epoch [8/10], Step [24960/25000], Loss: 0.4450",
+                "Epoch [10/10], Step [24960/25000], Loss: 0.3889",
+                "Epoch [10/10], Step [24960/25000], Loss: 0.3106",
+                "Test set: Accuracy: 81.76%",
+                "Elapsed time: 234.65 s ≈ 4 min",
+            ]
+        );
+        assert_eq!(
+            slide("exercise3_pipeline", "transformer", 0),
+            [
+                "end of epoch 1 | time: 28.42s | valid loss 1.22",
+                "end of epoch 2 | time: 27.36s | valid loss 0.25",
+                "end of epoch 3 | time: 27.49s | valid loss 0.23",
+                "End of training | test loss 0.20",
+            ]
+        );
+        // The slides without epoch lines rebuild none.
+        assert!(slide("exercise1", "cnn", 0).is_empty() && slide("exercise3_ddp", "vgg19", 1).is_empty());
     }
 
     // The expected blocks are the tutorial's and Lightning's own format strings run in Python

@@ -749,7 +749,7 @@ impl Experiment for LmExperiment<'_> {
         let TransformerPlan { config, pipeline, .. } = plan;
         let test_loss = test.mean_loss();
         let mut lines = vec![format!("[{}] end of training: test loss {test_loss:.4}, test perplexity {:.2}", device::device_name(device), test_loss.exp())];
-        lines.push(crate::course_format::tutorial_end_of_training(test_loss));
+        lines.push(self.preset.script.end_of_training(test_loss));
         let mut extra = serde_json::json!({
             "test_ppl": test_loss.exp(),
             "valid_ppl": fit.eval_loss.exp(),

@@ -4,6 +4,7 @@
 //! binary.
 use serde::Serialize;
 
+use crate::course_format::CourseScript;
 use crate::flags::{RecipeArgs, RecipeSource};
 use crate::models::{Arch, OutputInit, TransformerConfig};
 use crate::optim::OptimizerKind;
@@ -87,6 +88,8 @@ pub struct Preset {
     pub per_device: bool,
     /// How the model is spread over ranks by default.
     pub parallelism: ModelParallelism,
+    /// The course script whose printout the exercise's follows.
+    pub script: CourseScript,
 }
 
 /// The image exercises' recipe: Adam, lr 1e-3, batch 100, as the course's scripts.
@@ -176,6 +179,7 @@ pub const EXERCISE1: Preset = Preset {
     sync: GradientSync::Ddp,
     per_device: true,
     parallelism: ModelParallelism::None,
+    script: CourseScript::Lightning,
 };
 
 /// exercise1_nlp: the tutorial's Transformer LM (d 1024, 3 layers) on WikiText-2, 3 epochs.
@@ -188,6 +192,7 @@ pub const EXERCISE1_NLP: Preset = Preset {
     sync: GradientSync::Ddp,
     per_device: true,
     parallelism: ModelParallelism::None,
+    script: CourseScript::Tutorial,
 };
 
 /// exercise2: ResNet34 data-parallel, Horovod style, 10 epochs.
@@ -200,6 +205,7 @@ pub const EXERCISE2: Preset = Preset {
     sync: GradientSync::Horovod,
     per_device: false,
     parallelism: ModelParallelism::None,
+    script: CourseScript::Horovod,
 };
 
 /// exercise3 ddp: VGG19 data-parallel, PyTorch-DDP style, 10 epochs.
@@ -212,6 +218,7 @@ pub const EXERCISE3_DDP: Preset = Preset {
     sync: GradientSync::Ddp,
     per_device: false,
     parallelism: ModelParallelism::None,
+    script: CourseScript::Ddp,
 };
 
 /// exercise3 pipeline: the 1.4B-parameter Transformer (d 4096, 12 layers, 16 heads) over
@@ -229,11 +236,20 @@ pub const EXERCISE3_PIPELINE: Preset = Preset {
     sync: GradientSync::Ddp,
     per_device: false,
     parallelism: ModelParallelism::Pipeline,
+    script: CourseScript::Pipeline,
 };
 
 /// exercise3 tp: the same 1.4B-parameter Transformer with every layer cut over the ranks
 /// (Megatron-LM's tensor parallelism: the course's "TP for intranode parallelism"), 3 epochs.
 pub const EXERCISE3_TP: Preset = Preset { name: "exercise3_tp", parallelism: ModelParallelism::Tensor, ..EXERCISE3_PIPELINE };
+
+/// Every exercise's preset.
+pub const ALL: [&Preset; 6] = [&EXERCISE1, &EXERCISE1_NLP, &EXERCISE2, &EXERCISE3_DDP, &EXERCISE3_PIPELINE, &EXERCISE3_TP];
+
+/// The preset named `name` (a results record's `exercise`).
+pub fn by_name(name: &str) -> Option<&'static Preset> {
+    ALL.into_iter().find(|p| p.name == name)
+}
 
 impl Preset {
     /// This image exercise training `arch` (`--model`): the course's own recipe for that model

@@ -1,6 +1,6 @@
 //! The course's printouts in their own shape, with our run's figures: Lightning's test-metric
 //! table after the image exercises, the Transformer tutorial's end-of-epoch and end-of-training
-//! blocks after the language model's.
+//! blocks after the language model's, the pipeline exercise's shorter lines after the pipeline's.
 mod support;
 
 use std::process::{Command, Output};
@@ -119,4 +119,47 @@ fn the_language_model_prints_the_tutorials_epoch_and_final_blocks() {
     let end = format!("| End of training | test loss {test_loss:5.2} | test ppl {:8.2}", test_loss.exp());
     let rule = "=".repeat(89);
     assert!(stdout.contains(&format!("{rule}\n{end}\n{rule}")), "no '{end}' block in:\n{stdout}");
+}
+
+/// exercise3.py's pipeline lines, `end of epoch 1 | time: 28.42s | valid loss 1.22` and `End of
+/// training | test loss 0.20`, with our run's figures; then the slide's own under the table.
+#[test]
+fn the_pipeline_prints_the_pipeline_exercises_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, results) = (dir.path().join("data"), dir.path().join("results"));
+    std::fs::create_dir(&data).unwrap();
+    wikitext_sample(&data, [60, 20, 20]);
+    let model = [
+        "--emsize",
+        "16",
+        "--d-hid",
+        "32",
+        "--nhead",
+        "2",
+        "--nlayers",
+        "2",
+        "--tokenizer",
+        "whitespace",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "4",
+        "--chunks",
+        "2",
+    ];
+    let places = ["--devices", "cpu,cpu", "--quiet", "--data-dir", data.to_str().unwrap(), "--results-dir", results.to_str().unwrap()];
+    let out = run(env!("CARGO_BIN_EXE_exercise3"), &[&["pipeline"][..], &model, &places].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let json = read_json(&results.join("exercise3_pipeline-transformer-cpu.json"));
+    for (epoch, stats) in json["history"].as_array().unwrap().iter().enumerate() {
+        let head = format!("end of epoch {} | time: ", epoch + 1);
+        let line = stdout.lines().find(|l| l.starts_with(&head)).unwrap_or_else(|| panic!("no '{head}' in:\n{stdout}"));
+        let tail = format!("s | valid loss {:.2}", stats["eval_loss"].as_f64().unwrap());
+        assert!(line.ends_with(&tail), "{line:?} does not end with {tail:?}");
+    }
+    let end = format!("End of training | test loss {:.2}", json["test_loss"].as_f64().unwrap());
+    assert!(stdout.lines().any(|l| l == end), "no '{end}' in:\n{stdout}");
+    assert!(!stdout.contains("| end of epoch"), "the tutorial's block is exercise1_nlp's: {stdout}");
+    assert!(stdout.contains("course: 2 GPUs, as the slide prints it:\n    end of epoch 1 | time: 28.42s | valid loss 1.22\n"), "{stdout}");
 }

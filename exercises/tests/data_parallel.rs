@@ -197,12 +197,20 @@ fn exercise3_ddp_trains_vgg19_shaped_runs_on_two_ranks() {
     data(d.path(), 32);
     let results = tempfile::tempdir().unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_exercise3"))
-        .args(["ddp", "--device", "cpu", "--quiet", "--threads", "1", "--max-steps", "2", "--batch-size", "4", "--num-classes", "10"])
+        .args(["ddp", "--device", "cpu", "--quiet", "--threads", "1", "--max-steps", "2", "--batch-size", "4", "--num-classes", "10", "--course-log", "1"])
         .args(["--nproc-per-node", "2", "--data-dir", d.path().to_str().unwrap(), "--results-dir", results.path().to_str().unwrap()])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stdout(&out).contains("vgg19"), "the DDP exercise's default model is VGG19: {}", stdout(&out));
+    // The course's DDP script's lines (`mp.spawn`: untagged, unlike the Horovod script's), from
+    // both ranks: 32 images over 2 ranks, 4 a step each.
+    let printed = stdout(&out);
+    for step in [4, 8] {
+        let prefix = format!("Epoch [1/10], Step [{step}/16], Loss: ");
+        assert_eq!(printed.lines().filter(|l| l.starts_with(&prefix)).count(), 2, "both ranks' `{prefix}…`: {printed}");
+    }
+    assert!(printed.lines().any(|l| l.starts_with("Elapsed time: ") && l.ends_with(" min")) && !printed.contains("<stdout>:"), "{printed}");
     let json = read_json(&results.path().join("exercise3_ddp-vgg19-cpu.json"));
     assert_eq!(json["world_size"], 2);
     assert_eq!(json["gradient_sync"], "ddp", "exercise3 ddp averages in the loop after backward");

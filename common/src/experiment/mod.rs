@@ -192,7 +192,7 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
         run.precision.check(device)?;
         let mut session = session_observers(exp, world.is_root(), listeners);
         if let Some(every) = run.course_log {
-            session.add(train::sinks::CourseLog::new(world.rank(), world.world_size(), every, exp.metric()));
+            session.add(train::sinks::CourseLog::new(world.rank(), world.world_size(), every, exp.metric(), exp.preset().script));
         }
         if let Some(placement) = crate::comm::hosts::placement() {
             session.info(placement)?;
@@ -341,7 +341,7 @@ fn run_per_device<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<V
     let groups = Groups::new(&world, job_layout(exp, 1)?)?;
     let mut session = session_observers(exp, true, listeners);
     if let Some(every) = run.course_log {
-        session.add(train::sinks::CourseLog::new(0, 1, every, exp.metric()));
+        session.add(train::sinks::CourseLog::new(0, 1, every, exp.metric(), exp.preset().script));
     }
     if let Some(warning) = device::set_threads(run.threads)? {
         session.warn(warning)?;
@@ -371,7 +371,7 @@ fn run_per_device<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<V
 fn session_observers<'a, E: Experiment>(exp: &E, root: bool, listeners: &'a mut Observers) -> Observers<'a> {
     let mut observers = Observers::new().with(Forward(listeners));
     if root {
-        observers.add(ConsoleLog::new(exp.metric()));
+        observers.add(ConsoleLog::new(exp.metric(), exp.preset().script));
     }
     observers
 }

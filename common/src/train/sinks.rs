@@ -9,6 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::events::{phase_seconds, Control, Event, Observer};
 use super::Metric;
+use crate::course_format::CourseScript;
 use crate::profile::libtorch::{Recorded, TorchProfiler};
 use crate::profile::Profiler;
 use crate::tensorboard::SummaryWriter;
@@ -34,15 +35,16 @@ impl RunHeader {
 }
 
 /// Prints the narrative (stdout), warnings (stderr) and one line per epoch (for a language
-/// model also the Transformer tutorial's end-of-epoch block).
+/// model also the course script's end-of-epoch line or block).
 pub struct ConsoleLog {
     metric: Metric,
+    script: CourseScript,
     header: RunHeader,
 }
 
 impl ConsoleLog {
-    pub fn new(metric: Metric) -> ConsoleLog {
-        ConsoleLog { metric, header: RunHeader::default() }
+    pub fn new(metric: Metric, script: CourseScript) -> ConsoleLog {
+        ConsoleLog { metric, script, header: RunHeader::default() }
     }
 }
 
@@ -71,9 +73,9 @@ impl Observer for ConsoleLog {
                     self.metric.describe(stats.train_loss, stats.train_acc),
                     self.metric.describe(stats.eval_loss, stats.eval_acc),
                 );
-                if self.metric == Metric::Perplexity {
-                    // The Transformer tutorial's own block, to hold against its printout.
-                    println!("{}", crate::course_format::tutorial_epoch_end(stats.epoch, stats.train_time_s + stats.eval_seconds(), stats.eval_loss));
+                // The course script's own line or block, to hold against its printout.
+                if let Some(line) = self.script.epoch_end(stats.epoch, stats.train_time_s + stats.eval_seconds(), stats.eval_loss) {
+                    println!("{line}");
                 }
             }
             _ => {}
@@ -82,11 +84,12 @@ impl Observer for ConsoleLog {
     }
 }
 
-/// `--course-log N`: this rank's loss every N steps in the shape of the course's Horovod
+/// `--course-log N`: this rank's loss every N steps in the shape of the course's Horovod or DDP
 /// printout, and on rank 0 the test accuracy and the elapsed time at the end, as its script
 /// prints them. Reading the loss waits for the device: every N steps only.
 pub struct CourseLog {
     header: RunHeader,
+    script: CourseScript,
     rank: usize,
     world: usize,
     every: usize,
@@ -95,9 +98,10 @@ pub struct CourseLog {
 }
 
 impl CourseLog {
-    pub fn new(rank: usize, world: usize, every: usize, metric: Metric) -> CourseLog {
+    pub fn new(rank: usize, world: usize, every: usize, metric: Metric, script: CourseScript) -> CourseLog {
         CourseLog {
             header: RunHeader::default(),
+            script,
             rank,
             world: world.max(1),
             every: every.max(1),
@@ -116,14 +120,13 @@ impl Observer for CourseLog {
                 // This rank's examples so far and its shard, from the replicas' batch.
                 let per_step = step.epoch_examples / step.epoch_step.max(1) / self.world;
                 let (seen, shard) = (step.epoch_step * per_step, self.header.steps_per_epoch * per_step);
-                let line = crate::course_format::horovod_step(self.rank, step.epoch + 1, self.header.epochs, seen, shard, step.loss.double_value(&[]));
-                println!("{line}");
+                println!("{}", self.script.step_line(self.rank, step.epoch + 1, self.header.epochs, seen, shard, step.loss.double_value(&[])));
             }
             Event::Finished(report) if self.rank == 0 => {
-                if self.accuracy && report.eval_acc.is_finite() {
-                    println!("{}", crate::course_format::horovod_test_set(report.eval_acc));
+                let accuracy = (self.accuracy && report.eval_acc.is_finite()).then_some(report.eval_acc);
+                for line in self.script.final_lines(accuracy, self.started.elapsed().as_secs_f64()) {
+                    println!("{line}");
                 }
-                println!("Elapsed time: {:.2} s", self.started.elapsed().as_secs_f64());
             }
             _ => {}
         }

@@ -85,6 +85,20 @@ impl CourseScript {
         lines
     }
 
+    /// Every slide's printout of `figures` that has one, under a line naming its device, to
+    /// print under the results table: `course: gpu, as the slide prints it:` and its lines,
+    /// indented. Empty where no slide shows epochs.
+    pub fn slide_printouts(self, figures: &[CourseFigure]) -> String {
+        let mut out = String::new();
+        for figure in figures {
+            let lines = self.slide_printout(figure);
+            if !lines.is_empty() {
+                out += &format!("course: {}, as the slide prints it:\n    {}\n", figure.device, lines.join("\n    "));
+            }
+        }
+        out
+    }
+
     /// `line` as mpirun's `--tag-output` shows it from `rank` under Horovod, else as it is.
     fn tagged(self, rank: usize, line: String) -> String {
         match self {
@@ -228,13 +242,13 @@ mod tests {
     /// are compared collapsed).
     #[test]
     fn the_slides_printouts_rebuilt_from_their_figures() {
+        use crate::presets::{EXERCISE1, EXERCISE1_NLP, EXERCISE2, EXERCISE3_DDP, EXERCISE3_PIPELINE};
         let collapse = |line: &str| line.split_whitespace().collect::<Vec<_>>().join(" ");
-        let slide = |exercise: &str, model: &str, row: usize| {
-            let script = crate::presets::by_name(exercise).unwrap().script;
-            script.slide_printout(&crate::course_figures::for_run(exercise, model)[row]).iter().map(|l| collapse(l)).collect::<Vec<_>>()
+        let slide = |preset: &crate::presets::Preset, model: &str, row: usize| {
+            preset.script.slide_printout(&crate::course_figures::for_run(preset.name, model)[row]).iter().map(|l| collapse(l)).collect::<Vec<_>>()
         };
         assert_eq!(
-            slide("exercise1_nlp", "transformer", 0),
+            slide(&EXERCISE1_NLP, "transformer", 0),
             [
                 "| end of epoch 1 | time: 1618.58s | valid loss 5.75 | valid ppl 313.30",
                 "| end of epoch 2 | time: 1635.81s | valid loss 5.69 | valid ppl 296.32",
@@ -243,7 +257,7 @@ mod tests {
             ]
         );
         assert_eq!(
-            slide("exercise1_nlp", "transformer", 1),
+            slide(&EXERCISE1_NLP, "transformer", 1),
             [
                 "| end of epoch 1 | time: 79.06s | valid loss 5.75 | valid ppl 314.83",
                 "| end of epoch 2 | time: 70.25s | valid loss 5.58 | valid ppl 265.83",
@@ -252,7 +266,7 @@ mod tests {
             ]
         );
         assert_eq!(
-            slide("exercise2", "resnet34", 0),
+            slide(&EXERCISE2, "resnet34", 0),
             [
                 "[1,1]<stdout>:Epoch [2/10], Step [24960/25000], Loss: 0.5788",
                 "[1,0]<stdout>:Epoch [2/10], Step [24960/25000], Loss: 0.4635",
@@ -269,7 +283,7 @@ mod tests {
             ]
         );
         assert_eq!(
-            slide("exercise3_ddp", "vgg19", 0),
+            slide(&EXERCISE3_DDP, "vgg19", 0),
             [
                 "Epoch [2/10], Step [24960/25000], Loss: 1.5240",
                 "Epoch [2/10], Step [24960/25000], Loss: 1.4402",
@@ -286,7 +300,7 @@ mod tests {
             ]
         );
         assert_eq!(
-            slide("exercise3_pipeline", "transformer", 0),
+            slide(&EXERCISE3_PIPELINE, "transformer", 0),
             [
                 "end of epoch 1 | time: 28.42s | valid loss 1.22",
                 "end of epoch 2 | time: 27.36s | valid loss 0.25",
@@ -294,8 +308,13 @@ mod tests {
                 "End of training | test loss 0.20",
             ]
         );
+        // Under the results table, each with its device.
+        let figures = crate::course_figures::for_run("exercise3_ddp", "vgg19");
+        let block = CourseScript::Ddp.slide_printouts(figures);
+        assert!(block.starts_with("course: 2 GPUs, as the slide prints it:\n    Epoch [2/10], Step [24960/25000], Loss: 1.5240\n"), "{block}");
+        assert!(block.ends_with("    Elapsed time: 234.65 s ≈ 4 min\n") && !block.contains("Lightning DDP"), "{block}");
         // The slides without epoch lines rebuild none.
-        assert!(slide("exercise1", "cnn", 0).is_empty() && slide("exercise3_ddp", "vgg19", 1).is_empty());
+        assert!(slide(&EXERCISE1, "cnn", 0).is_empty() && slide(&EXERCISE3_DDP, "vgg19", 1).is_empty());
     }
 
     // The expected blocks are the tutorial's and Lightning's own format strings run in Python

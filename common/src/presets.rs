@@ -243,14 +243,6 @@ pub const EXERCISE3_PIPELINE: Preset = Preset {
 /// (Megatron-LM's tensor parallelism: the course's "TP for intranode parallelism"), 3 epochs.
 pub const EXERCISE3_TP: Preset = Preset { name: "exercise3_tp", parallelism: ModelParallelism::Tensor, ..EXERCISE3_PIPELINE };
 
-/// Every exercise's preset.
-pub const ALL: [&Preset; 6] = [&EXERCISE1, &EXERCISE1_NLP, &EXERCISE2, &EXERCISE3_DDP, &EXERCISE3_PIPELINE, &EXERCISE3_TP];
-
-/// The preset named `name` (a results record's `exercise`).
-pub fn by_name(name: &str) -> Option<&'static Preset> {
-    ALL.into_iter().find(|p| p.name == name)
-}
-
 impl Preset {
     /// This image exercise training `arch` (`--model`): the course's own recipe for that model
     /// where a course gives one (`--recipe course`: JSC's ResNet50, Namal/BSC's ResNet50V2),

@@ -257,15 +257,7 @@ pub fn comparison_table(records: &[RunRecord], missing: Option<&str>) -> String 
     if !course.is_empty() {
         let _ = writeln!(out, "{}; ours: this machine, these flags", crate::course_figures::SOURCE);
     }
-    // The slide's own printout of its epochs, to hold against ours line by line.
-    if let Some(script) = crate::presets::by_name(&first.exercise).map(|p| p.script) {
-        for c in course {
-            let lines = script.slide_printout(c);
-            if !lines.is_empty() {
-                let _ = writeln!(out, "course: {}, as the slide prints it:\n    {}", c.device, lines.join("\n    "));
-            }
-        }
-    }
+
     if let [cpu, gpu] = records {
         if gpu.train_time_s > 0.0 {
             let _ = writeln!(out, "GPU speed-up: {:.1}× (throughput ratio)", gpu.throughput / cpu.throughput.max(f64::EPSILON));
@@ -410,15 +402,6 @@ pub(crate) mod tests {
         // The tutorial's `| End of training | test loss 5.48 | test ppl 240.33`, in 4748.23 s.
         assert!(table.contains("| course: cpu | - | 4748.23 (≈1600 s/epoch) | - |   240.33 |      5.48 | - |"), "{table}");
         assert!(table.contains("| course: gpu | - | 219.23 (≈70–79 s/epoch) | - |   221.61 |      5.40 | - |"), "{table}");
-        // Under them, each slide's printout of its epochs, in the tutorial's shape.
-        assert!(
-            table.contains("course: gpu, as the slide prints it:\n    | end of epoch   1 | time: 79.06s | valid loss  5.75 | valid ppl   314.83\n"),
-            "{table}"
-        );
-        let ddp = RunRecord { exercise: "exercise3_ddp".into(), model: "vgg19".into(), ..record("cpu", 100.0) };
-        let table = comparison_table(&[ddp], None);
-        assert!(table.contains("course: 2 GPUs, as the slide prints it:\n    Epoch [2/10], Step [24960/25000], Loss: 1.5240\n"), "{table}");
-        assert!(table.contains("    Elapsed time: 234.65 s ≈ 4 min\n") && !table.contains("Lightning DDP, as the slide"), "{table}");
         let tp = RunRecord { exercise: "exercise3_tp".into(), model: "transformer".into(), ..record("cpu", 100.0) };
         assert!(!comparison_table(&[tp], None).contains("course"), "no slide for tensor parallelism");
     }

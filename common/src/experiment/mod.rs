@@ -363,7 +363,7 @@ fn run_per_device<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<V
             Err(err) => session.warn(format!("warning: {err:#}"))?,
         }
     }
-    session.info(report::comparison_table(&records, missing))?;
+    session.info(results::comparison(exp.preset(), &records, missing))?;
     Ok(records)
 }
 

@@ -11,6 +11,7 @@ use crate::comm::layout::{Groups, Layout};
 use crate::comm::CommStats;
 use crate::device;
 use crate::memory::{ModelState, PeakMemory};
+use crate::presets::Preset;
 use crate::report::{self, RunInfo, RunRecord};
 use crate::train::{self, EvalSums, FitReport, LrSchedule, Metric, Observers, TrainStep};
 
@@ -154,7 +155,7 @@ pub(super) fn write_results<E: Experiment>(
         session.info(format!("wrote {} (the flags given: --config {0} repeats the run)", config.display()))?;
     }
     if !preset.per_device || groups.world.world_size() > 1 {
-        session.info(report::comparison_table(std::slice::from_ref(&record), None))?;
+        session.info(comparison(preset, std::slice::from_ref(&record), None))?;
     }
     Ok(record)
 }
@@ -278,4 +279,12 @@ pub(super) fn step_parameter_count(groups: &Groups, step: &dyn TrainStep<'_>) ->
     let mut total = tch::Tensor::from(mine as f64);
     model.all_reduce(&mut total, crate::comm::ReduceOp::Sum)?;
     Ok(total.double_value(&[]) as i64)
+}
+
+/// The course's comparison table of `records` (one run, or one per device), and under it the
+/// slides' own printouts of their epochs in the shape of `preset`'s script, to hold against ours
+/// line by line.
+pub fn comparison(preset: &Preset, records: &[RunRecord], missing: Option<&str>) -> String {
+    let figures = crate::course_figures::for_run(&records[0].exercise, &records[0].model);
+    report::comparison_table(records, missing) + &preset.script.slide_printouts(figures)
 }

@@ -98,6 +98,14 @@ pub struct ImageArgs {
     #[arg(long, value_name = "N")]
     #[arg(help_heading = "Data")]
     pub image_size: Option<i64>,
+    /// How CIFAR-10's and MNIST's bytes become inputs: standardized (each channel by the
+    /// training set's mean and deviation) or to-tensor (bytes / 255, as `transforms.ToTensor()`
+    /// alone: the LRZ course's scripts) [default: the recipe's: standardized; --recipe course:
+    /// to-tensor for exercise1, exercise2 and exercise3 ddp]. Image files and shards are
+    /// standardized by ImageNet's statistics.
+    #[arg(long, value_enum)]
+    #[arg(help_heading = "Data")]
+    pub inputs: Option<crate::data::InputScaling>,
     /// Background threads preparing batches [default: for image files, decoding, every core
     /// this process may use for a GPU (SLURM_CPUS_PER_TASK under Slurm) and 1 for the CPU; for
     /// data in memory, 2 for a GPU and 0 for the CPU, whose cores LibTorch's threads already use:
@@ -176,6 +184,11 @@ impl<'a> ImageExperiment<'a> {
 
     /// The side images are trained at when not their own: `--image-size`, else the recipe's
     /// (the course's `Resize((N, N))`).
+    /// How the data set's bytes become inputs: `--inputs`, else the recipe's.
+    fn inputs(&self) -> crate::data::InputScaling {
+        self.args.inputs.unwrap_or(self.preset.recipe_for(&self.args.recipe).inputs)
+    }
+
     fn image_size(&self) -> Option<i64> {
         self.args.image_size.or(self.preset.recipe_for(&self.args.recipe).image_size)
     }
@@ -357,6 +370,9 @@ impl Experiment for ImageExperiment<'_> {
                 }
             }
             None => {
+                if args.inputs.is_some() {
+                    return usage(format!("--inputs applies to CIFAR-10 and MNIST; {} is standardized by ImageNet's statistics", dataset.name()));
+                }
                 if args.augment {
                     return usage("--augment is CIFAR's padded random crop; image files have --transform imagenet (random resized crops and flips) instead");
                 }
@@ -574,10 +590,10 @@ impl Experiment for ImageExperiment<'_> {
         let eval = LoaderConfig { workers, prefetch, shard, ..LoaderConfig::eval(batch, device) };
         let (train, eval): (Box<dyn BatchSource>, Box<dyn BatchSource>) = match data {
             ImageData::Memory { train: train_set, test } => {
-                let (resident, resize) = (args.data_on_device, self.resize());
+                let (resident, resize, scaling) = (args.data_on_device, self.resize(), self.inputs());
                 (
-                    Box::new(Loader::new(train_set.clone(), LoaderConfig { augment: args.augment, resident, resize, ..train })),
-                    Box::new(Loader::new(test.clone(), LoaderConfig { resident, resize, ..eval })),
+                    Box::new(Loader::new(train_set.clone(), LoaderConfig { augment: args.augment, resident, resize, scaling, ..train })),
+                    Box::new(Loader::new(test.clone(), LoaderConfig { resident, resize, scaling, ..eval })),
                 )
             }
             ImageData::Files { train: train_files, test, .. } => {
@@ -622,7 +638,11 @@ impl Experiment for ImageExperiment<'_> {
             Trainable::Last(n) => n.into(),
         };
         let image_size = self.spec().image_size;
-        (vec![time, table], serde_json::json!({ "memory_format": memory_format, "trained_blocks": trained_blocks, "image_size": image_size }))
+        let inputs = match self.args.dataset.in_memory() {
+            Some(_) => serde_json::to_value(self.inputs()).expect("a scaling serialises"),
+            None => "standardized-imagenet".into(),
+        };
+        (vec![time, table], serde_json::json!({ "memory_format": memory_format, "trained_blocks": trained_blocks, "image_size": image_size, "inputs": inputs }))
     }
 }
 
@@ -700,6 +720,23 @@ mod tests {
         let spec = exp.model_spec().unwrap();
         let transform = exp.args.dataset.in_memory().is_none().then(|| exp.transform(false));
         (spec, transform)
+    }
+
+    /// The LRZ course's CIFAR-10 scripts feed `transforms.ToTensor()` alone: `--recipe course`
+    /// does for exercise1, exercise2 and exercise3 ddp; the default recipe standardizes; the
+    /// flag wins.
+    #[test]
+    fn the_lrz_course_recipe_feeds_pixels_as_to_tensor_leaves_them() {
+        use crate::data::InputScaling::{Standardized, ToTensor};
+        use crate::presets::EXERCISE3_DDP;
+        let inputs = |preset: &Preset, flags: &str| ImageExperiment::new(preset, &parse("exercise", flags).unwrap()).inputs();
+        for preset in [&EXERCISE1, &EXERCISE2, &EXERCISE3_DDP] {
+            assert_eq!((inputs(preset, "--recipe course"), inputs(preset, "")), (ToTensor, Standardized), "{}", preset.name);
+        }
+        assert_eq!(inputs(&EXERCISE1, "--recipe course --inputs standardized"), Standardized);
+        assert_eq!(inputs(&EXERCISE1, "--inputs to-tensor"), ToTensor);
+        // JSC's and Namal/BSC's recipes keep their own (standardized).
+        assert_eq!(inputs(&EXERCISE1, "--model resnet50v2 --recipe course"), Standardized);
     }
 
     #[test]

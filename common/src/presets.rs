@@ -5,6 +5,7 @@
 use serde::Serialize;
 
 use crate::course_format::CourseScript;
+use crate::data::InputScaling;
 use crate::flags::{RecipeArgs, RecipeSource};
 use crate::models::{Arch, OutputInit, TransformerConfig};
 use crate::optim::OptimizerKind;
@@ -37,6 +38,8 @@ pub struct Recipe {
     pub scale_lr: bool,
     /// Images resized to N×N (`Resize((N, N))`; image models only), as the course's recipe does.
     pub image_size: Option<i64>,
+    /// How images become inputs (image models only; `--inputs`).
+    pub inputs: InputScaling,
 }
 
 /// Where a preset's own warm-up starts, as a share of the learning rate.
@@ -107,6 +110,7 @@ const IMAGE_RECIPE: Recipe = Recipe {
     epochs: None,
     scale_lr: false,
     image_size: None,
+    inputs: InputScaling::Standardized,
 };
 
 /// The PyTorch Transformer tutorial's recipe: SGD lr 5.0, StepLR γ 0.95, clipping 0.5, batch 20.
@@ -124,7 +128,12 @@ const TUTORIAL_RECIPE: Recipe = Recipe {
     epochs: None,
     scale_lr: false,
     image_size: None,
+    inputs: InputScaling::Standardized,
 };
+
+/// The LRZ course's CIFAR-10 scripts: exercise 1's recipe on `transforms.ToTensor()` alone
+/// (pixels in [0, 1], not standardised).
+const LRZ_IMAGE_RECIPE: Recipe = Recipe { inputs: InputScaling::ToTensor, ..IMAGE_RECIPE };
 
 /// VGG19 (no batch normalisation) from scratch: exercise 1's Adam at lr 1e-3 leaves it at
 /// chance (test accuracy 0.100, as on exercise 1's slide; measured on an H100 with the generated
@@ -153,6 +162,7 @@ const LARGE_MODEL_RECIPE: Recipe = Recipe {
     epochs: None,
     scale_lr: false,
     image_size: None,
+    inputs: InputScaling::Standardized,
 };
 
 /// JSC's ResNet50 hands-on ("Getting started with AI on supercomputers"): Adam at lr 0.02,
@@ -175,7 +185,7 @@ pub const EXERCISE1: Preset = Preset {
     epochs: 5,
     model: ModelPreset::Image(Arch::Cnn),
     recipe: IMAGE_RECIPE,
-    course: IMAGE_RECIPE,
+    course: LRZ_IMAGE_RECIPE,
     sync: GradientSync::Ddp,
     per_device: true,
     parallelism: ModelParallelism::None,
@@ -201,7 +211,7 @@ pub const EXERCISE2: Preset = Preset {
     epochs: 10,
     model: ModelPreset::Image(Arch::Resnet34),
     recipe: IMAGE_RECIPE,
-    course: IMAGE_RECIPE,
+    course: LRZ_IMAGE_RECIPE,
     sync: GradientSync::Horovod,
     per_device: false,
     parallelism: ModelParallelism::None,
@@ -214,7 +224,7 @@ pub const EXERCISE3_DDP: Preset = Preset {
     epochs: 10,
     model: ModelPreset::Image(Arch::Vgg19),
     recipe: VGG_RECIPE,
-    course: IMAGE_RECIPE,
+    course: LRZ_IMAGE_RECIPE,
     sync: GradientSync::Ddp,
     per_device: false,
     parallelism: ModelParallelism::None,
@@ -306,6 +316,9 @@ fn describe_recipe(r: &Recipe) -> String {
     }
     if let Some(side) = r.image_size {
         out += &format!(" --image-size {side} (Resize)");
+    }
+    if r.inputs == InputScaling::ToTensor {
+        out += " --inputs to-tensor";
     }
     if r.schedule == ScheduleKind::Step {
         out += &format!(" --gamma {}", r.gamma);

@@ -13,7 +13,7 @@
 //!
 //! With `resize` (`--image-size`), every batch is resized on the device, as the last step.
 use super::workers::ordered_map;
-use super::{ImageDataset, Normalization, Sampler};
+use super::{ImageDataset, InputScaling, Normalization, Sampler};
 use crate::train::{BatchSource, Batches};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -44,6 +44,8 @@ pub struct LoaderConfig {
     /// Resize every image to this side × side on the training device, after augmentation and
     /// normalisation ([`resize`]); `None` keeps the data set's size.
     pub resize: Option<i64>,
+    /// Standardised by the data set's statistics, or only scaled to [0, 1].
+    pub scaling: InputScaling,
 }
 
 impl LoaderConfig {
@@ -61,6 +63,7 @@ impl LoaderConfig {
             shard: (0, 1),
             resident: false,
             resize: None,
+            scaling: InputScaling::Standardized,
         }
     }
 
@@ -145,7 +148,10 @@ impl Loader {
                 let draws = augmentation_draws(&self.config, epoch, batch, chunk.len());
                 batch_images = crop_flip_on_device(&batch_images, &draws, AUGMENT_PADDING);
             }
-            Batch { inputs: resize(&normalize(&batch_images, self.dataset.kind.normalization()), self.config.resize), targets: labels.index_select(0, &index) }
+            Batch {
+                inputs: resize(&normalize(&batch_images, self.dataset.kind.input_normalization(self.config.scaling)), self.config.resize),
+                targets: labels.index_select(0, &index),
+            }
         })
     }
 
@@ -161,7 +167,7 @@ impl Loader {
         let batches = first.min(self.batches_per_epoch())..self.batches_per_epoch();
         let maker = Arc::clone(&job);
         let staged = ordered_map(batches, self.config.workers, self.config.prefetch, move |batch| Ok(maker.host_batch(batch)));
-        let (device, normalization, side) = (self.config.device, self.dataset.kind.normalization(), self.config.resize);
+        let (device, normalization, side) = (self.config.device, self.dataset.kind.input_normalization(self.config.scaling), self.config.resize);
         Box::new(staged.map(move |host| host.map(|host| host.into_device(device, normalization, side))))
     }
 }
@@ -239,7 +245,7 @@ impl EpochJob {
         }
         let labels: Vec<i64> = indices.iter().map(|&i| self.dataset.labels[i] as i64).collect();
         let shape = [indices.len() as i64, c as i64, h as i64, w as i64];
-        stage(bytes, labels, shape, self.dataset.kind.normalization(), self.config.device)
+        stage(bytes, labels, shape, self.dataset.kind.input_normalization(self.config.scaling), self.config.device)
     }
 }
 
@@ -379,6 +385,24 @@ mod tests {
         let images: Vec<u8> = (0..n * 3 * 32 * 32).map(|i| (i * step % modulus) as u8).collect();
         let labels: Vec<u8> = (0..n).map(|i| (i % 10) as u8).collect();
         ImageDataset { kind: DatasetKind::Cifar10, images: std::sync::Arc::new(images), labels: labels.into(), generated: true }
+    }
+
+    /// `ToTensor` inputs are the bytes / 255 exactly, on every path (workers or not); standardized
+    /// ones are those, less the channel's mean, over its deviation.
+    #[test]
+    fn to_tensor_scales_bytes_into_0_1_and_standardized_uses_the_datasets_statistics() {
+        use crate::train::BatchSource;
+        let data = cifar_like(4, 7, 256);
+        let expected = Tensor::from_slice(&data.images[..]).to_kind(Kind::Float).view([4, 3, 32, 32]) / 255.0;
+        for workers in [0, 1] {
+            let config = |scaling| LoaderConfig { workers, scaling, ..LoaderConfig::eval(4, Device::Cpu) };
+            let batch = |scaling| Loader::new(data.clone(), config(scaling)).epoch(0).next().unwrap().unwrap().inputs;
+            assert!(batch(InputScaling::ToTensor).equal(&expected), "workers {workers}");
+            let (mean, std) =
+                (Tensor::from_slice(&[0.4914f32, 0.4822, 0.4465]).view([1, 3, 1, 1]), Tensor::from_slice(&[0.2470f32, 0.2435, 0.2616]).view([1, 3, 1, 1]));
+            let difference = (batch(InputScaling::Standardized) - (&expected - mean) / std).abs().max().double_value(&[]);
+            assert!(difference < 1e-5, "workers {workers}: {difference}");
+        }
     }
 
     #[test]

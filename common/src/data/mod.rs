@@ -96,6 +96,16 @@ impl DatasetKind {
         }
     }
 
+    /// What turns this data set's bytes into inputs under `scaling`: its [`normalization`](Self::normalization),
+    /// or mean 0 and deviation 1 per channel (bytes / 255 exactly).
+    pub fn input_normalization(self, scaling: InputScaling) -> Normalization {
+        match (scaling, self) {
+            (InputScaling::Standardized, _) => self.normalization(),
+            (InputScaling::ToTensor, DatasetKind::Cifar10) => Normalization { mean: &[0.0; 3], std: &[1.0; 3] },
+            (InputScaling::ToTensor, DatasetKind::Mnist) => Normalization { mean: &[0.0], std: &[1.0] },
+        }
+    }
+
     /// Where `make data` puts this data set.
     pub fn default_dir(self) -> PathBuf {
         PathBuf::from("data").join(self.name())
@@ -107,6 +117,18 @@ impl DatasetKind {
 pub struct Normalization {
     pub mean: &'static [f64],
     pub std: &'static [f64],
+}
+
+/// How an image data set's bytes become the model's inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum InputScaling {
+    /// Each channel standardised by the training set's mean and deviation (torchvision's
+    /// `Normalize` after `ToTensor`).
+    Standardized,
+    /// Bytes / 255, in [0, 1], as `transforms.ToTensor()` alone leaves them: the LRZ course's
+    /// CIFAR-10 scripts.
+    ToTensor,
 }
 
 /// ImageNet's, as in torchvision's recipes (and for any image folder or shard set: the usual

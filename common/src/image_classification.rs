@@ -642,7 +642,22 @@ impl Experiment for ImageExperiment<'_> {
             Some(_) => serde_json::to_value(self.inputs()).expect("a scaling serialises"),
             None => "standardized-imagenet".into(),
         };
-        (vec![time, table], serde_json::json!({ "memory_format": memory_format, "trained_blocks": trained_blocks, "image_size": image_size, "inputs": inputs }))
+        let start = match &self.args.weights {
+            None => "scratch",
+            Some(WeightsArg::Imagenet) => "imagenet",
+            Some(WeightsArg::File(_)) => "file",
+        };
+        let mut lines = vec![time, table];
+        // exercise1_CNN.py starts ResNet34 and VGG19 from `weights='IMAGENET1K_V1'`: a run from
+        // scratch is not the slide's experiment, whatever its figures.
+        if matches!(self.arch(), Arch::Resnet34 | Arch::Vgg19) && self.args.weights.is_none() {
+            lines.push(format!(
+                "note: the course's {} rows start from ImageNet-pretrained weights (IMAGENET1K_V1); this run trained from scratch (--weights imagenet starts where the course does)",
+                self.arch().name()
+            ));
+        }
+        let extra = serde_json::json!({ "memory_format": memory_format, "trained_blocks": trained_blocks, "image_size": image_size, "inputs": inputs, "weights": start });
+        (lines, extra)
     }
 }
 

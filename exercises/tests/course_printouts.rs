@@ -70,6 +70,12 @@ fn resnet34_prints_the_cnn_scripts_names() {
     assert!(lines[header - 2].starts_with("Time for training resnet on cpu: "), "{stdout}");
     let names: Vec<String> = lines[header + 2..header + 4].iter().map(|l| l.trim().rsplit_once(' ').unwrap().0.trim().to_string()).collect();
     assert_eq!(names, ["Test Acc", "Test loss"], "{stdout}");
+    // The slide's ResNet34 started from ImageNet's weights; this run from scratch says so.
+    assert!(
+        stdout.contains("note: the course's resnet34 rows start from ImageNet-pretrained weights (IMAGENET1K_V1); this run trained from scratch"),
+        "{stdout}"
+    );
+    assert_eq!(read_json(&results.join("exercise1-resnet34-cpu.json"))["weights"], "scratch");
 }
 
 #[test]

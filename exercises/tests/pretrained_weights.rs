@@ -129,6 +129,7 @@ fn imagenet_weights_are_fetched_checked_cached_and_trained_from() {
     assert!(out.status.success(), "{}", stderr(&out));
     let said = String::from_utf8_lossy(&out.stdout).to_string() + &stderr(&out);
     assert!(said.contains(&format!("tensors loaded from {}", home.path().join("hub/checkpoints").join(&name).display())), "{said}");
+    assert!(!said.contains("this run trained from scratch"), "started where the course does: {said}");
 
     // Another model's file (resnet34's given to resnet50): one line listing what does not fit.
     let out = exercise1("resnet50", file.to_str().unwrap());

@@ -199,7 +199,9 @@ pub fn lightning_test_table(metrics: &[(&str, f64)]) -> String {
     let row = |a: &str, b: &str| format!("{a:^width$}{b:^width$}").trim_end().to_string();
     let rule = "─".repeat(LIGHTNING_WIDTH);
     let mut lines = vec![rule.clone(), row("Test metric", header), rule.clone()];
-    lines.extend(metrics.iter().map(|(name, value)| row(name, &((*value as f32) as f64).to_string())));
+    // Debug, not Display: Python prints a whole float with its ".0" (`0.0`, `1.0`), Rust's
+    // Display without; both print the shortest digits that read back the same otherwise.
+    lines.extend(metrics.iter().map(|(name, value)| row(name, &format!("{:?}", (*value as f32) as f64))));
     lines.push(rule);
     lines.join("\n")
 }
@@ -345,5 +347,8 @@ mod tests {
         ]
         .join("\n");
         assert_eq!(lightning_test_table(&[("test_loss_epoch", 1.0512), ("test_acc_epoch", 0.633)]), expected);
+        // An accuracy of nothing right, and a whole loss, as Python prints them.
+        let table = lightning_test_table(&[("test_acc_epoch", 0.0), ("test_loss_epoch", 2.0)]);
+        assert!(table.contains("     test_acc_epoch                 0.0\n") && table.contains("     test_loss_epoch                2.0\n"), "{table}");
     }
 }

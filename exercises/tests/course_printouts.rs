@@ -78,39 +78,23 @@ fn resnet34_prints_the_cnn_scripts_names() {
     assert_eq!(read_json(&results.join("exercise1-resnet34-cpu.json"))["weights"], "scratch");
 }
 
-#[test]
-fn the_language_model_prints_the_tutorials_epoch_and_final_blocks() {
+/// A two-epoch run of a tiny language model on a WikiText-2 sample: `args` (the binary's
+/// subcommand and its own flags) then the model's; its stdout and results JSON `results_name`.
+fn tiny_language_model(bin: &str, args: &[&str], results_name: &str) -> (String, serde_json::Value) {
     let dir = tempfile::tempdir().unwrap();
     let (data, results) = (dir.path().join("data"), dir.path().join("results"));
     std::fs::create_dir(&data).unwrap();
     wikitext_sample(&data, [60, 20, 20]);
-    let out = run(
-        env!("CARGO_BIN_EXE_exercise1_nlp"),
-        &[
-            "--data-dir",
-            data.to_str().unwrap(),
-            "--device",
-            "cpu",
-            "--quiet",
-            "--emsize",
-            "16",
-            "--d-hid",
-            "32",
-            "--nhead",
-            "2",
-            "--nlayers",
-            "1",
-            "--tokenizer",
-            "whitespace",
-            "--epochs",
-            "2",
-            "--results-dir",
-            results.to_str().unwrap(),
-        ],
-    );
+    let model = ["--emsize", "16", "--d-hid", "32", "--nhead", "2", "--tokenizer", "whitespace", "--epochs", "2", "--quiet"];
+    let places = ["--data-dir", data.to_str().unwrap(), "--results-dir", results.to_str().unwrap()];
+    let out = run(bin, &[args, &model, &places].concat());
     assert!(out.status.success(), "{}", stderr(&out));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let json = read_json(&results.join("exercise1_nlp-transformer-cpu.json"));
+    (String::from_utf8_lossy(&out.stdout).into_owned(), read_json(&results.join(results_name)))
+}
+
+#[test]
+fn the_language_model_prints_the_tutorials_epoch_and_final_blocks() {
+    let (stdout, json) = tiny_language_model(env!("CARGO_BIN_EXE_exercise1_nlp"), &["--device", "cpu", "--nlayers", "1"], "exercise1_nlp-transformer-cpu.json");
     for (epoch, stats) in json["history"].as_array().unwrap().iter().enumerate() {
         let loss = stats["eval_loss"].as_f64().unwrap();
         let tail = format!(" | valid loss {loss:5.2} | valid ppl {:8.2}", loss.exp());
@@ -131,33 +115,8 @@ fn the_language_model_prints_the_tutorials_epoch_and_final_blocks() {
 /// training | test loss 0.20`, with our run's figures; then the slide's own under the table.
 #[test]
 fn the_pipeline_prints_the_pipeline_exercises_lines() {
-    let dir = tempfile::tempdir().unwrap();
-    let (data, results) = (dir.path().join("data"), dir.path().join("results"));
-    std::fs::create_dir(&data).unwrap();
-    wikitext_sample(&data, [60, 20, 20]);
-    let model = [
-        "--emsize",
-        "16",
-        "--d-hid",
-        "32",
-        "--nhead",
-        "2",
-        "--nlayers",
-        "2",
-        "--tokenizer",
-        "whitespace",
-        "--epochs",
-        "2",
-        "--batch-size",
-        "4",
-        "--chunks",
-        "2",
-    ];
-    let places = ["--devices", "cpu,cpu", "--quiet", "--data-dir", data.to_str().unwrap(), "--results-dir", results.to_str().unwrap()];
-    let out = run(env!("CARGO_BIN_EXE_exercise3"), &[&["pipeline"][..], &model, &places].concat());
-    assert!(out.status.success(), "{}", stderr(&out));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let json = read_json(&results.join("exercise3_pipeline-transformer-cpu.json"));
+    let args = ["pipeline", "--devices", "cpu,cpu", "--nlayers", "2", "--batch-size", "4", "--chunks", "2"];
+    let (stdout, json) = tiny_language_model(env!("CARGO_BIN_EXE_exercise3"), &args, "exercise3_pipeline-transformer-cpu.json");
     for (epoch, stats) in json["history"].as_array().unwrap().iter().enumerate() {
         let head = format!("end of epoch {} | time: ", epoch + 1);
         let line = stdout.lines().find(|l| l.starts_with(&head)).unwrap_or_else(|| panic!("no '{head}' in:\n{stdout}"));

@@ -231,3 +231,20 @@ fn a_checkpoint_given_as_weights_points_to_resume() {
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     one_error_line(&out, &["is a checkpoint of a run", &format!("--checkpoint-dir {dir} --resume")]);
 }
+
+/// A path that is not UTF-8 is a valid argument on Linux: it gets the same line as any missing
+/// folder, never "internal error" (std::env::args panicked on it).
+#[test]
+fn a_path_that_is_not_utf8_is_read_as_a_path() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join(std::ffi::OsStr::from_bytes(b"caf\xe9"));
+    for (name, sub) in [("exercise1", None), ("exercise1_nlp", None), ("exercise3", Some("ddp"))] {
+        let mut cmd = bin(name);
+        cmd.args(sub).args(["--device", "cpu", "--quiet", "--data-dir"]).arg(&missing);
+        let out = cmd.output().unwrap();
+        assert!(matches!(out.status.code(), Some(1 | 2)), "{name}: {}", stderr(&out));
+        let line = one_error_line(&out, &["caf"]);
+        assert!(!line.contains("internal error"), "{name}: {line}");
+    }
+}

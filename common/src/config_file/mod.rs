@@ -141,15 +141,120 @@ fn expand(cmd: &Command, argv: Vec<OsString>) -> Result<(Vec<OsString>, Vec<Stri
     Ok((out, notes))
 }
 
+/// The most a configuration file may hold, and how deep its tables, arrays and dotted keys may
+/// nest: a file of flags is a few hundred bytes and flat, DeepSpeed's a few kilobytes and three
+/// levels deep. (TOML's parser recurses once a level: 100,000 levels overflowed its stack.)
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+const MAX_CONFIG_DEPTH: usize = 32;
+
+/// `file`'s table: JSON (by its extension) or TOML, read only if it is a regular file within
+/// [`MAX_CONFIG_BYTES`] and [`MAX_CONFIG_DEPTH`], a key given twice refused in both.
+fn read_table(file: &Path) -> Result<Value, String> {
+    let bytes = crate::data::read_regular_file(file, MAX_CONFIG_BYTES, "give --config a file of flags").map_err(|e| format!("{e:#}"))?;
+    let text = String::from_utf8(bytes).map_err(|_| "not UTF-8 text".to_string())?;
+    let depth = nesting_depth(&text);
+    if depth > MAX_CONFIG_DEPTH {
+        return Err(format!("nested {depth} levels deep, more than the {MAX_CONFIG_DEPTH} a configuration may have"));
+    }
+    if file.extension().is_some_and(|e| e == "json") {
+        json_with_unique_keys(&text).map_err(|e| format!("not JSON: {e}"))
+    } else {
+        basic_toml::from_str(&text).map_err(|e| format!("not TOML: {e}"))
+    }
+}
+
+/// The deepest nesting of `text`'s brackets and braces, or of a line's dotted key, outside
+/// quoted strings (an upper bound on both formats' depth: enough to refuse a file before a
+/// recursive parser reads it).
+fn nesting_depth(text: &str) -> usize {
+    let (mut deepest, mut open) = (0usize, 0usize);
+    for line in text.lines() {
+        let (mut quote, mut escaped, mut dots, mut in_value) = (None, false, 0usize, false);
+        for c in line.chars() {
+            match (quote, c) {
+                (Some(_), '\\') if !escaped => {
+                    escaped = true;
+                    continue;
+                }
+                (Some(q), c) if c == q && !escaped => quote = None,
+                (Some(_), _) => {}
+                (None, '"' | '\'') => quote = Some(c),
+                (None, '#') => break,
+                (None, '[' | '{') => open += 1,
+                (None, ']' | '}') => open = open.saturating_sub(1),
+                (None, '=' | ':') => in_value = true,
+                (None, '.') if !in_value => dots += 1,
+                _ => {}
+            }
+            escaped = false;
+            deepest = deepest.max(open + dots);
+        }
+    }
+    deepest
+}
+
+/// JSON text as a value, refusing an object that names a key twice (serde_json keeps the last
+/// one silently, so a second `"lr"` would win unseen).
+fn json_with_unique_keys(text: &str) -> Result<Value, serde_json::Error> {
+    use serde::de::{Deserialize, Deserializer, Error, MapAccess, SeqAccess, Visitor};
+    struct Unique(Value);
+    impl<'de> Deserialize<'de> for Unique {
+        fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Unique, D::Error> {
+            deserializer.deserialize_any(UniqueVisitor).map(Unique)
+        }
+    }
+    struct UniqueVisitor;
+    impl<'de> Visitor<'de> for UniqueVisitor {
+        type Value = Value;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON value")
+        }
+        fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+            Ok(Value::Bool(v))
+        }
+        fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+            Ok(v.into())
+        }
+        fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+            Ok(v.into())
+        }
+        fn visit_f64<E: Error>(self, v: f64) -> Result<Value, E> {
+            serde_json::Number::from_f64(v).map(Value::Number).ok_or_else(|| E::custom(format!("{v} is not a finite number")))
+        }
+        fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+            Ok(Value::String(v.to_string()))
+        }
+        fn visit_unit<E>(self) -> Result<Value, E> {
+            Ok(Value::Null)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+            let mut items = Vec::new();
+            while let Some(Unique(item)) = seq.next_element()? {
+                items.push(item);
+            }
+            Ok(Value::Array(items))
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+            let mut object = serde_json::Map::new();
+            while let Some(key) = map.next_key::<String>()? {
+                let Unique(value) = map.next_value()?;
+                if object.insert(key.clone(), value).is_some() {
+                    return Err(A::Error::custom(format!("the key `{key}` is given twice")));
+                }
+            }
+            Ok(Value::Object(object))
+        }
+    }
+    let mut deserializer = serde_json::Deserializer::from_str(text);
+    let Unique(value) = Unique::deserialize(&mut deserializer)?;
+    deserializer.end()?;
+    Ok(value)
+}
+
 /// The flags `file` gives for `cmd`: `--key value`, `--flag` for `true`, each checked against the
 /// command (the key exists, the value parses) before anything runs.
 fn flags_of(cmd: &Command, file: &Path, notes: &mut Vec<String>) -> Result<Vec<OsString>, String> {
-    let text = std::fs::read_to_string(file).map_err(|e| format!("--config {}: {e}", file.display()))?;
-    let table: Value = if file.extension().is_some_and(|e| e == "json") {
-        serde_json::from_str(&text).map_err(|e| format!("--config {}: not JSON: {e}", file.display()))?
-    } else {
-        basic_toml::from_str(&text).map_err(|e| format!("--config {}: not TOML: {e}", file.display()))?
-    };
+    let table = read_table(file).map_err(|e| format!("--config {}: {e}", file.display()))?;
     let Value::Object(table) = table else { return Err(format!("--config {}: not a table of flags", file.display())) };
     let mut flags = Vec::new();
     let translation = deepspeed::translate(table).map_err(|e| format!("--config {}: {e}", file.display()))?;
@@ -312,6 +417,32 @@ mod tests {
         assert!(e.contains("not TOML"), "{e}");
         let e = err("{\"lr\": {\"x\": 1}}", ".json");
         assert!(e.contains("unknown section `lr`"), "{e}");
+    }
+
+    /// What a configuration file must be before it is parsed: a regular file, small, shallow,
+    /// each key once (TOML's parser refuses a repeated key itself; serde_json kept the last).
+    #[test]
+    fn a_config_that_is_not_a_small_shallow_file_of_unique_keys_is_refused() {
+        let cmd = with_config_flags(command());
+        let err = |path: &Path| expand(&cmd, argv(&["x", "--config", path.to_str().unwrap()])).unwrap_err();
+        let e = err(&file("{\"lr\": 0.1, \"batch_size\": 8, \"lr\": 0.5}", ".json"));
+        assert!(e.contains("not JSON: the key `lr` is given twice"), "{e}");
+        let e = err(&file("{\"zero_optimization\": {\"stage\": 2, \"stage\": 3}}", ".json"));
+        assert!(e.contains("the key `stage` is given twice"), "{e}");
+        assert!(err(&file("lr = 0.1\nlr = 0.5\n", ".toml")).contains("not TOML"));
+        let deep = format!("x = {}1{}\n", "[".repeat(100_000), "]".repeat(100_000));
+        assert!(err(&file(&deep, ".toml")).contains("nested 100000 levels deep, more than the 32"), "before the parser recurses");
+        let dotted = format!("{} = 1\n", vec!["a"; 50].join("."));
+        assert!(err(&file(&dotted, ".toml")).contains("nested 49 levels deep"));
+        assert!(err(&file(&" ".repeat(2 << 20), ".toml")).contains("more than the 1048576"));
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("flags.toml");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        let e = err(&fifo);
+        assert!(e.contains("is not a regular file (a FIFO): give --config a file of flags"), "without waiting for a writer: {e}");
+        assert!(err(dir.path()).contains("is not a regular file (a folder)"));
+        // Strings may hold brackets, dots and a `#`: a flat file stays flat.
+        assert_eq!(nesting_depth("run_name = \"a.b.c [[[{{\" # x.y.z\ndevices = [\"cpu\", \"cpu\"]\n"), 1);
     }
 
     fn expand_file(text: &str) -> Result<(ArgMatches, Vec<String>), String> {

@@ -219,15 +219,18 @@ pub(crate) fn not_a_file(dir: &Path) -> anyhow::Result<()> {
 /// Reads a file whole, naming it in the error (see [`read_regular_file`]), with no size limit
 /// but the memory's.
 pub(crate) fn read_file(path: &Path) -> anyhow::Result<Vec<u8>> {
-    read_regular_file(path, u64::MAX)
+    read_regular_file(path, u64::MAX, DATA_REMEDY)
 }
+
+/// What to do about a data file that is not a regular file.
+pub(crate) const DATA_REMEDY: &str = "remove it from the data";
 
 /// Reads a regular file whole, of at most `limit` bytes, naming it in every error. It is opened
 /// without waiting (a FIFO with the right name would block a reader forever) and refused unless
 /// it is a regular file (a FIFO, a device such as /dev/zero behind a link, a socket); its bytes
 /// are reserved before they are read, so that a file larger than the memory left is one line
-/// saying how much it needed, not an abort.
-pub(crate) fn read_regular_file(path: &Path, limit: u64) -> anyhow::Result<Vec<u8>> {
+/// saying how much it needed, not an abort. `remedy` ends the line about a file of another kind.
+pub(crate) fn read_regular_file(path: &Path, limit: u64, remedy: &str) -> anyhow::Result<Vec<u8>> {
     use std::io::Read;
     use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
     let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).with_context(|| format!("cannot read {}", path.display()))?;
@@ -243,7 +246,7 @@ pub(crate) fn read_regular_file(path: &Path, limit: u64) -> anyhow::Result<Vec<u
         } else {
             "a folder"
         };
-        anyhow::bail!("{} is not a regular file ({what}): remove it from the data", path.display());
+        anyhow::bail!("{} is not a regular file ({what}): {remedy}", path.display());
     }
     let size = meta.len();
     if size > limit {
@@ -278,19 +281,19 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let small = dir.path().join("small.jpg");
         std::fs::write(&small, b"12345").unwrap();
-        assert_eq!(read_regular_file(&small, 5).unwrap(), b"12345");
-        let err = read_regular_file(&small, 4).unwrap_err().to_string();
+        assert_eq!(read_regular_file(&small, 5, DATA_REMEDY).unwrap(), b"12345");
+        let err = read_regular_file(&small, 4, DATA_REMEDY).unwrap_err().to_string();
         assert!(err.contains("small.jpg is 5 bytes, more than the 4"), "{err}");
         let sparse = dir.path().join("sparse.jpg");
         std::fs::File::create(&sparse).unwrap().set_len(8 << 30).unwrap();
-        assert!(read_regular_file(&sparse, MAX_IMAGE_FILE_BYTES).unwrap_err().to_string().contains("more than the 268435456"));
+        assert!(read_regular_file(&sparse, MAX_IMAGE_FILE_BYTES, DATA_REMEDY).unwrap_err().to_string().contains("more than the 268435456"));
         let zero = dir.path().join("zero.jpg");
         std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
-        assert!(read_regular_file(&zero, u64::MAX).unwrap_err().to_string().contains("zero.jpg is not a regular file (a device)"));
+        assert!(read_regular_file(&zero, u64::MAX, DATA_REMEDY).unwrap_err().to_string().contains("zero.jpg is not a regular file (a device)"));
         let fifo = dir.path().join("fifo.jpg");
         assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
         // Opened without waiting for a writer: refused at once.
-        assert!(read_regular_file(&fifo, u64::MAX).unwrap_err().to_string().contains("fifo.jpg is not a regular file (a FIFO)"));
-        assert!(read_regular_file(dir.path(), u64::MAX).unwrap_err().to_string().contains("not a regular file (a folder)"));
+        assert!(read_regular_file(&fifo, u64::MAX, DATA_REMEDY).unwrap_err().to_string().contains("fifo.jpg is not a regular file (a FIFO)"));
+        assert!(read_regular_file(dir.path(), u64::MAX, DATA_REMEDY).unwrap_err().to_string().contains("not a regular file (a folder)"));
     }
 }

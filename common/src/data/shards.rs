@@ -508,7 +508,7 @@ fn write_shard(path: &Path, folder: &ImageFolder, samples: &[usize]) -> Result<(
     let mut tar = tar::Builder::new(BufWriter::with_capacity(STREAM_BUFFER, File::create(path)?));
     for &position in samples {
         let sample = &folder.samples[position];
-        let bytes = super::read_regular_file(&sample.path, super::MAX_IMAGE_FILE_BYTES)?;
+        let bytes = super::read_regular_file(&sample.path, super::MAX_IMAGE_FILE_BYTES, super::DATA_REMEDY)?;
         let extension = sample.path.extension().unwrap_or_default().to_string_lossy().to_lowercase();
         let key = format!("{position:09}");
         append(&mut tar, &format!("{key}.{extension}"), &bytes)?;

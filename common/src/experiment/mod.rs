@@ -143,7 +143,9 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
         Ok(env) if env.is_distributed() => env.rank == 0,
         _ => parallel.nproc_per_node.is_none() || run.estimate_memory,
     };
-    if let Some(note) = Precision::legacy_name_note(std::env::args()).filter(|_| speaks) {
+    // (args_os: a path that is not UTF-8 is a valid argument, where `args` would panic.)
+    let args = std::env::args_os().map(|arg| arg.to_string_lossy().into_owned());
+    if let Some(note) = Precision::legacy_name_note(args).filter(|_| speaks) {
         session_observers(exp, true, listeners).info(note)?;
     }
     if run.estimate_memory {

@@ -431,10 +431,19 @@ pub fn plan(args: &PlanArgs) -> Result<Plan> {
     if args.nodes == 0 || args.gpus_per_node == 0 || args.global_batch == 0 || args.nlayers < 1 {
         return usage("--nodes, --gpus-per-node, --global-batch and --nlayers must be at least 1");
     }
-    for (flag, value) in [("--train-tokens", args.train_tokens), ("--peak-tflops", args.peak_tflops)] {
+    let positive = [
+        ("--train-tokens", args.train_tokens),
+        ("--peak-tflops", args.peak_tflops),
+        ("--within-host-gbps", args.within_host_gbps),
+        ("--between-hosts-gbps", args.between_hosts_gbps),
+    ];
+    for (flag, value) in positive {
         if value.is_some_and(|v| !(v > 0.0 && v.is_finite())) {
-            return usage(format!("{flag} must be a positive number"));
+            return usage(format!("{flag} must be a positive number, not {}", value.unwrap_or_default()));
         }
+    }
+    if !(args.link_latency_us >= 0.0 && args.link_latency_us.is_finite()) {
+        return usage(format!("--link-latency-us must be a number of microseconds, 0 or more, not {}", args.link_latency_us));
     }
     let mut profile = Profile::read(&args.profile, None)?;
     match args.cores_per_node {
@@ -824,6 +833,35 @@ mod tests {
         // An H100's profile is reckoned against its data sheet's bfloat16 peak.
         assert_eq!(crate::flops::gpu_peak_tflops("NVIDIA H100 80GB HBM3", Precision::BHalf, crate::precision::MatmulPrecision::Highest).unwrap().0, 989.4);
         assert!(refusal(&PlanArgs { train_tokens: Some(-1.0), ..args(path) }).contains("--train-tokens must be a positive number"));
+    }
+
+    /// Every bandwidth and latency a plan assumes is a positive finite number (0 GB/s made the
+    /// timeline panic, negative and infinite ones were ranked); a profile with a negative time
+    /// or a FIFO in its place is refused before planning.
+    #[test]
+    fn assumed_links_and_profiles_with_impossible_numbers_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_profile(dir.path());
+        for gbps in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let within = refusal(&PlanArgs { within_host_gbps: Some(gbps), ..args(path.clone()) });
+            assert!(within.contains("--within-host-gbps must be a positive number"), "{gbps}: {within}");
+            let between = refusal(&PlanArgs { nodes: 2, between_hosts_gbps: Some(gbps), ..args(path.clone()) });
+            assert!(between.contains("--between-hosts-gbps must be a positive number"), "{gbps}: {between}");
+        }
+        assert!(refusal(&PlanArgs { link_latency_us: -5.0, ..args(path.clone()) }).contains("--link-latency-us must be"));
+        assert!(plan(&PlanArgs { link_latency_us: 0.0, within_host_gbps: Some(100.0), ..args(path.clone()) }).is_ok());
+
+        let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let first = json["compute"][0].as_object_mut().unwrap();
+        let (key, _) = first.iter().find(|(_, v)| v.as_f64().is_some_and(|x| x > 0.0)).map(|(k, v)| (k.clone(), v.clone())).unwrap();
+        first.insert(key.clone(), (-0.5).into());
+        let negative = dir.path().join("negative.json");
+        std::fs::write(&negative, json.to_string()).unwrap();
+        let err = refusal(&args(negative));
+        assert!(err.contains(&format!("`compute[0].{key}` is -0.5: a profile's times, sizes and counts are never negative")), "{err}");
+        let fifo = dir.path().join("fifo.json");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        assert!(refusal(&args(fifo)).contains("is not a regular file (a FIFO)"), "without waiting for a writer");
     }
 
     #[test]

@@ -200,6 +200,19 @@ impl Recorded {
     }
 }
 
+/// The most a profile may hold: a measured one is a few hundred kilobytes.
+const MAX_PROFILE_BYTES: u64 = 64 << 20;
+
+/// The first negative number in `value` (a profile's JSON) and where it is, as `a.b[2].c`.
+fn first_negative(value: &serde_json::Value, at: String) -> Option<(String, f64)> {
+    match value {
+        serde_json::Value::Number(n) => n.as_f64().filter(|&x| x < 0.0).map(|x| (at, x)),
+        serde_json::Value::Array(items) => items.iter().enumerate().find_map(|(i, v)| first_negative(v, format!("{at}[{i}]"))),
+        serde_json::Value::Object(fields) => fields.iter().find_map(|(k, v)| first_negative(v, if at.is_empty() { k.clone() } else { format!("{at}.{k}") })),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 impl Recorded {
     /// One CPU rank of one thread, its cores not recorded: where the planner's tests start.
@@ -370,11 +383,14 @@ impl Profile {
     /// precision (its times would be another model's).
     pub fn read(path: &Path, key: Option<ProfileKey>) -> Result<Profile> {
         let shown = path.display();
-        let text = std::fs::read_to_string(path).map_err(|err| UsageError(format!("cannot read the profile {shown}: {err}")))?;
-        let version = serde_json::from_str::<serde_json::Value>(&text)
-            .map_err(|err| UsageError(format!("{shown} is not a profile (not JSON: {err})")))?
-            .get("version")
-            .and_then(serde_json::Value::as_u64);
+        let bytes = crate::data::read_regular_file(path, MAX_PROFILE_BYTES, "give --profile the file exercise3 profile wrote")
+            .map_err(|err| UsageError(format!("cannot read the profile: {err:#}")))?;
+        let text = String::from_utf8(bytes).map_err(|_| UsageError(format!("{shown} is not a profile (not UTF-8 text)")))?;
+        let value = serde_json::from_str::<serde_json::Value>(&text).map_err(|err| UsageError(format!("{shown} is not a profile (not JSON: {err})")))?;
+        if let Some((at, number)) = first_negative(&value, String::new()) {
+            return Err(UsageError(format!("{shown}: `{at}` is {number}: a profile's times, sizes and counts are never negative (record it again)")).into());
+        }
+        let version = value.get("version").and_then(serde_json::Value::as_u64);
         if version != Some(VERSION as u64) {
             let found = version.map_or("none".to_string(), |v| v.to_string());
             return Err(UsageError(format!(

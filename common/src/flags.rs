@@ -385,7 +385,7 @@ pub struct ParallelArgs {
     pub fp16_allreduce: bool,
     /// --nproc-per-node refuses more CPU ranks than this many per core (each rank is a LibTorch
     /// process with its own memory).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = crate::comm::launch::MAX_RANKS_PER_CORE)]
     #[arg(help_heading = "Parallelism")]
     pub max_ranks_per_core: usize,
     /// Seconds a collective or message may wait for the other ranks before the job is declared

@@ -126,3 +126,16 @@ fn course_log_prints_every_ranks_loss_as_the_horovod_slide_shows_it() {
     let elapsed = stdout.lines().find(|l| l.starts_with("[1,0]<stdout>:Elapsed time: ")).unwrap_or_else(|| panic!("{stdout}"));
     assert!(elapsed.ends_with(" s ≈ 0 min") || elapsed.ends_with(" s ≈ 1 min"), "{elapsed}");
 }
+
+/// A rank count no node takes is one line and exit 2, before mpirun starts anything: the
+/// exercises' cap (4 CPU ranks per core).
+#[test]
+fn hello_ddp_refuses_more_ranks_than_a_node_takes() {
+    let out = Command::new(env!("CARGO_BIN_EXE_hello_ddp")).args(["--nproc-per-node", "100000"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).trim().starts_with("error: --nproc-per-node 100000: more than 4 CPU ranks per core") && stderr(&out).lines().count() == 1,
+        "{}",
+        stderr(&out)
+    );
+}

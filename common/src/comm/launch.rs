@@ -24,6 +24,7 @@ use std::process::{Command, ExitStatus, Stdio};
 
 use anyhow::{Context, Result};
 
+use crate::device::{self, DeviceChoice};
 use crate::error::{usage, Interrupted, UsageError};
 
 /// What started this process.
@@ -592,9 +593,113 @@ pub fn start_ranks_if_asked(nproc_per_node: Option<usize>, stops: StopsAt) -> an
     }
 }
 
+/// `--max-ranks-per-core`'s default: more CPU ranks than this per core are refused.
+pub const MAX_RANKS_PER_CORE: usize = 4;
+
+/// Whether a run of `choice` trains on GPUs (`both`: where there is one).
+pub fn on_gpus(choice: DeviceChoice) -> bool {
+    match choice {
+        DeviceChoice::Cpu => false,
+        DeviceChoice::Cuda => true,
+        DeviceChoice::Both => device::cuda_available(),
+    }
+}
+
+/// The GPUs this process sees.
+pub fn gpu_count() -> usize {
+    tch::Cuda::device_count().max(0) as usize
+}
+
+/// How many local ranks `--nproc-per-node` may start (every launcher's cap: the exercises',
+/// `hello_ddp`'s): no more GPU ranks than GPUs (NCCL takes
+/// one GPU per rank) unless `share_gpu` (`--share-gpu`, a check; rank 0 says so); CPU ranks
+/// beyond the cores take turns (a warning), beyond `max_per_core` per core they are refused:
+/// every rank is a LibTorch process with its own memory, and a thousand of them end with the
+/// OOM killer.
+pub fn check_rank_count(n: usize, servers: usize, choice: DeviceChoice, max_per_core: usize, share_gpu: bool) -> Result<Option<String>> {
+    if on_gpus(choice) {
+        let gpus = gpu_count();
+        return match too_many_gpu_ranks(n, servers, gpus) {
+            Some(_) if share_gpu && gpus > 0 => Ok(None),
+            Some(refusal) => usage(refusal),
+            None => Ok(None),
+        };
+    }
+    let cores = device::usable_cores();
+    if n > max_per_core * cores {
+        return usage(format!(
+            "--nproc-per-node {n}: more than {max_per_core} CPU ranks per core on {cores} core(s), each a LibTorch process with its own memory; \
+             use fewer, or raise --max-ranks-per-core"
+        ));
+    }
+    Ok((n > cores).then(|| format!("warning: {n} CPU ranks on {cores} core(s): they take turns (right for testing, slow for timing)")))
+}
+
+/// The refusal of `n` local ranks on a node of `gpus` GPUs, `servers` of them parameter servers
+/// (which keep their copy on the CPU, needing no GPU): each other rank needs a GPU of its own.
+pub fn too_many_gpu_ranks(n: usize, servers: usize, gpus: usize) -> Option<String> {
+    let on_gpus = n.saturating_sub(servers);
+    if on_gpus <= gpus {
+        return None;
+    }
+    let fits = gpus.max(1) + servers;
+    let servers_note = match servers {
+        0 => String::new(),
+        s => format!(" ({s} of the {n} serve parameters on the CPU; the other {on_gpus} train on GPUs)"),
+    };
+    let share = if gpus > 0 { " (--share-gpu allows it as a check of the multi-rank paths, not to train faster)" } else { "" };
+    Some(format!(
+        "--nproc-per-node {n}: this node has {gpus} GPU(s), and each training rank needs its own (NCCL refuses two ranks on one GPU){servers_note}; \
+         use --nproc-per-node {fits} or --device cpu{share}"
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpu_ranks_beyond_the_cores_are_warned_about_and_beyond_the_limit_refused() {
+        let cores = device::usable_cores();
+        assert_eq!(check_rank_count(cores, 0, DeviceChoice::Cpu, 4, false).unwrap(), None);
+        let warning = check_rank_count(cores + 1, 0, DeviceChoice::Cpu, 4, false).unwrap().unwrap();
+        assert!(warning.contains(&format!("{} CPU ranks on {cores} core(s)", cores + 1)), "{warning}");
+        assert!(check_rank_count(4 * cores, 0, DeviceChoice::Cpu, 4, false).unwrap().is_some());
+        let refused = check_rank_count(4 * cores + 1, 0, DeviceChoice::Cpu, 4, false).unwrap_err();
+        assert!(refused.is::<crate::error::UsageError>() && refused.to_string().contains("--max-ranks-per-core"), "{refused}");
+        // Raised explicitly, the limit lets them start.
+        assert!(check_rank_count(4 * cores + 1, 0, DeviceChoice::Cpu, 5, false).is_ok());
+    }
+
+    #[test]
+    fn more_gpu_ranks_than_gpus_are_refused() {
+        let gpus = tch::Cuda::device_count() as usize;
+        let err = check_rank_count(gpus + 1, 0, DeviceChoice::Cuda, 4, false).unwrap_err();
+        assert!(err.to_string().contains(&format!("this node has {gpus} GPU(s)")), "{err}");
+        assert_eq!(err.to_string().contains("--share-gpu allows it"), gpus > 0, "the opt-in is named where it would help: {err}");
+        // The opt-in lets them start where there is a GPU to share, and only there.
+        let shared = check_rank_count(gpus + 1, 0, DeviceChoice::Cuda, 4, true);
+        match gpus {
+            0 => assert!(shared.unwrap_err().to_string().contains("this node has 0 GPU(s)")),
+            _ => assert_eq!(shared.unwrap(), None),
+        }
+    }
+
+    #[test]
+    fn parameter_servers_need_no_gpu_of_their_own() {
+        // One GPU: one worker and its server fit (the server keeps its copy on the CPU) ...
+        assert_eq!(too_many_gpu_ranks(2, 1, 1), None);
+        assert_eq!(too_many_gpu_ranks(4, 2, 2), None);
+        // ... two workers do not, and the refusal counts the server in what fits.
+        let refusal = too_many_gpu_ranks(3, 1, 1).unwrap();
+        assert!(refusal.contains("1 of the 3 serve parameters on the CPU; the other 2 train on GPUs") && refusal.contains("--nproc-per-node 2"), "{refusal}");
+        // Without servers every rank needs a GPU.
+        let refusal = too_many_gpu_ranks(2, 0, 1).unwrap();
+        assert!(refusal.contains("this node has 1 GPU(s)") && refusal.contains("use --nproc-per-node 1 or --device cpu"), "{refusal}");
+        assert!(refusal.contains("--share-gpu allows it as a check"), "{refusal}");
+        assert!(!too_many_gpu_ranks(2, 0, 0).unwrap().contains("--share-gpu"), "no GPU to share");
+        assert_eq!(too_many_gpu_ranks(1, 0, 1), None);
+    }
 
     #[test]
     fn slurm_task_lists() {

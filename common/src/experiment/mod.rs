@@ -158,7 +158,7 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
             return usage(crate::parallelize::cannot_average(run.precision, layout.dp, "mpi", Device::Cpu));
         }
         let servers = parallel.parameter_server().map_or(0, |ps| ps.servers);
-        if let Some(warning) = check_rank_count(n, servers, run.device, parallel.max_ranks_per_core, parallel.share_gpu)? {
+        if let Some(warning) = launch::check_rank_count(n, servers, run.device, parallel.max_ranks_per_core, parallel.share_gpu)? {
             session_observers(exp, true, listeners).warn(warning)?;
         }
     }
@@ -172,8 +172,8 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
         return run_per_device(exp, listeners);
     }
     // Before any engine starts: NCCL reads its host id once, at its first call.
-    let shared_gpu = match (parallel.share_gpu, on_gpus(run.device)) {
-        (true, true) if env.is_distributed() => Some(crate::comm::shared_gpu::apply(&env, gpu_count())?),
+    let shared_gpu = match (parallel.share_gpu, launch::on_gpus(run.device)) {
+        (true, true) if env.is_distributed() => Some(crate::comm::shared_gpu::apply(&env, launch::gpu_count())?),
         (true, false) => Some("note: --share-gpu places ranks on GPUs; these train on the CPU, where it changes nothing".to_string()),
         _ => None,
     };
@@ -273,63 +273,6 @@ fn job_layout<E: Experiment>(exp: &E, world: usize) -> Result<Layout> {
     exp.layout(world)?.with_shard_group(exp.parallel_args().shard_group)
 }
 
-/// Whether a run of `choice` trains on GPUs (`both`: where there is one).
-fn on_gpus(choice: DeviceChoice) -> bool {
-    match choice {
-        DeviceChoice::Cpu => false,
-        DeviceChoice::Cuda => true,
-        DeviceChoice::Both => device::cuda_available(),
-    }
-}
-
-/// The GPUs this process sees.
-fn gpu_count() -> usize {
-    tch::Cuda::device_count().max(0) as usize
-}
-
-/// How many local ranks `--nproc-per-node` may start: no more GPU ranks than GPUs (NCCL takes
-/// one GPU per rank) unless `share_gpu` (`--share-gpu`, a check; rank 0 says so); CPU ranks
-/// beyond the cores take turns (a warning), beyond `max_per_core` per core they are refused:
-/// every rank is a LibTorch process with its own memory, and a thousand of them end with the
-/// OOM killer.
-fn check_rank_count(n: usize, servers: usize, choice: DeviceChoice, max_per_core: usize, share_gpu: bool) -> Result<Option<String>> {
-    if on_gpus(choice) {
-        let gpus = gpu_count();
-        return match too_many_gpu_ranks(n, servers, gpus) {
-            Some(_) if share_gpu && gpus > 0 => Ok(None),
-            Some(refusal) => usage(refusal),
-            None => Ok(None),
-        };
-    }
-    let cores = device::usable_cores();
-    if n > max_per_core * cores {
-        return usage(format!(
-            "--nproc-per-node {n}: more than {max_per_core} CPU ranks per core on {cores} core(s), each a LibTorch process with its own memory; \
-             use fewer, or raise --max-ranks-per-core"
-        ));
-    }
-    Ok((n > cores).then(|| format!("warning: {n} CPU ranks on {cores} core(s): they take turns (right for testing, slow for timing)")))
-}
-
-/// The refusal of `n` local ranks on a node of `gpus` GPUs, `servers` of them parameter servers
-/// (which keep their copy on the CPU, needing no GPU): each other rank needs a GPU of its own.
-fn too_many_gpu_ranks(n: usize, servers: usize, gpus: usize) -> Option<String> {
-    let on_gpus = n.saturating_sub(servers);
-    if on_gpus <= gpus {
-        return None;
-    }
-    let fits = gpus.max(1) + servers;
-    let servers_note = match servers {
-        0 => String::new(),
-        s => format!(" ({s} of the {n} serve parameters on the CPU; the other {on_gpus} train on GPUs)"),
-    };
-    let share = if gpus > 0 { " (--share-gpu allows it as a check of the multi-rank paths, not to train faster)" } else { "" };
-    Some(format!(
-        "--nproc-per-node {n}: this node has {gpus} GPU(s), and each training rank needs its own (NCCL refuses two ranks on one GPU){servers_note}; \
-         use --nproc-per-node {fits} or --device cpu{share}"
-    ))
-}
-
 /// The course's CPU-vs-GPU comparison: one process, one run per device, then the table.
 fn run_per_device<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
     let run = exp.run_args();
@@ -384,53 +327,5 @@ struct Forward<'a, 'b>(&'a mut Observers<'b>);
 impl Observer for Forward<'_, '_> {
     fn on_event(&mut self, event: &Event) -> Result<train::Control> {
         self.0.emit(event)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cpu_ranks_beyond_the_cores_are_warned_about_and_beyond_the_limit_refused() {
-        let cores = device::usable_cores();
-        assert_eq!(check_rank_count(cores, 0, DeviceChoice::Cpu, 4, false).unwrap(), None);
-        let warning = check_rank_count(cores + 1, 0, DeviceChoice::Cpu, 4, false).unwrap().unwrap();
-        assert!(warning.contains(&format!("{} CPU ranks on {cores} core(s)", cores + 1)), "{warning}");
-        assert!(check_rank_count(4 * cores, 0, DeviceChoice::Cpu, 4, false).unwrap().is_some());
-        let refused = check_rank_count(4 * cores + 1, 0, DeviceChoice::Cpu, 4, false).unwrap_err();
-        assert!(refused.is::<crate::error::UsageError>() && refused.to_string().contains("--max-ranks-per-core"), "{refused}");
-        // Raised explicitly, the limit lets them start.
-        assert!(check_rank_count(4 * cores + 1, 0, DeviceChoice::Cpu, 5, false).is_ok());
-    }
-
-    #[test]
-    fn more_gpu_ranks_than_gpus_are_refused() {
-        let gpus = tch::Cuda::device_count() as usize;
-        let err = check_rank_count(gpus + 1, 0, DeviceChoice::Cuda, 4, false).unwrap_err();
-        assert!(err.to_string().contains(&format!("this node has {gpus} GPU(s)")), "{err}");
-        assert_eq!(err.to_string().contains("--share-gpu allows it"), gpus > 0, "the opt-in is named where it would help: {err}");
-        // The opt-in lets them start where there is a GPU to share, and only there.
-        let shared = check_rank_count(gpus + 1, 0, DeviceChoice::Cuda, 4, true);
-        match gpus {
-            0 => assert!(shared.unwrap_err().to_string().contains("this node has 0 GPU(s)")),
-            _ => assert_eq!(shared.unwrap(), None),
-        }
-    }
-
-    #[test]
-    fn parameter_servers_need_no_gpu_of_their_own() {
-        // One GPU: one worker and its server fit (the server keeps its copy on the CPU) ...
-        assert_eq!(too_many_gpu_ranks(2, 1, 1), None);
-        assert_eq!(too_many_gpu_ranks(4, 2, 2), None);
-        // ... two workers do not, and the refusal counts the server in what fits.
-        let refusal = too_many_gpu_ranks(3, 1, 1).unwrap();
-        assert!(refusal.contains("1 of the 3 serve parameters on the CPU; the other 2 train on GPUs") && refusal.contains("--nproc-per-node 2"), "{refusal}");
-        // Without servers every rank needs a GPU.
-        let refusal = too_many_gpu_ranks(2, 0, 1).unwrap();
-        assert!(refusal.contains("this node has 1 GPU(s)") && refusal.contains("use --nproc-per-node 1 or --device cpu"), "{refusal}");
-        assert!(refusal.contains("--share-gpu allows it as a check"), "{refusal}");
-        assert!(!too_many_gpu_ranks(2, 0, 0).unwrap().contains("--share-gpu"), "no GPU to share");
-        assert_eq!(too_many_gpu_ranks(1, 0, 1), None);
     }
 }

@@ -150,6 +150,9 @@ pub fn check_flags(
     if sync && max_staleness.is_some() {
         return usage("--max-staleness bounds --async updates (--sync is --max-staleness 0): drop --sync, or --max-staleness");
     }
+    if let (Some(k), false) = (max_staleness, asynchronous) {
+        return usage(format!("--max-staleness {k} bounds --async updates, and the servers run synchronously without --async: add --async"));
+    }
     if zero != 0 {
         return usage(format!(
             "--zero {zero} shards the optimizer over data-parallel replicas; with --strategy parameter-server the servers hold it: drop one of them"
@@ -343,6 +346,8 @@ mod tests {
         assert!(refused(check_flags(ps, Some(2), false, false, None, 0, Some(2))).contains("leaves no worker"));
         assert!(refused(check_flags(ps, None, false, false, None, 1, None)).contains("--zero 1"));
         assert!(check_flags(ps, Some(1), false, true, Some(2), 0, Some(3)).is_ok());
+        // A bound on --async's staleness, without --async: refused, not silently synchronous.
+        assert!(refused(check_flags(ps, Some(1), false, false, Some(2), 0, Some(3))).contains("--max-staleness 2 bounds --async updates"));
         assert_eq!("1:0.25".parse::<Straggler>(), Ok(Straggler { rank: 1, seconds: 0.25 }));
         assert!("1".parse::<Straggler>().is_err() && "x:1".parse::<Straggler>().is_err());
     }

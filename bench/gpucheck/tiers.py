@@ -44,7 +44,7 @@ NAMES = {
     8: "timings bf16-mixed: VGG19",
     9: "ResNet50 from JPEG files against torchvision's DataLoader; memory against --estimate-memory; the profiler",
     10: "the machine: the 1.4B model's MFU, the planner's profile and its plan against runs, JPEG files keeping up",
-    11: "the course as taught (--tier course): exercise1 --device both, ResNet34 and VGG19 for 5 epochs, exercise1_nlp's 3 epochs, why_gpus, exercise2 and exercise3 ddp on 2 ranks",
+    11: "the course as taught (--tier course): exercise1 --device both, ResNet34 and VGG19 for 5 epochs, exercise1_nlp's 3 epochs, why_gpus, exercise2 and exercise3 ddp on 2 ranks, the slides' Pipe example",
 }
 # Tiers by name.
 ALIASES = {"course": COURSE}

@@ -44,7 +44,7 @@ unsafe impl Send for Api {}
 #[cfg(torch_ext_cuda_graph)]
 static LIBRARY: &[u8] = include_bytes!(env!("TORCH_EXT_CUDA_GRAPH_LIB"));
 
-/// The library, written next to the temporary files once per process and loaded.
+/// The library, put in a memory file once per process and loaded from there.
 fn api() -> Result<&'static Api> {
     static API: std::sync::OnceLock<std::result::Result<Api, String>> = std::sync::OnceLock::new();
     API.get_or_init(|| load().map_err(|err| format!("{err:#}"))).as_ref().map_err(|err| anyhow::anyhow!("{err}"))
@@ -52,16 +52,19 @@ fn api() -> Result<&'static Api> {
 
 #[cfg(torch_ext_cuda_graph)]
 fn load() -> Result<Api> {
-    use std::hash::{Hash, Hasher};
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    LIBRARY.hash(&mut hasher);
-    let path = std::env::temp_dir().join(format!("rust-hpc-cuda-graph-{:016x}.so", hasher.finish()));
-    if std::fs::read(&path).ok().as_deref() != Some(LIBRARY) {
-        // Written to a private name, then renamed: ranks of a job may do it at once.
-        let partial = path.with_extension(format!("{}.partial", std::process::id()));
-        std::fs::write(&partial, LIBRARY).with_context(|| format!("writing the CUDA graph library to {}", partial.display()))?;
-        std::fs::rename(&partial, &path).with_context(|| format!("writing the CUDA graph library to {}", path.display()))?;
-    }
+    use std::io::Write;
+    use std::os::fd::{FromRawFd, IntoRawFd};
+    // In an anonymous memory file, loaded through its descriptor: a library written under a
+    // name in the shared /tmp could be replaced by another user between the write and the load
+    // (and run as this user), and the name's leftovers would pile up there.
+    // SAFETY: a NUL-terminated name; the descriptor returned is this process's to own.
+    let fd = unsafe { libc::memfd_create(c"torch-ext-cuda-graph".as_ptr(), libc::MFD_CLOEXEC) };
+    anyhow::ensure!(fd >= 0, "cannot create a memory file for the CUDA graph library: {}", std::io::Error::last_os_error());
+    // SAFETY: `fd` was just created and is owned by nothing else.
+    let mut memory = unsafe { std::fs::File::from_raw_fd(fd) };
+    memory.write_all(LIBRARY).context("writing the CUDA graph library to a memory file")?;
+    // The descriptor stays open for as long as the library is loaded: for the process's life.
+    let path = std::path::PathBuf::from(format!("/proc/self/fd/{}", memory.into_raw_fd()));
     // SAFETY: our own library, whose initialisers only register nothing; its symbols are
     // looked up with the signatures csrc/cuda_graph.cpp defines.
     unsafe {

@@ -448,7 +448,7 @@ impl Experiment for ImageExperiment<'_> {
                 for folder in [train, test] {
                     if let Some(note) = match folder {
                         ImageFiles::Folder(folder) => folder.skipped_note(),
-                        ImageFiles::Shards(_) => None,
+                        ImageFiles::Shards(set) => set.unlisted_note(),
                     } {
                         observers.warn(note)?;
                     }

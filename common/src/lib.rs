@@ -4,8 +4,8 @@
 //! step, [`parallelize`]d over the job's [`comm::Layout`]) → [`train`] (the one loop, its
 //! events and their sinks) → [`report`] (tables, CSV/JSON results), with [`checkpoint`]
 //! saving and restoring the whole training state on the way. [`experiment`] does what every
-//! exercise does around the loop; [`presets`] are the course's exercises.
-pub mod atomic_file;
+//! exercise does around the loop; [`presets`] are the course's exercises. Every file is read
+//! through [`input`] and written through [`output`].
 pub mod checkpoint;
 pub mod comm;
 pub mod config_file;
@@ -19,10 +19,12 @@ pub mod experiment;
 pub mod flags;
 pub mod flops;
 pub mod image_classification;
+pub mod input;
 pub mod language_model;
 pub mod memory;
 pub mod models;
 pub mod optim;
+pub mod output;
 pub mod parallel;
 pub mod parallelize;
 pub mod pipeline;

@@ -311,7 +311,7 @@ const METRIC: RGBColor = RGBColor(0, 140, 60);
 fn training_curves(title: &str, step_losses: &[f64], history: &[EpochPoint], metric: Metric, course: Option<CourseMark>, path: &Path) -> Result<()> {
     let mut svg = String::new();
     draw_curves(title, step_losses, history, metric, course, &mut svg).map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))?;
-    crate::atomic_file::write(path, svg)
+    crate::output::write(path, svg)
 }
 
 fn draw_curves(title: &str, step_losses: &[f64], history: &[EpochPoint], metric: Metric, course: Option<CourseMark>, svg: &mut String) -> Drawn {
@@ -431,7 +431,7 @@ const CURVES: [RGBColor; 4] = [BLUE, METRIC, RED, RGBColor(120, 60, 160)];
 pub fn log_log_chart(title: &str, panels: &[LinePanel], path: &Path) -> Result<()> {
     let mut svg = String::new();
     draw_log_log(title, panels, &mut svg).map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))?;
-    crate::atomic_file::write(path, svg)
+    crate::output::write(path, svg)
 }
 
 fn draw_log_log(title: &str, panels: &[LinePanel], svg: &mut String) -> Drawn {
@@ -479,7 +479,7 @@ pub struct ScatterPanel {
 pub fn against_diagonal(title: &str, panels: &[ScatterPanel], path: &Path) -> Result<()> {
     let mut svg = String::new();
     draw_against_diagonal(title, panels, &mut svg).map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))?;
-    crate::atomic_file::write(path, svg)
+    crate::output::write(path, svg)
 }
 
 fn draw_against_diagonal(title: &str, panels: &[ScatterPanel], svg: &mut String) -> Drawn {
@@ -526,7 +526,7 @@ const DEVICES: [(&str, RGBColor); 2] = [("cpu", BLUE), ("cuda", METRIC)];
 pub fn device_comparison(records: &[RunRecord], path: &Path) -> Result<()> {
     let mut svg = String::new();
     draw_devices(records, &mut svg).map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))?;
-    crate::atomic_file::write(path, svg)
+    crate::output::write(path, svg)
 }
 
 fn draw_devices(records: &[RunRecord], svg: &mut String) -> Drawn {
@@ -567,7 +567,7 @@ pub(crate) struct BarPanel {
 pub(crate) fn bar_chart(panels: &[BarPanel], width: u32, path: &Path) -> Result<()> {
     let mut svg = String::new();
     draw_bars(panels, width, &mut svg).map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))?;
-    crate::atomic_file::write(path, svg)
+    crate::output::write(path, svg)
 }
 
 fn draw_bars(panels: &[BarPanel], width: u32, svg: &mut String) -> Drawn {
@@ -612,12 +612,22 @@ fn draw_bar_panel(area: &Area, panel_bars: &BarPanel) -> Drawn {
 
 /// Where a run's training curves go: beside its results JSON.
 pub fn curves_path(results_dir: &Path, record: &RunRecord) -> PathBuf {
-    results_dir.join(format!("{}.svg", record.name()))
+    curves_path_of(results_dir, &record.name())
+}
+
+/// Where the training curves of the run named `run` go.
+pub fn curves_path_of(results_dir: &Path, run: &str) -> PathBuf {
+    results_dir.join(format!("{run}.svg"))
 }
 
 /// Where an exercise's CPU-vs-GPU chart goes.
 pub fn devices_path(results_dir: &Path, record: &RunRecord) -> PathBuf {
-    results_dir.join(format!("{}-{}-devices.svg", record.exercise, record.model))
+    devices_path_of(results_dir, &record.exercise, &record.model)
+}
+
+/// Where the CPU-vs-GPU chart of `exercise`'s `model` goes.
+pub fn devices_path_of(results_dir: &Path, exercise: &str, model: &str) -> PathBuf {
+    results_dir.join(format!("{exercise}-{model}-devices.svg"))
 }
 
 /// Draws a run's curves from its results JSON (`step_losses` and `history`), beside it, with
@@ -658,7 +668,7 @@ pub struct Svg(pub String);
 impl Svg {
     pub fn open(path: impl AsRef<Path>) -> Result<Svg> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| anyhow!("cannot read the chart {}: {e}", path.display()))?;
+        let text = crate::input::read_to_string(path, 64 << 20, "give an SVG chart")?;
         Ok(Svg(text))
     }
 

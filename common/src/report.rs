@@ -129,8 +129,33 @@ impl RunRecord {
 
     /// `<exercise>-<model>-<device>`, the stem of its files.
     pub fn name(&self) -> String {
-        format!("{}-{}-{}", self.exercise, self.model, self.device)
+        run_name(&self.exercise, &self.model, &self.device)
     }
+}
+
+/// `<exercise>-<model>-<device>`: the name of a run, the stem of its files.
+pub fn run_name(exercise: &str, model: &str, device: &str) -> String {
+    format!("{exercise}-{model}-{device}")
+}
+
+/// `<dir>/<run>.json`: a run's results.
+pub fn results_path(dir: &Path, run: &str) -> PathBuf {
+    dir.join(format!("{run}.json"))
+}
+
+/// `<dir>/<run>.config.toml`: the flags a run was given, as a `--config` file.
+pub fn config_path(dir: &Path, run: &str) -> PathBuf {
+    dir.join(format!("{run}.config.toml"))
+}
+
+/// `<dir>/<exercise>.csv`: the table every run of an exercise appends its row to.
+pub fn table_path(dir: &Path, exercise: &str) -> PathBuf {
+    dir.join(format!("{exercise}.csv"))
+}
+
+/// `<dir>/<run>.eval-only.json`: what `--eval-only` measured (the run's results stay).
+pub fn eval_only_path(dir: &Path, run: &str) -> PathBuf {
+    dir.join(format!("{run}.eval-only.json"))
 }
 
 pub fn unix_time() -> u64 {
@@ -157,17 +182,17 @@ pub fn save(dir: &Path, record: &RunRecord, extra: &serde_json::Value) -> anyhow
     if let (Some(object), serde_json::Value::Object(extra)) = (json.as_object_mut(), extra) {
         object.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
     }
-    let path = dir.join(format!("{}.json", record.name()));
-    crate::atomic_file::write(&path, serde_json::to_string_pretty(&json)? + "\n")?;
+    let path = results_path(dir, &record.name());
+    crate::output::write(&path, serde_json::to_string_pretty(&json)? + "\n")?;
     let config = match crate::config_file::given() {
         Some(given) => {
-            let config = dir.join(format!("{}.config.toml", record.name()));
-            crate::atomic_file::write(&config, given.config_file())?;
+            let config = config_path(dir, &record.name());
+            crate::output::write(&config, given.config_file())?;
             Some(config)
         }
         None => None,
     };
-    let notes = append_csv(&dir.join(format!("{}.csv", record.exercise)), record)?.into_iter().collect();
+    let notes = append_csv(&table_path(dir, &record.exercise), record)?.into_iter().collect();
     Ok(Saved { json: path, config, notes })
 }
 
@@ -182,15 +207,24 @@ fn append_csv(path: &Path, record: &RunRecord) -> anyhow::Result<Option<String>>
         String::from_utf8(bytes)?.lines().next().unwrap_or_default().to_string()
     };
     let mut note = None;
-    if let Ok(text) = std::fs::read_to_string(path) {
-        if text.lines().next().is_some_and(|first| first != header) {
+    if crate::output::Kind::of(path).with_context(|| format!("cannot look at {}", path.display()))? == crate::output::Kind::File {
+        use std::io::BufRead;
+        let mut first = String::new();
+        std::io::BufReader::new(crate::input::open(path, "the results table is appended to")?)
+            .read_line(&mut first)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        if !first.is_empty() && first.trim_end_matches(['\n', '\r']) != header {
             let aside = path.with_extension(format!("{}.old", unix_time()));
+            // Moved to a free name only: never over what someone put at the aside's name.
+            if crate::output::Kind::of(&aside).with_context(|| format!("cannot look at {}", aside.display()))? != crate::output::Kind::Missing {
+                anyhow::bail!("cannot move {} aside: {} is taken", path.display(), aside.display());
+            }
             std::fs::rename(path, &aside).with_context(|| format!("cannot move {} aside", path.display()))?;
             note = Some(format!("note: {} had other columns; moved it to {}", path.display(), aside.display()));
         }
     }
     let is_new = std::fs::metadata(path).map(|m| m.len() == 0).unwrap_or(true);
-    let file = crate::atomic_file::append(path)?;
+    let file = crate::output::append(path)?;
     let mut writer = csv::WriterBuilder::new().has_headers(is_new).from_writer(file);
     writer.serialize(record).and_then(|()| Ok(writer.flush()?)).with_context(|| format!("cannot write {}", path.display()))?;
     Ok(note)
@@ -210,7 +244,7 @@ pub fn scaling_efficiency(csv: &Path, record: &RunRecord) -> Option<f64> {
 
 /// Reads every record of an exercise's CSV.
 pub fn read_csv(path: &Path) -> anyhow::Result<Vec<RunRecord>> {
-    let mut reader = csv::Reader::from_path(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut reader = csv::Reader::from_reader(crate::input::open(path, "give an exercise's results table")?);
     reader.deserialize().collect::<Result<_, _>>().with_context(|| format!("{}: unreadable results row", path.display()))
 }
 

@@ -62,6 +62,9 @@ impl std::fmt::Display for Unreadable {
 }
 
 /// The runs in a results folder, by exercise and model, and the files that could not be read.
+/// The most bytes a results file may have (a run's history of a million steps is far smaller).
+const MAX_RESULTS_BYTES: u64 = 256 << 20;
+
 #[derive(Default)]
 struct Runs {
     by_exercise: BTreeMap<(String, String), Vec<Run>>,
@@ -70,7 +73,8 @@ struct Runs {
 
 /// What one `*.json` file holds for the page.
 fn read_run(path: &Path) -> Result<Option<Run>, String> {
-    let text = std::fs::read_to_string(path).map_err(|err| format!("cannot read it ({err})"))?;
+    // (A FIFO or a device named `*.json` in a results folder is skipped and said, not waited on.)
+    let text = crate::input::read_to_string(path, MAX_RESULTS_BYTES, "not a results file").map_err(|err| format!("cannot read it ({err:#})"))?;
     // A run's file cut short (a full disk, a kill while an older version wrote it) is no JSON.
     let value: serde_json::Value = serde_json::from_str(&text).map_err(|err| format!("not valid JSON ({err}): torn or truncated?"))?;
     // Other JSON files (traces, memory estimates, --eval-only's) are not runs.
@@ -163,14 +167,17 @@ pub struct Updated {
 /// Replaces (or appends) the generated section of `dir/README.md`.
 pub fn update_readme(dir: &Path) -> Result<Updated> {
     let path = dir.join("README.md");
-    let old = std::fs::read_to_string(&path).unwrap_or_default();
+    let old = match crate::output::Kind::of(&path).with_context(|| format!("cannot look at {}", path.display()))? {
+        crate::output::Kind::Missing => String::new(),
+        _ => crate::input::read_to_string(&path, MAX_RESULTS_BYTES, "the results page is rewritten in place: remove what is at its name")?,
+    };
     let (section, unreadable) = render(dir)?;
     let new = match (old.find(BEGIN), old.find(END)) {
         (Some(begin), Some(end)) if begin < end => format!("{}{section}{}", &old[..begin], &old[end + END.len()..]),
         _ if old.is_empty() => format!("# results/\n\n{section}\n"),
         _ => format!("{}\n\n{section}\n", old.trim_end()),
     };
-    crate::atomic_file::write(&path, new)?;
+    crate::output::write(&path, new)?;
     Ok(Updated { readme: path, unreadable })
 }
 

@@ -62,11 +62,12 @@ impl SummaryWriter {
     /// A new event file `events.out.tfevents.<seconds>.<host>.<pid>` in `dir` (created if need be),
     /// starting with the file-version event.
     pub fn new(dir: &Path) -> Result<SummaryWriter> {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create the TensorBoard directory {}", dir.display()))?;
+        // The run's own folder under --tensorboard: never a link someone planted there.
+        crate::output::folder(dir).context("the TensorBoard run folder")?;
         let host = crate::comm::hosts::this_host();
         let seconds = now().floor() as u64;
         let path = dir.join(format!("events.out.tfevents.{seconds}.{host}.{}", std::process::id()));
-        let file = crate::atomic_file::create_new(&path)?;
+        let file = crate::output::create_new(&path)?;
         let mut writer = SummaryWriter { path, out: BufWriter::new(file) };
         writer.write_event(&Event { wall_time: now(), step: 0, file_version: Some("brain.Event:2".into()), summary: None })?;
         Ok(writer)

@@ -628,7 +628,7 @@ pub fn trace_cpu_memory_dump(since: i64) {
     // SAFETY: a NUL-terminated path that outlives the call.
     if unsafe { ffi::torch_ext_cpu_memory_dump(c_path.as_ptr()) } == 1 {
         if let Ok(text) = std::fs::read_to_string(&path) {
-            let _ = std::fs::write(&path, format!("# baseline sequence {since}\n{text}"));
+            let _ = crate::output::write(std::path::Path::new(&path), format!("# baseline sequence {since}\n{text}"));
         }
     }
 }

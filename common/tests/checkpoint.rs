@@ -22,6 +22,7 @@ fn meta(model: &ModelSpec, epoch: usize) -> CheckpointMeta {
         torch_version: common::torch_version().into(),
         grad_scaler: None,
         data: serde_json::Value::Null,
+        examples_per_step: 0,
     }
 }
 

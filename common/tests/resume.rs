@@ -73,6 +73,7 @@ fn train(setup: &Setup, epochs: usize, init_seed: i64) -> Vec<(String, tch::Tens
             every_steps: None,
             every_minutes: None,
             format: Default::default(),
+            examples_per_step: 8,
         }),
         metric: common::train::Metric::Accuracy,
         precision: common::precision::Precision::Full,

@@ -5,7 +5,7 @@
 //! clear line where something is wrong. Each test here failed on the tree the sweep looked at.
 mod support;
 
-use std::os::unix::fs::symlink;
+use std::os::unix::fs::{symlink, FileTypeExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -480,7 +480,11 @@ fn what_can_be_said_before_training_is_said_then_in_one_line() {
     let file = dir.path().join("a-file");
     std::fs::write(&file, "x").unwrap();
     one_error(&exercise1(&file, &results, &[]), 1, &["is a file, not a folder"]);
-    one_error(&exercise1(&data, &results, &["--batch-size", "20", "--weights", dir.path().to_str().unwrap()]), 1, &["is a folder, not a weights file"]);
+    one_error(
+        &exercise1(&data, &results, &["--batch-size", "20", "--weights", dir.path().to_str().unwrap()]),
+        1,
+        &["is not a regular file (a folder)", "--weights"],
+    );
     // --requeue on outside Slurm, --tensorboard on a file: usage errors before the first step.
     let out = Command::new(binary("exercise1"))
         .args([
@@ -557,4 +561,291 @@ fn a_data_set_larger_than_the_memory_left_is_one_line_not_an_abort() {
     }
     let line = one_error(&out, 1, &[]);
     assert!(line.contains("do not fit in the memory") || line.contains("out of memory"), "{line}");
+}
+
+/// What is planted at a name in the tests below.
+#[derive(Debug, Clone, Copy)]
+enum Planted {
+    /// A symbolic link to a victim file (or, at a folder's name, a victim folder).
+    Link,
+    Fifo,
+    /// A folder (or, at a folder's name, a regular file).
+    Other,
+}
+
+/// Plants `what` at `path`; `folder`: the run makes a folder there.
+fn plant(path: &Path, what: Planted, folder: bool, victims: &Path) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    match (what, folder) {
+        (Planted::Link, false) => symlink(victims.join("file"), path).unwrap(),
+        (Planted::Link, true) => symlink(victims.join("folder"), path).unwrap(),
+        (Planted::Fifo, _) => assert!(Command::new("mkfifo").arg(path).status().unwrap().success()),
+        (Planted::Other, false) => std::fs::create_dir(path).unwrap(),
+        (Planted::Other, true) => std::fs::write(path, "someone's file\n").unwrap(),
+    }
+}
+
+/// The names a run of exercise1 with every output on writes into `out`, as the writer itself
+/// lists them (`COURSE_WRITTEN_LOG`), relative to `out`, each with whether it is a folder; names
+/// inside a folder the run makes (its TensorBoard event file, its checkpoint's step folders) are
+/// the folder's. Also the run's exit status and its stderr.
+fn run_with_every_output(data: &Path, out: &Path, log: &Path) -> Output {
+    let tb = out.join("tb");
+    let mut command = Command::new(binary("exercise1"));
+    command
+        .args(["--device", "cpu", "--quiet", "--threads", "1", "--epochs", "1", "--batch-size", "20", "--max-steps", "2", "--profile"])
+        .args(["--checkpoint-format", "sharded"])
+        .arg("--data-dir")
+        .arg(data)
+        .arg("--results-dir")
+        .arg(out)
+        .arg("--checkpoint-dir")
+        .arg(out.join("ck"))
+        .arg("--tensorboard")
+        .arg(&tb)
+        .env(common::output::WRITTEN_LOG, log)
+        .env_remove("RUST_BACKTRACE");
+    within(command, Duration::from_secs(300))
+}
+
+fn written_names(out: &Path, log: &Path) -> Vec<(PathBuf, bool)> {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let paths: Vec<PathBuf> = text.lines().map(PathBuf::from).collect();
+    let folders: Vec<&PathBuf> = paths.iter().filter(|p| p.is_dir()).collect();
+    let mut names: Vec<(PathBuf, bool)> = Vec::new();
+    for path in &paths {
+        if folders.iter().any(|f| path != *f && path.starts_with(f)) {
+            continue;
+        }
+        let name = path.strip_prefix(out).unwrap_or_else(|_| panic!("{} was written outside the run's folders", path.display())).to_path_buf();
+        if !names.iter().any(|(n, _)| *n == name) {
+            names.push((name, path.is_dir()));
+        }
+    }
+    names
+}
+
+#[test]
+fn every_name_a_run_writes_refuses_a_link_a_fifo_or_a_folder_planted_there() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    cifar(&data, 40);
+    let victims = dir.path().join("victims");
+    std::fs::create_dir_all(victims.join("folder")).unwrap();
+    std::fs::write(victims.join("file"), "precious\n").unwrap();
+
+    // A clean run: what it writes, from the writer's own list.
+    let (clean, log) = (dir.path().join("clean"), dir.path().join("clean.log"));
+    let out = run_with_every_output(&data, &clean, &log);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let names = written_names(&clean, &log);
+    let listed: Vec<String> = names.iter().map(|(n, f)| format!("{}{}", n.display(), if *f { "/" } else { "" })).collect();
+    for expected in [
+        "exercise1-cnn-cpu.json",
+        "exercise1.csv",
+        "exercise1-cnn-cpu.svg",
+        "exercise1-cnn-cpu.trace.json",
+        "exercise1-cnn-cpu.profile.md",
+        "tb/exercise1-cnn-cpu/",
+    ] {
+        assert!(listed.iter().any(|l| l == expected), "{expected} is not among what the writer listed: {listed:?}");
+    }
+    assert!(listed.iter().any(|l| l.starts_with("ck/")), "the checkpoint is listed: {listed:?}");
+
+    // Then each name in turn, with a link, a FIFO and a folder (a file at a folder's name) there.
+    let mut tried = 0;
+    for (name, folder) in &names {
+        for what in [Planted::Link, Planted::Fifo, Planted::Other] {
+            let out_dir = dir.path().join(format!("try-{tried}"));
+            let log = dir.path().join(format!("try-{tried}.log"));
+            tried += 1;
+            let path = out_dir.join(name);
+            plant(&path, what, *folder, &victims);
+            let out = run_with_every_output(&data, &out_dir, &log);
+            let err = stderr(&out);
+            let case = format!("{what:?} at {}{}", name.display(), if *folder { "/" } else { "" });
+            assert!(!err.contains("panicked"), "{case}: {err}");
+            assert_eq!(std::fs::read_to_string(victims.join("file")).unwrap(), "precious\n", "{case}: written through");
+            assert_eq!(std::fs::read_dir(victims.join("folder")).unwrap().count(), 0, "{case}: written into the victim folder");
+            let replaced_link = matches!(what, Planted::Link) && !folder && out.status.success();
+            if replaced_link {
+                // A link at a file written whole is replaced by the run's own file, never followed.
+                assert!(!is_link(&path) && path.is_file(), "{case}: the run's own file is there now");
+                continue;
+            }
+            // Everything else is refused before the first step, naming the name: nothing written.
+            let line = one_error(&out, 2, &[&path.display().to_string()]);
+            assert!(
+                ["symbolic link", "a FIFO", "a folder", "a regular file"].iter().any(|word| line.contains(word)),
+                "{case}: the line says what is there: {line}"
+            );
+            let wrote = std::fs::read_to_string(&log).unwrap_or_default();
+            assert!(wrote.is_empty(), "{case}: refused before the first step, yet it wrote:\n{wrote}");
+            match what {
+                Planted::Fifo => assert!(std::fs::symlink_metadata(&path).unwrap().file_type().is_fifo(), "{case}: left as it was"),
+                Planted::Link => assert!(is_link(&path), "{case}: left as it was"),
+                Planted::Other => assert_eq!(path.is_dir(), !folder, "{case}: left as it was"),
+            }
+        }
+    }
+    println!("{tried} plantings at the {} names the run wrote", names.len());
+}
+
+#[test]
+fn checkpoint_export_never_replaces_a_device_node_or_a_fifo() {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, res) = (dir.path().join("data"), dir.path().join("res"));
+    cifar(&data, 40);
+    let out = exercise1(&data, &res, &["--batch-size", "20", "--max-steps", "1", "--epochs", "1", "--checkpoint-dir", res.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let ck = res.join("exercise1-cnn-cpu.safetensors");
+    let fifo = dir.path().join("fifo.safetensors");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let mut targets = vec![(fifo, "a FIFO")];
+    // A device node as /dev/full is (char 1:7), made in the temporary folder: root only.
+    if unsafe { libc::geteuid() } == 0 {
+        let node = dir.path().join("full");
+        assert!(Command::new("mknod").arg(&node).args(["c", "1", "7"]).status().unwrap().success());
+        targets.push((node, "a device"));
+    } else {
+        println!("not root: no device node to make; the FIFO takes the same path through the writer");
+    }
+    for (target, kind) in targets {
+        let out = within(
+            {
+                let mut c = Command::new(binary("checkpoint"));
+                c.arg("export").arg(&ck).arg(&target).env_remove("RUST_BACKTRACE");
+                c
+            },
+            Duration::from_secs(60),
+        );
+        one_error(&out, 2, &[&target.display().to_string(), &format!("is {kind}, not a regular file")]);
+        let meta = std::fs::symlink_metadata(&target).unwrap();
+        assert!(!meta.is_file(), "{kind} left in place");
+    }
+}
+
+#[test]
+fn readers_refuse_a_fifo_at_once_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, res) = (dir.path().join("data"), dir.path().join("res"));
+    cifar(&data, 40);
+    let fifo = dir.path().join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let fifo_s = fifo.to_str().unwrap();
+    // A checkpoint folder whose run checkpoint is a FIFO, for --resume.
+    let ck = dir.path().join("ck");
+    std::fs::create_dir(&ck).unwrap();
+    assert!(Command::new("mkfifo").arg(ck.join("exercise1-cnn-cpu.safetensors")).status().unwrap().success());
+    // A shard folder whose index is a FIFO.
+    let shards = dir.path().join("shards");
+    std::fs::create_dir(&shards).unwrap();
+    assert!(Command::new("mkfifo").arg(shards.join("shards.json")).status().unwrap().success());
+    let base = ["--device", "cpu", "--quiet", "--batch-size", "20", "--max-steps", "1", "--epochs", "1"];
+    let d = data.to_str().unwrap();
+    let r = res.to_str().unwrap();
+    let cases: Vec<(&str, Vec<&str>, String)> = vec![
+        ("checkpoint", vec!["show", fifo_s], fifo.display().to_string()),
+        ("exercise1", [&base[..], &["--data-dir", d, "--results-dir", r, "--eval-only", "--checkpoint", fifo_s]].concat(), fifo.display().to_string()),
+        (
+            "exercise1",
+            [&base[..], &["--data-dir", d, "--results-dir", r, "--checkpoint-dir", ck.to_str().unwrap(), "--resume"]].concat(),
+            "exercise1-cnn-cpu.safetensors".into(),
+        ),
+        (
+            "exercise1",
+            [&base[..], &["--data-dir", shards.to_str().unwrap(), "--results-dir", r, "--dataset", "shards", "--model", "resnet50"]].concat(),
+            "shards.json".into(),
+        ),
+        ("exercise1", [&base[..], &["--data-dir", d, "--results-dir", r, "--weights", fifo_s]].concat(), fifo.display().to_string()),
+        ("exercise1", [&base[..], &["--data-dir", d, "--results-dir", r, "--config", fifo_s]].concat(), fifo.display().to_string()),
+    ];
+    for (bin, args, names) in cases {
+        let mut command = Command::new(binary(bin));
+        command.args(&args).env_remove("RUST_BACKTRACE");
+        let out = within(command, Duration::from_secs(120));
+        let err = stderr(&out);
+        assert!(matches!(out.status.code(), Some(1 | 2)), "{bin} {args:?}: {err}");
+        let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
+        assert_eq!(errors.len(), 1, "{bin} {args:?}: one error line:\n{err}");
+        // (--resume's FIFO is also a name the run writes: the check before the first step says so.)
+        assert!(errors[0].contains(&names) && errors[0].contains("a FIFO"), "{bin} {args:?}: {}", errors[0]);
+    }
+}
+
+#[test]
+fn generated_data_never_replace_data_the_tool_did_not_generate_unless_forced() {
+    let dir = tempfile::tempdir().unwrap();
+    let real = dir.path().join("mnist");
+    std::fs::create_dir(&real).unwrap();
+    // What `make data` would have downloaded (any bytes: it is not read), no GENERATED.txt.
+    for name in ["train-images-idx3-ubyte", "train-labels-idx1-ubyte"] {
+        std::fs::write(real.join(name), format!("the real {name}\n")).unwrap();
+    }
+    let out_dir = real.to_str().unwrap();
+    let out = run("prepare_data", &["generate", "--dataset", "mnist", "--train", "10", "--test", "10", "--out", out_dir]);
+    one_error(&out, 2, &[out_dir, "did not generate", "--force"]);
+    assert_eq!(std::fs::read_to_string(real.join("train-images-idx3-ubyte")).unwrap(), "the real train-images-idx3-ubyte\n");
+    for (tool, args) in [
+        ("generate-text", vec!["--out", out_dir]),
+        ("generate-images", vec!["--out", out_dir, "--classes", "1", "--train", "1", "--val", "1", "--sizes", "small"]),
+    ] {
+        let out = run("prepare_data", &[&[tool][..], &args].concat());
+        one_error(&out, 2, &["did not generate"]);
+    }
+    // Told to: replaced, and marked; a folder it generated is replaced again without asking.
+    let out = run("prepare_data", &["generate", "--dataset", "mnist", "--train", "10", "--test", "10", "--out", out_dir, "--force"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(real.join("GENERATED.txt").is_file());
+    let out = run("prepare_data", &["generate", "--dataset", "mnist", "--train", "20", "--test", "10", "--out", out_dir]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+#[test]
+fn an_unreadable_data_folder_is_said_unreadable_not_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    cifar(&data, 40);
+    let results = dir.path().join("results");
+    std::fs::create_dir(&results).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o000)).unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&results, std::fs::Permissions::from_mode(0o777)).unwrap();
+    // Root reads any folder: the run is made as nobody there (setpriv, util-linux).
+    let mut command = if unsafe { libc::geteuid() } == 0 {
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid", "65534", "--regid", "65534", "--clear-groups", "--"]).arg(binary("exercise1"));
+        c
+    } else {
+        Command::new(binary("exercise1"))
+    };
+    command.args(["--device", "cpu", "--quiet", "--max-steps", "1", "--data-dir"]).arg(&data).arg("--results-dir").arg(&results).env_remove("RUST_BACKTRACE");
+    let out = within(command, Duration::from_secs(120));
+    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o755)).unwrap();
+    one_error(&out, 1, &[&data.display().to_string(), "is not readable"]);
+}
+
+#[test]
+fn what_was_accepted_without_a_word_is_refused_or_said() {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, ck) = (dir.path().join("data"), dir.path().join("ck"));
+    cifar(&data, 40);
+    let ck_s = ck.to_str().unwrap();
+    // A resume with another batch size takes other samples from there on: said.
+    let out = exercise1(&data, &ck, &["--batch-size", "20", "--max-steps", "1", "--epochs", "2", "--checkpoint-dir", ck_s]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = exercise1(&data, &ck, &["--batch-size", "10", "--max-steps", "2", "--epochs", "2", "--checkpoint-dir", ck_s, "--resume"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("was written by a job of 20 examples per step, this one takes 10"), "{}", stderr(&out));
+    let out = exercise1(&data, &ck, &["--batch-size", "10", "--max-steps", "3", "--epochs", "2", "--checkpoint-dir", ck_s, "--resume"]);
+    assert!(!stderr(&out).contains("examples per step"), "the same batch: nothing to say: {}", stderr(&out));
+
+    // `pack --out` inside the image folder it packs.
+    let photos_dir = dir.path().join("photos");
+    photos(&photos_dir, 2);
+    let inside = photos_dir.join("train").join("shards");
+    let out = run("prepare_data", &["pack", "--data-dir", photos_dir.to_str().unwrap(), "--out", inside.to_str().unwrap()]);
+    one_error(&out, 2, &["is inside --data-dir"]);
+    assert!(!inside.exists(), "nothing written");
 }

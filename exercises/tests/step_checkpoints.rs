@@ -242,7 +242,7 @@ fn a_torn_newest_checkpoint_falls_back_to_the_previous_one_with_a_warning() {
     let bytes = std::fs::read(&newest).unwrap();
     std::fs::write(&newest, &bytes[..bytes.len() / 2]).unwrap();
     // A killed writer's temporary file is removed at the start.
-    let stale = newest.with_file_name(format!("{}AbC123.tmp", common::atomic_file::temporary_prefix(&newest, 999_999_999)));
+    let stale = newest.with_file_name(format!("{}AbC123.tmp", common::output::temporary_prefix(&newest, 999_999_999)));
     std::fs::write(&stale, b"half a checkpoint").unwrap();
     let resumed = go(torn.path(), &[]);
     assert!(resumed.status.success(), "{}", stderr(&resumed));

@@ -2,7 +2,7 @@
 //! `.safetensors` file, the JSON metadata in its header; or, where the state is spread over
 //! ranks, one file per rank and an index ([`sharded`]).
 //!
-//! A checkpoint is written through [`crate::atomic_file`] (a temporary file beside the target,
+//! A checkpoint is written through [`crate::output`] (a temporary file beside the target,
 //! flushed to disk, then renamed over it), so a run killed at any moment leaves either the
 //! previous checkpoint or the new one, never a torn file. The one it replaces stays beside it as
 //! `<run>.previous.safetensors`: should the newest ever be unreadable (a disk that lost blocks,
@@ -60,6 +60,9 @@ pub struct CheckpointMeta {
     /// layout the model's shapes already pin down.
     #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
     pub data: serde_json::Value,
+    /// Examples in one optimizer step of the job that wrote it (0: not recorded, older files).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub examples_per_step: usize,
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -89,10 +92,7 @@ pub fn holds_checkpoint<'a>(mut names: impl Iterator<Item = &'a str>) -> bool {
 pub fn keep_epoch_copy(latest: &Path, epoch: usize, keep: usize) -> anyhow::Result<()> {
     let (dir, stem) = (latest.parent().unwrap_or(Path::new(".")), latest.file_stem().and_then(|s| s.to_str()).unwrap_or("run"));
     let copy = dir.join(format!("{stem}-epoch{epoch}.safetensors"));
-    std::fs::remove_file(&copy).ok();
-    std::fs::hard_link(latest, &copy)
-        .or_else(|_| std::fs::copy(latest, &copy).map(drop))
-        .with_context(|| format!("cannot keep the checkpoint of epoch {epoch} as {}", copy.display()))?;
+    crate::output::second_name(latest, &copy).with_context(|| format!("cannot keep the checkpoint of epoch {epoch}"))?;
     let prefix = format!("{stem}-epoch");
     let mut kept: Vec<(usize, PathBuf)> = std::fs::read_dir(dir)
         .with_context(|| format!("cannot list {}", dir.display()))?
@@ -131,6 +131,7 @@ impl RunLock {
         use std::os::unix::fs::OpenOptionsExt;
         let path = dir.join(format!("{run}.lock"));
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create checkpoint directory {}", dir.display()))?;
+        crate::output::check_file(&path)?;
         let mut file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -219,7 +220,7 @@ impl HostCheckpoint {
         let metadata = HashMap::from([(METADATA_KEY.to_string(), serde_json::to_string(&self.meta)?)]);
         let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create checkpoint directory {}", dir.display()))?;
-        crate::atomic_file::write_with(path, |tmp| {
+        crate::output::write_with(path, |tmp| {
             safetensors::serialize_to_file(views, Some(metadata), tmp)?;
             keep_previous(path).with_context(|| format!("cannot keep the previous checkpoint as {}", previous_path(path).display()))
         })
@@ -234,42 +235,18 @@ pub fn previous_path(path: &Path) -> PathBuf {
 
 /// The checkpoint at `path`, about to be replaced, becomes its [`previous_path`] (a hard link:
 /// no copy of the bytes; the rename that follows leaves the link's file alone).
-fn keep_previous(path: &Path) -> std::io::Result<()> {
-    if !path.exists() {
+fn keep_previous(path: &Path) -> anyhow::Result<()> {
+    if !path.is_file() {
         return Ok(());
     }
-    let previous = previous_path(path);
-    match std::fs::remove_file(&previous) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-        _ => {}
-    }
-    std::fs::hard_link(path, &previous).or_else(|_| std::fs::copy(path, &previous).map(drop))
+    crate::output::second_name(path, &previous_path(path))
 }
 
-/// Removes the temporary files a killed writer of `path`'s checkpoint left beside it
-/// (`.<run>.safetensors.<pid>.<random>.tmp`, see [`crate::atomic_file`]; as large as the
-/// checkpoint), except those of a process still running on this machine (a writer of the same
-/// run, which this one would race anyway). Returns what it removed.
+/// Removes the temporary files a killed writer of `path`'s checkpoint left beside it (as large
+/// as the checkpoint; see [`crate::output::remove_stale_temporaries`]), so that a resumed run can
+/// say what it removed. Returns what it removed.
 pub fn remove_stale_temporaries(path: &Path) -> anyhow::Result<Vec<PathBuf>> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let Some(name) = path.file_name().and_then(|n| n.to_str()) else { return Ok(Vec::new()) };
-    let prefix = format!(".{name}.");
-    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(Vec::new()) };
-    let mut removed = Vec::new();
-    for entry in entries.flatten() {
-        // Regular files only: a link planted under such a name is not ours to follow or remove.
-        if !entry.file_type().is_ok_and(|t| t.is_file()) {
-            continue;
-        }
-        let stale = entry.file_name().to_str().filter(|n| n.ends_with(".tmp")).and_then(|n| n.strip_prefix(&prefix)?.split('.').next()?.parse::<u32>().ok());
-        let Some(pid) = stale else { continue };
-        if pid != std::process::id() && Path::new(&format!("/proc/{pid}")).exists() {
-            continue;
-        }
-        std::fs::remove_file(entry.path()).with_context(|| format!("cannot remove the stale temporary checkpoint {}", entry.path().display()))?;
-        removed.push(entry.path());
-    }
-    Ok(removed)
+    crate::output::remove_stale_temporaries(path)
 }
 
 /// A complete checkpoint found to resume from: one file, or a sharded checkpoint's folder.
@@ -359,9 +336,12 @@ pub fn load_run(dir: &Path, run: &str) -> anyhow::Result<Checkpoint> {
     Ok(Checkpoint { meta: source.meta, tensors })
 }
 
+/// The end of the line about a checkpoint that is not a regular file.
+pub(crate) const NOT_A_CHECKPOINT: &str = "a checkpoint is the file or folder a run's --checkpoint-dir holds";
+
 /// Reads a checkpoint, checking its format.
 pub fn load(path: &Path) -> anyhow::Result<Checkpoint> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read checkpoint {}", path.display()))?;
+    let bytes = crate::input::read(path, u64::MAX, NOT_A_CHECKPOINT).context("cannot read the checkpoint")?;
     let corrupt = |what: &str| format!("checkpoint {} is corrupt or not a checkpoint: {what}", path.display());
     let (_, header) = SafeTensors::read_metadata(&bytes).with_context(|| corrupt("bad safetensors header"))?;
     let meta_json = header.metadata().as_ref().and_then(|m| m.get(METADATA_KEY)).with_context(|| corrupt("no checkpoint metadata"))?;

@@ -139,12 +139,16 @@ impl HostShard {
 
     /// Writes this rank's file into `folder` atomically.
     pub fn write(&self, folder: &Path, rank: usize) -> Result<()> {
-        std::fs::create_dir_all(folder).with_context(|| format!("cannot create checkpoint folder {}", folder.display()))?;
+        // The run's folder of checkpoints and its step folder are named by the run: never links.
+        if let Some(run_folder) = folder.parent() {
+            crate::output::folder(run_folder).context("cannot create the checkpoint's folder")?;
+        }
+        crate::output::folder(folder).context("cannot create the checkpoint's folder")?;
         let infos: BTreeMap<&str, &PieceInfo> = self.pieces.iter().map(|(key, info, _)| (key.as_str(), info)).collect();
         let metadata = HashMap::from([(PIECES_KEY.to_string(), serde_json::to_string(&infos)?)]);
         let views = self.pieces.iter().map(|(key, _, view)| (key.as_str(), view));
         let path = folder.join(rank_file(rank));
-        crate::atomic_file::write_with(&path, |tmp| Ok(safetensors::serialize_to_file(views, Some(metadata), tmp)?))
+        crate::output::write_with(&path, |tmp| Ok(safetensors::serialize_to_file(views, Some(metadata), tmp)?))
     }
 }
 
@@ -170,7 +174,7 @@ pub fn commit(folder: &Path, ranks: usize, meta: &CheckpointMeta) -> Result<()> 
         check_tiling(key, entry).map_err(|why| anyhow::anyhow!("the ranks' pieces of {key} {why}: the layout wrote overlapping or missing parts"))?;
     }
     let index = Index { meta: meta.clone(), ranks, tensors };
-    crate::atomic_file::write(&folder.join(INDEX), serde_json::to_string(&index)?.as_bytes())?;
+    crate::output::write(&folder.join(INDEX), serde_json::to_string(&index)?.as_bytes())?;
     if let Some(run_folder) = folder.parent() {
         prune(run_folder, folder)?;
     }
@@ -206,15 +210,13 @@ fn check_tiling(key: &str, entry: &TensorEntry) -> std::result::Result<(), Strin
 pub fn keep_epoch_copy(folder: &Path, epoch: usize, keep: usize) -> Result<()> {
     let run_folder = folder.parent().unwrap_or(Path::new("."));
     let copy = run_folder.join(format!("epoch-{epoch:06}"));
-    if copy.exists() {
+    // (remove_dir_all removes a link at the name, never what it points to.)
+    if std::fs::symlink_metadata(&copy).is_ok() {
         std::fs::remove_dir_all(&copy).with_context(|| format!("cannot replace {}", copy.display()))?;
     }
-    std::fs::create_dir_all(&copy).with_context(|| format!("cannot keep the checkpoint of epoch {epoch} as {}", copy.display()))?;
+    crate::output::folder(&copy).with_context(|| format!("cannot keep the checkpoint of epoch {epoch}"))?;
     for entry in std::fs::read_dir(folder).with_context(|| format!("cannot list {}", folder.display()))?.flatten() {
-        let to = copy.join(entry.file_name());
-        std::fs::hard_link(entry.path(), &to)
-            .or_else(|_| std::fs::copy(entry.path(), &to).map(drop))
-            .with_context(|| format!("cannot keep the checkpoint of epoch {epoch} as {}", copy.display()))?;
+        crate::output::second_name(&entry.path(), &copy.join(entry.file_name())).with_context(|| format!("cannot keep the checkpoint of epoch {epoch}"))?;
     }
     let mut kept: Vec<PathBuf> = std::fs::read_dir(run_folder)
         .with_context(|| format!("cannot list {}", run_folder.display()))?
@@ -275,7 +277,7 @@ struct MappedFile {
 
 impl MappedFile {
     fn open(path: &Path) -> Result<MappedFile> {
-        let file = std::fs::File::open(path).with_context(|| format!("cannot read checkpoint {}", path.display()))?;
+        let file = crate::input::open(path, super::NOT_A_CHECKPOINT).context("cannot read the checkpoint")?;
         // SAFETY: checkpoint files are written to a temporary name and renamed, never changed in
         // place, so the mapped bytes stay as they are while mapped.
         let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot map checkpoint {}", path.display()))?;
@@ -356,7 +358,7 @@ impl Source {
     /// header is read: a file missing or torn is an error here, not in the middle of reading.
     pub fn open_sharded(folder: &Path) -> Result<Source> {
         let index_path = folder.join(INDEX);
-        let json = std::fs::read(&index_path).with_context(|| format!("cannot read checkpoint index {}", index_path.display()))?;
+        let json = crate::input::read(&index_path, 256 << 20, super::NOT_A_CHECKPOINT).context("cannot read the checkpoint index")?;
         let index: Index = serde_json::from_slice(&json).with_context(|| format!("checkpoint index {} is corrupt", index_path.display()))?;
         check_format(&index.meta, folder)?;
         // An index is a file anyone with access to the folder may have changed: its pieces must
@@ -690,7 +692,7 @@ pub fn export_model(source: &Source, out: &Path) -> Result<usize> {
     }
     let count = lazies.len();
     let views = lazies.iter().map(|(name, lazy)| (name.as_str(), lazy));
-    crate::atomic_file::write_with(out, |tmp| {
+    crate::output::write_with(out, |tmp| {
         safetensors::serialize_to_file(views, None, tmp)?;
         failed.take().map_or(Ok(()), Err)
     })?;
@@ -716,6 +718,7 @@ mod tests {
             torch_version: String::new(),
             grad_scaler: None,
             data: serde_json::Value::Null,
+            examples_per_step: 0,
         }
     }
 

@@ -150,7 +150,7 @@ const MAX_CONFIG_DEPTH: usize = 32;
 /// `file`'s table: JSON (by its extension) or TOML, read only if it is a regular file within
 /// [`MAX_CONFIG_BYTES`] and [`MAX_CONFIG_DEPTH`], a key given twice refused in both.
 fn read_table(file: &Path) -> Result<Value, String> {
-    let bytes = crate::data::read_regular_file(file, MAX_CONFIG_BYTES, "give --config a file of flags").map_err(|e| format!("{e:#}"))?;
+    let bytes = crate::input::read(file, MAX_CONFIG_BYTES, "give --config a file of flags").map_err(|e| format!("{e:#}"))?;
     let text = String::from_utf8(bytes).map_err(|_| "not UTF-8 text".to_string())?;
     let depth = nesting_depth(&text);
     if depth > MAX_CONFIG_DEPTH {

@@ -83,7 +83,7 @@ fn parse_records(bytes: &[u8], path: &Path, images: &mut Vec<u8>, labels: &mut V
 /// Writes records in the official format (used by the generator and by tests).
 pub fn write(path: &Path, images: &[u8], labels: &[u8]) -> anyhow::Result<()> {
     assert_eq!(images.len(), labels.len() * IMAGE_BYTES, "images and labels disagree in length");
-    crate::atomic_file::write_with(path, |tmp| {
+    crate::output::write_with(path, |tmp| {
         let mut out = std::io::BufWriter::new(std::fs::File::create(tmp)?);
         for (label, image) in labels.iter().zip(images.chunks_exact(IMAGE_BYTES)) {
             out.write_all(&[*label])?;

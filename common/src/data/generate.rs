@@ -34,14 +34,26 @@ impl GenerateConfig {
 
 /// Writes a generated data set of `kind` into `dir` (created if needed) in the official format.
 pub fn generate(kind: DatasetKind, dir: &Path, config: GenerateConfig) -> anyhow::Result<()> {
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let files = cifar10::TRAIN_FILES.len();
+    if kind == DatasetKind::Cifar10 {
+        anyhow::ensure!(config.train >= files, "need at least {files} training images for {files} CIFAR-10 files");
+    }
+    let note = format!(
+        "GENERATED stand-in for {} (not the real data set): {} train + {} test images, seed {}.\n\
+         Each class is a noisy plane wave of its own orientation and colour.\n\
+         Delete this folder and run `make data` on a machine with network access for the real data.\n",
+        kind.name(),
+        config.train,
+        config.test,
+        config.seed
+    );
+    // The marker first: a generation cut short leaves a folder a rerun may replace.
+    mark_generated(dir, &note)?;
     let (train_images, train_labels) = images(kind, config.train, config.seed);
     let (test_images, test_labels) = images(kind, config.test, config.seed.wrapping_add(1 << 32));
     match kind {
         DatasetKind::Cifar10 => {
             // The official release splits the training set over five equal files.
-            let files = cifar10::TRAIN_FILES.len();
-            anyhow::ensure!(config.train >= files, "need at least {files} training images for {files} CIFAR-10 files");
             for (i, name) in cifar10::TRAIN_FILES.iter().enumerate() {
                 let range = (i * config.train / files)..((i + 1) * config.train / files);
                 let bytes = cifar10::IMAGE_BYTES;
@@ -54,17 +66,36 @@ pub fn generate(kind: DatasetKind, dir: &Path, config: GenerateConfig) -> anyhow
             mnist::write_split(dir, Split::Test, &test_images, &test_labels)?;
         }
     }
-    let note = format!(
-        "GENERATED stand-in for {} (not the real data set): {} train + {} test images, seed {}.\n\
-         Each class is a noisy plane wave of its own orientation and colour.\n\
-         Delete this folder and run `make data` on a machine with network access for the real data.\n",
-        kind.name(),
-        config.train,
-        config.test,
-        config.seed
-    );
-    let marker = dir.join(GENERATED_MARKER);
-    std::fs::write(&marker, note).with_context(|| format!("cannot write {}", marker.display()))
+    Ok(())
+}
+
+/// Refuses to write a generated stand-in into `dir` where it holds anything and no
+/// [`GENERATED_MARKER`]: data a generator did not write (the real MNIST `make data` fetched,
+/// say, which a 10-image stand-in would replace) are replaced only when told (`force`).
+pub fn check_may_replace(dir: &Path, force: bool) -> anyhow::Result<()> {
+    if force || dir.join(GENERATED_MARKER).exists() {
+        return Ok(());
+    }
+    let holds = match std::fs::read_dir(dir) {
+        Ok(mut entries) => entries.next().is_some(),
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => false,
+        Err(err) => return Err(anyhow::Error::from(err).context(format!("cannot list {}", dir.display()))),
+    };
+    if holds {
+        return crate::error::usage(format!(
+            "{} holds data this tool did not generate (no {GENERATED_MARKER}): not replacing them with a stand-in; \
+             choose another --out, or pass --force to replace them",
+            dir.display()
+        ));
+    }
+    Ok(())
+}
+
+/// Creates `dir` if need be and writes its [`GENERATED_MARKER`] saying what `note` says: first,
+/// so that a generation cut short leaves a folder a rerun may replace ([`check_may_replace`]).
+pub(crate) fn mark_generated(dir: &Path, note: &str) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    crate::output::write(&dir.join(GENERATED_MARKER), note)
 }
 
 /// `count` images (bytes, `N × C × H × W`) and their labels, classes in rotation.
@@ -140,6 +171,12 @@ pub const JPEG_QUALITY: u8 = 90;
 /// phase, over smooth random shading and pixel noise, so that JPEG files come out about as
 /// large and slow to decode as photographs of the same size.
 pub fn image_folder(dir: &Path, config: FolderConfig) -> anyhow::Result<()> {
+    let note = format!(
+        "GENERATED stand-in image folder (not a real data set): {} classes, {} train + {} val images per class, seed {}.\n\
+         Each class is a noisy plane wave of its own orientation and colour, written as JPEG (quality {JPEG_QUALITY}).\n",
+        config.classes, config.train_per_class, config.val_per_class, config.seed
+    );
+    mark_generated(dir, &note)?;
     for (split, per_class, salt) in [("train", config.train_per_class, 0u64), ("val", config.val_per_class, 1 << 40)] {
         let jobs: Vec<(usize, usize)> = (0..config.classes).flat_map(|class| (0..per_class).map(move |i| (class, i))).collect();
         jobs.par_iter().try_for_each(|&(class, i)| -> anyhow::Result<()> {
@@ -154,16 +191,10 @@ pub fn image_folder(dir: &Path, config: FolderConfig) -> anyhow::Result<()> {
                 _ => ("JPEG", encode(&image::DynamicImage::ImageRgb8(photo), image::ImageFormat::Jpeg)?),
             };
             let path = folder.join(format!("c{class:03}_{i:06}.{name}"));
-            std::fs::write(&path, bytes).with_context(|| format!("cannot write {}", path.display()))
+            crate::output::write(&path, bytes)
         })?;
     }
-    let note = format!(
-        "GENERATED stand-in image folder (not a real data set): {} classes, {} train + {} val images per class, seed {}.\n\
-         Each class is a noisy plane wave of its own orientation and colour, written as JPEG (quality {JPEG_QUALITY}).\n",
-        config.classes, config.train_per_class, config.val_per_class, config.seed
-    );
-    let marker = dir.join(GENERATED_MARKER);
-    std::fs::write(&marker, note).with_context(|| format!("cannot write {}", marker.display()))
+    Ok(())
 }
 
 fn photo_size(rng: &mut ChaCha8Rng, sizes: PhotoSizes) -> (u32, u32) {

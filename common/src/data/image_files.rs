@@ -139,7 +139,7 @@ impl BatchSource for ImageFileLoader {
                 ordered_map(jobs, self.config.workers, self.config.prefetch, move |(batch, samples)| {
                     let encoded = samples.into_iter().map(|sample| {
                         let name = sample.path.display().to_string();
-                        let bytes = super::read_regular_file(&sample.path, super::MAX_IMAGE_FILE_BYTES, super::DATA_REMEDY)?;
+                        let bytes = crate::input::read(&sample.path, super::MAX_IMAGE_FILE_BYTES, super::DATA_REMEDY)?;
                         Ok(Encoded { bytes, label: sample.label, name })
                     });
                     maker.make(batch, encoded)

@@ -116,13 +116,11 @@ impl ImageFolder {
 /// The folder of split `split` in the data set `dir`, which must exist.
 pub fn split_root(dir: &Path, split: super::Split) -> Result<PathBuf> {
     let root = dir.join(split_folder(split));
-    if !root.is_dir() {
-        bail!(
-            "{} does not exist: an image folder holds train/<class>/<image> and val/<class>/<image> \
-             (torchvision's ImageFolder layout; `prepare_data generate-images` writes a stand-in)",
-            root.display()
-        );
-    }
+    crate::input::folder(
+        &root,
+        "the image folder's split",
+        "an image folder holds train/<class>/<image> and val/<class>/<image> (torchvision's ImageFolder layout; `prepare_data generate-images` writes a stand-in)",
+    )?;
     Ok(root)
 }
 

@@ -83,7 +83,7 @@ pub fn write_idx(path: &Path, dims: &[usize], data: &[u8]) -> anyhow::Result<()>
     }
     bytes.extend_from_slice(data);
     let gzip = path.extension().is_some_and(|e| e == "gz");
-    crate::atomic_file::write_with(path, |tmp| {
+    crate::output::write_with(path, |tmp| {
         let mut file = std::fs::File::create(tmp)?;
         if gzip {
             let mut gz = flate2::write::GzEncoder::new(file, flate2::Compression::fast());

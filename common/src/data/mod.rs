@@ -15,7 +15,6 @@ pub mod text;
 pub mod transforms;
 pub mod workers;
 
-use anyhow::Context;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -179,15 +178,11 @@ impl ImageDataset {
 /// which files are looked for). A missing directory or file gets an error that names it and
 /// says how to get the data.
 pub fn load(kind: DatasetKind, dir: &Path, split: Split) -> anyhow::Result<ImageDataset> {
-    not_a_file(dir)?;
-    if !dir.is_dir() {
-        anyhow::bail!(
-            "data directory {} does not exist; run `make data` (downloads {} where a network exists, \
-             else generates a stand-in) or pass --data-dir",
-            dir.display(),
-            kind.name()
-        );
-    }
+    crate::input::folder(
+        dir,
+        "data directory",
+        &format!("run `make data` (downloads {} where a network exists, else generates a stand-in) or pass --data-dir", kind.name()),
+    )?;
     let (dir, (images, labels)) = match kind {
         DatasetKind::Cifar10 => {
             let dir = cifar10::locate(dir);
@@ -208,61 +203,14 @@ pub const MAX_IMAGE_FILE_BYTES: u64 = 256 << 20;
 /// decoded, per decoding worker).
 pub const MAX_IMAGE_PIXELS: u64 = 2 * 89_478_485;
 
-/// A data directory given as a file is said to be one (not "does not exist").
-pub(crate) fn not_a_file(dir: &Path) -> anyhow::Result<()> {
-    if dir.is_file() {
-        anyhow::bail!("--data-dir {} is a file, not a folder: give the folder that holds the data set's files", dir.display());
-    }
-    Ok(())
-}
-
-/// Reads a file whole, naming it in the error (see [`read_regular_file`]), with no size limit
-/// but the memory's.
+/// Reads a data file whole, naming it in the error (see [`crate::input::read`]), with no size
+/// limit but the memory's.
 pub(crate) fn read_file(path: &Path) -> anyhow::Result<Vec<u8>> {
-    read_regular_file(path, u64::MAX, DATA_REMEDY)
+    crate::input::read(path, u64::MAX, DATA_REMEDY)
 }
 
 /// What to do about a data file that is not a regular file.
 pub(crate) const DATA_REMEDY: &str = "remove it from the data";
-
-/// Reads a regular file whole, of at most `limit` bytes, naming it in every error. It is opened
-/// without waiting (a FIFO with the right name would block a reader forever) and refused unless
-/// it is a regular file (a FIFO, a device such as /dev/zero behind a link, a socket); its bytes
-/// are reserved before they are read, so that a file larger than the memory left is one line
-/// saying how much it needed, not an abort. `remedy` ends the line about a file of another kind.
-pub(crate) fn read_regular_file(path: &Path, limit: u64, remedy: &str) -> anyhow::Result<Vec<u8>> {
-    use std::io::Read;
-    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
-    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let meta = file.metadata().with_context(|| format!("cannot read {}", path.display()))?;
-    let kind = meta.file_type();
-    if !kind.is_file() {
-        let what = if kind.is_fifo() {
-            "a FIFO"
-        } else if kind.is_char_device() || kind.is_block_device() {
-            "a device"
-        } else if kind.is_socket() {
-            "a socket"
-        } else {
-            "a folder"
-        };
-        anyhow::bail!("{} is not a regular file ({what}): {remedy}", path.display());
-    }
-    let size = meta.len();
-    if size > limit {
-        anyhow::bail!("{} is {size} bytes, more than the {limit} a file of this kind may have: not read", path.display());
-    }
-    let mut bytes = Vec::new();
-    bytes.try_reserve_exact(size as usize).map_err(|_| {
-        anyhow::anyhow!("{}: cannot read it, its {:.1} MiB do not fit in the memory left to this process", path.display(), size as f64 / (1 << 20) as f64)
-    })?;
-    // A file that grows while read is read to the limit and refused past it.
-    let read = file.take(limit.saturating_add(1)).read_to_end(&mut bytes).with_context(|| format!("cannot read {}", path.display()))?;
-    if read as u64 > limit {
-        anyhow::bail!("{} grew past {limit} bytes while it was read: not read", path.display());
-    }
-    Ok(bytes)
-}
 
 /// Checks that every label is a class index, naming the file otherwise.
 pub(crate) fn check_labels(labels: &[u8], num_classes: usize, path: &Path) -> anyhow::Result<()> {
@@ -270,30 +218,4 @@ pub(crate) fn check_labels(labels: &[u8], num_classes: usize, path: &Path) -> an
         anyhow::bail!("{}: record {pos} has label {}, expected 0..{}: not a valid file of this data set", path.display(), labels[pos], num_classes - 1);
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_regular_files_within_the_limit_are_read() {
-        let dir = tempfile::tempdir().unwrap();
-        let small = dir.path().join("small.jpg");
-        std::fs::write(&small, b"12345").unwrap();
-        assert_eq!(read_regular_file(&small, 5, DATA_REMEDY).unwrap(), b"12345");
-        let err = read_regular_file(&small, 4, DATA_REMEDY).unwrap_err().to_string();
-        assert!(err.contains("small.jpg is 5 bytes, more than the 4"), "{err}");
-        let sparse = dir.path().join("sparse.jpg");
-        std::fs::File::create(&sparse).unwrap().set_len(8 << 30).unwrap();
-        assert!(read_regular_file(&sparse, MAX_IMAGE_FILE_BYTES, DATA_REMEDY).unwrap_err().to_string().contains("more than the 268435456"));
-        let zero = dir.path().join("zero.jpg");
-        std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
-        assert!(read_regular_file(&zero, u64::MAX, DATA_REMEDY).unwrap_err().to_string().contains("zero.jpg is not a regular file (a device)"));
-        let fifo = dir.path().join("fifo.jpg");
-        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
-        // Opened without waiting for a writer: refused at once.
-        assert!(read_regular_file(&fifo, u64::MAX, DATA_REMEDY).unwrap_err().to_string().contains("fifo.jpg is not a regular file (a FIFO)"));
-        assert!(read_regular_file(dir.path(), u64::MAX, DATA_REMEDY).unwrap_err().to_string().contains("not a regular file (a folder)"));
-    }
 }

@@ -30,7 +30,7 @@
 //! the steps per epoch stay in step.
 use super::image_folder::{split_folder, ImageFolder, IMAGE_EXTENSIONS};
 use super::{Sampler, Split};
-use crate::atomic_file;
+use crate::output;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -89,6 +89,8 @@ pub struct ShardSet {
     classes: Vec<String>,
     /// Whether the shards and classes come from [`INDEX_FILE`] (else from reading the shards).
     indexed: bool,
+    /// Shards of the split in the folder that its index does not list (not read: said).
+    unlisted: Vec<String>,
 }
 
 /// What `shards.json` holds.
@@ -111,9 +113,7 @@ impl ShardSet {
     /// The shards' contents are checked as they are streamed, not here: with an index, opening
     /// reads nothing but it, however large the set.
     pub fn open(dir: &Path, split: Split) -> Result<ShardSet> {
-        if !dir.is_dir() {
-            bail!("shard folder {} does not exist (`prepare_data pack --data-dir DATA --out {0}` writes one from an image folder)", dir.display());
-        }
+        crate::input::folder(dir, "shard folder", &format!("`prepare_data pack --data-dir DATA --out {}` writes one from an image folder", dir.display()))?;
         let name = split_folder(split);
         let index_path = dir.join(INDEX_FILE);
         let set = match read_index(&index_path)? {
@@ -131,12 +131,13 @@ impl ShardSet {
                 if let Some(missing) = shards.iter().find(|shard| !dir.join(&shard.file).is_file()) {
                     bail!("{}: names {}, which does not exist in {}", index_path.display(), missing.file, dir.display());
                 }
-                ShardSet { dir: dir.to_path_buf(), shards, classes: index.classes, indexed: true }
+                let unlisted = list_shard_files(dir, name)?.into_iter().filter(|file| !seen.contains(file.as_str())).collect();
+                ShardSet { dir: dir.to_path_buf(), shards, classes: index.classes, indexed: true, unlisted }
             }
             None => {
                 let (shards, largest_label) = scan(dir, name)?;
                 let classes = (0..largest_label.map_or(0, |label| label + 1)).map(|label| label.to_string()).collect();
-                ShardSet { dir: dir.to_path_buf(), shards, classes, indexed: false }
+                ShardSet { dir: dir.to_path_buf(), shards, classes, indexed: false, unlisted: Vec::new() }
             }
         };
         ensure!(!set.is_empty(), "{}: the {name} shards hold no sample", dir.display());
@@ -152,6 +153,21 @@ impl ShardSet {
     /// named by number).
     pub fn has_index(&self) -> bool {
         self.indexed
+    }
+
+    /// The warning for shards of the split that sit in the folder but are not in its index
+    /// (not read: a shard copied in after `pack`, or one an index written by hand forgot).
+    pub fn unlisted_note(&self) -> Option<String> {
+        (!self.unlisted.is_empty()).then(|| {
+            format!(
+                "WARNING: {}: {} lists {} shard(s) of this split, and the folder holds {} more it does not list, which are not read: {}",
+                self.dir.display(),
+                INDEX_FILE,
+                self.shards.len(),
+                self.unlisted.len(),
+                self.unlisted.join(", ")
+            )
+        })
     }
 
     /// Class names; a sample's label indexes this list.
@@ -306,7 +322,7 @@ enum Reading {
 /// Returns the number of samples handed over. Labels must be below `num_classes` when given.
 fn walk(path: &Path, file: &str, reading: Reading, num_classes: Option<usize>, mut emit: impl FnMut(EncodedSample) -> ControlFlow<()>) -> Result<usize> {
     let unreadable = || format!("{}: not a readable tar file (cut short or corrupt?)", path.display());
-    let opened = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let opened = crate::input::open(path, super::DATA_REMEDY)?;
     let capacity = match reading {
         Reading::Everything => STREAM_BUFFER,
         Reading::LabelsOnly => SCAN_BUFFER,
@@ -494,7 +510,7 @@ pub fn pack(folder: &ImageFolder, out: &Path, split: Split, per_shard: usize, se
         .enumerate()
         .map(|(number, samples)| {
             let file = shard_file_name(split, number);
-            atomic_file::write_with(&out.join(&file), |tmp| write_shard(tmp, folder, samples))?;
+            output::write_with(&out.join(&file), |tmp| write_shard(tmp, folder, samples))?;
             Ok(ShardInfo { file, samples: samples.len() })
         })
         .collect::<Result<_>>()?;
@@ -508,7 +524,7 @@ fn write_shard(path: &Path, folder: &ImageFolder, samples: &[usize]) -> Result<(
     let mut tar = tar::Builder::new(BufWriter::with_capacity(STREAM_BUFFER, File::create(path)?));
     for &position in samples {
         let sample = &folder.samples[position];
-        let bytes = super::read_regular_file(&sample.path, super::MAX_IMAGE_FILE_BYTES, super::DATA_REMEDY)?;
+        let bytes = crate::input::read(&sample.path, super::MAX_IMAGE_FILE_BYTES, super::DATA_REMEDY)?;
         let extension = sample.path.extension().unwrap_or_default().to_string_lossy().to_lowercase();
         let key = format!("{position:09}");
         append(&mut tar, &format!("{key}.{extension}"), &bytes)?;
@@ -562,7 +578,7 @@ pub fn write_index(out: &Path, split: Split, classes: &[String], shards: &[Shard
     index.splits.insert(split_folder(split).to_string(), shards.to_vec());
     let mut json = serde_json::to_string_pretty(&index)?;
     json.push('\n');
-    atomic_file::write(&path, json)
+    output::write(&path, json)
 }
 
 /// Whether `name` names a file in its folder: not empty, no path separator, not `.` or `..`.
@@ -572,11 +588,10 @@ pub(crate) fn is_plain_name(name: &str) -> bool {
 
 /// The index at `path`, none when there is no such file.
 fn read_index(path: &Path) -> Result<Option<Index>> {
-    let bytes = match std::fs::read(path) {
-        Ok(bytes) => bytes,
-        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(err) => return Err(err).with_context(|| format!("cannot read {}", path.display())),
-    };
+    if crate::output::Kind::of(path).with_context(|| format!("cannot look at {}", path.display()))? == crate::output::Kind::Missing {
+        return Ok(None);
+    }
+    let bytes = crate::input::read(path, 64 << 20, "the shard index is the JSON file `prepare_data pack` wrote")?;
     let index = serde_json::from_slice(&bytes).with_context(|| format!("{}: not a shard index (its classes, and each split's shards)", path.display()))?;
     Ok(Some(index))
 }
@@ -675,6 +690,15 @@ mod tests {
         assert_ne!(order, (0..folder.len()).collect::<Vec<_>>());
         assert_eq!(samples.iter().filter(|s| s.shard == "train-000003.tar").count(), 1);
 
+        assert_eq!(set.unlisted_note(), None);
+        // A shard in the folder that the index does not list is not read, and said.
+        std::fs::copy(out.join("train-000003.tar"), out.join("train-000004.tar")).unwrap();
+        let more = ShardSet::open(&out, Split::Train).unwrap();
+        assert_eq!(more.len(), 13);
+        let note = more.unlisted_note().unwrap();
+        assert!(note.contains("lists 4 shard(s) of this split, and the folder holds 1 more it does not list, which are not read: train-000004.tar"), "{note}");
+        std::fs::remove_file(out.join("train-000004.tar")).unwrap();
+
         // Without the index, the same shards, counts and samples come back from the tar headers;
         // the classes are the labels' numbers.
         std::fs::remove_file(out.join(INDEX_FILE)).unwrap();
@@ -733,7 +757,7 @@ mod tests {
     /// A set of shards with these sample counts (no files: only the arithmetic is used).
     fn set_of(counts: &[usize]) -> ShardSet {
         let shards = counts.iter().enumerate().map(|(n, &samples)| ShardInfo { file: shard_file_name("train", n), samples }).collect();
-        ShardSet { dir: PathBuf::from("nowhere"), shards, classes: vec!["0".into()], indexed: true }
+        ShardSet { dir: PathBuf::from("nowhere"), shards, classes: vec!["0".into()], indexed: true, unlisted: Vec::new() }
     }
 
     #[test]

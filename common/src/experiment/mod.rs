@@ -3,6 +3,7 @@
 //! optimizer, train ([`crate::train::fit`]), test, and report. An exercise is an
 //! [`Experiment`] (its data, model and results) plus a [`Preset`]; the image exercises are
 //! [`crate::image_classification`], the language models [`crate::language_model`].
+mod files;
 mod recipe;
 mod results;
 mod train_run;
@@ -128,15 +129,17 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
     exp.check()?;
     // Found before the first step, not after the last one (whose results would be lost).
     writable_dir(&run.results_dir, "--results-dir")?;
-    // The exercise's table, which every run appends to: a link planted at its name would make
-    // the run append to any file its user can write (refused at the end too; said here first).
-    let table = run.results_dir.join(format!("{}.csv", exp.preset().name));
-    if std::fs::symlink_metadata(&table).is_ok_and(|m| m.file_type().is_symlink()) {
-        return usage(format!("{} is a symbolic link: not writing through it (remove it, or choose another --results-dir)", table.display()));
-    }
     if let Some(dir) = &run.checkpoint_dir {
         writable_dir(dir, "--checkpoint-dir")?;
     }
+    // Every name the run would write, on every device it may train on (a GPU asked for but
+    // absent is said later, where it is checked).
+    let named_devices = match run.device {
+        DeviceChoice::Cpu => vec![Device::Cpu],
+        DeviceChoice::Cuda => vec![Device::Cuda(0)],
+        DeviceChoice::Both => vec![Device::Cpu, Device::Cuda(0)],
+    };
+    files::check(exp, &named_devices)?;
     let env = LaunchEnv::detect();
     // Once per job: by the process itself, or by rank 0 of the ranks a launcher starts.
     let speaks = match &env {
@@ -211,7 +214,7 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
         let data = exp.load(&mut session, world.is_root())?;
         let record = train_on(exp, &data, Place { groups: &groups, run_part: run_part.as_ref(), device }, &mut session)?;
         if let (Some(record), true) = (&record, world.world_size() > 1) {
-            let csv = run.results_dir.join(format!("{}.csv", exp.preset().name));
+            let csv = report::table_path(&run.results_dir, &exp.preset().name);
             if let Some(efficiency) = report::scaling_efficiency(&csv, record) {
                 session.info(format!("scaling efficiency against the last 1-rank run: {:.1}%", 100.0 * efficiency))?;
             }
@@ -254,14 +257,14 @@ fn estimate_memory<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<
     let path = run.results_dir.join(format!("{name}.memory-estimate.json"));
     let json =
         serde_json::json!({ "run": name, "world_size": world, "device": device, "precision": run.precision.name(), "flags": exp.flags_json(), "ranks": rows });
-    crate::atomic_file::write(&path, serde_json::to_string_pretty(&json)? + "\n")?;
+    crate::output::write(&path, serde_json::to_string_pretty(&json)? + "\n")?;
     session.info(format!("wrote {}", path.display()))
 }
 
 /// Creates `dir` if needed and writes a file there and removes it: a usage error naming `flag`
 /// where that fails (read-only, not a folder, no permission, a full disk).
 fn writable_dir(dir: &std::path::Path, flag: &str) -> Result<()> {
-    match crate::atomic_file::probe_folder(dir) {
+    match crate::output::probe_folder(dir) {
         Ok(()) => Ok(()),
         Err(err) => usage(format!("{flag} {}: cannot write there ({err}); choose another folder", dir.display())),
     }

@@ -22,7 +22,7 @@ use crate::parallel::{optimizer_for, DataParallelPlan, GradientSync, RunPart};
 use crate::parallelize::parallelize;
 use crate::precision::Precision;
 use crate::profile::libtorch::TorchProfiler;
-use crate::report::RunRecord;
+use crate::report::{self, RunRecord};
 use crate::train::sinks::{CheckpointEveryEpoch, ProfileSink, ProgressBars, StepLosses, TensorBoardLog};
 use crate::train::{self, CheckpointConfig, EvalSums, Event, Metric, Observer, Observers, TrainConfig, TrainStep};
 
@@ -134,7 +134,7 @@ fn nothing_to_train(name: &str, fit: &train::FitReport, config: &TrainConfig, re
         Some(max_steps) => format!("already at --max-steps {max_steps} (after epoch {} of {})", fit.resumed_epochs, config.epochs),
         None => format!("already at epoch {} of {}", fit.resumed_epochs, config.epochs),
     };
-    format!("[{name}] {at}, nothing to train; results left as they are ({})", results_dir.join(format!("{name}.json")).display())
+    format!("[{name}] {at}, nothing to train; results left as they are ({})", report::results_path(results_dir, name).display())
 }
 
 /// `--matmul-precision` with float32 training: what it allows, said once.
@@ -189,7 +189,7 @@ fn build<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<'g>, session: 
     }
     // --straggler: this rank sleeps in every step (any strategy).
     let optimizer = crate::parallel::parameter_server::Straggled::wrap(optimizer, exp.parallel_args().straggler, groups.world.rank());
-    let name = format!("{}-{}-{}", preset.name, exp.model_name(), device::device_name(device));
+    let name = super::files::run_name(exp, device);
     Ok((Built { plan, step, optimizer, recipe, sources, zero, sync, name, data_identity: exp.data_identity(data) }, meter))
 }
 
@@ -222,6 +222,7 @@ fn train_config<E: Experiment>(exp: &E, built: &Built<'_, E::Model>, place: Plac
             every_steps: run.checkpoint_every.map(|n| n as usize),
             every_minutes: run.checkpoint_minutes,
             format: run.checkpoint_format,
+            examples_per_step: recipe.batch_size * groups.layout.dp * recipe.accumulate,
         }),
         metric: exp.metric(),
         precision: run.precision,

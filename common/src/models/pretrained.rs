@@ -69,7 +69,7 @@ fn hash_prefix(file: &str) -> &str {
 
 /// Fails unless the SHA-256 of `path` starts with the hash `file`'s name carries.
 fn check_hash(path: &Path, file: &str) -> Result<()> {
-    let mut reader = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut reader = crate::input::open(path, "remove it from the weights cache")?;
     let mut hasher = Sha256::new();
     let mut buffer = vec![0u8; 1 << 20];
     loop {

@@ -33,7 +33,7 @@ const LEGACY_PROTOCOL: i64 = 1001;
 
 /// The named tensors of a `state_dict` that `torch.save` wrote, on the CPU, in the file's order.
 pub fn read_state_dict(path: &Path) -> Result<Vec<(String, Tensor)>> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let bytes = crate::input::read(path, u64::MAX, "give the file torch.save wrote")?;
     if bytes.starts_with(ZIP_MAGIC) {
         return zip_layout(&bytes).map_err(|e| anyhow!("{} is not a state_dict torch.save wrote: {e:#}", path.display()));
     }

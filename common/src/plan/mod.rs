@@ -126,7 +126,7 @@ impl ProfileArgs {
             return usage("--device both: a profile is of one device; record one for each");
         }
         if let Some(parent) = self.out.parent().filter(|p| !p.as_os_str().is_empty()) {
-            crate::atomic_file::probe_folder(parent).map_err(|err| crate::error::UsageError(format!("--out {}: {err}", self.out.display())))?;
+            crate::output::probe_folder(parent).map_err(|err| crate::error::UsageError(format!("--out {}: {err}", self.out.display())))?;
         }
         Ok(())
     }

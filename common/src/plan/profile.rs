@@ -383,7 +383,7 @@ impl Profile {
     /// precision (its times would be another model's).
     pub fn read(path: &Path, key: Option<ProfileKey>) -> Result<Profile> {
         let shown = path.display();
-        let bytes = crate::data::read_regular_file(path, MAX_PROFILE_BYTES, "give --profile the file exercise3 profile wrote")
+        let bytes = crate::input::read(path, MAX_PROFILE_BYTES, "give --profile the file exercise3 profile wrote")
             .map_err(|err| UsageError(format!("cannot read the profile: {err:#}")))?;
         let text = String::from_utf8(bytes).map_err(|_| UsageError(format!("{shown} is not a profile (not UTF-8 text)")))?;
         let value = serde_json::from_str::<serde_json::Value>(&text).map_err(|err| UsageError(format!("{shown} is not a profile (not JSON: {err})")))?;
@@ -437,7 +437,7 @@ impl Profile {
     /// Writes the profile to `path` (atomically: a crash leaves the old file or the new one).
     pub fn write(&self, path: &Path) -> Result<()> {
         let text = serde_json::to_string_pretty(self)?;
-        crate::atomic_file::write(path, text + "\n").with_context(|| format!("writing the profile {}", path.display()))
+        crate::output::write(path, text + "\n").with_context(|| format!("writing the profile {}", path.display()))
     }
 
     /// The pieces' times for a micro-batch of `micro_batch` sequences ([`interpolate`]d).

@@ -130,7 +130,8 @@ impl TorchProfiler {
         if let Some(dir) = self.trace.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
         }
-        torch_ext::profiler_stop(&self.trace)?;
+        // LibTorch names (and renames) its files itself: in a private folder, then moved into place.
+        crate::output::write_by_name(&self.trace, |inside| torch_ext::profiler_stop(inside))?;
         Ok(Recorded { steps: self.steps, trace: self.trace.clone(), table: OperatorTable::read(&self.trace)? })
     }
 }

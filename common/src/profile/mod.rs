@@ -16,6 +16,13 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use serde::Serialize;
 
+/// The phases' and operators' table `--profile` writes beside the trace `<run>.trace.json`:
+/// `<run>.profile.md`.
+pub fn table_path(trace: &Path) -> std::path::PathBuf {
+    let name = trace.file_name().and_then(|n| n.to_str()).unwrap_or("profile.trace.json");
+    trace.with_file_name(name.replace(".trace.json", ".profile.md"))
+}
+
 /// One interval of the trace.
 #[derive(Debug, Clone, Serialize)]
 struct TraceEvent {
@@ -146,7 +153,7 @@ impl Profiler {
             std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
         }
         let trace = serde_json::json!({ "traceEvents": self.events, "displayTimeUnit": "ms" });
-        std::fs::write(path, serde_json::to_vec(&trace)?).with_context(|| format!("cannot write {}", path.display()))
+        crate::output::write(path, serde_json::to_vec(&trace)?)
     }
 }
 

@@ -84,7 +84,7 @@ fn row_name(name: &str) -> String {
 
 impl OperatorTable {
     pub fn read(path: &Path) -> Result<OperatorTable> {
-        let bytes = std::fs::read(path).with_context(|| format!("cannot read the profiler trace {}", path.display()))?;
+        let bytes = crate::input::read(path, u64::MAX, "give the Chrome trace LibTorch's profiler wrote").context("cannot read the profiler trace")?;
         let trace: Trace = serde_json::from_slice(&bytes).with_context(|| format!("{} is not a profiler trace (Chrome trace JSON)", path.display()))?;
         Ok(Self::from_events(trace.trace_events))
     }

@@ -182,7 +182,7 @@ pub fn draw(rows: &[Row], path: &Path) -> Result<()> {
     }
     let mut svg = String::new();
     draw_into(rows, path, &mut svg)?;
-    crate::atomic_file::write(path, svg)
+    crate::output::write(path, svg)
 }
 
 fn draw_into(rows: &[Row], path: &Path, svg: &mut String) -> Result<()> {

@@ -169,7 +169,7 @@ pub fn read_runs(dir: &Path) -> Result<Vec<(Mode, Run)>> {
             bail!("{}: a scaling runs folder holds `strong/` and `weak/` only, not `{name}/`", dir.display());
         };
         for json in json_files(&mode_dir)? {
-            let text = std::fs::read_to_string(&json).with_context(|| format!("cannot read {}", json.display()))?;
+            let text = crate::input::read_to_string(&json, 256 << 20, "a scaling runs folder holds results files")?;
             let value: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", json.display()))?;
             // A results record has these; a trace or a memory estimate does not.
             if value.get("throughput").is_none() || value.get("world_size").is_none() {
@@ -260,7 +260,7 @@ pub fn write_csv(path: &Path, rows: &[Row]) -> Result<()> {
         writer.serialize(row)?;
     }
     let bytes = writer.into_inner().map_err(|e| anyhow::anyhow!("{e}"))?;
-    crate::atomic_file::write(path, bytes)
+    crate::output::write(path, bytes)
 }
 
 /// The rows as a Markdown table, for the terminal and README.

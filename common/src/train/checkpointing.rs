@@ -312,6 +312,7 @@ mod tests {
             torch_version: String::new(),
             grad_scaler: None,
             data: serde_json::Value::Null,
+            examples_per_step: 0,
         }
     }
 
@@ -332,6 +333,7 @@ mod tests {
             every_steps: None,
             every_minutes: None,
             format: CheckpointFormat::Sharded,
+            examples_per_step: 0,
         };
         let mut checkpointer = Checkpointer::new(&config, "run", true, None);
         let folder = sharded::step_folder(checkpointer.path(), 3);

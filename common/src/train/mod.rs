@@ -108,6 +108,9 @@ pub struct CheckpointConfig {
     pub every_minutes: Option<f64>,
     /// One file, or every rank writing its part (`--checkpoint-format`).
     pub format: CheckpointFormat,
+    /// Examples in one optimizer step of the whole job (batch × replicas × `--accumulate`): a
+    /// resume with another takes other samples from the epoch's order from there on.
+    pub examples_per_step: usize,
 }
 
 /// How to train.
@@ -483,8 +486,14 @@ impl<'c, 'g> Run<'c, 'g> {
         // Taken before the checkpoint to resume from is read (rank 0 holds it for the job).
         let writes_checkpoints = !config.eval_only && step.sync().is_root();
         let lock = config.checkpoint.as_ref().filter(|_| writes_checkpoints).map(|ck| checkpoint::RunLock::acquire(&ck.dir, &config.run)).transpose()?;
-        let expected =
-            resume.as_ref().map(|(path, ck)| state::Expected { path, model: &ck.model, data: &ck.data, seed: config.seed, eval_only: config.eval_only });
+        let expected = resume.as_ref().map(|(path, ck)| state::Expected {
+            path,
+            model: &ck.model,
+            data: &ck.data,
+            seed: config.seed,
+            examples_per_step: ck.examples_per_step,
+            eval_only: config.eval_only,
+        });
         let start = state::start(step, optimizer, scaler.as_mut(), expected, observers)?;
         let world = step.sync().world();
         let mut checkpoints = config.checkpoint.as_ref().map(|ck| Checkpointer::new(ck, &config.run, Checkpointer::shards(ck.format, step, optimizer), world));
@@ -914,6 +923,7 @@ fn checkpoint_meta(
         torch_version: crate::torch_version().to_string(),
         grad_scaler: scaler.map(GradScaler::state),
         data: ck.data.clone(),
+        examples_per_step: ck.examples_per_step,
     }
 }
 

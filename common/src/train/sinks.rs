@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::events::{phase_seconds, Control, Event, Observer};
@@ -288,9 +288,8 @@ impl ProfileSink {
                 window.first, window.first, window.last
             ),
         };
-        let markdown = self.trace.with_file_name(self.trace.file_name().and_then(|n| n.to_str()).unwrap_or("profile").replace(".trace.json", ".profile.md"));
-        std::fs::write(&markdown, format!("# {}\n\nPhases (the device waited for at every phase boundary):\n\n{phases}\n{operators}", self.header.run))
-            .with_context(|| format!("cannot write {}", markdown.display()))?;
+        let markdown = crate::profile::table_path(&self.trace);
+        crate::output::write(&markdown, format!("# {}\n\nPhases (the device waited for at every phase boundary):\n\n{phases}\n{operators}", self.header.run))?;
         if self.print {
             println!("--profile: {} (device waited for at every phase boundary)\n{phases}", self.header.run);
             println!("{operators}");

@@ -106,6 +106,8 @@ pub(crate) struct Expected<'a> {
     pub model: &'a serde_json::Value,
     pub data: &'a serde_json::Value,
     pub seed: u64,
+    /// Examples in one optimizer step of this job.
+    pub examples_per_step: usize,
     /// `--eval-only` (said when the checkpoint is refused).
     pub eval_only: bool,
 }
@@ -136,6 +138,15 @@ fn find(expected: &Expected<'_>, observers: &mut Observers) -> Result<Option<Fou
             found.path.display(),
             meta.seed,
             expected.seed
+        ))?;
+    }
+    if meta.examples_per_step != 0 && meta.examples_per_step != expected.examples_per_step && !expected.eval_only {
+        observers.warn(format!(
+            "warning: {} was written by a job of {} examples per step, this one takes {} (--batch-size, --accumulate or the number of \
+             replicas differ): the samples it trains on from here on differ from the run's",
+            found.path.display(),
+            meta.examples_per_step,
+            expected.examples_per_step
         ))?;
     }
     let within = match meta.epoch_step {

@@ -92,7 +92,7 @@ fn write_csv(cli: &Cli, world: usize, device: Device, rows: &[(usize, f64, f64, 
         std::fs::create_dir_all(dir)?;
     }
     let new = !cli.csv.exists();
-    let mut out = csv::Writer::from_writer(common::atomic_file::append(&cli.csv)?);
+    let mut out = csv::Writer::from_writer(common::output::append(&cli.csv)?);
     if new {
         out.write_record(["finished_at", "device", "ranks", "bytes", "time_s", "algbw_gb_s", "busbw_gb_s"])?;
     }

@@ -70,7 +70,7 @@ fn main() -> std::process::ExitCode {
             let ordered = ImageFileLoader::new(files.clone(), Transform::imagenet(224, false), LoaderConfig { shuffle: false, ..config.clone() });
             let batch = ordered.epoch(0).next().ok_or_else(|| anyhow::anyhow!("no image"))??;
             let values = Vec::<f32>::try_from(batch.inputs.flatten(0, -1))?;
-            std::fs::write(path, values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())?;
+            common::output::write(path, values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())?;
         }
         let loader = ImageFileLoader::new(files, Transform::imagenet(224, train), config).with_shuffle_buffer(1000);
         let needed = cli.warmup + cli.batches;

@@ -185,7 +185,7 @@ fn write_csv(cli: &Cli, devices: &[Device], threads: usize, rows: &[Row]) -> any
         std::fs::create_dir_all(dir)?;
     }
     let new = !cli.csv.exists();
-    let mut file = common::atomic_file::append(&cli.csv)?;
+    let mut file = common::output::append(&cli.csv)?;
     if new {
         writeln!(
             file,

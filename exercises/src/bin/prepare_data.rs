@@ -32,6 +32,9 @@ enum Command {
         test: Option<usize>,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Replace what --out holds even where this tool did not generate it (real data).
+        #[arg(long)]
+        force: bool,
     },
     /// Write a generated image folder (train/<class>/*.JPEG, val/<class>/*.JPEG, torchvision's
     /// ImageFolder layout), marked as generated: for `--dataset imagefolder`, `pack` and `make bench-data`.
@@ -53,6 +56,9 @@ enum Command {
         mixed_formats: bool,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Replace what --out holds even where this tool did not generate it (real data).
+        #[arg(long)]
+        force: bool,
     },
     /// Write a generated WikiText-2 stand-in (wiki.{train,valid,test}.tokens), marked as generated.
     GenerateText {
@@ -60,6 +66,9 @@ enum Command {
         out: PathBuf,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Replace what --out holds even where this tool did not generate it (real data).
+        #[arg(long)]
+        force: bool,
     },
     /// Read WikiText-2's three splits and print their sizes (fails with the reader's error otherwise).
     CheckText {
@@ -105,15 +114,16 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     common::error::run_main(|| match cli.command {
-        Command::Generate { dataset, out, train, test, seed } => {
+        Command::Generate { dataset, out, train, test, seed, force } => {
             let full = generate::GenerateConfig::full(dataset);
             let config = generate::GenerateConfig { train: train.unwrap_or(full.train), test: test.unwrap_or(full.test), seed };
             let out = out.unwrap_or_else(|| dataset.default_dir());
+            generate::check_may_replace(&out, force)?;
             generate::generate(dataset, &out, config)?;
             println!("wrote a GENERATED {} stand-in ({} train + {} test images) to {}", dataset.name(), config.train, config.test, out.display());
             Ok(())
         }
-        Command::GenerateImages { out, classes, train, val, sizes, mixed_formats, seed } => {
+        Command::GenerateImages { out, classes, train, val, sizes, mixed_formats, seed, force } => {
             if classes == 0 || train == 0 {
                 return common::error::usage("--classes and --train must be at least 1");
             }
@@ -121,6 +131,7 @@ fn main() -> std::process::ExitCode {
                 return common::error::usage("--mixed-formats needs --train 2 or more (a PNG and a grey JPEG per class)");
             }
             let config = generate::FolderConfig { classes, train_per_class: train, val_per_class: val, sizes, mixed_formats, seed };
+            generate::check_may_replace(&out, force)?;
             generate::image_folder(&out, config)?;
             println!("wrote a GENERATED image folder ({classes} classes × {train} train + {val} val images) to {}", out.display());
             Ok(())
@@ -133,8 +144,9 @@ fn main() -> std::process::ExitCode {
             println!("ImageNet weights of {}: {} (checked)", model.name(), path.display());
             Ok(())
         }
-        Command::GenerateText { out, seed } => {
+        Command::GenerateText { out, seed, force } => {
             let sizes = WikitextSizes::default();
+            generate::check_may_replace(&out, force)?;
             text::generate_wikitext(&out, seed, sizes)?;
             println!(
                 "wrote a GENERATED WikiText-2 stand-in (about {} train + {} valid + {} test tokens) to {}",
@@ -176,6 +188,14 @@ fn main() -> std::process::ExitCode {
             if shard_size == 0 {
                 return common::error::usage("--shard-size 0: a shard holds at least one sample");
             }
+            if within(&out, &data_dir) {
+                // Its shards would sit in a class folder (or beside train/) of what they pack.
+                return common::error::usage(format!(
+                    "--out {} is inside --data-dir {}: the shards would be written into the image folder they pack; choose a folder outside it",
+                    out.display(),
+                    data_dir.display()
+                ));
+            }
             // Both splits listed (and checked) first: a bad val/ fails before hours of packing train/.
             let train = ImageFolder::scan_split(&data_dir, Split::Train, None)?;
             let has_val = data_dir.join(split_folder(Split::Test)).is_dir();
@@ -190,11 +210,31 @@ fn main() -> std::process::ExitCode {
             // Generated photographs stay marked as such in their shards (runs on them say so).
             let marker = data_dir.join(data::GENERATED_MARKER);
             if marker.exists() {
-                std::fs::copy(&marker, out.join(data::GENERATED_MARKER)).with_context(|| format!("cannot copy {} into {}", marker.display(), out.display()))?;
+                common::output::write(&out.join(data::GENERATED_MARKER), common::input::read(&marker, 1 << 20, "remove it from the image folder")?)?;
             }
             Ok(())
         }
     })
+}
+
+/// Whether `path` (which need not exist yet) is `folder` or inside it, links resolved: its
+/// nearest existing ancestor decides.
+fn within(path: &Path, folder: &Path) -> bool {
+    let Ok(folder) = folder.canonicalize() else { return false };
+    let mut existing = path;
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(real) = existing.canonicalize() {
+            return rest.iter().rev().fold(real, |p: PathBuf, part| p.join(part)).starts_with(&folder);
+        }
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                existing = if parent.as_os_str().is_empty() { Path::new(".") } else { parent };
+            }
+            _ => return false,
+        }
+    }
 }
 
 /// Packs one split, adds it to the index, and says what was written.

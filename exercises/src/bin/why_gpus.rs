@@ -46,7 +46,7 @@ fn main() -> std::process::ExitCode {
         for t in &timings {
             csv.push_str(&format!("{},{},{},{}\n", t.work.name(), t.size, t.device, t.seconds));
         }
-        common::atomic_file::write(&cli.results_dir.join("why_gpus.csv"), csv)?;
+        common::output::write(&cli.results_dir.join("why_gpus.csv"), csv)?;
         let chart = cli.results_dir.join("why_gpus.svg");
         why_gpus::chart(&timings, &chart)?;
         println!("wrote {} and {}", cli.results_dir.join("why_gpus.csv").display(), chart.display());

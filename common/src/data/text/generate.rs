@@ -12,8 +12,6 @@
 //! (longer context helps further). One grammar, drawn from the seed, is shared by the three
 //! splits; each split's text has its own random stream.
 use super::{SPLITS, UNK};
-use crate::data::GENERATED_MARKER;
-use anyhow::Context;
 use rand::distr::weighted::WeightedIndex;
 use rand::distr::Distribution;
 use rand::seq::IndexedRandom;
@@ -39,18 +37,8 @@ impl Default for WikitextSizes {
 }
 
 /// Writes a generated WikiText-2 stand-in into `dir` (created if needed), with the
-/// [`GENERATED_MARKER`] beside it.
+/// [`crate::data::GENERATED_MARKER`] beside it.
 pub fn generate_wikitext(dir: &Path, seed: u64, sizes: WikitextSizes) -> anyhow::Result<()> {
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let language = Language::new(&mut ChaCha8Rng::seed_from_u64(seed));
-    let targets = [sizes.train, sizes.valid, sizes.test];
-    for (stream, (split, target)) in SPLITS.iter().zip(targets).enumerate() {
-        // Stream 0 drew the grammar; each split continues on a stream of its own.
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        rng.set_stream(stream as u64 + 1);
-        let path = dir.join(format!("wiki.{split}.tokens"));
-        std::fs::write(&path, language.text(&mut rng, target)).with_context(|| format!("cannot write {}", path.display()))?;
-    }
     let note = format!(
         "GENERATED stand-in for WikiText-2 (not the real data set): about {} train + {} valid + {} test tokens \
          (with <eos>), seed {seed}.\n\
@@ -58,8 +46,17 @@ pub fn generate_wikitext(dir: &Path, seed: u64, sizes: WikitextSizes) -> anyhow:
          Delete this folder and run `make data` on a machine with network access for the real data.\n",
         sizes.train, sizes.valid, sizes.test
     );
-    let marker = dir.join(GENERATED_MARKER);
-    std::fs::write(&marker, note).with_context(|| format!("cannot write {}", marker.display()))
+    crate::data::generate::mark_generated(dir, &note)?;
+    let language = Language::new(&mut ChaCha8Rng::seed_from_u64(seed));
+    let targets = [sizes.train, sizes.valid, sizes.test];
+    for (stream, (split, target)) in SPLITS.iter().zip(targets).enumerate() {
+        // Stream 0 drew the grammar; each split continues on a stream of its own.
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        rng.set_stream(stream as u64 + 1);
+        // Whole or not at all: a full disk leaves no torn split behind.
+        crate::output::write(&dir.join(format!("wiki.{split}.tokens")), language.text(&mut rng, target))?;
+    }
+    Ok(())
 }
 
 /// What a word class emits.

@@ -217,14 +217,7 @@ pub fn locate(dir: &Path) -> anyhow::Result<[PathBuf; 3]> {
 /// Reads WikiText-2 from `dir` (see [`locate`] for the layouts) and tokenizes it. A missing
 /// directory or file gets an error that names it and says how to get the data.
 pub fn load_corpus(dir: &Path, tokenizer: Tokenizer) -> anyhow::Result<Corpus> {
-    super::not_a_file(dir)?;
-    if !dir.is_dir() {
-        anyhow::bail!(
-            "data directory {} does not exist; run `make data` (fetches WikiText-2 where a network exists, \
-             else generates a stand-in) or pass --data-dir",
-            dir.display()
-        );
-    }
+    crate::input::folder(dir, "data directory", "run `make data` (fetches WikiText-2 where a network exists, else generates a stand-in) or pass --data-dir")?;
     let paths = locate(dir)?;
     let mut texts = Vec::with_capacity(3);
     for path in &paths {

@@ -14,7 +14,7 @@ use crate::output::{self, Kind};
 
 /// `<exercise>-<model>-<device>`: the stem of every file of a run on `device`.
 pub(crate) fn run_name<E: Experiment>(exp: &E, device: Device) -> String {
-    crate::report::run_name(&exp.preset().name, &exp.model_name(), crate::device::device_name(device))
+    crate::report::run_name(exp.preset().name, &exp.model_name(), crate::device::device_name(device))
 }
 
 /// How a run writes a name.
@@ -64,7 +64,7 @@ fn names(run: &RunArgs, exercise: &str, name: &str, model: &str) -> Vec<(PathBuf
 pub(crate) fn check<E: Experiment>(exp: &E, devices: &[Device]) -> Result<()> {
     let run = exp.run_args();
     for &device in devices {
-        for (path, way) in names(run, &exp.preset().name, &run_name(exp, device), &exp.model_name()) {
+        for (path, way) in names(run, exp.preset().name, &run_name(exp, device), &exp.model_name()) {
             match way {
                 Way::Replaced => output::check_file(&path)?,
                 Way::Folder => output::check_folder(&path)?,

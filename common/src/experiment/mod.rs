@@ -214,7 +214,7 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
         let data = exp.load(&mut session, world.is_root())?;
         let record = train_on(exp, &data, Place { groups: &groups, run_part: run_part.as_ref(), device }, &mut session)?;
         if let (Some(record), true) = (&record, world.world_size() > 1) {
-            let csv = report::table_path(&run.results_dir, &exp.preset().name);
+            let csv = report::table_path(&run.results_dir, exp.preset().name);
             if let Some(efficiency) = report::scaling_efficiency(&csv, record) {
                 session.info(format!("scaling efficiency against the last 1-rank run: {:.1}%", 100.0 * efficiency))?;
             }

@@ -195,7 +195,7 @@ fn say_measurements(measured: &Measured, groups: &Groups, device: Device, sessio
 fn run_results<'a, E: Experiment>(exp: &E, built: &'a Built<'_, E::Model>, measured: &'a Measured, groups: &Groups, record: &RunRecord) -> RunResults<'a> {
     let (run, parallel, recipe) = (exp.run_args(), exp.parallel_args(), &built.recipe);
     let replicas = groups.layout.dp;
-    let csv = report::table_path(&run.results_dir, &exp.preset().name);
+    let csv = report::table_path(&run.results_dir, exp.preset().name);
     RunResults {
         history: &measured.fit.history,
         step_losses: &measured.step_losses,
@@ -266,7 +266,7 @@ pub(super) fn report_evaluation<E: Experiment>(
     if let (Some(object), serde_json::Value::Object(extra)) = (json.as_object_mut(), extra) {
         object.extend(extra);
     }
-    let path = report::eval_only_path(&run.results_dir, &name);
+    let path = report::eval_only_path(&run.results_dir, name);
     crate::output::write(&path, serde_json::to_string_pretty(&json)? + "\n")?;
     session.info(format!("wrote {}", path.display()))
 }

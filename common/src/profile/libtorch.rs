@@ -131,7 +131,7 @@ impl TorchProfiler {
             std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
         }
         // LibTorch names (and renames) its files itself: in a private folder, then moved into place.
-        crate::output::write_by_name(&self.trace, |inside| torch_ext::profiler_stop(inside))?;
+        crate::output::write_by_name(&self.trace, torch_ext::profiler_stop)?;
         Ok(Recorded { steps: self.steps, trace: self.trace.clone(), table: OperatorTable::read(&self.trace)? })
     }
 }

@@ -21,6 +21,11 @@ pub struct ChildExit(pub i32);
 /// tell it apart from both.
 pub const STOPPED_EXIT_CODE: u8 = 75;
 
+/// A job ended for a hang (a collective that waited past `--collective-timeout`, a start-up past
+/// `--startup-timeout`: `comm::watchdog`, `comm::startup`): a rank has said in one line which
+/// ranks did not answer or never arrived; the launcher adds nothing to it.
+pub const HUNG_EXIT_CODE: i32 = 3;
+
 /// The run stopped at a signal's request (`train::preemption`) after `step` optimizer steps,
 /// its state checkpointed to `checkpoint` (none without `--checkpoint-dir`). Not a failure:
 /// [`run_main`] says it without "error:", on the rank that caught the signal only (`signal`
@@ -82,7 +87,8 @@ pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
                 (Some(stopped), _) if stopped.signal.is_some() => say(first_line),
                 // Another rank's signal, or ranks that stopped: the rank that caught it said so.
                 (Some(_), _) => {}
-                (_, Some(ChildExit(code))) if *code == STOPPED_EXIT_CODE as i32 => {}
+                // Ranks that stopped, or ended a hung job: one of them said why.
+                (_, Some(ChildExit(code))) if *code == STOPPED_EXIT_CODE as i32 || *code == HUNG_EXIT_CODE => {}
                 _ => say(&format!("error: {first_line}")),
             }
             ExitCode::from(exit_code(&err))

@@ -24,11 +24,6 @@ use crate::error::{usage, UsageError};
 #[cfg(feature = "mpi")]
 use super::mpi::MpiCollectives;
 
-/// How long ranks wait for each other while exchanging NCCL's id over TCP (ranks of a batch
-/// job may start minutes apart on a busy cluster).
-#[cfg(feature = "nccl")]
-const RENDEZVOUS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
-
 /// The ranks of this job (or of a sub-group of it, see [`ProcessGroup::split`]) and their
 /// collectives and point-to-point messages.
 ///
@@ -546,7 +541,10 @@ fn abort_job(mpi: &MpiCollectives, rank: usize, err: &anyhow::Error) -> ! {
 
 #[cfg(feature = "mpi")]
 fn start_mpi(env: &LaunchEnv) -> Result<MpiCollectives> {
+    // MPI_Init waits for every rank, for ever: a rank that never comes is named past the deadline.
+    let deadline = super::startup::Deadline::arm(env);
     let mpi = MpiCollectives::init()?;
+    drop(deadline);
     let (size, rank) = (mpi.size(), mpi.rank());
     if size == 1 && env.world_size > 1 {
         return usage(format!("the launcher started {} ranks but MPI sees 1: start them with mpirun/srun --mpi=pmix, or use --backend nccl", env.world_size));
@@ -600,7 +598,8 @@ fn start_nccl(env: &LaunchEnv, rank: usize, size: usize, mpi: Option<&dyn Collec
             // torchrun's agent already serves its own store on MASTER_PORT: meet next to it.
             if env.source == LaunchSource::Torchrun { port + 1 } else { *port },
             (rank == 0).then_some(id),
-            RENDEZVOUS_TIMEOUT,
+            // Ranks of a batch job may start minutes apart on a busy cluster: --startup-timeout.
+            super::startup::timeout(),
         )?,
         (true, None, None) => {
             return usage(format!("NCCL's ranks meet at MASTER_ADDR:MASTER_PORT when {} starts them without MPI: set both (torchrun does)", env.source))

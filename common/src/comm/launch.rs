@@ -285,6 +285,10 @@ fn from_torchrun(vars: &Vars) -> Result<Option<LaunchEnv>> {
 // --nproc-per-node: the binary starts its own ranks, as the course's `mp.spawn(fn, nprocs=N)`
 // and `horovodrun -np N` do, by handing itself to mpirun.
 
+/// Set for every rank: a folder where each marks its arrival at the job's start, so that one that
+/// never arrives is named ([`super::startup`]).
+pub const ARRIVALS_VAR: &str = "COURSE_STARTUP_DIR";
+
 /// The message for a missing launcher.
 const NO_MPIRUN: &str = "--nproc-per-node needs an MPI launcher (mpirun) on PATH; install OpenMPI \
                          (Debian: openmpi-bin) or start the ranks with srun/mpirun yourself";
@@ -343,6 +347,11 @@ pub fn relaunch_with_mpirun(nproc: usize, stops: StopsAt) -> Result<ExitStatus> 
     let mut command = Command::new(&launcher);
     command.args(mpirun_args(&version, is_root(), nproc)).arg(exe).args(args_without_nproc(&args));
     let parent = std::process::id();
+    // Where they mark their arrival at start-up, so that one that never comes is named
+    // (comm::startup); private, and removed when the job ends.
+    let private = <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o700);
+    let arrivals = tempfile::Builder::new().prefix("course-startup-").permissions(private).tempdir().context("cannot make a folder for the ranks' start-up")?;
+    command.env(ARRIVALS_VAR, arrivals.path());
     // SAFETY: the hook only makes async-signal-safe system calls (prctl, getppid) and does not
     // allocate, as code between fork and exec must.
     unsafe { command.pre_exec(move || die_with_parent(parent)) };
@@ -496,9 +505,11 @@ impl AbortNotices {
                 }
                 let lines = self.boxed.take().unwrap_or_default();
                 // Also mpirun's two boxes for ranks that ended together with the stop code (a
-                // signal's checkpointed stop, which rank 0 has reported): no failure to explain.
+                // signal's checkpointed stop, which rank 0 has reported) or the hang code (a
+                // start-up past its deadline, which a rank has named): nothing to add.
                 let stopped = format!("Exit code:    {}", crate::error::STOPPED_EXIT_CODE);
-                let silent = ["MPI_ABORT was invoked", "Per user-direction, the job has been aborted", stopped.as_str()];
+                let hung = format!("Exit code:    {}", crate::error::HUNG_EXIT_CODE);
+                let silent = ["MPI_ABORT was invoked", "Per user-direction, the job has been aborted", stopped.as_str(), hung.as_str()];
                 if lines.iter().any(|l| silent.iter().any(|s| l.contains(s))) {
                     Vec::new()
                 } else {
@@ -755,11 +766,12 @@ last line";
     }
 
     #[test]
-    fn mpiruns_boxes_about_ranks_that_stopped_with_the_stop_code_are_dropped_others_kept() {
+    fn mpiruns_boxes_about_ranks_that_ended_with_the_stop_or_hang_code_are_dropped_others_kept() {
         let rule = "-".repeat(74);
         let stderr = format!(
             "stopped by SIGTERM after step 7: checkpointed\n{rule}\nPrimary job  terminated normally, but 1 process returned\na non-zero exit code. Per user-direction, the job has been aborted.\n{rule}\n\
              {rule}\nmpirun detected that one or more processes exited with non-zero status, thus causing\n  Exit code:    75\n{rule}\n\
+             {rule}\nmpirun detected that one or more processes exited with non-zero status, thus causing\n  Exit code:    3\n{rule}\n\
              {rule}\nmpirun noticed that process rank 1 exited on signal 11 (Segmentation fault).\n{rule}"
         );
         let mut notices = AbortNotices::default();

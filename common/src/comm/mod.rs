@@ -117,6 +117,7 @@ pub mod nccl;
 pub mod rendezvous;
 pub mod shared_gpu;
 pub mod single;
+pub mod startup;
 pub mod tensor_parallel;
 pub mod transfer;
 pub mod waits;

@@ -28,18 +28,19 @@ pub const HUNG_EXIT_CODE: i32 = 3;
 
 /// The run stopped at a signal's request (`train::preemption`) after `step` optimizer steps,
 /// its state checkpointed to `checkpoint` (none without `--checkpoint-dir`). Not a failure:
-/// [`run_main`] says it without "error:", on the rank that caught the signal only (`signal`
-/// none: another rank's, which every rank agreed to stop for), and exits with
-/// [`STOPPED_EXIT_CODE`].
+/// [`run_main`] says it without "error:", where `says` (the job's rank 0, or the process alone:
+/// once for the job, however many of its processes caught the signal), and exits with
+/// [`STOPPED_EXIT_CODE`]. `signal` is the one the ranks agreed to stop for, the same on every rank.
 #[derive(Debug, thiserror::Error)]
-#[error("stopped by {} after step {step}: {}", signal.unwrap_or("another rank's signal"), match checkpoint {
+#[error("stopped by {signal} after step {step}: {}", match checkpoint {
     Some(path) => format!("checkpointed to {}; --resume continues from there", path.display()),
     None => "no --checkpoint-dir, so nothing was saved".to_string(),
 })]
 pub struct Stopped {
-    pub signal: Option<&'static str>,
+    pub signal: &'static str,
     pub step: usize,
     pub checkpoint: Option<std::path::PathBuf>,
+    pub says: bool,
 }
 
 /// The `--nproc-per-node` launcher was told to stop twice (Ctrl-C twice, `kill` again): it
@@ -84,8 +85,8 @@ pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
             let message = first_line(&err);
             let first_line = message.as_str();
             match (err.downcast_ref::<Stopped>(), err.downcast_ref::<ChildExit>()) {
-                (Some(stopped), _) if stopped.signal.is_some() => say(first_line),
-                // Another rank's signal, or ranks that stopped: the rank that caught it said so.
+                (Some(stopped), _) if stopped.says => say(first_line),
+                // Another rank of the job says it, or ranks that stopped (their rank 0 said it).
                 (Some(_), _) => {}
                 // Ranks that stopped, or ended a hung job: one of them said why.
                 (_, Some(ChildExit(code))) if *code == STOPPED_EXIT_CODE as i32 || *code == HUNG_EXIT_CODE => {}

@@ -361,12 +361,20 @@ impl ProcessGroup {
     /// must take at the same step. One small CPU all-reduce; not counted in
     /// [`ProcessGroup::comm_stats`], which are the model's traffic.
     pub fn any_of(&self, flags: &[bool]) -> Result<Vec<bool>> {
+        let raised = self.max_of(&flags.iter().map(|&f| f as u8 as f64).collect::<Vec<f64>>())?;
+        Ok(raised.into_iter().map(|v| v > 0.0).collect())
+    }
+
+    /// For each of `values`, the largest any rank of the group has: as [`ProcessGroup::any_of`],
+    /// for decisions that carry a number (which signal stops the job). Exact for integers up to
+    /// 2^53.
+    pub fn max_of(&self, values: &[f64]) -> Result<Vec<f64>> {
         if self.size == 1 {
-            return Ok(flags.to_vec());
+            return Ok(values.to_vec());
         }
-        let mut raised = Tensor::from_slice(&flags.iter().map(|&f| f as u8 as f64).collect::<Vec<f64>>());
+        let mut raised = Tensor::from_slice(values);
         self.cpu.all_reduce(&mut raised, ReduceOp::Max)?;
-        Ok(Vec::<f64>::try_from(&raised)?.into_iter().map(|v| v > 0.0).collect())
+        Ok(Vec::<f64>::try_from(&raised)?)
     }
 
     /// Hands `t` over for rank `dst` of this group without waiting (see [`Collectives::send`]).

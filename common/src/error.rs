@@ -43,6 +43,18 @@ pub struct Stopped {
     pub says: bool,
 }
 
+/// What this rank depended on (the `--nproc-per-node` launcher, its mpirun) has ended
+/// (`comm::orphan`): the rank stopped without another checkpoint. Exits with
+/// [`STOPPED_EXIT_CODE`]: a resume continues from the last checkpoint committed.
+#[derive(Debug, thiserror::Error)]
+#[error("{gone} has ended: stopped {at} without another checkpoint; --resume continues from the last one committed")]
+pub struct Orphaned {
+    /// What ended ("the launcher (pid 123)").
+    pub gone: String,
+    /// Where this rank was ("after step 47", "in all_reduce").
+    pub at: String,
+}
+
 /// The `--nproc-per-node` launcher was told to stop twice (Ctrl-C twice, `kill` again): it
 /// passed the second signal on to mpirun as it is, which stopped the ranks at once; exit with the
 /// shell's code for it, 128 + signal. (The first asks the ranks to stop at a step and
@@ -86,6 +98,8 @@ pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
             let first_line = message.as_str();
             match (err.downcast_ref::<Stopped>(), err.downcast_ref::<ChildExit>()) {
                 (Some(stopped), _) if stopped.says => say(first_line),
+                // Said without "error:" too: a stop, where the launcher's end asked for none.
+                _ if err.chain().any(|cause| cause.is::<Orphaned>()) => say(first_line),
                 // Another rank of the job says it, or ranks that stopped (their rank 0 said it).
                 (Some(_), _) => {}
                 // Ranks that stopped, or ended a hung job: one of them said why.
@@ -98,10 +112,10 @@ pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
 }
 
 /// 2 for a usage error, the children's code when they failed, [`STOPPED_EXIT_CODE`] for a run a
-/// signal stopped, 128 + the signal for a launcher whose ranks had to be stopped at once, 1
-/// otherwise.
+/// signal stopped or whose launcher ended, 128 + the signal for a launcher whose ranks had to be
+/// stopped at once, 1 otherwise.
 pub fn exit_code(err: &anyhow::Error) -> u8 {
-    if err.chain().any(|cause| cause.is::<Stopped>()) {
+    if err.chain().any(|cause| cause.is::<Stopped>() || cause.is::<Orphaned>()) {
         return STOPPED_EXIT_CODE;
     }
     if let Some(Interrupted(signal)) = err.downcast_ref::<Interrupted>() {

@@ -5,16 +5,16 @@
 //! a pipeline, and two data-parallel ranks. Also: `--max-steps` saves its last step, a torn
 //! newest checkpoint falls back to the previous one with a warning, and SIGTERM/SIGUSR1 stop a
 //! run with a checkpoint from which a resume equals the uninterrupted run; a stop signal to any
-//! process of a multi-rank job is said once.
+//! process of a multi-rank job is said once; ranks whose launcher was killed commit nothing more.
 mod support;
 
 use std::path::Path;
 use std::process::{Command, Output};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::error::STOPPED_EXIT_CODE;
 use common::train::{TEST_EXIT_AFTER_STEP, TEST_SIGNAL_AFTER_STEP};
-use support::{rank_process, read_json, shared_data, signal, stderr, wikitext_sample, Job};
+use support::{ended, rank_process, read_json, shared_data, signal, stderr, wikitext_sample, Job};
 
 fn run(bin: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(bin);
@@ -319,4 +319,48 @@ fn a_signal_to_any_process_of_a_job_stops_it_at_one_step_said_once() {
         let step = newest_step(ck.path());
         assert!(said[0].starts_with(&format!("stopped by SIGUSR1 after step {step}: checkpointed to")), "{target}: its checkpoint is of its step: {err}");
     }
+}
+
+/// The launcher killed (SIGKILL) while its ranks train and checkpoint every step: no checkpoint
+/// decided after its end is committed (they used to commit about 20 more in the second mpirun
+/// took to end them). Independent of speed: the ranks and mpirun are stopped (SIGSTOP) while the
+/// launcher is killed and reaped, then the ranks alone go on (mpirun, still stopped, cannot end
+/// them), so that every step they take is after the launcher's end. At most two checkpoints
+/// follow the newest committed when they were stopped: the one being written then, and the one
+/// whose step was decided before (one write in flight at most). Without the watch, the ranks
+/// train on and never end.
+#[test]
+fn ranks_whose_launcher_was_killed_commit_no_checkpoint_decided_after() {
+    let (data, ck) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    generated_cifar(data.path(), 160);
+    let mut job = two_ranks_training(data.path(), ck.path(), &["--checkpoint-every", "1"]);
+    let ranks: Vec<u32> = (0..2).map(|r| rank_process(job.id(), r).expect("the ranks' processes")).collect();
+    let mpirun = parent_of(ranks[0]);
+    for &pid in ranks.iter().chain([&mpirun]) {
+        signal(pid, "-STOP");
+    }
+    // Stopped, the writers too: the newest committed checkpoint stays what it is.
+    let before = newest_step(ck.path());
+    job.kill_launcher();
+    for &pid in &ranks {
+        signal(pid, "-CONT");
+    }
+    let until = Instant::now() + Duration::from_secs(120);
+    while !ranks.iter().all(|&pid| ended(pid)) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let all_ended = ranks.iter().all(|&pid| ended(pid));
+    let after = newest_step(ck.path());
+    // Nothing left behind: the ranks (zombies of the stopped mpirun, or still training) and mpirun.
+    for &pid in ranks.iter().chain([&mpirun]) {
+        signal(pid, "-KILL");
+    }
+    assert!(all_ended, "the ranks trained on after their launcher's end: checkpoints of steps {before} to {after}");
+    assert!(after <= before + 2, "checkpoints committed after the launcher's end: steps {before} to {after}");
+}
+
+/// Process `pid`'s parent, from /proc.
+fn parent_of(pid: u32) -> u32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    stat[stat.rfind(')').unwrap() + 1..].split_whitespace().nth(1).unwrap().parse().unwrap()
 }

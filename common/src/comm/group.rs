@@ -178,11 +178,31 @@ impl ProcessGroup {
         let result = crate::error::catch_panic(|| body(&group));
         // A signal's stop is every rank's, agreed at one step: they end together, no abort.
         if let Err(err) = &result {
+            if err.chain().any(|cause| cause.is::<crate::error::Orphaned>()) {
+                group.end_orphaned(err);
+            }
             if !err.is::<crate::error::Stopped>() {
                 group.abort_on_error(err);
             }
         }
         result
+    }
+
+    /// This rank's launcher is gone (`err` says which, [`super::orphan`]): under MPI the rank ends
+    /// here, the job's rank 0 saying why, without `MPI_Finalize` or `MPI_Abort`, which both go
+    /// through mpirun, itself ending (or stuck: nothing is to wait for it). Without MPI the
+    /// error is returned as any other.
+    fn end_orphaned(&self, err: &anyhow::Error) {
+        #[cfg(feature = "mpi")]
+        if self.mpi.is_some() && self.env.is_distributed() {
+            if self.env.rank == 0 {
+                crate::error::say(&crate::error::first_line(err));
+            }
+            // SAFETY: _exit ends the process at once, which is the point (no finalisation).
+            unsafe { libc::_exit(crate::error::STOPPED_EXIT_CODE.into()) };
+        }
+        #[cfg(not(feature = "mpi"))]
+        let _ = err;
     }
 
     /// The sub-group of the ranks that pass the same `color`, ordered by `key` (ties by their

@@ -285,6 +285,10 @@ fn from_torchrun(vars: &Vars) -> Result<Option<LaunchEnv>> {
 // --nproc-per-node: the binary starts its own ranks, as the course's `mp.spawn(fn, nprocs=N)`
 // and `horovodrun -np N` do, by handing itself to mpirun.
 
+/// Set for mpirun and so for every rank: this launcher's process id. The ranks stop once it
+/// has ended ([`super::orphan`]).
+pub const LAUNCHER_VAR: &str = "COURSE_LAUNCHER_PID";
+
 /// Set for every rank: a folder where each marks its arrival at the job's start, so that one that
 /// never arrives is named ([`super::startup`]).
 pub const ARRIVALS_VAR: &str = "COURSE_STARTUP_DIR";
@@ -293,26 +297,6 @@ pub const ARRIVALS_VAR: &str = "COURSE_STARTUP_DIR";
 const NO_MPIRUN: &str = "--nproc-per-node needs an MPI launcher (mpirun) on PATH; install OpenMPI \
                          (Debian: openmpi-bin) or start the ranks with srun/mpirun yourself";
 
-/// Re-executes the current binary as `nproc` ranks on this node under `mpirun -np <nproc>`,
-/// with the same arguments minus `--nproc-per-node` (so the ranks train instead of launching
-/// again), and waits for it. Standard input, output and error are the caller's: the ranks'
-/// lines appear as they print them.
-///
-/// The launcher is `mpirun` from `PATH`, or `$MPIRUN`. For OpenMPI it adds `--bind-to none`
-/// (OpenMPI pins each rank of a small job to one core by default, which would squeeze LibTorch's
-/// thread pool onto it), `--oversubscribe` (more ranks than cores is allowed, as with
-/// `mp.spawn`) and, when running as root (containers), `--allow-run-as-root`.
-///
-/// When one rank fails, mpirun stops the others and exits non-zero, which is returned here.
-///
-/// The job ends with this process. The first SIGINT or SIGTERM (Ctrl-C, `kill`, Slurm's
-/// `scancel`) reaches the ranks as SIGUSR1, which mpirun passes on and waits for (SIGTERM it
-/// would follow with a kill within a second): they stop at a step they agree on, checkpoint and
-/// exit 75, which is returned. A second one is passed on as it is: mpirun stops the ranks at
-/// once, and this returns [`Interrupted`] (exit code 128 + the signal). When this process dies
-/// otherwise (SIGKILL, a crash), the kernel sends mpirun SIGTERM (`PR_SET_PDEATHSIG`). Open MPI's ranks end when
-/// their mpirun does, whichever way it ends (seen with Open MPI 4.1 for SIGKILL to mpirun too:
-/// the ranks abort about a second later, having lost their daemon).
 /// Where the ranks stop when the launcher passes a stop signal on: what it tells the user.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StopsAt {
@@ -332,6 +316,28 @@ impl StopsAt {
     }
 }
 
+/// Re-executes the current binary as `nproc` ranks on this node under `mpirun -np <nproc>`,
+/// with the same arguments minus `--nproc-per-node` (so the ranks train instead of launching
+/// again), and waits for it. Standard input, output and error are the caller's: the ranks'
+/// lines appear as they print them.
+///
+/// The launcher is `mpirun` from `PATH`, or `$MPIRUN`. For OpenMPI it adds `--bind-to none`
+/// (OpenMPI pins each rank of a small job to one core by default, which would squeeze LibTorch's
+/// thread pool onto it), `--oversubscribe` (more ranks than cores is allowed, as with
+/// `mp.spawn`) and, when running as root (containers), `--allow-run-as-root`.
+///
+/// When one rank fails, mpirun stops the others and exits non-zero, which is returned here.
+///
+/// The job ends with this process. The first SIGINT or SIGTERM (Ctrl-C, `kill`, Slurm's
+/// `scancel`) reaches the ranks as SIGUSR1, which mpirun passes on and waits for (SIGTERM it
+/// would follow with a kill within a second): they stop at a step they agree on, checkpoint and
+/// exit 75, which is returned. A second one is passed on as it is: mpirun stops the ranks at
+/// once, and this returns [`Interrupted`] (exit code 128 + the signal). When this process dies
+/// otherwise (SIGKILL, a crash), the ranks, which watch it ([`LAUNCHER_VAR`]), stop at their
+/// next step without another checkpoint, and the kernel sends mpirun SIGTERM
+/// (`PR_SET_PDEATHSIG`). Open MPI's ranks end when their mpirun does, whichever way it ends (seen
+/// with Open MPI 4.1 for SIGKILL to mpirun too: the ranks abort about a second later, having lost
+/// their daemon), but not at once: a second or so of steps, which the ranks' watch stops.
 pub fn relaunch_with_mpirun(nproc: usize, stops: StopsAt) -> Result<ExitStatus> {
     if nproc == 0 {
         return usage("--nproc-per-node must be at least 1");
@@ -347,6 +353,8 @@ pub fn relaunch_with_mpirun(nproc: usize, stops: StopsAt) -> Result<ExitStatus> 
     let mut command = Command::new(&launcher);
     command.args(mpirun_args(&version, is_root(), nproc)).arg(exe).args(args_without_nproc(&args));
     let parent = std::process::id();
+    // The ranks watch this process: once it is gone, they stop (comm::orphan).
+    command.env(LAUNCHER_VAR, parent.to_string());
     // Where they mark their arrival at start-up, so that one that never comes is named
     // (comm::startup); private, and removed when the job ends.
     let private = <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o700);

@@ -114,6 +114,7 @@ pub mod layout;
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod orphan;
 pub mod rendezvous;
 pub mod shared_gpu;
 pub mod single;

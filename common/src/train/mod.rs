@@ -426,8 +426,10 @@ pub fn fit(
         let lr = config.lr_schedule.lr(run.base_lr, run.global_step, epoch);
         observers.emit(&Event::EpochStarted { epoch, lr })?;
         let (sums, completed) = run.train_epoch(step, optimizer, train, epoch, observers)?;
-        if run.stopped_by.is_some() && !completed {
-            break; // checkpointed in the epoch; its evaluation waits for the resumed run
+        // Checkpointed in the epoch, its evaluation waits for the resumed run; or the launcher
+        // is gone, and with it whoever would read the evaluation.
+        if (run.stopped_by.is_some() && !completed) || run.stopped_by == Some(Stop::Orphaned) {
+            break;
         }
         run.end_epoch(step, optimizer, eval, (epoch, lr), sums, completed, observers)?;
     }
@@ -634,10 +636,11 @@ impl<'c, 'g> Run<'c, 'g> {
         finite_or_stop("evaluation loss", stats.eval_loss, self.global_step, epoch)?;
         let control = observers.emit(&Event::EpochEnded { stats: &stats, completed, data_wait_s })?;
         self.report.history.push(stats);
-        // Agreed before the epoch's checkpoint: a signal's stop takes one here, as after a step.
+        // Agreed before the epoch's checkpoint: a signal's stop takes one here, as after a step;
+        // a launcher gone during the evaluation, none.
         let stop = self.control.stop_at_epoch_end()?;
         let wanted = control == Control::Checkpoint || matches!(stop, Some(Stop::Signal(_)));
-        if wanted && completed {
+        if wanted && completed && stop != Some(Stop::Orphaned) {
             self.checkpoint(step, optimizer, (epoch + 1, 0), observers)?;
         }
         if let (None, Some(stop)) = (self.stopped_by, stop) {
@@ -648,6 +651,12 @@ impl<'c, 'g> Run<'c, 'g> {
 
     /// Waits for the checkpoints in flight and reports the run, or the signal that stopped it.
     fn finish(mut self, step: &mut dyn TrainStep<'g>, eval: &dyn BatchSource, observers: &mut Observers) -> Result<FitReport> {
+        if self.stopped_by == Some(Stop::Orphaned) {
+            // No commit of a sharded checkpoint in flight either: the launcher is gone. (A
+            // single file being written completes as it would have; the writer renames it.)
+            let gone = crate::comm::orphan::gone().unwrap_or("the launcher").to_string();
+            return Err(crate::error::Orphaned { gone, at: format!("after step {}", self.global_step) }.into());
+        }
         if let Some(checkpoints) = self.checkpoints.as_mut() {
             checkpoints.finish()?;
             self.report.checkpoints = checkpoints.stats;
@@ -717,16 +726,22 @@ enum Stop {
     /// A stop signal (its name) caught by any process of the job: the same on every rank, and
     /// checkpointed.
     Signal(&'static str),
+    /// A process a rank depended on has ended ([`crate::comm::orphan`]): no further checkpoint.
+    Orphaned,
 }
 
 /// This process's part of the ranks' agreement on stopping: the stop signal it caught or was
-/// told of (its number, 0 for none; the ranks take the largest).
-fn stop_votes() -> [f64; 1] {
-    [preemption::requested_signal() as f64]
+/// told of (its number, 0 for none; the ranks take the largest), and whether what it depends
+/// on has ended.
+fn stop_votes() -> [f64; 2] {
+    [preemption::requested_signal() as f64, crate::comm::orphan::gone().is_some() as u8 as f64]
 }
 
 /// What the ranks agreed from their [`stop_votes`].
 fn agreed_stop(votes: &[f64]) -> Option<Stop> {
+    if votes[1] > 0.0 {
+        return Some(Stop::Orphaned);
+    }
     preemption::name(votes[0] as i32).map(Stop::Signal)
 }
 
@@ -764,7 +779,7 @@ impl<'g> StepControl<'g> {
 
     /// What the ranks agree at an epoch's end, before its checkpoint: a stop signal caught since
     /// the last step (replicas that do not step together, [`TrainConfig::lockstep`], stop only
-    /// here: they meet here, in the evaluation).
+    /// here: they meet here, in the evaluation), or a launcher gone.
     fn stop_at_epoch_end(&self) -> Result<Option<Stop>> {
         let local = stop_votes();
         let agreed = match self.at_epoch_ends {
@@ -784,13 +799,17 @@ impl<'g> StepControl<'g> {
         // counts for all.
         let (writing, failed) = checkpoints.as_mut().map_or((false, false), |c| c.poll());
         let flag = |b: bool| b as u8 as f64;
-        let [signal] = stop_votes();
-        let local = [flag(checkpoints.as_ref().is_some_and(|c| c.due_by_time())), flag(writing), flag(failed), signal];
+        let [signal, orphaned] = stop_votes();
+        let local = [flag(checkpoints.as_ref().is_some_and(|c| c.due_by_time())), flag(writing), flag(failed), signal, orphaned];
         let agreed = match self.ranks {
             Some(ranks) => ranks.max_of(&local)?,
             None => local.to_vec(),
         };
         let stop = agreed_stop(&agreed[3..]);
+        if stop == Some(Stop::Orphaned) {
+            // Nothing more is committed, not even a sharded checkpoint whose parts are written.
+            return Ok(Decision { checkpoint: false, stop });
+        }
         if let Some(checkpoints) = checkpoints {
             checkpoints.settle(agreed[1] > 0.0, agreed[2] > 0.0)?;
         }

@@ -30,7 +30,8 @@ fn received() -> &'static Arc<AtomicUsize> {
 /// A signal another process of the job caught and told this one of (0: none).
 static RELAYED: AtomicUsize = AtomicUsize::new(0);
 
-/// Catches [`SIGNALS`] from now on (once per process; later calls do nothing).
+/// Catches [`SIGNALS`] from now on (once per process; later calls do nothing), and watches the
+/// processes that started this rank ([`crate::comm::orphan`]).
 pub fn install() -> Result<()> {
     static INSTALLED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     INSTALLED
@@ -47,6 +48,7 @@ pub fn install() -> Result<()> {
                 };
                 caught().map_err(|e| format!("cannot catch {name}: {e}"))?;
             }
+            crate::comm::orphan::watch();
             Ok(())
         })
         .clone()

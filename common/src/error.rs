@@ -21,20 +21,38 @@ pub struct ChildExit(pub i32);
 /// tell it apart from both.
 pub const STOPPED_EXIT_CODE: u8 = 75;
 
+/// A job ended for a hang (a collective that waited past `--collective-timeout`, a start-up past
+/// `--startup-timeout`: `comm::watchdog`, `comm::startup`): a rank has said in one line which
+/// ranks did not answer or never arrived; the launcher adds nothing to it.
+pub const HUNG_EXIT_CODE: i32 = 3;
+
 /// The run stopped at a signal's request (`train::preemption`) after `step` optimizer steps,
 /// its state checkpointed to `checkpoint` (none without `--checkpoint-dir`). Not a failure:
-/// [`run_main`] says it without "error:", on the rank that caught the signal only (`signal`
-/// none: another rank's, which every rank agreed to stop for), and exits with
-/// [`STOPPED_EXIT_CODE`].
+/// [`run_main`] says it without "error:", where `says` (the job's rank 0, or the process alone:
+/// once for the job, however many of its processes caught the signal), and exits with
+/// [`STOPPED_EXIT_CODE`]. `signal` is the one the ranks agreed to stop for, the same on every rank.
 #[derive(Debug, thiserror::Error)]
-#[error("stopped by {} after step {step}: {}", signal.unwrap_or("another rank's signal"), match checkpoint {
+#[error("stopped by {signal} after step {step}: {}", match checkpoint {
     Some(path) => format!("checkpointed to {}; --resume continues from there", path.display()),
     None => "no --checkpoint-dir, so nothing was saved".to_string(),
 })]
 pub struct Stopped {
-    pub signal: Option<&'static str>,
+    pub signal: &'static str,
     pub step: usize,
     pub checkpoint: Option<std::path::PathBuf>,
+    pub says: bool,
+}
+
+/// What this rank depended on (the `--nproc-per-node` launcher, its mpirun) has ended
+/// (`comm::orphan`): the rank stopped without another checkpoint. Exits with
+/// [`STOPPED_EXIT_CODE`]: a resume continues from the last checkpoint committed.
+#[derive(Debug, thiserror::Error)]
+#[error("{gone} has ended: stopped {at} without another checkpoint; --resume continues from the last one committed")]
+pub struct Orphaned {
+    /// What ended ("the launcher (pid 123)").
+    pub gone: String,
+    /// Where this rank was ("after step 47", "in all_reduce").
+    pub at: String,
 }
 
 /// The `--nproc-per-node` launcher was told to stop twice (Ctrl-C twice, `kill` again): it
@@ -79,10 +97,13 @@ pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
             let message = first_line(&err);
             let first_line = message.as_str();
             match (err.downcast_ref::<Stopped>(), err.downcast_ref::<ChildExit>()) {
-                (Some(stopped), _) if stopped.signal.is_some() => say(first_line),
-                // Another rank's signal, or ranks that stopped: the rank that caught it said so.
+                (Some(stopped), _) if stopped.says => say(first_line),
+                // Said without "error:" too: a stop, where the launcher's end asked for none.
+                _ if err.chain().any(|cause| cause.is::<Orphaned>()) => say(first_line),
+                // Another rank of the job says it, or ranks that stopped (their rank 0 said it).
                 (Some(_), _) => {}
-                (_, Some(ChildExit(code))) if *code == STOPPED_EXIT_CODE as i32 => {}
+                // Ranks that stopped, or ended a hung job: one of them said why.
+                (_, Some(ChildExit(code))) if *code == STOPPED_EXIT_CODE as i32 || *code == HUNG_EXIT_CODE => {}
                 _ => say(&format!("error: {first_line}")),
             }
             ExitCode::from(exit_code(&err))
@@ -91,10 +112,10 @@ pub fn run_main(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
 }
 
 /// 2 for a usage error, the children's code when they failed, [`STOPPED_EXIT_CODE`] for a run a
-/// signal stopped, 128 + the signal for a launcher whose ranks had to be stopped at once, 1
-/// otherwise.
+/// signal stopped or whose launcher ended, 128 + the signal for a launcher whose ranks had to be
+/// stopped at once, 1 otherwise.
 pub fn exit_code(err: &anyhow::Error) -> u8 {
-    if err.chain().any(|cause| cause.is::<Stopped>()) {
+    if err.chain().any(|cause| cause.is::<Stopped>() || cause.is::<Orphaned>()) {
         return STOPPED_EXIT_CODE;
     }
     if let Some(Interrupted(signal)) = err.downcast_ref::<Interrupted>() {

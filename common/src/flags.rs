@@ -394,6 +394,12 @@ pub struct ParallelArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = 600.0)]
     #[arg(help_heading = "Parallelism")]
     pub collective_timeout: f64,
+    /// Seconds the ranks wait for each other at the job's start (MPI's start-up; the TCP
+    /// rendezvous of ranks that torchrun starts) before the job is ended, naming the ranks that
+    /// never arrived (where --nproc-per-node started them).
+    #[arg(long, value_name = "SECONDS", default_value_t = 300.0, value_parser = crate::comm::startup::parse_seconds)]
+    #[arg(help_heading = "Parallelism")]
+    pub startup_timeout: f64,
     /// ZeRO stage: 0 keeps everything on every replica; 1 shards the optimizer state over the
     /// data-parallel replicas (reduce-scatter the gradients, update one's block, all-gather the
     /// parameters); 2 also the gradients (reduce-scattered in buckets during the backward

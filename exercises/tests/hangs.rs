@@ -1,6 +1,8 @@
 //! A rank that stops (SIGSTOP: as a hung GPU or a node whose connection stays open) no longer
 //! leaves the others waiting in their collective forever: past `--collective-timeout` the job
-//! ends, with one line naming the rank that did not answer. 2 and 4 CPU ranks under mpirun.
+//! ends, with one line naming the rank that did not answer. 2 and 4 CPU ranks under mpirun. A
+//! rank that never arrives at the job's start (stuck, or ended, before MPI's start-up) no longer
+//! leaves the others waiting inside `MPI_Init`: past `--startup-timeout` the job ends, naming it.
 mod support;
 
 use std::io::{BufRead, BufReader};
@@ -8,34 +10,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use support::stderr;
-
-/// The processes under `pid` (children, theirs, ...), from /proc.
-fn descendants(pid: u32) -> Vec<u32> {
-    let mut found = Vec::new();
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return found };
-    for task in tasks.flatten() {
-        let children = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
-        for child in children.split_whitespace().filter_map(|c| c.parse::<u32>().ok()) {
-            found.push(child);
-            found.extend(descendants(child));
-        }
-    }
-    found
-}
-
-/// The process of MPI rank `rank` among `pid`'s descendants (its environment says so).
-fn rank_process(pid: u32, rank: usize) -> Option<u32> {
-    let wanted = format!("OMPI_COMM_WORLD_RANK={rank}");
-    descendants(pid).into_iter().find(|p| {
-        let environ = std::fs::read(format!("/proc/{p}/environ")).unwrap_or_default();
-        environ.split(|&b| b == 0).any(|var| var == wanted.as_bytes())
-    })
-}
-
-fn signal(pid: u32, signal: &str) {
-    let _ = Command::new("kill").args([signal, &pid.to_string()]).status();
-}
+use support::{rank_process, signal, stderr, Job};
 
 fn generated_cifar(dir: &Path) {
     let out = Command::new(env!("CARGO_BIN_EXE_prepare_data"))
@@ -133,4 +108,39 @@ fn a_stopped_rank_of_two_ends_the_job_naming_it() {
 #[test]
 fn a_stopped_rank_of_four_ends_the_job_naming_it() {
     a_stopped_rank_ends_the_job_naming_it(4);
+}
+
+/// Rank 1 of 3 never arrives at MPI's start-up (stuck before it; one that ended before it with
+/// exit code 0, before the others got there, is the same to them): the others waited inside
+/// MPI_Init for ever. Past --startup-timeout the job ends, non-zero, with one line naming rank 1.
+/// Generous bounds: 10 s from each rank's own arrival (rank 0 and 2 load LibTorch at their own
+/// pace on loaded cores: one that arrived later than that would be named too, rightly), and the
+/// job may take minutes; the line, not the time, is the point.
+#[test]
+fn a_rank_that_never_arrives_at_start_up_is_named_past_the_startup_timeout() {
+    let (data, results) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    generated_cifar(data.path());
+    let mut job = Job::start(
+        Command::new(env!("CARGO_BIN_EXE_exercise2"))
+            .args(["--model", "cnn", "--num-classes", "10", "--device", "cpu", "--threads", "1", "--workers", "0", "--batch-size", "8", "--epochs", "1"])
+            .args(["--nproc-per-node", "3", "--max-ranks-per-core", "8", "--quiet", "--startup-timeout", "10"])
+            .arg("--data-dir")
+            .arg(data.path())
+            .arg("--results-dir")
+            .arg(results.path())
+            .env(common::comm::startup::TEST_NEVER_ARRIVES, "1"),
+    );
+    let Some(status) = job.wait(Duration::from_secs(300)) else {
+        panic!("the job still waited for rank 1 after 300 s: {}", job.kill_all());
+    };
+    let err = job.stderr();
+    assert!(!status.success(), "{err}");
+    // One line besides the launcher's warning that 3 ranks share 2 cores (mpirun's box about
+    // the exit code, and the launcher's line about it, add nothing to it).
+    let said: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty() && !l.starts_with("warning: ")).collect();
+    assert_eq!(said.len(), 1, "one line: {err}");
+    assert!(said[0].starts_with("error on rank ") && said[0].contains("MPI start-up waited 10 s (--startup-timeout)"), "{err}");
+    let named = said[0].split(": rank").nth(1).and_then(|rest| rest.split(" of the 3 never arrived").next()).unwrap_or_default();
+    let named: Vec<&str> = named.trim_start_matches('s').split(',').map(str::trim).collect();
+    assert!(named.contains(&"1"), "rank 1 is named: {err}");
 }

@@ -9,7 +9,7 @@ use std::os::unix::fs::{symlink, FileTypeExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
-use support::{read_json, stderr, wikitext_sample};
+use support::{rank_process, read_json, signal, stderr, wikitext_sample, Job};
 
 fn binary(name: &str) -> &'static str {
     match name {
@@ -468,6 +468,32 @@ fn stop_signals_end_parameter_server_runs_with_a_checkpoint() {
     let out = job.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(75), "{}", stderr(&out));
     assert!(stderr(&out).contains("SIGINT: the asynchronous workers stop at the end of this epoch"), "{}", stderr(&out));
+}
+
+/// SIGUSR1 to the parameter server alone (rank 2 of 3) stops the job as one to a worker does:
+/// the workers read it in the server's replies, agree on a step and checkpoint it there (exit
+/// 75, said once). The server used to ignore it and serve on.
+#[test]
+fn a_signal_to_the_parameter_server_alone_stops_the_job_with_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, ck) = (dir.path().join("data"), dir.path().join("ck"));
+    cifar(&data, 200);
+    let mut job = Job::start(
+        Command::new(binary("exercise2"))
+            .args(["--device", "cpu", "--quiet", "--model", "cnn", "--batch-size", "10", "--nproc-per-node", "3", "--strategy", "parameter-server", "--sync"])
+            .args(["--epochs", "100000", "--data-dir", data.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap(), "--results-dir", ck.to_str().unwrap()])
+            .env_remove("RUST_BACKTRACE"),
+    );
+    assert!(job.wait_for_line("epoch 1/", Duration::from_secs(600)), "no epoch ended: {:?}", job.seen);
+    signal(rank_process(job.id(), 2).expect("the server's process"), "-USR1");
+    // Generous: a step, a checkpoint and the ranks' exit, on loaded cores.
+    let Some(status) = job.wait(Duration::from_secs(300)) else { panic!("the job went on after the server's signal: {}", job.kill_all()) };
+    let err = job.stderr();
+    assert_eq!(status.code(), Some(75), "{err}");
+    let said: Vec<&str> = err.lines().filter(|l| l.starts_with("stopped by")).collect();
+    assert_eq!(said.len(), 1, "once for the job: {err}");
+    let step = common::checkpoint::load(&ck.join("exercise2-cnn-cpu.safetensors")).unwrap().meta.step;
+    assert!(said[0].starts_with(&format!("stopped by SIGUSR1 after step {step}: checkpointed to")), "its checkpoint is of its step: {err}");
 }
 
 #[test]

@@ -4,15 +4,17 @@
 //! uninterrupted run's, bit for bit: for an image exercise, the language model (with dropout),
 //! a pipeline, and two data-parallel ranks. Also: `--max-steps` saves its last step, a torn
 //! newest checkpoint falls back to the previous one with a warning, and SIGTERM/SIGUSR1 stop a
-//! run with a checkpoint from which a resume equals the uninterrupted run.
+//! run with a checkpoint from which a resume equals the uninterrupted run; a stop signal to any
+//! process of a multi-rank job is said once; ranks whose launcher was killed commit nothing more.
 mod support;
 
 use std::path::Path;
 use std::process::{Command, Output};
+use std::time::{Duration, Instant};
 
 use common::error::STOPPED_EXIT_CODE;
 use common::train::{TEST_EXIT_AFTER_STEP, TEST_SIGNAL_AFTER_STEP};
-use support::{read_json, shared_data, stderr, wikitext_sample};
+use support::{ended, rank_process, read_json, shared_data, signal, stderr, wikitext_sample, Job};
 
 fn run(bin: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(bin);
@@ -275,4 +277,90 @@ fn checkpoint_minutes_agreed_over_the_ranks_checkpoint_when_due() {
     assert_eq!((meta.epoch, meta.epoch_step, meta.step), (1, 0, 5));
     let previous = common::checkpoint::load(&common::checkpoint::previous_path(&ck.path().join("exercise2-cnn-cpu.safetensors"))).unwrap().meta;
     assert_eq!((previous.epoch, previous.epoch_step, previous.step), (0, 4, 4), "the one before: step 4, by the clock");
+}
+
+/// exercise2's two CNN ranks (5 steps an epoch) with checkpoints in `ck`, for as many epochs as
+/// it takes to stop them: started, and past their first epoch.
+fn two_ranks_training(data: &Path, ck: &Path, more: &[&str]) -> Job {
+    let mut args = two_cnn_ranks(data, "100000");
+    let dir = ck.to_str().unwrap().to_string();
+    args.extend(["--checkpoint-dir", &dir, "--results-dir", &dir, "--quiet"].map(String::from));
+    args.extend(more.iter().map(|a| a.to_string()));
+    let mut job = Job::start(Command::new(env!("CARGO_BIN_EXE_exercise2")).args(&args));
+    assert!(job.wait_for_line("epoch 1/", Duration::from_secs(600)), "no epoch ended: {:?}", job.seen);
+    job
+}
+
+/// The step of the newest checkpoint in `ck` (one file: a data-parallel run's).
+fn newest_step(ck: &Path) -> usize {
+    common::checkpoint::load(&ck.join("exercise2-cnn-cpu.safetensors")).unwrap().meta.step
+}
+
+/// A stop signal to any one process of a job stops every rank at one step, checkpointed there,
+/// said once for the job (exit 75): SIGUSR1 to rank 1 alone, or SIGINT to the launcher, which
+/// passes it on to every rank as SIGUSR1 (each rank used to say it had caught it: two lines).
+#[test]
+fn a_signal_to_any_process_of_a_job_stops_it_at_one_step_said_once() {
+    let data = tempfile::tempdir().unwrap();
+    generated_cifar(data.path(), 160);
+    for target in ["rank 1", "the launcher"] {
+        let ck = tempfile::tempdir().unwrap();
+        let mut job = two_ranks_training(data.path(), ck.path(), &[]);
+        match target {
+            "rank 1" => signal(rank_process(job.id(), 1).expect("rank 1's process"), "-USR1"),
+            _ => signal(job.id(), "-INT"),
+        }
+        // Generous: a step, a checkpoint and the ranks' exit, on loaded cores.
+        let Some(status) = job.wait(Duration::from_secs(300)) else { panic!("{target}: the job went on after the signal: {}", job.kill_all()) };
+        let err = job.stderr();
+        assert_eq!(status.code(), Some(STOPPED_EXIT_CODE as i32), "{target}: {err}");
+        let said: Vec<&str> = err.lines().filter(|l| l.starts_with("stopped by")).collect();
+        assert_eq!(said.len(), 1, "{target}: once for the job: {err}");
+        let step = newest_step(ck.path());
+        assert!(said[0].starts_with(&format!("stopped by SIGUSR1 after step {step}: checkpointed to")), "{target}: its checkpoint is of its step: {err}");
+    }
+}
+
+/// The launcher killed (SIGKILL) while its ranks train and checkpoint every step: no checkpoint
+/// decided after its end is committed (they used to commit about 20 more in the second mpirun
+/// took to end them). Independent of speed: the ranks and mpirun are stopped (SIGSTOP) while the
+/// launcher is killed and reaped, then the ranks alone go on (mpirun, still stopped, cannot end
+/// them), so that every step they take is after the launcher's end. At most two checkpoints
+/// follow the newest committed when they were stopped: the one being written then, and the one
+/// whose step was decided before (one write in flight at most). Without the watch, the ranks
+/// train on and never end.
+#[test]
+fn ranks_whose_launcher_was_killed_commit_no_checkpoint_decided_after() {
+    let (data, ck) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    generated_cifar(data.path(), 160);
+    let mut job = two_ranks_training(data.path(), ck.path(), &["--checkpoint-every", "1"]);
+    let ranks: Vec<u32> = (0..2).map(|r| rank_process(job.id(), r).expect("the ranks' processes")).collect();
+    let mpirun = parent_of(ranks[0]);
+    for &pid in ranks.iter().chain([&mpirun]) {
+        signal(pid, "-STOP");
+    }
+    // Stopped, the writers too: the newest committed checkpoint stays what it is.
+    let before = newest_step(ck.path());
+    job.kill_launcher();
+    for &pid in &ranks {
+        signal(pid, "-CONT");
+    }
+    let until = Instant::now() + Duration::from_secs(120);
+    while !ranks.iter().all(|&pid| ended(pid)) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let all_ended = ranks.iter().all(|&pid| ended(pid));
+    let after = newest_step(ck.path());
+    // Nothing left behind: the ranks (zombies of the stopped mpirun, or still training) and mpirun.
+    for &pid in ranks.iter().chain([&mpirun]) {
+        signal(pid, "-KILL");
+    }
+    assert!(all_ended, "the ranks trained on after their launcher's end: checkpoints of steps {before} to {after}");
+    assert!(after <= before + 2, "checkpoints committed after the launcher's end: steps {before} to {after}");
+}
+
+/// Process `pid`'s parent, from /proc.
+fn parent_of(pid: u32) -> u32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    stat[stat.rfind(')').unwrap() + 1..].split_whitespace().nth(1).unwrap().parse().unwrap()
 }

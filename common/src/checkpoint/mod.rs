@@ -260,8 +260,9 @@ pub struct Found {
 
 /// The newest complete checkpoint of the run whose single-file checkpoint is `path`: that file
 /// (or, torn or corrupt, the one it replaced) or the newest committed folder of its sharded
-/// checkpoints (or, unreadable, the one before), whichever has taken more steps; none when the
-/// run has none. `path` may also name a sharded checkpoint's folder, or a run's folder of them.
+/// checkpoints (or, unreadable or a piece of it damaged, the one before: every piece's checksum
+/// is checked, the checkpoint read once), whichever has taken more steps; none when the run has
+/// none. `path` may also name a sharded checkpoint's folder, or a run's folder of them.
 /// An error, naming the newest's problem, when none of its checkpoints can be read.
 pub fn find_newest(path: &Path) -> anyhow::Result<Option<Found>> {
     let mut warnings = Vec::new();
@@ -278,7 +279,12 @@ pub fn find_newest(path: &Path) -> anyhow::Result<Option<Found>> {
     for group in [candidates, sharded_candidates(&folder)] {
         let mut problem: Option<anyhow::Error> = None;
         for (candidate, is_sharded) in group.into_iter().filter(|(p, _)| p.exists()) {
-            let opened = if is_sharded { sharded::Source::open_sharded(&candidate) } else { sharded::Source::open_whole(&candidate) };
+            // A sharded checkpoint's checksums are all checked here: a damaged piece is passed
+            // over to the checkpoint before, as a torn file is.
+            let opened = match is_sharded {
+                true => sharded::Source::open_sharded(&candidate).and_then(|source| source.verify_all().map(|()| source)),
+                false => sharded::Source::open_whole(&candidate),
+            };
             match opened {
                 Ok(source) => {
                     if let Some(err) = problem.take() {

@@ -449,11 +449,8 @@ impl Source {
         let mut covered = 0;
         for piece in &entry.pieces {
             let file = self.file(&piece.file)?;
-            let info = file.header.info(key).with_context(|| format!("checkpoint {}: {} has no {key}", self.path.display(), piece.file))?;
-            let (begin, end) = (file.data_start + info.data_offsets.0, file.data_start + info.data_offsets.1);
-            let bytes =
-                file.file.map.get(begin..end).with_context(|| format!("checkpoint {}: {key} lies past the end of {}", self.path.display(), piece.file))?;
-            let kind = kind_of(info.dtype)?;
+            let (bytes, dtype) = self.piece_bytes(&file, key, piece)?;
+            let kind = kind_of(dtype)?;
             let expected = piece.region.numel(&entry.shape) as usize * kind.elt_size_in_bytes();
             ensure!(
                 bytes.len() == expected,
@@ -502,6 +499,29 @@ impl Source {
     /// ([`super::non_finite`]; `doing`: "evaluating" or "resuming").
     pub fn refuse_non_finite_model(&mut self, doing: &'static str) {
         self.finite_model_for = Some(doing);
+    }
+
+    /// The stored bytes of `key`'s piece `piece` in `file`, and their type.
+    fn piece_bytes<'f>(&self, file: &'f OpenFile, key: &str, piece: &PieceRef) -> Result<(&'f [u8], safetensors::Dtype)> {
+        let info = file.header.info(key).with_context(|| format!("checkpoint {}: {} has no {key}", self.path.display(), piece.file))?;
+        let (begin, end) = (file.data_start + info.data_offsets.0, file.data_start + info.data_offsets.1);
+        let bytes = file.file.map.get(begin..end).with_context(|| format!("checkpoint {}: {key} lies past the end of {}", self.path.display(), piece.file))?;
+        Ok((bytes, info.dtype))
+    }
+
+    /// Checks every piece that has a checksum (a sharded checkpoint's) against it, reading the
+    /// whole checkpoint once: a flipped byte anywhere is an error here, where the reader can
+    /// still take the checkpoint before ([`super::find_newest`]), not half-way through restoring
+    /// a model that every rank reads its own part of.
+    pub fn verify_all(&self) -> Result<()> {
+        for (key, entry) in &self.tensors {
+            for piece in entry.pieces.iter().filter(|p| p.crc32c.is_some()) {
+                let file = self.file(&piece.file)?;
+                let (bytes, _) = self.piece_bytes(&file, key, piece)?;
+                self.verify(piece, key, bytes)?;
+            }
+        }
+        Ok(())
     }
 
     /// Checks a piece's bytes against the checksum its writer kept, the first time it is read:
@@ -769,6 +789,36 @@ mod tests {
                 assert_eq!(source.read_bytes() - before, 4 * expected.numel() as u64, "{region:?} from {split:?}: only its own elements read");
             }
         }
+    }
+
+    #[test]
+    fn a_flipped_byte_in_the_newest_passes_the_resume_over_to_the_checkpoint_before() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = run_folder(dir.path(), "run");
+        let whole = Tensor::arange(64, (Kind::Float, Device::Cpu));
+        for step in [1, 2] {
+            let folder = step_folder(&run, step);
+            for rank in 0..2 {
+                let start = 32 * rank as i64;
+                let piece = Piece::model("w", vec![64], Region::WHOLE.flat(start, 32), whole.narrow(0, start, 32));
+                HostShard::new(vec![piece]).unwrap().write(&folder, rank).unwrap();
+            }
+            commit(&folder, 2, &CheckpointMeta { step, ..meta() }).unwrap();
+        }
+        // One bit of rank 1's data in the newest: its header still reads, its checksum does not.
+        let damaged = step_folder(&run, 2).join(rank_file(1));
+        let mut bytes = std::fs::read(&damaged).unwrap();
+        *bytes.last_mut().unwrap() ^= 0x40;
+        std::fs::write(&damaged, bytes).unwrap();
+        assert!(Source::open_sharded(&step_folder(&run, 2)).is_ok(), "the damage is in the data, not in a header");
+        let found = crate::checkpoint::find_newest(&dir.path().join("run.safetensors")).unwrap().unwrap();
+        assert_eq!((&found.path, found.meta.step), (&step_folder(&run, 1), 1));
+        let [warning] = found.warnings.as_slice() else { panic!("one warning: {:?}", found.warnings) };
+        assert!(
+            warning.contains("model.w in rank-00001.safetensors is damaged") && warning.contains("resuming from the previous complete checkpoint"),
+            "{warning}"
+        );
+        assert!(!warning.contains('\n'), "one line: {warning}");
     }
 
     #[test]

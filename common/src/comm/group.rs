@@ -24,11 +24,6 @@ use crate::error::{usage, UsageError};
 #[cfg(feature = "mpi")]
 use super::mpi::MpiCollectives;
 
-/// How long ranks wait for each other while exchanging NCCL's id over TCP (ranks of a batch
-/// job may start minutes apart on a busy cluster).
-#[cfg(feature = "nccl")]
-const RENDEZVOUS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
-
 /// The ranks of this job (or of a sub-group of it, see [`ProcessGroup::split`]) and their
 /// collectives and point-to-point messages.
 ///
@@ -183,11 +178,31 @@ impl ProcessGroup {
         let result = crate::error::catch_panic(|| body(&group));
         // A signal's stop is every rank's, agreed at one step: they end together, no abort.
         if let Err(err) = &result {
+            if err.chain().any(|cause| cause.is::<crate::error::Orphaned>()) {
+                group.end_orphaned(err);
+            }
             if !err.is::<crate::error::Stopped>() {
                 group.abort_on_error(err);
             }
         }
         result
+    }
+
+    /// This rank's launcher is gone (`err` says which, [`super::orphan`]): under MPI the rank ends
+    /// here, the job's rank 0 saying why, without `MPI_Finalize` or `MPI_Abort`, which both go
+    /// through mpirun, itself ending (or stuck: nothing is to wait for it). Without MPI the
+    /// error is returned as any other.
+    fn end_orphaned(&self, err: &anyhow::Error) {
+        #[cfg(feature = "mpi")]
+        if self.mpi.is_some() && self.env.is_distributed() {
+            if self.env.rank == 0 {
+                crate::error::say(&crate::error::first_line(err));
+            }
+            // SAFETY: _exit ends the process at once, which is the point (no finalisation).
+            unsafe { libc::_exit(crate::error::STOPPED_EXIT_CODE.into()) };
+        }
+        #[cfg(not(feature = "mpi"))]
+        let _ = err;
     }
 
     /// The sub-group of the ranks that pass the same `color`, ordered by `key` (ties by their
@@ -366,12 +381,20 @@ impl ProcessGroup {
     /// must take at the same step. One small CPU all-reduce; not counted in
     /// [`ProcessGroup::comm_stats`], which are the model's traffic.
     pub fn any_of(&self, flags: &[bool]) -> Result<Vec<bool>> {
+        let raised = self.max_of(&flags.iter().map(|&f| f as u8 as f64).collect::<Vec<f64>>())?;
+        Ok(raised.into_iter().map(|v| v > 0.0).collect())
+    }
+
+    /// For each of `values`, the largest any rank of the group has: as [`ProcessGroup::any_of`],
+    /// for decisions that carry a number (which signal stops the job). Exact for integers up to
+    /// 2^53.
+    pub fn max_of(&self, values: &[f64]) -> Result<Vec<f64>> {
         if self.size == 1 {
-            return Ok(flags.to_vec());
+            return Ok(values.to_vec());
         }
-        let mut raised = Tensor::from_slice(&flags.iter().map(|&f| f as u8 as f64).collect::<Vec<f64>>());
+        let mut raised = Tensor::from_slice(values);
         self.cpu.all_reduce(&mut raised, ReduceOp::Max)?;
-        Ok(Vec::<f64>::try_from(&raised)?.into_iter().map(|v| v > 0.0).collect())
+        Ok(Vec::<f64>::try_from(&raised)?)
     }
 
     /// Hands `t` over for rank `dst` of this group without waiting (see [`Collectives::send`]).
@@ -546,7 +569,10 @@ fn abort_job(mpi: &MpiCollectives, rank: usize, err: &anyhow::Error) -> ! {
 
 #[cfg(feature = "mpi")]
 fn start_mpi(env: &LaunchEnv) -> Result<MpiCollectives> {
+    // MPI_Init waits for every rank, for ever: a rank that never comes is named past the deadline.
+    let deadline = super::startup::Deadline::arm(env);
     let mpi = MpiCollectives::init()?;
+    drop(deadline);
     let (size, rank) = (mpi.size(), mpi.rank());
     if size == 1 && env.world_size > 1 {
         return usage(format!("the launcher started {} ranks but MPI sees 1: start them with mpirun/srun --mpi=pmix, or use --backend nccl", env.world_size));
@@ -600,7 +626,8 @@ fn start_nccl(env: &LaunchEnv, rank: usize, size: usize, mpi: Option<&dyn Collec
             // torchrun's agent already serves its own store on MASTER_PORT: meet next to it.
             if env.source == LaunchSource::Torchrun { port + 1 } else { *port },
             (rank == 0).then_some(id),
-            RENDEZVOUS_TIMEOUT,
+            // Ranks of a batch job may start minutes apart on a busy cluster: --startup-timeout.
+            super::startup::timeout(),
         )?,
         (true, None, None) => {
             return usage(format!("NCCL's ranks meet at MASTER_ADDR:MASTER_PORT when {} starts them without MPI: set both (torchrun does)", env.source))

@@ -285,30 +285,18 @@ fn from_torchrun(vars: &Vars) -> Result<Option<LaunchEnv>> {
 // --nproc-per-node: the binary starts its own ranks, as the course's `mp.spawn(fn, nprocs=N)`
 // and `horovodrun -np N` do, by handing itself to mpirun.
 
+/// Set for mpirun and so for every rank: this launcher's process id. The ranks stop once it
+/// has ended ([`super::orphan`]).
+pub const LAUNCHER_VAR: &str = "COURSE_LAUNCHER_PID";
+
+/// Set for every rank: a folder where each marks its arrival at the job's start, so that one that
+/// never arrives is named ([`super::startup`]).
+pub const ARRIVALS_VAR: &str = "COURSE_STARTUP_DIR";
+
 /// The message for a missing launcher.
 const NO_MPIRUN: &str = "--nproc-per-node needs an MPI launcher (mpirun) on PATH; install OpenMPI \
                          (Debian: openmpi-bin) or start the ranks with srun/mpirun yourself";
 
-/// Re-executes the current binary as `nproc` ranks on this node under `mpirun -np <nproc>`,
-/// with the same arguments minus `--nproc-per-node` (so the ranks train instead of launching
-/// again), and waits for it. Standard input, output and error are the caller's: the ranks'
-/// lines appear as they print them.
-///
-/// The launcher is `mpirun` from `PATH`, or `$MPIRUN`. For OpenMPI it adds `--bind-to none`
-/// (OpenMPI pins each rank of a small job to one core by default, which would squeeze LibTorch's
-/// thread pool onto it), `--oversubscribe` (more ranks than cores is allowed, as with
-/// `mp.spawn`) and, when running as root (containers), `--allow-run-as-root`.
-///
-/// When one rank fails, mpirun stops the others and exits non-zero, which is returned here.
-///
-/// The job ends with this process. The first SIGINT or SIGTERM (Ctrl-C, `kill`, Slurm's
-/// `scancel`) reaches the ranks as SIGUSR1, which mpirun passes on and waits for (SIGTERM it
-/// would follow with a kill within a second): they stop at a step they agree on, checkpoint and
-/// exit 75, which is returned. A second one is passed on as it is: mpirun stops the ranks at
-/// once, and this returns [`Interrupted`] (exit code 128 + the signal). When this process dies
-/// otherwise (SIGKILL, a crash), the kernel sends mpirun SIGTERM (`PR_SET_PDEATHSIG`). Open MPI's ranks end when
-/// their mpirun does, whichever way it ends (seen with Open MPI 4.1 for SIGKILL to mpirun too:
-/// the ranks abort about a second later, having lost their daemon).
 /// Where the ranks stop when the launcher passes a stop signal on: what it tells the user.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StopsAt {
@@ -328,6 +316,28 @@ impl StopsAt {
     }
 }
 
+/// Re-executes the current binary as `nproc` ranks on this node under `mpirun -np <nproc>`,
+/// with the same arguments minus `--nproc-per-node` (so the ranks train instead of launching
+/// again), and waits for it. Standard input, output and error are the caller's: the ranks'
+/// lines appear as they print them.
+///
+/// The launcher is `mpirun` from `PATH`, or `$MPIRUN`. For OpenMPI it adds `--bind-to none`
+/// (OpenMPI pins each rank of a small job to one core by default, which would squeeze LibTorch's
+/// thread pool onto it), `--oversubscribe` (more ranks than cores is allowed, as with
+/// `mp.spawn`) and, when running as root (containers), `--allow-run-as-root`.
+///
+/// When one rank fails, mpirun stops the others and exits non-zero, which is returned here.
+///
+/// The job ends with this process. The first SIGINT or SIGTERM (Ctrl-C, `kill`, Slurm's
+/// `scancel`) reaches the ranks as SIGUSR1, which mpirun passes on and waits for (SIGTERM it
+/// would follow with a kill within a second): they stop at a step they agree on, checkpoint and
+/// exit 75, which is returned. A second one is passed on as it is: mpirun stops the ranks at
+/// once, and this returns [`Interrupted`] (exit code 128 + the signal). When this process dies
+/// otherwise (SIGKILL, a crash), the ranks, which watch it ([`LAUNCHER_VAR`]), stop at their
+/// next step without another checkpoint, and the kernel sends mpirun SIGTERM
+/// (`PR_SET_PDEATHSIG`). Open MPI's ranks end when their mpirun does, whichever way it ends (seen
+/// with Open MPI 4.1 for SIGKILL to mpirun too: the ranks abort about a second later, having lost
+/// their daemon), but not at once: a second or so of steps, which the ranks' watch stops.
 pub fn relaunch_with_mpirun(nproc: usize, stops: StopsAt) -> Result<ExitStatus> {
     if nproc == 0 {
         return usage("--nproc-per-node must be at least 1");
@@ -343,6 +353,13 @@ pub fn relaunch_with_mpirun(nproc: usize, stops: StopsAt) -> Result<ExitStatus> 
     let mut command = Command::new(&launcher);
     command.args(mpirun_args(&version, is_root(), nproc)).arg(exe).args(args_without_nproc(&args));
     let parent = std::process::id();
+    // The ranks watch this process: once it is gone, they stop (comm::orphan).
+    command.env(LAUNCHER_VAR, parent.to_string());
+    // Where they mark their arrival at start-up, so that one that never comes is named
+    // (comm::startup); private, and removed when the job ends.
+    let private = <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o700);
+    let arrivals = tempfile::Builder::new().prefix("course-startup-").permissions(private).tempdir().context("cannot make a folder for the ranks' start-up")?;
+    command.env(ARRIVALS_VAR, arrivals.path());
     // SAFETY: the hook only makes async-signal-safe system calls (prctl, getppid) and does not
     // allocate, as code between fork and exec must.
     unsafe { command.pre_exec(move || die_with_parent(parent)) };
@@ -496,9 +513,11 @@ impl AbortNotices {
                 }
                 let lines = self.boxed.take().unwrap_or_default();
                 // Also mpirun's two boxes for ranks that ended together with the stop code (a
-                // signal's checkpointed stop, which rank 0 has reported): no failure to explain.
+                // signal's checkpointed stop, which rank 0 has reported) or the hang code (a
+                // start-up past its deadline, which a rank has named): nothing to add.
                 let stopped = format!("Exit code:    {}", crate::error::STOPPED_EXIT_CODE);
-                let silent = ["MPI_ABORT was invoked", "Per user-direction, the job has been aborted", stopped.as_str()];
+                let hung = format!("Exit code:    {}", crate::error::HUNG_EXIT_CODE);
+                let silent = ["MPI_ABORT was invoked", "Per user-direction, the job has been aborted", stopped.as_str(), hung.as_str()];
                 if lines.iter().any(|l| silent.iter().any(|s| l.contains(s))) {
                     Vec::new()
                 } else {
@@ -755,11 +774,12 @@ last line";
     }
 
     #[test]
-    fn mpiruns_boxes_about_ranks_that_stopped_with_the_stop_code_are_dropped_others_kept() {
+    fn mpiruns_boxes_about_ranks_that_ended_with_the_stop_or_hang_code_are_dropped_others_kept() {
         let rule = "-".repeat(74);
         let stderr = format!(
             "stopped by SIGTERM after step 7: checkpointed\n{rule}\nPrimary job  terminated normally, but 1 process returned\na non-zero exit code. Per user-direction, the job has been aborted.\n{rule}\n\
              {rule}\nmpirun detected that one or more processes exited with non-zero status, thus causing\n  Exit code:    75\n{rule}\n\
+             {rule}\nmpirun detected that one or more processes exited with non-zero status, thus causing\n  Exit code:    3\n{rule}\n\
              {rule}\nmpirun noticed that process rank 1 exited on signal 11 (Segmentation fault).\n{rule}"
         );
         let mut notices = AbortNotices::default();

@@ -114,9 +114,11 @@ pub mod layout;
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod orphan;
 pub mod rendezvous;
 pub mod shared_gpu;
 pub mod single;
+pub mod startup;
 pub mod tensor_parallel;
 pub mod transfer;
 pub mod waits;

@@ -16,7 +16,8 @@
 //!
 //! Nothing waits forever: every operation is started non-blocking (`MPI_Iallreduce`,
 //! `MPI_Improbe`, ...) and polled against [`watchdog`]'s deadline; a rank that never comes is
-//! named and the job ended (see [`MpiCollectives::declare_hung`]).
+//! named and the job ended (see [`MpiCollectives::declare_hung`]). A wait also ends, with
+//! [`crate::error::Orphaned`], once the rank's launcher is gone ([`super::orphan`]).
 use std::cell::{Cell, RefCell};
 use std::ffi::c_int;
 use std::mem::MaybeUninit;
@@ -218,6 +219,10 @@ impl MpiCollectives {
             if polls % 1024 == 1023 {
                 if started.elapsed() >= deadline {
                     self.declare_hung(op, seq, started.elapsed());
+                }
+                // The launcher is gone: the ranks stop, and the others may have stopped already.
+                if let Some(gone) = super::orphan::gone() {
+                    return Err(crate::error::Orphaned { gone: gone.to_string(), at: format!("in {op}") }.into());
                 }
                 self.answer_roll_call(None);
             }

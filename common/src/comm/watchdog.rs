@@ -17,8 +17,7 @@ use std::time::Duration;
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 /// The least a group's first operation waits.
 pub const FIRST_AT_LEAST: Duration = Duration::from_secs(300);
-/// The exit code of a job ended for a hang.
-pub const HUNG_EXIT_CODE: i32 = 3;
+pub use crate::error::HUNG_EXIT_CODE;
 
 static TIMEOUT_MS: AtomicU64 = AtomicU64::new(DEFAULT_TIMEOUT.as_millis() as u64);
 

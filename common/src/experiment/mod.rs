@@ -126,6 +126,7 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
         return usage("--checkpoint-every and --checkpoint-minutes need workers that step together: not with --strategy parameter-server (it checkpoints at epochs' ends)");
     }
     crate::comm::watchdog::set_timeout(std::time::Duration::from_secs_f64(parallel.collective_timeout));
+    crate::comm::startup::set_timeout(std::time::Duration::from_secs_f64(parallel.startup_timeout));
     exp.check()?;
     // Found before the first step, not after the last one (whose results would be lost).
     writable_dir(&run.results_dir, "--results-dir")?;

@@ -429,8 +429,10 @@ pub fn fit(
         let lr = config.lr_schedule.lr(run.base_lr, run.global_step, epoch);
         observers.emit(&Event::EpochStarted { epoch, lr })?;
         let (sums, completed) = run.train_epoch(step, optimizer, train, epoch, observers)?;
-        if run.stopped_by.is_some() && !completed {
-            break; // checkpointed in the epoch; its evaluation waits for the resumed run
+        // Checkpointed in the epoch, its evaluation waits for the resumed run; or the launcher
+        // is gone, and with it whoever would read the evaluation.
+        if (run.stopped_by.is_some() && !completed) || run.stopped_by == Some(Stop::Orphaned) {
+            break;
         }
         run.end_epoch(step, optimizer, eval, (epoch, lr), sums, completed, observers)?;
     }
@@ -453,8 +455,8 @@ struct Run<'c, 'g> {
     graphed: Option<graph::GraphedStep>,
     checkpoints: Option<Checkpointer<'c, 'g>>,
     control: StepControl<'g>,
-    /// The signal that stopped the run (`Some(None)`: another rank's).
-    stopped_by: Option<Option<&'static str>>,
+    /// Why the run stops before its steps run out, agreed by the ranks.
+    stopped_by: Option<Stop>,
     /// The run's checkpoints are this job's alone while it writes them.
     _lock: Option<checkpoint::RunLock>,
 }
@@ -570,8 +572,8 @@ impl<'c, 'g> Run<'c, 'g> {
                 self.checkpoint(step, optimizer, (epoch, epoch_step), observers)?;
             }
             self.control.test_exit_after(self.global_step, self.checkpoints.as_mut());
-            if let Some(signal) = decision.stop {
-                self.stopped_by = Some(signal);
+            if let Some(stop) = decision.stop {
+                self.stopped_by = Some(stop);
                 break ends_epoch;
             }
         };
@@ -643,24 +645,35 @@ impl<'c, 'g> Run<'c, 'g> {
         finite_or_stop("evaluation loss", stats.eval_loss, self.global_step, epoch)?;
         let control = observers.emit(&Event::EpochEnded { stats: &stats, completed, data_wait_s })?;
         self.report.history.push(stats);
-        if control == Control::Checkpoint && completed {
+        // Agreed before the epoch's checkpoint: a signal's stop takes one here, as after a step;
+        // a launcher gone during the evaluation, none.
+        let stop = self.control.stop_at_epoch_end()?;
+        let wanted = control == Control::Checkpoint || matches!(stop, Some(Stop::Signal(_)));
+        if wanted && completed && stop != Some(Stop::Orphaned) {
             self.checkpoint(step, optimizer, (epoch + 1, 0), observers)?;
         }
-        if let (None, Some(signal)) = (self.stopped_by, self.control.stop_at_epoch_end()?) {
-            self.stopped_by = Some(signal);
+        if let (None, Some(stop)) = (self.stopped_by, stop) {
+            self.stopped_by = Some(stop);
         }
         Ok(())
     }
 
     /// Waits for the checkpoints in flight and reports the run, or the signal that stopped it.
     fn finish(mut self, step: &mut dyn TrainStep<'g>, eval: &dyn BatchSource, observers: &mut Observers) -> Result<FitReport> {
+        if self.stopped_by == Some(Stop::Orphaned) {
+            // No commit of a sharded checkpoint in flight either: the launcher is gone. (A
+            // single file being written completes as it would have; the writer renames it.)
+            let gone = crate::comm::orphan::gone().unwrap_or("the launcher").to_string();
+            return Err(crate::error::Orphaned { gone, at: format!("after step {}", self.global_step) }.into());
+        }
         if let Some(checkpoints) = self.checkpoints.as_mut() {
             checkpoints.finish()?;
             self.report.checkpoints = checkpoints.stats;
         }
-        if let Some(signal) = self.stopped_by {
+        if let Some(Stop::Signal(signal)) = self.stopped_by {
             let checkpoint = self.checkpoints.as_ref().map(|c| c.path().to_path_buf());
-            return Err(crate::error::Stopped { signal, step: self.global_step, checkpoint }.into());
+            let says = step.sync().is_root();
+            return Err(crate::error::Stopped { signal, step: self.global_step, checkpoint, says }.into());
         }
         if self.report.history.is_empty() {
             // Nothing left to train (a finished run resumed): still report where the model stands.
@@ -689,6 +702,7 @@ struct StepControl<'g> {
     /// [`TrainConfig::lockstep`]: a signal stops the run at a step the ranks agree on;
     /// otherwise at the end of the epoch, agreed among `at_epoch_ends`.
     lockstep: bool,
+    /// The ranks that agree at every epoch's end, before its checkpoint, whether to stop.
     at_epoch_ends: Option<&'g ProcessGroup>,
 }
 
@@ -711,8 +725,33 @@ pub const TEST_SLOW_RANK: &str = "COURSE_TEST_SLOW_RANK";
 /// What [`StepControl::after_step`] decided.
 struct Decision {
     checkpoint: bool,
-    /// The run stops here: `Some(None)` for another rank's signal.
-    stop: Option<Option<&'static str>>,
+    /// The run stops here, and why.
+    stop: Option<Stop>,
+}
+
+/// Why a run stops before its steps run out: what its ranks agreed on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// A stop signal (its name) caught by any process of the job: the same on every rank, and
+    /// checkpointed.
+    Signal(&'static str),
+    /// A process a rank depended on has ended ([`crate::comm::orphan`]): no further checkpoint.
+    Orphaned,
+}
+
+/// This process's part of the ranks' agreement on stopping: the stop signal it caught or was
+/// told of (its number, 0 for none; the ranks take the largest), and whether what it depends
+/// on has ended.
+fn stop_votes() -> [f64; 2] {
+    [preemption::requested_signal() as f64, crate::comm::orphan::gone().is_some() as u8 as f64]
+}
+
+/// What the ranks agreed from their [`stop_votes`].
+fn agreed_stop(votes: &[f64]) -> Option<Stop> {
+    if votes[1] > 0.0 {
+        return Some(Stop::Orphaned);
+    }
+    preemption::name(votes[0] as i32).map(Stop::Signal)
 }
 
 impl<'g> StepControl<'g> {
@@ -744,22 +783,19 @@ impl<'g> StepControl<'g> {
             // --max-steps end, which each worker reaches at its own time), and stops there.
             return Ok(StepControl { ranks: None, max_steps: None, exit_after, signal_after, slow_by, at_epoch_ends: ranks, lockstep: false });
         }
-        Ok(StepControl { ranks, max_steps, exit_after, signal_after, slow_by, at_epoch_ends: None, lockstep: true })
+        Ok(StepControl { ranks, max_steps, exit_after, signal_after, slow_by, at_epoch_ends: ranks, lockstep: true })
     }
 
-    /// Replicas that do not step together ([`TrainConfig::lockstep`]) stop at the end of the
-    /// epoch in which any of them was signalled: what they agree at that end (they meet there,
-    /// in the evaluation). The signal's name where it was caught; `Some(None)` for another's.
-    fn stop_at_epoch_end(&self) -> Result<Option<Option<&'static str>>> {
-        if self.lockstep {
-            return Ok(None);
-        }
-        let local = [preemption::requested().is_some()];
+    /// What the ranks agree at an epoch's end, before its checkpoint: a stop signal caught since
+    /// the last step (replicas that do not step together, [`TrainConfig::lockstep`], stop only
+    /// here: they meet here, in the evaluation), or a launcher gone.
+    fn stop_at_epoch_end(&self) -> Result<Option<Stop>> {
+        let local = stop_votes();
         let agreed = match self.at_epoch_ends {
-            Some(ranks) => ranks.any_of(&local)?,
+            Some(ranks) => ranks.max_of(&local)?,
             None => local.to_vec(),
         };
-        Ok(agreed[0].then(preemption::requested))
+        Ok(agreed_stop(&agreed))
     }
 
     fn after_step(&self, mut checkpoints: Option<&mut Checkpointer>, step: usize) -> Result<Decision> {
@@ -771,18 +807,25 @@ impl<'g> StepControl<'g> {
         // The clock, the signals and the background writes differ between ranks: any rank's
         // counts for all.
         let (writing, failed) = checkpoints.as_mut().map_or((false, false), |c| c.poll());
-        let local = [checkpoints.as_ref().is_some_and(|c| c.due_by_time()), preemption::requested().is_some(), writing, failed];
+        let flag = |b: bool| b as u8 as f64;
+        let [signal, orphaned] = stop_votes();
+        let local = [flag(checkpoints.as_ref().is_some_and(|c| c.due_by_time())), flag(writing), flag(failed), signal, orphaned];
         let agreed = match self.ranks {
-            Some(ranks) => ranks.any_of(&local)?,
+            Some(ranks) => ranks.max_of(&local)?,
             None => local.to_vec(),
         };
-        if let Some(checkpoints) = checkpoints {
-            checkpoints.settle(agreed[2], agreed[3])?;
+        let stop = agreed_stop(&agreed[3..]);
+        if stop == Some(Stop::Orphaned) {
+            // Nothing more is committed, not even a sharded checkpoint whose parts are written.
+            return Ok(Decision { checkpoint: false, stop });
         }
-        // The signal's name where it was caught; none on the ranks stopping for another's.
-        // (Replicas not in lockstep stop at the epoch's end instead: stop_at_epoch_end.)
-        let stop = agreed[1].then(preemption::requested).filter(|_| self.lockstep);
-        Ok(Decision { checkpoint: by_rule || agreed[0] || stop.is_some(), stop })
+        if let Some(checkpoints) = checkpoints {
+            checkpoints.settle(agreed[1] > 0.0, agreed[2] > 0.0)?;
+        }
+        // The signal every rank stops for, whichever caught it. (Replicas not in lockstep stop
+        // at the epoch's end instead: stop_at_epoch_end.)
+        let stop = stop.filter(|_| self.lockstep);
+        Ok(Decision { checkpoint: by_rule || agreed[0] > 0.0 || stop.is_some(), stop })
     }
 
     /// The [`TEST_EXIT_AFTER_STEP`] hook.

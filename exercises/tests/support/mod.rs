@@ -1,7 +1,10 @@
 //! Helpers shared by the binaries' integration tests.
 #![allow(dead_code)]
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::process::Output;
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::time::{Duration, Instant};
 
 /// The real data samples beside the checkout (`../shared/data/<sub>`), or `$SHARED_DATA/<sub>`.
 /// Missing data fails the test with the reason: these tests are never skipped silently.
@@ -75,3 +78,125 @@ pub fn copy_checkpoints(from: &Path, to: &Path) {
 /// test-isa` runs them all again), so the tests' bars hold by the arithmetic, not by luck.
 pub const PRECISION_TEST_LR: &str = "1.0";
 pub const PRECISION_TEST_EPOCHS: &str = "4";
+
+/// A job started in the background, its output read by threads of its own (it never blocks on a
+/// full pipe, and the test never waits past its deadlines): the multi-rank tests that signal,
+/// stop or kill the processes of a job while it runs.
+pub struct Job {
+    child: Child,
+    lines: Receiver<String>,
+    /// stdout's lines read so far.
+    pub seen: Vec<String>,
+    stderr: std::thread::JoinHandle<String>,
+}
+
+impl Job {
+    pub fn start(command: &mut Command) -> Job {
+        let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("the job starts");
+        let (send, lines) = mpsc::channel();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        std::thread::spawn(move || {
+            for line in stdout.lines().map_while(Result::ok) {
+                let _ = send.send(line);
+            }
+        });
+        let mut err = child.stderr.take().unwrap();
+        let stderr = std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = err.read_to_string(&mut text);
+            text
+        });
+        Job { child, lines, seen: Vec::new(), stderr }
+    }
+
+    /// The launcher's process id.
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits, at most `bound`, for a line of stdout containing `marker`; whether it came.
+    pub fn wait_for_line(&mut self, marker: &str, bound: Duration) -> bool {
+        let until = Instant::now() + bound;
+        while let Ok(line) = self.lines.recv_timeout(until.saturating_duration_since(Instant::now())) {
+            let found = line.contains(marker);
+            self.seen.push(line);
+            if found {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Waits, at most `bound`, for the launcher to end: its exit status, or none (still running).
+    pub fn wait(&mut self, bound: Duration) -> Option<ExitStatus> {
+        let until = Instant::now() + bound;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Kills the launcher alone (SIGKILL) and reaps it: it has ended when this returns.
+    pub fn kill_launcher(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Ends the launcher and every process under it (SIGKILL), and returns its stderr.
+    pub fn kill_all(mut self) -> String {
+        let all = descendants(self.child.id());
+        let _ = self.child.kill();
+        for pid in all {
+            signal(pid, "-KILL");
+        }
+        let _ = self.child.wait();
+        self.stderr.join().unwrap_or_default()
+    }
+
+    /// Its stderr, once it has ended.
+    pub fn stderr(self) -> String {
+        self.stderr.join().unwrap_or_default()
+    }
+}
+
+/// The processes under `pid` (children, theirs, ...), from /proc.
+pub fn descendants(pid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return found };
+    for task in tasks.flatten() {
+        let children = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+        for child in children.split_whitespace().filter_map(|c| c.parse::<u32>().ok()) {
+            found.push(child);
+            found.extend(descendants(child));
+        }
+    }
+    found
+}
+
+/// The process of MPI rank `rank` among `pid`'s descendants (its environment says so).
+pub fn rank_process(pid: u32, rank: usize) -> Option<u32> {
+    let wanted = format!("OMPI_COMM_WORLD_RANK={rank}");
+    descendants(pid).into_iter().find(|p| {
+        let environ = std::fs::read(format!("/proc/{p}/environ")).unwrap_or_default();
+        environ.split(|&b| b == 0).any(|var| var == wanted.as_bytes())
+    })
+}
+
+/// Sends `signal` (`-STOP`, `-USR1`, ...) to process `pid`.
+pub fn signal(pid: u32, signal: &str) {
+    let _ = Command::new("kill").args([signal, &pid.to_string()]).status();
+}
+
+/// Whether process `pid` has ended: gone, or a zombie its parent has not reaped.
+pub fn ended(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // `pid (command) state ...`
+        Ok(stat) => stat.rfind(')').and_then(|i| stat[i + 1..].split_whitespace().next()).is_none_or(|state| state == "Z" || state == "X"),
+        Err(_) => true,
+    }
+}

@@ -205,8 +205,9 @@ impl<'w> Job<'w> {
     /// Serves until every worker is done (a server rank).
     pub fn serve(&self) -> Result<()> {
         // A stop signal reaches the servers too (the launcher forwards Ctrl-C to every rank;
-        // Slurm signals every task): they go on serving until the workers, who checkpoint
-        // through them, say they are done.
+        // Slurm signals every task), or a server alone: it goes on serving, passing the signal
+        // on to the workers in its replies, until they, who checkpoint through it, say they are
+        // done.
         crate::train::preemption::install()?;
         let threads = (crate::device::usable_cores() / self.world.local_world_size().max(1)).max(1);
         crate::device::set_threads(threads)?;

@@ -8,11 +8,14 @@
 //! | message | then | reply |
 //! |---|---|---|
 //! | INIT: JSON (optimizer, names, shapes) | this server's parameters, flat | none |
-//! | PUSH [base version]: f64 [lr, clip, has-gradient per tensor] | the gradients, flat | when applied: [version], the parameters, flat |
-//! | PULL | | [version], the parameters |
-//! | GET_STATE | | the optimizer state (named), then [version], the parameters |
+//! | PUSH [base version]: f64 [lr, clip, has-gradient per tensor] | the gradients, flat | when applied: [version, signal], the parameters, flat |
+//! | PULL | | [version, signal], the parameters |
+//! | GET_STATE | | the optimizer state (named), then [version, signal], the parameters |
 //! | SET_STATE | the optimizer state (named) | none |
 //! | DONE | | after the last worker's: this server's [`ServerStats`] to worker 0 |
+//!
+//! `signal`: the stop signal this server caught (SIGUSR1, SIGTERM, SIGINT; 0: none), which the
+//! workers stop the job for.
 use std::collections::HashMap;
 
 use anyhow::{bail, Context, Result};
@@ -177,14 +180,17 @@ impl<'w> Server<'w> {
         Ok(())
     }
 
-    /// The parameters and their version to worker `w`, who now holds that version.
+    /// The parameters and their version to worker `w`, who now holds that version, and the stop
+    /// signal this server caught, if any: the workers stop the job for it (they agree on the step
+    /// and checkpoint through the servers), as if they had caught it themselves.
     fn reply(&mut self, w: usize) -> Result<()> {
         let flat = if self.params.is_empty() {
             Tensor::zeros([0], (Kind::Float, Device::Cpu))
         } else {
             Tensor::cat(&self.params.iter().map(|(_, p)| p.detach().reshape([-1])).collect::<Vec<_>>(), 0)
         };
-        send_labelled(self.world, &flat, [self.version, 0, 0], w)?;
+        let signal = crate::train::preemption::requested_signal() as i64;
+        send_labelled(self.world, &flat, [self.version, signal, 0], w)?;
         self.bases[w] = self.version;
         Ok(())
     }

@@ -150,6 +150,8 @@ impl<'w> WorkerLink<'w> {
             }
         });
         state.bases[s] = label[0];
+        // A stop signal the server caught: the job stops for it (the workers agree on where).
+        crate::train::preemption::relay(label[1] as i32);
         Ok(())
     }
 

@@ -429,7 +429,7 @@ fn weights_unknown_extension_and_missing_file() {
 
     let absent = dir.path().join("absent.safetensors");
     let message = load_weights(&vs, &spec, &absent).unwrap_err().to_string();
-    assert!(message.contains(&absent.display().to_string()) && message.contains("not found"), "{message}");
+    assert!(message.contains(&absent.display().to_string()) && message.contains("does not exist"), "{message}");
 }
 
 /// torchvision's own models saved with `torch.save(model.state_dict())`, as its published ImageNet

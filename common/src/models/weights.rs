@@ -101,7 +101,7 @@ pub fn load_weights(vs: &nn::VarStore, path: &Path, head: &Block) -> anyhow::Res
 /// Reads all named tensors of a weights file, by its extension.
 fn read_named_tensors(path: &Path) -> anyhow::Result<Vec<(String, Tensor)>> {
     // LibTorch opens .safetensors and .ot files itself: a FIFO must not reach it.
-    crate::input::check(path, "--weights takes a weights file (a .safetensors, .pth, .pt or .ot file)").context("--weights")?;
+    crate::input::check(path, "--weights takes a weights file (a .safetensors, .pth, .pt or .ot file)")?;
     let read = match path.extension().and_then(|ext| ext.to_str()) {
         Some("safetensors") => Tensor::read_safetensors(path),
         Some("ot") => Tensor::load_multi(path),

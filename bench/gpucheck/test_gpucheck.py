@@ -1,10 +1,14 @@
 """The harness's own tests (run by exercises/tests/gpu_check.rs under $TORCH_PYTHON): every
 comparison a GPU row rests on fails when its two sides differ, a merged or resumed table keeps
-each row's provenance, the tiers fit their time, and the NCCL rows fall back to MPI when NCCL
-refuses. No binaries run here: the runs are made up."""
+each row's provenance, the tiers fit their time, the NCCL rows fall back to MPI when NCCL
+refuses, and the one writer (gpucheck/output.py) never writes through a link or over what is not
+a regular file. No binaries run here: the runs are made up."""
+import contextlib
 import json
 import os
+import signal
 import struct
+import subprocess
 import sys
 import tempfile
 import types
@@ -14,7 +18,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gpucheck import docs, harness, machine, multirank, table, tiers, timings  # noqa: E402
+from gpucheck import docs, harness, machine, multirank, output, table, tiers, timings  # noqa: E402
 from gpucheck.harness import CheckFailed, Harness  # noqa: E402
 
 
@@ -329,6 +333,221 @@ class Docs(unittest.TestCase):
         problems = docs.update(self.root, self.recorded, self.plan, check=True)
         self.assertTrue(any(p.startswith("docs/speed.md: says what has or has not run on a GPU outside") for p in problems), problems)
         self.assertTrue(any("unknown block gpu-check:nope" in p for p in problems), problems)
+
+
+class Hung(Exception):
+    """Not an OSError, which the writer might take for a refusal."""
+
+
+@contextlib.contextmanager
+def within(seconds):
+    """The block must end within `seconds`: a write that blocks (opening a FIFO with no reader)
+    fails the test instead of hanging it."""
+    def hung(signum, frame):
+        raise Hung(f"still blocked after {seconds} s")
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+class Writer(unittest.TestCase):
+    """gpucheck/output.py: the rules of common/src/output.rs, for the Python side."""
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp()
+        self.victim = self.at("victim")
+        with open(self.victim, "w") as f:
+            f.write("precious\n")
+
+    def at(self, name):
+        return os.path.join(self.dir, name)
+
+    def names(self):
+        return sorted(os.listdir(self.dir))
+
+    def read(self, path):
+        with open(path) as f:
+            return f.read()
+
+    def assertVictimUntouched(self):
+        self.assertEqual(self.read(self.victim), "precious\n")
+
+    def test_the_new_content_replaces_the_old_and_nothing_else_is_left(self):
+        path = self.at("run.json")
+        output.write(path, "{\"old\": 1}\n")
+        output.write(path, b"{\"new\": 2}\n")
+        self.assertEqual(self.read(path), "{\"new\": 2}\n")
+        self.assertEqual(self.names(), ["run.json", "victim"])
+
+    def test_a_link_planted_at_the_name_is_replaced_and_its_target_untouched(self):
+        source = self.at("source.svg")
+        with open(source, "w") as f:
+            f.write("<svg/>")
+        for name, write, expected in [("run.json", lambda p: output.write(p, "{}"), "{}"),
+                                      ("plan-check.csv", lambda p: self.fill(p, "a,b\n"), "a,b\n"),
+                                      ("chart.svg", lambda p: output.copy(source, p), "<svg/>")]:
+            path = self.at(name)
+            os.symlink(self.victim, path)
+            write(path)
+            self.assertVictimUntouched()
+            self.assertFalse(os.path.islink(path), f"{name}: the link was replaced, not followed")
+            self.assertEqual(self.read(path), expected)
+
+    filled = False
+
+    def fill(self, path, text):
+        with output.replacing(path) as f:
+            self.filled = True
+            f.write(text)
+
+    def test_a_fifo_or_a_folder_at_the_name_is_refused_without_hanging_and_left_in_place(self):
+        fifo, folder, source = self.at("run.safetensors"), self.at("run.json"), self.at("source")
+        os.mkfifo(fifo)
+        os.mkdir(folder)
+        with open(source, "w") as f:
+            f.write("x")
+        for path, what, still in [(fifo, "a FIFO", lambda p: os.path.exists(p) and not os.path.isdir(p) and __import__("stat").S_ISFIFO(os.lstat(p).st_mode)),
+                                  (folder, "a folder", os.path.isdir)]:
+            for write in [lambda p: output.write(p, "x"), lambda p: self.fill(p, "x"), lambda p: output.append(p, "x\n"), lambda p: output.copy(source, p)]:
+                with within(5), self.assertRaises(output.Refused) as caught:
+                    write(path)
+                self.assertFalse(self.filled, "refused before anything is written")
+                message = str(caught.exception)
+                self.assertIn(f"{path} is {what}, not a regular file: not replacing it", message)
+                self.assertNotIn("\n", message, "one line")
+                self.assertTrue(still(path), f"{what} is left in place")
+        self.assertEqual(self.names(), ["run.json", "run.safetensors", "source", "victim"], "no temporary file is left")
+
+    def test_the_open_of_an_appended_file_itself_refuses_a_fifo_put_there_after_the_check(self):
+        # The check before the open passes (the FIFO is not there yet, say): the open must not
+        # block on it (O_NONBLOCK) and must refuse what it opened.
+        fifo = self.at("runs.jsonl")
+        os.mkfifo(fifo)
+        with mock.patch.object(output, "check_file", lambda path: None), within(5), self.assertRaises(output.Refused) as caught:
+            output.append(fifo, "x\n")
+        self.assertIn("is a FIFO, not a regular file: not writing to it", str(caught.exception))
+        # With a reader, the open succeeds: what it opened is looked at before a byte is written.
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            with mock.patch.object(output, "check_file", lambda path: None), within(5), self.assertRaises(output.Refused) as caught:
+                output.append(fifo, "x\n")
+            self.assertIn(f"{fifo} is not a regular file: not writing to it", str(caught.exception))
+            try:
+                written = os.read(reader, 10)  # b"" at its end: nothing was written to it
+            except BlockingIOError:
+                written = b""
+            self.assertEqual(written, b"")
+        finally:
+            os.close(reader)
+
+    def test_append_adds_to_a_regular_file_and_refuses_a_link(self):
+        log = self.at("command.log")
+        output.append(log, "one\n")
+        output.append(log, b"two\n")
+        self.assertEqual(self.read(log), "one\ntwo\n")
+        planted = self.at("exercise1.csv")
+        os.symlink(self.victim, planted)
+        with self.assertRaises(output.Refused) as caught:
+            output.append(planted, "row\n")
+        self.assertIn(f"{planted} is a symbolic link: not writing through it", str(caught.exception))
+        self.assertVictimUntouched()
+        self.assertTrue(os.path.islink(planted))
+        # A link to nothing, which a plain append would create the file at the end of.
+        dangling = self.at("runs.jsonl")
+        os.symlink(self.at("made-elsewhere"), dangling)
+        with self.assertRaises(output.Refused):
+            output.append(dangling, "row\n")
+        self.assertFalse(os.path.exists(self.at("made-elsewhere")))
+
+    def test_a_killed_writers_temporaries_are_removed_by_the_next_write_a_running_ones_kept(self):
+        path = self.at("gpu-check.json")
+        # No process has pid 4,000,000,000 (above any pid_max); this process's parent runs.
+        dead = self.at(f"{output.temporary_prefix(path, 4_000_000_000)}AbC123.tmp")
+        alive = self.at(f"{output.temporary_prefix(path, os.getppid())}XyZ789.tmp")
+        other = self.at(f"{output.temporary_prefix(self.at('gpu-check.md'), 4_000_000_000)}AbC123.tmp")
+        for leftover in [dead, alive, other]:
+            with open(leftover, "w") as f:
+                f.write("half")
+        planted = self.at(f"{output.temporary_prefix(path, 4_000_000_001)}Lnk.tmp")
+        os.symlink(self.victim, planted)
+        output.write(path, "{}")
+        self.assertFalse(os.path.exists(dead), "the dead writer's temporary file is removed")
+        self.assertTrue(os.path.exists(alive), "a running writer's is left alone")
+        self.assertTrue(os.path.exists(other), "another name's is not this write's to remove")
+        self.assertTrue(os.path.islink(planted), "a link under such a name is not this writer's")
+        self.assertVictimUntouched()
+        # Through `replacing` too.
+        with open(dead, "w") as f:
+            f.write("half")
+        self.fill(path, "{}")
+        self.assertFalse(os.path.exists(dead))
+
+    def test_an_exception_inside_replacing_leaves_the_old_file_and_no_temporary(self):
+        path = self.at("plan-check.csv")
+        output.write(path, "old,rows\n")
+        with self.assertRaises(RuntimeError):
+            with output.replacing(path) as f:
+                f.write("new,ro")
+                f.flush()
+                raise RuntimeError("No space left on device")
+        self.assertEqual(self.read(path), "old,rows\n")
+        self.assertEqual(self.names(), ["plan-check.csv", "victim"])
+
+    def test_a_folder_put_at_the_name_while_it_is_written_is_not_replaced(self):
+        path = self.at("run.json")
+        output.write(path, "old")
+        with self.assertRaises(output.Refused) as caught:
+            with output.replacing(path) as f:
+                f.write("new")
+                os.unlink(path)
+                os.mkdir(path)
+        self.assertIn("is a folder, not a regular file: not replacing it", str(caught.exception))
+        self.assertTrue(os.path.isdir(path))
+        self.assertEqual(self.names(), ["run.json", "victim"])
+
+    def test_the_temporary_file_swapped_for_a_link_while_written_is_not_moved_into_place(self):
+        path = self.at("course-gpu.tar.gz")
+        with self.assertRaises(output.Refused) as caught:
+            with output.replacing(path, "wb") as f:
+                for name in self.names():
+                    if name.endswith(".tmp"):
+                        os.unlink(self.at(name))
+                        os.symlink(self.victim, self.at(name))
+                f.write(b"archive\n")
+        self.assertIn("was replaced by someone else while it was written", str(caught.exception))
+        self.assertVictimUntouched()
+        self.assertFalse(os.path.lexists(path), "nothing was put at the target's name")
+
+    def test_the_folders_a_run_names_itself_are_never_links(self):
+        elsewhere = self.at("elsewhere")
+        os.mkdir(elsewhere)
+        run = os.path.join(self.dir, "results", "course-gpu")
+        output.folder(run)
+        output.folder(run)  # there already: used as it is
+        self.assertTrue(os.path.isdir(run))
+        planted = os.path.join(self.dir, "results", "exercise1-cnn")
+        os.symlink(elsewhere, planted)
+        with self.assertRaises(output.Refused) as caught:
+            output.folder(planted)
+        self.assertIn(f"{planted} is a symbolic link: not writing through it", str(caught.exception))
+        with self.assertRaises(output.Refused) as caught:
+            output.folder(self.victim)
+        self.assertIn("is a regular file, not a folder", str(caught.exception))
+        self.assertEqual(os.listdir(elsewhere), [])
+
+    def test_written_files_are_readable_as_plainly_created_ones(self):
+        ours, plain = self.at("ours"), self.at("plain")
+        output.write(ours, "x")
+        output.append(self.at("appended"), "x")
+        with open(plain, "w") as f:
+            f.write("x")
+        mode = lambda p: os.stat(p).st_mode & 0o777  # noqa: E731
+        self.assertEqual(mode(ours), mode(plain))
+        self.assertEqual(mode(self.at("appended")), mode(plain))
 
 
 if __name__ == "__main__":

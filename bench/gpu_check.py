@@ -39,7 +39,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpucheck import course, docs, features, learning, machine, multirank, table, tiers, timings  # noqa: E402
+from gpucheck import course, docs, features, learning, machine, multirank, output, table, tiers, timings  # noqa: E402
 from gpucheck.harness import ROOT, Harness, kill_group  # noqa: E402
 
 DEFAULT_BUDGET = 480
@@ -199,6 +199,9 @@ def main():
 
     stem = "gpu-check" if args.device == "cuda" else "gpu-check-cpu"
     json_path = os.path.join(args.results, f"{stem}.json")
+    # Said before the data and the first check, with the words the write itself would use.
+    output.check_file(json_path[:-len(".json")] + ".md")
+    output.check_file(json_path)
 
     def record(rows):
         recorded = {
@@ -216,7 +219,10 @@ def main():
         # with the check in progress marked, so that --resume-from goes on from there.
         for child in h.children:
             kill_group(child)
-        record(h.interrupted())
+        try:
+            record(h.interrupted())
+        except output.Refused as e:
+            print(f"gpu-check: {e}", file=sys.stderr)
         print(f"\ngpu-check: stopped by signal {signum}; the table so far is in {json_path[:-5]}.md (--resume-from {json_path} goes on)", file=sys.stderr)
         os._exit(128 + signum)
 
@@ -244,4 +250,10 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except output.Refused as e:
+        # A name the one writer will not write (a link at a folder the run names, a FIFO or a
+        # folder at a table's name): one line, as for the other arguments it cannot use.
+        print(f"gpu-check: {e}", file=sys.stderr)
+        sys.exit(2)

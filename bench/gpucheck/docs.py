@@ -10,7 +10,7 @@ to the table, and the pages to saying "not run on a GPU" only inside them.
 import os
 import re
 
-from . import table, tiers
+from . import output, table, tiers
 
 PAGES = ["README.md", "docs/speed.md", "docs/gpu-bundle.md", "docs/course.md", "results/README.md"]
 BLOCK = re.compile(r"(<!-- gpu-check:([\w-]+) -->\n)(.*?)(<!-- /gpu-check:\2 -->)", re.S)
@@ -135,5 +135,5 @@ def update(root, recorded, plan, check):
             if check:
                 problems.append(f"{page}: its gpu-check blocks ({', '.join(seen)}) are not what results/gpu-check.json gives: bench/gpu_check.py --docs rewrites them")
             else:
-                table.write_atomically(path, new)
+                output.write(path, new)
     return problems

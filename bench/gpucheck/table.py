@@ -9,8 +9,9 @@ relabelled as another run's.
 import json
 import os
 import sys
-import tempfile
 import time
+
+from . import output
 
 # Verdicts. Only "fail" fails the command; "not run (...)" rows are what --resume-from runs.
 PASS, FAIL, BELOW, SKIPPED = "pass", "fail", "below goal", "skipped"
@@ -90,30 +91,16 @@ def verdict_exit(rows):
     return 1 if any(c["verdict"] == FAIL for c in rows) else 0
 
 
-def write_atomically(path, text):
-    """`text` to `path` through a temporary file in the same folder and a rename: a reader (or a
-    run killed mid-write) sees the old table or the new one, never half of one."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".gpu-check-", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def write(json_path, recorded):
     """The table a person reads first, then the record --resume-from reads: a run killed between
-    the two leaves a record no further along than its table."""
-    write_atomically(json_path[:-len(".json")] + ".md", render(recorded["checks"], header_of(recorded)))
-    write_atomically(json_path, json.dumps(recorded, indent=2) + "\n")
+    the two leaves a record no further along than its table. Each is written whole or not at all
+    (output.write); something at either name that cannot be replaced is refused before either is
+    written."""
+    md_path = json_path[:-len(".json")] + ".md"
+    output.check_file(md_path)
+    output.check_file(json_path)
+    output.write(md_path, render(recorded["checks"], header_of(recorded)))
+    output.write(json_path, json.dumps(recorded, indent=2) + "\n")
 
 
 def read(path, what):

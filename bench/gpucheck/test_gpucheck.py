@@ -549,6 +549,27 @@ class Writer(unittest.TestCase):
         self.assertEqual(mode(ours), mode(plain))
         self.assertEqual(mode(self.at("appended")), mode(plain))
 
+class Scripts(unittest.TestCase):
+    """A refusal of the one writer is one line and exit 2 from the scripts, without hanging."""
+
+    BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def script(self, name, *args):
+        return subprocess.run([sys.executable, os.path.join(self.BENCH, name), *args], capture_output=True, text=True, timeout=60)
+
+    def test_gpu_check_merge_refuses_a_fifo_at_the_table_and_writes_neither_file(self):
+        out = tempfile.mkdtemp()
+        recorded = os.path.join(out, "recorded.json")
+        with open(recorded, "w") as f:
+            json.dump({"device": "cuda", "gpu": "NVIDIA H200", "commit": "abc1234", "finished_at": 1796000000,
+                       "checks": [{"path": "p", "check": "p", "tier": 1, "verdict": "pass", "seconds": 3}]}, f)
+        os.mkfifo(os.path.join(out, "gpu-check.json"))
+        done = self.script("gpu_check.py", "--merge", recorded, "--out", out)
+        self.assertEqual(done.returncode, 2, done.stderr)
+        self.assertEqual(done.stderr.strip().count("\n"), 0, f"one line: {done.stderr}")
+        self.assertIn("gpu-check: " + os.path.join(out, "gpu-check.json") + " is a FIFO, not a regular file", done.stderr)
+        self.assertEqual(sorted(os.listdir(out)), ["gpu-check.json", "recorded.json"], "the .md is not written either")
+
 
 if __name__ == "__main__":
     unittest.main()

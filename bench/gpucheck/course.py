@@ -18,10 +18,10 @@ import glob
 import json
 import math
 import os
-import shutil
 import tarfile
 import time
 
+from . import output
 from .harness import CheckFailed
 from .table import PASS
 from .tiers import COURSE
@@ -31,28 +31,25 @@ FOLDER = "course-gpu"
 
 
 def keep(h, name, run):
-    """A run's printout, results and charts into <results>/course-gpu/<name>/."""
-    out = os.path.join(h.args.results, FOLDER, name)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "stdout.txt"), "w") as f:
-        f.write(" ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(run["command"])) + "\n\n" + run["stdout"])
+    """A run's printout, results and charts into <results>/course-gpu/<name>/ (folders this tier
+    names itself: a link at either name is refused, never written through)."""
+    out = output.folder(os.path.join(output.folder(os.path.join(h.args.results, FOLDER)), name))
+    output.write(os.path.join(out, "stdout.txt"), " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(run["command"])) + "\n\n" + run["stdout"])
     for path in glob.glob(os.path.join(run["dir"], "*")):
         if path.endswith((".json", ".svg", ".csv")) and not path.endswith(".config.json"):
-            shutil.copy(path, out)
+            output.copy(path, os.path.join(out, os.path.basename(path)))
     archive(h)
 
 
 def archive(h):
     """<results>/course-gpu.tar.gz of everything kept so far, with where and when it ran
-    (rewritten after each run)."""
-    folder = os.path.join(h.args.results, FOLDER)
-    with open(os.path.join(folder, "RUN.txt"), "w") as f:
-        f.write(f"The course tier of bench/gpu_check.py on {h.gpu_name or 'the CPU (its self-test)'}, commit {h.commit}, "
-                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; generated data (CIFAR-10, WikiText-2 formats).\n")
-    partial = os.path.join(h.args.results, f".{FOLDER}.tar.gz.partial")
-    with tarfile.open(partial, "w:gz") as tar:
+    (rewritten after each run, whole or not at all)."""
+    folder = output.folder(os.path.join(h.args.results, FOLDER))
+    output.write(os.path.join(folder, "RUN.txt"), f"The course tier of bench/gpu_check.py on {h.gpu_name or 'the CPU (its self-test)'}, commit {h.commit}, "
+                 f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; generated data (CIFAR-10, WikiText-2 formats).\n")
+    path = os.path.join(h.args.results, f"{FOLDER}.tar.gz")
+    with output.replacing(path, "wb") as f, tarfile.open(path, "w:gz", fileobj=f) as tar:
         tar.add(folder, arcname=FOLDER)
-    os.replace(partial, os.path.join(h.args.results, f"{FOLDER}.tar.gz"))
 
 
 def figures(run):
@@ -131,8 +128,7 @@ def plan(h):
     def pipe():
         devices = "cuda:0,cuda:0" if gpu else "cpu,cpu"
         # (It writes no results folder: its printout is the point.)
-        out = os.path.join(h.work, "course-pipe")
-        os.makedirs(out, exist_ok=True)
+        out = output.folder(os.path.join(h.work, "course-pipe"))
         command = [os.path.join(h.bin, "exercise3"), "pipe", "--devices", devices]
         run = h.record("course-pipe", out, command, *h.spawn(command), True)
         keep(h, "exercise3-pipe", run)

@@ -18,7 +18,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gpucheck import docs, harness, machine, multirank, output, table, tiers, timings  # noqa: E402
+from gpucheck import course, docs, harness, machine, multirank, output, table, tiers, timings  # noqa: E402
 from gpucheck.harness import CheckFailed, Harness  # noqa: E402
 
 
@@ -548,6 +548,41 @@ class Writer(unittest.TestCase):
         mode = lambda p: os.stat(p).st_mode & 0o777  # noqa: E731
         self.assertEqual(mode(ours), mode(plain))
         self.assertEqual(mode(self.at("appended")), mode(plain))
+
+    def test_the_course_archive_replaces_a_planted_link_and_its_folder_refuses_one(self):
+        results = self.at("results")
+        os.mkdir(results)
+        run_dir = self.at("run")
+        os.mkdir(run_dir)
+        with open(os.path.join(run_dir, "exercise1-cnn-cuda.json"), "w") as f:
+            f.write("{}")
+        h = types.SimpleNamespace(args=types.SimpleNamespace(results=results), gpu_name="NVIDIA Test GPU", commit="abc1234")
+        run = {"command": ["/bin/exercise1", "--model", "cnn"], "stdout": "epoch 1\n", "dir": run_dir}
+        # Links planted at every name the tier writes in <results>, the folder's own excepted.
+        kept = os.path.join(results, "course-gpu", "exercise1-cnn")
+        os.makedirs(kept)
+        archive = os.path.join(results, "course-gpu.tar.gz")
+        planted = [archive, os.path.join(results, ".course-gpu.tar.gz.partial"), os.path.join(results, "course-gpu", "RUN.txt"),
+                   os.path.join(kept, "stdout.txt"), os.path.join(kept, "exercise1-cnn-cuda.json")]
+        for path in planted:
+            os.symlink(self.victim, path)
+        course.keep(h, "exercise1-cnn", run)
+        self.assertVictimUntouched()
+        self.assertEqual([p for p in planted if os.path.islink(p)], [planted[1]], "each link at a name written was replaced, not followed")
+        os.unlink(planted[1])
+        import tarfile
+        with tarfile.open(archive) as tar:
+            self.assertEqual(sorted(tar.getnames()), ["course-gpu", "course-gpu/RUN.txt", "course-gpu/exercise1-cnn", "course-gpu/exercise1-cnn/exercise1-cnn-cuda.json",
+                                                      "course-gpu/exercise1-cnn/stdout.txt"])
+        self.assertEqual(sorted(os.listdir(results)), ["course-gpu", "course-gpu.tar.gz"], "no temporary file is left")
+        # A link planted at a run's folder: nothing is written through it.
+        elsewhere = self.at("elsewhere")
+        os.mkdir(elsewhere)
+        os.symlink(elsewhere, os.path.join(results, "course-gpu", "why_gpus"))
+        with self.assertRaisesRegex(output.Refused, "why_gpus is a symbolic link: not writing through it"):
+            course.keep(h, "why_gpus", run)
+        self.assertEqual(os.listdir(elsewhere), [])
+
 
 class Scripts(unittest.TestCase):
     """A refusal of the one writer is one line and exit 2 from the scripts, without hanging."""

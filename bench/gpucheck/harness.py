@@ -12,7 +12,7 @@ import subprocess
 import tempfile
 import time
 
-from . import table
+from . import output, table
 from .table import PASS, FAIL, BELOW, NOT_RUN_BUDGET, NOT_REACHED, INTERRUPTED, DONE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -158,8 +158,7 @@ class Harness:
         return self.spawn_all([(command, env, cwd)])[0]
 
     def record(self, key, out, command, code, stdout, stderr, seconds, ok):
-        with open(os.path.join(out, "command.log"), "a") as f:
-            f.write(" ".join(command) + f"\n--- exit {code}\n--- stdout\n" + stdout + "\n--- stderr\n" + stderr + "\n")
+        output.append(os.path.join(out, "command.log"), " ".join(command) + f"\n--- exit {code}\n--- stdout\n" + stdout + "\n--- stderr\n" + stderr + "\n")
         results = [p for p in glob.glob(os.path.join(out, "*.json")) if not p.endswith(("trace.json", ".memory-estimate.json"))]
         data = None
         if len(results) == 1:
@@ -177,8 +176,7 @@ class Harness:
         """Runs `binary args` with its own results folder; returns the run (results JSON or None,
         stdout, stderr, seconds, exit code, folder). Kept under `key` for later comparisons.
         `checkpoint`: the trained model is written there too, whole (`same_parameters` reads it)."""
-        out = os.path.join(self.work, key)
-        os.makedirs(out, exist_ok=True)
+        out = output.folder(os.path.join(self.work, key))
         saving = ["--checkpoint-dir", out, "--checkpoint-format", "whole"] if checkpoint else []
         command = [os.path.join(self.bin, binary)] + list(args) + saving + (["--quiet"] if quiet else []) + ["--results-dir", out]
         code, stdout, stderr, seconds = self.spawn(command, env=env)
@@ -406,8 +404,7 @@ class Harness:
             path = os.path.join(self.wikitext, f"wiki.{split}.tokens")
             with open(path) as f:
                 lines = f.read().splitlines()[:200]
-            with open(path, "w") as f:
-                f.write("\n".join(lines) + "\n")
+            output.write(path, "\n".join(lines) + "\n")
 
     def cifar_full(self):
         """A whole-sized CIFAR-10 (50,000 training and 10,000 test images, generated: the checks

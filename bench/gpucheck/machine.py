@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 
+from . import output
 from .harness import CheckFailed
 from .table import PASS, BELOW, SKIPPED
 from .tiers import MACHINE, MEMORY
@@ -201,7 +202,7 @@ def plan_against_runs(h, profile):
     cluster = f"1x{'GPU' if not h.cpu else 'CPU'} {h.gpu_name or h.device}".strip()
     started = int(h.started)
     header = "bench_started_at,cluster,predicted_rank,layout,predicted_step_s,measured_step_s,predicted_memory_bytes,measured_memory_bytes,compute_s,tp_comm_s,bubble_s,exposed_comm_s,optimizer_s"
-    with open(os.path.join(h.args.results, "plan-check.csv"), "w") as f:
+    with output.replacing(os.path.join(h.args.results, "plan-check.csv")) as f:
         f.write(header + "\n")
         for batch, rank, p, step, held in rows:
             f.write(",".join(map(str, [started, f'"{cluster} global batch {batch}"', rank, f'"{p["command"]}"', p["step_s"], f"{step:.6f}", p["memory_bytes"],

@@ -26,6 +26,7 @@ import socket
 import subprocess
 import time
 
+from . import output
 from .harness import CheckFailed, tail
 from .table import PASS, BELOW
 from .tiers import MULTIRANK
@@ -242,6 +243,7 @@ def plan(h):
         lines = []
         for n, batch in [(1, "8"), (4, "2")]:
             folder = os.path.join(h.work, f"sharded-on-{n}")
+            output.check_folder(folder)  # (copytree itself refuses any name already there)
             shutil.copytree(written, folder)
             flags = [*zero3, "--batch-size", batch, "--resume", "--checkpoint-dir", folder, "--checkpoint-format", "whole"]
             if n == 1:
@@ -260,8 +262,7 @@ def plan(h):
     # ---- torchrun's way: RANK, WORLD_SIZE, MASTER_ADDR set by hand, one process each ----------
     def torchrun_style():
         port = str(free_port())
-        out = os.path.join(h.work, "torchrun")
-        os.makedirs(out, exist_ok=True)
+        out = output.folder(os.path.join(h.work, "torchrun"))
         flags = [*lm(), "--batch-size", "4", "--device", "cuda", "--backend", "nccl", "--checkpoint-dir", out, "--checkpoint-format", "whole", "--quiet",
                  "--results-dir", out] + (["--share-gpu"] if h.gpus < 2 else [])
         commands = []

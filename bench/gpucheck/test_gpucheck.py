@@ -583,6 +583,42 @@ class Writer(unittest.TestCase):
             course.keep(h, "why_gpus", run)
         self.assertEqual(os.listdir(elsewhere), [])
 
+    def test_the_harness_logs_and_tables_never_write_through_a_planted_link(self):
+        h = fake_harness(device="cpu")
+        # command.log is appended to: a link there is refused.
+        out = output.folder(os.path.join(h.work, "e1"))
+        os.symlink(self.victim, os.path.join(out, "command.log"))
+        with self.assertRaisesRegex(output.Refused, "command.log is a symbolic link: not writing through it"):
+            h.record("e1", out, ["exercise1"], 0, "", "", 1.0, True)
+        # A run's folder in the work folder: a link there is refused.
+        os.symlink(self.dir, os.path.join(h.work, "e2"))
+        with self.assertRaisesRegex(output.Refused, "e2 is a symbolic link"):
+            h.run("e2", "exercise1", [])
+        # bench.sh's log and plan-check.csv are replaced: a link there is not followed.
+        csv_path = os.path.join(h.work, "bench-32-cnn-False-all.csv")
+        os.symlink(self.victim, csv_path + ".log")
+
+        def bench(command, env=None, cwd=None):
+            with open(env["BENCH_CSV"], "w") as f:
+                f.write("a,b\n1,2\n")
+            return 0, "out\n", "err\n", 1.0
+        with mock.patch.object(h, "spawn", bench), mock.patch.object(h, "cifar_full", lambda: "/nowhere"):
+            self.assertEqual(timings.run_bench(h, "32", "cnn", False), [{"a": "1", "b": "2"}])
+        self.assertEqual(self.read(csv_path + ".log"), "out\nerr\n")
+        profile = os.path.join(h.work, "profile.json")
+        with open(profile, "w") as f:
+            json.dump({"model": {"ntoken": 10}}, f)
+        ranked = {"ranked": [{"command": "exercise3 --tp 1", "step_s": 0.1, "memory_bytes": 100, "compute_s": 1, "tp_comm_s": 0, "bubble_s": 0,
+                              "exposed_comm_s": 0, "optimizer_s": 0}]}
+        measured = {"json": {"global_batch": 2, "bptt": 8, "steady_throughput": 160, "peak_memory": [{"training_peak_bytes": 200, "baseline_bytes": 100}]}}
+        plan_check = os.path.join(h.args.results, "plan-check.csv")
+        os.symlink(self.victim, plan_check)
+        with mock.patch.object(h, "spawn", lambda *a, **k: (0, json.dumps(ranked), "", 1.0)), mock.patch.object(h, "run", lambda *a, **k: measured):
+            machine.plan_against_runs(h, profile)
+        self.assertFalse(os.path.islink(plan_check))
+        self.assertTrue(self.read(plan_check).startswith("bench_started_at,cluster,"))
+        self.assertVictimUntouched()
+
 
 class Scripts(unittest.TestCase):
     """A refusal of the one writer is one line and exit 2 from the scripts, without hanging."""

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 
+from . import output
 from .harness import BENCH, CheckFailed, tail
 from .table import PASS, BELOW
 from .tiers import TIMINGS
@@ -71,8 +72,7 @@ def run_bench(h, precision, entry, graph, peers=None):
     elif h.cpu:
         env["PEERS"] = "fused"  # the CPU self-test: the peers' machinery, not their speed
     code, out, err, _ = h.spawn(["bash", os.path.join(BENCH, "bench.sh")], env=env)
-    with open(csv_path + ".log", "w") as f:
-        f.write(out + err)
+    output.write(csv_path + ".log", out + err)
     if code != 0:
         raise CheckFailed(f"bench.sh: {tail(err, 3)}")
     with open(csv_path) as f:

@@ -48,7 +48,9 @@ the same round, the pairs having run back to back):
   other_cores_median, other_cores_max                 cores other processes kept busy during the runs
   rust_workers, pytorch_loader, model_flags, omp_wait_policy, generated_data, torch_version, note
 """
-import argparse, csv, json, os, statistics, time
+import argparse, csv, io, json, os, statistics, sys, time
+
+from gpucheck import output  # bench/ is this script's folder, first on the path
 
 ENTRIES = {  # entry: (exercise, model, unit)
     "cnn": ("exercise1", "cnn", "images/s"),
@@ -123,8 +125,7 @@ def record(a):
         line = dict(base, **rust_record(a.rust_json, a.side == "rust-graph"))
     else:
         line = dict(base, **peer_record(a.peer_stdout))
-    with open(a.runs, "a") as f:
-        f.write(json.dumps(line) + "\n")
+    output.append(a.runs, json.dumps(line) + "\n")
     if a.failed is None:
         print(f"{line['throughput']:.1f}")  # for bench.sh's progress line
 
@@ -283,24 +284,27 @@ def table(a):
             if reader.fieldnames != COLUMNS:  # written by an older bench: rewrite under today's header
                 old_rows, rewrite = list(reader), True
     new = rewrite or not os.path.exists(a.csv) or os.path.getsize(a.csv) == 0
-    with open(a.csv, "w" if rewrite else "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, restval="", extrasaction="ignore")
-        if new:
-            w.writeheader()
-        w.writerows(old_rows + rows)
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, fieldnames=COLUMNS, restval="", extrasaction="ignore")
+    if new:
+        w.writeheader()
+    w.writerows(old_rows + rows)
+    # Rewritten whole (old rows under today's header) or appended to, never through a link.
+    (output.write if rewrite else output.append)(a.csv, text.getvalue())
     print(f"appended {len(rows)} row(s) to {a.csv}")
 
     nlp = [r for r in rows if r["exercise"] == "exercise1_nlp" and r["rust_mode"] == "eager"]
     if a.nlp_csv and nlp:
         r = nlp[0]
         new = not os.path.exists(a.nlp_csv)
-        with open(a.nlp_csv, "a", newline="") as f:
-            w = csv.writer(f)
-            if new:
-                w.writerow(["finished_at", "device", "threads", "steps", "rounds", "model_flags", "generated_data",
-                            "rust_tokens_per_s", "pytorch_tokens_per_s", "ratio"])
-            w.writerow([r["finished_at"], r["device"], r["threads"], r["steps"], r["rounds"], r["model_flags"],
-                        r["generated_data"], r["rust_throughput"], r["pytorch_throughput"], r["ratio"]])
+        text = io.StringIO(newline="")
+        w = csv.writer(text)
+        if new:
+            w.writerow(["finished_at", "device", "threads", "steps", "rounds", "model_flags", "generated_data",
+                        "rust_tokens_per_s", "pytorch_tokens_per_s", "ratio"])
+        w.writerow([r["finished_at"], r["device"], r["threads"], r["steps"], r["rounds"], r["model_flags"],
+                    r["generated_data"], r["rust_throughput"], r["pytorch_throughput"], r["ratio"]])
+        output.append(a.nlp_csv, text.getvalue())
         print(f"appended to {a.nlp_csv}")
 
 
@@ -333,10 +337,15 @@ def main():
     a = p.parse_args()
     if a.command == "record" and a.side in RUST_MODES and a.peer_stdout or a.command == "record" and a.side in PEERS and a.rust_json:
         p.error(f"--side {a.side}: {'--rust-json' if a.side in RUST_MODES else '--peer-stdout'} is its source")
-    if a.command == "record":
-        record(a)
-    else:
-        table(a)
+    try:
+        if a.command == "record":
+            record(a)
+        else:
+            table(a)
+    except output.Refused as e:
+        # A link, a FIFO or a folder at a file it names: one line, as for its other arguments.
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

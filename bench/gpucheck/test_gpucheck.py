@@ -626,7 +626,7 @@ class Scripts(unittest.TestCase):
     BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def script(self, name, *args):
-        return subprocess.run([sys.executable, os.path.join(self.BENCH, name), *args], capture_output=True, text=True, timeout=60)
+        return subprocess.run([sys.executable, os.path.join(self.BENCH, name), *args], capture_output=True, text=True, timeout=30)
 
     def test_gpu_check_merge_refuses_a_fifo_at_the_table_and_writes_neither_file(self):
         out = tempfile.mkdtemp()
@@ -640,6 +640,35 @@ class Scripts(unittest.TestCase):
         self.assertEqual(done.stderr.strip().count("\n"), 0, f"one line: {done.stderr}")
         self.assertIn("gpu-check: " + os.path.join(out, "gpu-check.json") + " is a FIFO, not a regular file", done.stderr)
         self.assertEqual(sorted(os.listdir(out)), ["gpu-check.json", "recorded.json"], "the .md is not written either")
+
+    def test_bench_report_refuses_a_link_at_its_runs_file(self):
+        out = tempfile.mkdtemp()
+        victim, runs, results = os.path.join(out, "victim"), os.path.join(out, "runs.jsonl"), os.path.join(out, "rust.json")
+        with open(victim, "w") as f:
+            f.write("precious\n")
+        os.symlink(victim, runs)
+        with open(results, "w") as f:
+            json.dump({"steps": 10, "throughput": 100.0, "train_time_s": 1.0, "params": 5, "data_wait_s": 0.1, "forward_backward_s": 0.5, "optimizer_s": 0.2}, f)
+        done = self.script("bench_report.py", "record", "--runs", runs, "--entry", "cnn", "--side", "rust", "--round", "1", "--rust-json", results)
+        self.assertEqual(done.returncode, 2, done.stderr)
+        self.assertEqual(done.stderr.strip(), f"error: {runs} is a symbolic link: not writing through it (remove it, or choose another folder)")
+        with open(victim) as f:
+            self.assertEqual(f.read(), "precious\n")
+
+    def test_bench_report_refuses_a_fifo_at_its_csv_without_hanging(self):
+        out = tempfile.mkdtemp()
+        runs, csv_path = os.path.join(out, "runs.jsonl"), os.path.join(out, "bench.csv")
+        with open(runs, "w") as f:
+            for side, figures in [("rust", [900.0, 150.0, 160.0]), ("eager", [900.0, 100.0, 100.0])]:
+                for round_, throughput in enumerate(figures):
+                    f.write(json.dumps({"entry": "cnn", "impl": side, "round": round_, "others": 0.0, "throughput": throughput, "steady": True,
+                                        "examples_per_step": 100.0, "steps": 10, "params": 5, "data_wait_s": 0.01, "forward_backward_s": 0.2,
+                                        "optimizer_s": 0.03, "graph_replay_s": None, "phase_clock": "host", "loader": "memory"}) + "\n")
+        os.mkfifo(csv_path)
+        done = self.script("bench_report.py", "table", "--runs", runs, "--csv", csv_path)
+        self.assertEqual(done.returncode, 2, done.stderr)
+        self.assertEqual(done.stderr.strip(), f"error: {csv_path} is a FIFO, not a regular file: not replacing it (remove it, or write elsewhere)")
+        self.assertEqual(sorted(os.listdir(out)), ["bench.csv", "runs.jsonl"])
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ pub struct RunArgs {
     pub checkpoint_every: Option<u64>,
     /// Also checkpoint whenever M minutes have passed since the last checkpoint (a job's time
     /// limit in mind); fractions allowed.
-    #[arg(long, value_name = "M", requires = "checkpoint_dir")]
+    #[arg(long, value_name = "M", requires = "checkpoint_dir", value_parser = crate::cli::minutes)]
     #[arg(help_heading = "Checkpoints")]
     pub checkpoint_minutes: Option<f64>,
     /// auto: sharded where ZeRO, tensor or pipeline parallelism spread the model state over
@@ -164,9 +164,6 @@ impl RunArgs {
         }
         if self.eval_only && self.checkpoint.is_none() && !self.resume {
             return usage("--eval-only tests a trained model: give its --checkpoint FILE, or --checkpoint-dir DIR --resume");
-        }
-        if self.checkpoint_minutes.is_some_and(|m| !(m > 0.0 && m.is_finite())) {
-            return usage(format!("--checkpoint-minutes must be a positive number, got {}", self.checkpoint_minutes.unwrap_or_default()));
         }
         if self.peak_tflops.is_some_and(|p| !(p > 0.0 && p.is_finite())) {
             return usage(format!("--peak-tflops must be a positive number, got {}", self.peak_tflops.unwrap_or_default()));
@@ -369,7 +366,7 @@ pub struct ParallelArgs {
     #[arg(help_heading = "Parallelism")]
     pub backend: crate::comm::Backend,
     /// Gradients are averaged in buckets of this many MiB (fewer, larger messages).
-    #[arg(long, default_value_t = 25.0)]
+    #[arg(long, default_value_t = 25.0, value_parser = crate::cli::positive)]
     #[arg(help_heading = "Parallelism")]
     pub bucket_mb: f64,
     /// A check, not a way to train faster: allow more ranks than GPUs, several on one GPU, each
@@ -391,13 +388,13 @@ pub struct ParallelArgs {
     /// Seconds a collective or message may wait for the other ranks before the job is declared
     /// hung and ended, naming the ranks that did not answer (a group's first operation waits at
     /// least 300 s: start-up and data loading). As PyTorch's NCCL watchdog; MPI engine.
-    #[arg(long, value_name = "SECONDS", default_value_t = 600.0)]
+    #[arg(long, value_name = "SECONDS", default_value_t = 600.0, value_parser = crate::cli::seconds)]
     #[arg(help_heading = "Parallelism")]
     pub collective_timeout: f64,
     /// Seconds the ranks wait for each other at the job's start (MPI's start-up; the TCP
     /// rendezvous of ranks that torchrun starts) before the job is ended, naming the ranks that
     /// never arrived (where --nproc-per-node started them).
-    #[arg(long, value_name = "SECONDS", default_value_t = 300.0, value_parser = crate::comm::startup::parse_seconds)]
+    #[arg(long, value_name = "SECONDS", default_value_t = 300.0, value_parser = crate::cli::seconds)]
     #[arg(help_heading = "Parallelism")]
     pub startup_timeout: f64,
     /// ZeRO stage: 0 keeps everything on every replica; 1 shards the optimizer state over the
@@ -451,12 +448,6 @@ impl ParallelArgs {
     pub fn check(&self) -> anyhow::Result<()> {
         if self.nproc_per_node == Some(0) {
             return usage("--nproc-per-node must be at least 1");
-        }
-        if !(self.bucket_mb > 0.0 && self.bucket_mb.is_finite()) {
-            return usage(format!("--bucket-mb must be positive, got {}", self.bucket_mb));
-        }
-        if !(self.collective_timeout > 0.0 && self.collective_timeout.is_finite()) {
-            return usage(format!("--collective-timeout must be a positive number of seconds, got {}", self.collective_timeout));
         }
         // Parameter-server hook: its flags, checked before any rank starts.
         crate::parallel::parameter_server::check_flags(

@@ -66,7 +66,7 @@ pub struct ImageArgs {
     /// `prepare_data weights MODEL` fetches them ahead), or a file in torchvision's names
     /// (.safetensors, .pth/.pt as torch.save wrote a state_dict, or .ot). A head for another
     /// number of classes is left out and starts freshly initialised.
-    #[arg(long, value_name = "imagenet|FILE", value_parser = parse_weights)]
+    #[arg(long, value_name = "imagenet|FILE", value_parser = parse_weights, value_hint = clap::ValueHint::FilePath)]
     #[arg(help_heading = "Model")]
     pub weights: Option<WeightsArg>,
     /// Size of the classification head [default: the data set's classes for cnn and for
@@ -354,8 +354,8 @@ impl Experiment for ImageExperiment<'_> {
         &self.args.parallel
     }
 
-    fn flags_json(&self) -> serde_json::Value {
-        serde_json::to_value(self.args).expect("flags serialise")
+    fn flags_json(&self) -> serde_json::Result<serde_json::Value> {
+        serde_json::to_value(self.args)
     }
 
     fn check(&self) -> Result<()> {

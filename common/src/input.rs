@@ -13,6 +13,7 @@ use std::fs::File;
 use std::path::Path;
 
 use anyhow::{Context, Result};
+use serde_json::Value;
 
 /// What is wrong with an input that cannot be used, in the words the messages use.
 fn problem(path: &Path, err: &std::io::Error) -> String {
@@ -96,6 +97,71 @@ pub fn folder(dir: &Path, flag: &str, remedy: &str) -> Result<()> {
     Ok(())
 }
 
+/// JSON text as a value, refusing an object that names a key twice: serde_json keeps the last
+/// one silently, so a second `"lr"` in a config, or a second piece of the same name in a
+/// checkpoint's index, would win unseen. Every JSON file read is read through it ([`json`]).
+pub fn json_value(text: &str) -> Result<Value, serde_json::Error> {
+    use serde::de::{Deserialize, Deserializer, Error, MapAccess, SeqAccess, Visitor};
+    struct Unique(Value);
+    impl<'de> Deserialize<'de> for Unique {
+        fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Unique, D::Error> {
+            deserializer.deserialize_any(UniqueVisitor).map(Unique)
+        }
+    }
+    struct UniqueVisitor;
+    impl<'de> Visitor<'de> for UniqueVisitor {
+        type Value = Value;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON value")
+        }
+        fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+            Ok(Value::Bool(v))
+        }
+        fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+            Ok(v.into())
+        }
+        fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+            Ok(v.into())
+        }
+        fn visit_f64<E: Error>(self, v: f64) -> Result<Value, E> {
+            serde_json::Number::from_f64(v).map(Value::Number).ok_or_else(|| E::custom(format!("{v} is not a finite number")))
+        }
+        fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+            Ok(Value::String(v.to_string()))
+        }
+        fn visit_unit<E>(self) -> Result<Value, E> {
+            Ok(Value::Null)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+            let mut items = Vec::new();
+            while let Some(Unique(item)) = seq.next_element()? {
+                items.push(item);
+            }
+            Ok(Value::Array(items))
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+            let mut object = serde_json::Map::new();
+            while let Some(key) = map.next_key::<String>()? {
+                let Unique(value) = map.next_value()?;
+                if object.insert(key.clone(), value).is_some() {
+                    return Err(A::Error::custom(format!("the key `{key}` is given twice")));
+                }
+            }
+            Ok(Value::Object(object))
+        }
+    }
+    let mut deserializer = serde_json::Deserializer::from_str(text);
+    let Unique(value) = Unique::deserialize(&mut deserializer)?;
+    deserializer.end()?;
+    Ok(value)
+}
+
+/// JSON text (a file's bytes) as a `T`, a key given twice refused ([`json_value`]).
+pub fn json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, serde_json::Error> {
+    let text = std::str::from_utf8(bytes).map_err(|e| <serde_json::Error as serde::de::Error>::custom(format!("not UTF-8 text: {e}")))?;
+    serde_json::from_value(json_value(text)?)
+}
+
 /// Turns `O_NONBLOCK` off again on `file`.
 fn clear_nonblocking(file: &File) {
     use std::os::fd::AsRawFd;
@@ -114,6 +180,20 @@ mod tests {
     use super::*;
 
     const REMEDY: &str = "give a file";
+
+    #[test]
+    fn a_json_key_given_twice_is_refused_at_any_depth() {
+        #[derive(serde::Deserialize, Debug)]
+        struct Index {
+            pieces: std::collections::BTreeMap<String, u64>,
+        }
+        let once: Index = json(br#"{"pieces": {"a": 1, "b": 2}}"#).unwrap();
+        assert_eq!(once.pieces.len(), 2);
+        let twice = json::<Index>(br#"{"pieces": {"a": 1, "a": 2}}"#).unwrap_err().to_string();
+        assert!(twice.contains("the key `a` is given twice"), "{twice}");
+        assert!(json_value(r#"[{"x": 1}, {"y": [{"z": 0, "z": 0}]}]"#).unwrap_err().to_string().contains("`z` is given twice"));
+        assert!(json::<Index>(b"{\"pieces\": {\"\xff\": 1}}").is_err(), "not UTF-8");
+    }
 
     #[test]
     fn only_regular_files_within_the_limit_are_read() {

@@ -398,12 +398,11 @@ impl Experiment for LmExperiment<'_> {
         &self.args.parallel
     }
 
-    fn flags_json(&self) -> serde_json::Value {
+    fn flags_json(&self) -> serde_json::Result<serde_json::Value> {
         match self.pipeline {
             Some(pipeline) => serde_json::to_value(pipeline),
             None => serde_json::to_value(self.args),
         }
-        .expect("flags serialise")
     }
 
     fn check(&self) -> Result<()> {

@@ -7,6 +7,7 @@
 //! exercise does around the loop; [`presets`] are the course's exercises. Every file is read
 //! through [`input`] and written through [`output`].
 pub mod checkpoint;
+pub mod cli;
 pub mod comm;
 pub mod config_file;
 pub mod course_figures;
@@ -35,6 +36,7 @@ pub mod presets;
 pub mod profile;
 pub mod ps_bench;
 pub mod report;
+pub mod resources;
 pub mod results_page;
 pub mod scaling;
 pub mod seed_keys;

@@ -76,7 +76,7 @@ fn read_run(path: &Path) -> Result<Option<Run>, String> {
     // (A FIFO or a device named `*.json` in a results folder is skipped and said, not waited on.)
     let text = crate::input::read_to_string(path, MAX_RESULTS_BYTES, "not a results file").map_err(|err| format!("cannot read it ({err:#})"))?;
     // A run's file cut short (a full disk, a kill while an older version wrote it) is no JSON.
-    let value: serde_json::Value = serde_json::from_str(&text).map_err(|err| format!("not valid JSON ({err}): torn or truncated?"))?;
+    let value: serde_json::Value = crate::input::json_value(&text).map_err(|err| format!("not valid JSON ({err}): torn or truncated?"))?;
     // Other JSON files (traces, memory estimates, --eval-only's) are not runs.
     if value.get("exercise").is_none() {
         return Ok(None);

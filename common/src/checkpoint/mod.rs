@@ -351,7 +351,7 @@ pub fn load(path: &Path) -> anyhow::Result<Checkpoint> {
     let corrupt = |what: &str| format!("checkpoint {} is corrupt or not a checkpoint: {what}", path.display());
     let (_, header) = SafeTensors::read_metadata(&bytes).with_context(|| corrupt("bad safetensors header"))?;
     let meta_json = header.metadata().as_ref().and_then(|m| m.get(METADATA_KEY)).with_context(|| corrupt("no checkpoint metadata"))?;
-    let meta: CheckpointMeta = serde_json::from_str(meta_json).with_context(|| corrupt("unreadable metadata"))?;
+    let meta: CheckpointMeta = crate::input::json(meta_json.as_bytes()).with_context(|| corrupt("unreadable metadata"))?;
     if meta.format != FORMAT_VERSION {
         anyhow::bail!("checkpoint {} has format {}, this build reads format {FORMAT_VERSION}", path.display(), meta.format);
     }

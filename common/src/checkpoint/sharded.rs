@@ -161,7 +161,7 @@ pub fn commit(folder: &Path, ranks: usize, meta: &CheckpointMeta) -> Result<()> 
         let file = rank_file(rank);
         let (_, header) = MappedFile::open(&folder.join(&file))?.header()?;
         let infos: BTreeMap<String, PieceInfo> = match header.metadata().as_ref().and_then(|m| m.get(PIECES_KEY)) {
-            Some(json) => serde_json::from_str(json).with_context(|| format!("{}: unreadable piece list", folder.join(&file).display()))?,
+            Some(json) => crate::input::json(json.as_bytes()).with_context(|| format!("{}: unreadable piece list", folder.join(&file).display()))?,
             None => anyhow::bail!("{} is not a checkpoint shard (no piece list)", folder.join(&file).display()),
         };
         for (key, info) in infos {
@@ -359,7 +359,7 @@ impl Source {
     pub fn open_sharded(folder: &Path) -> Result<Source> {
         let index_path = folder.join(INDEX);
         let json = crate::input::read(&index_path, 256 << 20, super::NOT_A_CHECKPOINT).context("cannot read the checkpoint index")?;
-        let index: Index = serde_json::from_slice(&json).with_context(|| format!("checkpoint index {} is corrupt", index_path.display()))?;
+        let index: Index = crate::input::json(&json).with_context(|| format!("checkpoint index {} is corrupt", index_path.display()))?;
         check_format(&index.meta, folder)?;
         // An index is a file anyone with access to the folder may have changed: its pieces must
         // name this checkpoint's own rank files and tile each tensor exactly.
@@ -395,8 +395,8 @@ impl Source {
             .as_ref()
             .and_then(|m| m.get(METADATA_KEY))
             .with_context(|| format!("checkpoint {} is corrupt or not a checkpoint: no checkpoint metadata", path.display()))?;
-        let meta: CheckpointMeta =
-            serde_json::from_str(meta_json).with_context(|| format!("checkpoint {} is corrupt or not a checkpoint: unreadable metadata", path.display()))?;
+        let meta: CheckpointMeta = crate::input::json(meta_json.as_bytes())
+            .with_context(|| format!("checkpoint {} is corrupt or not a checkpoint: unreadable metadata", path.display()))?;
         check_format(&meta, path)?;
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
         let tensors = header

@@ -40,14 +40,6 @@ pub fn timeout() -> Duration {
     Duration::from_millis(TIMEOUT_MS.load(Ordering::Relaxed))
 }
 
-/// `--startup-timeout`'s value: seconds, positive and finite.
-pub fn parse_seconds(value: &str) -> Result<f64, String> {
-    match value.trim().parse::<f64>() {
-        Ok(seconds) if seconds > 0.0 && seconds.is_finite() => Ok(seconds),
-        _ => Err(format!("'{value}': a positive number of seconds, e.g. 300")),
-    }
-}
-
 /// The deadline of this rank's start-up, armed until dropped (start-up done, or failed with an
 /// error of its own).
 pub struct Deadline {
@@ -171,13 +163,5 @@ mod tests {
         std::fs::write(dir.path().join("something-else"), b"").unwrap();
         assert_eq!(arrived(dir.path()), [0, 2]);
         assert!(mark(&dir.path().join("missing"), 1).is_none(), "no folder, no mark");
-    }
-
-    #[test]
-    fn the_timeout_is_a_positive_number_of_seconds() {
-        assert_eq!(parse_seconds("2.5"), Ok(2.5));
-        for bad in ["0", "-1", "nan", "inf", "", "ten"] {
-            assert!(parse_seconds(bad).is_err(), "{bad:?}");
-        }
     }
 }

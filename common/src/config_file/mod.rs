@@ -32,6 +32,7 @@ pub fn get_matches(cmd: Command) -> ArgMatches {
 
 pub fn get_matches_from(cmd: Command, argv: Vec<OsString>) -> ArgMatches {
     let cmd = with_config_flags(cmd);
+    crate::cli::describe_if_asked(&cmd);
     let argv = match expand(&cmd, argv) {
         Ok((argv, notes)) => {
             if speaks_for_the_job(&argv) {
@@ -46,7 +47,7 @@ pub fn get_matches_from(cmd: Command, argv: Vec<OsString>) -> ArgMatches {
     };
     // The program as it was called (`exercise3`), whatever the command is named inside.
     let program = argv.first().map(|p| Path::new(p).file_name().unwrap_or(p.as_os_str()).to_string_lossy().into_owned()).unwrap_or_default();
-    let matches = cmd.clone().get_matches_from(argv);
+    let matches = crate::cli::matches(cmd.clone(), argv);
     let (sub, sub_matches) = match matches.subcommand() {
         Some((name, m)) => (cmd.find_subcommand(name).cloned(), m),
         None => (None, &matches),
@@ -101,7 +102,7 @@ fn with_config_flags(cmd: Command) -> Command {
     let add =
         |c: Command| {
             c.args_override_self(true)
-                .arg(Arg::new("config").long("config").value_name("FILE").help_heading("Output").help(
+                .arg(Arg::new("config").long("config").value_name("FILE").value_hint(clap::ValueHint::FilePath).help_heading("Output").help(
                     "Read flags from FILE (TOML, or JSON; a DeepSpeed configuration too): every flag's long name as a key; the command line overrides them",
                 ))
                 .arg(
@@ -157,7 +158,7 @@ fn read_table(file: &Path) -> Result<Value, String> {
         return Err(format!("nested {depth} levels deep, more than the {MAX_CONFIG_DEPTH} a configuration may have"));
     }
     if file.extension().is_some_and(|e| e == "json") {
-        json_with_unique_keys(&text).map_err(|e| format!("not JSON: {e}"))
+        crate::input::json_value(&text).map_err(|e| format!("not JSON: {e}"))
     } else {
         basic_toml::from_str(&text).map_err(|e| format!("not TOML: {e}"))
     }
@@ -191,64 +192,6 @@ fn nesting_depth(text: &str) -> usize {
         }
     }
     deepest
-}
-
-/// JSON text as a value, refusing an object that names a key twice (serde_json keeps the last
-/// one silently, so a second `"lr"` would win unseen).
-fn json_with_unique_keys(text: &str) -> Result<Value, serde_json::Error> {
-    use serde::de::{Deserialize, Deserializer, Error, MapAccess, SeqAccess, Visitor};
-    struct Unique(Value);
-    impl<'de> Deserialize<'de> for Unique {
-        fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Unique, D::Error> {
-            deserializer.deserialize_any(UniqueVisitor).map(Unique)
-        }
-    }
-    struct UniqueVisitor;
-    impl<'de> Visitor<'de> for UniqueVisitor {
-        type Value = Value;
-        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("a JSON value")
-        }
-        fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
-            Ok(Value::Bool(v))
-        }
-        fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
-            Ok(v.into())
-        }
-        fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
-            Ok(v.into())
-        }
-        fn visit_f64<E: Error>(self, v: f64) -> Result<Value, E> {
-            serde_json::Number::from_f64(v).map(Value::Number).ok_or_else(|| E::custom(format!("{v} is not a finite number")))
-        }
-        fn visit_str<E>(self, v: &str) -> Result<Value, E> {
-            Ok(Value::String(v.to_string()))
-        }
-        fn visit_unit<E>(self) -> Result<Value, E> {
-            Ok(Value::Null)
-        }
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
-            let mut items = Vec::new();
-            while let Some(Unique(item)) = seq.next_element()? {
-                items.push(item);
-            }
-            Ok(Value::Array(items))
-        }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
-            let mut object = serde_json::Map::new();
-            while let Some(key) = map.next_key::<String>()? {
-                let Unique(value) = map.next_value()?;
-                if object.insert(key.clone(), value).is_some() {
-                    return Err(A::Error::custom(format!("the key `{key}` is given twice")));
-                }
-            }
-            Ok(Value::Object(object))
-        }
-    }
-    let mut deserializer = serde_json::Deserializer::from_str(text);
-    let Unique(value) = Unique::deserialize(&mut deserializer)?;
-    deserializer.end()?;
-    Ok(value)
 }
 
 /// The flags `file` gives for `cmd`: `--key value`, `--flag` for `true`, each checked against the

@@ -38,6 +38,17 @@ pub fn generate(kind: DatasetKind, dir: &Path, config: GenerateConfig) -> anyhow
     if kind == DatasetKind::Cifar10 {
         anyhow::ensure!(config.train >= files, "need at least {files} training images for {files} CIFAR-10 files");
     }
+    // Each split is drawn whole in memory, then written: checked before either.
+    let [channels, height, width] = kind.image_shape();
+    let per_image = (channels * height * width + 1) as f64;
+    let what = format!("{} train + {} test images of {}", config.train, config.test, kind.name());
+    crate::resources::refuse_beyond_memory(&what, config.train.max(config.test) as f64 * per_image, "lower --train or --test")?;
+    crate::resources::refuse_beyond_disk(
+        dir,
+        &what,
+        (config.train as f64 + config.test as f64) * per_image,
+        "lower --train or --test, or write elsewhere (--out)",
+    )?;
     let note = format!(
         "GENERATED stand-in for {} (not the real data set): {} train + {} test images, seed {}.\n\
          Each class is a noisy plane wave of its own orientation and colour.\n\
@@ -176,6 +187,16 @@ pub fn image_folder(dir: &Path, config: FolderConfig) -> anyhow::Result<()> {
          Each class is a noisy plane wave of its own orientation and colour, written as JPEG (quality {JPEG_QUALITY}).\n",
         config.classes, config.train_per_class, config.val_per_class, config.seed
     );
+    // Its list of images is held in memory, and each photograph takes at least this much on disk
+    // (a JPEG of quality 90 of the smallest size drawn): checked before the first is written.
+    let images = config.classes as f64 * (config.train_per_class as f64 + config.val_per_class as f64);
+    let what = format!("{} classes × {} train + {} val images", config.classes, config.train_per_class, config.val_per_class);
+    let least_bytes = match config.sizes {
+        PhotoSizes::Imagenet => 10_000.0,
+        PhotoSizes::Small => 500.0,
+    };
+    crate::resources::refuse_beyond_memory(&what, images * 64.0, "lower --classes, --train or --val")?;
+    crate::resources::refuse_beyond_disk(dir, &what, images * least_bytes, "lower --classes, --train or --val, or write elsewhere (--out)")?;
     mark_generated(dir, &note)?;
     for (split, per_class, salt) in [("train", config.train_per_class, 0u64), ("val", config.val_per_class, 1 << 40)] {
         let jobs: Vec<(usize, usize)> = (0..config.classes).flat_map(|class| (0..per_class).map(move |i| (class, i))).collect();

@@ -592,7 +592,7 @@ fn read_index(path: &Path) -> Result<Option<Index>> {
         return Ok(None);
     }
     let bytes = crate::input::read(path, 64 << 20, "the shard index is the JSON file `prepare_data pack` wrote")?;
-    let index = serde_json::from_slice(&bytes).with_context(|| format!("{}: not a shard index (its classes, and each split's shards)", path.display()))?;
+    let index = crate::input::json(&bytes).with_context(|| format!("{}: not a shard index (its classes, and each split's shards)", path.display()))?;
     Ok(Some(index))
 }
 

@@ -51,8 +51,8 @@ pub trait Experiment {
     fn run_args(&self) -> &RunArgs;
     fn recipe_args(&self) -> &RecipeArgs;
     fn parallel_args(&self) -> &ParallelArgs;
-    /// The flags as given, for the checkpoint's record.
-    fn flags_json(&self) -> serde_json::Value;
+    /// The flags as given, for the checkpoint's and the results' record ([`recorded_flags`]).
+    fn flags_json(&self) -> serde_json::Result<serde_json::Value>;
 
     /// The exercise's own flag mistakes (the shared flags are checked by [`run`]).
     fn check(&self) -> Result<()>;
@@ -104,6 +104,16 @@ pub trait Experiment {
     fn report(&self, data: &Self::Data, plan: &Self::Model, fit: &FitReport, test: &EvalSums, device: Device) -> (Vec<String>, serde_json::Value);
 }
 
+/// The flags as the results and the checkpoints record them, as JSON. A path that is not UTF-8
+/// is a valid argument on Linux, but JSON and TOML text cannot hold it: it is refused when the
+/// run starts ([`run`] asks first), not when its results are written.
+pub fn recorded_flags<E: Experiment>(exp: &E) -> Result<serde_json::Value> {
+    exp.flags_json().or_else(|_| {
+        let path = std::env::args_os().find(|arg| arg.to_str().is_none()).map(|arg| format!(" ({})", arg.to_string_lossy())).unwrap_or_default();
+        usage(format!("a path given is not UTF-8{path}: the results and checkpoints record the flags as text; rename it, or link to it from a UTF-8 name"))
+    })
+}
+
 /// Runs an exercise as the course does: with `--nproc-per-node`, a launcher or a data-parallel
 /// preset as the ranks of one job, otherwise once per `--device` (CPU then GPU) with the
 /// comparison table at the end. `listeners` hear every event of rank 0 (a notebook's
@@ -121,6 +131,7 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
     }
     exp.recipe_args().check()?;
     parallel.check()?;
+    recorded_flags(exp)?;
     if parallel.parameter_server().is_some() && (run.checkpoint_every.is_some() || run.checkpoint_minutes.is_some()) {
         // Said before the ranks start; train::fit refuses it too (its workers never step together).
         return usage("--checkpoint-every and --checkpoint-minutes need workers that step together: not with --strategy parameter-server (it checkpoints at epochs' ends)");
@@ -256,8 +267,7 @@ fn estimate_memory<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<
     ))?;
     std::fs::create_dir_all(&run.results_dir).with_context(|| format!("cannot create results directory {}", run.results_dir.display()))?;
     let path = run.results_dir.join(format!("{name}.memory-estimate.json"));
-    let json =
-        serde_json::json!({ "run": name, "world_size": world, "device": device, "precision": run.precision.name(), "flags": exp.flags_json(), "ranks": rows });
+    let json = serde_json::json!({ "run": name, "world_size": world, "device": device, "precision": run.precision.name(), "flags": recorded_flags(exp)?, "ranks": rows });
     crate::output::write(&path, serde_json::to_string_pretty(&json)? + "\n")?;
     session.info(format!("wrote {}", path.display()))
 }

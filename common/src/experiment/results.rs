@@ -261,7 +261,7 @@ pub(super) fn report_evaluation<E: Experiment>(
     ))?;
     let mut json = serde_json::json!({
         "run": name, "eval_only": true, "checkpoint": source, "device": device::device_name(device),
-        "test_loss": loss, "test_acc": if accuracy.is_finite() { Some(accuracy) } else { None }, "eval_loss": fit.eval_loss, "flags": exp.flags_json(),
+        "test_loss": loss, "test_acc": if accuracy.is_finite() { Some(accuracy) } else { None }, "eval_loss": fit.eval_loss, "flags": super::recorded_flags(exp)?,
     });
     if let (Some(object), serde_json::Value::Object(extra)) = (json.as_object_mut(), extra) {
         object.extend(extra);

@@ -203,6 +203,7 @@ fn train_config<E: Experiment>(exp: &E, built: &Built<'_, E::Model>, place: Plac
     if cuda_graph {
         check_cuda_graph(exp, groups, device, recipe)?;
     }
+    let flags = super::recorded_flags(exp)?;
     Ok(TrainConfig {
         run: built.name.clone(),
         epochs: recipe.epochs,
@@ -216,7 +217,7 @@ fn train_config<E: Experiment>(exp: &E, built: &Built<'_, E::Model>, place: Plac
             resume,
             model: exp.model_identity(&built.plan),
             data: built.data_identity.clone(),
-            config: exp.flags_json(),
+            config: flags,
             from,
             keep: run.keep_checkpoints,
             every_steps: run.checkpoint_every.map(|n| n as usize),
@@ -421,6 +422,12 @@ fn check_batches<E: Experiment>(exp: &E, sources: &Sources, replicas: usize) -> 
         return usage(format!(
             "the training split ({} {unit}) holds no full batch of --batch-size {batch} for each of {replicas} replica(s): lower --batch-size, or use a larger data set",
             sources.examples_per_epoch
+        ));
+    }
+    let (accumulate, batches) = (exp.recipe_args().accumulate, sources.train.batches_per_epoch());
+    if accumulate > batches {
+        return usage(format!(
+            "--accumulate {accumulate}: an epoch holds {batches} batches per replica, so no step would gather that many: at most --accumulate {batches}, or a larger data set"
         ));
     }
     let evaluated = [Some(&sources.eval), sources.test.as_ref()];

@@ -386,7 +386,7 @@ impl Profile {
         let bytes = crate::input::read(path, MAX_PROFILE_BYTES, "give --profile the file exercise3 profile wrote")
             .map_err(|err| UsageError(format!("cannot read the profile: {err:#}")))?;
         let text = String::from_utf8(bytes).map_err(|_| UsageError(format!("{shown} is not a profile (not UTF-8 text)")))?;
-        let value = serde_json::from_str::<serde_json::Value>(&text).map_err(|err| UsageError(format!("{shown} is not a profile (not JSON: {err})")))?;
+        let value = crate::input::json_value(&text).map_err(|err| UsageError(format!("{shown} is not a profile (not JSON: {err})")))?;
         if let Some((at, number)) = first_negative(&value, String::new()) {
             return Err(UsageError(format!("{shown}: `{at}` is {number}: a profile's times, sizes and counts are never negative (record it again)")).into());
         }
@@ -398,7 +398,7 @@ impl Profile {
             ))
             .into());
         }
-        let profile: Profile = serde_json::from_str(&text).map_err(|err| UsageError(format!("{shown} is not a complete profile: {err}")))?;
+        let profile: Profile = crate::input::json(text.as_bytes()).map_err(|err| UsageError(format!("{shown} is not a complete profile: {err}")))?;
         if profile.compute.is_empty() {
             return Err(UsageError(format!("{shown} times no micro-batch size")).into());
         }

@@ -170,7 +170,7 @@ pub fn read_runs(dir: &Path) -> Result<Vec<(Mode, Run)>> {
         };
         for json in json_files(&mode_dir)? {
             let text = crate::input::read_to_string(&json, 256 << 20, "a scaling runs folder holds results files")?;
-            let value: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", json.display()))?;
+            let value: serde_json::Value = crate::input::json_value(&text).with_context(|| format!("{} is not JSON", json.display()))?;
             // A results record has these; a trace or a memory estimate does not.
             if value.get("throughput").is_none() || value.get("world_size").is_none() {
                 continue;

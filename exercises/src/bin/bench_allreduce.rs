@@ -36,7 +36,7 @@ struct Cli {
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let cli = common::cli::parse::<Cli>();
     common::error::run_main(|| {
         if launch::start_ranks_if_asked(cli.nproc_per_node, launch::StopsAt::Step)? {
             return Ok(());

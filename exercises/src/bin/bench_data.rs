@@ -24,10 +24,10 @@ struct Cli {
     shards: bool,
     #[arg(long, default_value_t = 1)]
     workers: usize,
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = common::cli::count)]
     batch_size: usize,
     /// Batches timed, after --warmup batches that are not.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, value_parser = common::cli::count)]
     batches: usize,
     #[arg(long, default_value_t = 2)]
     warmup: usize,
@@ -52,7 +52,7 @@ fn cpu_seconds() -> anyhow::Result<f64> {
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let cli = common::cli::parse::<Cli>();
     common::error::run_main(|| {
         // As the exercises run (experiment::run): freed batches stay with the process.
         common::device::keep_freed_host_memory();

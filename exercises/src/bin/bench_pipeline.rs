@@ -33,29 +33,29 @@ struct Cli {
     /// Stages per device with --schedule interleaved [default: 2 with interleaved, else 1].
     #[arg(long)]
     virtual_stages: Option<usize>,
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(i64).range(1..))]
     emsize: i64,
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(i64).range(1..))]
     d_hid: i64,
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(i64).range(1..))]
     nhead: i64,
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(i64).range(1..))]
     nlayers: i64,
     /// Vocabulary (kept small so that the output layer does not dwarf the layers).
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(i64).range(1..))]
     ntoken: i64,
-    #[arg(long, default_value_t = 35)]
+    #[arg(long, default_value_t = 35, value_parser = clap::value_parser!(i64).range(1..))]
     bptt: i64,
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(i64).range(1..))]
     batch_size: i64,
     /// LibTorch threads in all (the stages share them on a CPU); 0 = one per core.
     #[arg(long, default_value_t = 0)]
     threads: usize,
     /// Timed mini-batches per measurement, after one untimed.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = common::cli::count)]
     steps: usize,
     /// Measurements alternate sequential / pipelined this many times; medians are reported.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = common::cli::count)]
     rounds: usize,
     /// CSV to append the results to.
     #[arg(long, default_value = "results/bench-pipeline.csv")]
@@ -63,7 +63,7 @@ struct Cli {
 }
 
 fn main() -> std::process::ExitCode {
-    common::error::run_main(|| bench(&Cli::parse()))
+    common::error::run_main(|| bench(&common::cli::parse::<Cli>()))
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {

@@ -41,7 +41,7 @@ fn open(path: &Path) -> anyhow::Result<Source> {
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let cli = common::cli::parse::<Cli>();
     common::error::run_main(|| {
         match cli.command {
             Command::Show { checkpoint } => {

@@ -1,6 +1,6 @@
 //! Exercise 1: train a CNN, ResNet34 or VGG19 on CIFAR-10 (or MNIST) on the CPU and on the
 //! GPU, and compare the two, as in the course's `exercise1.py`.
-use clap::{CommandFactory, FromArgMatches, Parser};
+use clap::{CommandFactory, Parser};
 use common::image_classification::{self, ImageArgs};
 use common::presets::EXERCISE1;
 
@@ -14,6 +14,6 @@ struct Cli {
 
 fn main() -> std::process::ExitCode {
     let matches = common::config_file::get_matches(Cli::command().after_help(EXERCISE1.describe()));
-    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let cli = common::cli::from_matches::<Cli>(&matches);
     common::error::run_main(|| image_classification::run(&EXERCISE1, &cli.args, &mut Default::default()).map(drop))
 }

@@ -6,7 +6,7 @@
 //!
 //!     exercise2 --nproc-per-node 2 --device cpu --max-steps 20
 //!     mpirun -np 2 exercise2 ...        srun exercise2 ...        (one task per GPU)
-use clap::{CommandFactory, FromArgMatches, Parser};
+use clap::{CommandFactory, Parser};
 use common::image_classification::{self, ImageArgs};
 use common::presets::EXERCISE2;
 
@@ -20,6 +20,6 @@ struct Cli {
 
 fn main() -> std::process::ExitCode {
     let matches = common::config_file::get_matches(Cli::command().after_help(EXERCISE2.describe()));
-    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let cli = common::cli::from_matches::<Cli>(&matches);
     common::error::run_main(|| image_classification::run(&EXERCISE2, &cli.args, &mut Default::default()).map(drop))
 }

@@ -37,7 +37,7 @@
 //! fit the memory left out.
 //!
 //!     exercise3 plan --profile h100.json --nodes 1 --gpus-per-node 8 --memory 80GB --global-batch 64
-use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use common::image_classification::{self, ImageArgs};
 use common::language_model::{self, PipelineArgs};
 use common::presets::{EXERCISE3_DDP, EXERCISE3_PIPELINE, EXERCISE3_TP};
@@ -91,7 +91,7 @@ fn main() -> std::process::ExitCode {
             .mut_subcommand("pipeline", |pipeline| pipeline.after_help(EXERCISE3_PIPELINE.describe()))
             .mut_subcommand("tp", |tp| tp.after_help(EXERCISE3_TP.describe())),
     );
-    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let cli = common::cli::from_matches::<Cli>(&matches);
     let mut listeners = Default::default();
     common::error::run_main(|| match &cli.command {
         Command::Ddp { args } => image_classification::run(&EXERCISE3_DDP, args, &mut listeners).map(drop),

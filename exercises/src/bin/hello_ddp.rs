@@ -29,7 +29,7 @@ struct Cli {
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let cli = common::cli::parse::<Cli>();
     common::error::run_main(|| {
         if cli.nproc_per_node == 0 {
             return common::error::usage("--nproc-per-node must be at least 1");

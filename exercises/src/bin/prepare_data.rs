@@ -112,7 +112,7 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let cli = common::cli::parse::<Cli>();
     common::error::run_main(|| match cli.command {
         Command::Generate { dataset, out, train, test, seed, force } => {
             let full = generate::GenerateConfig::full(dataset);

@@ -25,13 +25,24 @@ struct Cli {
     results_dir: std::path::PathBuf,
 }
 
+/// The most scalar multiplications and repeats a run times.
+const MAX_SCALARS: usize = 100_000_000;
+const MAX_REPEATS: usize = 1000;
+
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let cli = common::cli::parse::<Cli>();
     common::error::run_main(|| {
         let (scalars, sides) = why_gpus::sizes(cli.max_scalars, cli.max_side);
         if scalars.is_empty() || sides.is_empty() {
             return common::error::usage("--max-scalars must be at least 10 and --max-side at least 64");
         }
+        // Each scalar is a kernel launch of its own (microseconds): beyond these the run takes hours.
+        if cli.max_scalars > MAX_SCALARS || !(1..=MAX_REPEATS).contains(&cli.repeats) {
+            return common::error::usage(format!("--max-scalars may be at most {MAX_SCALARS} and --repeats 1 to {MAX_REPEATS}: beyond, the run takes hours"));
+        }
+        // The largest matrix and its product, in float32.
+        let side = *sides.last().unwrap() as f64;
+        common::resources::refuse_beyond_memory(&format!("--max-side {}", cli.max_side), 2.0 * side * side * 4.0, "lower --max-side")?;
         let devices = device::devices_for(cli.device)?;
         if devices.len() == 1 && cli.device == DeviceChoice::Both {
             println!("no GPU here (LibTorch {} sees none): the CPU alone is measured", common::torch_version());

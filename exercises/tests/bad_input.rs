@@ -14,6 +14,7 @@ fn bin(name: &str) -> Command {
         "exercise1_nlp" => env!("CARGO_BIN_EXE_exercise1_nlp"),
         "exercise3" => env!("CARGO_BIN_EXE_exercise3"),
         "prepare_data" => env!("CARGO_BIN_EXE_prepare_data"),
+        "why_gpus" => env!("CARGO_BIN_EXE_why_gpus"),
         other => panic!("no binary {other}"),
     };
     let mut cmd = Command::new(path);
@@ -246,5 +247,80 @@ fn a_path_that_is_not_utf8_is_read_as_a_path() {
         assert!(matches!(out.status.code(), Some(1 | 2)), "{name}: {}", stderr(&out));
         let line = one_error_line(&out, &["caf"]);
         assert!(!line.contains("internal error"), "{name}: {line}");
+    }
+}
+
+/// Sizes beyond what the machine has are refused up front in one sentence with their estimate,
+/// worked out in closed form, before anything is allocated or written: a generated data set of
+/// 10^11 images (307 TB; it aborted in an allocation), an image folder of 10^8 classes (it ran
+/// silently for minutes), why_gpus' matrices of side 10^7 and 10^12 scalar multiplications.
+#[test]
+fn sizes_beyond_the_machine_are_refused_before_anything_is_allocated_or_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("generated");
+    let (out_arg, results) = (out.to_str().unwrap(), dir.path().join("results"));
+    let cases: [(&str, Vec<&str>, &[&str]); 4] = [
+        (
+            "prepare_data",
+            vec!["generate", "--dataset", "cifar10", "--train", "100000000000", "--out", out_arg],
+            &["100000000000 train + 10000 test images of cifar10 would need", "GiB of memory", "lower --train or --test"],
+        ),
+        (
+            "prepare_data",
+            vec!["generate-images", "--classes", "100000000", "--out", out_arg],
+            &["100000000 classes × 100 train + 20 val images would", "lower --classes"],
+        ),
+        (
+            "why_gpus",
+            vec!["--device", "cpu", "--max-side", "10000000", "--results-dir", results.to_str().unwrap()],
+            &["--max-side 10000000 would need", "lower --max-side"],
+        ),
+        (
+            "why_gpus",
+            vec!["--device", "cpu", "--max-scalars", "1000000000000", "--results-dir", results.to_str().unwrap()],
+            &["--max-scalars may be at most 100000000"],
+        ),
+    ];
+    for (name, args, says) in cases {
+        let started = std::time::Instant::now();
+        let run = run(name, &args);
+        assert_eq!(run.status.code(), Some(2), "{name} {args:?}: {}", stderr(&run));
+        one_error_line(&run, says);
+        assert!(started.elapsed() < std::time::Duration::from_secs(60), "{name} {args:?}: refused up front, not after {:?}", started.elapsed());
+        assert!(!out.exists() && !results.exists(), "{name} {args:?}: nothing written");
+    }
+    // Within the machine, the same commands run.
+    let small = run("prepare_data", &["generate", "--dataset", "cifar10", "--train", "10", "--test", "5", "--out", out_arg]);
+    assert!(small.status.success(), "{}", stderr(&small));
+}
+
+/// --accumulate beyond the batches of an epoch was accepted without a word (1,000,000,000): it is
+/// refused, naming the most an epoch allows, which is accepted.
+#[test]
+fn accumulating_more_batches_than_an_epoch_holds_is_refused() {
+    let data = tempfile::tempdir().unwrap();
+    generated_cifar(data.path(), 40);
+    let results = tempfile::tempdir().unwrap();
+    let common = [
+        "--device",
+        "cpu",
+        "--model",
+        "cnn",
+        "--batch-size",
+        "8",
+        "--max-steps",
+        "1",
+        "--quiet",
+        "--data-dir",
+        data.path().to_str().unwrap(),
+        "--results-dir",
+        results.path().to_str().unwrap(),
+    ];
+    for (accumulate, code) in [("1000000000", 2), ("6", 2), ("5", 0)] {
+        let out = run("exercise1", &[&common[..], &["--accumulate", accumulate]].concat());
+        assert_eq!(out.status.code(), Some(code), "--accumulate {accumulate}: {}", stderr(&out));
+        if code == 2 {
+            one_error_line(&out, &[&format!("--accumulate {accumulate}: an epoch holds 5 batches per replica"), "at most --accumulate 5"]);
+        }
     }
 }

@@ -875,3 +875,45 @@ fn what_was_accepted_without_a_word_is_refused_or_said() {
     one_error(&out, 2, &["is inside --data-dir"]);
     assert!(!inside.exists(), "nothing written");
 }
+
+/// A full disk (a 256 KiB tmpfs, mounted as root in a temporary folder) loses nothing and tears
+/// nothing: `generate` is refused before it writes, from its closed-form size against the free
+/// space; `generate-text`, whose size is known only as it draws, fails at the split that does not
+/// fit, in one line, leaving no torn split and no temporary: every split there is whole, byte for
+/// byte the one a roomy disk gets. (`generate-text` on a full disk left a torn file.)
+#[test]
+fn a_full_disk_leaves_no_torn_file_and_is_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let full = dir.path().join("full");
+    std::fs::create_dir(&full).unwrap();
+    if unsafe { libc::geteuid() } != 0
+        || !Command::new("mount").args(["-t", "tmpfs", "-o", "size=256k", "tmpfs"]).arg(&full).status().is_ok_and(|s| s.success())
+    {
+        println!("not root, or mount refused: no small file system to fill; the writer's own tests cover a failed write");
+        return;
+    }
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(self.0).status();
+        }
+    }
+    let _unmount = Unmount(&full);
+    let images = full.join("cifar");
+    let out = run("prepare_data", &["generate", "--dataset", "cifar10", "--train", "1000", "--test", "10", "--out", images.to_str().unwrap()]);
+    one_error(&out, 2, &["1000 train + 10 test images of cifar10 would write", "are free", "write elsewhere (--out)"]);
+    assert!(!images.exists(), "nothing written");
+
+    let text = full.join("wikitext");
+    let out = run("prepare_data", &["generate-text", "--out", text.to_str().unwrap()]);
+    one_error(&out, 1, &["No space left on device"]);
+    let roomy = dir.path().join("roomy");
+    let reference = run("prepare_data", &["generate-text", "--out", roomy.to_str().unwrap()]);
+    assert!(reference.status.success(), "{}", stderr(&reference));
+    for entry in std::fs::read_dir(&text).unwrap().flatten() {
+        let name = entry.file_name();
+        assert!(!name.to_string_lossy().ends_with(".tmp"), "a temporary left: {name:?}");
+        assert_eq!(std::fs::read(entry.path()).unwrap(), std::fs::read(roomy.join(&name)).unwrap(), "{name:?} torn");
+    }
+    assert!(!text.join("wiki.train.tokens").exists(), "the train split does not fit in 256 KiB");
+}

@@ -253,13 +253,24 @@ fn a_path_that_is_not_utf8_is_read_as_a_path() {
 /// Sizes beyond what the machine has are refused up front in one sentence with their estimate,
 /// worked out in closed form, before anything is allocated or written: a generated data set of
 /// 10^11 images (307 TB; it aborted in an allocation), an image folder of 10^8 classes (it ran
-/// silently for minutes), why_gpus' matrices of side 10^7 and 10^12 scalar multiplications.
+/// silently for minutes), why_gpus' matrices of side 10^7 and 10^12 scalar multiplications, a
+/// Transformer of 10^7 layers whose --estimate-memory aborted, or 10^9 wide.
 #[test]
 fn sizes_beyond_the_machine_are_refused_before_anything_is_allocated_or_written() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("generated");
     let (out_arg, results) = (out.to_str().unwrap(), dir.path().join("results"));
-    let cases: [(&str, Vec<&str>, &[&str]); 4] = [
+    let cases: [(&str, Vec<&str>, &[&str]); 6] = [
+        (
+            "exercise1_nlp",
+            vec!["--device", "cpu", "--nlayers", "10000000", "--estimate-memory", "--results-dir", results.to_str().unwrap()],
+            &["--nlayers 10000000: at most 10000"],
+        ),
+        (
+            "exercise1_nlp",
+            vec!["--device", "cpu", "--emsize", "1000000000", "--nhead", "1", "--results-dir", results.to_str().unwrap()],
+            &["--emsize 1000000000: at most 1048576"],
+        ),
         (
             "prepare_data",
             vec!["generate", "--dataset", "cifar10", "--train", "100000000000", "--out", out_arg],

@@ -40,7 +40,10 @@ const ADDRESS_SPACE: libc::rlim_t = 12 << 30;
 /// How one run ended.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 enum Ending {
-    /// Exit 2 with one error line.
+    /// Exit 2 with clap's one line (`common::cli`: it ends `(see --help)`): refused as the
+    /// command line was parsed, before the program's own code ran.
+    Parsed,
+    /// Exit 2 with one error line, from the program's checks.
     Refused,
     /// Exit 1 with one error line.
     Failed,
@@ -207,7 +210,9 @@ fn classify(status: std::process::ExitStatus, stderr: &str) -> Ending {
             if errors != 1 || !others.is_empty() {
                 return Ending::Wrong(format!("exit {code} without exactly one error line: {}", last_lines(stderr)));
             }
-            if code == 2 {
+            if code == 2 && stderr.lines().any(|l| l.starts_with("error:") && l.ends_with("(see --help)")) {
+                Ending::Parsed
+            } else if code == 2 {
                 Ending::Refused
             } else {
                 Ending::Failed
@@ -239,14 +244,15 @@ fn path_value(dir: &Path, which: PathValue) -> PathBuf {
     }
 }
 
-/// The values a flag (its long name and kind) was accepted with by an earlier binary of the same
-/// family (one struct of flags, one check of them): not run again, counted as covered. Refused
-/// values are run again in every binary (they are quick).
-type Accepted = BTreeMap<(String, String), Vec<String>>;
+/// The values of a flag (its long name and kind) that an earlier binary of the same family (one
+/// struct of flags, parsed by the same clap code and checked by the same checks) accepted, or
+/// that clap refused while parsing: not run again, counted as covered. What the program's own
+/// checks refused is tried in every binary.
+type Covered = BTreeMap<(String, String), Vec<String>>;
 
 /// Tries every value on every flag and positional of `target`, in `dir` (its fixtures there);
 /// prints the counts and returns every run that ended wrongly (named).
-fn try_every_argument(target: Target, dir: &Path, accepted: &mut Accepted) -> Vec<String> {
+fn try_every_argument(target: Target, dir: &Path, covered: &mut Covered) -> Vec<String> {
     let described = description(&target);
     let mut counts: BTreeMap<String, usize> = BTreeMap::new();
     let mut wrong = Vec::new();
@@ -273,7 +279,7 @@ fn try_every_argument(target: Target, dir: &Path, accepted: &mut Accepted) -> Ve
         }
         let key = (arg["long"].as_str().unwrap_or_default().to_string(), kind.to_string());
         for (shown, value) in values {
-            if !key.0.is_empty() && accepted.get(&key).is_some_and(|values| values.contains(&shown)) {
+            if !key.0.is_empty() && covered.get(&key).is_some_and(|values| values.contains(&shown)) {
                 *counts.entry("covered".into()).or_default() += 1;
                 continue;
             }
@@ -283,8 +289,8 @@ fn try_every_argument(target: Target, dir: &Path, accepted: &mut Accepted) -> Ve
                 Ending::Wrong(_) => "wrong".to_string(),
                 other => format!("{other:?}").to_lowercase(),
             };
-            if matches!(ending, Ending::Accepted | Ending::Trained) {
-                accepted.entry(key.clone()).or_default().push(shown.clone());
+            if matches!(ending, Ending::Accepted | Ending::Trained | Ending::Parsed) {
+                covered.entry(key.clone()).or_default().push(shown.clone());
             }
             *counts.entry(name).or_default() += 1;
             if let Ending::Wrong(why) = ending {
@@ -439,10 +445,10 @@ fn text_run(binary: &'static str, subcommand: Option<&'static str>, f: &Fixtures
 #[test]
 fn image_classifiers_every_argument() {
     let f = Fixtures::new();
-    let mut accepted = Accepted::new();
+    let mut covered = Covered::new();
     let mut wrong = Vec::new();
     for (binary, subcommand) in [("exercise1", None), ("exercise2", None), ("exercise3", Some("ddp"))] {
-        wrong.extend(try_every_argument(image_run(binary, subcommand, &f), f.dir.path(), &mut accepted));
+        wrong.extend(try_every_argument(image_run(binary, subcommand, &f), f.dir.path(), &mut covered));
     }
     none_wrong(wrong);
 }
@@ -451,17 +457,17 @@ fn image_classifiers_every_argument() {
 #[test]
 fn language_models_every_argument() {
     let f = Fixtures::new();
-    let mut accepted = Accepted::new();
-    let mut wrong = try_every_argument(text_run("exercise1_nlp", None, &f).flag("device", "cpu"), f.dir.path(), &mut accepted);
-    wrong.extend(try_every_argument(text_run("exercise3", Some("pipeline"), &f).flag("devices", "cpu,cpu"), f.dir.path(), &mut accepted));
-    wrong.extend(try_every_argument(text_run("exercise3", Some("tp"), &f).flag("device", "cpu"), f.dir.path(), &mut accepted));
+    let mut covered = Covered::new();
+    let mut wrong = try_every_argument(text_run("exercise1_nlp", None, &f).flag("device", "cpu"), f.dir.path(), &mut covered);
+    wrong.extend(try_every_argument(text_run("exercise3", Some("pipeline"), &f).flag("devices", "cpu,cpu"), f.dir.path(), &mut covered));
+    wrong.extend(try_every_argument(text_run("exercise3", Some("tp"), &f).flag("device", "cpu"), f.dir.path(), &mut covered));
     none_wrong(wrong);
 }
 
 #[test]
 fn exercise3_pipe_every_argument() {
     let f = Fixtures::new();
-    none_wrong(try_every_argument(Target::new("exercise3", Some("pipe")).flag("devices", "cpu,cpu"), f.dir.path(), &mut Accepted::new()));
+    none_wrong(try_every_argument(Target::new("exercise3", Some("pipe")).flag("devices", "cpu,cpu"), f.dir.path(), &mut Covered::new()));
 }
 
 #[test]
@@ -478,7 +484,7 @@ fn exercise3_profile_every_argument() {
         .flag("micro-batches", "1")
         .flag("shards", "2")
         .flag("out", f.path("profile.json"));
-    none_wrong(try_every_argument(target, f.dir.path(), &mut Accepted::new()));
+    none_wrong(try_every_argument(target, f.dir.path(), &mut Covered::new()));
 }
 
 #[test]
@@ -490,13 +496,13 @@ fn exercise3_plan_every_argument() {
         .flag("gpus-per-node", "2")
         .flag("memory", "1GB")
         .flag("global-batch", "8");
-    none_wrong(try_every_argument(target, f.dir.path(), &mut Accepted::new()));
+    none_wrong(try_every_argument(target, f.dir.path(), &mut Covered::new()));
 }
 
 #[test]
 fn hello_ddp_every_argument() {
     let f = Fixtures::new();
-    none_wrong(try_every_argument(Target::new("hello_ddp", None).flag("nproc-per-node", "1").flag("device", "cpu"), f.dir.path(), &mut Accepted::new()));
+    none_wrong(try_every_argument(Target::new("hello_ddp", None).flag("nproc-per-node", "1").flag("device", "cpu"), f.dir.path(), &mut Covered::new()));
 }
 
 #[test]
@@ -518,18 +524,18 @@ fn prepare_data_every_argument() {
         Target::new("prepare_data", Some("weights")).positional("resnet34"),
         Target::new("prepare_data", Some("pack")).flag("data-dir", f.image_folder()).flag("out", f.path("shards")).flag("shard-size", "4"),
     ];
-    none_wrong(targets.into_iter().flat_map(|target| try_every_argument(target, f.dir.path(), &mut Accepted::new())).collect());
+    none_wrong(targets.into_iter().flat_map(|target| try_every_argument(target, f.dir.path(), &mut Covered::new())).collect());
 }
 
 #[test]
 fn checkpoint_every_argument() {
     let f = Fixtures::new();
     let checkpoint = f.checkpoint();
-    let mut wrong = try_every_argument(Target::new("checkpoint", Some("show")).positional(&checkpoint), f.dir.path(), &mut Accepted::new());
+    let mut wrong = try_every_argument(Target::new("checkpoint", Some("show")).positional(&checkpoint), f.dir.path(), &mut Covered::new());
     wrong.extend(try_every_argument(
         Target::new("checkpoint", Some("export")).positional(&checkpoint).positional(f.path("model.safetensors")),
         f.dir.path(),
-        &mut Accepted::new(),
+        &mut Covered::new(),
     ));
     none_wrong(wrong);
 }
@@ -568,5 +574,5 @@ fn report_why_gpus_and_benches_every_argument() {
             .flag("rounds", "1")
             .flag("csv", results.join("pipeline.csv")),
     ];
-    none_wrong(targets.into_iter().flat_map(|target| try_every_argument(target, f.dir.path(), &mut Accepted::new())).collect());
+    none_wrong(targets.into_iter().flat_map(|target| try_every_argument(target, f.dir.path(), &mut Covered::new())).collect());
 }

@@ -121,20 +121,21 @@ pub fn recorded_flags<E: Experiment>(exp: &E) -> Result<serde_json::Value> {
 /// sinks the flags ask for. Returns rank 0's records.
 pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
     let (run, parallel) = (exp.run_args(), exp.parallel_args());
-    // Before the data are read: the data set counts in the peak memory's baseline.
-    memory::count_cpu_tensors()?;
-    device::keep_freed_host_memory();
+    // The flags' own mistakes first, before LibTorch starts (half a second): said at once.
     run.check()?;
-    run.matmul_precision.apply()?;
-    if run.deterministic {
-        device::deterministic()?;
-    }
     exp.recipe_args().check()?;
     parallel.check()?;
     recorded_flags(exp)?;
     if parallel.parameter_server().is_some() && (run.checkpoint_every.is_some() || run.checkpoint_minutes.is_some()) {
         // Said before the ranks start; train::fit refuses it too (its workers never step together).
         return usage("--checkpoint-every and --checkpoint-minutes need workers that step together: not with --strategy parameter-server (it checkpoints at epochs' ends)");
+    }
+    // Before the data are read: the data set counts in the peak memory's baseline.
+    memory::count_cpu_tensors()?;
+    device::keep_freed_host_memory();
+    run.matmul_precision.apply()?;
+    if run.deterministic {
+        device::deterministic()?;
     }
     crate::comm::watchdog::set_timeout(std::time::Duration::from_secs_f64(parallel.collective_timeout));
     crate::comm::startup::set_timeout(std::time::Duration::from_secs_f64(parallel.startup_timeout));

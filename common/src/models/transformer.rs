@@ -228,6 +228,8 @@ impl TransformerConfig {
     /// shape torch would reject or the tutorial's positional encoding cannot have. The model's
     /// constructors call it; an experiment calls it on its flags before reading any data.
     pub fn validate(&self) -> Result<(), UsageError> {
+        const MAX_LAYERS: i64 = 10_000;
+        const MAX_WIDTH: i64 = 1 << 20;
         let TransformerConfig { ntoken, d_model, nhead, d_hid, nlayers, dropout } = *self;
         for (flag, value) in [("--emsize", d_model), ("--d-hid", d_hid), ("--nhead", nhead), ("--nlayers", nlayers)] {
             if value < 1 {
@@ -236,6 +238,20 @@ impl TransformerConfig {
         }
         if ntoken < 1 {
             return Err(UsageError(format!("the vocabulary must hold at least one word, got {ntoken}")));
+        }
+        // Beyond any model anyone trains, and beyond what the estimate's list of every parameter
+        // (--estimate-memory aborted in an allocation at --nlayers 10000000) and the parameter
+        // count's arithmetic hold: refused up front, before anything is built.
+        if nlayers > MAX_LAYERS {
+            return Err(UsageError(format!("--nlayers {nlayers}: at most {MAX_LAYERS} (the deepest published Transformers have a few hundred layers)")));
+        }
+        for (flag, value) in [("--emsize", d_model), ("--d-hid", d_hid)] {
+            if value > MAX_WIDTH {
+                return Err(UsageError(format!(
+                    "{flag} {value}: at most {MAX_WIDTH} (one {value} × {value} matrix alone would be {:.0} GiB in float32)",
+                    (value as f64).powi(2) * 4.0 / (1u64 << 30) as f64
+                )));
+            }
         }
         if d_model % nhead != 0 {
             return Err(UsageError(format!("--emsize {d_model} must be divisible by --nhead {nhead} (each head gets an equal share of the width)")));

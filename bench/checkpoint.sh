@@ -29,7 +29,7 @@ header="finished_at,layout,ranks,params,files,checkpoints,bytes,blocked_ms_mean,
 if [[ -f "$csv" && "$(head -n 1 "$csv")" != "$header" ]]; then
     sed -i "1s/.*/$header/; 2,\$s/\$/,/" "$csv"  # rows from before the resume column: left empty
 fi
-[[ -f "$csv" ]] || echo "$header" > "$csv"
+PYTHONPATH=bench python3 -m gpucheck.output header "$csv" "$header"  # refuses a link or a FIFO there, before the first run
 echo "Transformer d 256, 4 layers, $NPROC CPU ranks, global batch $GLOBAL × 35 tokens, Adam, a checkpoint every $EVERY of $STEPS steps:"
 echo "| layout | format | checkpoints | MiB through rank 0 | training blocked per checkpoint, mean / worst (ms) | rank 0's background write per checkpoint (ms) | step (ms) | MiB rank 0 read to resume |"
 echo "|---|---|---:|---:|---:|---:|---:|---:|"
@@ -47,6 +47,8 @@ run() {
 report() {
     python3 - "$work/results"/*-cpu.json "$csv" "$1" "$2" "$work/resumed"/*-cpu.json <<'PY'
 import json, sys, time
+sys.path.insert(0, "bench")
+from gpucheck import output  # the one writer: never through a link, never into a FIFO
 d = json.load(open(sys.argv[1]))
 csv, name, form = sys.argv[2], sys.argv[3], sys.argv[4]
 resumed = json.load(open(sys.argv[5]))["checkpoints"]["resumed_bytes"]
@@ -57,7 +59,7 @@ step_ms = 1e3 * tokens / d["steady_throughput"] if d.get("steady_throughput") el
 blocked, worst, write = 1e3 * ck["blocked_s"] / n, 1e3 * ck["max_blocked_s"], 1e3 * ck["write_s"] / n
 assert ck["sharded"] == (form == "sharded"), (form, ck)
 row = [int(time.time()), name, d["world_size"], d["params"], form, ck["saved"], ck["bytes"], round(blocked, 1), round(worst, 1), round(write, 1), round(step_ms, 1), resumed]
-open(csv, "a").write(",".join(map(str, row)) + "\n")
+output.append(csv, ",".join(map(str, row)) + "\n")
 shown = "one file (rank 0)" if form == "whole" else f"sharded ({d['world_size']} files)"
 print(f"| {name} | {shown} | {ck['saved']} | {ck['bytes'] / 2**20:.1f} | {blocked:.1f} / {worst:.1f} | {write:.1f} | {step_ms:.0f} | {resumed / 2**20:.1f} |")
 PY

@@ -30,7 +30,7 @@ fi
 work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
 
 header="finished_at,loader,workers,batch,images,images_per_s,images_per_cpu_s"
-[[ -f "$csv" ]] || echo "$header" > "$csv"
+PYTHONPATH=bench python3 -m gpucheck.output header "$csv" "$header"  # refuses a link or a FIFO there, before the first run
 common=(--data-dir "$photos" --batch-size "$BATCH")
 rust() { "$bin/bench_data" "${common[@]}" --batches "$BATCHES" --warmup "$WARMUP" --workers "$1"; }
 torchvision() { "$python" bench/data_loader.py "${common[@]}" --batches "$BATCHES" --warmup "$WARMUP" --workers "$1"; }
@@ -48,13 +48,13 @@ for workers in $WORKERS; do
     done
     "$python" - "$csv" "$workers" "$BATCH" "$((BATCH * BATCHES))" "${ours[*]}" "${theirs[*]}" <<'PY'
 import statistics, sys, time
+sys.path.insert(0, "bench")
+from gpucheck import output  # the one writer: never through a link, never into a FIFO
 csv, workers, batch, images = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 runs = lambda arg: [tuple(float(x) for x in pair.split(":")) for pair in arg.split()]
 ours, theirs = runs(sys.argv[5]), runs(sys.argv[6])
-with open(csv, "a") as out:
-    for name, rates in (("rust", ours), ("torchvision", theirs)):
-        for rate, per_cpu in rates:
-            out.write(f"{int(time.time())},{name},{workers},{batch},{images},{rate:.1f},{per_cpu:.1f}\n")
+output.append(csv, "".join(f"{int(time.time())},{name},{workers},{batch},{images},{rate:.1f},{per_cpu:.1f}\n"
+                            for name, rates in (("rust", ours), ("torchvision", theirs)) for rate, per_cpu in rates))
 median = lambda rates, i: statistics.median(r[i] for r in rates)
 a, b, ca, cb = median(ours, 0), median(theirs, 0), median(ours, 1), median(theirs, 1)
 each = lambda rates: ", ".join(f"{r[0]:.0f}" for r in rates)

@@ -20,7 +20,7 @@ csv="results/bench-largebatch.csv"
 [[ -d "$DATA" ]] || { echo "error: no MNIST sample at $DATA (set DATA=...)" >&2; exit 2; }
 work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
 
-[[ -f "$csv" ]] || echo "finished_at,model,ranks,per_rank_batch,accumulate,effective_batch,recipe,optimizer,lr,epochs,steps,test_acc,test_loss,train_time_s" > "$csv"
+PYTHONPATH=bench python3 -m gpucheck.output header "$csv" "finished_at,model,ranks,per_rank_batch,accumulate,effective_batch,recipe,optimizer,lr,epochs,steps,test_acc,test_loss,train_time_s"  # refuses a link or a FIFO there, before the first run
 echo "exercise2 --model $MODEL on MNIST ($DATA), $NPROC ranks × batch $BATCH, $EPOCHS epochs; base lr $LR (SGD momentum 0.9)"
 echo "| effective batch | recipe | optimizer steps | peak lr | test accuracy | test loss |"
 echo "|---:|---|---:|---:|---:|---:|"
@@ -39,11 +39,13 @@ for accumulate in 1 8 32; do
             || { cat "$work/log" >&2; exit 1; }
         python3 - "$work/results/exercise2-$MODEL-cpu.json" "$csv" "$recipe" "$effective" <<'PY'
 import json, sys, time
+sys.path.insert(0, "bench")
+from gpucheck import output  # the one writer: never through a link, never into a FIFO
 d = json.load(open(sys.argv[1]))
 recipe, effective = sys.argv[3], int(sys.argv[4])
 row = [int(time.time()), d["model"], d["world_size"], d["per_rank_batch"], d["accumulate"], effective, recipe, d["optimizer"],
        d["lr"], d["epochs"], d["steps"], round(d["test_acc"], 4), round(d["test_loss"], 4), round(d["train_time_s"], 1)]
-open(sys.argv[2], "a").write(",".join(map(str, row)) + "\n")
+output.append(sys.argv[2], ",".join(map(str, row)) + "\n")
 print(f"| {effective} | {recipe} | {d['steps']} | {d['lr']:g} | {d['test_acc']:.4f} | {d['test_loss']:.4f} |")
 PY
     done

@@ -35,7 +35,7 @@ header="finished_at,layout,ranks,dp,pp,tp,zero,global_batch,params,step_ms,all_r
 if [[ -f "$csv" && "$(head -n 1 "$csv")" != "$header" ]]; then
     mv "$csv" "$csv.$(date +%s).old"; echo "note: $csv had other columns; moved it aside" >&2
 fi
-[[ -f "$csv" ]] || echo "$header" > "$csv"
+PYTHONPATH=bench python3 -m gpucheck.output header "$csv" "$header"  # refuses a link or a FIFO there, before the first run
 echo "Transformer d 256, 4 layers, $NPROC ranks, global batch $GLOBAL × 35 tokens, Adam; per step and per rank (rank 0; peak: the rank that held most):"
 echo "| layout | step (ms) | all-reduce MiB | reduce-scatter MiB | all-gather MiB | send MiB | between groups MiB | model state MiB | formula | peak MiB (rank) | estimated MiB |"
 echo "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"
@@ -49,6 +49,8 @@ run() {
         || { echo "error: $name failed:" >&2; tail -n 20 "$work/log" >&2; exit 1; }
     python3 - "$work/results"/*-cpu.json "$csv" "$name" "$work/estimate"/*.memory-estimate.json <<'PY'
 import json, sys, time
+sys.path.insert(0, "bench")
+from gpucheck import output  # the one writer: never through a link, never into a FIFO
 d = json.load(open(sys.argv[1]))
 csv, name = sys.argv[2], sys.argv[3]
 estimate = json.load(open(sys.argv[4]))["ranks"]
@@ -67,7 +69,7 @@ mib = lambda x: x / 2**20
 row = [int(time.time()), name, d["world_size"], layout["dp"], layout["pp"], layout["tp"], d["zero"], d["global_batch"], d["params"],
        round(step_ms, 1), b("all_reduce"), b("reduce_scatter"), b("all_gather"), b("send"), across, mem["total_bytes"], int(mem["formula_bytes"]), mem["formula"],
        peak["rank"], held, int(estimated)]
-open(csv, "a").write(",".join(map(str, row)) + "\n")
+output.append(csv, ",".join(map(str, row)) + "\n")
 print(f"| {name} | {step_ms:.0f} | {mib(b('all_reduce')):.2f} | {mib(b('reduce_scatter')):.2f} | {mib(b('all_gather')):.2f} | "
       f"{mib(b('send')):.2f} | {mib(across):.2f} | {mib(mem['total_bytes']):.2f} | {mem['formula']} = {mib(mem['formula_bytes']):.2f} | "
       f"{mib(held):.1f} ({peak['rank']}) | {mib(estimated):.1f} |")

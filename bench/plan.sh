@@ -104,7 +104,7 @@ header="bench_started_at,cluster,predicted_rank,layout,predicted_step_s,measured
 if [[ -f "$csv" && "$(head -n 1 "$csv")" != "$header" ]]; then
     mv "$csv" "$csv.$(date +%s).old"; echo "note: $csv had other columns; moved it aside" >&2
 fi
-[[ -f "$csv" ]] || echo "$header" > "$csv"
+PYTHONPATH=bench python3 -m gpucheck.output header "$csv" "$header"  # refuses a link or a FIFO there, before the first run
 started="$(date +%s)"
 # Each pass runs the layouts in the other order, so that a slow spell of the machine does not
 # fall on the same layouts' runs; the bench's rows wait in $work/rows until the profile after.
@@ -141,11 +141,14 @@ if ((REPEAT > 1)); then
 fi
 python3 - "$work/rows" "$work/plan-after.json" "$csv" <<'PY'
 import csv, io, json, os, sys
+sys.path.insert(0, "bench")
+from gpucheck import output  # the one writer: never through a link, never into a FIFO
 rows, after, out = sys.argv[1:]
 predicted = {p["command"]: p["step_s"] for p in json.load(open(after))["ranked"]} if os.path.exists(after) else {}
-with open(out, "a") as f:
-    for line in open(rows).read().splitlines():
-        layout = next(csv.reader(io.StringIO(line)))[3]
-        f.write(line + (str(predicted[layout]) if layout in predicted else "") + "\n")
+lines = []
+for line in open(rows).read().splitlines():
+    layout = next(csv.reader(io.StringIO(line)))[3]
+    lines.append(line + (str(predicted[layout]) if layout in predicted else "") + "\n")
+output.append(out, "".join(lines))
 PY
 "$bin/report" --results-dir results plan

@@ -24,7 +24,7 @@ csv="results/bench-ps.csv"
 [[ -d "$DATA" ]] || { echo "error: no MNIST sample at $DATA (set DATA=...)" >&2; exit 2; }
 work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
 
-[[ -f "$csv" ]] || echo "finished_at,model,strategy,workers,servers,per_worker_batch,epochs,straggler_s,steps,train_time_s,throughput,test_acc,test_loss,mean_staleness,max_staleness" > "$csv"
+PYTHONPATH=bench python3 -m gpucheck.output header "$csv" "finished_at,model,strategy,workers,servers,per_worker_batch,epochs,straggler_s,steps,train_time_s,throughput,test_acc,test_loss,mean_staleness,max_staleness"  # refuses a link or a FIFO there, before the first run
 echo "exercise2 --model $MODEL on MNIST ($DATA): $WORKERS workers × batch $BATCH, $EPOCHS epochs, SGD lr $LR momentum 0.9; worker 1 sleeps ${STRAGGLE}s per step; $SERVERS server(s)"
 echo "| strategy | ranks | optimizer steps | train time (s) | throughput (img/s) | test accuracy | test loss | staleness mean / max |"
 echo "|---|---:|---:|---:|---:|---:|---:|---:|"
@@ -42,6 +42,8 @@ for strategy in all-reduce ps-sync ps-async ps-bounded; do
         || { cat "$work/log" >&2; exit 1; }
     python3 - "$work/results/exercise2-$MODEL-cpu.json" "$csv" "$strategy" "$WORKERS" "$SERVERS" "$STRAGGLE" "$ranks" <<'PY'
 import json, sys, time
+sys.path.insert(0, "bench")
+from gpucheck import output  # the one writer: never through a link, never into a FIFO
 d = json.load(open(sys.argv[1]))
 strategy, workers, servers, straggle, ranks = sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), int(sys.argv[7])
 ps = d.get("parameter_server") or {}
@@ -50,7 +52,7 @@ mean, top = ps.get("mean_staleness", 0.0), ps.get("max_staleness_seen", 0)
 throughput = d["throughput"]
 row = [int(time.time()), d["model"], strategy, workers, servers, d["per_rank_batch"], d["epochs"], straggle, d["steps"],
        round(d["train_time_s"], 2), round(throughput, 1), round(d["test_acc"], 4), round(d["test_loss"], 4), round(mean, 2), top]
-open(sys.argv[2], "a").write(",".join(map(str, row)) + "\n")
+output.append(sys.argv[2], ",".join(map(str, row)) + "\n")
 print(f"| {strategy} | {ranks} | {d['steps']} | {d['train_time_s']:.1f} | {throughput:.0f} | {d['test_acc']:.4f} | {d['test_loss']:.4f} | {mean:.2f} / {top} |")
 PY
 done

@@ -162,6 +162,39 @@ def append(path, text):
         os.close(fd)
 
 
+def header(path, line):
+    """Makes the table `path` with `line` as its first line where it is missing; a regular file
+    there is kept as it is. What `append` would refuse at the name (a link, a FIFO, a folder) is
+    refused here, so that a bench that appends a row after each run stops before the first."""
+    found = kind(path)
+    if found == "missing":
+        write(path, line + "\n")
+    elif found == "link":
+        raise Refused(f"{path} is a symbolic link: not appending through it (remove it, or choose another folder)")
+    elif found != "file":
+        raise Refused(f"{path} is {DESCRIBE[found]}, not a regular file: not appending to it (remove it, or write elsewhere)")
+
+
+def main(argv):
+    """The shell scripts' way in (`python3 -m gpucheck.output`, bench/ on PYTHONPATH):
+    `header FILE LINE` (`header`), `append FILE` (standard input appended, `append`). A refusal
+    is one line and exit 2."""
+    import sys
+    try:
+        match argv:
+            case ["header", path, line]:
+                header(path, line)
+            case ["append", path]:
+                append(path, sys.stdin.buffer.read())
+            case _:
+                print("usage: python3 -m gpucheck.output header FILE LINE | append FILE < TEXT", file=sys.stderr)
+                return 2
+    except Refused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def temporary_prefix(path, pid):
     """`.<name>.<pid>.`: the prefix of the temporary files process `pid` writes `path` through
     (the pid tells a later run whether the writer of a leftover one still runs)."""
@@ -260,3 +293,8 @@ def _refusal(path, error):
     if found in ("fifo", "device", "socket", "folder"):
         return Refused(f"{path} is {DESCRIBE[found]}, not a regular file: not writing to it (remove it, or write elsewhere)")
     return error
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main(sys.argv[1:]))

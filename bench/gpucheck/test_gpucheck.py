@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -462,6 +463,39 @@ class Writer(unittest.TestCase):
         with self.assertRaises(output.Refused):
             output.append(dangling, "row\n")
         self.assertFalse(os.path.exists(self.at("made-elsewhere")))
+
+    def test_a_benchs_table_header_is_made_once_and_what_append_refuses_is_refused_before(self):
+        table = self.at("bench-data.csv")
+        output.header(table, "a,b")
+        output.append(table, "1,2\n")
+        output.header(table, "a,b")  # a table that exists keeps its rows
+        self.assertEqual(self.read(table), "a,b\n1,2\n")
+        linked, fifo, folder = self.at("bench-ps.csv"), self.at("bench-plan.csv"), self.at("bench-parallel.csv")
+        os.symlink(self.victim, linked)
+        os.mkfifo(fifo)
+        os.mkdir(folder)
+        for planted, says in [(linked, "is a symbolic link: not appending through it"), (fifo, "is a FIFO, not a regular file"), (folder, "is a folder, not a regular file")]:
+            with self.assertRaises(output.Refused) as caught:
+                output.header(planted, "a,b")
+            self.assertIn(f"{planted} {says}", str(caught.exception))
+        self.assertVictimUntouched()
+        self.assertTrue(os.path.islink(linked) and stat.S_ISFIFO(os.lstat(fifo).st_mode) and os.path.isdir(folder))
+
+    def test_the_shell_scripts_way_in_is_one_line_and_exit_2_on_a_refusal(self):
+        bench = os.path.dirname(os.path.dirname(os.path.abspath(output.__file__)))
+        run = lambda *args, given=b"": subprocess.run([sys.executable, "-m", "gpucheck.output", *args], input=given, capture_output=True, cwd=bench, timeout=30)
+        table = self.at("bench-ps.csv")
+        self.assertEqual(run("header", table, "x,y").returncode, 0)
+        self.assertEqual(run("append", table, given=b"1,2\n").returncode, 0)
+        self.assertEqual(self.read(table), "x,y\n1,2\n")
+        fifo = self.at("fifo.csv")
+        os.mkfifo(fifo)
+        for args in [("header", fifo, "x,y"), ("append", fifo)]:
+            refused = run(*args, given=b"1,2\n")
+            self.assertEqual(refused.returncode, 2, refused.stderr)
+            self.assertEqual(refused.stderr.decode().count("\n"), 1, refused.stderr)
+            self.assertTrue(refused.stderr.startswith(b"error: ") and b"is a FIFO" in refused.stderr, refused.stderr)
+        self.assertEqual(run("frobnicate").returncode, 2)
 
     def test_a_killed_writers_temporaries_are_removed_by_the_next_write_a_running_ones_kept(self):
         path = self.at("gpu-check.json")

@@ -162,6 +162,62 @@ pub fn json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, serde_jso
     serde_json::from_value(json_value(text)?)
 }
 
+/// The most bytes a results table read back may have (`make bench-plan`'s, the largest, is under
+/// a megabyte after a month of benches).
+const CSV_LIMIT: u64 = 256 << 20;
+
+/// A CSV table (a results or bench table read back), its header checked: a column named twice
+/// is refused, naming it. serde reads a row by its header's names, and where two columns share
+/// one, which of them a field gets is the reader's choice, not the writer's.
+pub fn csv(path: &Path, remedy: &str) -> Result<csv::Reader<std::io::Cursor<Vec<u8>>>> {
+    let mut reader = csv::Reader::from_reader(std::io::Cursor::new(read(path, CSV_LIMIT, remedy)?));
+    let header = reader.headers().with_context(|| format!("{}: unreadable header line", path.display()))?;
+    let mut seen = std::collections::HashSet::new();
+    if let Some(twice) = header.iter().find(|name| !seen.insert(*name)) {
+        anyhow::bail!("{}: the column `{twice}` is named twice in its header: {remedy}", path.display());
+    }
+    Ok(reader)
+}
+
+/// The largest safetensors header the format allows (the safetensors crate's own bound).
+const SAFETENSORS_HEADER_LIMIT: u64 = 100_000_000;
+
+/// The header (its length and tensor table) of the safetensors file whose bytes are `bytes`,
+/// refusing a header that names a tensor or a metadata key twice: the safetensors crate keeps
+/// the last one silently, so a second entry of one name would replace the first unseen.
+pub fn safetensors_metadata(bytes: &[u8]) -> Result<(usize, safetensors::tensor::Metadata)> {
+    if let Some(text) = safetensors_header_text(bytes) {
+        json_value(text).map_err(|e| anyhow::anyhow!("its header: {e}"))?;
+    }
+    safetensors::SafeTensors::read_metadata(bytes).map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+/// The header text of a safetensors file (a little-endian length, then that many bytes of
+/// JSON), where the bytes hold one; the format's own checks say what is wrong otherwise.
+fn safetensors_header_text(bytes: &[u8]) -> Option<&str> {
+    let length = usize::try_from(u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?)).ok()?;
+    std::str::from_utf8(bytes.get(8..8usize.checked_add(length)?)?).ok()
+}
+
+/// Checks the header of the safetensors file `path` (see [`safetensors_metadata`]) without
+/// reading its tensors: for a file a library reads itself (LibTorch's loader for `--weights`).
+pub fn check_safetensors_header(path: &Path, remedy: &str) -> Result<()> {
+    use std::io::Read;
+    let mut file = open(path, remedy)?;
+    let mut length = [0u8; 8];
+    file.read_exact(&mut length).map_err(|_| anyhow::anyhow!("{} is not a safetensors file (shorter than its header's length): {remedy}", path.display()))?;
+    let size = u64::from_le_bytes(length);
+    if size > SAFETENSORS_HEADER_LIMIT {
+        anyhow::bail!("{} is not a safetensors file (its header would be {size} bytes): {remedy}", path.display());
+    }
+    let mut bytes = length.to_vec();
+    file.take(size).read_to_end(&mut bytes).with_context(|| format!("cannot read {}", path.display()))?;
+    let text =
+        safetensors_header_text(&bytes).ok_or_else(|| anyhow::anyhow!("{} is not a safetensors file (a torn or non-text header): {remedy}", path.display()))?;
+    json_value(text).map_err(|e| anyhow::anyhow!("{}: its header: {e}: {remedy}", path.display()))?;
+    Ok(())
+}
+
 /// Turns `O_NONBLOCK` off again on `file`.
 fn clear_nonblocking(file: &File) {
     use std::os::fd::AsRawFd;
@@ -251,5 +307,63 @@ mod tests {
         let fifo = dir.path().join("fifo");
         assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
         assert!(folder(&fifo, "--data-dir", "x").unwrap_err().to_string().contains("is a FIFO, not a folder"));
+    }
+
+    #[test]
+    fn a_csv_column_named_twice_is_refused_naming_it() {
+        #[derive(serde::Deserialize, Debug, PartialEq)]
+        struct Row {
+            a: u32,
+            b: u32,
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.csv");
+        std::fs::write(&path, "a,b\n1,2\n").unwrap();
+        let rows: Vec<Row> = csv(&path, REMEDY).unwrap().deserialize().collect::<Result<_, _>>().unwrap();
+        assert_eq!(rows, vec![Row { a: 1, b: 2 }]);
+        // A column the rows do not read, named twice, is refused as well: the table is not one
+        // its writer wrote.
+        std::fs::write(&path, "a,b,note,note\n1,2,x,y\n").unwrap();
+        let err = csv(&path, REMEDY).unwrap_err().to_string();
+        assert_eq!(err, format!("{}: the column `note` is named twice in its header: give a file", path.display()));
+        std::fs::write(&path, "a,b,a\n1,2,3\n").unwrap();
+        assert!(csv(&path, REMEDY).unwrap_err().to_string().contains("the column `a` is named twice"));
+    }
+
+    /// A safetensors file whose header's text is `header`, then the four bytes of one float32.
+    fn safetensors_bytes(header: &str) -> Vec<u8> {
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.extend_from_slice(&1.0f32.to_le_bytes());
+        bytes
+    }
+
+    #[test]
+    fn a_safetensors_header_naming_a_tensor_or_a_metadata_key_twice_is_refused() {
+        let entry = r#"{"dtype":"F32","shape":[1],"data_offsets":[0,4]}"#;
+        let once = safetensors_bytes(&format!(r#"{{"__metadata__":{{"m":"1"}},"w":{entry}}}"#));
+        let (_, header) = safetensors_metadata(&once).unwrap();
+        assert_eq!(header.tensors().len(), 1);
+        for header in [format!(r#"{{"w":{entry},"w":{entry}}}"#), format!(r#"{{"__metadata__":{{"m":"1","m":"2"}},"w":{entry}}}"#)] {
+            let twice = safetensors_bytes(&header);
+            // The safetensors crate takes it (one entry wins unseen): the check is ours.
+            assert!(safetensors::SafeTensors::read_metadata(&twice).is_ok());
+            let err = safetensors_metadata(&twice).unwrap_err().to_string();
+            assert!(err.starts_with("its header: the key `") && err.contains("is given twice"), "{err}");
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("w.safetensors");
+            std::fs::write(&path, &twice).unwrap();
+            let err = check_safetensors_header(&path, REMEDY).unwrap_err().to_string();
+            assert!(err.contains("is given twice") && err.ends_with(REMEDY), "{err}");
+            std::fs::write(&path, &once).unwrap();
+            check_safetensors_header(&path, REMEDY).unwrap();
+        }
+        // A header length beyond the format's bound, and a file shorter than the length field.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        std::fs::write(&path, u64::MAX.to_le_bytes()).unwrap();
+        assert!(check_safetensors_header(&path, REMEDY).unwrap_err().to_string().contains("is not a safetensors file (its header would be"));
+        std::fs::write(&path, b"abc").unwrap();
+        assert!(check_safetensors_header(&path, REMEDY).unwrap_err().to_string().contains("shorter than its header's length"));
     }
 }

@@ -38,7 +38,7 @@ const STRATEGIES: [(&str, RGBColor); 4] =
 /// The newest row of each strategy in `csv`, in the bench's order (a strategy never run is
 /// left out; one the bench does not know is an error, not a silent omission).
 pub fn latest(csv: &Path) -> Result<Vec<Row>> {
-    let mut reader = csv::Reader::from_reader(crate::input::open(csv, "give the table `make bench-ps` writes").context("run `make bench-ps` first")?);
+    let mut reader = crate::input::csv(csv, "give the table `make bench-ps` writes").context("run `make bench-ps` first")?;
     let mut newest: Vec<Option<Row>> = vec![None; STRATEGIES.len()];
     for (line, row) in reader.deserialize::<Row>().enumerate() {
         let row = row.with_context(|| format!("{}: row {} is not a bench-ps row", csv.display(), line + 1))?;

@@ -244,7 +244,7 @@ pub fn scaling_efficiency(csv: &Path, record: &RunRecord) -> Option<f64> {
 
 /// Reads every record of an exercise's CSV.
 pub fn read_csv(path: &Path) -> anyhow::Result<Vec<RunRecord>> {
-    let mut reader = csv::Reader::from_reader(crate::input::open(path, "give an exercise's results table")?);
+    let mut reader = crate::input::csv(path, "give an exercise's results table")?;
     reader.deserialize().collect::<Result<_, _>>().with_context(|| format!("{}: unreadable results row", path.display()))
 }
 

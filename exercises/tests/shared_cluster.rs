@@ -18,6 +18,7 @@ fn binary(name: &str) -> &'static str {
         "exercise2" => env!("CARGO_BIN_EXE_exercise2"),
         "prepare_data" => env!("CARGO_BIN_EXE_prepare_data"),
         "checkpoint" => env!("CARGO_BIN_EXE_checkpoint"),
+        "report" => env!("CARGO_BIN_EXE_report"),
         other => panic!("no binary {other}"),
     }
 }
@@ -233,6 +234,53 @@ fn checkpoint_export_never_replaces_a_checkpoint_of_its_run() {
     assert_eq!((std::fs::read(&checkpoint).unwrap(), std::fs::read(&previous).unwrap()), before, "nothing was touched");
     let model = dir.path().join("model.safetensors");
     let out = run("checkpoint", &["export", checkpoint.to_str().unwrap(), model.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+/// The safetensors file `path` with its first tensor's entry given a second time in its header:
+/// the same name, shape and place, so the safetensors crate alone takes the file as it was.
+fn with_an_entry_twice(path: &Path) {
+    let bytes = std::fs::read(path).unwrap();
+    let length = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&bytes[8..8 + length]).unwrap().trim_end();
+    let table: serde_json::Map<String, serde_json::Value> = serde_json::from_str(header).unwrap();
+    let (name, entry) = table.iter().find(|(name, _)| *name != "__metadata__").unwrap();
+    let twice = format!("{},{}:{}}}", header.strip_suffix('}').unwrap(), serde_json::to_string(name).unwrap(), entry);
+    let mut out = (twice.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(twice.as_bytes());
+    out.extend_from_slice(&bytes[8 + length..]);
+    std::fs::write(path, out).unwrap();
+}
+
+/// A name given twice where one is meant, in a checkpoint's or a weights file's tensor table or
+/// in a results table's header, was taken silently (the last one won): refused, naming it.
+#[test]
+fn a_tensor_or_a_column_named_twice_is_refused_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, ck) = (dir.path().join("data"), dir.path().join("ck"));
+    cifar(&data, 40);
+    let out = exercise1(&data, &ck, &["--batch-size", "20", "--max-steps", "1", "--checkpoint-dir", ck.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let checkpoint = ck.join("exercise1-cnn-cpu.safetensors");
+    let model = dir.path().join("model.safetensors");
+    let out = run("checkpoint", &["export", checkpoint.to_str().unwrap(), model.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    with_an_entry_twice(&checkpoint);
+    with_an_entry_twice(&model);
+    let out = run("checkpoint", &["show", checkpoint.to_str().unwrap()]);
+    one_error(&out, 1, &[&checkpoint.display().to_string(), "is given twice"]);
+    let out = exercise1(&data, &dir.path().join("r"), &["--batch-size", "20", "--max-steps", "1", "--weights", model.to_str().unwrap()]);
+    one_error(&out, 1, &[&model.display().to_string(), "is given twice"]);
+    // A results table with a column named twice.
+    let benches = dir.path().join("benches");
+    std::fs::create_dir(&benches).unwrap();
+    let committed = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../results/bench-ps.csv")).unwrap();
+    let twice: String = committed.lines().enumerate().map(|(i, line)| format!("{line},{}\n", if i == 0 { "strategy" } else { "ps-sync" })).collect();
+    std::fs::write(benches.join("bench-ps.csv"), twice).unwrap();
+    let out = run("report", &["ps", "--results-dir", benches.to_str().unwrap()]);
+    one_error(&out, 1, &["bench-ps.csv", "the column `strategy` is named twice"]);
+    std::fs::write(benches.join("bench-ps.csv"), committed).unwrap();
+    let out = run("report", &["ps", "--results-dir", benches.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));
 }
 

@@ -349,7 +349,7 @@ pub(crate) const NOT_A_CHECKPOINT: &str = "a checkpoint is the file or folder a 
 pub fn load(path: &Path) -> anyhow::Result<Checkpoint> {
     let bytes = crate::input::read(path, u64::MAX, NOT_A_CHECKPOINT).context("cannot read the checkpoint")?;
     let corrupt = |what: &str| format!("checkpoint {} is corrupt or not a checkpoint: {what}", path.display());
-    let (_, header) = SafeTensors::read_metadata(&bytes).with_context(|| corrupt("bad safetensors header"))?;
+    let (_, header) = crate::input::safetensors_metadata(&bytes).with_context(|| corrupt("bad safetensors header"))?;
     let meta_json = header.metadata().as_ref().and_then(|m| m.get(METADATA_KEY)).with_context(|| corrupt("no checkpoint metadata"))?;
     let meta: CheckpointMeta = crate::input::json(meta_json.as_bytes()).with_context(|| corrupt("unreadable metadata"))?;
     if meta.format != FORMAT_VERSION {

@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use anyhow::{ensure, Context, Result};
-use safetensors::tensor::{Metadata, SafeTensors, View};
+use safetensors::tensor::{Metadata, View};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
@@ -287,7 +287,7 @@ impl MappedFile {
     /// The header's length and content; an error naming the file when it is torn or not a
     /// safetensors file.
     fn header(&self) -> Result<(usize, Metadata)> {
-        SafeTensors::read_metadata(&self.map).map_err(|e| anyhow::anyhow!("checkpoint {} is corrupt or not a checkpoint: {e}", self.path.display()))
+        crate::input::safetensors_metadata(&self.map).map_err(|e| anyhow::anyhow!("checkpoint {} is corrupt or not a checkpoint: {e}", self.path.display()))
     }
 }
 

@@ -103,7 +103,10 @@ fn read_named_tensors(path: &Path) -> anyhow::Result<Vec<(String, Tensor)>> {
     // LibTorch opens .safetensors and .ot files itself: a FIFO must not reach it.
     crate::input::check(path, "--weights takes a weights file (a .safetensors, .pth, .pt or .ot file)")?;
     let read = match path.extension().and_then(|ext| ext.to_str()) {
-        Some("safetensors") => Tensor::read_safetensors(path),
+        Some("safetensors") => {
+            crate::input::check_safetensors_header(path, "--weights takes a weights file (a .safetensors, .pth, .pt or .ot file)")?;
+            Tensor::read_safetensors(path)
+        }
         Some("ot") => Tensor::load_multi(path),
         // What Python's torch.save wrote: torchvision's published weights, a state_dict.
         Some("pth" | "pt") => return super::torch_save::read_state_dict(path),

@@ -158,7 +158,7 @@ impl Bench {
 /// The newest bench of each cluster in `csv` (`make bench-plan`'s rows), in the order the
 /// clusters first appear.
 pub fn newest_benches(csv: &Path) -> Result<Vec<Bench>> {
-    let mut reader = csv::Reader::from_reader(crate::input::open(csv, "give the bench's table")?);
+    let mut reader = crate::input::csv(csv, "give the bench's table")?;
     let rows: Vec<CsvRow> = reader.deserialize().collect::<Result<_, _>>().with_context(|| format!("{} is not bench-plan's CSV", csv.display()))?;
     Ok(first_appearances(rows.iter().map(|r| r.cluster.as_str()))
         .into_iter()

@@ -47,6 +47,18 @@ pub fn count(value: &str) -> Result<usize, String> {
     }
 }
 
+/// The most repetitions a bench's flag may ask for (timed steps, rounds, iterations): a million
+/// of its shortest measurement is already hours; more is a slip of the keyboard.
+pub const MAX_REPEATS: usize = 1_000_000;
+
+/// A whole number from `min` to `max`, as a value parser: `value_parser = cli::between(1, cli::MAX_REPEATS)`.
+pub fn between(min: usize, max: usize) -> impl Fn(&str) -> Result<usize, String> + Clone + Send + Sync + 'static {
+    move |value| match value.trim().parse::<usize>() {
+        Ok(n) if (min..=max).contains(&n) => Ok(n),
+        _ => Err(format!("a whole number from {min} to {max}")),
+    }
+}
+
 /// A positive, finite number.
 pub fn positive(value: &str) -> Result<f64, String> {
     match number(value)? {

@@ -1,6 +1,6 @@
 //! Hostile input, generated from the binaries themselves (issue 62, item 6). Every flag and
 //! positional of every binary and subcommand, as the binary's own description lists them
-//! (`COURSE_CLI_JSON=1`, from clap), is given in turn 0, -1, NaN, inf, 1e30, a string that is not
+//! (`COURSE_CLI_JSON=1`, from clap), is given in turn 0, -1, NaN, inf, 1e30, 10^12, a string that is not
 //! UTF-8 and an empty string, and where a path is expected a FIFO, a folder and a link (to the
 //! FIFO), the other arguments those of a tiny run. Each run must end within its bound, either
 //! refused (exit 2) or failed (exit 1) with one `error:` line, or accepted: exit 0, or 137 from
@@ -20,7 +20,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// What every flag is given (and every path also [`PathValue`]s).
-const VALUES: [&[u8]; 7] = [b"0", b"-1", b"nan", b"inf", b"1e30", b"caf\xe9", b""];
+/// (`1000000000000` reaches an integer's own range checks, which `1e30` never passes parsing.)
+const VALUES: [&[u8]; 8] = [b"0", b"-1", b"nan", b"inf", b"1e30", b"1000000000000", b"caf\xe9", b""];
 
 /// Where a path is expected, besides [`VALUES`].
 #[derive(Clone, Copy, Debug)]
@@ -544,9 +545,17 @@ fn checkpoint_every_argument() {
 fn report_why_gpus_and_benches_every_argument() {
     let f = Fixtures::new();
     let results = f.results();
+    // The benches' committed tables, which `report ps` and `report plan` draw.
+    let benches = f.path("benches");
+    std::fs::create_dir(&benches).unwrap();
+    for table in ["bench-ps.csv", "bench-plan.csv"] {
+        std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("../results").join(table), benches.join(table)).unwrap();
+    }
     let targets = [
         Target::new("report", None).flag("results-dir", &results),
         Target::new("report", Some("scaling")).flag("results-dir", &results),
+        Target::new("report", Some("ps")).flag("results-dir", &benches),
+        Target::new("report", Some("plan")).flag("results-dir", &benches),
         Target::new("why_gpus", None)
             .flag("device", "cpu")
             .flag("max-scalars", "1000")

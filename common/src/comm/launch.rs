@@ -654,6 +654,17 @@ pub fn check_rank_count(n: usize, servers: usize, choice: DeviceChoice, max_per_
     Ok((n > cores).then(|| format!("warning: {n} CPU ranks on {cores} core(s): they take turns (right for testing, slow for timing)")))
 }
 
+/// The cap of [`check_rank_count`] for a launcher with no flags of its own for it (`hello_ddp`,
+/// `bench_allreduce`, `exercise3 profile`): `--nproc-per-node n` on `choice`, checked in the
+/// process that would start the ranks (a rank already started has nothing to check). Returns the
+/// warning to say, if any.
+pub fn check_launch(nproc_per_node: Option<usize>, choice: DeviceChoice) -> Result<Option<String>> {
+    match nproc_per_node {
+        Some(n) if n > 1 && LaunchEnv::detect()?.world_size == 1 => check_rank_count(n, 0, choice, MAX_RANKS_PER_CORE, false),
+        _ => Ok(None),
+    }
+}
+
 /// The refusal of `n` local ranks on a node of `gpus` GPUs, `servers` of them parameter servers
 /// (which keep their copy on the CPU, needing no GPU): each other rank needs a GPU of its own.
 pub fn too_many_gpu_ranks(n: usize, servers: usize, gpus: usize) -> Option<String> {

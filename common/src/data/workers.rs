@@ -14,6 +14,10 @@ use std::panic::AssertUnwindSafe;
 use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::Arc;
 
+/// The most worker threads a loader may be given: beyond the cores of any node they only wait,
+/// and each reserves its stack and channels.
+pub const MAX_WORKERS: usize = 256;
+
 /// `make(job)` for every job of `jobs`, on `workers` threads (none: in the calling thread, when
 /// the iterator is advanced), up to `prefetch` results ahead per worker; results in job order.
 /// A job that panics gives an error in its place rather than a hang or a short epoch.

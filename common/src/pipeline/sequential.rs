@@ -48,7 +48,7 @@ pub struct PipeArgs {
     #[arg(long, default_value_t = 8)]
     pub chunks: usize,
     /// Timed steps of each, taken in turns (naive, pipeline, naive, ...) after one untimed step of each.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, value_parser = crate::cli::between(1, crate::cli::MAX_REPEATS))]
     pub steps: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -135,9 +135,6 @@ impl PipeExample {
         }
         if args.batch < 1 || args.chunks == 0 || args.chunks as i64 > args.batch {
             return usage(format!("--chunks {} must be between 1 and --batch {} (each micro-batch needs a row)", args.chunks, args.batch));
-        }
-        if args.steps == 0 {
-            return usage("--steps must be at least 1");
         }
         tch::manual_seed(args.seed as i64);
         let stages = (0..layers).map(|i| LinearStage::new(i, layers, args.sizes[i], args.sizes[i + 1], devices[i])).collect();

@@ -424,12 +424,24 @@ fn machine_numbers(world: &ProcessGroup, per_host: usize) -> Result<Vec<usize>> 
     Ok(hosts::machine_numbers(&ids, |rank| rank / per_host))
 }
 
+/// The most ranks (2^20, beyond the largest clusters) and sequences per step (2^24) a plan takes.
+pub const MAX_RANKS: usize = 1 << 20;
+pub const MAX_GLOBAL_BATCH: usize = 1 << 24;
+
 /// Plans `args`' job from its profile: a usage error (exit 2) for a profile that cannot be
 /// read or is another model's or precision's, for a link the job needs and the profile lacks,
 /// and for a job no layout fits (saying by how much the smallest misses).
 pub fn plan(args: &PlanArgs) -> Result<Plan> {
     if args.nodes == 0 || args.gpus_per_node == 0 || args.global_batch == 0 || args.nlayers < 1 {
         return usage("--nodes, --gpus-per-node, --global-batch and --nlayers must be at least 1");
+    }
+    // The layouts are the divisors of these sizes, found by trial: bounded, they take
+    // milliseconds; a typo of 10^12 would search for hours.
+    if args.nodes.checked_mul(args.gpus_per_node).is_none_or(|ranks| ranks > MAX_RANKS) {
+        return usage(format!("--nodes {} × --gpus-per-node {}: more than the {MAX_RANKS} ranks a plan may have", args.nodes, args.gpus_per_node));
+    }
+    if args.global_batch > MAX_GLOBAL_BATCH {
+        return usage(format!("--global-batch {}: more than the {MAX_GLOBAL_BATCH} sequences a plan may have", args.global_batch));
     }
     let positive = [
         ("--train-tokens", args.train_tokens),

@@ -22,14 +22,15 @@ struct Cli {
     data_dir: PathBuf,
     #[arg(long)]
     shards: bool,
-    #[arg(long, default_value_t = 1)]
+    /// Loader threads (0: decode on the main thread).
+    #[arg(long, default_value_t = 1, value_parser = common::cli::between(0, common::data::workers::MAX_WORKERS))]
     workers: usize,
     #[arg(long, default_value_t = 64, value_parser = common::cli::count)]
     batch_size: usize,
     /// Batches timed, after --warmup batches that are not.
-    #[arg(long, default_value_t = 20, value_parser = common::cli::count)]
+    #[arg(long, default_value_t = 20, value_parser = common::cli::between(1, common::cli::MAX_REPEATS))]
     batches: usize,
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = common::cli::between(0, common::cli::MAX_REPEATS))]
     warmup: usize,
     /// `train`: RandomResizedCrop(224) + flip; `eval`: Resize(256) + CenterCrop(224).
     #[arg(long, default_value = "train")]

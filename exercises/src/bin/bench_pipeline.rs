@@ -52,10 +52,10 @@ struct Cli {
     #[arg(long, default_value_t = 0)]
     threads: usize,
     /// Timed mini-batches per measurement, after one untimed.
-    #[arg(long, default_value_t = 4, value_parser = common::cli::count)]
+    #[arg(long, default_value_t = 4, value_parser = common::cli::between(1, common::cli::MAX_REPEATS))]
     steps: usize,
     /// Measurements alternate sequential / pipelined this many times; medians are reported.
-    #[arg(long, default_value_t = 3, value_parser = common::cli::count)]
+    #[arg(long, default_value_t = 3, value_parser = common::cli::between(1, common::cli::MAX_REPEATS))]
     rounds: usize,
     /// CSV to append the results to.
     #[arg(long, default_value = "results/bench-pipeline.csv")]
@@ -98,9 +98,13 @@ fn bench(cli: &Cli) -> anyhow::Result<()> {
         Stage::loss(&logits, &targets.to_device(reference_device)).backward();
         device::synchronize(reference_device);
     };
-    let time_steps = |step: &mut dyn FnMut() -> f64| {
-        step();
-        (0..cli.steps).map(|_| step()).sum::<f64>() / cli.steps as f64
+    // Every micro-batch count checked before the first step is timed.
+    for &chunks in &cli.chunks {
+        common::pipeline::split_batch(&src, chunks)?;
+    }
+    let time_steps = |step: &mut dyn FnMut() -> anyhow::Result<f64>| -> anyhow::Result<f64> {
+        step()?;
+        Ok((0..cli.steps).map(|_| step()).sum::<anyhow::Result<f64>>()? / cli.steps as f64)
     };
 
     let stage_threads = match devices.iter().all(|d| *d == Device::Cpu) {
@@ -136,17 +140,17 @@ fn bench(cli: &Cli) -> anyhow::Result<()> {
                 times.push(time_steps(&mut || {
                     let start = Instant::now();
                     sequential_step(threads);
-                    start.elapsed().as_secs_f64()
-                }));
+                    Ok(start.elapsed().as_secs_f64())
+                })?);
             }
             let mut round_bubbles = Vec::new();
             piped.push(time_steps(&mut || {
                 params.iter().for_each(|p| drop(p.grad().f_zero_()));
                 let start = Instant::now();
-                let report = pipeline.train_step(&src, &targets, 0).expect("a pipeline step");
+                let report = pipeline.train_step(&src, &targets, 0)?;
                 round_bubbles.push(report.bubble_fraction());
-                start.elapsed().as_secs_f64()
-            }));
+                Ok(start.elapsed().as_secs_f64())
+            })?);
             bubbles.push(median(round_bubbles));
         }
         let (sequential, one_share, piped, bubble) = (median(sequential), median(one_share), median(piped), median(bubbles));

@@ -104,6 +104,9 @@ fn main() -> std::process::ExitCode {
 }
 
 fn profile(args: &common::plan::ProfileArgs) -> anyhow::Result<()> {
+    if let Some(warning) = common::comm::launch::check_launch(args.nproc_per_node, args.device)? {
+        eprintln!("{warning}");
+    }
     if common::comm::launch::start_ranks_if_asked(args.nproc_per_node, common::comm::launch::StopsAt::Step)? {
         return Ok(());
     }

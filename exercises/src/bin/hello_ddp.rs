@@ -36,10 +36,8 @@ fn main() -> std::process::ExitCode {
         }
         // The exercises' cap on local ranks, before mpirun starts any (said by the launching
         // process, not by every rank again).
-        if launch::LaunchEnv::detect()?.world_size == 1 && cli.nproc_per_node > 1 {
-            if let Some(warning) = launch::check_rank_count(cli.nproc_per_node, 0, cli.device, launch::MAX_RANKS_PER_CORE, false)? {
-                eprintln!("{warning}");
-            }
+        if let Some(warning) = launch::check_launch(Some(cli.nproc_per_node), cli.device)? {
+            eprintln!("{warning}");
         }
         if launch::start_ranks_if_asked(Some(cli.nproc_per_node).filter(|&n| n > 1), launch::StopsAt::Step)? {
             return Ok(());

@@ -39,6 +39,11 @@ impl TokenBatches {
     pub fn evaluation_share(tokens: &Tensor, batch_size: i64, bptt: i64, device: Device, (index, count): (usize, usize)) -> Self {
         let streams = batch_size.max(count as i64);
         let all = batchify(tokens, streams);
+        if all.size()[0] == 0 {
+            // Fewer tokens than streams: not one window (the run's checks refuse it, naming
+            // --eval-batch-size). The streams are not listed: 10^12 of them fill no memory.
+            return TokenBatches { data: all.narrow(1, 0, 0).to_device(device), bptt, group: 1 };
+        }
         let mine: Vec<i64> = (index as i64..streams).step_by(count).collect();
         let mine = all.index_select(1, &Tensor::from_slice(&mine)).contiguous();
         TokenBatches { data: mine.to_device(device), bptt, group: 1 }
@@ -140,5 +145,17 @@ mod tests {
             many.iter().all(|s| s.data.size()[1] == 1 && s.batches_per_epoch() == many[0].batches_per_epoch()),
             "12 replicas of 10 streams: one stream each"
         );
+    }
+
+    /// More streams than the split has tokens: no window, and no list of streams the size of
+    /// the batch (`--eval-batch-size 1000000000000` aborted allocating it).
+    #[test]
+    fn a_split_shorter_than_its_streams_has_no_window() {
+        let tokens = Tensor::arange(100, (Kind::Int64, Device::Cpu));
+        for (streams, count) in [(1_000_000_000_000, 1), (101, 2)] {
+            let share = TokenBatches::evaluation_share(&tokens, streams, 7, Device::Cpu, (0, count));
+            assert_eq!(share.batches_per_epoch(), 0, "{streams} streams");
+        }
+        assert_eq!(TokenBatches::evaluation_share(&tokens, 50, 7, Device::Cpu, (0, 1)).batches_per_epoch(), 1, "two tokens a stream: one window");
     }
 }

@@ -33,7 +33,6 @@ pub(super) struct Built<'g, M> {
     pub optimizer: Box<dyn Optimizer + 'g>,
     pub recipe: RunRecipe,
     pub sources: Sources,
-    pub zero: Option<ZeroStage>,
     /// The data-parallel style the replicas keep their copies equal by.
     pub sync: GradientSync,
     /// `<exercise>-<model>-<device>`: the results' and checkpoints' name.
@@ -190,7 +189,7 @@ fn build<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<'g>, session: 
     // --straggler: this rank sleeps in every step (any strategy).
     let optimizer = crate::parallel::parameter_server::Straggled::wrap(optimizer, exp.parallel_args().straggler, groups.world.rank());
     let name = super::files::run_name(exp, device);
-    Ok((Built { plan, step, optimizer, recipe, sources, zero, sync, name, data_identity: exp.data_identity(data) }, meter))
+    Ok((Built { plan, step, optimizer, recipe, sources, sync, name, data_identity: exp.data_identity(data) }, meter))
 }
 
 /// The loop's configuration for `built` (with `--cuda-graph`, the optimizer made capturable).
@@ -275,14 +274,14 @@ fn measure_after_training<E: Experiment>(
     groups: &Groups,
     fit: &mut train::FitReport,
 ) -> Result<AfterTraining> {
-    let Built { step, optimizer, sources, zero, .. } = built;
+    let Built { step, optimizer, sources, sync, .. } = built;
     let replica_group = step.sync().replicas();
     if let Some(group) = replica_group {
         step.sync().materialize()?;
         train::check_replicas_agree(&step.named_variables(), group)?;
         step.sync().release(false)?;
     }
-    let memory = ModelState::measure(&step.named_parameters(), step.sync().frozen(), optimizer.as_ref(), groups.layout.dp, *zero);
+    let memory = ModelState::measure(&step.named_parameters(), step.sync().frozen(), optimizer.as_ref(), groups.layout.dp, *sync);
     let peaks = memory::gather(&meter.borrow().peaks(groups.world.rank())?, groups.world)?;
     let params = results::step_parameter_count(groups, step.as_ref())?;
     let sums = match &sources.test {

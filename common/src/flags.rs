@@ -477,6 +477,11 @@ impl ParallelArgs {
         (self.strategy == StrategyFlag::ParameterServer).then_some(Config { servers: self.servers.unwrap_or(1), mode })
     }
 
+    /// What these flags ask of the job before its ranks start (the ranks a style sets apart).
+    pub fn job(&self) -> crate::parallel::JobSpec {
+        crate::parallel::JobSpec::new(self.parameter_server())
+    }
+
     /// The data-parallel style these flags ask for over `layout`'s replicas, where the preset
     /// says `preset`: what `--estimate-memory` counts (a training run's job says the same:
     /// [`crate::parallel::RunPart::sync`], else [`crate::parallel::GradientSync::of_run`]).

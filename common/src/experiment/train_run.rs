@@ -41,8 +41,8 @@ pub(super) struct Built<'g, M> {
     pub data_identity: serde_json::Value,
 }
 
-/// What the job's style keeps for the run ([`crate::parallel::Job::run_part`]: a
-/// parameter-server worker's link to its servers); none for most styles.
+/// What the job's style keeps for the run ([`crate::parallel::Job::run_part`]: its link to the
+/// ranks it set apart); none for most styles.
 pub(super) type RunPartRef<'w> = Option<&'w Rc<dyn RunPart + 'w>>;
 
 /// Where a run trains: the job's groups, what its style keeps for the run (if anything) and
@@ -81,9 +81,9 @@ pub(super) fn train_on<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<
     let Built { step, optimizer, sources, .. } = &mut built;
     let fit = train::fit(step.as_mut(), optimizer.as_mut(), sources.train.as_ref(), sources.eval.as_ref(), &config, &mut observers);
     if let (Err(stopped), Some(part)) = (&fit, run_part) {
-        // Ranks stopped by a signal (with their checkpoint) are done too: what the style set
-        // apart (servers, which serve until every worker says so) must hear it, or the job
-        // never ends.
+        // Ranks stopped by a signal (with their checkpoint) are done too: the ranks the style
+        // set apart (which serve until every rank that trains says so) must hear it, or the
+        // job never ends.
         if stopped.is::<crate::error::Stopped>() {
             part.finish()?;
         }
@@ -93,8 +93,8 @@ pub(super) fn train_on<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<
         fit => fit?,
     };
     let communication = groups.comm_stats().since(before);
-    // Every rank says it is done (to the servers); rank 0 gets the style's figures.
-    let parameter_server = run_part.map(|part| part.finish()).transpose()?.flatten();
+    // Every rank says it is done (to the ranks set apart); rank 0 gets the style's figures.
+    let style_report = run_part.map(|part| part.finish()).transpose()?.flatten();
     drop(observers);
     if fit.steps == 0 && !exp.run_args().eval_only {
         // A finished run resumed (a requeued or resubmitted job): its results stay as they are,
@@ -115,7 +115,7 @@ pub(super) fn train_on<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<
         peaks: test.peaks,
         params: test.params,
         step_losses: losses.borrow().clone(),
-        parameter_server,
+        style_report,
         allreduce_by_rank,
     };
     if !groups.is_root() {
@@ -180,14 +180,14 @@ fn build<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<'g>, session: 
     let mut optimizer = optimizer_for(parallel_step.as_ref(), &build)?;
     let mut step: Box<dyn TrainStep<'g> + 'g> = parallel_step;
     if let Some(part) = run_part {
-        // The style's own step and optimizer (a parameter server's: the optimizer runs on the
-        // servers; the step evaluates their parameters).
+        // The style's own step and optimizer (where its optimizer runs on the ranks it set
+        // apart, and the step evaluates their parameters).
         part.check(run.precision, run.cuda_graph)?;
         step = part.clone().step(step);
         optimizer = part.clone().optimizer(step.named_parameters(), spec);
     }
     // --straggler: this rank sleeps in every step (any strategy).
-    let optimizer = crate::parallel::parameter_server::Straggled::wrap(optimizer, exp.parallel_args().straggler, groups.world.rank());
+    let optimizer = crate::parallel::Straggled::wrap(optimizer, exp.parallel_args().straggler, groups.world.rank());
     let name = super::files::run_name(exp, device);
     Ok((Built { plan, step, optimizer, recipe, sources, sync, name, data_identity: exp.data_identity(data) }, meter))
 }

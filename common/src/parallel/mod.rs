@@ -42,8 +42,10 @@ pub mod zero;
 
 pub use costs::Costs;
 pub use horovod::DistributedOptimizer;
-pub use job::{Job, RunPart};
+pub use job::{Job, JobSpec, RunPart, StyleReport};
 pub use local::LocalStep;
+/// `--straggler`: a rank made slow in every step, under any style.
+pub use parameter_server::Straggled;
 pub use peers::Peers;
 pub use ranks::{Parallel, Replication};
 

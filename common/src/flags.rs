@@ -477,6 +477,23 @@ impl ParallelArgs {
         (self.strategy == StrategyFlag::ParameterServer).then_some(Config { servers: self.servers.unwrap_or(1), mode })
     }
 
+    /// What these flags ask of the job before its ranks start (the ranks a style sets apart).
+    pub fn job(&self) -> crate::parallel::JobSpec {
+        crate::parallel::JobSpec::new(self.parameter_server())
+    }
+
+    /// The data-parallel style these flags ask for over `layout`'s replicas, where the preset
+    /// says `preset`: what `--estimate-memory` counts (a training run's job says the same:
+    /// [`crate::parallel::RunPart::sync`], else [`crate::parallel::GradientSync::of_run`]).
+    pub fn sync(&self, preset: crate::parallel::GradientSync, layout: crate::comm::Layout) -> crate::parallel::GradientSync {
+        if self.parameter_server().is_some() {
+            // Parameter-server hook.
+            return crate::parallel::GradientSync::ParameterServer;
+        }
+        // HSDP where the shard groups are fewer replicas than all of them (`Groups::shard_groups`).
+        crate::parallel::GradientSync::of_run(preset, self.zero_stage(), layout.state_shards() < layout.dp)
+    }
+
     /// The ZeRO stage `--zero` asks for (none for 0).
     pub fn zero_stage(&self) -> Option<crate::parallel::zero::ZeroStage> {
         crate::parallel::zero::ZeroStage::from_flag(self.zero)

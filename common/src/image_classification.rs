@@ -564,7 +564,7 @@ impl Experiment for ImageExperiment<'_> {
             bytes_per_image: probe.bytes_per_image,
             batch: recipe.batch_size,
             state_shards: layout.state_shards(),
-            zero: self.args.parallel.zero_stage(),
+            sync: self.args.parallel.sync(self.preset.sync, layout),
             optimizer_k: crate::memory::optimizer_bytes_per_parameter(recipe.optimizer, recipe.momentum),
             bucket_bytes: self.args.parallel.bucket_mb * crate::memory::MIB,
             input_batch_bytes: (recipe.batch_size * (image_bytes + 8)) as f64,

@@ -250,7 +250,7 @@ fn auto_layout(preset: &Preset, lm: &LmArgs, pipeline: Option<&PipelineArgs>) ->
     let (c, line) = auto::choose(&lm.auto, &shape, trainer)?;
     let mut lm = lm.clone();
     lm.tp = (trainer == Trainer::Exercise3Tp || c.tp > 1).then_some(c.tp);
-    lm.parallel.zero = c.zero.map_or(0, |stage| stage.number());
+    lm.parallel.zero = c.sync.zero_stage().map_or(0, |stage| stage.number());
     lm.parallel.shard_group = c.shard_group;
     lm.sequence_parallel = c.sequence_parallel;
     lm.recipe.batch_size = Some(c.replica_batch() as usize);
@@ -721,7 +721,7 @@ impl Experiment for LmExperiment<'_> {
             checkpoint_activations: recompute,
             stages_share_a_device: shared_device,
             keyed_masks: self.pipeline.is_some() || layout.tp > 1,
-            zero: self.args.parallel.zero_stage(),
+            sync: self.args.parallel.sync(self.preset.sync, layout),
             optimizer_k: crate::memory::optimizer_bytes_per_parameter(recipe.optimizer, recipe.momentum),
             update_bytes_per_parameter: crate::memory::update_bytes_per_parameter(recipe.optimizer),
             bucket_bytes: self.args.parallel.bucket_mb * crate::memory::MIB,

@@ -209,7 +209,7 @@ fn sequence_parallelism_saves_what_the_estimate_counts() -> usize {
         checkpoint_activations: false,
         stages_share_a_device: false,
         keyed_masks: true,
-        zero: None,
+        sync: common::parallel::GradientSync::Ddp,
         optimizer_k: 0.0,
         update_bytes_per_parameter: 0.0,
         bucket_bytes: 0.0,

@@ -126,10 +126,9 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
     exp.recipe_args().check()?;
     parallel.check()?;
     recorded_flags(exp)?;
-    if parallel.parameter_server().is_some() && (run.checkpoint_every.is_some() || run.checkpoint_minutes.is_some()) {
-        // Said before the ranks start; train::fit refuses it too (its workers never step together).
-        return usage("--checkpoint-every and --checkpoint-minutes need workers that step together: not with --strategy parameter-server (it checkpoints at epochs' ends)");
-    }
+    // What the style refuses of the run's flags, said before the ranks start.
+    let job_spec = parallel.job();
+    job_spec.check(run.checkpoint_every.is_some() || run.checkpoint_minutes.is_some())?;
     // Before the data are read: the data set counts in the peak memory's baseline.
     memory::count_cpu_tensors()?;
     device::keep_freed_host_memory();
@@ -173,14 +172,11 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
         if layout.dp > 1 && run.precision.weights_kind().is_some() && run.device == DeviceChoice::Cpu {
             return usage(crate::parallelize::cannot_average(run.precision, layout.dp, "mpi", Device::Cpu));
         }
-        let servers = parallel.parameter_server().map_or(0, |ps| ps.servers);
-        if let Some(warning) = launch::check_rank_count(n, servers, run.device, parallel.max_ranks_per_core, parallel.share_gpu)? {
+        if let Some(warning) = launch::check_rank_count(n, job_spec.ranks_apart(), run.device, parallel.max_ranks_per_core, parallel.share_gpu)? {
             session_observers(exp, true, listeners).warn(warning)?;
         }
     }
-    let asynchronous = parallel.parameter_server().is_some_and(|ps| !matches!(ps.mode, crate::parallel::parameter_server::Mode::Sync));
-    let stops = if asynchronous { launch::StopsAt::EpochEnd } else { launch::StopsAt::Step };
-    if launch::start_ranks_if_asked(parallel.nproc_per_node, stops)? {
+    if launch::start_ranks_if_asked(parallel.nproc_per_node, job_spec.stops_at())? {
         return Ok(Vec::new());
     }
     let env = env?;
@@ -193,12 +189,11 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
         (true, false) => Some("note: --share-gpu places ranks on GPUs; these train on the CPU, where it changes nothing".to_string()),
         _ => None,
     };
-    let servers = parallel.parameter_server();
     // Errors on one rank abort every rank (MPI_Abort) instead of leaving the others waiting.
-    ProcessGroup::run(Job::backend(parallel.backend, servers.as_ref()), |world| {
-        // The style may set ranks apart (parameter servers): they work here until the job is
-        // done; the others train as data-parallel replicas over a group of their own.
-        let job = Job::start(world, servers)?;
+    ProcessGroup::run(Job::backend(parallel.backend, job_spec), |world| {
+        // The style may set ranks apart: they work here until the job is done; the others
+        // train as data-parallel replicas over a group of their own.
+        let job = Job::start(world, job_spec)?;
         if job.serve()? {
             return Ok(Vec::new());
         }

@@ -37,8 +37,8 @@ pub(super) struct Measured {
     pub params: i64,
     /// Every step's mean loss on rank 0's replica (after a resume: the steps this run took).
     pub step_losses: Vec<f64>,
-    /// The servers' figures (staleness) of a parameter-server run, on worker 0.
-    pub parameter_server: Option<crate::parallel::parameter_server::Report>,
+    /// The style's own figures ([`crate::parallel::RunPart::finish`]), on rank 0.
+    pub style_report: Option<crate::parallel::StyleReport>,
     /// Every rank's time in the gradients' averaging, by rank of the training group.
     pub allreduce_by_rank: Vec<f64>,
 }
@@ -50,7 +50,7 @@ struct RunResults<'a> {
     step_losses: &'a [f64],
     resumed_epochs: usize,
     world_size: usize,
-    /// The host each job rank ran on (parameter servers included), by job rank.
+    /// The host each job rank ran on (ranks a style set apart included), by job rank.
     hosts: Vec<String>,
     layout: Layout,
     dp: usize,
@@ -76,8 +76,9 @@ struct RunResults<'a> {
     /// With data-parallel replicas: how they averaged.
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     replicas: Option<ReplicaResults>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    parameter_server: Option<&'a crate::parallel::parameter_server::Report>,
+    /// The style's own figures, under its name.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    style_report: Option<&'a crate::parallel::StyleReport>,
     /// What checkpointing cost: training time blocked (gathering, copying to host memory) and
     /// the background writes' time, on rank 0.
     checkpoints: train::CheckpointStats,
@@ -174,7 +175,7 @@ fn say_measurements(measured: &Measured, groups: &Groups, device: Device, sessio
             session.info(format!("rank 0's communication per training step: {}", per_step.all.describe()))?;
         }
     }
-    if let Some(report) = &measured.parameter_server {
+    if let Some(report) = &measured.style_report {
         session.info(report.describe())?;
     }
     let saved = measured.fit.checkpoints;
@@ -225,7 +226,7 @@ fn run_results<'a, E: Experiment>(exp: &E, built: &'a Built<'_, E::Model>, measu
             bucket_mb: parallel.bucket_mb,
             fp16_allreduce: parallel.fp16_allreduce,
         }),
-        parameter_server: measured.parameter_server.as_ref(),
+        style_report: measured.style_report.as_ref(),
         matmul_precision: run.matmul_precision.name(),
         scale_lr: exp.recipe_args().scale_lr || exp.preset().recipe_for(exp.recipe_args()).scale_lr,
         warmup_epochs: exp.recipe_args().warmup_epochs.unwrap_or(0),

@@ -33,7 +33,6 @@ pub(super) struct Built<'g, M> {
     pub optimizer: Box<dyn Optimizer + 'g>,
     pub recipe: RunRecipe,
     pub sources: Sources,
-    pub zero: Option<ZeroStage>,
     /// The data-parallel style the replicas keep their copies equal by.
     pub sync: GradientSync,
     /// `<exercise>-<model>-<device>`: the results' and checkpoints' name.
@@ -42,8 +41,8 @@ pub(super) struct Built<'g, M> {
     pub data_identity: serde_json::Value,
 }
 
-/// What the job's style keeps for the run ([`crate::parallel::Job::run_part`]: a
-/// parameter-server worker's link to its servers); none for most styles.
+/// What the job's style keeps for the run ([`crate::parallel::Job::run_part`]: its link to the
+/// ranks it set apart); none for most styles.
 pub(super) type RunPartRef<'w> = Option<&'w Rc<dyn RunPart + 'w>>;
 
 /// Where a run trains: the job's groups, what its style keeps for the run (if anything) and
@@ -82,9 +81,9 @@ pub(super) fn train_on<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<
     let Built { step, optimizer, sources, .. } = &mut built;
     let fit = train::fit(step.as_mut(), optimizer.as_mut(), sources.train.as_ref(), sources.eval.as_ref(), &config, &mut observers);
     if let (Err(stopped), Some(part)) = (&fit, run_part) {
-        // Ranks stopped by a signal (with their checkpoint) are done too: what the style set
-        // apart (servers, which serve until every worker says so) must hear it, or the job
-        // never ends.
+        // Ranks stopped by a signal (with their checkpoint) are done too: the ranks the style
+        // set apart (which serve until every rank that trains says so) must hear it, or the
+        // job never ends.
         if stopped.is::<crate::error::Stopped>() {
             part.finish()?;
         }
@@ -94,8 +93,8 @@ pub(super) fn train_on<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<
         fit => fit?,
     };
     let communication = groups.comm_stats().since(before);
-    // Every rank says it is done (to the servers); rank 0 gets the style's figures.
-    let parameter_server = run_part.map(|part| part.finish()).transpose()?.flatten();
+    // Every rank says it is done (to the ranks set apart); rank 0 gets the style's figures.
+    let style_report = run_part.map(|part| part.finish()).transpose()?.flatten();
     drop(observers);
     if fit.steps == 0 && !exp.run_args().eval_only {
         // A finished run resumed (a requeued or resubmitted job): its results stay as they are,
@@ -116,7 +115,7 @@ pub(super) fn train_on<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<
         peaks: test.peaks,
         params: test.params,
         step_losses: losses.borrow().clone(),
-        parameter_server,
+        style_report,
         allreduce_by_rank,
     };
     if !groups.is_root() {
@@ -181,16 +180,16 @@ fn build<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<'g>, session: 
     let mut optimizer = optimizer_for(parallel_step.as_ref(), &build)?;
     let mut step: Box<dyn TrainStep<'g> + 'g> = parallel_step;
     if let Some(part) = run_part {
-        // The style's own step and optimizer (a parameter server's: the optimizer runs on the
-        // servers; the step evaluates their parameters).
+        // The style's own step and optimizer (where its optimizer runs on the ranks it set
+        // apart, and the step evaluates their parameters).
         part.check(run.precision, run.cuda_graph)?;
         step = part.clone().step(step);
         optimizer = part.clone().optimizer(step.named_parameters(), spec);
     }
     // --straggler: this rank sleeps in every step (any strategy).
-    let optimizer = crate::parallel::parameter_server::Straggled::wrap(optimizer, exp.parallel_args().straggler, groups.world.rank());
+    let optimizer = crate::parallel::Straggled::wrap(optimizer, exp.parallel_args().straggler, groups.world.rank());
     let name = super::files::run_name(exp, device);
-    Ok((Built { plan, step, optimizer, recipe, sources, zero, sync, name, data_identity: exp.data_identity(data) }, meter))
+    Ok((Built { plan, step, optimizer, recipe, sources, sync, name, data_identity: exp.data_identity(data) }, meter))
 }
 
 /// The loop's configuration for `built` (with `--cuda-graph`, the optimizer made capturable).
@@ -275,14 +274,14 @@ fn measure_after_training<E: Experiment>(
     groups: &Groups,
     fit: &mut train::FitReport,
 ) -> Result<AfterTraining> {
-    let Built { step, optimizer, sources, zero, .. } = built;
+    let Built { step, optimizer, sources, sync, .. } = built;
     let replica_group = step.sync().replicas();
     if let Some(group) = replica_group {
         step.sync().materialize()?;
         train::check_replicas_agree(&step.named_variables(), group)?;
         step.sync().release(false)?;
     }
-    let memory = ModelState::measure(&step.named_parameters(), step.sync().frozen(), optimizer.as_ref(), groups.layout.dp, *zero);
+    let memory = ModelState::measure(&step.named_parameters(), step.sync().frozen(), optimizer.as_ref(), groups.layout.dp, *sync);
     let peaks = memory::gather(&meter.borrow().peaks(groups.world.rank())?, groups.world)?;
     let params = results::step_parameter_count(groups, step.as_ref())?;
     let sums = match &sources.test {

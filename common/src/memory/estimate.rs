@@ -1,6 +1,7 @@
 //! `--estimate-memory`: what each rank will hold, before anything is launched. For the given
 //! model, layout (dp × pp × tp), ZeRO stage, precision, batch and micro-batches, per rank:
-//! the parameters, gradients and optimizer state (exact: ZeRO's formulas, [`super::model_state_parts`]),
+//! the parameters, gradients and optimizer state (exact: the style's formulas,
+//! [`crate::parallel::Costs::model_state`]),
 //! the activations the forward passes keep for the backward passes, and what a pass holds on
 //! top of them at its peak.
 //!
@@ -15,11 +16,13 @@
 //! ([`crate::pipeline::schedule::device_ops`]) and adding at each what that pass itself holds
 //! at its most: the loss's gradients on the last stage, the output layer's and the embedding's
 //! fresh gradients beside those earlier backward passes summed, the gradient received from the
-//! next stage, ZeRO-3's gathered and reduced parts; then the update after the passes: the gradient averager's
-//! largest bucket, ZeRO's flattened buckets, slices and block gradient and the buffers of
-//! publishing the blocks, the optimizer's temporaries. Each term is a tensor the code makes
-//! (the comments name it), found with the counting allocator's trace of what is held at the
-//! peak (`TORCH_EXT_PEAK_TRACE=<path>`, [`crate::torch_ext::trace_cpu_memory_dump`]). The CPU
+//! next stage, ZeRO-3's gathered and reduced parts; then the update after the passes, as the
+//! run's data-parallel style counts it ([`crate::parallel::Costs::update_bytes`]: the gradient
+//! averager's largest bucket, ZeRO's flattened buckets, slices and block gradient and the
+//! buffers of publishing the blocks, the optimizer's temporaries). Each term is a tensor the
+//! code makes (the comments name it), found with the counting allocator's trace of what is
+//! held at the peak (`TORCH_EXT_PEAK_TRACE=<path>`, [`crate::torch_ext::trace_cpu_memory_dump`]).
+//! The CPU
 //! figures were checked tensor by tensor against `torch.autograd.graph.saved_tensors_hooks`
 //! and against the measured peak (tests/memory.rs: within 5% for the whole model, ZeRO 1 to 3,
 //! HSDP, tensor parallelism with and without sequence parallelism, GPipe, 1F1B and interleaved
@@ -30,11 +33,12 @@
 use serde::Serialize;
 
 use crate::models::TransformerConfig;
-use crate::parallel::zero::ZeroStage;
+use crate::parallel::costs::RankModel;
+use crate::parallel::GradientSync;
 use crate::pipeline::{schedule, Partition, Placement, Schedule};
 use crate::precision::Precision;
 
-use super::{model_state_parts, MIB};
+use super::MIB;
 
 /// What one rank (or all the ranks that hold alike: the row says which) will hold, in bytes.
 #[derive(Debug, Clone, Serialize)]
@@ -169,7 +173,8 @@ pub struct TransformerJob {
     pub stages_share_a_device: bool,
     /// Keyed dropout masks (pipelines and tensor-parallel stages) rather than LibTorch's own.
     pub keyed_masks: bool,
-    pub zero: Option<ZeroStage>,
+    /// The data-parallel style: how it divides the model state, and what averaging holds.
+    pub sync: GradientSync,
     /// Bytes of optimizer state per parameter (ZeRO's K).
     pub optimizer_k: f64,
     /// Bytes per element of the largest parameter that the optimizer's update allocates beside
@@ -253,10 +258,12 @@ impl TransformerJob {
         let cfg = &self.config;
         let (v, d, h, tp) = (cfg.ntoken as f64, cfg.d_model as f64, cfg.d_hid as f64, self.tp as f64);
         let mut list = Vec::new();
-        if stage == 0 {
+        // The first stage holds the embedding, the last the output layer.
+        let (first, last) = (0, self.partition.stages() - 1);
+        if stage == first {
             list.push(("embedding.weight".to_string(), v * d / tp));
         }
-        if stage + 1 == self.partition.stages() {
+        if stage == last {
             list.push(("linear.weight".to_string(), v * d / tp));
             list.push(("linear.bias".to_string(), v / tp));
         }
@@ -304,8 +311,17 @@ impl TransformerJob {
         let mixed = self.precision != Precision::Full;
         // The device's parameters in the order its ranks list them (the buckets' order).
         let params: Vec<(String, f64)> = stages.iter().flat_map(|&s| self.stage_parameter_list(s)).collect();
-        let psi: f64 = params.iter().map(|(_, n)| n).sum();
-        let (parameters, gradients, optimizer) = model_state_parts(psi, self.optimizer_k, self.state_shards as f64, self.zero);
+        let rank = RankModel {
+            params: &params,
+            state_shards: self.state_shards,
+            replicas: self.replicas,
+            bucket_bytes: self.bucket_bytes,
+            update_bytes_per_parameter: self.update_bytes_per_parameter,
+        };
+        let psi = rank.psi();
+        let style = self.sync.strategy();
+        let state = style.model_state(psi, self.optimizer_k, self.state_shards as f64);
+        let (parameters, gradients, optimizer) = (state.parameters, state.gradients, state.optimizer);
         // The token embedding's positional encoding (`[MAX_LEN, 1, d]`, float32, whole on every
         // shard), a buffer the stage holding the embedding keeps.
         let buffers = if stages.contains(&0) { 4.0 * crate::models::transformer::MAX_LEN as f64 * d } else { 0.0 };
@@ -372,26 +388,12 @@ impl TransformerJob {
         let recompute = self.checkpoint_activations && self.placement.stages() > 1;
         let kept = |s: usize| if recompute { input_bytes(s) } else { stage_bytes(s) };
 
-        // ZeRO's buckets of this rank's parameters (elements, each padded to a multiple of the
-        // ranks as `parallel::zero::Buckets` pads them), and the gradient averager's.
-        let n = self.state_shards as f64;
-        let padded = |elements: f64| (elements / n).ceil() * n;
-        let zero_buckets: Vec<f64> = match self.zero {
-            None => Vec::new(),
-            Some(ZeroStage::OptimizerState) => vec![padded(psi)],
-            Some(ZeroStage::Gradients) => zero2_buckets(&params, self.bucket_bytes).into_iter().map(padded).collect(),
-            Some(ZeroStage::Parameters) => zero3_parts(&params).into_iter().map(padded).collect(),
-        };
-        let psi_padded: f64 = zero_buckets.iter().sum();
-        // ZeRO-2 and 3 reduce a bucket (a part) once its gradients are all there: the bucket
-        // flattened (`Buckets::flat`), this rank's slice of the reduce-scatter, and the block's
-        // gradient (made at the step's first reduction); beside them the bucket's whole
-        // gradients (and at stage 3 its parameters).
-        let zero_reduce = |elements: f64| 4.0 * padded(elements) * (1.0 + 1.0 / n) + 4.0 * psi_padded / n;
-        // ZeRO-3 gathers a part as its forward and its backward pass start: the all-gather's
-        // buffer of every rank's slice, the slices put together (`Buckets::unslice`'s cat), and
-        // the parameters' own storage refilled: twice the padded part and the part.
-        let gather = |elements: f64| 4.0 * (2.0 * padded(elements) + elements);
+        // How the style divides this rank's state (ZeRO's buckets), where it does; and where
+        // it keeps the parameters sharded (ZeRO-3, HSDP), the output layer gathered for its
+        // passes and reduced after its backward pass, counted here as the passes hold them
+        // (the other parts' are counted in the update: `Costs::update_bytes`).
+        let sharding = style.sharding(&rank);
+        let gathered = sharding.filter(|_| style.parameters_sharded());
 
         // The forward and backward passes, op by op as the schedule runs them on this device:
         // the activations of the micro-batches it holds, and at each op what the op itself
@@ -409,9 +411,9 @@ impl TransformerJob {
                 schedule::Direction::Forward => {
                     live += kept(s);
                     let mut at = live + grads;
-                    if self.zero == Some(ZeroStage::Parameters) && s == last {
+                    if let Some(sharding) = gathered.filter(|_| s == last) {
                         // The output layer gathered for its forward pass (its logits not yet made).
-                        at = at - loss_saved + gather((v * d + v) / tp);
+                        at = at - loss_saved + sharding.gather((v * d + v) / tp);
                     }
                     passes = passes.max(at);
                 }
@@ -428,14 +430,14 @@ impl TransformerJob {
                         // backward pass starts from (`(output · grad).sum()`).
                         held_now + grads + 8.0 * t * d * rows
                     };
-                    if self.zero == Some(ZeroStage::Parameters) && s == last {
+                    if let Some(sharding) = gathered.filter(|_| s == last) {
                         // The output layer gathered again for its backward pass, the gradient
                         // of the logits in place of the log-probabilities; then its part
                         // reduced, the logits' gradient gone: the part's parameters and whole
                         // gradients, the part flattened, this rank's slice, the block's gradient.
                         let part = (v * d + v) / tp;
-                        at = at.max(at_output_layer + grads + gather(part));
-                        at = at.max(at_output_layer - logits_bytes + zero_reduce(part) + 8.0 * part);
+                        at = at.max(at_output_layer + grads + sharding.gather(part));
+                        at = at.max(at_output_layer - logits_bytes + sharding.reduce(part) + 8.0 * part);
                     }
                     if s == 0 {
                         // The embedding's backward, the other layers' activations of this
@@ -455,45 +457,14 @@ impl TransformerJob {
         let transient = passes - activations.min(passes);
 
         // After the passes (the activations gone): averaging the gradients over the replicas
-        // and the update, beside the gradients.
-        let largest = params.iter().map(|(_, n)| *n).fold(0.0, f64::max);
-        let update = match self.zero {
-            // Plain replicas: each bucket flattened (`GradientAverager`'s cat) and the
-            // all-reduce's result buffer; the optimizer's own temporaries.
-            None => {
-                let sync = if self.state_shards > 1 { 2.0 * 4.0 * average_buckets(&params, self.bucket_bytes).into_iter().fold(0.0, f64::max) } else { 0.0 };
-                gradients + sync.max(self.update_bytes_per_parameter * largest)
-            }
-            // ZeRO-1: reducing (the whole gradients flattened, this rank's slice and the block's
-            // gradient), then publishing (the all-gather's buffer of every block and the
-            // buckets put together, `Buckets::unblock`), the whole gradients still held.
-            Some(ZeroStage::OptimizerState) => {
-                let block = 4.0 * psi_padded / n;
-                gradients + zero_reduce(psi).max(block + 2.0 * 4.0 * psi_padded)
-            }
-            // ZeRO-2: each bucket reduced as the backward pass ends its gradients (counted
-            // here without the activations its earlier layers still hold), then publishing as
-            // ZeRO-1 (every bucket's cat) beside the block's gradient.
-            Some(ZeroStage::Gradients) => {
-                let unpadded = zero2_buckets(&params, self.bucket_bytes);
-                let reduce = unpadded.iter().map(|&b| 4.0 * b + zero_reduce(b)).fold(0.0, f64::max);
-                reduce.max(gradients + 2.0 * 4.0 * psi_padded)
-            }
-            // ZeRO-3: each part reduced at the end of its backward pass (the output layer's
-            // is counted in the passes; here the others, without the activations the earlier
-            // layers still hold); then the block's gradient (HSDP: averaged over the shard
-            // groups, the all-reduce's result buffer beside it).
-            Some(ZeroStage::Parameters) => {
-                let parts = zero3_parts(&params);
-                let reduce = parts.iter().map(|&p| 8.0 * p + zero_reduce(p)).fold(0.0, f64::max);
-                reduce.max(gradients * if self.state_shards < self.replicas { 2.0 } else { 1.0 })
-            }
+        // and the update, beside the gradients, as the style does them.
+        let update = style.update_bytes(&rank, gradients);
+        // Replicas that divide the state start from replica 0's model, before the first step
+        // made any optimizer state.
+        let startup = match sharding.filter(|_| self.replicas > 1) {
+            Some(sharding) => sharding.startup(psi, buffers),
+            None => 0.0,
         };
-        // Replicas under ZeRO start from replica 0's model: the variables broadcast whole (at
-        // stage 3 gathered for it), then the block refreshed from them (`Shards::refresh_block`:
-        // every bucket flattened, the fresh block beside the block), before the first step made
-        // any optimizer state.
-        let startup = if self.zero.is_some() && self.replicas > 1 { buffers + 4.0 * psi + 4.0 * psi_padded + 2.0 * 4.0 * psi_padded / n } else { 0.0 };
         let total = (buffers + parameters + optimizer + passes.max(update)).max(startup);
         RankEstimate {
             ranks: match (self.placement.devices, self.placement.virtual_stages) {
@@ -513,74 +484,6 @@ impl TransformerJob {
             layers: stages.iter().map(|&s| self.partition.layers[s].clone().count()).sum(),
             micro_batches_held: held,
         }
-    }
-}
-
-/// ZeRO-2's buckets of `params` (elements each): in the order gradients arrive (the list
-/// reversed), a bucket closed once it holds `bucket` bytes or more
-/// (`parallel::zero::Shards::build`).
-fn zero2_buckets(params: &[(String, f64)], bucket: f64) -> Vec<f64> {
-    let mut buckets = vec![0.0];
-    for (_, n) in params.iter().rev() {
-        if 4.0 * buckets.last().expect("a bucket") >= bucket {
-            buckets.push(0.0);
-        }
-        *buckets.last_mut().expect("a bucket") += n;
-    }
-    buckets
-}
-
-/// ZeRO-3's parts of `params` (elements each): the embedding, each encoder layer, the output
-/// layer (`TransformerLm::part_of`).
-fn zero3_parts(params: &[(String, f64)]) -> Vec<f64> {
-    let mut parts: Vec<(String, f64)> = Vec::new();
-    for (name, n) in params {
-        let part = match name.strip_prefix("transformer_encoder.layers.") {
-            Some(rest) => rest.split('.').next().unwrap_or_default().to_string(),
-            None => name.split('.').next().unwrap_or_default().to_string(),
-        };
-        match parts.iter_mut().find(|(p, _)| *p == part) {
-            Some((_, total)) => *total += n,
-            None => parts.push((part, *n)),
-        }
-    }
-    parts.into_iter().map(|(_, n)| n).collect()
-}
-
-/// The gradient averager's buckets of `params` (elements each), in their order: as many
-/// consecutive gradients as fit `bucket` bytes, a larger one alone
-/// (`comm::data_parallel::GradientAverager`).
-fn average_buckets(params: &[(String, f64)], bucket: f64) -> Vec<f64> {
-    let mut buckets = Vec::new();
-    let mut rest = params;
-    while !rest.is_empty() {
-        let mut bytes = 0.0;
-        let len = rest
-            .iter()
-            .take_while(|(_, n)| {
-                bytes += 4.0 * n;
-                bytes <= bucket
-            })
-            .count()
-            .max(1);
-        buckets.push(rest[..len].iter().map(|(_, n)| n).sum());
-        rest = &rest[len..];
-    }
-    buckets
-}
-
-/// An image model's: what averaging the gradients over `dp` replicas holds beside them, for `psi` parameters and
-/// buckets of `bucket` bytes (`--bucket-mb`): plain data parallelism a bucket's flat copy and its
-/// average; ZeRO-1 and 2 a bucket of gradients flattened for the reduce-scatter and the
-/// parameters gathered whole again after the update; ZeRO-3 a bucket (its parts are gathered in
-/// the passes, counted as the passes' transient).
-fn gradient_sync_bytes(psi: f64, dp: usize, zero: Option<ZeroStage>, bucket: f64) -> f64 {
-    let (grads, bucket) = (4.0 * psi, bucket.min(4.0 * psi));
-    match (dp, zero) {
-        (1, _) => 0.0,
-        (_, None) => 2.0 * bucket,
-        (_, Some(ZeroStage::OptimizerState | ZeroStage::Gradients)) => bucket + grads,
-        (_, Some(ZeroStage::Parameters)) => bucket,
     }
 }
 
@@ -617,7 +520,8 @@ pub struct ImageJob {
     pub batch: usize,
     /// As [`TransformerJob::state_shards`].
     pub state_shards: usize,
-    pub zero: Option<ZeroStage>,
+    /// As [`TransformerJob::sync`].
+    pub sync: GradientSync,
     pub optimizer_k: f64,
     /// `--bucket-mb` in bytes.
     pub bucket_bytes: f64,
@@ -628,17 +532,22 @@ pub struct ImageJob {
 
 impl ImageJob {
     pub fn estimate(&self) -> RankEstimate {
-        let (trained, gradients, optimizer) = model_state_parts(self.params, self.optimizer_k, self.state_shards as f64, self.zero);
-        let parameters = trained + 4.0 * self.frozen_params;
+        let style = self.sync.strategy();
+        let state = style.model_state(self.params, self.optimizer_k, self.state_shards as f64);
+        let (gradients, optimizer) = (state.gradients, state.optimizer);
+        let parameters = state.parameters + 4.0 * self.frozen_params;
         let activations = self.batch as f64 * self.bytes_per_image;
         let mut transient = self.batches_held as f64 * self.input_batch_bytes;
-        if self.zero == Some(ZeroStage::Parameters) {
+        if style.parameters_sharded() {
+            // The parts gathered for the passes (ZeRO-3, HSDP).
             transient += 2.0 * 4.0 * self.params;
         }
         // The backward pass meets the last layers first, where a convolutional network keeps
         // most of its weights and fewest activations: their gradients appear while the first
         // layers' activations are still held, so count both.
-        let update = gradient_sync_bytes(self.params, self.state_shards, self.zero, self.bucket_bytes).max(2.0 * 4.0 * self.largest_parameter);
+        // Averaging the gradients over several replicas: what the style's holds beside them.
+        let averaging = if self.state_shards > 1 { style.averaging_bytes(self.params, self.bucket_bytes) } else { 0.0 };
+        let update = averaging.max(2.0 * 4.0 * self.largest_parameter);
         let total = parameters + optimizer + gradients + (activations + transient).max(update);
         RankEstimate {
             ranks: "every rank".into(),
@@ -755,7 +664,7 @@ mod tests {
             checkpoint_activations: false,
             stages_share_a_device: false,
             keyed_masks: false,
-            zero: None,
+            sync: GradientSync::Ddp,
             optimizer_k: 8.0,
             update_bytes_per_parameter: 0.0,
             bucket_bytes: 25.0 * MIB,
@@ -819,7 +728,7 @@ mod tests {
     #[test]
     fn zero_and_tensor_parallelism_shrink_the_model_state() {
         let plain = job(0.0).estimate()[0].clone();
-        let zero3 = TransformerJob { state_shards: 4, zero: Some(ZeroStage::Parameters), ..job(0.0) }.estimate()[0].clone();
+        let zero3 = TransformerJob { state_shards: 4, sync: GradientSync::zero(3), ..job(0.0) }.estimate()[0].clone();
         assert!((zero3.parameters + zero3.gradients + zero3.optimizer - (plain.parameters + plain.gradients + plain.optimizer) / 4.0).abs() < 1.0);
         let tp2 = TransformerJob { tp: 2, ..job(0.0) }.estimate()[0].clone();
         assert!(tp2.parameters < 0.6 * plain.parameters && tp2.parameters > 0.45 * plain.parameters);

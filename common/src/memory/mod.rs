@@ -1,7 +1,7 @@
 //! Memory, which is why pipelines, tensor parallelism and ZeRO exist: what a rank holds while
 //! it trains, measured ([`MemoryMeter`], [`PeakMemory`]) and predicted before launch
-//! (`--estimate-memory`, [`estimate`]), and the model-state part by ZeRO's formulas
-//! ([`ModelState`]), the one place those formulas are written.
+//! (`--estimate-memory`, [`estimate`]), and the model-state part by the run's style's formula
+//! ([`ModelState`]; each style writes its own: [`crate::parallel::Costs::model_state`]).
 //!
 //! Measured: on a GPU, the CUDA caching allocator's peak of bytes allocated to tensors and of
 //! bytes reserved from the driver (`torch.cuda.max_memory_allocated` and `_reserved`); on the
@@ -16,7 +16,7 @@ use tch::Device;
 
 use crate::comm::ProcessGroup;
 use crate::device;
-use crate::parallel::zero::ZeroStage;
+use crate::parallel::GradientSync;
 use crate::torch_ext;
 use crate::train::{Control, Event, Observer};
 
@@ -268,37 +268,18 @@ pub fn update_bytes_per_parameter(kind: crate::optim::OptimizerKind) -> f64 {
     }
 }
 
-/// ZeRO's accounting (Rajbhandari et al. 2019) of the model state of one rank holding `psi`
-/// parameters of a replica, `k` bytes of optimizer state per parameter, over `n` replicas:
-/// (parameters, gradients, optimizer state) in bytes. The paper counts 2-byte parameters and
-/// gradients and K = 12 for mixed-precision Adam (its float32 copy of the parameters and two
-/// moments); here parameters and gradients are float32, 4 bytes each, Adam's K is 8, and ZeRO's
-/// float32 block (the rank's copy of its share, the paper's master weights) adds 4 bytes per
-/// sharded parameter to the optimizer's part; at stage 3 the block is the parameters themselves.
-pub fn model_state_parts(psi: f64, k: f64, n: f64, zero: Option<ZeroStage>) -> (f64, f64, f64) {
-    match zero {
-        None => (4.0 * psi, 4.0 * psi, k * psi),
-        Some(ZeroStage::OptimizerState) => (4.0 * psi, 4.0 * psi, (4.0 + k) * psi / n),
-        Some(ZeroStage::Gradients) => (4.0 * psi, 4.0 * psi / n, (4.0 + k) * psi / n),
-        Some(ZeroStage::Parameters) => (4.0 * psi / n, 4.0 * psi / n, k * psi / n),
-    }
-}
-
-/// The sum of [`model_state_parts`] and the formula's name: plain replicas (8 + K)Ψ, ZeRO-1
-/// 8Ψ + (4 + K)Ψ/N, ZeRO-2 4Ψ + (8 + K)Ψ/N, ZeRO-3 (8 + K)Ψ/N.
-fn model_state_formula(psi: f64, k: f64, n: f64, zero: Option<ZeroStage>) -> (f64, &'static str) {
-    let (params, grads, optimizer) = model_state_parts(psi, k, n, zero);
-    let name = match zero {
-        None => "(8 + K)Ψ",
-        Some(ZeroStage::OptimizerState) => "ZeRO-1: 8Ψ + (4 + K)Ψ/N",
-        Some(ZeroStage::Gradients) => "ZeRO-2: 4Ψ + (8 + K)Ψ/N",
-        Some(ZeroStage::Parameters) => "ZeRO-3: (8 + K)Ψ/N",
-    };
-    (params + grads + optimizer, name)
+/// The model state of one rank holding `psi` parameters of a replica, `k` bytes of optimizer
+/// state per parameter, over `n` replicas, as the run's style `sync` divides it
+/// ([`crate::parallel::Costs::model_state`]: ZeRO's formulas are ZeRO's), and the formula's
+/// name: plain replicas (8 + K)Ψ, ZeRO-1 8Ψ + (4 + K)Ψ/N, ZeRO-2 4Ψ + (8 + K)Ψ/N, ZeRO-3
+/// (8 + K)Ψ/N.
+fn model_state_formula(psi: f64, k: f64, n: f64, sync: GradientSync) -> (f64, &'static str) {
+    let costs = sync.strategy();
+    (costs.model_state(psi, k, n).total(), costs.formula())
 }
 
 /// What one rank holds for the model after training, measured (the bytes its tensors' storages
-/// hold), beside ZeRO's formula ([`model_state_formula`]).
+/// hold), beside its style's formula ([`model_state_formula`]).
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct ModelState {
     pub params_bytes: usize,
@@ -320,7 +301,7 @@ impl ModelState {
         frozen: &[tch::Tensor],
         optimizer: &dyn crate::optim::Optimizer,
         replicas: usize,
-        zero: Option<ZeroStage>,
+        sync: GradientSync,
     ) -> Self {
         let held = torch_ext::storage_nbytes;
         let frozen_bytes = frozen.iter().map(held).sum();
@@ -340,7 +321,7 @@ impl ModelState {
         // N: the ranks the state is divided over (HSDP's shard group), where it is divided.
         let shards = optimizer.sharded().map_or(0, |s| s.shard_count());
         let n = if shards > 0 { shards } else { replicas };
-        let (formula_bytes, formula) = model_state_formula(psi, k, n as f64, zero);
+        let (formula_bytes, formula) = model_state_formula(psi, k, n as f64, sync);
         ModelState {
             params_bytes,
             grads_bytes,
@@ -413,9 +394,8 @@ mod tests {
     #[test]
     fn zero_formulas_shrink_stage_by_stage() {
         let psi = 1000.0;
-        let (plain, _) = model_state_formula(psi, 8.0, 4.0, None);
-        let stages: Vec<f64> =
-            [ZeroStage::OptimizerState, ZeroStage::Gradients, ZeroStage::Parameters].iter().map(|&z| model_state_formula(psi, 8.0, 4.0, Some(z)).0).collect();
+        let (plain, _) = model_state_formula(psi, 8.0, 4.0, GradientSync::Ddp);
+        let stages: Vec<f64> = [1, 2, 3].iter().map(|&z| model_state_formula(psi, 8.0, 4.0, GradientSync::zero(z)).0).collect();
         assert_eq!((plain, stages[0], stages[1], stages[2]), (16_000.0, 11_000.0, 8_000.0, 4_000.0));
         assert_eq!(optimizer_bytes_per_parameter(crate::optim::OptimizerKind::Sgd, 0.0), 0.0);
         assert_eq!(optimizer_bytes_per_parameter(crate::optim::OptimizerKind::Lars, 0.9), 4.0);

@@ -5,8 +5,10 @@ use std::rc::Rc;
 use anyhow::Result;
 use tch::Tensor;
 
+use super::costs::{Costs, Talk};
 use super::{BuildOptimizer, GradientSync, Replication, Strategy};
 use crate::comm::data_parallel::GradientAverager;
+use crate::comm::group::Collective;
 use crate::comm::ProcessGroup;
 use crate::error::usage;
 use crate::optim::{forward_to, Optimizer};
@@ -45,6 +47,14 @@ impl Strategy for Horovod {
         // Horovod's optimizer averages inside its step, after the whole model's backward; the
         // stages finish their gradients in the loop (DDP's place), where ZeRO-1's too.
         usage("Horovod-style averaging (inside the optimizer) is not built for pipeline stages: their replicas average DDP-style")
+    }
+}
+
+/// Plain replicas' costs (the defaults); the planner lays out DDP, whose costs these are too.
+impl Costs for Horovod {
+    /// One all-reduce of the gradients, in the optimizer's step.
+    fn communication(&self, replicas: usize, _state_shards: usize, gradient_bytes: f64) -> Vec<Talk> {
+        vec![Talk::replicas(Collective::AllReduce, replicas, gradient_bytes, 1.0)]
     }
 }
 

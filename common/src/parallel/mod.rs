@@ -9,15 +9,17 @@
 //!   ZeRO's updates this rank's block);
 //! - what finishing the gradients does after backward ([`Strategy::after_backward`]: DDP's
 //!   all-reduce) and which collective that is ([`Strategy::gradient_collective`]);
-//! - what it cannot do (pipeline stages, checkpoints between epochs).
+//! - what it cannot do (pipeline stages, checkpoints between epochs);
+//! - what it costs ([`Costs`]: the model state a rank holds, a step's communication, the
+//!   layouts the planner may give it), which the estimator and the planner ask.
 //!
 //! What every style shares lives beside them: [`Parallel`] (who a step's rank works with),
 //! [`Peers`] (the loop's [`crate::train::StepSync`]: finishing gradients, making sharded
 //! parameters whole for checkpoints, replica 0's state for every replica) and [`LocalStep`]
 //! (a whole model on this rank). The loop knows none of them: it sees the traits train/ defines.
 //!
-//! A new style is one [`GradientSync`] variant, one module with its `impl Strategy`, and its
-//! flags.
+//! A new style is one [`GradientSync`] variant, one module with its `impl Strategy` and `impl
+//! Costs`, and its flags.
 use std::rc::Rc;
 
 use anyhow::Result;
@@ -28,6 +30,7 @@ use crate::optim::Optimizer;
 use crate::train::{GradientCollective, TrainStep};
 use zero::{Shards, ZeroStage};
 
+pub mod costs;
 mod ddp;
 mod horovod;
 mod job;
@@ -37,9 +40,12 @@ mod peers;
 mod ranks;
 pub mod zero;
 
+pub use costs::Costs;
 pub use horovod::DistributedOptimizer;
-pub use job::{Job, RunPart};
+pub use job::{Job, JobSpec, RunPart, StyleReport};
 pub use local::LocalStep;
+/// `--straggler`: a rank made slow in every step, under any style.
+pub use parameter_server::Straggled;
 pub use peers::Peers;
 pub use ranks::{Parallel, Replication};
 
@@ -67,6 +73,32 @@ pub enum GradientSync {
 }
 
 impl GradientSync {
+    /// Every style, in the order the planner lays them out: plain replicas, then ZeRO's
+    /// stages, then HSDP (those it does not lay out say so: [`Costs::shard_groups`]).
+    pub const ALL: [GradientSync; 7] = [
+        GradientSync::Ddp,
+        GradientSync::Horovod,
+        GradientSync::Zero(ZeroStage::OptimizerState),
+        GradientSync::Zero(ZeroStage::Gradients),
+        GradientSync::Zero(ZeroStage::Parameters),
+        GradientSync::Hsdp,
+        GradientSync::ParameterServer,
+    ];
+
+    /// The style `--zero N` gives a run of plain replicas (0: DDP).
+    pub fn zero(stage: u8) -> GradientSync {
+        GradientSync::of_run(GradientSync::Ddp, ZeroStage::from_flag(stage), false)
+    }
+
+    /// The ZeRO stage the style runs (`--zero N`; HSDP's is 3), if any.
+    pub fn zero_stage(self) -> Option<ZeroStage> {
+        match self {
+            GradientSync::Zero(stage) => Some(stage),
+            GradientSync::Hsdp => Some(ZeroStage::Parameters),
+            GradientSync::Ddp | GradientSync::Horovod | GradientSync::ParameterServer => None,
+        }
+    }
+
     /// The style of a run whose job keeps no [`RunPart`] (a parameter-server job's part says
     /// its own): HSDP where ZeRO-3's replicas are in shard groups (`grouped`), the ZeRO stage
     /// `--zero` asks for, or else the preset's.
@@ -105,8 +137,9 @@ pub type BuildOptimizer<'b, 'o> = &'b dyn Fn(Vec<(String, Tensor)>) -> Box<dyn O
 
 /// One data-parallel style (see the module docs): what it changes in how a step is built, how
 /// its optimizer is wrapped and how its gradients are finished. Stateless: what it works over
-/// comes in a [`Replication`].
-pub trait Strategy: Sync {
+/// comes in a [`Replication`]. What it costs, the estimator's and the planner's questions, is
+/// its [`Costs`].
+pub trait Strategy: Costs + Sync {
     /// The style, as the plan and the results name it.
     fn sync(&self) -> GradientSync;
 
@@ -180,15 +213,7 @@ mod tests {
     use super::*;
     use GradientCollective::{AllReduce, ReduceScatter};
 
-    const STYLES: [GradientSync; 7] = [
-        GradientSync::Ddp,
-        GradientSync::Horovod,
-        GradientSync::Zero(ZeroStage::OptimizerState),
-        GradientSync::Zero(ZeroStage::Gradients),
-        GradientSync::Zero(ZeroStage::Parameters),
-        GradientSync::Hsdp,
-        GradientSync::ParameterServer,
-    ];
+    const STYLES: [GradientSync; 7] = GradientSync::ALL;
 
     #[test]
     fn a_run_takes_zero_then_the_presets_style() {

@@ -10,7 +10,6 @@ use super::predict::{self, Prediction};
 use super::profile::{Profile, ProfileKey};
 use crate::error::usage;
 use crate::models::TransformerConfig;
-use crate::parallel::zero::ZeroStage;
 use crate::precision::Precision;
 
 /// `--layout`'s one choice so far.
@@ -58,7 +57,7 @@ impl Trainer {
     fn runs(self, c: &Candidate) -> bool {
         match self {
             Trainer::Exercise1Nlp => c.pp == 1,
-            Trainer::Exercise3Tp => c.zero != Some(ZeroStage::Parameters),
+            Trainer::Exercise3Tp => !c.sync.strategy().parameters_sharded(),
         }
     }
 }

@@ -5,7 +5,7 @@
 use serde::Serialize;
 
 use crate::models::TransformerConfig;
-use crate::parallel::zero::ZeroStage;
+use crate::parallel::GradientSync;
 use crate::pipeline::{Placement, Schedule};
 use crate::precision::Precision;
 
@@ -17,7 +17,10 @@ pub struct Candidate {
     pub tp: usize,
     /// HSDP: ZeRO-3 within shard groups of this many replicas (`--shard-group`).
     pub shard_group: Option<usize>,
-    pub zero: Option<ZeroStage>,
+    /// The data-parallel style (DDP, ZeRO's stages, HSDP). Written as `--zero`'s stage, the
+    /// plan's JSON key since before the styles stated their own costs.
+    #[serde(rename = "zero", serialize_with = "zero_stage")]
+    pub sync: GradientSync,
     pub schedule: Schedule,
     pub virtual_stages: usize,
     /// Micro-batches per replica's batch (`--chunks`).
@@ -71,7 +74,7 @@ impl Candidate {
             flags.push(format!("--pp {}", self.pp));
         }
         flags.push(format!("--batch-size {}", self.replica_batch()));
-        if let Some(stage) = self.zero {
+        if let Some(stage) = self.sync.zero_stage() {
             flags.push(format!("--zero {}", stage.number()));
         }
         if let Some(group) = self.shard_group {
@@ -109,6 +112,11 @@ pub struct Space {
     pub hosts_per_machine: usize,
 }
 
+/// A candidate's style as its JSON has it: `--zero`'s stage (null without ZeRO).
+fn zero_stage<S: serde::Serializer>(sync: &GradientSync, serializer: S) -> Result<S::Ok, S::Error> {
+    sync.zero_stage().serialize(serializer)
+}
+
 fn divisors(n: usize) -> impl Iterator<Item = usize> {
     (1..=n).filter(move |d| n.is_multiple_of(*d))
 }
@@ -134,13 +142,13 @@ pub fn enumerate(space: &Space) -> Vec<Candidate> {
                 for (schedule, virtual_stages) in schedules(pp, chunks, space.model.nlayers) {
                     for recompute in if pp > 1 { vec![false, true] } else { vec![false] } {
                         for sequence_parallel in if tp > 1 { vec![false, true] } else { vec![false] } {
-                            for (zero, shard_group) in sharding(dp, pp * tp) {
+                            for (sync, shard_group) in sharding(dp, pp * tp) {
                                 out.push(Candidate {
                                     dp,
                                     pp,
                                     tp,
                                     shard_group,
-                                    zero,
+                                    sync,
                                     schedule,
                                     virtual_stages,
                                     chunks,
@@ -173,20 +181,12 @@ fn schedules(pp: usize, chunks: usize, nlayers: i64) -> Vec<(Schedule, usize)> {
     out
 }
 
-/// How `dp` replicas of a model cut over `model_ranks` ranks can shard their state: none or
-/// ZeRO-1 always; ZeRO-2, ZeRO-3 and HSDP (ZeRO-3 within shard groups that divide the
-/// replicas) for a whole model per rank only, as the exercises accept them.
-fn sharding(dp: usize, model_ranks: usize) -> Vec<(Option<ZeroStage>, Option<usize>)> {
-    if dp == 1 {
-        return vec![(None, None)];
-    }
-    let mut out = vec![(None, None), (Some(ZeroStage::OptimizerState), None)];
-    if model_ranks == 1 {
-        out.push((Some(ZeroStage::Gradients), None));
-        out.push((Some(ZeroStage::Parameters), None));
-        out.extend(divisors(dp).filter(|&g| g > 1 && g < dp).map(|g| (Some(ZeroStage::Parameters), Some(g))));
-    }
-    out
+/// How `dp` replicas of a model cut over `model_ranks` ranks can shard their state: each
+/// style's layouts, as it states them ([`crate::parallel::Costs::shard_groups`]: plain replicas
+/// and ZeRO-1 always; ZeRO-2, ZeRO-3 and HSDP for a whole model per rank only, as the exercises
+/// accept them).
+fn sharding(dp: usize, model_ranks: usize) -> Vec<(GradientSync, Option<usize>)> {
+    GradientSync::ALL.into_iter().flat_map(|sync| sync.strategy().shard_groups(dp, model_ranks == 1).into_iter().map(move |group| (sync, group))).collect()
 }
 
 #[cfg(test)]
@@ -207,7 +207,7 @@ mod tests {
             assert!(c.tp <= 2, "shards inside a host: {c:?}");
             assert_eq!(c.dp * c.chunks * c.micro_batch as usize, 8, "the global batch: {c:?}");
             if c.pp * c.tp > 1 {
-                assert!(matches!(c.zero, None | Some(ZeroStage::OptimizerState)) && c.shard_group.is_none(), "{c:?}");
+                assert!([GradientSync::Ddp, GradientSync::zero(1)].contains(&c.sync) && c.shard_group.is_none(), "{c:?}");
             }
             if c.pp == 1 {
                 assert_eq!((c.chunks, c.schedule, c.virtual_stages), (1, Schedule::GPipe, 1), "{c:?}");

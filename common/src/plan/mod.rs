@@ -767,7 +767,9 @@ mod tests {
     fn the_cores_a_host_gives_its_ranks_can_be_given_for_the_plan() {
         let dir = tempfile::tempdir().unwrap();
         let path = write_profile(dir.path());
-        let replicas = |plan: &Plan| plan.ranked.iter().find(|p| p.candidate.dp == 4 && p.candidate.zero.is_none()).expect("4 replicas").clone();
+        let replicas = |plan: &Plan| {
+            plan.ranked.iter().find(|p| p.candidate.dp == 4 && p.candidate.sync == crate::parallel::GradientSync::Ddp).expect("4 replicas").clone()
+        };
         let own = plan(&args(path.clone())).unwrap();
         let two = plan(&PlanArgs { cores_per_node: Some(2), ..args(path.clone()) }).unwrap();
         assert!((replicas(&two).compute_s / replicas(&own).compute_s - 2.0).abs() < 1e-9, "{:?} {:?}", replicas(&two), replicas(&own));
@@ -775,7 +777,9 @@ mod tests {
         // Two hosts of one machine (--hosts-share-cores): its 2 cores for all 8 ranks, said so.
         let machine = PlanArgs { nodes: 2, cores_per_node: Some(2), hosts_share_cores: true, between_hosts_gbps: Some(1.0), ..args(path.clone()) };
         let pooled = plan(&machine).unwrap();
-        let eight = |plan: &Plan| plan.ranked.iter().find(|p| p.candidate.dp == 8 && p.candidate.zero.is_none()).expect("8 replicas").clone();
+        let eight = |plan: &Plan| {
+            plan.ranked.iter().find(|p| p.candidate.dp == 8 && p.candidate.sync == crate::parallel::GradientSync::Ddp).expect("8 replicas").clone()
+        };
         let split = plan(&PlanArgs { hosts_share_cores: false, ..machine.clone() }).unwrap();
         assert!((eight(&pooled).compute_s / eight(&split).compute_s - 2.0).abs() < 1e-9, "{:?} {:?}", eight(&pooled), eight(&split));
         assert!(

@@ -33,7 +33,7 @@ use super::timeline::{self, StageCosts};
 use super::variability;
 use crate::error::UsageError;
 use crate::memory::estimate::TransformerJob;
-use crate::parallel::zero::ZeroStage;
+use crate::parallel::costs::{Among, Talk};
 use crate::pipeline::Partition;
 use crate::precision::Precision;
 
@@ -201,7 +201,7 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
         checkpoint_activations: c.recompute,
         stages_share_a_device: false,
         keyed_masks: c.pp * c.tp > 1,
-        zero: c.zero,
+        sync: c.sync,
         optimizer_k: crate::memory::optimizer_bytes_per_parameter(profile.optimizer.kind, 0.9),
         update_bytes_per_parameter: crate::memory::update_bytes_per_parameter(profile.optimizer.kind),
         bucket_bytes: 25.0 * crate::memory::MIB,
@@ -314,36 +314,30 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
     let parameters = (0..c.pp).map(|device| c.placement().stages_of(device).map(|s| job.stage_parameters(s)).sum::<f64>()).fold(0.0, f64::max);
     let gradient_bytes = parameters * 4.0;
     let replica = c.pp * c.tp;
-    let dp_span = Span::of(c.dp, replica, gpus);
-    let exposed = match (c.zero, c.shard_group) {
-        (_, _) if c.dp == 1 => 0.0,
-        (Some(ZeroStage::Parameters), Some(group)) => {
-            let group_span = Span::of(group, replica, gpus);
-            links.seconds(group_span, Collective::ReduceScatter, gradient_bytes, group)?
-                + 2.0 * links.seconds(group_span, Collective::AllGather, gradient_bytes, group)?
-                + links.seconds(Span::of(c.dp / group, group * replica, gpus), Collective::AllReduce, gradient_bytes / group as f64, c.dp / group)?
-        }
-        (Some(ZeroStage::Parameters), None) => {
-            links.seconds(dp_span, Collective::ReduceScatter, gradient_bytes, c.dp)?
-                + 2.0 * links.seconds(dp_span, Collective::AllGather, gradient_bytes, c.dp)?
-        }
-        (Some(_), _) => {
-            links.seconds(dp_span, Collective::ReduceScatter, gradient_bytes, c.dp)? + links.seconds(dp_span, Collective::AllGather, gradient_bytes, c.dp)?
-        }
-        (None, _) => links.seconds(dp_span, Collective::AllReduce, gradient_bytes, c.dp)?,
-    } + if c.dp > 1 {
-        // Packing the gradients into buckets and back, beyond the collectives (as measured for
-        // the exercises' average; ZeRO's buckets copy as much).
-        parameters * profile.gradient_sync.map_or(0.0, |sync| sync.overhead_seconds_per_parameter())
-    } else {
+    // The style's collectives (`Costs::communication`), each timed over its replicas' span of
+    // the machine.
+    let style = c.sync.strategy();
+    let state_shards = c.shard_group.unwrap_or(c.dp);
+    let talk_seconds = |sum: f64, talk: Talk| -> Result<f64, UsageError> {
+        let Among::Replicas { count, stride } = talk.among else {
+            return Err(UsageError(format!("{:?} talks with ranks the planner does not lay out", c.sync)));
+        };
+        let collective = Collective::of(talk.collective).ok_or_else(|| UsageError(format!("the profile times no {:?}", talk.collective)))?;
+        Ok(sum + talk.times * links.seconds(Span::of(count, stride * replica, gpus), collective, talk.bytes, count)?)
+    };
+    let exposed = if c.dp == 1 {
         0.0
+    } else {
+        style.communication(c.dp, state_shards, gradient_bytes).into_iter().try_fold(0.0, talk_seconds)?
+            // Packing the gradients into buckets and back, beyond the collectives (as measured
+            // for the exercises' average; ZeRO's buckets copy as much).
+            + parameters * profile.gradient_sync.map_or(0.0, |sync| sync.overhead_seconds_per_parameter())
     };
-    let updated = match c.zero {
-        Some(_) => parameters / c.shard_group.unwrap_or(c.dp) as f64,
-        None => parameters,
-    };
+    // A rank that updates its block of the parameters (ZeRO, HSDP) steps over that block alone.
+    let sharded = style.state_sharded();
+    let updated = if sharded { parameters / state_shards as f64 } else { parameters };
     // Every rank clips and steps at once. Without ZeRO each clips every gradient it holds.
-    let clipped = if c.zero.is_some() { updated } else { parameters };
+    let clipped = if sharded { updated } else { parameters };
     let optimizer_s = (updated * profile.optimizer.seconds_per_parameter + clipped * profile.optimizer.clip_seconds_per_parameter) * all_busy;
     let step_s = line.seconds + waits_s + exposed + optimizer_s;
     let global_tokens = seq * (c.micro_batch as usize * c.chunks * c.dp) as f64;
@@ -369,6 +363,7 @@ mod tests {
     use super::*;
     use crate::models::TransformerConfig;
     use crate::optim::OptimizerKind;
+    use crate::parallel::GradientSync as Style;
     use crate::pipeline::Schedule;
 
     fn model() -> TransformerConfig {
@@ -412,7 +407,7 @@ mod tests {
             pp,
             tp,
             shard_group: None,
-            zero: None,
+            sync: Style::Ddp,
             schedule: Schedule::GPipe,
             virtual_stages: 1,
             chunks,
@@ -600,7 +595,7 @@ mod tests {
         let dp = predict(&p, &links, &s, &candidate(2, 1, 1, 1, 1)).unwrap();
         assert!((dp.exposed_comm_s - 4.0 * params * beta).abs() < 1e-9 * params, "{dp:?}");
         // ZeRO-3: reduce-scatter and two all-gathers, (n−1)/n = ½ each: 1.5 of the above.
-        let zero3 = predict(&p, &links, &s, &Candidate { zero: Some(ZeroStage::Parameters), ..candidate(2, 1, 1, 1, 1) }).unwrap();
+        let zero3 = predict(&p, &links, &s, &Candidate { sync: Style::zero(3), ..candidate(2, 1, 1, 1, 1) }).unwrap();
         assert!((zero3.exposed_comm_s / dp.exposed_comm_s - 1.5).abs() < 1e-9, "{zero3:?}");
         // Tensor parallelism: per layer 4 all-reduces of the activations (8 tokens × 32 × 4
         // bytes), plus the embedding's and the output layer's.
@@ -617,7 +612,7 @@ mod tests {
         let measured = Profile { gradient_sync: Some(sync), ..p.clone() };
         let copies = |c: Candidate| predict(&measured, &links, &s, &c).unwrap().exposed_comm_s - predict(&p, &links, &s, &c).unwrap().exposed_comm_s;
         assert!((copies(candidate(2, 1, 1, 1, 1)) - 3e-6 * params).abs() < 1e-12 * params);
-        assert!((copies(Candidate { zero: Some(ZeroStage::Parameters), ..candidate(2, 1, 1, 1, 1) }) - 3e-6 * params).abs() < 1e-12 * params);
+        assert!((copies(Candidate { sync: Style::zero(3), ..candidate(2, 1, 1, 1, 1) }) - 3e-6 * params).abs() < 1e-12 * params);
         assert_eq!(copies(candidate(1, 1, 2, 1, 1)), 0.0);
         // Faster than its fit (noise): no negative cost.
         let faster = Profile { gradient_sync: Some(GradientSync { seconds: 0.001, ..sync }), ..p.clone() };
@@ -709,8 +704,8 @@ mod tests {
         let shards = candidate(1, 1, 2, 1, 8);
         assert!(memory(Candidate { sequence_parallel: true, ..shards }) < memory(shards));
         let replicas = candidate(2, 1, 1, 1, 4);
-        assert!(memory(Candidate { zero: Some(ZeroStage::Parameters), ..replicas }) < memory(Candidate { zero: Some(ZeroStage::OptimizerState), ..replicas }));
-        assert!(memory(Candidate { zero: Some(ZeroStage::OptimizerState), ..replicas }) < memory(replicas));
+        assert!(memory(Candidate { sync: Style::zero(3), ..replicas }) < memory(Candidate { sync: Style::zero(1), ..replicas }));
+        assert!(memory(Candidate { sync: Style::zero(1), ..replicas }) < memory(replicas));
     }
 
     #[test]

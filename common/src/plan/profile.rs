@@ -295,6 +295,19 @@ impl LinkScope {
 }
 
 impl Collective {
+    /// The profiled collective that times a style's `collective` (a point-to-point message
+    /// either way is a send-receive); None for one the profile does not time.
+    pub fn of(collective: crate::comm::group::Collective) -> Option<Collective> {
+        use crate::comm::group::Collective as Talk;
+        match collective {
+            Talk::AllReduce => Some(Collective::AllReduce),
+            Talk::ReduceScatter => Some(Collective::ReduceScatter),
+            Talk::AllGather => Some(Collective::AllGather),
+            Talk::Send | Talk::Recv => Some(Collective::SendRecv),
+            Talk::Broadcast => None,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Collective::AllReduce => "all-reduce",

@@ -220,8 +220,10 @@ impl Done {
 /// plus a transfer where that stage is on another device. None while it is not done.
 fn input_ready(op: Op, stages: usize, placement: Placement, costs: &StageCosts, done: &Done) -> Option<f64> {
     let from = match op.direction {
-        Direction::Forward if op.stage == 0 => return Some(0.0),
-        Direction::Forward => Op::forward(op.stage - 1, op.micro_batch),
+        Direction::Forward => match op.stage.checked_sub(1) {
+            Some(previous) => Op::forward(previous, op.micro_batch),
+            None => return Some(0.0),
+        },
         Direction::Backward if op.stage + 1 == stages => Op::forward(op.stage, op.micro_batch),
         Direction::Backward => Op::backward(op.stage + 1, op.micro_batch),
     };

@@ -103,6 +103,26 @@ pub struct Config {
     pub mode: Mode,
 }
 
+impl Config {
+    /// Refuses checkpoints within epochs (`checkpoints_within_epochs`): the workers never step
+    /// together (train::fit refuses it too); said before the ranks start.
+    pub fn check(&self, checkpoints_within_epochs: bool) -> Result<()> {
+        if checkpoints_within_epochs {
+            return usage("--checkpoint-every and --checkpoint-minutes need workers that step together: not with --strategy parameter-server (it checkpoints at epochs' ends)");
+        }
+        Ok(())
+    }
+
+    /// Where a stop signal stops the workers: asynchronous ones never wait for each other, so
+    /// they can only meet at the end of the epoch.
+    pub fn stops_at(&self) -> crate::comm::launch::StopsAt {
+        match self.mode {
+            Mode::Sync => crate::comm::launch::StopsAt::Step,
+            Mode::Async { .. } => crate::comm::launch::StopsAt::EpochEnd,
+        }
+    }
+}
+
 /// `--straggler RANK:SECONDS`: worker (or replica) RANK sleeps that long in every optimizer
 /// step, a slow machine on demand (any strategy).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]

@@ -4,7 +4,9 @@
 //! once they are built.
 use anyhow::Result;
 
+use crate::comm::group::Collective;
 use crate::error::usage;
+use crate::parallel::costs::{Among, Costs, Talk};
 use crate::parallel::{GradientSync, Strategy};
 use crate::train::GradientCollective;
 
@@ -26,5 +28,19 @@ impl Strategy for ParameterServer {
 
     fn steps_apart(&self) -> Option<&'static str> {
         Some("--strategy parameter-server")
+    }
+}
+
+/// A worker's costs: its memory counted as a plain replica's (the defaults: its whole
+/// parameters and gradients, and K·Ψ of optimizer state, which the servers hold instead: an
+/// overestimate of a worker, kept as the estimate has always printed it). The planner lays out
+/// no parameter servers.
+impl Costs for ParameterServer {
+    /// Its gradients pushed to the servers and the parameters pulled back, point to point.
+    fn communication(&self, _replicas: usize, _state_shards: usize, gradient_bytes: f64) -> Vec<Talk> {
+        vec![
+            Talk { collective: Collective::Send, among: Among::Servers, bytes: gradient_bytes, times: 1.0 },
+            Talk { collective: Collective::Recv, among: Among::Servers, bytes: gradient_bytes, times: 1.0 },
+        ]
     }
 }

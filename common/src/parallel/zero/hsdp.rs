@@ -15,8 +15,10 @@ use anyhow::{Context, Result};
 use tch::Tensor;
 
 use super::{Shards, Zero, ZeroStage};
+use crate::comm::group::Collective;
 use crate::error::usage;
 use crate::optim::Optimizer;
+use crate::parallel::costs::{Among, Costs, RankModel, Sharding, StateBytes, Talk};
 use crate::parallel::{BuildOptimizer, GradientSync, Replication, Strategy};
 use crate::train::GradientCollective;
 
@@ -57,5 +59,67 @@ impl Strategy for Hsdp {
 
     fn check_stages(&self) -> Result<()> {
         usage("--shard-group shards whole models (HSDP); with pipeline stages or tensor-parallel shards use --zero 1 without it")
+    }
+}
+
+/// ZeRO-3's costs within a shard group (its N is the group's size), and what the groups add:
+/// the block's gradient all-reduced across them.
+impl Costs for Hsdp {
+    fn model_state(&self, psi: f64, k: f64, n: f64) -> StateBytes {
+        Zero(ZeroStage::Parameters).model_state(psi, k, n)
+    }
+
+    fn formula(&self) -> &'static str {
+        Zero(ZeroStage::Parameters).formula()
+    }
+
+    fn state_sharded(&self) -> bool {
+        true
+    }
+
+    fn parameters_sharded(&self) -> bool {
+        true
+    }
+
+    fn sharding(&self, rank: &RankModel) -> Option<Sharding> {
+        Zero(ZeroStage::Parameters).sharding(rank)
+    }
+
+    /// ZeRO-3's, the block's gradient averaged over the shard groups beside it (the
+    /// all-reduce's result buffer), where there are several.
+    fn update_bytes(&self, rank: &RankModel, gradients: f64) -> f64 {
+        let sharding = self.sharding(rank).expect("HSDP divides the state");
+        let groups_average = rank.state_shards < rank.replicas;
+        super::costs::parts_update(rank, &sharding, gradients * if groups_average { 2.0 } else { 1.0 })
+    }
+
+    fn averaging_bytes(&self, psi: f64, bucket: f64) -> f64 {
+        Zero(ZeroStage::Parameters).averaging_bytes(psi, bucket)
+    }
+
+    /// ZeRO-3's within the shard group (the fast links); across the groups, each rank's block
+    /// of the gradient, 1/G of them, all-reduced once.
+    fn communication(&self, replicas: usize, state_shards: usize, gradient_bytes: f64) -> Vec<Talk> {
+        let group = state_shards;
+        let within = Among::Replicas { count: group, stride: 1 };
+        vec![
+            Talk { collective: Collective::ReduceScatter, among: within, bytes: gradient_bytes, times: 1.0 },
+            Talk { collective: Collective::AllGather, among: within, bytes: gradient_bytes, times: 2.0 },
+            Talk {
+                collective: Collective::AllReduce,
+                among: Among::Replicas { count: replicas / group, stride: group },
+                bytes: gradient_bytes / group as f64,
+                times: 1.0,
+            },
+        ]
+    }
+
+    /// Whole models only, in every shard group size that divides the replicas, between plain
+    /// ZeRO-3 (one group) and plain replication (groups of one).
+    fn shard_groups(&self, replicas: usize, whole_model: bool) -> Vec<Option<usize>> {
+        if !whole_model {
+            return Vec::new();
+        }
+        (2..replicas).filter(|g| replicas.is_multiple_of(*g)).map(Some).collect()
     }
 }

@@ -26,6 +26,7 @@
 //! parameter, as an unsharded optimizer does, and [`Optimizer::load_state_tensors`] takes such a
 //! whole state and keeps this rank's block. A run resumes on any number of ranks, with or
 //! without ZeRO, at any stage.
+mod costs;
 mod hsdp;
 mod strategy;
 pub(crate) use hsdp::Hsdp;

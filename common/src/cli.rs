@@ -191,6 +191,17 @@ mod tests {
     use clap::CommandFactory;
 
     #[test]
+    fn between_takes_its_bounds_and_refuses_beyond_them() {
+        let repeats = between(1, MAX_REPEATS);
+        assert_eq!(repeats("1"), Ok(1));
+        assert_eq!(repeats(" 1000000 "), Ok(MAX_REPEATS));
+        for refused in ["0", "1000001", "1000000000000", "-1", "1e3", "nan", ""] {
+            assert_eq!(repeats(refused), Err("a whole number from 1 to 1000000".to_string()), "{refused:?}");
+        }
+        assert_eq!(between(0, 256)("0"), Ok(0));
+    }
+
+    #[test]
     fn a_clap_error_is_one_line_with_its_tip_and_without_the_usage() {
         let rendered = "error: unexpected argument '--epoch' found\n\n  tip: a similar argument exists: '--epochs'\n\nUsage: exercise1 --epochs <EPOCHS>\n\nFor more information, try '--help'.\n";
         assert_eq!(one_line(rendered), "error: unexpected argument '--epoch' found; tip: a similar argument exists: '--epochs' (see --help)");

@@ -24,20 +24,24 @@ use crate::pipeline::{Partition, Pipeline, PipelineOptions, Placement, Schedule,
 use crate::precision::Precision;
 use crate::train::Observers;
 
+/// Where and how a step is built, whatever the model: the job's groups (its layout and this
+/// rank's place in it), the data-parallel style, this rank's device, the seed (the same on
+/// every rank) and the precision.
+#[derive(Clone, Copy)]
+pub struct StepContext<'g> {
+    pub groups: &'g Groups<'g>,
+    pub dp: DataParallelPlan,
+    pub device: Device,
+    pub seed: u64,
+    pub precision: Precision,
+}
+
 /// A plan of what to train that knows how to lay itself out over a job (torchtitan's
 /// per-model `parallelize_fn`): each exercise's model is one, and the layout, the
 /// data-parallel style and the pipeline it is given are model-agnostic.
 pub trait Parallelize {
-    /// This rank's step for `groups`' layout (see [`parallelize`]).
-    fn build_step<'g>(
-        &self,
-        groups: &'g Groups<'g>,
-        dp: DataParallelPlan,
-        device: Device,
-        seed: u64,
-        precision: Precision,
-        observers: &mut Observers,
-    ) -> Result<Box<dyn ParallelStep<'g> + 'g>>;
+    /// This rank's step for `cx`'s layout (see [`parallelize`]).
+    fn build_step<'g>(&self, cx: &StepContext<'g>, observers: &mut Observers) -> Result<Box<dyn ParallelStep<'g> + 'g>>;
 }
 
 /// An image classifier, from `weights` (torchvision names) when given, its blocks before the
@@ -80,33 +84,19 @@ impl PipelinePlan {
     }
 }
 
-/// Builds this rank's step: the model (seeded with `seed`, the same on every rank) on `device`,
-/// or this rank's part of it, its weights in the 16-bit type where `precision` is a true one
-/// (`16-true`, `bf16-true`: `model.half()`), and its replicas from `groups`. Rank 0 tells
-/// `observers` what it loaded and froze.
-pub fn parallelize<'g, M: Parallelize + ?Sized>(
-    model: &M,
-    groups: &'g Groups<'g>,
-    dp: DataParallelPlan,
-    device: Device,
-    seed: u64,
-    precision: Precision,
-    observers: &mut Observers,
-) -> Result<Box<dyn ParallelStep<'g> + 'g>> {
-    model.build_step(groups, dp, device, seed, precision, observers)
+/// Builds this rank's step: the model (seeded with `cx.seed`, the same on every rank) on
+/// `cx.device`, or this rank's part of it, its weights in the 16-bit type where `cx.precision`
+/// is a true one (`16-true`, `bf16-true`: `model.half()`), and its replicas from `cx.groups`.
+/// Rank 0 tells `observers` what it loaded and froze.
+pub fn parallelize<'g, M: Parallelize + ?Sized>(model: &M, cx: &StepContext<'g>, observers: &mut Observers) -> Result<Box<dyn ParallelStep<'g> + 'g>> {
+    model.build_step(cx, observers)
 }
 
 /// The step of a model held whole on every rank (alone or as a data-parallel replica, its
 /// parameters sharded over the replicas with ZeRO-3): `build` makes it in a var store seeded
-/// with `seed`, whose floating-point variables then take the 16-bit kind of a true precision.
-fn whole_model<'g>(
-    groups: &'g Groups<'g>,
-    dp: DataParallelPlan,
-    device: Device,
-    seed: u64,
-    precision: Precision,
-    build: impl FnOnce(&nn::VarStore) -> Result<Box<dyn PartedModule>>,
-) -> Result<Box<dyn ParallelStep<'g> + 'g>> {
+/// with `cx.seed`, whose floating-point variables then take the 16-bit kind of a true precision.
+fn whole_model<'g>(cx: &StepContext<'g>, build: impl FnOnce(&nn::VarStore) -> Result<Box<dyn PartedModule>>) -> Result<Box<dyn ParallelStep<'g> + 'g>> {
+    let StepContext { groups, dp, device, seed, precision } = *cx;
     if groups.layout.pp * groups.layout.tp != 1 {
         return usage(format!("this model is not split into parts, but the job's layout is {}", groups.layout.describe()));
     }
@@ -127,23 +117,15 @@ fn whole_model<'g>(
 }
 
 impl Parallelize for ImagePlan {
-    fn build_step<'g>(
-        &self,
-        groups: &'g Groups<'g>,
-        dp: DataParallelPlan,
-        device: Device,
-        seed: u64,
-        precision: Precision,
-        observers: &mut Observers,
-    ) -> Result<Box<dyn ParallelStep<'g> + 'g>> {
-        whole_model(groups, dp, device, seed, precision, |vs| {
+    fn build_step<'g>(&self, cx: &StepContext<'g>, observers: &mut Observers) -> Result<Box<dyn ParallelStep<'g> + 'g>> {
+        whole_model(cx, |vs| {
             let module = models::build(&vs.root(), &self.spec);
             let blocks = Blocks::of(&self.spec);
             // Before the step is built: its ZeRO-3 shards and the optimizer take the
             // parameters that still train.
             let loaded = self.weights.as_ref().map(|path| models::load_weights(vs, path, blocks.head())).transpose()?;
             let frozen = models::freeze(vs, &blocks, self.trainable, self.spec.arch.name())?;
-            if groups.is_root() {
+            if cx.groups.is_root() {
                 for line in loaded.map(|l| l.describe()).into_iter().chain(frozen.map(|f| f.describe())) {
                     observers.info(line)?;
                 }
@@ -157,22 +139,15 @@ impl Parallelize for ImagePlan {
 }
 
 impl Parallelize for TransformerPlan {
-    fn build_step<'g>(
-        &self,
-        groups: &'g Groups<'g>,
-        dp: DataParallelPlan,
-        device: Device,
-        seed: u64,
-        precision: Precision,
-        _observers: &mut Observers,
-    ) -> Result<Box<dyn ParallelStep<'g> + 'g>> {
+    fn build_step<'g>(&self, cx: &StepContext<'g>, _observers: &mut Observers) -> Result<Box<dyn ParallelStep<'g> + 'g>> {
+        let StepContext { groups, dp, device, seed, precision } = *cx;
         let config = &self.config;
         if self.pipeline.is_some() {
             dp.sync.strategy().check_stages()?;
         }
         let step: Box<dyn ParallelStep<'g> + 'g> = match &self.pipeline {
             // (Token ids stay integers: only the weights change kind.)
-            None => whole_model(groups, dp, device, seed, precision, |vs| Ok(Box::new(TransformerLm::new(&vs.root(), config)?) as Box<dyn PartedModule>))?,
+            None => whole_model(cx, |vs| Ok(Box::new(TransformerLm::new(&vs.root(), config)?) as Box<dyn PartedModule>))?,
             Some(_) if precision.weights_kind().is_some() => {
                 return usage(format!(
                     "--precision {} with pipeline stages or tensor-parallel shards is not built yet (their activations pass in float32): use bf16-mixed",

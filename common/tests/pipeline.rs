@@ -506,7 +506,7 @@ fn a_scaled_output_layer_starts_alike_on_every_layout() {
     use common::models::OutputInit;
     use common::parallel::DataParallelPlan;
     use common::parallel::GradientSync;
-    use common::parallelize::{parallelize, PipelinePlan, TransformerPlan};
+    use common::parallelize::{parallelize, PipelinePlan, StepContext, TransformerPlan};
     let world = ProcessGroup::single();
     let groups = Groups::single(&world);
     let dp = DataParallelPlan { averager: GradientAverager::new(25 << 20, false), sync: GradientSync::Ddp };
@@ -514,11 +514,7 @@ fn a_scaled_output_layer_starts_alike_on_every_layout() {
     let weights = |pipeline: Option<PipelinePlan>, init: OutputInit| -> HashMap<String, Tensor> {
         let step = parallelize(
             &TransformerPlan { config: cfg, pipeline, init, sequence_parallel: false },
-            &groups,
-            dp,
-            Device::Cpu,
-            7,
-            Default::default(),
+            &StepContext { groups: &groups, dp, device: Device::Cpu, seed: 7, precision: Default::default() },
             &mut common::train::Observers::new(),
         )
         .unwrap();

@@ -107,6 +107,23 @@ fn two_ranks_profile_the_pieces_the_optimizer_and_every_collective_between_them(
     assert!(stderr.contains("no layout fits in 0.0 GiB per rank") && stderr.trim().lines().count() == 1, "{stderr}");
 }
 
+/// `--threads` beyond the cores is capped at them, and the library's warning reaches stderr
+/// through the binary's console.
+#[test]
+fn threads_beyond_the_cores_are_capped_with_a_warning_on_stderr() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("cpu.json");
+    let mut args = SMALL.to_vec();
+    args.extend(["--threads", "100000", "--out", out.to_str().unwrap()]);
+    let output = profile(&args);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let warning = format!("warning: --threads 100000 is more than the {cores} cores this process may use: using {cores}");
+    assert!(stderr.lines().any(|line| line == warning), "{stderr}");
+    assert!(!String::from_utf8_lossy(&output.stdout).contains("--threads"));
+}
+
 #[test]
 fn profile_mistakes_are_one_line_and_exit_2_before_measuring() {
     let dir = tempfile::tempdir().unwrap();

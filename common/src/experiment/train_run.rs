@@ -19,7 +19,7 @@ use crate::memory::{self, MemoryMeter, ModelState};
 use crate::optim::{Optimizer, OptimizerSpec};
 use crate::parallel::zero::ZeroStage;
 use crate::parallel::{optimizer_for, DataParallelPlan, GradientSync, RunPart};
-use crate::parallelize::parallelize;
+use crate::parallelize::{parallelize, StepContext};
 use crate::precision::Precision;
 use crate::profile::libtorch::TorchProfiler;
 use crate::report::{self, RunRecord};
@@ -169,7 +169,7 @@ fn build<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<'g>, session: 
     let sources = exp.sources(data, device, (groups.coords.replica, replicas))?;
     check_batches(exp, &sources, replicas)?;
     let meter = RefCell::new(MemoryMeter::start(&exp.devices(&plan, device))?);
-    let parallel_step = parallelize(&plan, groups, dp, device, run.seed, run.precision, session)?;
+    let parallel_step = parallelize(&plan, &StepContext { groups, dp, device, seed: run.seed, precision: run.precision }, session)?;
     exp.describe(&plan, parallel_step.as_ref(), groups, device, session)?;
     // --epochs, else the recipe's course's (JSC's 10, Namal/BSC's 5), else the exercise's.
     let epochs = run.epochs.unwrap_or_else(|| preset.epochs_for(exp.recipe_args()));

@@ -21,6 +21,7 @@ use crate::error::usage;
 use crate::models::TransformerConfig;
 use crate::optim::OptimizerKind;
 use crate::precision::Precision;
+use crate::train::Observers;
 use profile::{LinkScope, Profile, Recorded, ShardPieces};
 
 /// `exercise3 profile`: what to measure, and where to write it.
@@ -141,8 +142,9 @@ fn message_sizes(max: usize) -> Vec<usize> {
 
 /// Measures this machine's profile (rank 0's pieces and optimizer; the collectives among every
 /// rank of `world`, within a host and, where the job spans several, between hosts) and writes
-/// it to `--out`: rank 0 returns it, the other ranks None.
-pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profile>> {
+/// it to `--out`: rank 0 returns it, the other ranks None. What the user should know on the
+/// way (`--threads` beyond the cores) goes to `observers` as warnings, on every rank.
+pub fn measure(args: &ProfileArgs, world: &ProcessGroup, observers: &mut Observers) -> Result<Option<Profile>> {
     args.check()?;
     let device = match args.device {
         DeviceChoice::Cuda if !device::cuda_available() => return usage(device::no_cuda_message()),
@@ -158,7 +160,7 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup) -> Result<Option<Profil
         n => n,
     };
     if let Some(warning) = device::set_threads(threads)? {
-        eprintln!("{warning}");
+        observers.warn(warning)?;
     }
     // The pieces and the optimizer on rank 0 alone: the planner shares a host's cores among
     // the ranks that compute at each moment of a step (a pipeline's idle stages leave theirs to

@@ -41,6 +41,8 @@ use clap::{CommandFactory, Parser, Subcommand};
 use common::image_classification::{self, ImageArgs};
 use common::language_model::{self, PipelineArgs};
 use common::presets::{EXERCISE3_DDP, EXERCISE3_PIPELINE, EXERCISE3_TP};
+use common::train::sinks::ConsoleLog;
+use common::train::{Metric, Observers};
 
 /// Exercise 3: VGG19 data-parallel (DDP style), or the Transformer pipeline- or tensor-parallel.
 #[derive(Parser)]
@@ -110,8 +112,10 @@ fn profile(args: &common::plan::ProfileArgs) -> anyhow::Result<()> {
     if common::comm::launch::start_ranks_if_asked(args.nproc_per_node, common::comm::launch::StopsAt::Step)? {
         return Ok(());
     }
+    // The warnings on the way (`--threads` beyond the cores) on every rank's stderr.
+    let mut console = Observers::new().with(ConsoleLog::new(Metric::Perplexity, EXERCISE3_PIPELINE.script));
     common::comm::ProcessGroup::run(args.backend, |world| {
-        if let Some(profile) = common::plan::measure(args, world)? {
+        if let Some(profile) = common::plan::measure(args, world, &mut console)? {
             println!("{}\nwritten to {}", profile.describe(), args.out.display());
         }
         Ok(())

@@ -66,7 +66,10 @@ fn a_training_split_smaller_than_one_batch_is_refused_before_training() {
     let data = tempfile::tempdir().unwrap();
     wikitext_sample(data.path(), [0, 50, 50]);
     std::fs::write(data.path().join("train.txt"), " the cat \n").unwrap();
-    let out = run("exercise1_nlp", &["--device", "cpu", "--data-dir", data.path().to_str().unwrap(), "--max-steps", "2", "--quiet"]);
+    let out = run(
+        "exercise1_nlp",
+        &["--device", "cpu", "--data-dir", data.path().to_str().unwrap(), "--max-steps", "2", "--quiet", "--results-dir", data.path().to_str().unwrap()],
+    );
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     one_error_line(&out, &["training split (2 tokens)", "--batch-size 20", "lower --batch-size"]);
 
@@ -111,14 +114,19 @@ fn more_threads_than_cores_are_capped_with_a_warning() {
 
 #[test]
 fn a_rank_count_no_node_can_hold_is_refused_before_any_rank_starts() {
-    let out = run("exercise3", &["ddp", "--device", "cpu", "--nproc-per-node", "1000", "--max-steps", "1"]);
+    let results = tempfile::tempdir().unwrap();
+    let out = run("exercise3", &["ddp", "--device", "cpu", "--nproc-per-node", "1000", "--max-steps", "1", "--results-dir", results.path().to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     one_error_line(&out, &["--nproc-per-node 1000", "CPU ranks per core", "--max-ranks-per-core"]);
 }
 
 #[test]
 fn a_layout_the_ranks_cannot_form_is_said_once_without_mpis_notice() {
-    let out = run("exercise3", &["tp", "--device", "cpu", "--nproc-per-node", "2", "--tp", "3", "--max-steps", "1"]);
+    // Its own results folder: a refused run still makes an empty one (left in the checkout's
+    // exercises/results/ before).
+    let results = tempfile::tempdir().unwrap();
+    let results = results.path().to_str().unwrap();
+    let out = run("exercise3", &["tp", "--device", "cpu", "--nproc-per-node", "2", "--tp", "3", "--max-steps", "1", "--results-dir", results]);
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     let line = one_error_line(&out, &["2 ranks cannot hold", "3 tensor-parallel shards"]);
     assert!(!line.contains("rank 0") && !stderr(&out).contains("MPI_ABORT"), "{}", stderr(&out));
@@ -144,6 +152,8 @@ fn a_usage_error_inside_the_ranks_comes_without_mpis_abort_notice() {
             "--max-steps",
             "1",
             "--data-dir",
+            data.path().to_str().unwrap(),
+            "--results-dir",
             data.path().to_str().unwrap(),
             "--quiet",
         ],

@@ -129,8 +129,22 @@ fn bf16_true_language_model_learns_close_to_float32() {
 
 #[test]
 fn what_true_precisions_cannot_do_yet_is_refused_before_training() {
-    let (_dir, data) = generated_cifar10();
-    let base = ["--device", "cpu", "--data-dir", data.to_str().unwrap(), "--batch-size", "10", "--quiet", "--max-steps", "1"];
+    let (dir, data) = generated_cifar10();
+    // Its own results folder, not the checkout's exercises/results/ (a refused run still makes one).
+    let results = dir.path().join("results");
+    let base = [
+        "--device",
+        "cpu",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--batch-size",
+        "10",
+        "--quiet",
+        "--max-steps",
+        "1",
+        "--results-dir",
+        results.to_str().unwrap(),
+    ];
     let refused = |bin: &str, extra: &[&str], says: &str| {
         let out = run(bin, &[&base[..], extra].concat());
         let err = stderr(&out);

@@ -19,6 +19,8 @@ use crate::models::{Masks, PartSpan, TransformerConfig, TransformerPart};
 use crate::optim::{OptimizerKernel, OptimizerKind};
 use crate::precision::{self, Precision};
 
+use super::stats;
+
 /// The profile format's version: a reader refuses any other.
 pub const VERSION: u32 = 1;
 
@@ -349,17 +351,7 @@ impl CostFit {
     pub fn fit(collective: Collective, ranks: usize, samples: Vec<(f64, f64)>) -> CostFit {
         let factor = collective.bus_factor(ranks);
         let points: Vec<(f64, f64)> = samples.iter().map(|&(bytes, s)| (bytes * factor, s)).collect();
-        let n = points.len() as f64;
-        let (mean_x, mean_y) = (points.iter().map(|p| p.0).sum::<f64>() / n, points.iter().map(|p| p.1).sum::<f64>() / n);
-        let sxx: f64 = points.iter().map(|p| (p.0 - mean_x).powi(2)).sum();
-        let sxy: f64 = points.iter().map(|p| (p.0 - mean_x) * (p.1 - mean_y)).sum();
-        let slope = if sxx > 0.0 { sxy / sxx } else { 0.0 };
-        let (latency, slope) = if mean_y - slope * mean_x >= 0.0 {
-            (mean_y - slope * mean_x, slope)
-        } else {
-            // Through the origin instead.
-            (0.0, points.iter().map(|p| p.0 * p.1).sum::<f64>() / points.iter().map(|p| p.0 * p.0).sum::<f64>().max(f64::MIN_POSITIVE))
-        };
+        let (latency, slope) = stats::least_squares_line(&points);
         CostFit { latency_s: latency, seconds_per_bus_byte: slope.max(0.0), samples }
     }
 
@@ -600,8 +592,7 @@ fn median_seconds(device: Device, repeats: usize, mut work: impl FnMut() -> Resu
     };
     run()?;
     let mut times = (0..repeats.max(1)).map(|_| run()).collect::<Result<Vec<f64>>>()?;
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
+    Ok(stats::upper_median(&mut times))
 }
 
 /// Times the model's pieces at each of `micro_batches` sequences of `seq_len` tokens on
@@ -714,14 +705,7 @@ fn trimmed_means_in_rounds(cells: usize, mut time: impl FnMut(usize) -> Result<f
             }
         }
     }
-    Ok(samples
-        .into_iter()
-        .map(|mut times| {
-            times.sort_by(f64::total_cmp);
-            let middle = &times[1..times.len() - 1];
-            middle.iter().sum::<f64>() / middle.len() as f64
-        })
-        .collect())
+    Ok(samples.into_iter().map(|mut times| stats::trimmed_mean(&mut times)).collect())
 }
 
 /// How much slower the ranks of `host` (the ranks of one host) run the probe's forward and
@@ -760,7 +744,7 @@ pub fn sharing_slowdown(host: &ProcessGroup, mut pass: impl FnMut() -> Result<f6
     let median_of_slowest = |times: Vec<f64>| -> Result<f64> {
         let mut slowest = Tensor::from_slice(&times);
         host.all_reduce(&mut slowest, ReduceOp::Max)?;
-        Ok(super::check::median(Vec::<f64>::try_from(slowest)?))
+        Ok(stats::median(Vec::<f64>::try_from(slowest)?))
     };
     let (alone, together) = (median_of_slowest(alone)?, median_of_slowest(together)?);
     Ok(if alone > 0.0 { together / alone } else { 1.0 })
@@ -803,8 +787,7 @@ pub fn measure_shard_waits(
             talking()?;
             quiet()?;
             let mut differences = (0..ROUNDS).map(|_| Ok(back_to_back(&mut talking)? - back_to_back(&mut quiet)?)).collect::<Result<Vec<f64>>>()?;
-            differences.sort_by(f64::total_cmp);
-            waits.push((sequence_parallel, micro_batch, differences[ROUNDS / 2] / PASSES as f64));
+            waits.push((sequence_parallel, micro_batch, stats::upper_median(&mut differences) / PASSES as f64));
         }
     }
     let mut mean = Tensor::from_slice(&waits.iter().map(|w| w.2).collect::<Vec<f64>>());
@@ -879,26 +862,7 @@ pub fn measure_spread(cfg: &TransformerConfig, precision: Precision, device: Dev
     let mut pass = timed_probe_pass(cfg, precision, device, seq_len, micro_batch)?;
     pass()?;
     let times = (0..REPEATS).map(|_| pass()).collect::<Result<Vec<f64>>>()?;
-    Ok(relative_spread(&times))
-}
-
-/// 1.4826 × the median absolute deviation over the median: a normal sample's relative σ,
-/// robust to a few outliers. 0 for fewer than 2 times.
-fn relative_spread(times: &[f64]) -> f64 {
-    let median = |values: &mut Vec<f64>| {
-        values.sort_by(f64::total_cmp);
-        values[values.len() / 2]
-    };
-    if times.len() < 2 {
-        return 0.0;
-    }
-    let middle = median(&mut times.to_vec());
-    let deviation = median(&mut times.iter().map(|t| (t - middle).abs()).collect());
-    if middle > 0.0 {
-        1.4826 * deviation / middle
-    } else {
-        0.0
-    }
+    Ok(stats::relative_spread(&times))
 }
 
 /// The ranks' mean of each piece's times (the whole model's and each shard's), of the
@@ -1127,17 +1091,6 @@ mod tests {
         let none_measured = Recorded { shared: Some(SharedCores { shard_waits: Vec::new(), ..shared }), ..crowd.clone() };
         assert_eq!(none_measured.crowding(4.0), 0.0);
         assert_eq!(Recorded { device: "NVIDIA H100 80GB HBM3".into(), ..crowd }.crowding(4.0), 0.0);
-    }
-
-    #[test]
-    fn the_spread_is_a_normal_samples_relative_sigma_and_one_stall_does_not_set_it() {
-        // Deviations from the median 1.0: 0.1, 0, 0.1; their median 0.1; × 1.4826.
-        assert!((relative_spread(&[0.9, 1.0, 1.1]) - 0.14826).abs() < 1e-12);
-        // One pass stalled fivefold among equal ones: no spread.
-        assert_eq!(relative_spread(&[1.0, 1.0, 5.0, 1.0, 1.0]), 0.0);
-        assert_eq!(relative_spread(&[2.0]), 0.0);
-        // Scaling every time scales nothing.
-        assert!((relative_spread(&[9.0, 10.0, 11.0]) - 0.14826).abs() < 1e-12);
     }
 
     #[test]

@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
+use super::stats::{median, spearman};
+
 /// One layout, planned and run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Checked {
@@ -234,53 +236,6 @@ fn first_appearances<'a>(values: impl Iterator<Item = &'a str>) -> Vec<&'a str> 
     seen
 }
 
-/// The median (the mean of the middle two for an even count); NaN for none.
-pub fn median(values: impl IntoIterator<Item = f64>) -> f64 {
-    let mut v: Vec<f64> = values.into_iter().collect();
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
-/// Each value's rank from 1, ties sharing the mean of the ranks they span.
-fn ranks(values: &[f64]) -> Vec<f64> {
-    let mut order: Vec<usize> = (0..values.len()).collect();
-    order.sort_by(|&a, &b| values[a].total_cmp(&values[b]));
-    let mut ranks = vec![0.0; values.len()];
-    let mut start = 0;
-    while start < order.len() {
-        let mut end = start + 1;
-        while end < order.len() && values[order[end]] == values[order[start]] {
-            end += 1;
-        }
-        let shared = (start + end + 1) as f64 / 2.0;
-        for &i in &order[start..end] {
-            ranks[i] = shared;
-        }
-        start = end;
-    }
-    ranks
-}
-
-/// Spearman's rank correlation: Pearson's of the ranks (ties averaged). NaN for fewer than two
-/// values or a ranking without spread.
-pub fn spearman(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len(), "two rankings of the same layouts");
-    let (ra, rb) = (ranks(a), ranks(b));
-    let n = ra.len() as f64;
-    let (ma, mb) = (ra.iter().sum::<f64>() / n, rb.iter().sum::<f64>() / n);
-    let cov: f64 = ra.iter().zip(&rb).map(|(x, y)| (x - ma) * (y - mb)).sum();
-    let (va, vb): (f64, f64) = (ra.iter().map(|x| (x - ma).powi(2)).sum(), rb.iter().map(|y| (y - mb).powi(2)).sum());
-    cov / (va * vb).sqrt()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -356,16 +311,6 @@ mod tests {
     }
 
     #[test]
-    fn spearman_is_one_for_the_same_order_minus_one_for_the_reverse_and_averages_ties() {
-        assert!((spearman(&[1.0, 2.0, 3.0, 4.0], &[10.0, 20.0, 30.0, 400.0]) - 1.0).abs() < 1e-12);
-        assert!((spearman(&[1.0, 2.0, 3.0, 4.0], &[4.0, 3.0, 2.0, 1.0]) + 1.0).abs() < 1e-12);
-        // Two swapped of five: 1 − 6·Σd²/(n(n²−1)) = 1 − 6·2/120 = 0.9.
-        assert!((spearman(&[1.0, 2.0, 3.0, 4.0, 5.0], &[2.0, 1.0, 3.0, 4.0, 5.0]) - 0.9).abs() < 1e-12);
-        assert_eq!(ranks(&[5.0, 1.0, 5.0, 2.0]), vec![3.5, 1.0, 3.5, 2.0]);
-        assert!(spearman(&[1.0, 1.0], &[1.0, 2.0]).is_nan(), "no spread, no correlation");
-    }
-
-    #[test]
     fn the_summary_finds_where_the_fastest_run_was_ranked_and_the_worst_error_with_its_sign() {
         let rows = [row("a", 1.0, 1.1), row("b", 2.0, 1.0), row("c", 3.0, 3.0), row("d", 4.0, 5.0)];
         let s = Summary::of(&rows).unwrap();
@@ -378,6 +323,5 @@ mod tests {
         assert!((s.memory.worst + 0.05).abs() < 1e-12 && (s.memory.median + 0.05).abs() < 1e-12, "{s:?}");
         assert!((s.spearman - 0.8).abs() < 1e-12, "{s:?}");
         assert_eq!(Summary::of(&[]), None);
-        assert_eq!(median([3.0, 1.0, 2.0]), 2.0);
     }
 }

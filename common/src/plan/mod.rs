@@ -6,6 +6,7 @@ pub mod check;
 pub mod layouts;
 pub mod predict;
 pub mod profile;
+pub mod stats;
 pub mod timeline;
 pub mod variability;
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Lists the import circles between the modules of `common`.
 
-A module is a top-level file or folder of common/src (`report`, `comm`, ...); the folders
-comm/, parallel/, pipeline/, train/ and models/ are split into their submodules (`parallel::zero`). An edge
+A module is a top-level file or folder of common/src (`report`, `comm`, ...), and every folder
+is split into its files and subfolders (`parallel::zero`, `experiment::train_run`), so that two
+files of one folder that import each other are a circle too. An edge
 A -> B is any `crate::B` reference (a `use crate::...` line, including `use crate::{..}`
 groups, or a `crate::B::...` path in code) from a file of A; `super::X` references inside a
 split folder count too. Prints the edges of every strongly connected component with more
@@ -16,7 +17,11 @@ import os
 import re
 import sys
 
-SPLIT = {"comm", "parallel", "pipeline", "train", "models"}
+def folders_of(root):
+    return {n for n in os.listdir(root) if os.path.isdir(os.path.join(root, n))}
+
+
+SPLIT = set()  # the folders of the root scanned (main() fills it in)
 
 
 def module_of(rel):
@@ -186,6 +191,7 @@ def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     with_parents = "--with-parents" in sys.argv
     root = args[0] if args else os.path.join(os.path.dirname(__file__), "..", "common", "src")
+    SPLIT.update(folders_of(root))
     modules, edges = scan(root, with_parents)
     comps = sccs(modules, edges)
     if not comps:

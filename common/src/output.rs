@@ -232,13 +232,23 @@ pub fn create_new(path: &Path) -> Result<File> {
 }
 
 /// Whether `dir` can be written to: creates it if need be, then a temporary file of a random
-/// name there, which is removed again (also when writing it fails).
+/// name there, which is removed again (also when writing it fails), and then the folders it
+/// created: a run refused after this check leaves the tree as it found it. The run creates
+/// its folders when it writes into them.
 pub fn probe_folder(dir: &Path) -> std::io::Result<()> {
     use std::io::Write;
-    std::fs::create_dir_all(dir)?;
-    let mut probe = tempfile::Builder::new().prefix(".write-test-").tempfile_in(dir)?;
-    probe.write_all(b"x")?;
-    probe.as_file().sync_all()
+    // The folders missing now, outermost first, to be removed innermost first.
+    let missing: Vec<&Path> = dir.ancestors().take_while(|d| !d.as_os_str().is_empty() && std::fs::symlink_metadata(d).is_err()).collect();
+    let probed = std::fs::create_dir_all(dir).and_then(|()| {
+        let mut probe = tempfile::Builder::new().prefix(".write-test-").tempfile_in(dir)?;
+        probe.write_all(b"x")?;
+        probe.as_file().sync_all()
+    });
+    for created in missing {
+        // (Empty unless another process wrote there meanwhile: then it stays.)
+        let _ = std::fs::remove_dir(created);
+    }
+    probed
 }
 
 /// Every name this process has written, in the order written (each once).
@@ -575,8 +585,20 @@ mod tests {
     fn the_folder_probe_leaves_nothing_behind() {
         let dir = tempfile::tempdir().unwrap();
         let sub = dir.path().join("results");
+        std::fs::create_dir(&sub).unwrap();
         probe_folder(&sub).unwrap();
         assert!(names(&sub).is_empty());
+        // The folders it had to create are gone again, the ones that were there stay.
+        let deep = sub.join("a/b");
+        probe_folder(&deep).unwrap();
+        assert!(sub.is_dir() && !sub.join("a").exists());
+        // Nor do they stay where the probe fails.
+        let read_only = dir.path().join("read-only");
+        std::fs::create_dir(&read_only).unwrap();
+        std::fs::set_permissions(&read_only, std::os::unix::fs::PermissionsExt::from_mode(0o500)).unwrap();
+        // (Refused, or allowed where root runs the test: either way nothing stays.)
+        let _ = probe_folder(&read_only.join("x"));
+        assert!(!read_only.join("x").exists());
         let file = dir.path().join("a-file");
         std::fs::write(&file, "x").unwrap();
         assert!(probe_folder(&file).is_err());

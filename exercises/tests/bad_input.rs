@@ -345,3 +345,23 @@ fn accumulating_more_batches_than_an_epoch_holds_is_refused() {
         }
     }
 }
+
+#[test]
+fn a_refused_run_writes_nothing_where_it_runs() {
+    let cwd = tempfile::tempdir().unwrap();
+    let refused = [
+        ("exercise1", vec!["--device", "cpu", "--precision", "16-true"]),
+        ("exercise1", vec!["--device", "cpu", "--precision", "16-true", "--results-dir", "deep/er/results", "--checkpoint-dir", "ckpt/a"]),
+        ("exercise3", vec!["tp", "--nproc-per-node", "2", "--tp", "3"]),
+    ];
+    for (name, args) in &refused {
+        let out = bin(name).args(args).current_dir(cwd.path()).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{name} {args:?}: {}", stderr(&out));
+        let left: Vec<_> = std::fs::read_dir(cwd.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert!(left.is_empty(), "{name} {args:?} was refused but left {left:?}");
+    }
+    // The check itself still creates what an accepted run writes into.
+    let out = bin("exercise1").args(["--device", "cpu", "--estimate-memory", "--results-dir", "deep/er/results"]).current_dir(cwd.path()).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(cwd.path().join("deep/er/results/exercise1-cnn-cpu.memory-estimate.json").is_file());
+}

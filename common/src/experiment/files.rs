@@ -41,7 +41,7 @@ fn names(run: &RunArgs, exercise: &str, name: &str, model: &str) -> Vec<(PathBuf
     if run.eval_only {
         names.push((crate::report::eval_only_path(results, name), Way::Replaced));
     }
-    if let Some((dir, _, _)) = super::train_run::checkpoint_config(run) {
+    if let Some((dir, _, _)) = checkpoint_config(run) {
         let file = crate::checkpoint::path_for(&dir, name);
         names.push((crate::checkpoint::previous_path(&file), Way::Replaced));
         names.push((crate::checkpoint::sharded::run_folder_of(&file), Way::Folder));
@@ -83,4 +83,17 @@ pub(crate) fn check<E: Experiment>(exp: &E, devices: &[Device]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Where a run's checkpoints go and what it starts from: (folder, resume, a file to start from)
+/// for --checkpoint-dir, --resume and --eval-only's --checkpoint FILE.
+pub(super) fn checkpoint_config(run: &RunArgs) -> Option<(std::path::PathBuf, bool, Option<std::path::PathBuf>)> {
+    match (&run.checkpoint, &run.checkpoint_dir) {
+        (Some(file), dir) => {
+            let beside = file.parent().map(std::path::Path::to_path_buf).unwrap_or_default();
+            Some((dir.clone().unwrap_or(beside), true, Some(file.clone())))
+        }
+        (None, Some(dir)) => Some((dir.clone(), run.resume, None)),
+        (None, None) => None,
+    }
 }

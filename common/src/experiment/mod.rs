@@ -3,6 +3,7 @@
 //! optimizer, train ([`crate::train::fit`]), test, and report. An exercise is an
 //! [`Experiment`] (its data, model and results) plus a [`Preset`]; the image exercises are
 //! [`crate::image_classification`], the language models [`crate::language_model`].
+mod built;
 mod files;
 mod recipe;
 mod results;
@@ -11,8 +12,9 @@ mod train_run;
 use anyhow::{Context, Result};
 use tch::Device;
 
+use built::Place;
 pub use recipe::RunRecipe;
-use train_run::{train_on, Place};
+use train_run::train_on;
 
 use crate::comm::layout::{Groups, Layout};
 use crate::comm::{launch, Backend, LaunchEnv, ProcessGroup};

@@ -5,7 +5,8 @@ use anyhow::Result;
 use serde::Serialize;
 use tch::Device;
 
-use super::train_run::{checkpoint_config, Built};
+use super::built::Built;
+use super::files::checkpoint_config;
 use super::Experiment;
 use crate::comm::layout::{Groups, Layout};
 use crate::comm::CommStats;

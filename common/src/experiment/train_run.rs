@@ -8,6 +8,8 @@ use std::rc::Rc;
 use anyhow::Result;
 use tch::Device;
 
+use super::built::{Built, Place};
+use super::files::checkpoint_config;
 use super::results::{self, Measured, StepCommunication};
 use super::{Experiment, Forward, RunRecipe, Sources};
 use crate::comm::layout::Groups;
@@ -16,43 +18,15 @@ use crate::device::{self, DeviceChoice};
 use crate::error::usage;
 use crate::flags::RunArgs;
 use crate::memory::{self, MemoryMeter, ModelState};
-use crate::optim::{Optimizer, OptimizerSpec};
+use crate::optim::OptimizerSpec;
 use crate::parallel::zero::ZeroStage;
-use crate::parallel::{optimizer_for, DataParallelPlan, GradientSync, RunPart};
+use crate::parallel::{optimizer_for, DataParallelPlan, GradientSync};
 use crate::parallelize::{parallelize, StepContext};
 use crate::precision::Precision;
 use crate::profile::libtorch::TorchProfiler;
 use crate::report::{self, RunRecord};
 use crate::train::sinks::{CheckpointEveryEpoch, ProfileSink, ProgressBars, StepLosses, TensorBoardLog};
 use crate::train::{self, CheckpointConfig, EvalSums, Event, Metric, Observer, Observers, TrainConfig, TrainStep};
-
-/// What a run trains, built before its first step.
-pub(super) struct Built<'g, M> {
-    pub plan: M,
-    pub step: Box<dyn TrainStep<'g> + 'g>,
-    pub optimizer: Box<dyn Optimizer + 'g>,
-    pub recipe: RunRecipe,
-    pub sources: Sources,
-    /// The data-parallel style the replicas keep their copies equal by.
-    pub sync: GradientSync,
-    /// `<exercise>-<model>-<device>`: the results' and checkpoints' name.
-    pub name: String,
-    /// [`Experiment::data_identity`], kept in its checkpoints.
-    pub data_identity: serde_json::Value,
-}
-
-/// What the job's style keeps for the run ([`crate::parallel::Job::run_part`]: its link to the
-/// ranks it set apart); none for most styles.
-pub(super) type RunPartRef<'w> = Option<&'w Rc<dyn RunPart + 'w>>;
-
-/// Where a run trains: the job's groups, what its style keeps for the run (if anything) and
-/// this rank's device.
-#[derive(Clone, Copy)]
-pub(super) struct Place<'g> {
-    pub groups: &'g Groups<'g>,
-    pub run_part: RunPartRef<'g>,
-    pub device: Device,
-}
 
 /// One training run at `place`: built, trained, measured; rank 0's record.
 pub(super) fn train_on<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<'g>, session: &mut Observers) -> Result<Option<RunRecord>> {
@@ -66,6 +40,9 @@ pub(super) fn train_on<'g, E: Experiment>(exp: &E, data: &E::Data, place: Place<
     }
     // Peak memory from the data in place: the model's state, activations and temporaries.
     let (mut built, meter) = build(exp, data, place, session)?;
+    // Checked writable before the data were read, created only now: a run refused before
+    // this point leaves no folder behind.
+    make_folders(exp.run_args())?;
     let config = train_config(exp, &built, place)?;
     if config.cuda_graph {
         built.optimizer.make_capturable()?;
@@ -395,19 +372,6 @@ fn requeue_after(stopped: anyhow::Error, run: &RunArgs, session: &mut Observers)
     }
 }
 
-/// Where a run's checkpoints go and what it starts from: (folder, resume, a file to start from)
-/// for --checkpoint-dir, --resume and --eval-only's --checkpoint FILE.
-pub(super) fn checkpoint_config(run: &RunArgs) -> Option<(std::path::PathBuf, bool, Option<std::path::PathBuf>)> {
-    match (&run.checkpoint, &run.checkpoint_dir) {
-        (Some(file), dir) => {
-            let beside = file.parent().map(std::path::Path::to_path_buf).unwrap_or_default();
-            Some((dir.clone().unwrap_or(beside), true, Some(file.clone())))
-        }
-        (None, Some(dir)) => Some((dir.clone(), run.resume, None)),
-        (None, None) => None,
-    }
-}
-
 /// A split too small for one full batch per replica trains nothing (and would report success,
 /// a perplexity of 1) or trains a smaller batch than asked for: a usage error naming its size
 /// and the batch instead.
@@ -434,6 +398,16 @@ fn check_batches<E: Experiment>(exp: &E, sources: &Sources, replicas: usize) -> 
         return usage(format!(
             "an evaluation split holds no batch for each of {replicas} replica(s): lower the batch size (--eval-batch-size for a language model)"
         ));
+    }
+    Ok(())
+}
+
+/// The folders the run writes into (`--results-dir`, `--checkpoint-dir`), created with their
+/// parents where missing. (A link at their names is followed: it is the user's own choice of
+/// where results go; the files the run names itself are checked by [`super::files::check`].)
+fn make_folders(run: &RunArgs) -> Result<()> {
+    for dir in std::iter::once(&run.results_dir).chain(run.checkpoint_dir.as_ref()) {
+        std::fs::create_dir_all(dir).map_err(|err| anyhow::anyhow!("cannot create {}: {err}", dir.display()))?;
     }
     Ok(())
 }

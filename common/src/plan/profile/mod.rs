@@ -448,6 +448,9 @@ impl Profile {
     /// Writes the profile to `path` (atomically: a crash leaves the old file or the new one).
     pub fn write(&self, path: &Path) -> Result<()> {
         let text = serde_json::to_string_pretty(self)?;
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+        }
         crate::output::write(path, text + "\n").with_context(|| format!("writing the profile {}", path.display()))
     }
 

@@ -11,7 +11,8 @@
 #      REPEAT times (the second time in the reverse order), then the machine profiled again;
 #   4. per run the predicted (from each profile) and measured step time and the busiest rank's
 #      peak memory (bytes held by tensors in training over what they held before) appended to
-#      results/bench-plan.csv, and `report plan` summarizes the newest run of each cluster:
+#      results/bench-plan.csv (replacing that cluster's previous bench: older ones are in its
+#      git history), and `report plan` summarizes the newest run of each cluster:
 #      time errors (median and worst; a layout's mean run against the mean of its two
 #      predictions), memory errors, where the measured-fastest layout stood in the plan,
 #      Spearman's rank correlation, and the bench's own noise (a layout's runs apart, the two
@@ -145,10 +146,15 @@ sys.path.insert(0, "bench")
 from gpucheck import output  # the one writer: never through a link, never into a FIFO
 rows, after, out = sys.argv[1:]
 predicted = {p["command"]: p["step_s"] for p in json.load(open(after))["ranked"]} if os.path.exists(after) else {}
-lines = []
+lines, clusters = [], set()
 for line in open(rows).read().splitlines():
-    layout = next(csv.reader(io.StringIO(line)))[3]
-    lines.append(line + (str(predicted[layout]) if layout in predicted else "") + "\n")
-output.append(out, "".join(lines))
+    fields = next(csv.reader(io.StringIO(line)))
+    clusters.add(fields[1])
+    lines.append(line + (str(predicted[fields[3]]) if fields[3] in predicted else "") + "\n")
+# The table keeps the newest bench of each cluster: this one replaces its cluster's last
+# (the older benches stay in the file's git history).
+header, *kept = open(out).read().splitlines(keepends=True)
+kept = [line for line in kept if next(csv.reader(io.StringIO(line)))[1] not in clusters]
+output.write(out, header + "".join(kept) + "".join(lines))
 PY
 "$bin/report" --results-dir results plan

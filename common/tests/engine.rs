@@ -38,6 +38,7 @@ fn config(epochs: usize, accumulate: usize) -> TrainConfig {
         cuda_graph: false,
         eval_only: false,
         lockstep: true,
+        faults: common::train::Faults::NONE,
     }
 }
 

@@ -82,6 +82,7 @@ fn train(setup: &Setup, epochs: usize, init_seed: i64) -> Vec<(String, tch::Tens
         cuda_graph: false,
         eval_only: false,
         lockstep: true,
+        faults: common::train::Faults::NONE,
     };
     let mut step = LocalStep::new(vs, model, Parallel::default());
     let mut observers = Observers::new().with(train::sinks::CheckpointEveryEpoch);

@@ -208,6 +208,7 @@ fn train_config<E: Experiment>(exp: &E, built: &Built<'_, E::Model>, place: Plac
         cuda_graph,
         eval_only: run.eval_only,
         lockstep: run_part.is_none_or(|part| part.lockstep()),
+        faults: train::Faults::from_env(),
     })
 }
 

@@ -15,6 +15,7 @@
 //! function of (seed, epoch, step), and a checkpoint holds the whole model and optimizer state.
 pub mod checkpointing;
 pub mod events;
+pub mod faults;
 pub mod graph;
 mod owned_state;
 pub mod preemption;
@@ -25,6 +26,7 @@ pub mod step;
 
 pub use checkpointing::CheckpointStats;
 pub use events::{Control, Event, EventLog, Observer, Observers, Record, StepEvent};
+pub use faults::{Faults, TEST_EXIT_AFTER_STEP, TEST_SIGNAL_AFTER_STEP, TEST_SLOW_RANK};
 pub use schedule::{LrSchedule, ScheduleKind, Warmup};
 pub use sinks::TENSORBOARD_EVERY;
 pub use step::{
@@ -144,6 +146,8 @@ pub struct TrainConfig {
     /// asynchronous parameter servers), so that a stop or a checkpoint can be agreed at any
     /// step; otherwise a signal stops the run at the end of the epoch it arrives in.
     pub lockstep: bool,
+    /// What a test planted ([`Faults::from_env`]); [`Faults::NONE`] in a user's run.
+    pub faults: Faults,
 }
 
 impl TrainConfig {
@@ -692,12 +696,11 @@ struct StepControl<'g> {
     /// The ranks that must decide alike (none: this process alone).
     ranks: Option<&'g ProcessGroup>,
     max_steps: Option<usize>,
-    /// Test hook: end the process abruptly after this step, as a kill would (see
-    /// [`TEST_EXIT_AFTER_STEP`]).
+    /// Planted ([`Faults`]): end the process abruptly after this step, as a kill would.
     exit_after: Option<usize>,
-    /// Test hook: rank 0 sends itself this signal after this step ([`TEST_SIGNAL_AFTER_STEP`]).
+    /// Planted: the root rank sends itself this signal after this step.
     signal_after: Option<(usize, i32)>,
-    /// Test hook: this rank's every step takes this much longer ([`TEST_SLOW_RANK`]).
+    /// Planted: this rank's every step takes this much longer.
     slow_by: Option<std::time::Duration>,
     /// [`TrainConfig::lockstep`]: a signal stops the run at a step the ranks agree on;
     /// otherwise at the end of the epoch, agreed among `at_epoch_ends`.
@@ -705,22 +708,6 @@ struct StepControl<'g> {
     /// The ranks that agree at every epoch's end, before its checkpoint, whether to stop.
     at_epoch_ends: Option<&'g ProcessGroup>,
 }
-
-/// Test hook (an environment variable holding a step number): the process ends right after that
-/// optimizer step, its checkpoint writes complete, with exit code 137 as if killed, without
-/// unwinding or writing results. Tests of exact resumption interrupt runs with it instead of
-/// timing a kill.
-pub const TEST_EXIT_AFTER_STEP: &str = "COURSE_TEST_EXIT_AFTER_STEP";
-
-/// Test hook (`STEP:SIGNAL`, e.g. `5:SIGTERM`): the job's rank 0 sends itself the signal after
-/// that optimizer step, through the real handler, as Slurm or a user would at that moment; the
-/// other ranks learn of it as they would of a real one (the per-step agreement).
-pub const TEST_SIGNAL_AFTER_STEP: &str = "COURSE_TEST_SIGNAL_AFTER_STEP";
-
-/// Test hook (`RANK:MS`, e.g. `1:200`): on job rank RANK every training step waits MS
-/// milliseconds before its forward pass, as on a slower node, so that the others wait for it in
-/// the gradients' averaging (which [`crate::comm::waits`] reports).
-pub const TEST_SLOW_RANK: &str = "COURSE_TEST_SLOW_RANK";
 
 /// What [`StepControl::after_step`] decided.
 struct Decision {
@@ -756,17 +743,9 @@ fn agreed_stop(votes: &[f64]) -> Option<Stop> {
 
 impl<'g> StepControl<'g> {
     fn new(sync: &dyn StepSync<'g>, config: &TrainConfig) -> Result<StepControl<'g>> {
-        let exit_after = std::env::var(TEST_EXIT_AFTER_STEP).ok().and_then(|v| v.parse().ok());
-        let signal_after = std::env::var(TEST_SIGNAL_AFTER_STEP).ok().filter(|_| sync.is_root()).and_then(|v| {
-            let (step, name) = v.split_once(':')?;
-            let signal = preemption::SIGNALS.iter().find(|(_, n)| *n == name)?.0;
-            Some((step.parse().ok()?, signal))
-        });
-        let job_rank = sync.world().map_or(0, |w| w.env().rank);
-        let slow_by = std::env::var(TEST_SLOW_RANK).ok().and_then(|v| {
-            let (rank, ms) = v.split_once(':')?;
-            (rank.trim().parse::<usize>().ok()? == job_rank).then_some(std::time::Duration::from_millis(ms.trim().parse().ok()?))
-        });
+        let faults = config.faults;
+        let (exit_after, signal_after) = (faults.exit_after, faults.signal_after.filter(|_| sync.is_root()));
+        let slow_by = faults.slow_by(sync.world().map_or(0, |w| w.env().rank));
         let max_steps = config.max_steps;
         let ranks = sync.world().filter(|w| w.world_size() > 1);
         if let Some(flag) = sync.steps_apart() {
@@ -828,7 +807,7 @@ impl<'g> StepControl<'g> {
         Ok(Decision { checkpoint: by_rule || agreed[0] > 0.0 || stop.is_some(), stop })
     }
 
-    /// The [`TEST_EXIT_AFTER_STEP`] hook.
+    /// The planted exit ([`faults::TEST_EXIT_AFTER_STEP`]).
     fn test_exit_after(&self, step: usize, checkpoints: Option<&mut Checkpointer>) {
         if self.exit_after == Some(step) {
             if let Some(checkpoints) = checkpoints {

@@ -245,10 +245,10 @@ mod tests {
     #[test]
     fn the_slides_printouts_rebuilt_from_their_figures() {
         use crate::presets::{EXERCISE1, EXERCISE1_NLP, EXERCISE2, EXERCISE3_DDP, EXERCISE3_PIPELINE};
-        let collapse = |line: &str| line.split_whitespace().collect::<Vec<_>>().join(" ");
-        let slide = |preset: &crate::presets::Preset, model: &str, row: usize| {
+        fn slide<M>(preset: &crate::presets::Preset<M>, model: &str, row: usize) -> Vec<String> {
+            let collapse = |line: &str| line.split_whitespace().collect::<Vec<_>>().join(" ");
             preset.script.slide_printout(&crate::course_figures::for_run(preset.name, model)[row]).iter().map(|l| collapse(l)).collect::<Vec<_>>()
-        };
+        }
         assert_eq!(
             slide(&EXERCISE1_NLP, "transformer", 0),
             [

@@ -22,7 +22,7 @@ use crate::flops;
 use crate::memory::estimate::RankEstimate;
 use crate::models::{self, Arch, Blocks, ModelSpec, Trainable};
 use crate::parallelize::ImagePlan;
-use crate::presets::{ModelPreset, Preset};
+use crate::presets::Preset;
 use crate::report::{self, RunRecord};
 use crate::train::{BatchSource, EvalSums, FitReport, Metric, Observers, TrainStep};
 
@@ -154,32 +154,25 @@ pub enum FreezeChoice {
 
 /// An image exercise: its preset (for the model `--model` picks) and flags.
 pub struct ImageExperiment<'a> {
-    pub preset: Preset,
+    pub preset: Preset<Arch>,
     pub args: &'a ImageArgs,
     /// The image files' classes, counted once when the head's size depends on them.
     file_classes: OnceLock<usize>,
 }
 
 /// Runs the image exercise `preset` with `args` (see [`experiment::run`]).
-pub fn run(preset: &Preset, args: &ImageArgs, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
+pub fn run(preset: &Preset<Arch>, args: &ImageArgs, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
     experiment::run(&ImageExperiment::new(preset, args), listeners)
 }
 
 impl<'a> ImageExperiment<'a> {
-    pub fn new(preset: &Preset, args: &'a ImageArgs) -> Self {
-        let arch = match (args.model, preset.model) {
-            (Some(arch), _) => arch,
-            (None, ModelPreset::Image(arch)) => arch,
-            (None, ModelPreset::Transformer { .. }) => unreachable!("an image exercise has an image preset"),
-        };
+    pub fn new(preset: &Preset<Arch>, args: &'a ImageArgs) -> Self {
+        let arch = args.model.unwrap_or(preset.model);
         ImageExperiment { preset: preset.with_image_model(arch), args, file_classes: OnceLock::new() }
     }
 
     pub fn arch(&self) -> Arch {
-        match self.preset.model {
-            ModelPreset::Image(arch) => arch,
-            ModelPreset::Transformer { .. } => unreachable!("an image exercise has an image preset"),
-        }
+        self.preset.model
     }
 
     /// The side images are trained at when not their own: `--image-size`, else the recipe's
@@ -337,8 +330,9 @@ impl ImageData {
 impl Experiment for ImageExperiment<'_> {
     type Data = ImageData;
     type Model = ImagePlan;
+    type ModelPreset = Arch;
 
-    fn preset(&self) -> &Preset {
+    fn preset(&self) -> &Preset<Arch> {
         &self.preset
     }
 
@@ -729,7 +723,7 @@ mod tests {
     use crate::flags::parse;
     use crate::presets::{EXERCISE1, EXERCISE2};
 
-    fn experiment_spec(preset: &Preset, flags: &str) -> (ModelSpec, Option<Transform>) {
+    fn experiment_spec(preset: &Preset<Arch>, flags: &str) -> (ModelSpec, Option<Transform>) {
         let args: ImageArgs = parse("exercise", flags).unwrap();
         let exp = ImageExperiment::new(preset, &args);
         let spec = exp.model_spec().unwrap();
@@ -744,7 +738,7 @@ mod tests {
     fn the_lrz_course_recipe_feeds_pixels_as_to_tensor_leaves_them() {
         use crate::data::InputScaling::{Standardized, ToTensor};
         use crate::presets::EXERCISE3_DDP;
-        let inputs = |preset: &Preset, flags: &str| ImageExperiment::new(preset, &parse("exercise", flags).unwrap()).inputs();
+        let inputs = |preset: &Preset<Arch>, flags: &str| ImageExperiment::new(preset, &parse("exercise", flags).unwrap()).inputs();
         for preset in [&EXERCISE1, &EXERCISE2, &EXERCISE3_DDP] {
             assert_eq!((inputs(preset, "--recipe course"), inputs(preset, "")), (ToTensor, Standardized), "{}", preset.name);
         }

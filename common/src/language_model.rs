@@ -20,7 +20,7 @@ use crate::models::TransformerConfig;
 use crate::optim::OptimizerKind;
 use crate::parallelize::{PipelinePlan, TransformerPlan};
 use crate::pipeline::{self, LayerCosts, Partition, PipelineOptions, Placement, Schedule, Stage};
-use crate::presets::{ModelParallelism, ModelPreset, Preset};
+use crate::presets::{ModelParallelism, Preset, TransformerPreset};
 use crate::report::{self, RunRecord};
 use crate::train::{EvalSums, FitReport, Metric, Observers, TrainStep};
 
@@ -160,7 +160,7 @@ impl LmArgs {
 
 impl PipelineArgs {
     /// Micro-batches per mini-batch: `--chunks`, or 8 where there are pipeline stages.
-    pub fn chunks(&self, preset: &Preset) -> usize {
+    pub fn chunks(&self, preset: &Preset<TransformerPreset>) -> usize {
         let staged = preset.parallelism == ModelParallelism::Pipeline || self.pp.is_some_and(|pp| pp > 1);
         self.chunks.unwrap_or(if staged { 8 } else { 1 })
     }
@@ -173,7 +173,7 @@ impl PipelineArgs {
 
 /// A language-model exercise: its preset, flags, and the pipeline's flags if it is one.
 struct LmExperiment<'a> {
-    preset: &'a Preset,
+    preset: &'a Preset<TransformerPreset>,
     args: &'a LmArgs,
     pipeline: Option<&'a PipelineArgs>,
     /// A pipeline's stages as [`Experiment::describe`] found them, for the results.
@@ -183,13 +183,13 @@ struct LmExperiment<'a> {
 }
 
 impl<'a> LmExperiment<'a> {
-    fn new(preset: &'a Preset, args: &'a LmArgs, pipeline: Option<&'a PipelineArgs>) -> Self {
+    fn new(preset: &'a Preset<TransformerPreset>, args: &'a LmArgs, pipeline: Option<&'a PipelineArgs>) -> Self {
         LmExperiment { preset, args, pipeline, stages: Default::default(), chosen_layout: None }
     }
 }
 
 /// Runs exercise1_nlp-style `preset` with `args` (see [`experiment::run`]).
-pub fn run(preset: &Preset, args: &LmArgs, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
+pub fn run(preset: &Preset<TransformerPreset>, args: &LmArgs, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
     match auto_layout(preset, args, None)? {
         Some((lm, _, line)) => experiment::run(&LmExperiment { chosen_layout: Some(line), ..LmExperiment::new(preset, &lm, None) }, listeners),
         None => experiment::run(&LmExperiment::new(preset, args, None), listeners),
@@ -197,7 +197,7 @@ pub fn run(preset: &Preset, args: &LmArgs, listeners: &mut Observers) -> Result<
 }
 
 /// Runs exercise3 pipeline-style or tp-style `preset` with `args`.
-pub fn run_pipeline(preset: &Preset, args: &PipelineArgs, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
+pub fn run_pipeline(preset: &Preset<TransformerPreset>, args: &PipelineArgs, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
     match auto_layout(preset, &args.lm, Some(args))? {
         Some((lm, Some(pipeline), line)) => {
             let pipeline = PipelineArgs { lm: lm.clone(), ..pipeline };
@@ -211,7 +211,7 @@ pub fn run_pipeline(preset: &Preset, args: &PipelineArgs, listeners: &mut Observ
 /// the plan chooses for the ranks it was started on, and the line saying which and why. None
 /// without `--layout`, and in a process that is about to start the ranks (they plan for
 /// themselves).
-fn auto_layout(preset: &Preset, lm: &LmArgs, pipeline: Option<&PipelineArgs>) -> Result<Option<(LmArgs, Option<PipelineArgs>, String)>> {
+fn auto_layout(preset: &Preset<TransformerPreset>, lm: &LmArgs, pipeline: Option<&PipelineArgs>) -> Result<Option<(LmArgs, Option<PipelineArgs>, String)>> {
     use crate::plan::auto::{self, RunShape, Trainer};
     if lm.auto.layout.is_none() {
         return Ok(None);
@@ -239,7 +239,7 @@ fn auto_layout(preset: &Preset, lm: &LmArgs, pipeline: Option<&PipelineArgs>) ->
     if env.world_size == 1 && lm.parallel.nproc_per_node.is_some_and(|n| n > 1) {
         return Ok(None);
     }
-    let ModelPreset::Transformer { model, bptt, .. } = preset.model else { unreachable!("a language-model exercise has a Transformer preset") };
+    let TransformerPreset { model, bptt, .. } = preset.model;
     let shape = RunShape {
         model: lm.apply_to(model),
         bptt: lm.bptt.unwrap_or(bptt),
@@ -275,9 +275,7 @@ struct LmData {
 impl LmExperiment<'_> {
     /// The preset's Transformer and the batching of its text, `(model, bptt, eval_batch_size)`.
     fn preset_model(&self) -> (TransformerConfig, i64, i64) {
-        let ModelPreset::Transformer { model, bptt, eval_batch_size } = self.preset.model else {
-            unreachable!("a language-model exercise has a Transformer preset")
-        };
+        let TransformerPreset { model, bptt, eval_batch_size } = self.preset.model;
         (model, bptt, eval_batch_size)
     }
 
@@ -381,8 +379,9 @@ impl LmExperiment<'_> {
 impl Experiment for LmExperiment<'_> {
     type Data = LmData;
     type Model = TransformerPlan;
+    type ModelPreset = TransformerPreset;
 
-    fn preset(&self) -> &Preset {
+    fn preset(&self) -> &Preset<TransformerPreset> {
         self.preset
     }
 

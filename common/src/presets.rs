@@ -45,19 +45,16 @@ pub struct Recipe {
 /// Where a preset's own warm-up starts, as a share of the learning rate.
 pub const WARMUP_START: f64 = 0.01;
 
-/// What an exercise trains.
+/// What a language-model exercise trains: its Transformer's shape (the vocabulary, `ntoken`,
+/// comes from the data: 0 here) and how its text is batched. (An image exercise trains an
+/// [`Arch`]: each kind of exercise has its own type of model, [`Preset`]'s `M`.)
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub enum ModelPreset {
-    Image(Arch),
-    /// A Transformer language model: its shape (the vocabulary, `ntoken`, comes from the data:
-    /// 0 here) and how its text is batched.
-    Transformer {
-        model: TransformerConfig,
-        /// Tokens per sequence of a batch.
-        bptt: i64,
-        /// Token streams per evaluation batch.
-        eval_batch_size: i64,
-    },
+pub struct TransformerPreset {
+    pub model: TransformerConfig,
+    /// Tokens per sequence of a batch.
+    pub bptt: i64,
+    /// Token streams per evaluation batch.
+    pub eval_batch_size: i64,
 }
 
 /// How an exercise spreads one model over the ranks of a job (besides data parallelism, which
@@ -74,13 +71,14 @@ pub enum ModelParallelism {
     Tensor,
 }
 
-/// One course exercise.
+/// One course exercise, training a model of type `M`: an [`Arch`] for the image exercises, a
+/// [`TransformerPreset`] for the language-model ones.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Preset {
+pub struct Preset<M> {
     /// Names the results and checkpoint files (`<name>-<model>-<device>`).
     pub name: &'static str,
     pub epochs: usize,
-    pub model: ModelPreset,
+    pub model: M,
     /// The recipe it trains with by default.
     pub recipe: Recipe,
     /// The course's own recipe (`--recipe course`); the same as `recipe` where that learns.
@@ -180,10 +178,10 @@ const NAMAL_RESNET50V2_RECIPE: Recipe =
     Recipe { batch_size: 256, optimizer: OptimizerKind::Sgd, lr: 0.01, momentum: 0.0, epochs: Some(5), scale_lr: true, image_size: Some(128), ..IMAGE_RECIPE };
 
 /// exercise1: the simple CNN on CIFAR-10, CPU vs GPU, 5 epochs.
-pub const EXERCISE1: Preset = Preset {
+pub const EXERCISE1: Preset<Arch> = Preset {
     name: "exercise1",
     epochs: 5,
-    model: ModelPreset::Image(Arch::Cnn),
+    model: Arch::Cnn,
     recipe: IMAGE_RECIPE,
     course: LRZ_IMAGE_RECIPE,
     sync: GradientSync::Ddp,
@@ -193,10 +191,10 @@ pub const EXERCISE1: Preset = Preset {
 };
 
 /// exercise1_nlp: the tutorial's Transformer LM (d 1024, 3 layers) on WikiText-2, 3 epochs.
-pub const EXERCISE1_NLP: Preset = Preset {
+pub const EXERCISE1_NLP: Preset<TransformerPreset> = Preset {
     name: "exercise1_nlp",
     epochs: 3,
-    model: ModelPreset::Transformer { model: TransformerConfig::course(0), bptt: 35, eval_batch_size: 10 },
+    model: TransformerPreset { model: TransformerConfig::course(0), bptt: 35, eval_batch_size: 10 },
     recipe: TUTORIAL_RECIPE,
     course: TUTORIAL_RECIPE,
     sync: GradientSync::Ddp,
@@ -206,10 +204,10 @@ pub const EXERCISE1_NLP: Preset = Preset {
 };
 
 /// exercise2: ResNet34 data-parallel, Horovod style, 10 epochs.
-pub const EXERCISE2: Preset = Preset {
+pub const EXERCISE2: Preset<Arch> = Preset {
     name: "exercise2",
     epochs: 10,
-    model: ModelPreset::Image(Arch::Resnet34),
+    model: Arch::Resnet34,
     recipe: IMAGE_RECIPE,
     course: LRZ_IMAGE_RECIPE,
     sync: GradientSync::Horovod,
@@ -219,10 +217,10 @@ pub const EXERCISE2: Preset = Preset {
 };
 
 /// exercise3 ddp: VGG19 data-parallel, PyTorch-DDP style, 10 epochs.
-pub const EXERCISE3_DDP: Preset = Preset {
+pub const EXERCISE3_DDP: Preset<Arch> = Preset {
     name: "exercise3_ddp",
     epochs: 10,
-    model: ModelPreset::Image(Arch::Vgg19),
+    model: Arch::Vgg19,
     recipe: VGG_RECIPE,
     course: LRZ_IMAGE_RECIPE,
     sync: GradientSync::Ddp,
@@ -233,10 +231,10 @@ pub const EXERCISE3_DDP: Preset = Preset {
 
 /// exercise3 pipeline: the 1.4B-parameter Transformer (d 4096, 12 layers, 16 heads) over
 /// pipeline stages, 3 epochs; a recipe that learns at this width (the course's: `--recipe course`).
-pub const EXERCISE3_PIPELINE: Preset = Preset {
+pub const EXERCISE3_PIPELINE: Preset<TransformerPreset> = Preset {
     name: "exercise3_pipeline",
     epochs: 3,
-    model: ModelPreset::Transformer {
+    model: TransformerPreset {
         model: TransformerConfig { d_model: 4096, d_hid: 4096, nhead: 16, nlayers: 12, dropout: 0.2, ..TransformerConfig::course(0) },
         bptt: 35,
         eval_batch_size: 10,
@@ -251,21 +249,45 @@ pub const EXERCISE3_PIPELINE: Preset = Preset {
 
 /// exercise3 tp: the same 1.4B-parameter Transformer with every layer cut over the ranks
 /// (Megatron-LM's tensor parallelism: the course's "TP for intranode parallelism"), 3 epochs.
-pub const EXERCISE3_TP: Preset = Preset { name: "exercise3_tp", parallelism: ModelParallelism::Tensor, ..EXERCISE3_PIPELINE };
+pub const EXERCISE3_TP: Preset<TransformerPreset> = Preset { name: "exercise3_tp", parallelism: ModelParallelism::Tensor, ..EXERCISE3_PIPELINE };
 
-impl Preset {
+impl Preset<Arch> {
     /// This image exercise training `arch` (`--model`): the course's own recipe for that model
     /// where a course gives one (`--recipe course`: JSC's ResNet50, Namal/BSC's ResNet50V2),
     /// else the exercise's.
-    pub fn with_image_model(&self, arch: Arch) -> Preset {
+    pub fn with_image_model(&self, arch: Arch) -> Preset<Arch> {
         let course = match arch {
             Arch::Resnet50 => JSC_RESNET50_RECIPE,
             Arch::Resnet50v2 => NAMAL_RESNET50V2_RECIPE,
             Arch::Cnn | Arch::Resnet34 | Arch::Vgg19 => self.course,
         };
-        Preset { model: ModelPreset::Image(arch), course, ..*self }
+        Preset { model: arch, course, ..*self }
     }
 
+    /// The preset as `--help` shows it: the defaults of the flags that say "the preset's", and
+    /// the course's recipes of the models that have their own.
+    pub fn describe(&self) -> String {
+        let mut out = self.describe_with(&format!("  --model {}\n", self.model.name()));
+        for (arch, course) in [(Arch::Resnet50, "JSC's"), (Arch::Resnet50v2, "Namal/BSC's")] {
+            out += &format!("\n--model {} --recipe course, {course}:\n ", arch.name());
+            out += &describe_recipe(&self.with_image_model(arch).course);
+        }
+        out
+    }
+}
+
+impl Preset<TransformerPreset> {
+    /// The preset as `--help` shows it: the defaults of the flags that say "the preset's".
+    pub fn describe(&self) -> String {
+        let TransformerPreset { model: m, bptt, eval_batch_size } = self.model;
+        self.describe_with(&format!(
+            "  --emsize {} --d-hid {} --nhead {} --nlayers {} --dropout {} --bptt {bptt} --eval-batch-size {eval_batch_size}\n",
+            m.d_model, m.d_hid, m.nhead, m.nlayers, m.dropout
+        ))
+    }
+}
+
+impl<M> Preset<M> {
     /// The recipe `args` pick (`--recipe`); its flags apply on top ([`crate::experiment::RunRecipe`]).
     pub fn recipe_for(&self, args: &RecipeArgs) -> Recipe {
         match args.recipe {
@@ -280,28 +302,14 @@ impl Preset {
         self.recipe_for(args).epochs.unwrap_or(self.epochs)
     }
 
-    /// The preset as `--help` shows it: the defaults of the flags that say "the preset's".
-    pub fn describe(&self) -> String {
+    /// `--help`'s text after the model's flags (`model_flags`): the epochs and the recipes.
+    fn describe_with(&self, model_flags: &str) -> String {
         let mut out = format!("The {} preset (flags given override it):\n", self.name);
-        match self.model {
-            ModelPreset::Image(arch) => out += &format!("  --model {}\n", arch.name()),
-            ModelPreset::Transformer { model: m, bptt, eval_batch_size } => {
-                out += &format!(
-                    "  --emsize {} --d-hid {} --nhead {} --nlayers {} --dropout {} --bptt {bptt} --eval-batch-size {eval_batch_size}\n",
-                    m.d_model, m.d_hid, m.nhead, m.nlayers, m.dropout
-                )
-            }
-        }
+        out += model_flags;
         out += &format!("  --epochs {}{}", self.epochs, describe_recipe(&self.recipe));
         if self.course != self.recipe {
             out += "\n--recipe course, the course's own settings:\n ";
             out += &describe_recipe(&self.course);
-        }
-        if let ModelPreset::Image(_) = self.model {
-            for (arch, course) in [(Arch::Resnet50, "JSC's"), (Arch::Resnet50v2, "Namal/BSC's")] {
-                out += &format!("\n--model {} --recipe course, {course}:\n ", arch.name());
-                out += &describe_recipe(&self.with_image_model(arch).course);
-            }
         }
         out
     }
@@ -354,10 +362,10 @@ mod tests {
     #[test]
     fn the_presets_are_the_course_exercises() {
         assert_eq!((EXERCISE1.epochs, EXERCISE1.recipe.batch_size, EXERCISE1.recipe.lr), (5, 100, 1e-3));
-        assert_eq!(EXERCISE2.model, ModelPreset::Image(Arch::Resnet34));
-        assert_eq!(EXERCISE3_DDP.model, ModelPreset::Image(Arch::Vgg19));
+        assert_eq!(EXERCISE2.model, Arch::Resnet34);
+        assert_eq!(EXERCISE3_DDP.model, Arch::Vgg19);
         assert_eq!((EXERCISE2.sync, EXERCISE3_DDP.sync), (GradientSync::Horovod, GradientSync::Ddp));
-        let ModelPreset::Transformer { model: big, .. } = EXERCISE3_PIPELINE.model else { panic!("a Transformer") };
+        let big = EXERCISE3_PIPELINE.model.model;
         assert_eq!((big.d_model, big.d_hid, big.nhead, big.nlayers), (4096, 4096, 16, 12));
         let text = EXERCISE1_NLP.describe();
         assert!(text.contains("--emsize 1024") && text.contains("--lr 5 --lr-schedule step --gamma 0.95 --clip 0.5"), "{text}");

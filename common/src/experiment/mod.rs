@@ -48,8 +48,10 @@ pub trait Experiment {
     type Data;
     /// What it trains, and how that is laid out over a job's ranks.
     type Model: Parallelize;
+    /// What its preset trains: an image model's architecture, a Transformer's shape.
+    type ModelPreset;
 
-    fn preset(&self) -> &Preset;
+    fn preset(&self) -> &Preset<Self::ModelPreset>;
     fn run_args(&self) -> &RunArgs;
     fn recipe_args(&self) -> &RecipeArgs;
     fn parallel_args(&self) -> &ParallelArgs;

@@ -24,7 +24,7 @@ pub struct RunRecipe {
 impl RunRecipe {
     /// `preset`'s recipe with `args` applied, for `replicas` data-parallel replicas whose
     /// epochs have `batches_per_epoch` batches each.
-    pub fn resolve(preset: &Preset, args: &RecipeArgs, replicas: usize, batches_per_epoch: usize, epochs: usize) -> RunRecipe {
+    pub fn resolve<M>(preset: &Preset<M>, args: &RecipeArgs, replicas: usize, batches_per_epoch: usize, epochs: usize) -> RunRecipe {
         let base = preset.recipe_for(args);
         // Linear scaling: the effective batch grows by --accumulate × replicas.
         let growth = (args.accumulate * replicas) as f64;
@@ -53,7 +53,7 @@ impl RunRecipe {
     }
 
     /// Examples per batch on each replica: `--batch-size`, else the recipe's.
-    pub fn batch_size(preset: &Preset, args: &RecipeArgs) -> usize {
+    pub fn batch_size<M>(preset: &Preset<M>, args: &RecipeArgs) -> usize {
         args.batch_size.unwrap_or(preset.recipe_for(args).batch_size)
     }
 }

@@ -286,7 +286,7 @@ pub(super) fn step_parameter_count(groups: &Groups, step: &dyn TrainStep<'_>) ->
 /// The course's comparison table of `records` (one run, or one per device), and under it the
 /// slides' own printouts of their epochs in the shape of `preset`'s script, to hold against ours
 /// line by line.
-pub fn comparison(preset: &Preset, records: &[RunRecord], missing: Option<&str>) -> String {
+pub fn comparison<M>(preset: &Preset<M>, records: &[RunRecord], missing: Option<&str>) -> String {
     let figures = crate::course_figures::for_run(&records[0].exercise, &records[0].model);
     report::comparison_table(records, missing) + &preset.script.slide_printouts(figures)
 }

@@ -189,6 +189,10 @@ struct GatheredLinear : public torch::autograd::Function<GatheredLinear> {
 // hidden states, the weight and the bias (the weight's and bias's summed in float32).
 // A second output counts the rows whose arg-max is their target (not differentiable).
 struct ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinearCrossEntropy> {
+  // Blocks of the vocabulary the weight's gradient is summed in when the products are not
+  // float32 (the memory estimate counts a block: memory/estimate.rs).
+  static constexpr int64_t kWeightBlocks = 8;
+
   static at::Tensor chunk_logits(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& bias) {
     return bias.defined() ? at::addmm(bias, rows, weight.t()) : rows.mm(weight.t());
   }
@@ -264,7 +268,15 @@ struct ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinea
       if (same_kind) {
         grad_w.addmm_(gk.t(), h_rows);
       } else {
-        grad_w.add_(gk.t().mm(h_rows));
+        // Summed into float32 a block of the vocabulary at a time: the product in `compute` and
+        // the float32 copy the CPU's add of mixed kinds makes of it are a block's size, not the
+        // weight's.
+        int64_t v = w.size(0);
+        int64_t block = (v + kWeightBlocks - 1) / kWeightBlocks;
+        for (int64_t first = 0; first < v; first += block) {
+          int64_t words = std::min(block, v - first);
+          grad_w.narrow(0, first, words).add_(gk.narrow(1, first, words).t().mm(h_rows));
+        }
       }
     }
     return {grad_h,

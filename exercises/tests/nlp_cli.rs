@@ -231,7 +231,11 @@ fn loss_chunks_with_shards_stages_or_zero3_are_refused_in_one_line() {
     let runs = [
         ("exercise3 pipeline", pipeline, "not built for tensor-parallel shards (--tp, exercise3 tp) or pipeline stages"),
         ("--tp 1", exercise1_nlp(&[&common[..], &results_dir, &["--tp", "1"]].concat()), "not built for tensor-parallel shards"),
-        ("--zero 3", exercise1_nlp(&[&common[..], &results_dir, &["--zero", "3", "--estimate-memory"]].concat()), "not built for parameters sharded over the replicas"),
+        (
+            "--zero 3",
+            exercise1_nlp(&[&common[..], &results_dir, &["--zero", "3", "--estimate-memory"]].concat()),
+            "not built for parameters sharded over the replicas",
+        ),
         ("--loss-chunks 0", exercise1_nlp(&["--loss-chunks", "0"]), "0 is not in 1..="),
     ];
     for (what, out, expected) in runs {

@@ -324,7 +324,11 @@ impl TransformerJob {
             // beside its copy in `a`, then that copy beside the weight's product in `a` (summed
             // into float32); float32: one chunk, its gradient made in place, the weight's summed
             // in place.
-            backward: if mixed { ((4.0 + a) * chunk).max(a * chunk + a * v * d) } else { 4.0 * chunk },
+            // The weight's product is summed into float32 in 8 blocks of the vocabulary (the
+            // CPU's add of mixed kinds makes a float32 copy of each block's product).
+            backward: if mixed { ((4.0 + a) * chunk).max(a * chunk + (a + 4.0) * v * d / WEIGHT_BLOCKS) } else { 4.0 * chunk },
+            // Under autocast the products' copy of the weight, kept for the backward pass.
+            saved_weight: if mixed && !true_half { a * v * d } else { 0.0 },
             hidden_grad: if true_half { 2.0 } else { 4.0 } * t * d,
         })
     }
@@ -376,8 +380,9 @@ impl TransformerJob {
         let logits_bytes = 4.0 * t * v / tp;
         let chunked = self.chunked_loss();
         let loss_saved = match chunked {
-            // The chunked loss keeps each token's log-sum-exp (float32) only.
-            Some(_) => 4.0 * t,
+            // The chunked loss keeps each token's log-sum-exp (float32), and under autocast
+            // the weight's half-precision copy.
+            Some(chunk) => 4.0 * t + chunk.saved_weight,
             None if self.tp > 1 => 2.0 * logits_bytes,
             None => logits_bytes,
         };
@@ -539,7 +544,13 @@ struct ChunkedLoss {
     backward: f64,
     /// The hidden states' gradient (the kind of the hidden states).
     hidden_grad: f64,
+    /// The weight's copy in the products' kind that the backward pass reads (under autocast).
+    saved_weight: f64,
 }
+
+/// Blocks of the vocabulary the chunked loss sums the weight's gradient in (`kWeightBlocks` in
+/// `csrc/torch_ext.cpp`).
+const WEIGHT_BLOCKS: f64 = 8.0;
 
 /// Several rows as one (stages sharing a device), their largest phases added.
 fn sum_rows(rows: &[RankEstimate], name: &str) -> RankEstimate {

@@ -506,7 +506,8 @@ const BF16_ULP: f64 = 1.0 / 128.0;
 ///   product over all tokens, here one per chunk summed in float32 (an ulp of each chunk's
 ///   part): elementwise at most `3 · 2^-7 · (|G|·|W|)`, `3 · 2^-7 · (|G|ᵀ·|H|)`; the bias's,
 ///   a bfloat16 sum today and a float32 one here, `2 · 2^-7 · Σ|G|`;
-/// plus float32's rounding of the sums (1e-5 of the scale).
+///
+/// Both plus float32's rounding of the sums (1e-5 of the scale).
 #[test]
 fn the_chunked_loss_under_bf16_autocast_is_todays_within_bf16_rounding() {
     use common::precision::{autocast, Precision};

@@ -179,6 +179,116 @@ struct GatheredLinear : public torch::autograd::Function<GatheredLinear> {
   }
 };
 
+// The output layer `hidden · weightᵀ + bias` and the mean cross-entropy of its logits against
+// `targets`, `chunk_rows` rows (tokens) at a time, so that only one chunk's logits exist at once
+// (a fused linear + cross-entropy, as Apple's Cut Cross-Entropy and Liger's recompute them).
+// The matrix products run in `compute` (the kind autocast or the weights give the output
+// layer), the log-softmax and the loss in float32. Saved for the backward pass: the inputs in
+// `compute` (what `linear` saves under autocast), the targets and each row's log-sum-exp; the
+// backward pass makes each chunk's logits again and from them the chunk's gradients of the
+// hidden states, the weight and the bias (the weight's and bias's summed in float32).
+// A second output counts the rows whose arg-max is their target (not differentiable).
+struct ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinearCrossEntropy> {
+  // Blocks of the vocabulary the weight's gradient is summed in when the products are not
+  // float32 (the memory estimate counts a block: memory/estimate.rs).
+  static constexpr int64_t kWeightBlocks = 8;
+
+  static at::Tensor chunk_logits(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& bias) {
+    return bias.defined() ? at::addmm(bias, rows, weight.t()) : rows.mm(weight.t());
+  }
+
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
+                                                const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& targets,
+                                                int64_t chunk_rows, int64_t compute, bool count_hits) {
+    auto kind = static_cast<at::ScalarType>(compute);
+    at::Tensor h = hidden.to(kind);
+    at::Tensor w = weight.to(kind);
+    at::Tensor b = bias.defined() ? bias.to(kind) : at::Tensor();
+    int64_t n = h.size(0);
+    auto float_options = hidden.options().dtype(at::kFloat);
+    at::Tensor lse = at::empty({n}, float_options);
+    at::Tensor total = at::zeros({}, float_options);
+    at::Tensor hits = at::zeros({}, targets.options().dtype(at::kLong));
+    for (int64_t start = 0; start < n; start += chunk_rows) {
+      int64_t rows = std::min(chunk_rows, n - start);
+      at::Tensor logits = chunk_logits(h.narrow(0, start, rows), w, b).to(at::kFloat);
+      at::Tensor t = targets.narrow(0, start, rows).unsqueeze(1);
+      at::Tensor chunk_lse = at::logsumexp(logits, {1});
+      total.add_((chunk_lse - logits.gather(1, t).squeeze(1)).sum());
+      lse.narrow(0, start, rows).copy_(chunk_lse);
+      if (count_hits) {
+        hits.add_(logits.argmax(1).eq(t.squeeze(1)).sum());
+      }
+    }
+    ctx->save_for_backward({h, w, b, targets, lse});
+    ctx->saved_data["chunk_rows"] = chunk_rows;
+    ctx->saved_data["hidden_kind"] = static_cast<int64_t>(hidden.scalar_type());
+    ctx->saved_data["weight_kind"] = static_cast<int64_t>(weight.scalar_type());
+    ctx->mark_non_differentiable({hits});
+    return {total.div_(static_cast<double>(n)), hits};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& h = saved[0];
+    const at::Tensor& w = saved[1];
+    const at::Tensor& b = saved[2];
+    const at::Tensor& targets = saved[3];
+    const at::Tensor& lse = saved[4];
+    int64_t chunk_rows = ctx->saved_data["chunk_rows"].toInt();
+    auto hidden_kind = static_cast<at::ScalarType>(ctx->saved_data["hidden_kind"].toInt());
+    auto weight_kind = static_cast<at::ScalarType>(ctx->saved_data["weight_kind"].toInt());
+    int64_t n = h.size(0);
+    // d(mean)/d(logit) = (softmax − one-hot) / n, times the incoming gradient (a 0-dim tensor:
+    // an accumulated batch's weight, a gradient scaler's scale).
+    at::Tensor scale = grads[0].to(at::kFloat) / static_cast<double>(n);
+    auto float_options = h.options().dtype(at::kFloat);
+    at::Tensor grad_h = at::empty(h.sizes(), h.options().dtype(hidden_kind));
+    at::Tensor grad_w = at::zeros(w.sizes(), float_options);
+    at::Tensor grad_b = b.defined() ? at::zeros(b.sizes(), float_options) : at::Tensor();
+    bool same_kind = w.scalar_type() == at::kFloat;
+    for (int64_t start = 0; start < n; start += chunk_rows) {
+      int64_t rows = std::min(chunk_rows, n - start);
+      at::Tensor h_rows = h.narrow(0, start, rows);
+      at::Tensor g = chunk_logits(h_rows, w, b).to(at::kFloat);
+      if (!g.is_contiguous()) {
+        g = g.contiguous();
+      }
+      g.sub_(lse.narrow(0, start, rows).unsqueeze(1)).exp_();
+      at::Tensor t = targets.narrow(0, start, rows).unsqueeze(1);
+      g.scatter_add_(1, t, at::full({rows, 1}, -1.0, float_options));
+      g.mul_(scale);
+      if (b.defined()) {
+        grad_b.add_(g.sum(0));
+      }
+      at::Tensor gk = g.to(w.scalar_type());
+      g = at::Tensor();
+      grad_h.narrow(0, start, rows).copy_(gk.mm(w));
+      if (same_kind) {
+        grad_w.addmm_(gk.t(), h_rows);
+      } else {
+        // Summed into float32 a block of the vocabulary at a time: the product in `compute` and
+        // the float32 copy the CPU's add of mixed kinds makes of it are a block's size, not the
+        // weight's.
+        int64_t v = w.size(0);
+        int64_t block = (v + kWeightBlocks - 1) / kWeightBlocks;
+        for (int64_t first = 0; first < v; first += block) {
+          int64_t words = std::min(block, v - first);
+          grad_w.narrow(0, first, words).add_(gk.narrow(1, first, words).t().mm(h_rows));
+        }
+      }
+    }
+    return {grad_h,
+            grad_w.to(weight_kind),
+            b.defined() ? grad_b.to(weight_kind) : at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor()};
+  }
+};
+
 // A callback the Rust side runs for item `index` of what `context` names (a parameter whose
 // gradient is ready, a layer whose backward pass starts): 0, or non-zero with a message.
 typedef int (*torch_ext_notify)(void* context, int64_t index, char* message, size_t size);
@@ -486,6 +596,21 @@ at::Tensor* torch_ext_transform_pair(const at::Tensor* input, torch_ext_transfor
   return protect([&] {
     return TransformPair::apply(*input, reinterpret_cast<int64_t>(forward), reinterpret_cast<int64_t>(backward),
                                 reinterpret_cast<int64_t>(context));
+  });
+}
+
+// The mean cross-entropy of `hidden · weightᵀ + bias` (`hidden` [n, d], `weight` [V, d], `bias`
+// [V] or null) against `targets` [n], `chunk_rows` rows at a time (see
+// ChunkedLinearCrossEntropy), the products in `compute` (a c10::ScalarType): 0 with `*loss`
+// and `*hits` set (tensors the caller takes and frees), or -1 with the message kept.
+int torch_ext_chunked_linear_cross_entropy(const at::Tensor* hidden, const at::Tensor* weight, const at::Tensor* bias,
+                                           const at::Tensor* targets, int64_t chunk_rows, int compute, int count_hits,
+                                           at::Tensor** loss, at::Tensor** hits) {
+  return protect_status([&] {
+    auto outputs = ChunkedLinearCrossEntropy::apply(*hidden, *weight, bias ? *bias : at::Tensor(), *targets, chunk_rows,
+                                                    static_cast<int64_t>(compute), count_hits != 0);
+    *loss = new at::Tensor(outputs[0]);
+    *hits = new at::Tensor(outputs[1]);
   });
 }
 

@@ -74,6 +74,15 @@ pub struct LmArgs {
     #[arg(long)]
     #[arg(help_heading = "Model")]
     pub pad_vocab: Option<i64>,
+    /// Compute the output layer and the loss N chunks of a batch's tokens at a time (a fused
+    /// linear + cross-entropy): only one chunk's logits exist at once, forward and backward,
+    /// instead of the whole batch's (under autocast a float32 [tokens × vocabulary] tensor, and
+    /// twice that in the backward pass); the backward pass makes each chunk's logits again
+    /// (one more output-layer product). The model whole on each rank only (not with --tp,
+    /// pipeline stages or --zero 3) [default: off, the whole batch's logits as the tutorial].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(i64).range(1..=MAX_LOSS_CHUNKS))]
+    #[arg(help_heading = "Model")]
+    pub loss_chunks: Option<i64>,
     /// Tensor-parallel shards of every layer, one per rank (Megatron-LM's; keep them inside a
     /// node): the Transformer built from tensor-parallel layers, whose dropout masks are keyed
     /// so that the shards drop what one rank drops [default: exercise3 tp: the ranks left by
@@ -94,6 +103,9 @@ pub struct LmArgs {
     #[serde(flatten)]
     pub auto: crate::plan::auto::AutoLayoutArgs,
 }
+
+/// The most chunks `--loss-chunks` takes (more than a batch's tokens is one token a chunk).
+pub const MAX_LOSS_CHUNKS: i64 = 1 << 20;
 
 /// exercise3 pipeline's and exercise3 tp's flags: exercise1_nlp's, plus the model-parallel ones.
 #[derive(Debug, Clone, clap::Args, Serialize)]
@@ -312,6 +324,24 @@ impl LmExperiment<'_> {
             (DeviceChoice::Cuda, Device::Cpu) => usage(device::no_cuda_message()),
             _ => Ok(devices),
         }
+    }
+
+    /// `--loss-chunks` computes the whole output layer's loss on a rank holding the whole model:
+    /// a usage error with tensor-parallel shards (their loss is the vocabulary-parallel one),
+    /// pipeline stages, or parameters sharded over the replicas (ZeRO-3, HSDP).
+    fn check_loss_chunks(&self, layout: Layout) -> Result<()> {
+        if self.args.loss_chunks.is_none() {
+            return Ok(());
+        }
+        if self.pipeline.is_some() || self.args.tp.is_some() || layout.tp > 1 || layout.pp > 1 {
+            return usage(
+                "--loss-chunks computes the whole output layer on one rank: it is not built for tensor-parallel shards (--tp, exercise3 tp) or pipeline stages; drop --loss-chunks",
+            );
+        }
+        if self.args.parallel.sync(self.preset.sync, layout).strategy().parameters_sharded() {
+            return usage("--loss-chunks is not built for parameters sharded over the replicas (--zero 3, --shard-group): drop one of them");
+        }
+        Ok(())
     }
 
     /// `--tp` asks for one process per shard: a usage error where the job has fewer ranks
@@ -536,11 +566,13 @@ impl Experiment for LmExperiment<'_> {
                 groups.layout.describe()
             ));
         }
+        self.check_loss_chunks(groups.layout)?;
+        let loss_chunks = self.args.loss_chunks;
         let Some(pipeline) = self.pipeline else {
             // --tp, even 1: the model of tensor-parallel layers, one stage cut over the shards,
             // its dropout masks keyed so that N shards train what one rank trains.
             let pipeline = self.args.tp.map(|_| PipelinePlan::single_stage(config.nlayers)).transpose()?;
-            return Ok(TransformerPlan { config, pipeline, init, sequence_parallel });
+            return Ok(TransformerPlan { config, pipeline, init, sequence_parallel, loss_chunks });
         };
         // Stages as threads of this process: exercise3 pipeline started alone.
         let in_process = groups.world.world_size() == 1 && self.preset.parallelism == ModelParallelism::Pipeline;
@@ -559,7 +591,7 @@ impl Experiment for LmExperiment<'_> {
             checkpoint_activations: pipeline.checkpoint_activations,
             threads_per_stage,
         };
-        Ok(TransformerPlan { config, pipeline: Some(PipelinePlan { partition, options, devices }), init, sequence_parallel })
+        Ok(TransformerPlan { config, pipeline: Some(PipelinePlan { partition, options, devices }), init, sequence_parallel, loss_chunks })
     }
 
     fn describe(&self, plan: &TransformerPlan, step: &dyn TrainStep<'_>, groups: &Groups, device: Device, observers: &mut Observers) -> Result<()> {
@@ -693,6 +725,7 @@ impl Experiment for LmExperiment<'_> {
         let multiple = self.args.pad_vocab.unwrap_or(1);
         let config = self.config((vocab + multiple - 1) / multiple * multiple);
         config.validate_shards(layout.tp)?;
+        self.check_loss_chunks(layout)?;
         let recipe = experiment::RunRecipe::resolve(self.preset, &self.args.recipe, layout.dp, 1, 1);
         let (mut placement, mut shared_device, mut schedule, mut chunks, mut recompute) = (Placement::one_stage_each(1), false, Schedule::GPipe, 1, false);
         if let Some(pipeline) = self.pipeline {
@@ -726,6 +759,7 @@ impl Experiment for LmExperiment<'_> {
             bucket_bytes: self.args.parallel.bucket_mb * crate::memory::MIB,
             precision: self.args.run.precision,
             cuda,
+            loss_chunks: self.args.loss_chunks,
         };
         observers.info(format!(
             "Transformer LM: {} layers, d_model {}, d_hid {}, {} heads, vocabulary {}; {}; batch {} × {} tokens per replica in {} micro-batch(es); {}",

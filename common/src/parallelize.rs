@@ -63,6 +63,10 @@ pub struct TransformerPlan {
     pub pipeline: Option<PipelinePlan>,
     pub init: OutputInit,
     pub sequence_parallel: bool,
+    /// `--loss-chunks`: the whole model's output layer and loss computed this many chunks of
+    /// the tokens at a time (only the whole model held on each rank: not with stages, shards
+    /// or ZeRO-3).
+    pub loss_chunks: Option<i64>,
 }
 
 /// How the Transformer is cut into stages.
@@ -145,9 +149,14 @@ impl Parallelize for TransformerPlan {
         if self.pipeline.is_some() {
             dp.sync.strategy().check_stages()?;
         }
+        if self.loss_chunks.is_some() && (self.pipeline.is_some() || dp.sync.strategy().parameters_sharded()) {
+            return usage(
+                "--loss-chunks computes the whole output layer on one rank: not with pipeline stages, tensor-parallel shards or ZeRO-3's sharded parameters",
+            );
+        }
         let step: Box<dyn ParallelStep<'g> + 'g> = match &self.pipeline {
             // (Token ids stay integers: only the weights change kind.)
-            None => whole_model(cx, |vs| Ok(Box::new(TransformerLm::new(&vs.root(), config)?) as Box<dyn PartedModule>))?,
+            None => whole_model(cx, |vs| Ok(Box::new(TransformerLm::new(&vs.root(), config)?.with_loss_chunks(self.loss_chunks)) as Box<dyn PartedModule>))?,
             Some(_) if precision.weights_kind().is_some() => {
                 return usage(format!(
                     "--precision {} with pipeline stages or tensor-parallel shards is not built yet (their activations pass in float32): use bf16-mixed",

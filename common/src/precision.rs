@@ -231,6 +231,20 @@ pub fn autocast<T>(precision: Precision, device: Device, f: impl FnOnce() -> T) 
     f()
 }
 
+/// The kind autocast computes matrix products in on this thread for `device`'s type, where it
+/// is on (what a `linear` inside [`autocast`] returns).
+pub fn active_autocast_kind(device: Device) -> Option<Kind> {
+    let device_type = device_type(device);
+    // SAFETY: plain getters of LibTorch's thread-local autocast state.
+    let (enabled, dtype) = unsafe { (ffi::is_autocast_enabled(device_type), ffi::get_autocast_dtype(device_type)) };
+    match (enabled, dtype) {
+        (false, _) => None,
+        (true, 5) => Some(Kind::Half),
+        (true, 15) => Some(Kind::BFloat16),
+        (true, _) => Some(Kind::Float),
+    }
+}
+
 /// `torch.amp.GradScaler`: dynamic loss scaling for float16 training (see the module docs).
 pub struct GradScaler {
     /// The current scale, a float32 tensor of one element on the training device.

@@ -17,7 +17,7 @@
 //!   `from_slice` zero-fills a tensor and then copies into it).
 use anyhow::{bail, Result};
 use std::ffi::c_void;
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
 use torch_sys::C_tensor;
 
 mod ffi {
@@ -78,6 +78,17 @@ mod ffi {
             scatter: Transform,
             context: *mut c_void,
         ) -> *mut C_tensor;
+        pub fn torch_ext_chunked_linear_cross_entropy(
+            hidden: *const C_tensor,
+            weight: *const C_tensor,
+            bias: *const C_tensor,
+            targets: *const C_tensor,
+            chunk_rows: i64,
+            compute: i32,
+            count_hits: i32,
+            loss: *mut *mut C_tensor,
+            hits: *mut *mut C_tensor,
+        ) -> i32;
         pub fn torch_ext_set_grad_ready_hook(param: *const C_tensor, notify: Notify, context: *mut c_void, index: i64) -> i32;
         pub fn torch_ext_clear_grad_ready_hook(param: *const C_tensor) -> i32;
         pub fn torch_ext_clear_grad(param: *mut C_tensor) -> i32;
@@ -427,6 +438,57 @@ pub unsafe fn gathered_linear(
     tensor(ffi::torch_ext_gathered_linear(input.as_ptr(), weight.as_ptr(), bias, gather, scatter, context), "a sequence-parallel linear layer")
 }
 
+/// The mean cross-entropy of the logits `hidden · weightᵀ + bias` (`hidden` `[n, d]`, `weight`
+/// `[V, d]`, `bias` `[V]`) against `targets` (`[n]`, int64), computed `chunk_rows` rows at a
+/// time so that no `[n, V]` tensor is ever made, forward or backward: the products in `compute`
+/// (the kind the output layer computes in: autocast's, or the weights'), the log-softmax and
+/// the loss in float32. Its backward pass makes each chunk's logits again from the saved inputs
+/// and each row's log-sum-exp. Also the number of rows whose arg-max is their target, when
+/// `count_hits` (an int64 0-dim tensor; zero otherwise).
+pub fn chunked_linear_cross_entropy(
+    hidden: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    targets: &Tensor,
+    chunk_rows: i64,
+    compute: Kind,
+    count_hits: bool,
+) -> Result<(Tensor, Tensor)> {
+    if chunk_rows < 1 {
+        bail!("a chunked cross-entropy of {chunk_rows} rows per chunk");
+    }
+    /// `c10::ScalarType` of the floating-point kinds a product runs in.
+    fn scalar_type(kind: Kind) -> Result<i32> {
+        Ok(match kind {
+            Kind::Half => 5,
+            Kind::Float => 6,
+            Kind::Double => 7,
+            Kind::BFloat16 => 15,
+            other => bail!("a chunked cross-entropy computing in {other:?}"),
+        })
+    }
+    let (mut loss, mut hits) = (std::ptr::null_mut(), std::ptr::null_mut());
+    let bias = bias.map_or(std::ptr::null(), Tensor::as_ptr);
+    // SAFETY: valid tensors for the duration of the call; on success the shim hands over two
+    // heap-allocated tensors the caller then owns, as tch's own.
+    let code = unsafe {
+        ffi::torch_ext_chunked_linear_cross_entropy(
+            hidden.as_ptr(),
+            weight.as_ptr(),
+            bias,
+            targets.as_ptr(),
+            chunk_rows,
+            scalar_type(compute)?,
+            count_hits as i32,
+            &mut loss,
+            &mut hits,
+        )
+    };
+    status(code, "the chunked output layer and loss")?;
+    // SAFETY: as above, both set on success.
+    Ok(unsafe { (Tensor::from_ptr(loss), Tensor::from_ptr(hits)) })
+}
+
 pub use ffi::{Collective, Notify, Transform};
 
 /// Writes `error` into a callback's message buffer of `size` bytes (NUL-terminated, cut short
@@ -657,7 +719,6 @@ pub fn reset_cuda_memory_peak(device: usize) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tch::Kind;
 
     #[test]
     fn a_seeded_generator_repeats_its_masks_and_leaves_the_default_one_alone() {

@@ -513,7 +513,7 @@ fn a_scaled_output_layer_starts_alike_on_every_layout() {
     let cfg = config(2, 256);
     let weights = |pipeline: Option<PipelinePlan>, init: OutputInit| -> HashMap<String, Tensor> {
         let step = parallelize(
-            &TransformerPlan { config: cfg, pipeline, init, sequence_parallel: false },
+            &TransformerPlan { config: cfg, pipeline, init, sequence_parallel: false, loss_chunks: None },
             &StepContext { groups: &groups, dp, device: Device::Cpu, seed: 7, precision: Default::default() },
             &mut common::train::Observers::new(),
         )

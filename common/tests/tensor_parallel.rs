@@ -215,6 +215,7 @@ fn sequence_parallelism_saves_what_the_estimate_counts() -> usize {
         bucket_bytes: 0.0,
         precision: Default::default(),
         cuda: false,
+        loss_chunks: None,
     };
     let (expected_tensor, expected_sequence) = (job(false).per_layer_bytes(), job(true).per_layer_bytes());
     println!("rank {}: a layer keeps {tensor} bytes (estimate {expected_tensor}) with tensor parallelism, {sequence} ({expected_sequence}) with sequence parallelism", world.rank());

@@ -397,3 +397,204 @@ fn a_scaled_output_layer_is_cut_into_the_shards_rows() {
     let bound = 1.0 / (cfg.d_model as f64).sqrt();
     assert!(whole.abs().max().double_value(&[]) <= bound && whole.abs().max().double_value(&[]) > 0.5 * bound);
 }
+
+// --- the chunked output layer and loss (--loss-chunks) ---------------------------------------
+
+/// Hidden states `[n, d]` (a leaf that wants its gradient), the output layer `[V, d]`, `[V]`
+/// (leaves too), and targets, drawn from `seed`.
+fn output_layer_inputs(n: i64, d: i64, v: i64, seed: i64) -> (Tensor, Tensor, Tensor, Tensor) {
+    tch::manual_seed(seed);
+    let opts = (Kind::Float, Device::Cpu);
+    let hidden = Tensor::randn([n, d], opts).set_requires_grad(true);
+    let weight = (Tensor::rand([v, d], opts) * 0.6 - 0.3).set_requires_grad(true);
+    let bias = (Tensor::randn([v], opts) * 0.1).set_requires_grad(true);
+    let targets = Tensor::randint(v, [n], (Kind::Int64, Device::Cpu));
+    (hidden, weight, bias, targets)
+}
+
+/// `f`'s loss and hits, and the gradients of `weight_of_loss × loss` wrt the hidden states, the
+/// weight and the bias.
+fn loss_and_gradients(leaves: [&Tensor; 3], weight_of_loss: f64, f: impl FnOnce() -> (Tensor, Option<Tensor>)) -> (f64, i64, Vec<Tensor>) {
+    for leaf in leaves {
+        leaf.shallow_clone().zero_grad();
+    }
+    let (loss, hits) = f();
+    (&loss * weight_of_loss).backward();
+    (loss.double_value(&[]), hits.map_or(-1, |h| h.int64_value(&[])), leaves.iter().map(|t| t.grad().copy()).collect())
+}
+
+/// Today's path: the whole batch's logits, then the step's loss (float32 under autocast).
+fn full_loss(hidden: &Tensor, weight: &Tensor, bias: &Tensor, targets: &Tensor) -> (Tensor, Option<Tensor>) {
+    let logits = hidden.linear(weight, Some(bias));
+    common::train::loss_and_hits(&logits, targets, true)
+}
+
+fn chunked_loss(hidden: &Tensor, weight: &Tensor, bias: &Tensor, targets: &Tensor, chunk_rows: i64) -> (Tensor, Option<Tensor>) {
+    let compute = common::precision::active_autocast_kind(Device::Cpu).unwrap_or(weight.kind());
+    let (loss, hits) = common::torch_ext::chunked_linear_cross_entropy(hidden, weight, Some(bias), targets, chunk_rows, compute, true).unwrap();
+    (loss, Some(hits))
+}
+
+/// In float32 the chunked loss is the full one: its value, its arg-max hits and its gradients
+/// wrt the hidden states, the output weight and the bias, to float32's rounding (1e-6
+/// relative), for chunks that divide the 36 tokens and chunks that do not (and more rows than
+/// tokens), and with the loss weighted before the backward pass (an accumulated batch's share,
+/// a gradient scaler's scale: the chunked backward multiplies by the incoming gradient).
+#[test]
+fn the_chunked_loss_is_the_full_loss_and_gradients_in_float32() {
+    let _rng = exclusive_rng();
+    let (hidden, weight, bias, targets) = output_layer_inputs(36, 16, 50, 11);
+    let leaves = [&hidden, &weight, &bias];
+    for weight_of_loss in [1.0, 0.37] {
+        let (loss, hits, grads) = loss_and_gradients(leaves, weight_of_loss, || full_loss(&hidden, &weight, &bias, &targets));
+        for chunk_rows in [1, 4, 9, 36, 5, 7, 35, 100] {
+            let (ours, our_hits, our_grads) = loss_and_gradients(leaves, weight_of_loss, || chunked_loss(&hidden, &weight, &bias, &targets, chunk_rows));
+            assert!((ours - loss).abs() <= 1e-6 * loss.abs(), "{chunk_rows} rows a chunk: loss {ours} against {loss}");
+            assert_eq!(our_hits, hits, "{chunk_rows} rows a chunk: hits");
+            for (name, (a, b)) in ["hidden states", "weight", "bias"].iter().zip(our_grads.iter().zip(&grads)) {
+                let diff = rel_diff(a, b);
+                assert!(diff <= 1e-6, "{chunk_rows} rows a chunk, loss × {weight_of_loss}: the gradient wrt the {name} differs by {diff:e}");
+            }
+        }
+    }
+}
+
+/// The whole model's `--loss-chunks N` (what `exercise1_nlp` trains) against its logits and
+/// the step's loss, in float32: the same loss, hits and gradients of every parameter (the
+/// hidden states' gradient carried through every layer), for 3 and 7 chunks of 5 × 4 tokens.
+#[test]
+fn the_models_chunked_loss_gives_every_parameter_the_full_losss_gradient() {
+    let _rng = exclusive_rng();
+    let cfg = small(0.0);
+    tch::manual_seed(5);
+    let (vs, model) = build(&cfg);
+    let (src, targets) = (tokens(&cfg, 5, 4), tokens(&cfg, 5, 4));
+    let params = named_parameters(&vs);
+    let run = |f: &dyn Fn() -> (Tensor, Option<Tensor>)| {
+        for (_, p) in &params {
+            p.shallow_clone().zero_grad();
+        }
+        let (loss, hits) = f();
+        loss.backward();
+        (loss.double_value(&[]), hits.unwrap().int64_value(&[]), params.iter().map(|(_, p)| p.grad().copy()).collect::<Vec<_>>())
+    };
+    let (loss, hits, grads) = run(&|| common::train::loss_and_hits(&model.forward_t(&src, true), &targets, true));
+    for chunks in [3, 7] {
+        let (ours, our_hits, our_grads) = run(&|| model.chunked_loss_and_hits(&src, &targets, true, chunks, true).unwrap());
+        assert!((ours - loss).abs() <= 1e-6 * loss, "{chunks} chunks: loss {ours} against {loss}");
+        assert_eq!(our_hits, hits);
+        for ((name, _), (a, b)) in params.iter().zip(our_grads.iter().zip(&grads)) {
+            let diff = rel_diff(a, b);
+            assert!(diff <= 1e-5, "{chunks} chunks: the gradient of {name} differs by {diff:e}");
+        }
+    }
+}
+
+/// bfloat16's unit in the last place, relative: 8 significant bits, so two roundings of the
+/// same value (or of values float32's rounding apart) land at most 2^-7 of it apart.
+const BF16_ULP: f64 = 1.0 / 128.0;
+
+/// Under bfloat16 autocast (`--precision bf16-mixed`, as the step runs it on the CPU) the
+/// chunked loss equals today's within bfloat16's rounding, bounds derived from how each is
+/// made (the products in bfloat16 in both, float32 sums):
+/// - each logit is a bfloat16 rounding of the same float32 dot product, so two ways of making
+///   it differ by at most one ulp, 2^-7 |z|; a token's loss `lse(z) − z_t` moves by at most
+///   twice the largest logit's change, so the mean by `2 · 2^-7 · max |z|`;
+/// - the gradient of the logits `G = (softmax − one-hot)/n` is made in float32 by both and
+///   rounded to bfloat16 (one ulp apart at most); the hidden states' gradient `G·W` is one
+///   bfloat16 product per row in both (one more ulp); the weight's `Gᵀ·H` today one bfloat16
+///   product over all tokens, here one per chunk summed in float32 (an ulp of each chunk's
+///   part): elementwise at most `3 · 2^-7 · (|G|·|W|)`, `3 · 2^-7 · (|G|ᵀ·|H|)`; the bias's,
+///   a bfloat16 sum today and a float32 one here, `2 · 2^-7 · Σ|G|`;
+///
+/// Both plus float32's rounding of the sums (1e-5 of the scale).
+#[test]
+fn the_chunked_loss_under_bf16_autocast_is_todays_within_bf16_rounding() {
+    use common::precision::{autocast, Precision};
+    let _rng = exclusive_rng();
+    let (n, d, v) = (70, 32, 300);
+    let (hidden, weight, bias, targets) = output_layer_inputs(n, d, v, 12);
+    let leaves = [&hidden, &weight, &bias];
+    let (loss, _, grads) = loss_and_gradients(leaves, 1.0, || autocast(Precision::BHalf, Device::Cpu, || full_loss(&hidden, &weight, &bias, &targets)));
+    // The scales of the bounds, from today's bfloat16 logits.
+    let (max_logit, g) = tch::no_grad(|| {
+        let logits = autocast(Precision::BHalf, Device::Cpu, || hidden.linear(&weight, Some(&bias))).to_kind(Kind::Float);
+        assert_eq!(autocast(Precision::BHalf, Device::Cpu, || hidden.linear(&weight, Some(&bias))).kind(), Kind::BFloat16);
+        let g = (logits.softmax(-1, Kind::Float) - targets.one_hot(v).to_kind(Kind::Float)) / n as f64;
+        (logits.abs().max().double_value(&[]), g.abs())
+    });
+    let bounds = [g.matmul(&weight.abs().detach()), g.tr().matmul(&hidden.abs().detach()), g.sum_dim_intlist([0i64].as_slice(), false, Kind::Float)];
+    let factors = [3.0, 3.0, 2.0];
+    for chunk_rows in [7, 16, 70] {
+        let (ours, _, our_grads) =
+            loss_and_gradients(leaves, 1.0, || autocast(Precision::BHalf, Device::Cpu, || chunked_loss(&hidden, &weight, &bias, &targets, chunk_rows)));
+        let loss_bound = 2.0 * BF16_ULP * max_logit + 1e-5 * loss.abs();
+        assert!((ours - loss).abs() <= loss_bound, "{chunk_rows} rows a chunk: loss {ours} against {loss} (bound {loss_bound:e})");
+        for (i, name) in ["hidden states", "weight", "bias"].iter().enumerate() {
+            let diff = (&our_grads[i] - &grads[i]).abs();
+            let bound = &bounds[i] * (factors[i] * BF16_ULP) + 1e-5 * grads[i].abs().max().double_value(&[]);
+            let worst = (&diff - &bound).max().double_value(&[]);
+            assert!(worst <= 0.0, "{chunk_rows} rows a chunk: the gradient wrt the {name} exceeds its bound by {worst:e}");
+            eprintln!(
+                "bf16, {chunk_rows} rows a chunk: loss {ours:.6} against {loss:.6} (bound {loss_bound:.2e}); gradient wrt the {name}: largest difference {:.2e}, {:.1}% of its bound at most",
+                diff.max().double_value(&[]),
+                100.0 * (diff / (bound + 1e-30)).max().double_value(&[])
+            );
+        }
+    }
+}
+
+/// Five SGD steps of the small language model under bfloat16 autocast (SGD at lr 0.5,
+/// gradients clipped to norm 0.5 as the course clips them), today's loss against the chunked one,
+/// from the same weights: each step's loss within the bound of a single loss (`2 · 2^-7 ·
+/// max |z|`, above) plus what the earlier steps' updates can have moved it, to first order:
+/// each update differs by at most 3 ulps of its length (`lr · min(‖g‖, 0.5)`, the gradients'
+/// bound above), which moves the loss by at most `‖∇L‖` times that. In float32 the two runs'
+/// losses are equal to 1e-5.
+#[test]
+fn training_steps_with_the_chunked_loss_give_todays_losses() {
+    use common::precision::{autocast, Precision};
+    const STEPS: usize = 5;
+    const LR: f64 = 0.5;
+    const MAX_NORM: f64 = 0.5;
+    let _rng = exclusive_rng();
+    let cfg = TransformerConfig { ntoken: 200, ..small(0.0) };
+    let train = |precision: Precision, chunks: Option<i64>| {
+        tch::manual_seed(3);
+        let (vs, model) = build(&cfg);
+        let data = tokens(&cfg, 6 * STEPS as i64 + 1, 4);
+        let params = named_parameters(&vs);
+        let tensors: Vec<Tensor> = params.iter().map(|(_, t)| t.shallow_clone()).collect();
+        let mut opt = Sgd::new(params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect(), SgdConfig { lr: LR, ..Default::default() });
+        let mut out = Vec::new();
+        for step in 0..STEPS as i64 {
+            let (inputs, targets) = (data.narrow(0, 6 * step, 6), data.narrow(0, 6 * step + 1, 6));
+            opt.zero_grad();
+            let (max_logit, loss) = autocast(precision, Device::Cpu, || {
+                let max_logit = tch::no_grad(|| model.forward_t(&inputs, true).abs().max().to_kind(Kind::Float).double_value(&[]));
+                let loss = match chunks {
+                    None => common::train::loss_and_hits(&model.forward_t(&inputs, true), &targets, false).0,
+                    Some(chunks) => model.chunked_loss_and_hits(&inputs, &targets, true, chunks, false).unwrap().0,
+                };
+                (max_logit, loss)
+            });
+            loss.backward();
+            let norm = clip_grad_norm(&tensors, MAX_NORM);
+            opt.step().unwrap();
+            out.push((loss.double_value(&[]), max_logit, norm));
+        }
+        out
+    };
+    let (full, chunked) = (train(Precision::Full, None), train(Precision::Full, Some(5)));
+    for (step, (a, b)) in full.iter().zip(&chunked).enumerate() {
+        assert!((a.0 - b.0).abs() <= 1e-5 * a.0, "float32, step {step}: loss {} chunked, {} today", b.0, a.0);
+    }
+    let (today, ours) = (train(Precision::BHalf, None), train(Precision::BHalf, Some(5)));
+    let mut moved = 0.0;
+    for (step, (&(loss, max_logit, norm), &(our_loss, ..))) in today.iter().zip(&ours).enumerate() {
+        let bound = 2.0 * BF16_ULP * max_logit + norm * moved + 1e-5 * loss;
+        eprintln!("bf16 step {step}: loss {loss:.6} today, {our_loss:.6} chunked, difference {:.2e}, bound {bound:.2e}", (loss - our_loss).abs());
+        assert!((loss - our_loss).abs() <= bound, "bf16, step {step}: loss {our_loss} chunked, {loss} today (bound {bound:e})");
+        moved += 3.0 * BF16_ULP * LR * norm.min(MAX_NORM);
+    }
+}

@@ -185,3 +185,64 @@ fn cuda_without_a_gpu_and_missing_data_are_one_clear_line() {
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.contains("/nonexistent/wikitext does not exist") && err.contains("make data"), "{err}");
 }
+
+/// `--loss-chunks N` trains the same model as the whole batch's logits: in float32 each step's
+/// loss and the test loss equal to float32's rounding (1e-5 relative), for a chunk count that
+/// does not divide the batch's 20 × 35 tokens; the run's peak memory is lower.
+#[test]
+fn loss_chunks_train_the_same_model_as_the_whole_batchs_logits() {
+    let data = tempfile::tempdir().unwrap();
+    wikitext_sample(data.path(), [300, 40, 40]);
+    let run = |extra: &[&str]| {
+        let results = tempfile::tempdir().unwrap();
+        let mut args = vec!["--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--quiet", "--threads", "1"];
+        args.extend(["--emsize", "32", "--d-hid", "64", "--nhead", "2", "--nlayers", "1", "--dropout", "0", "--max-steps", "6", "--epochs", "1"]);
+        args.extend(["--results-dir", results.path().to_str().unwrap()]);
+        args.extend(extra);
+        let out = exercise1_nlp(&args);
+        assert!(out.status.success(), "{extra:?}: {}", stderr(&out));
+        read_json(&results.path().join("exercise1_nlp-transformer-cpu.json"))
+    };
+    let (full, chunked) = (run(&[]), run(&["--loss-chunks", "3"]));
+    let losses = |run: &serde_json::Value| run["step_losses"].as_array().unwrap().iter().map(|l| l.as_f64().unwrap()).collect::<Vec<_>>();
+    let (a, b) = (losses(&full), losses(&chunked));
+    assert_eq!(a.len(), 6, "{a:?}");
+    for (step, (a, b)) in a.iter().zip(&b).enumerate() {
+        assert!((a - b).abs() <= 1e-5 * a, "step {step}: loss {b} with --loss-chunks 3, {a} without");
+    }
+    let (ta, tb) = (full["test_loss"].as_f64().unwrap(), chunked["test_loss"].as_f64().unwrap());
+    assert!((ta - tb).abs() <= 1e-5 * ta, "test loss {tb} with --loss-chunks 3, {ta} without");
+    let peak = |run: &serde_json::Value| run["peak_memory_bytes"].as_f64().unwrap();
+    println!("--loss-chunks 3: losses {b:?} against {a:?}; peak {:.1} MiB against {:.1} MiB", peak(&chunked) / 1048576.0, peak(&full) / 1048576.0);
+    assert!(peak(&chunked) < peak(&full), "--loss-chunks did not lower the peak");
+}
+
+/// `--loss-chunks` is the whole output layer's on one rank: with tensor-parallel shards,
+/// pipeline stages or ZeRO-3 it is one line and exit 2 before anything trains (`--estimate-memory`
+/// refuses it alike); 0 chunks is clap's range error.
+#[test]
+fn loss_chunks_with_shards_stages_or_zero3_are_refused_in_one_line() {
+    let data = tempfile::tempdir().unwrap();
+    wikitext_sample(data.path(), [50, 20, 20]);
+    let results = tempfile::tempdir().unwrap();
+    let common = ["--data-dir", data.path().to_str().unwrap(), "--device", "cpu", "--emsize", "32", "--d-hid", "32", "--nhead", "2", "--nlayers", "2"];
+    let results_dir = ["--results-dir", results.path().to_str().unwrap(), "--loss-chunks", "4"];
+    let pipeline = Command::new(env!("CARGO_BIN_EXE_exercise3")).arg("pipeline").args(common).args(results_dir).output().unwrap();
+    let runs = [
+        ("exercise3 pipeline", pipeline, "not built for tensor-parallel shards (--tp, exercise3 tp) or pipeline stages"),
+        ("--tp 1", exercise1_nlp(&[&common[..], &results_dir, &["--tp", "1"]].concat()), "not built for tensor-parallel shards"),
+        (
+            "--zero 3",
+            exercise1_nlp(&[&common[..], &results_dir, &["--zero", "3", "--estimate-memory"]].concat()),
+            "not built for parameters sharded over the replicas",
+        ),
+        ("--loss-chunks 0", exercise1_nlp(&["--loss-chunks", "0"]), "0 is not in 1..="),
+    ];
+    for (what, out, expected) in runs {
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{what}: {err}");
+        assert_eq!(err.lines().filter(|l| l.starts_with("error")).count(), 1, "{what}: {err}");
+        assert!(err.contains(expected), "{what}: {err}");
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("epoch 1"), "{what}: nothing trains");
+    }
+}

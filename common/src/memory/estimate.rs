@@ -184,6 +184,10 @@ pub struct TransformerJob {
     pub bucket_bytes: f64,
     pub precision: Precision,
     pub cuda: bool,
+    /// `--loss-chunks`: the output layer and the loss computed this many chunks of the tokens
+    /// at a time (the whole model on one rank): one chunk's logits at a time instead of the
+    /// batch's float32 log-probabilities and their gradients.
+    pub loss_chunks: Option<i64>,
 }
 
 impl TransformerJob {
@@ -303,6 +307,32 @@ impl TransformerJob {
         rows
     }
 
+    /// What the chunked output layer and loss hold beside what it saved (`--loss-chunks`, the
+    /// whole model on one rank), as `torch_ext::chunked_linear_cross_entropy` makes its
+    /// tensors; None without it.
+    fn chunked_loss(&self) -> Option<ChunkedLoss> {
+        let chunks = self.loss_chunks.filter(|_| self.tp == 1 && self.placement.stages() == 1)?;
+        let (t, d, v) = (self.micro_tokens(), self.config.d_model as f64, self.config.ntoken as f64);
+        let rows = (t / chunks.max(1) as f64).ceil();
+        let chunk = rows * v;
+        // `a`: bytes of the kind the products run in (autocast's or the weights').
+        let (mixed, true_half) = (self.precision != Precision::Full, self.precision.weights_kind().is_some());
+        let a = if mixed { 2.0 } else { 4.0 };
+        Some(ChunkedLoss {
+            forward: 8.0 * chunk,
+            // Mixed: the products' logits beside their float32 copy, then the float32 gradient
+            // beside its copy in `a`, then that copy beside the weight's product in `a` (summed
+            // into float32); float32: one chunk, its gradient made in place, the weight's summed
+            // in place.
+            // The weight's product is summed into float32 in 8 blocks of the vocabulary (the
+            // CPU's add of mixed kinds makes a float32 copy of each block's product).
+            backward: if mixed { ((4.0 + a) * chunk).max(a * chunk + (a + 4.0) * v * d / WEIGHT_BLOCKS) } else { 4.0 * chunk },
+            // Under autocast the products' copy of the weight, kept for the backward pass.
+            saved_weight: if mixed && !true_half { a * v * d } else { 0.0 },
+            hidden_grad: if true_half { 2.0 } else { 4.0 } * t * d,
+        })
+    }
+
     fn device_estimate(&self, device: usize) -> RankEstimate {
         let cfg = &self.config;
         let stages: Vec<usize> = self.placement.stages_of(device).collect();
@@ -348,7 +378,14 @@ impl TransformerJob {
         // log-probabilities; the vocabulary-parallel one (`tp::vocab_parallel_cross_entropy`)
         // keeps the exponentials and the shifted logits (`gather` saves its whole input).
         let logits_bytes = 4.0 * t * v / tp;
-        let loss_saved = if self.tp > 1 { 2.0 * logits_bytes } else { logits_bytes };
+        let chunked = self.chunked_loss();
+        let loss_saved = match chunked {
+            // The chunked loss keeps each token's log-sum-exp (float32), and under autocast
+            // the weight's half-precision copy.
+            Some(chunk) => 4.0 * t + chunk.saved_weight,
+            None if self.tp > 1 => 2.0 * logits_bytes,
+            None => logits_bytes,
+        };
         // Its backward pass at its most, beside what it saved: the whole model's the gradients
         // of the log-probabilities and of the logits; the vocabulary-parallel one's the
         // exponentials' gradient, made after they are let go, and the gather's.
@@ -411,6 +448,10 @@ impl TransformerJob {
                 schedule::Direction::Forward => {
                     live += kept(s);
                     let mut at = live + grads;
+                    if let Some(chunk) = chunked.filter(|_| s == last) {
+                        // A chunk's float32 logits and the exponentials of its log-sum-exp.
+                        at += chunk.forward;
+                    }
                     if let Some(sharding) = gathered.filter(|_| s == last) {
                         // The output layer gathered for its forward pass (its logits not yet made).
                         at = at - loss_saved + sharding.gather((v * d + v) / tp);
@@ -423,7 +464,12 @@ impl TransformerJob {
                     // The output layer's backward: the loss's saved tensors gone, the logits'
                     // gradient in their place.
                     let at_output_layer = held_now - loss_saved + logits_bytes;
-                    let mut at = if s == last {
+                    let mut at = if let Some(chunk) = chunked.filter(|_| s == last) {
+                        // The chunked loss's backward, all of it before the layers': the
+                        // output layer's fresh gradients (float32 sums), the hidden states'
+                        // gradient, and a chunk's logits made again with their gradient.
+                        held_now + grads + output_fresh_grad + chunk.hidden_grad + chunk.backward
+                    } else if s == last {
                         (held_now + grads + loss_backward).max(at_output_layer + grads + output_fresh_grad)
                     } else {
                         // The gradient received from the next stage and the product the
@@ -486,6 +532,25 @@ impl TransformerJob {
         }
     }
 }
+
+/// What the chunked output layer and loss holds at its most beside what it saved, in bytes
+/// ([`TransformerJob::chunked_loss`]).
+#[derive(Debug, Clone, Copy)]
+struct ChunkedLoss {
+    /// The forward pass: a chunk's float32 logits and their exponentials.
+    forward: f64,
+    /// The backward pass: a chunk's logits made again and their gradient (beyond the output
+    /// layer's gradients and the hidden states').
+    backward: f64,
+    /// The hidden states' gradient (the kind of the hidden states).
+    hidden_grad: f64,
+    /// The weight's copy in the products' kind that the backward pass reads (under autocast).
+    saved_weight: f64,
+}
+
+/// Blocks of the vocabulary the chunked loss sums the weight's gradient in (`kWeightBlocks` in
+/// `csrc/torch_ext.cpp`).
+const WEIGHT_BLOCKS: f64 = 8.0;
 
 /// Several rows as one (stages sharing a device), their largest phases added.
 fn sum_rows(rows: &[RankEstimate], name: &str) -> RankEstimate {
@@ -670,6 +735,7 @@ mod tests {
             bucket_bytes: 25.0 * MIB,
             precision: Precision::Full,
             cuda: false,
+            loss_chunks: None,
         }
     }
 

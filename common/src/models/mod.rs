@@ -150,6 +150,15 @@ pub trait PartedModule: nn::ModuleT {
     fn forward_parts(&self, xs: &Tensor, train: bool, around: &mut AroundPart) -> anyhow::Result<Tensor> {
         around(0, &|| self.forward_t(xs, train))
     }
+
+    /// The mean loss of the model's output for `xs` against `targets` and, when asked, its
+    /// arg-max hits, where the model computes them itself rather than the step from its output
+    /// (the Transformer's `--loss-chunks`: no logits of the whole batch); None where it does not.
+    /// (The whole model on this rank only: a model whose parameters are sharded runs
+    /// [`PartedModule::forward_parts`].)
+    fn own_loss(&self, _xs: &Tensor, _targets: &Tensor, _train: bool, _count_hits: bool) -> Option<anyhow::Result<(Tensor, Option<Tensor>)>> {
+        None
+    }
 }
 
 /// Any model as one part.

@@ -743,6 +743,16 @@ impl TransformerPart {
     /// whole-model indices, so they do not depend on the partition); a tensor-parallel shard
     /// talks to the other shards over `tp`.
     pub fn forward_masked(&self, xs: &Tensor, train: bool, masks: Masks, tp: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
+        let xs = self.hidden_states(xs, train, masks, tp)?;
+        match &self.head {
+            Some(_) => self.decode(&xs, tp),
+            None => Ok(xs),
+        }
+    }
+
+    /// [`TransformerPart::forward_masked`] short of the output layer: the hidden states its
+    /// last encoder layer gives.
+    pub fn hidden_states(&self, xs: &Tensor, train: bool, masks: Masks, tp: Option<&ProcessGroup>) -> anyhow::Result<Tensor> {
         let mut xs = match &self.embedding {
             Some(_) => self.embed(xs, train, masks, tp)?,
             None => xs.shallow_clone(),
@@ -750,10 +760,31 @@ impl TransformerPart {
         for (index, layer) in self.layers() {
             xs = layer.forward_sharded(&xs, train, masks, index, tp)?;
         }
-        match &self.head {
-            Some(_) => self.decode(&xs, tp),
-            None => Ok(xs),
+        Ok(xs)
+    }
+
+    /// The output layer and the mean cross-entropy of its logits against `targets`, `chunks`
+    /// chunks of the tokens at a time (`--loss-chunks`, [`torch_ext::chunked_linear_cross_entropy`]):
+    /// no logits tensor of the whole batch exists, forward or backward, only one chunk's; the
+    /// products in the kind the output layer computes in (autocast's, or the weights'), the
+    /// log-softmax and the loss in float32. And, when asked, the arg-max hits. The whole output
+    /// layer only (a tensor-parallel shard's loss is the vocabulary-parallel one).
+    ///
+    /// # Panics
+    /// On a piece without the output layer.
+    pub fn chunked_loss_and_hits(&self, hidden: &Tensor, targets: &Tensor, chunks: i64, count_hits: bool) -> anyhow::Result<(Tensor, Option<Tensor>)> {
+        let head = self.head.as_ref().expect("this piece ends the model");
+        if !self.shard.is_whole() {
+            anyhow::bail!("the chunked output layer and loss is the whole output layer's, not a tensor-parallel shard's");
         }
+        let width = *hidden.size().last().expect("hidden states have a width");
+        let hidden = hidden.reshape([-1, width]);
+        let rows = hidden.size()[0];
+        let chunk_rows = (rows + chunks.max(1) - 1) / chunks.max(1);
+        let compute = crate::precision::active_autocast_kind(hidden.device()).unwrap_or(head.weight.kind());
+        let targets = targets.reshape([-1]).to_kind(Kind::Int64);
+        let (loss, hits) = torch_ext::chunked_linear_cross_entropy(&hidden, &head.weight, Some(&head.bias), &targets, chunk_rows.max(1), compute, count_hits)?;
+        Ok((loss, count_hits.then_some(hits)))
     }
 
     /// `tp` when this piece is a shard of more than one.
@@ -793,6 +824,10 @@ pub fn language_model_loss(logits: &Tensor, targets: &Tensor) -> Tensor {
 #[derive(Debug)]
 pub struct TransformerLm {
     part: TransformerPart,
+    /// `--loss-chunks`: the output layer and the loss computed this many chunks of the tokens
+    /// at a time ([`TransformerPart::chunked_loss_and_hits`]) where the step asks the model for
+    /// its loss ([`super::PartedModule::own_loss`]).
+    loss_chunks: Option<i64>,
 }
 
 impl TransformerLm {
@@ -801,7 +836,28 @@ impl TransformerLm {
     ///
     /// A usage error (from [`TransformerConfig::validate`]) for an impossible configuration.
     pub fn new(root: &nn::Path, cfg: &TransformerConfig) -> Result<Self, UsageError> {
-        Ok(TransformerLm { part: TransformerPart::new(root, cfg, PartSpan::whole(cfg.nlayers), Shard::WHOLE, &mut |_| {})? })
+        Ok(TransformerLm { part: TransformerPart::new(root, cfg, PartSpan::whole(cfg.nlayers), Shard::WHOLE, &mut |_| {})?, loss_chunks: None })
+    }
+
+    /// This model computing its output layer and loss `chunks` chunks of the tokens at a time
+    /// (None: the logits of the whole batch, then the loss).
+    pub fn with_loss_chunks(self, chunks: Option<i64>) -> Self {
+        TransformerLm { loss_chunks: chunks, ..self }
+    }
+
+    /// The mean cross-entropy of the next-token predictions for `src` against `targets` and,
+    /// when asked, the arg-max hits, through the output layer `chunks` chunks of the tokens at
+    /// a time ([`TransformerPart::chunked_loss_and_hits`]).
+    pub fn chunked_loss_and_hits(
+        &self,
+        src: &Tensor,
+        targets: &Tensor,
+        train: bool,
+        chunks: i64,
+        count_hits: bool,
+    ) -> anyhow::Result<(Tensor, Option<Tensor>)> {
+        let hidden = self.part.hidden_states(src, train, Masks::Shared, None)?;
+        self.part.chunked_loss_and_hits(&hidden, targets, chunks, count_hits)
     }
 
     /// The first stage: token ids `[seq_len, batch]` → `[seq_len, batch, d_model]`.
@@ -839,6 +895,10 @@ impl super::PartedModule for TransformerLm {
             hidden = around(i + 1, &|| layer.forward_t(&input, train))?;
         }
         around(self.layers().len() + 1, &|| self.decode(&hidden))
+    }
+
+    fn own_loss(&self, src: &Tensor, targets: &Tensor, train: bool, count_hits: bool) -> Option<anyhow::Result<(Tensor, Option<Tensor>)>> {
+        Some(self.chunked_loss_and_hits(src, targets, train, self.loss_chunks?, count_hits))
     }
 }
 

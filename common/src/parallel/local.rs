@@ -81,6 +81,19 @@ impl<'g> LocalStep<'g> {
             Some(shards) => self.model.forward_parts(xs, train, &mut |part, run| shards.around(part, run)),
         }
     }
+
+    /// The mean loss of the model's output for `batch` and, when asked, its hits: the model's
+    /// own where it computes them itself ([`PartedModule::own_loss`]; not with ZeRO-3's
+    /// shards, which the plan refuses), else the loss of its output.
+    fn loss_and_hits(&self, batch: &Batch, train: bool, count_hits: bool) -> Result<(Tensor, Option<Tensor>)> {
+        if self.peers.zero_shards().is_none() {
+            if let Some(own) = self.model.own_loss(&batch.inputs, &batch.targets, train, count_hits) {
+                return own;
+            }
+        }
+        let logits = self.run(&batch.inputs, train)?;
+        Ok(loss_and_hits(&logits, &batch.targets, count_hits))
+    }
 }
 
 impl<'g> TrainStep<'g> for LocalStep<'g> {
@@ -105,10 +118,7 @@ impl<'g> TrainStep<'g> for LocalStep<'g> {
     fn forward_backward(&mut self, batch: &Batch, weight: f64, ctx: &StepContext) -> Result<StepOutput> {
         let device = self.vs.device();
         let t0 = Instant::now();
-        let (loss, hits) = precision::autocast(ctx.precision, device, || -> Result<_> {
-            let logits = self.run(&batch.inputs, true)?;
-            Ok(loss_and_hits(&logits, &batch.targets, ctx.count_hits))
-        })?;
+        let (loss, hits) = precision::autocast(ctx.precision, device, || self.loss_and_hits(batch, true, ctx.count_hits))?;
         if ctx.sync_phases {
             synchronize(device);
         }
@@ -138,10 +148,7 @@ impl<'g> TrainStep<'g> for LocalStep<'g> {
             for batch in source.epoch(0) {
                 let batch = batch?;
                 let device = batch.inputs.device();
-                let (loss, hits) = precision::autocast(precision, device, || -> Result<_> {
-                    let logits = self.run(&batch.inputs, false)?;
-                    Ok(loss_and_hits(&logits, &batch.targets, true))
-                })?;
+                let (loss, hits) = precision::autocast(precision, device, || self.loss_and_hits(&batch, false, true))?;
                 sums.loss_sum += loss.double_value(&[]) * batch.len() as f64;
                 sums.hits += hits.map_or(0, |h| h.int64_value(&[])) as f64;
                 sums.examples += batch.len() as f64;

@@ -207,6 +207,7 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
         bucket_bytes: 25.0 * crate::memory::MIB,
         precision: space.precision,
         cuda,
+        loss_chunks: None,
     };
     let memory_bytes = job.estimate().iter().map(|row| row.total).fold(0.0, f64::max);
 

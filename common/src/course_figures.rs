@@ -51,117 +51,124 @@ const fn row(device: &'static str, train_time_s: f64, test_acc: Option<f64>, tes
     CourseFigure { device, train_time_s: Some(train_time_s), time_note: None, test_acc, test_loss, test_ppl: None, epochs: &[], step_log: None }
 }
 
+/// exercise1.py: `Time for training on cpu: 129.9463222026825`, then Lightning's
+/// `test_acc_epoch` and `test_loss_epoch`.
+const EXERCISE1_CNN: [CourseFigure; 2] = [
+    row("cpu", 129.9463222026825, Some(0.6310999989509583), Some(1.0603944063186646)),
+    row("gpu", 52.2851619720459, Some(0.6330000162124634), Some(1.0520167350769043)),
+];
+
+/// exercise1_CNN.py, pretrained: `Time for training resnet on cpu: …`, `Test Acc`, `Test loss`.
+const EXERCISE1_RESNET34: [CourseFigure; 2] = [
+    row("cpu", 509.6669270992279, Some(0.6664999723434448), Some(1.0169105529785156)),
+    row("gpu", 116.25382375717163, Some(0.6812999844551086), Some(0.9379943609237671)),
+];
+
+/// The same script with VGG19.
+const EXERCISE1_VGG19: [CourseFigure; 2] = [
+    row("cpu", 2580.444151163101, Some(0.10000000149011612), Some(2.3030905723571777)),
+    row("gpu", 127.65016007423401, Some(0.10000000149011612), Some(2.303698778152466)),
+];
+
+/// exercise1_nlp.py: the totals of the 3 epochs (`4748.23 s`, `219.23 s`), the tutorial's
+/// block after each epoch and its `| End of training | test loss 5.48 | test ppl 240.33`.
+const EXERCISE1_NLP: [CourseFigure; 2] = [
+    CourseFigure {
+        device: "cpu",
+        train_time_s: Some(4748.23),
+        time_note: Some("≈1600 s/epoch"),
+        test_acc: None,
+        test_loss: Some(5.48),
+        test_ppl: Some(240.33),
+        epochs: &[tutorial_epoch(1, 1618.58, 5.75, 313.30), tutorial_epoch(2, 1635.81, 5.69, 296.32), tutorial_epoch(3, 1493.84, 5.57, 263.73)],
+        step_log: None,
+    },
+    CourseFigure {
+        device: "gpu",
+        train_time_s: Some(219.23),
+        time_note: Some("≈70–79 s/epoch"),
+        test_acc: None,
+        test_loss: Some(5.40),
+        test_ppl: Some(221.61),
+        epochs: &[tutorial_epoch(1, 79.06, 5.75, 314.83), tutorial_epoch(2, 70.25, 5.58, 265.83), tutorial_epoch(3, 69.92, 5.49, 242.84)],
+        step_log: None,
+    },
+];
+
+/// `horovodrun -np 2 python exercise2.py`: each rank's last step of epochs 2, 4, …, 10, then
+/// `Test set: Accuracy: 81.08%`, `Elapsed time: 126.31 s ≈ 2 min`.
+const EXERCISE2_RESNET34: [CourseFigure; 1] = [CourseFigure {
+    epochs: &[
+        losses_at(2, &[(Some(1), 0.5788), (Some(0), 0.4635)]),
+        losses_at(4, &[(Some(1), 0.3478), (Some(0), 0.2552)]),
+        losses_at(6, &[(Some(1), 0.2159), (Some(0), 0.1682)]),
+        losses_at(8, &[(Some(1), 0.1184), (Some(0), 0.0652)]),
+        losses_at(10, &[(Some(0), 0.1116), (Some(1), 0.0584)]),
+    ],
+    step_log: Some(CIFAR_OVER_2),
+    ..row("2 GPUs", 126.31, Some(0.8108), None)
+}];
+
+/// `python exercise3.py` (DDP, `mp.spawn`): the same lines, untagged, so whose is unknown.
+const EXERCISE3_DDP_VGG19: [CourseFigure; 2] = [
+    CourseFigure {
+        epochs: &[
+            losses_at(2, &[(None, 1.5240), (None, 1.4402)]),
+            losses_at(4, &[(None, 0.7013), (None, 0.7268)]),
+            losses_at(6, &[(None, 0.5393), (None, 0.4175)]),
+            losses_at(8, &[(None, 0.3391), (None, 0.4450)]),
+            losses_at(10, &[(None, 0.3889), (None, 0.3106)]),
+        ],
+        step_log: Some(CIFAR_OVER_2),
+        ..row("2 GPUs", 234.65, Some(0.8176), None)
+    },
+    // Lightning's DDP slide: `Time for training vgg19 on gpu: 81.21439981460571`.
+    CourseFigure {
+        device: "2 GPUs, Lightning DDP",
+        train_time_s: Some(81.21439981460571),
+        time_note: Some("5 epochs"),
+        test_acc: None,
+        test_loss: None,
+        test_ppl: None,
+        epochs: &[],
+        step_log: None,
+    },
+];
+
+/// `python exercise3.py` (the pipeline): `end of epoch 1 | time: 28.42s | valid loss 1.22`, …,
+/// `End of training | test loss 0.20`.
+const EXERCISE3_PIPELINE: [CourseFigure; 1] = [CourseFigure {
+    device: "2 GPUs",
+    train_time_s: None,
+    time_note: Some("≈28 s/epoch"),
+    test_acc: None,
+    test_loss: Some(0.20),
+    test_ppl: None,
+    epochs: &[
+        CourseEpoch { epoch: 1, time_s: Some(28.42), valid_loss: Some(1.22), valid_ppl: None, losses: &[] },
+        CourseEpoch { epoch: 2, time_s: Some(27.36), valid_loss: Some(0.25), valid_ppl: None, losses: &[] },
+        CourseEpoch { epoch: 3, time_s: Some(27.49), valid_loss: Some(0.23), valid_ppl: None, losses: &[] },
+    ],
+    step_log: None,
+}];
+
 /// The slide's rows for `exercise` (a preset's name) training `model`; none where the course
 /// has no figure for it. Every figure as the slide prints it, all its digits (Python's `repr`
 /// of Lightning's float32 metrics, `time.time()` differences); printing rounds them
 /// ([`CourseFigure::time`], [`CourseFigure::metric`], [`CourseFigure::loss`]).
 pub fn for_run(exercise: &str, model: &str) -> &'static [CourseFigure] {
-    // exercise1.py: `Time for training on cpu: 129.9463222026825`, then Lightning's
-    // `test_acc_epoch` and `test_loss_epoch`.
-    const CNN: [CourseFigure; 2] = [
-        row("cpu", 129.9463222026825, Some(0.6310999989509583), Some(1.0603944063186646)),
-        row("gpu", 52.2851619720459, Some(0.6330000162124634), Some(1.0520167350769043)),
-    ];
-    // exercise1_CNN.py, pretrained: `Time for training resnet on cpu: …`, `Test Acc`, `Test loss`.
-    const RESNET34: [CourseFigure; 2] = [
-        row("cpu", 509.6669270992279, Some(0.6664999723434448), Some(1.0169105529785156)),
-        row("gpu", 116.25382375717163, Some(0.6812999844551086), Some(0.9379943609237671)),
-    ];
-    const VGG19: [CourseFigure; 2] = [
-        row("cpu", 2580.444151163101, Some(0.10000000149011612), Some(2.3030905723571777)),
-        row("gpu", 127.65016007423401, Some(0.10000000149011612), Some(2.303698778152466)),
-    ];
-    // exercise1_nlp.py: the totals of the 3 epochs (`4748.23 s`, `219.23 s`), the tutorial's
-    // block after each epoch and its `| End of training | test loss 5.48 | test ppl 240.33`.
-    const NLP: [CourseFigure; 2] = [
-        CourseFigure {
-            device: "cpu",
-            train_time_s: Some(4748.23),
-            time_note: Some("≈1600 s/epoch"),
-            test_acc: None,
-            test_loss: Some(5.48),
-            test_ppl: Some(240.33),
-            epochs: &[tutorial_epoch(1, 1618.58, 5.75, 313.30), tutorial_epoch(2, 1635.81, 5.69, 296.32), tutorial_epoch(3, 1493.84, 5.57, 263.73)],
-            step_log: None,
-        },
-        CourseFigure {
-            device: "gpu",
-            train_time_s: Some(219.23),
-            time_note: Some("≈70–79 s/epoch"),
-            test_acc: None,
-            test_loss: Some(5.40),
-            test_ppl: Some(221.61),
-            epochs: &[tutorial_epoch(1, 79.06, 5.75, 314.83), tutorial_epoch(2, 70.25, 5.58, 265.83), tutorial_epoch(3, 69.92, 5.49, 242.84)],
-            step_log: None,
-        },
-    ];
-    // `horovodrun -np 2 python exercise2.py`: each rank's last step of epochs 2, 4, …, 10, then
-    // `Test set: Accuracy: 81.08%`, `Elapsed time: 126.31 s ≈ 2 min`.
-    const EXERCISE2: [CourseFigure; 1] = [CourseFigure {
-        epochs: &[
-            losses_at(2, &[(Some(1), 0.5788), (Some(0), 0.4635)]),
-            losses_at(4, &[(Some(1), 0.3478), (Some(0), 0.2552)]),
-            losses_at(6, &[(Some(1), 0.2159), (Some(0), 0.1682)]),
-            losses_at(8, &[(Some(1), 0.1184), (Some(0), 0.0652)]),
-            losses_at(10, &[(Some(0), 0.1116), (Some(1), 0.0584)]),
-        ],
-        step_log: Some(CIFAR_OVER_2),
-        ..row("2 GPUs", 126.31, Some(0.8108), None)
-    }];
-    // `python exercise3.py` (DDP, `mp.spawn`): the same lines, untagged, so whose is unknown.
-    const EXERCISE3_DDP: [CourseFigure; 2] = [
-        CourseFigure {
-            epochs: &[
-                losses_at(2, &[(None, 1.5240), (None, 1.4402)]),
-                losses_at(4, &[(None, 0.7013), (None, 0.7268)]),
-                losses_at(6, &[(None, 0.5393), (None, 0.4175)]),
-                losses_at(8, &[(None, 0.3391), (None, 0.4450)]),
-                losses_at(10, &[(None, 0.3889), (None, 0.3106)]),
-            ],
-            step_log: Some(CIFAR_OVER_2),
-            ..row("2 GPUs", 234.65, Some(0.8176), None)
-        },
-        // Lightning's DDP slide: `Time for training vgg19 on gpu: 81.21439981460571`.
-        CourseFigure {
-            device: "2 GPUs, Lightning DDP",
-            train_time_s: Some(81.21439981460571),
-            time_note: Some("5 epochs"),
-            test_acc: None,
-            test_loss: None,
-            test_ppl: None,
-            epochs: &[],
-            step_log: None,
-        },
-    ];
-    // `python exercise3.py` (the pipeline): `end of epoch 1 | time: 28.42s | valid loss 1.22`, …,
-    // `End of training | test loss 0.20`.
-    const PIPELINE: [CourseFigure; 1] = [CourseFigure {
-        device: "2 GPUs",
-        train_time_s: None,
-        time_note: Some("≈28 s/epoch"),
-        test_acc: None,
-        test_loss: Some(0.20),
-        test_ppl: None,
-        epochs: &[
-            CourseEpoch { epoch: 1, time_s: Some(28.42), valid_loss: Some(1.22), valid_ppl: None, losses: &[] },
-            CourseEpoch { epoch: 2, time_s: Some(27.36), valid_loss: Some(0.25), valid_ppl: None, losses: &[] },
-            CourseEpoch { epoch: 3, time_s: Some(27.49), valid_loss: Some(0.23), valid_ppl: None, losses: &[] },
-        ],
-        step_log: None,
-    }];
     match (exercise, model) {
-        ("exercise1", "cnn") => &CNN,
-        ("exercise1", "resnet34") => &RESNET34,
-        ("exercise1", "vgg19") => &VGG19,
-        ("exercise1_nlp", _) => &NLP,
-        ("exercise2", "resnet34") => &EXERCISE2,
-        ("exercise3_ddp", "vgg19") => &EXERCISE3_DDP,
-        ("exercise3_pipeline", _) => &PIPELINE,
+        ("exercise1", "cnn") => &EXERCISE1_CNN,
+        ("exercise1", "resnet34") => &EXERCISE1_RESNET34,
+        ("exercise1", "vgg19") => &EXERCISE1_VGG19,
+        ("exercise1_nlp", _) => &EXERCISE1_NLP,
+        ("exercise2", "resnet34") => &EXERCISE2_RESNET34,
+        ("exercise3_ddp", "vgg19") => &EXERCISE3_DDP_VGG19,
+        ("exercise3_pipeline", _) => &EXERCISE3_PIPELINE,
         _ => &[],
     }
 }
 
-/// A `time` command's `real XmY.Zs` in minutes.
 /// A tutorial epoch: its time, validation loss and perplexity.
 const fn tutorial_epoch(epoch: usize, time_s: f64, valid_loss: f64, valid_ppl: f64) -> CourseEpoch {
     CourseEpoch { epoch, time_s: Some(time_s), valid_loss: Some(valid_loss), valid_ppl: Some(valid_ppl), losses: &[] }
@@ -176,6 +183,7 @@ const fn losses_at(epoch: usize, losses: &'static [(Option<usize>, f64)]) -> Cou
 /// 50,000 over 2 ranks), the last line of each epoch at 24,960.
 const CIFAR_OVER_2: StepLog = StepLog { epochs: 10, examples: 24960, shard: 25000 };
 
+/// A `time` command's `real XmY.Zs` in minutes.
 const fn minutes(whole_minutes: f64, seconds: f64) -> f64 {
     whole_minutes + seconds / 60.0
 }

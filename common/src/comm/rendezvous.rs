@@ -120,6 +120,21 @@ fn remaining(deadline: Instant) -> Duration {
 fn serve(world_size: usize, master_addr: &str, master_port: u16, bytes: &[u8], timeout: Duration) -> anyhow::Result<()> {
     let shown = display_addr(master_addr, master_port);
     let deadline = Instant::now() + timeout;
+    let listener = listen(master_addr, master_port, &shown)?;
+    let mut conns = accept_peers(&listener, world_size, &shown, deadline, timeout)?;
+    drop(listener);
+
+    for (peer_rank, slot) in conns.iter_mut().enumerate() {
+        if let Some(stream) = slot.as_mut() {
+            send_reply(stream, STATUS_OK, bytes).with_context(|| format!("rendezvous root at {shown}: sending the bytes to rank {peer_rank} failed"))?;
+        }
+    }
+    Ok(())
+}
+
+/// A non-blocking listener on the first of `master_addr`'s addresses that binds; an error with
+/// a hint at why none did.
+fn listen(master_addr: &str, master_port: u16, shown: &str) -> anyhow::Result<TcpListener> {
     let addrs = resolve(master_addr, master_port).with_context(|| format!("rendezvous root: cannot resolve MASTER_ADDR {master_addr}"))?;
     let mut last_err = None;
     let mut listener = None;
@@ -148,9 +163,15 @@ fn serve(world_size: usize, master_addr: &str, master_port: u16, bytes: &[u8], t
         }
     };
     listener.set_nonblocking(true).context("rendezvous root: cannot make the listener non-blocking")?;
+    Ok(listener)
+}
 
+/// Accepts connections until every peer said a good hello, by `deadline`: slot r holds rank r's
+/// connection (slot 0 unused). Strangers are refused and ignored; a peer of another job (or a
+/// clash of ranks), the deadline, or a failed accept makes the root give up and tell every
+/// connected peer why.
+fn accept_peers(listener: &TcpListener, world_size: usize, shown: &str, deadline: Instant, timeout: Duration) -> anyhow::Result<Vec<Option<TcpStream>>> {
     let peers = world_size - 1;
-    // Slot r holds rank r's connection (slot 0 unused).
     let mut conns: Vec<Option<TcpStream>> = (0..world_size).map(|_| None).collect();
     let mut joined = 0usize;
     let mut strangers = 0usize;
@@ -176,18 +197,11 @@ fn serve(world_size: usize, master_addr: &str, master_port: u16, bytes: &[u8], t
                 bail!(reason);
             }
         };
-        // Accepted sockets must block (with timeouts) regardless of the listener's mode.
-        let _ = stream.set_nonblocking(false);
-        let _ = stream.set_nodelay(true);
-        let wait = remaining(deadline).clamp(Duration::from_millis(100), HELLO_TIMEOUT);
-        let _ = stream.set_read_timeout(Some(wait));
-        let _ = stream.set_write_timeout(Some(HELLO_TIMEOUT));
-        let mut hello = [0u8; HELLO_LEN];
-        if stream.read_exact(&mut hello).is_err() {
+        let Some(hello) = read_hello(&mut stream, deadline) else {
             // Closed or silent: not a peer (a port probe); ignore it and keep waiting.
             strangers += 1;
             continue;
-        }
+        };
         if hello[..8] != MAGIC {
             strangers += 1;
             let _ = send_reply(&mut stream, STATUS_REFUSED, b"not a rendezvous hello (wrong magic); this port is a rendezvous root");
@@ -195,20 +209,7 @@ fn serve(world_size: usize, master_addr: &str, master_port: u16, bytes: &[u8], t
         }
         let peer_rank = u32::from_be_bytes(hello[8..12].try_into().unwrap()) as usize;
         let peer_world = u32::from_be_bytes(hello[12..16].try_into().unwrap()) as usize;
-        let problem = if peer_world != world_size {
-            Some(format!(
-                "rendezvous at {shown}: rank {peer_rank} (from {from}) has world_size {peer_world}, but the root (rank 0) has world_size {world_size}; all ranks must be launched with the same world size"
-            ))
-        } else if peer_rank == 0 {
-            Some(format!("rendezvous at {shown}: a second process (from {from}) claims rank 0; only the root may be rank 0"))
-        } else if peer_rank >= world_size {
-            Some(format!("rendezvous at {shown}: rank {peer_rank} (from {from}) is outside the world of size {world_size}"))
-        } else if conns[peer_rank].is_some() {
-            Some(format!("rendezvous at {shown}: rank {peer_rank} connected twice (second time from {from}); two processes have the same rank"))
-        } else {
-            None
-        };
-        if let Some(reason) = problem {
+        if let Some(reason) = hello_problem(peer_rank, peer_world, world_size, &conns, shown, from) {
             let _ = send_reply(&mut stream, STATUS_REFUSED, reason.as_bytes());
             refuse_all(&mut conns, &reason);
             bail!(reason);
@@ -216,14 +217,37 @@ fn serve(world_size: usize, master_addr: &str, master_port: u16, bytes: &[u8], t
         conns[peer_rank] = Some(stream);
         joined += 1;
     }
-    drop(listener);
+    Ok(conns)
+}
 
-    for (peer_rank, slot) in conns.iter_mut().enumerate() {
-        if let Some(stream) = slot.as_mut() {
-            send_reply(stream, STATUS_OK, bytes).with_context(|| format!("rendezvous root at {shown}: sending the bytes to rank {peer_rank} failed"))?;
-        }
+/// The hello of an accepted connection, or None where it closed or stayed silent.
+fn read_hello(stream: &mut TcpStream, deadline: Instant) -> Option<[u8; HELLO_LEN]> {
+    // Accepted sockets must block (with timeouts) regardless of the listener's mode.
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_nodelay(true);
+    let wait = remaining(deadline).clamp(Duration::from_millis(100), HELLO_TIMEOUT);
+    let _ = stream.set_read_timeout(Some(wait));
+    let _ = stream.set_write_timeout(Some(HELLO_TIMEOUT));
+    let mut hello = [0u8; HELLO_LEN];
+    stream.read_exact(&mut hello).ok().map(|()| hello)
+}
+
+/// Why a peer's hello shows a misconfigured job (another world size, rank 0 again, a rank
+/// outside the world or one already taken), naming both values; None for a good one.
+fn hello_problem(peer_rank: usize, peer_world: usize, world_size: usize, conns: &[Option<TcpStream>], shown: &str, from: SocketAddr) -> Option<String> {
+    if peer_world != world_size {
+        Some(format!(
+            "rendezvous at {shown}: rank {peer_rank} (from {from}) has world_size {peer_world}, but the root (rank 0) has world_size {world_size}; all ranks must be launched with the same world size"
+        ))
+    } else if peer_rank == 0 {
+        Some(format!("rendezvous at {shown}: a second process (from {from}) claims rank 0; only the root may be rank 0"))
+    } else if peer_rank >= world_size {
+        Some(format!("rendezvous at {shown}: rank {peer_rank} (from {from}) is outside the world of size {world_size}"))
+    } else if conns[peer_rank].is_some() {
+        Some(format!("rendezvous at {shown}: rank {peer_rank} connected twice (second time from {from}); two processes have the same rank"))
+    } else {
+        None
     }
-    Ok(())
 }
 
 fn send_reply(stream: &mut TcpStream, status: u8, payload: &[u8]) -> std::io::Result<()> {

@@ -125,37 +125,10 @@ pub fn recorded_flags<E: Experiment>(exp: &E) -> Result<serde_json::Value> {
 /// sinks the flags ask for. Returns rank 0's records.
 pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunRecord>> {
     let (run, parallel) = (exp.run_args(), exp.parallel_args());
-    // The flags' own mistakes first, before LibTorch starts (half a second): said at once.
-    run.check()?;
-    exp.recipe_args().check()?;
-    parallel.check()?;
-    recorded_flags(exp)?;
-    // What the style refuses of the run's flags, said before the ranks start.
-    let job_spec = parallel.job();
-    job_spec.check(run.checkpoint_every.is_some() || run.checkpoint_minutes.is_some())?;
-    // Before the data are read: the data set counts in the peak memory's baseline.
-    memory::count_cpu_tensors()?;
-    device::keep_freed_host_memory();
-    run.matmul_precision.apply()?;
-    if run.deterministic {
-        device::deterministic()?;
-    }
-    crate::comm::watchdog::set_timeout(std::time::Duration::from_secs_f64(parallel.collective_timeout));
-    crate::comm::startup::set_timeout(std::time::Duration::from_secs_f64(parallel.startup_timeout));
+    let job_spec = check_flags(exp)?;
+    set_up_process(run, parallel)?;
     exp.check()?;
-    // Found before the first step, not after the last one (whose results would be lost).
-    writable_dir(&run.results_dir, "--results-dir")?;
-    if let Some(dir) = &run.checkpoint_dir {
-        writable_dir(dir, "--checkpoint-dir")?;
-    }
-    // Every name the run would write, on every device it may train on (a GPU asked for but
-    // absent is said later, where it is checked).
-    let named_devices = match run.device {
-        DeviceChoice::Cpu => vec![Device::Cpu],
-        DeviceChoice::Cuda => vec![Device::Cuda(0)],
-        DeviceChoice::Both => vec![Device::Cpu, Device::Cuda(0)],
-    };
-    files::check(exp, &named_devices)?;
+    check_outputs(exp)?;
     let env = LaunchEnv::detect();
     // Once per job: by the process itself, or by rank 0 of the ranks a launcher starts.
     let speaks = match &env {
@@ -171,14 +144,7 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
         return estimate_memory(exp, listeners).map(|()| Vec::new());
     }
     if let Some(n) = parallel.nproc_per_node.filter(|_| !env.as_ref().is_ok_and(|env| env.is_distributed())) {
-        // What the ranks would each refuse, said once, before mpirun starts them.
-        let layout = job_layout(exp, n)?;
-        if layout.dp > 1 && run.precision.weights_kind().is_some() && run.device == DeviceChoice::Cpu {
-            return usage(crate::parallelize::cannot_average(run.precision, layout.dp, "mpi", Device::Cpu));
-        }
-        if let Some(warning) = launch::check_rank_count(n, job_spec.ranks_apart(), run.device, parallel.max_ranks_per_core, parallel.share_gpu)? {
-            session_observers(exp, true, listeners).warn(warning)?;
-        }
+        check_ranks_to_start(exp, n, job_spec, listeners)?;
     }
     if launch::start_ranks_if_asked(parallel.nproc_per_node, job_spec.stops_at())? {
         return Ok(Vec::new());
@@ -194,45 +160,114 @@ pub fn run<E: Experiment>(exp: &E, listeners: &mut Observers) -> Result<Vec<RunR
         _ => None,
     };
     // Errors on one rank abort every rank (MPI_Abort) instead of leaving the others waiting.
-    ProcessGroup::run(Job::backend(parallel.backend, job_spec), |world| {
-        // The style may set ranks apart: they work here until the job is done; the others
-        // train as data-parallel replicas over a group of their own.
-        let job = Job::start(world, job_spec)?;
-        if job.serve()? {
-            return Ok(Vec::new());
+    ProcessGroup::run(Job::backend(parallel.backend, job_spec), |world| run_rank(exp, world, job_spec, shared_gpu.as_ref(), listeners))
+}
+
+/// The flags' own mistakes, before LibTorch starts (half a second): said at once. Also what the
+/// style refuses of the run's flags, said before the ranks start; returns the style's job.
+fn check_flags<E: Experiment>(exp: &E) -> Result<crate::parallel::JobSpec> {
+    let (run, parallel) = (exp.run_args(), exp.parallel_args());
+    run.check()?;
+    exp.recipe_args().check()?;
+    parallel.check()?;
+    recorded_flags(exp)?;
+    let job_spec = parallel.job();
+    job_spec.check(run.checkpoint_every.is_some() || run.checkpoint_minutes.is_some())?;
+    Ok(job_spec)
+}
+
+/// The process's settings the flags ask for: memory counted, matrix products' precision,
+/// determinism, the collectives' and the start-up's timeouts.
+fn set_up_process(run: &RunArgs, parallel: &ParallelArgs) -> Result<()> {
+    // Before the data are read: the data set counts in the peak memory's baseline.
+    memory::count_cpu_tensors()?;
+    device::keep_freed_host_memory();
+    run.matmul_precision.apply()?;
+    if run.deterministic {
+        device::deterministic()?;
+    }
+    crate::comm::watchdog::set_timeout(std::time::Duration::from_secs_f64(parallel.collective_timeout));
+    crate::comm::startup::set_timeout(std::time::Duration::from_secs_f64(parallel.startup_timeout));
+    Ok(())
+}
+
+/// The folders and files the run will write, found writable before the first step, not after
+/// the last one (whose results would be lost).
+fn check_outputs<E: Experiment>(exp: &E) -> Result<()> {
+    let run = exp.run_args();
+    writable_dir(&run.results_dir, "--results-dir")?;
+    if let Some(dir) = &run.checkpoint_dir {
+        writable_dir(dir, "--checkpoint-dir")?;
+    }
+    // Every name the run would write, on every device it may train on (a GPU asked for but
+    // absent is said later, where it is checked).
+    let named_devices = match run.device {
+        DeviceChoice::Cpu => vec![Device::Cpu],
+        DeviceChoice::Cuda => vec![Device::Cuda(0)],
+        DeviceChoice::Both => vec![Device::Cpu, Device::Cuda(0)],
+    };
+    files::check(exp, &named_devices)
+}
+
+/// What the `n` ranks `--nproc-per-node` starts would each refuse, said once, before mpirun
+/// starts them; and a warning for more ranks than the machine holds well.
+fn check_ranks_to_start<E: Experiment>(exp: &E, n: usize, job_spec: crate::parallel::JobSpec, listeners: &mut Observers) -> Result<()> {
+    let (run, parallel) = (exp.run_args(), exp.parallel_args());
+    let layout = job_layout(exp, n)?;
+    if layout.dp > 1 && run.precision.weights_kind().is_some() && run.device == DeviceChoice::Cpu {
+        return usage(crate::parallelize::cannot_average(run.precision, layout.dp, "mpi", Device::Cpu));
+    }
+    if let Some(warning) = launch::check_rank_count(n, job_spec.ranks_apart(), run.device, parallel.max_ranks_per_core, parallel.share_gpu)? {
+        session_observers(exp, true, listeners).warn(warning)?;
+    }
+    Ok(())
+}
+
+/// This rank's part of the job: serving (a rank the style sets apart works there until the job
+/// is done), or training as a data-parallel replica over a group of the others' own.
+fn run_rank<E: Experiment>(
+    exp: &E,
+    world: &ProcessGroup,
+    job_spec: crate::parallel::JobSpec,
+    shared_gpu: Option<&String>,
+    listeners: &mut Observers,
+) -> Result<Vec<RunRecord>> {
+    let run = exp.run_args();
+    let job = Job::start(world, job_spec)?;
+    if job.serve()? {
+        return Ok(Vec::new());
+    }
+    let world = job.ranks();
+    let layout = job_layout(exp, world.world_size())?;
+    let run_part = job.run_part();
+    let groups = Groups::new(world, layout)?.with_traffic(run_part.clone().map(|part| part.traffic()));
+    let device = exp.device(&groups)?;
+    run.precision.check(device)?;
+    let mut session = session_observers(exp, world.is_root(), listeners);
+    if let Some(every) = run.course_log {
+        session.add(train::sinks::CourseLog::new(world.rank(), world.world_size(), every, exp.metric(), exp.preset().script));
+    }
+    if let Some(placement) = crate::comm::hosts::placement() {
+        session.info(placement)?;
+    }
+    if let Some(note) = shared_gpu.filter(|_| world.is_root()) {
+        session.info(note.clone())?;
+    }
+    if run.threads == 0 && world.local_world_size() > 1 && device == Device::Cpu {
+        // Ranks sharing a node share its cores (torchrun sets OMP_NUM_THREADS=1 for the same reason).
+        device::set_threads((device::usable_cores() / world.local_world_size()).max(1))?;
+    } else if let Some(warning) = device::set_threads(run.threads)? {
+        session.warn(warning)?;
+    }
+    let data = exp.load(&mut session, world.is_root())?;
+    let record = train_on(exp, &data, Place { groups: &groups, run_part: run_part.as_ref(), device }, &mut session)?;
+    if let (Some(record), true) = (&record, world.world_size() > 1) {
+        let csv = report::table_path(&run.results_dir, exp.preset().name);
+        if let Some(efficiency) = report::scaling_efficiency(&csv, record) {
+            session.info(format!("scaling efficiency against the last 1-rank run: {:.1}%", 100.0 * efficiency))?;
         }
-        let world = job.ranks();
-        let layout = job_layout(exp, world.world_size())?;
-        let run_part = job.run_part();
-        let groups = Groups::new(world, layout)?.with_traffic(run_part.clone().map(|part| part.traffic()));
-        let device = exp.device(&groups)?;
-        run.precision.check(device)?;
-        let mut session = session_observers(exp, world.is_root(), listeners);
-        if let Some(every) = run.course_log {
-            session.add(train::sinks::CourseLog::new(world.rank(), world.world_size(), every, exp.metric(), exp.preset().script));
-        }
-        if let Some(placement) = crate::comm::hosts::placement() {
-            session.info(placement)?;
-        }
-        if let Some(note) = shared_gpu.as_ref().filter(|_| world.is_root()) {
-            session.info(note.clone())?;
-        }
-        if run.threads == 0 && world.local_world_size() > 1 && device == Device::Cpu {
-            // Ranks sharing a node share its cores (torchrun sets OMP_NUM_THREADS=1 for the same reason).
-            device::set_threads((device::usable_cores() / world.local_world_size()).max(1))?;
-        } else if let Some(warning) = device::set_threads(run.threads)? {
-            session.warn(warning)?;
-        }
-        let data = exp.load(&mut session, world.is_root())?;
-        let record = train_on(exp, &data, Place { groups: &groups, run_part: run_part.as_ref(), device }, &mut session)?;
-        if let (Some(record), true) = (&record, world.world_size() > 1) {
-            let csv = report::table_path(&run.results_dir, exp.preset().name);
-            if let Some(efficiency) = report::scaling_efficiency(&csv, record) {
-                session.info(format!("scaling efficiency against the last 1-rank run: {:.1}%", 100.0 * efficiency))?;
-            }
-        }
-        Ok(record.into_iter().collect())
-    })
+    }
+    Ok(record.into_iter().collect())
 }
 
 /// `--estimate-memory`: the job's ranks from `--nproc-per-node` or the launcher, the estimate

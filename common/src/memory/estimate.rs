@@ -33,7 +33,7 @@
 use serde::Serialize;
 
 use crate::models::TransformerConfig;
-use crate::parallel::costs::RankModel;
+use crate::parallel::costs::{RankModel, Sharding};
 use crate::parallel::GradientSync;
 use crate::pipeline::{schedule, Partition, Placement, Schedule};
 use crate::precision::Precision;
@@ -334,11 +334,7 @@ impl TransformerJob {
     }
 
     fn device_estimate(&self, device: usize) -> RankEstimate {
-        let cfg = &self.config;
         let stages: Vec<usize> = self.placement.stages_of(device).collect();
-        let last = self.partition.stages() - 1;
-        let (t, d, v, tp) = (self.micro_tokens(), cfg.d_model as f64, cfg.ntoken as f64, self.tp as f64);
-        let mixed = self.precision != Precision::Full;
         // The device's parameters in the order its ranks list them (the buckets' order).
         let params: Vec<(String, f64)> = stages.iter().flat_map(|&s| self.stage_parameter_list(s)).collect();
         let rank = RankModel {
@@ -354,13 +350,68 @@ impl TransformerJob {
         let (parameters, gradients, optimizer) = (state.parameters, state.gradients, state.optimizer);
         // The token embedding's positional encoding (`[MAX_LEN, 1, d]`, float32, whole on every
         // shard), a buffer the stage holding the embedding keeps.
-        let buffers = if stages.contains(&0) { 4.0 * crate::models::transformer::MAX_LEN as f64 * d } else { 0.0 };
+        let buffers = if stages.contains(&0) { 4.0 * crate::models::transformer::MAX_LEN as f64 * self.config.d_model as f64 } else { 0.0 };
 
-        // One micro-batch through each of this device's stages: its layers, the embedding on
-        // stage 0, the output layer's saved log-probabilities on the last; what passes between
-        // stages held by the executor (a stage's output until its backward pass, and under
-        // autocast its float32 input beside the half copy the first layer keeps).
-        let per_layer = self.per_layer_bytes();
+        let bytes = self.micro_batch_bytes();
+        let ops = if self.placement.stages() == 1 {
+            vec![schedule::Op::forward(0, 0), schedule::Op::backward(0, 0)]
+        } else {
+            schedule::device_ops(self.schedule, self.placement, device, self.chunks)
+        };
+        let held = schedule::peak_live(&ops);
+        let per_stage: f64 = stages.iter().map(|&s| bytes.stage(s)).sum::<f64>() / stages.len() as f64;
+        let activations = held as f64 * per_stage;
+        let activations_recomputed = (self.placement.stages() > 1).then(|| {
+            let inputs: f64 = stages.iter().map(|&s| bytes.input(s)).sum::<f64>() / stages.len() as f64;
+            held as f64 * inputs + per_stage
+        });
+
+        // How the style divides this rank's state (ZeRO's buckets), where it does; and where
+        // it keeps the parameters sharded (ZeRO-3, HSDP), the output layer gathered for its
+        // passes and reduced after its backward pass, counted here as the passes hold them
+        // (the other parts' are counted in the update: `Costs::update_bytes`).
+        let sharding = style.sharding(&rank);
+        let gathered = sharding.filter(|_| style.parameters_sharded());
+        let passes = self.passes_peak(&ops, &bytes, gathered, gradients);
+        let transient = passes - activations.min(passes);
+
+        // After the passes (the activations gone): averaging the gradients over the replicas
+        // and the update, beside the gradients, as the style does them.
+        let update = style.update_bytes(&rank, gradients);
+        // Replicas that divide the state start from replica 0's model, before the first step
+        // made any optimizer state.
+        let startup = match sharding.filter(|_| self.replicas > 1) {
+            Some(sharding) => sharding.startup(psi, buffers),
+            None => 0.0,
+        };
+        let total = (buffers + parameters + optimizer + passes.max(update)).max(startup);
+        RankEstimate {
+            ranks: match (self.placement.devices, self.placement.virtual_stages) {
+                (1, _) => "every rank".to_string(),
+                (_, 1) => format!("stage {device}"),
+                (_, _) => format!("device {device} (stages {})", stages.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(", ")),
+            },
+            parameters,
+            gradients,
+            optimizer,
+            buffers,
+            activations,
+            activations_recomputed,
+            transient,
+            total,
+            per_layer: Some(bytes.per_layer),
+            layers: stages.iter().map(|&s| self.partition.layers[s].clone().count()).sum(),
+            micro_batches_held: held,
+        }
+    }
+
+    /// What one micro-batch leaves held through each stage: its layers, the embedding on
+    /// stage 0, the output layer's saved log-probabilities on the last; what passes between
+    /// stages held by the executor (a stage's output until its backward pass, and under
+    /// autocast its float32 input beside the half copy the first layer keeps).
+    fn micro_batch_bytes(&self) -> MicroBatchBytes<'_> {
+        let cfg = &self.config;
+        let (t, d, v, tp) = (self.micro_tokens(), cfg.d_model as f64, cfg.ntoken as f64, self.tp as f64);
         let mask = if cfg.dropout > 0.0 {
             if self.cuda {
                 1.0
@@ -373,80 +424,59 @@ impl TransformerJob {
         // (Sequence parallel: the embedding's mask, the output layer's saved input and what
         // passes between stages are this shard's rows.)
         let rows = self.whole_share();
-        let embedding_saved = mask * t * d * rows + 8.0 * t;
         // The loss's saved logits-sized tensors: the whole model's cross-entropy keeps its
         // log-probabilities; the vocabulary-parallel one (`tp::vocab_parallel_cross_entropy`)
         // keeps the exponentials and the shifted logits (`gather` saves its whole input).
         let logits_bytes = 4.0 * t * v / tp;
         let chunked = self.chunked_loss();
-        let loss_saved = match chunked {
-            // The chunked loss keeps each token's log-sum-exp (float32), and under autocast
-            // the weight's half-precision copy.
-            Some(chunk) => 4.0 * t + chunk.saved_weight,
-            None if self.tp > 1 => 2.0 * logits_bytes,
-            None => logits_bytes,
-        };
-        // Its backward pass at its most, beside what it saved: the whole model's the gradients
-        // of the log-probabilities and of the logits; the vocabulary-parallel one's the
-        // exponentials' gradient, made after they are let go, and the gather's.
-        let loss_backward = if self.tp > 1 { logits_bytes } else { 2.0 * logits_bytes };
-        // The output layer's fresh gradient (weight and bias): made beside the gradients that
-        // earlier backward passes summed, while the other micro-batches' activations are held.
-        let output_fresh_grad = 4.0 * (v * d + v) / tp;
-        let stage_bytes = |s: usize| -> f64 {
-            let layers = self.partition.layers[s].clone().count() as f64;
-            let mut bytes = layers * per_layer;
-            if s == 0 {
-                bytes += embedding_saved;
-            } else if mixed {
-                bytes += 4.0 * t * d * rows;
-            }
-            if s == last {
-                bytes += (if mixed { 2.0 } else { 4.0 }) * t * d * rows + loss_saved + 8.0 * t;
-            } else {
-                bytes += 4.0 * t * d * rows;
-            }
-            bytes
-        };
-        // Recomputed: a held micro-batch keeps its stage input only.
-        let input_bytes = |s: usize| if s == 0 { 8.0 * t } else { 4.0 * t * d * rows };
-        let ops = if self.placement.stages() == 1 {
-            vec![schedule::Op::forward(0, 0), schedule::Op::backward(0, 0)]
-        } else {
-            schedule::device_ops(self.schedule, self.placement, device, self.chunks)
-        };
-        let held = schedule::peak_live(&ops);
-        let per_stage: f64 = stages.iter().map(|&s| stage_bytes(s)).sum::<f64>() / stages.len() as f64;
-        let activations = held as f64 * per_stage;
-        let activations_recomputed = (self.placement.stages() > 1).then(|| {
-            let inputs: f64 = stages.iter().map(|&s| input_bytes(s)).sum::<f64>() / stages.len() as f64;
-            held as f64 * inputs + per_stage
-        });
-        let recompute = self.checkpoint_activations && self.placement.stages() > 1;
-        let kept = |s: usize| if recompute { input_bytes(s) } else { stage_bytes(s) };
+        MicroBatchBytes {
+            partition: &self.partition,
+            last: self.partition.stages() - 1,
+            mixed: self.precision != Precision::Full,
+            t,
+            d,
+            v,
+            tp,
+            rows,
+            per_layer: self.per_layer_bytes(),
+            embedding_saved: mask * t * d * rows + 8.0 * t,
+            logits_bytes,
+            loss_saved: match chunked {
+                // The chunked loss keeps each token's log-sum-exp (float32), and under autocast
+                // the weight's half-precision copy.
+                Some(chunk) => 4.0 * t + chunk.saved_weight,
+                None if self.tp > 1 => 2.0 * logits_bytes,
+                None => logits_bytes,
+            },
+            chunked,
+            // Its backward pass at its most, beside what it saved: the whole model's the
+            // gradients of the log-probabilities and of the logits; the vocabulary-parallel
+            // one's the exponentials' gradient, made after they are let go, and the gather's.
+            loss_backward: if self.tp > 1 { logits_bytes } else { 2.0 * logits_bytes },
+            // The output layer's fresh gradient (weight and bias): made beside the gradients
+            // that earlier backward passes summed, while the other micro-batches' activations
+            // are held.
+            output_fresh_grad: 4.0 * (v * d + v) / tp,
+            recompute: self.checkpoint_activations && self.placement.stages() > 1,
+        }
+    }
 
-        // How the style divides this rank's state (ZeRO's buckets), where it does; and where
-        // it keeps the parameters sharded (ZeRO-3, HSDP), the output layer gathered for its
-        // passes and reduced after its backward pass, counted here as the passes hold them
-        // (the other parts' are counted in the update: `Costs::update_bytes`).
-        let sharding = style.sharding(&rank);
-        let gathered = sharding.filter(|_| style.parameters_sharded());
-
-        // The forward and backward passes, op by op as the schedule runs them on this device:
-        // the activations of the micro-batches it holds, and at each op what the op itself
-        // holds on top of them at its most. Gradients are there once a backward pass of the
-        // step ran (or from the step's earlier batches when it accumulates).
-        // (From ZeRO-2 on, the block's gradient: the whole gradients go as their buckets are
-        // reduced.)
-        let whole_grads = gradients;
+    /// The forward and backward passes' peak, op by op as the schedule runs them on this
+    /// device: the activations of the micro-batches it holds, and at each op what the op itself
+    /// holds on top of them at its most. Gradients are there once a backward pass of the step
+    /// ran (or from the step's earlier batches when it accumulates). (From ZeRO-2 on,
+    /// `whole_grads` is the block's gradient: the whole gradients go as their buckets are
+    /// reduced.) `gathered`: the sharding of parameters gathered for the output layer's passes.
+    fn passes_peak(&self, ops: &[schedule::Op], bytes: &MicroBatchBytes, gathered: Option<Sharding>, whole_grads: f64) -> f64 {
+        let MicroBatchBytes { t, d, v, tp, rows, last, embedding_saved, logits_bytes, loss_saved, chunked, loss_backward, output_fresh_grad, .. } = *bytes;
         let embedding_grad = 4.0 * v * d / tp;
         let (mut live, mut backward_ran, mut passes) = (0.0, self.accumulate > 1, 0.0f64);
-        for op in &ops {
+        for op in ops {
             let s = op.stage;
             let grads = if backward_ran { whole_grads } else { 0.0 };
             match op.direction {
                 schedule::Direction::Forward => {
-                    live += kept(s);
+                    live += bytes.kept(s);
                     let mut at = live + grads;
                     if let Some(chunk) = chunked.filter(|_| s == last) {
                         // A chunk's float32 logits and the exponentials of its log-sum-exp.
@@ -460,7 +490,7 @@ impl TransformerJob {
                 }
                 schedule::Direction::Backward => {
                     // Recomputation makes the stage's activations whole again for its backward pass.
-                    let held_now = live - kept(s) + stage_bytes(s);
+                    let held_now = live - bytes.kept(s) + bytes.stage(s);
                     // The output layer's backward: the loss's saved tensors gone, the logits'
                     // gradient in their place.
                     let at_output_layer = held_now - loss_saved + logits_bytes;
@@ -490,46 +520,17 @@ impl TransformerJob {
                         // micro-batch gone: a fresh gradient of the embedding's weight beside
                         // those summed by earlier backward passes (or, in the first, the
                         // gradients of this stage's layers made just before).
-                        let rest = live - kept(s) + embedding_saved;
+                        let rest = live - bytes.kept(s) + embedding_saved;
                         let fresh = if backward_ran { whole_grads + embedding_grad } else { whole_grads };
                         at = at.max(rest + fresh);
                     }
                     passes = passes.max(at);
-                    live -= kept(s);
+                    live -= bytes.kept(s);
                     backward_ran = true;
                 }
             }
         }
-        let transient = passes - activations.min(passes);
-
-        // After the passes (the activations gone): averaging the gradients over the replicas
-        // and the update, beside the gradients, as the style does them.
-        let update = style.update_bytes(&rank, gradients);
-        // Replicas that divide the state start from replica 0's model, before the first step
-        // made any optimizer state.
-        let startup = match sharding.filter(|_| self.replicas > 1) {
-            Some(sharding) => sharding.startup(psi, buffers),
-            None => 0.0,
-        };
-        let total = (buffers + parameters + optimizer + passes.max(update)).max(startup);
-        RankEstimate {
-            ranks: match (self.placement.devices, self.placement.virtual_stages) {
-                (1, _) => "every rank".to_string(),
-                (_, 1) => format!("stage {device}"),
-                (_, _) => format!("device {device} (stages {})", stages.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(", ")),
-            },
-            parameters,
-            gradients,
-            optimizer,
-            buffers,
-            activations,
-            activations_recomputed,
-            transient,
-            total,
-            per_layer: Some(per_layer),
-            layers: stages.iter().map(|&s| self.partition.layers[s].clone().count()).sum(),
-            micro_batches_held: held,
-        }
+        passes
     }
 }
 
@@ -551,6 +552,70 @@ struct ChunkedLoss {
 /// Blocks of the vocabulary the chunked loss sums the weight's gradient in (`kWeightBlocks` in
 /// `csrc/torch_ext.cpp`).
 const WEIGHT_BLOCKS: f64 = 8.0;
+
+/// One micro-batch's bytes on a device ([`TransformerJob::micro_batch_bytes`]): what each stage
+/// holds of it, and what the loss and the output layer make beside it.
+#[derive(Clone, Copy)]
+struct MicroBatchBytes<'a> {
+    partition: &'a Partition,
+    last: usize,
+    mixed: bool,
+    /// Tokens, the model's width, the vocabulary, the shards, and the share of the rows a
+    /// shard holds between its layers (sequence parallelism).
+    t: f64,
+    d: f64,
+    v: f64,
+    tp: f64,
+    rows: f64,
+    per_layer: f64,
+    embedding_saved: f64,
+    logits_bytes: f64,
+    loss_saved: f64,
+    /// `--loss-chunks`: what the chunked output layer and loss hold beside what they saved.
+    chunked: Option<ChunkedLoss>,
+    loss_backward: f64,
+    output_fresh_grad: f64,
+    /// Activations recomputed: a held micro-batch keeps its stage input only.
+    recompute: bool,
+}
+
+impl MicroBatchBytes<'_> {
+    /// What stage `s` holds of the micro-batch until its backward pass.
+    fn stage(&self, s: usize) -> f64 {
+        let (t, d, rows) = (self.t, self.d, self.rows);
+        let layers = self.partition.layers[s].clone().count() as f64;
+        let mut bytes = layers * self.per_layer;
+        if s == 0 {
+            bytes += self.embedding_saved;
+        } else if self.mixed {
+            bytes += 4.0 * t * d * rows;
+        }
+        if s == self.last {
+            bytes += (if self.mixed { 2.0 } else { 4.0 }) * t * d * rows + self.loss_saved + 8.0 * t;
+        } else {
+            bytes += 4.0 * t * d * rows;
+        }
+        bytes
+    }
+
+    /// The stage's input alone (the tokens on stage 0), what recomputation keeps.
+    fn input(&self, s: usize) -> f64 {
+        if s == 0 {
+            8.0 * self.t
+        } else {
+            4.0 * self.t * self.d * self.rows
+        }
+    }
+
+    /// What a micro-batch waiting for its backward pass keeps of stage `s`.
+    fn kept(&self, s: usize) -> f64 {
+        if self.recompute {
+            self.input(s)
+        } else {
+            self.stage(s)
+        }
+    }
+}
 
 /// Several rows as one (stages sharing a device), their largest phases added.
 fn sum_rows(rows: &[RankEstimate], name: &str) -> RankEstimate {

@@ -338,156 +338,177 @@ impl<'a> Unpickler<'a> {
 
     fn run(mut self) -> Result<Value> {
         loop {
-            let op = self.u8()?;
-            match op {
+            match self.u8()? {
+                b'.' => return self.pop(), // STOP: the pickled object is on the stack
                 0x80 => {
                     self.u8()?; // PROTO n
                 }
                 0x95 => {
                     self.take(8)?; // FRAME length
                 }
-                b'.' => return self.pop(),
-                b'N' => self.stack.push(Value::None),
-                0x88 => self.stack.push(Value::Bool(true)),
-                0x89 => self.stack.push(Value::Bool(false)),
-                b'J' => {
-                    let n = i32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes"));
-                    self.stack.push(Value::Int(n as i64));
-                }
-                b'K' => {
-                    let n = self.u8()?;
-                    self.stack.push(Value::Int(n as i64));
-                }
-                b'M' => {
-                    let n = u16::from_le_bytes(self.take(2)?.try_into().expect("2 bytes"));
-                    self.stack.push(Value::Int(n as i64));
-                }
-                0x8a => {
-                    // LONG1: n bytes of a little-endian two's-complement integer.
-                    let n = self.u8()? as usize;
-                    if n > 16 {
-                        bail!("an integer of {n} bytes");
-                    }
-                    let digits = self.take(n)?;
-                    let mut value: i128 = 0;
-                    for (i, &b) in digits.iter().enumerate() {
-                        value |= (b as i128) << (8 * i);
-                    }
-                    if n > 0 && n < 16 && digits[n - 1] & 0x80 != 0 {
-                        value -= 1i128 << (8 * n);
-                    }
-                    self.stack.push(i64::try_from(value).map(Value::Int).unwrap_or(Value::BigInt(value)));
-                }
-                b'G' => {
-                    self.take(8)?;
-                    self.stack.push(Value::Float);
-                }
-                b'X' => {
-                    let n = self.u32()? as usize;
-                    let s = String::from_utf8_lossy(self.take(n)?).into_owned();
-                    self.stack.push(Value::Str(s));
-                }
-                0x8c => {
-                    let n = self.u8()? as usize;
-                    let s = String::from_utf8_lossy(self.take(n)?).into_owned();
-                    self.stack.push(Value::Str(s));
-                }
-                b'T' => {
-                    let n = self.u32()? as usize;
-                    let b = self.take(n)?.to_vec();
-                    self.stack.push(Value::Bytes(b));
-                }
-                b'U' => {
-                    let n = self.u8()? as usize;
-                    let b = self.take(n)?.to_vec();
-                    self.stack.push(Value::Bytes(b));
-                }
-                b'}' => self.stack.push(Value::Dict(Vec::new())),
-                b']' => self.stack.push(Value::List(Vec::new())),
-                b')' => self.stack.push(Value::Tuple(Vec::new())),
-                b'(' => self.stack.push(Value::Mark),
-                b't' => {
-                    let items = self.pop_mark()?;
-                    self.stack.push(Value::Tuple(items));
-                }
-                0x85..=0x87 => {
-                    let n = (op - 0x84) as usize;
-                    if self.stack.len() < n {
-                        bail!("a malformed pickle (a tuple of missing items)");
-                    }
-                    let items = self.stack.split_off(self.stack.len() - n);
-                    self.stack.push(Value::Tuple(items));
-                }
-                b'q' => {
-                    let key = self.u8()? as u32;
-                    self.memo_put(key)?;
-                }
-                b'r' => {
-                    let key = self.u32()?;
-                    self.memo_put(key)?;
-                }
-                0x94 => {
-                    let key = self.memo.len() as u32;
-                    self.memo_put(key)?;
-                }
-                b'h' => {
-                    let key = self.u8()? as u32;
-                    self.memo_get(key)?;
-                }
-                b'j' => {
-                    let key = self.u32()?;
-                    self.memo_get(key)?;
-                }
-                b'c' => {
-                    let module = self.line()?;
-                    let name = self.line()?;
-                    self.stack.push(Value::Global(module, name));
-                }
-                0x93 => {
-                    // STACK_GLOBAL
-                    let name = self.pop()?.string()?;
-                    let module = self.pop()?.string()?;
-                    self.stack.push(Value::Global(module, name));
-                }
-                b'Q' => {
-                    let id = self.pop()?;
-                    self.stack.push(Value::Persistent(Box::new(id)));
-                }
-                b'R' | 0x81 => {
-                    let args = self.pop()?;
-                    let callable = self.pop()?;
-                    self.stack.push(Value::Call(Box::new(callable), Box::new(args)));
-                }
-                b'b' => {
-                    // BUILD: an object's state (a tensor's, a module's): kept aside, not needed.
-                    self.pop()?;
-                }
-                b's' => {
-                    let value = self.pop()?;
-                    let key = self.pop()?;
-                    self.set_items(vec![key, value])?;
-                }
-                b'u' => {
-                    let pairs = self.pop_mark()?;
-                    self.set_items(pairs)?;
-                }
-                b'a' => {
-                    let value = self.pop()?;
-                    match self.top()? {
-                        Value::List(items) => items.push(value),
-                        other => bail!("an item appended to a {}", other.what()),
-                    }
-                }
-                b'e' => {
-                    let values = self.pop_mark()?;
-                    match self.top()? {
-                        Value::List(items) => items.extend(values),
-                        other => bail!("items appended to a {}", other.what()),
-                    }
-                }
+                op @ (b'N' | 0x88 | 0x89 | b'J' | b'K' | b'M' | 0x8a | b'G') => self.push_scalar(op)?,
+                op @ (b'X' | 0x8c | b'T' | b'U') => self.push_text(op)?,
+                op @ (b'}' | b']' | b')' | b'(' | b't' | 0x85..=0x87 | b's' | b'u' | b'a' | b'e') => self.build_container(op)?,
+                op @ (b'q' | b'r' | 0x94 | b'h' | b'j') => self.memo_op(op)?,
+                op @ (b'c' | 0x93 | b'Q' | b'R' | 0x81 | b'b') => self.object_op(op)?,
                 other => bail!("pickle opcode 0x{other:02x} is not one a state_dict uses"),
             }
         }
+    }
+
+    /// None, booleans, integers, floats (whose value a state_dict does not need).
+    fn push_scalar(&mut self, op: u8) -> Result<()> {
+        let value = match op {
+            b'N' => Value::None,
+            0x88 => Value::Bool(true),
+            0x89 => Value::Bool(false),
+            b'J' => Value::Int(i32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")) as i64),
+            b'K' => Value::Int(self.u8()? as i64),
+            b'M' => Value::Int(u16::from_le_bytes(self.take(2)?.try_into().expect("2 bytes")) as i64),
+            0x8a => {
+                // LONG1: n bytes of a little-endian two's-complement integer.
+                let n = self.u8()? as usize;
+                if n > 16 {
+                    bail!("an integer of {n} bytes");
+                }
+                let digits = self.take(n)?;
+                let mut value: i128 = 0;
+                for (i, &b) in digits.iter().enumerate() {
+                    value |= (b as i128) << (8 * i);
+                }
+                if n > 0 && n < 16 && digits[n - 1] & 0x80 != 0 {
+                    value -= 1i128 << (8 * n);
+                }
+                i64::try_from(value).map(Value::Int).unwrap_or(Value::BigInt(value))
+            }
+            b'G' => {
+                self.take(8)?;
+                Value::Float
+            }
+            _ => unreachable!("0x{op:02x} is no scalar's opcode"),
+        };
+        self.stack.push(value);
+        Ok(())
+    }
+
+    /// Strings (4-byte or 1-byte length) and bytes likewise.
+    fn push_text(&mut self, op: u8) -> Result<()> {
+        let n = match op {
+            b'X' | b'T' => self.u32()? as usize,
+            _ => self.u8()? as usize,
+        };
+        let value = match op {
+            b'X' | 0x8c => Value::Str(String::from_utf8_lossy(self.take(n)?).into_owned()),
+            b'T' | b'U' => Value::Bytes(self.take(n)?.to_vec()),
+            _ => unreachable!("0x{op:02x} is no string's opcode"),
+        };
+        self.stack.push(value);
+        Ok(())
+    }
+
+    /// Empty dicts, lists and tuples, the mark, tuples of what is above it or of the top
+    /// 1 to 3 items, and items set in a dict or appended to a list.
+    fn build_container(&mut self, op: u8) -> Result<()> {
+        match op {
+            b'}' => self.stack.push(Value::Dict(Vec::new())),
+            b']' => self.stack.push(Value::List(Vec::new())),
+            b')' => self.stack.push(Value::Tuple(Vec::new())),
+            b'(' => self.stack.push(Value::Mark),
+            b't' => {
+                let items = self.pop_mark()?;
+                self.stack.push(Value::Tuple(items));
+            }
+            0x85..=0x87 => {
+                let n = (op - 0x84) as usize;
+                if self.stack.len() < n {
+                    bail!("a malformed pickle (a tuple of missing items)");
+                }
+                let items = self.stack.split_off(self.stack.len() - n);
+                self.stack.push(Value::Tuple(items));
+            }
+            b's' => {
+                let value = self.pop()?;
+                let key = self.pop()?;
+                self.set_items(vec![key, value])?;
+            }
+            b'u' => {
+                let pairs = self.pop_mark()?;
+                self.set_items(pairs)?;
+            }
+            b'a' => {
+                let value = self.pop()?;
+                match self.top()? {
+                    Value::List(items) => items.push(value),
+                    other => bail!("an item appended to a {}", other.what()),
+                }
+            }
+            b'e' => {
+                let values = self.pop_mark()?;
+                match self.top()? {
+                    Value::List(items) => items.extend(values),
+                    other => bail!("items appended to a {}", other.what()),
+                }
+            }
+            _ => unreachable!("0x{op:02x} is no container's opcode"),
+        }
+        Ok(())
+    }
+
+    /// The memo: the top of the stack put under a key (given, or the next), or a value got back.
+    fn memo_op(&mut self, op: u8) -> Result<()> {
+        match op {
+            b'q' => {
+                let key = self.u8()? as u32;
+                self.memo_put(key)
+            }
+            b'r' => {
+                let key = self.u32()?;
+                self.memo_put(key)
+            }
+            0x94 => self.memo_put(self.memo.len() as u32),
+            b'h' => {
+                let key = self.u8()? as u32;
+                self.memo_get(key)
+            }
+            b'j' => {
+                let key = self.u32()?;
+                self.memo_get(key)
+            }
+            _ => unreachable!("0x{op:02x} is no memo's opcode"),
+        }
+    }
+
+    /// Globals (a module's name), persistent ids (a tensor's storage), calls (a tensor rebuilt,
+    /// an OrderedDict) and an object's state, which is left aside.
+    fn object_op(&mut self, op: u8) -> Result<()> {
+        match op {
+            b'c' => {
+                let module = self.line()?;
+                let name = self.line()?;
+                self.stack.push(Value::Global(module, name));
+            }
+            0x93 => {
+                // STACK_GLOBAL
+                let name = self.pop()?.string()?;
+                let module = self.pop()?.string()?;
+                self.stack.push(Value::Global(module, name));
+            }
+            b'Q' => {
+                let id = self.pop()?;
+                self.stack.push(Value::Persistent(Box::new(id)));
+            }
+            b'R' | 0x81 => {
+                let args = self.pop()?;
+                let callable = self.pop()?;
+                self.stack.push(Value::Call(Box::new(callable), Box::new(args)));
+            }
+            b'b' => {
+                // BUILD: an object's state (a tensor's, a module's): kept aside, not needed.
+                self.pop()?;
+            }
+            _ => unreachable!("0x{op:02x} is no object's opcode"),
+        }
+        Ok(())
     }
 }
 

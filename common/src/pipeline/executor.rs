@@ -148,103 +148,158 @@ pub fn run_device<S: PipelineStage>(
     let stage_of = |index: usize| {
         stages.iter().copied().find(|s| s.index() == index).with_context(|| format!("device {device} runs a pass of stage {index}, which it does not hold"))
     };
-    let mut saved: HashMap<(usize, usize), Saved> = HashMap::new();
-    let mut stash = Stash::default();
-    let mut loss_sum: Option<Tensor> = None;
-    let mut hits = Tensor::zeros([], (Kind::Int64, on));
+    let passes = Passes { device, on, batches, options, tp, generator: RefCell::new(Generator::new(on)?) };
+    let mut state = DeviceState { saved: HashMap::new(), stash: Stash::default(), loss_sum: None, hits: Tensor::zeros([], (Kind::Int64, on)) };
     let stage_indices = stages.iter().map(|s| s.index()).collect();
     let mut trace = StageTrace { device, stages: stage_indices, intervals: Vec::with_capacity(ops.len()), peak_live: 0 };
-    // A stage's forward pass of micro-batch m, in the run's precision (autocast is per thread:
-    // this one's), its dropout masks keyed to the micro-batch (a recomputation redraws the same
-    // ones; the layers' whole-model indices key them further, whatever stage holds them).
-    let generator = RefCell::new(Generator::new(on)?);
-    let forward = |stage: &S, m: usize, input: &Tensor, train: bool| -> Result<Tensor> {
-        let masks = Masks::Keyed { generator: &generator, key: mix_key(&[options.dropout_key, m as u64]), positions: batches.positions };
-        crate::precision::autocast(options.precision, on, || stage.forward_masked(input, train, masks, tp))
-    };
-    // A stage's output for micro-batch m: the last stage's is its weighted loss (and,
-    // evaluating, its hits added to the count).
-    let finish = |stage: &S, m: usize, output: Tensor, hits: Option<&mut Tensor>| -> Result<Tensor> {
-        if !stage.is_last() {
-            return Ok(output);
-        }
-        let (loss, counted) = stage.loss_and_hits(&output, &batches.targets[m], tp, hits.is_some())?;
-        if let (Some(hits), Some(counted)) = (hits, counted) {
-            *hits += counted;
-        }
-        Ok(loss * batches.weights[m])
-    };
-    let missing = |side: &str, op: Op| anyhow::anyhow!("device {device}: {op:?} needs a link to the {side} device, and has none");
     for &op in ops {
         let stage = stage_of(op.stage)?;
-        let m = op.micro_batch;
         // The interval starts once the neighbour's tensor is here: waiting is idle time.
-        let start_s;
-        match op.direction {
-            Direction::Forward => {
-                let input = match stage.is_first() {
-                    true => batches.inputs[m].shallow_clone(),
-                    false => {
-                        let link = prev.as_deref_mut().ok_or_else(|| missing("previous", op))?;
-                        stash.take(link, op, on)?.detach().set_requires_grad(options.train)
-                    }
-                };
-                start_s = clock.elapsed().as_secs_f64();
-                let output = if !options.train {
-                    tch::no_grad(|| finish(stage, m, forward(stage, m, &input, false)?, Some(&mut hits)))?
-                } else if options.recompute {
-                    tch::no_grad(|| finish(stage, m, forward(stage, m, &input, true)?, None))?
-                } else {
-                    finish(stage, m, forward(stage, m, &input, true)?, None)?
-                };
-                if stage.is_last() {
-                    let loss = output.detach();
-                    loss_sum = Some(match loss_sum {
-                        Some(sum) => sum + loss,
-                        None => loss,
-                    });
-                } else {
-                    let link = next.as_deref_mut().ok_or_else(|| missing("next", op))?;
-                    link.send(Op::forward(op.stage + 1, m), &output)?;
-                }
-                if options.train {
-                    let output = (!options.recompute).then_some(output);
-                    saved.insert((op.stage, m), Saved { input, output });
-                    trace.peak_live = trace.peak_live.max(saved.len());
-                }
-            }
-            Direction::Backward => {
-                let grad = match stage.is_last() {
-                    true => None,
-                    false => Some(stash.take(next.as_deref_mut().ok_or_else(|| missing("next", op))?, op, on)?),
-                };
-                start_s = clock.elapsed().as_secs_f64();
-                let Saved { input, output } =
-                    saved.remove(&(op.stage, m)).with_context(|| format!("stage {}: backward of micro-batch {m} before its forward", op.stage))?;
-                let output = match output {
-                    Some(output) => output,
-                    None => finish(stage, m, forward(stage, m, &input, options.train)?, None)?,
-                };
-                // (A tensor-parallel collective can fail inside LibTorch's backward: f_backward.)
-                match grad {
-                    None if options.loss_scale == 1.0 => output.f_backward()?,
-                    None => (&output * options.loss_scale).f_backward()?,
-                    // Backward from a non-scalar output with upstream gradient `grad`: the
-                    // gradient of sum(output · grad) with respect to output is exactly `grad`
-                    // (tch's backward takes no gradient argument).
-                    Some(grad) => (&output * &grad).sum(output.kind()).f_backward()?,
-                }
-                if !stage.is_first() {
-                    let link = prev.as_deref_mut().ok_or_else(|| missing("previous", op))?;
-                    link.send(Op::backward(op.stage - 1, m), &input.grad())?;
-                }
-            }
-        }
+        let start_s = match op.direction {
+            Direction::Forward => passes.forward_op(&mut state, stage, op, prev.as_deref_mut(), next.as_deref_mut(), clock)?,
+            Direction::Backward => passes.backward_op(&mut state, stage, op, prev.as_deref_mut(), next.as_deref_mut(), clock)?,
+        };
+        trace.peak_live = trace.peak_live.max(state.saved.len());
         // Kernels run asynchronously: wait for them so the interval is the stage's real work.
         crate::device::synchronize(on);
         trace.intervals.push(OpInterval { op, start_s, end_s: clock.elapsed().as_secs_f64() });
     }
-    stash.check_empty()?;
+    state.stash.check_empty()?;
     let last = stages.iter().any(|s| s.is_last());
-    Ok(StageOutcome { trace, loss: loss_sum.map(|l| l.double_value(&[])), hits: (last && !options.train).then(|| hits.int64_value(&[])) })
+    Ok(StageOutcome { trace, loss: state.loss_sum.map(|l| l.double_value(&[])), hits: (last && !options.train).then(|| state.hits.int64_value(&[])) })
+}
+
+/// What stays the same through one device's passes of a mini-batch.
+struct Passes<'a> {
+    device: usize,
+    on: Device,
+    batches: &'a MicroBatches,
+    options: StageOptions,
+    tp: Option<&'a ProcessGroup>,
+    /// Draws the dropout masks (keyed: see [`Passes::forward`]).
+    generator: RefCell<Generator>,
+}
+
+/// What one device's passes of a mini-batch accumulate.
+struct DeviceState {
+    /// Per (stage, micro-batch), what its forward pass left for its backward pass.
+    saved: HashMap<(usize, usize), Saved>,
+    /// Tensors a neighbour sent ahead of the pass that takes them.
+    stash: Stash,
+    /// The last stage's weighted losses, summed.
+    loss_sum: Option<Tensor>,
+    /// Evaluating: the last stage's correct predictions.
+    hits: Tensor,
+}
+
+impl Passes<'_> {
+    /// A stage's forward pass of micro-batch m, in the run's precision (autocast is per thread:
+    /// this one's), its dropout masks keyed to the micro-batch (a recomputation redraws the same
+    /// ones; the layers' whole-model indices key them further, whatever stage holds them).
+    fn forward<S: PipelineStage>(&self, stage: &S, m: usize, input: &Tensor, train: bool) -> Result<Tensor> {
+        let masks = Masks::Keyed { generator: &self.generator, key: mix_key(&[self.options.dropout_key, m as u64]), positions: self.batches.positions };
+        crate::precision::autocast(self.options.precision, self.on, || stage.forward_masked(input, train, masks, self.tp))
+    }
+
+    /// A stage's output for micro-batch m: the last stage's is its weighted loss (and,
+    /// evaluating, its hits added to the count).
+    fn finish<S: PipelineStage>(&self, stage: &S, m: usize, output: Tensor, hits: Option<&mut Tensor>) -> Result<Tensor> {
+        if !stage.is_last() {
+            return Ok(output);
+        }
+        let (loss, counted) = stage.loss_and_hits(&output, &self.batches.targets[m], self.tp, hits.is_some())?;
+        if let (Some(hits), Some(counted)) = (hits, counted) {
+            *hits += counted;
+        }
+        Ok(loss * self.batches.weights[m])
+    }
+
+    fn missing(&self, side: &str, op: Op) -> anyhow::Error {
+        anyhow::anyhow!("device {}: {op:?} needs a link to the {side} device, and has none", self.device)
+    }
+
+    /// `op`'s forward pass: its input from the batch or the previous device, its output to the
+    /// next device or into the loss, and (training) what its backward pass needs saved. Returns
+    /// when it started, its input here.
+    fn forward_op<S: PipelineStage>(
+        &self,
+        state: &mut DeviceState,
+        stage: &S,
+        op: Op,
+        prev: Option<&mut (dyn Link + '_)>,
+        next: Option<&mut (dyn Link + '_)>,
+        clock: Instant,
+    ) -> Result<f64> {
+        let (m, options) = (op.micro_batch, self.options);
+        let input = match stage.is_first() {
+            true => self.batches.inputs[m].shallow_clone(),
+            false => {
+                let link = prev.ok_or_else(|| self.missing("previous", op))?;
+                state.stash.take(link, op, self.on)?.detach().set_requires_grad(options.train)
+            }
+        };
+        let start_s = clock.elapsed().as_secs_f64();
+        let output = if !options.train {
+            tch::no_grad(|| self.finish(stage, m, self.forward(stage, m, &input, false)?, Some(&mut state.hits)))?
+        } else if options.recompute {
+            tch::no_grad(|| self.finish(stage, m, self.forward(stage, m, &input, true)?, None))?
+        } else {
+            self.finish(stage, m, self.forward(stage, m, &input, true)?, None)?
+        };
+        if stage.is_last() {
+            let loss = output.detach();
+            state.loss_sum = Some(match state.loss_sum.take() {
+                Some(sum) => sum + loss,
+                None => loss,
+            });
+        } else {
+            let link = next.ok_or_else(|| self.missing("next", op))?;
+            link.send(Op::forward(op.stage + 1, m), &output)?;
+        }
+        if options.train {
+            let output = (!options.recompute).then_some(output);
+            state.saved.insert((op.stage, m), Saved { input, output });
+        }
+        Ok(start_s)
+    }
+
+    /// `op`'s backward pass: from the loss (scaled) on the last stage, else from the gradient
+    /// the next device sent, its forward recomputed where only its input was kept; the input's
+    /// gradient to the previous device. Returns when it started, the gradient here.
+    fn backward_op<S: PipelineStage>(
+        &self,
+        state: &mut DeviceState,
+        stage: &S,
+        op: Op,
+        prev: Option<&mut (dyn Link + '_)>,
+        next: Option<&mut (dyn Link + '_)>,
+        clock: Instant,
+    ) -> Result<f64> {
+        let m = op.micro_batch;
+        let grad = match stage.is_last() {
+            true => None,
+            false => Some(state.stash.take(next.ok_or_else(|| self.missing("next", op))?, op, self.on)?),
+        };
+        let start_s = clock.elapsed().as_secs_f64();
+        let Saved { input, output } =
+            state.saved.remove(&(op.stage, m)).with_context(|| format!("stage {}: backward of micro-batch {m} before its forward", op.stage))?;
+        let output = match output {
+            Some(output) => output,
+            None => self.finish(stage, m, self.forward(stage, m, &input, self.options.train)?, None)?,
+        };
+        // (A tensor-parallel collective can fail inside LibTorch's backward: f_backward.)
+        match grad {
+            None if self.options.loss_scale == 1.0 => output.f_backward()?,
+            None => (&output * self.options.loss_scale).f_backward()?,
+            // Backward from a non-scalar output with upstream gradient `grad`: the
+            // gradient of sum(output · grad) with respect to output is exactly `grad`
+            // (tch's backward takes no gradient argument).
+            Some(grad) => (&output * &grad).sum(output.kind()).f_backward()?,
+        }
+        if !stage.is_first() {
+            let link = prev.ok_or_else(|| self.missing("previous", op))?;
+            link.send(Op::backward(op.stage - 1, m), &input.grad())?;
+        }
+        Ok(start_s)
+    }
 }

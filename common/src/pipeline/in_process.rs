@@ -83,48 +83,9 @@ pub fn run_in_threads<S: PipelineStage + Send>(
 ) -> Result<StepReport> {
     let train = options.train;
     let chunks = batches.inputs.len();
-    let count = placement.devices;
-    // Each device's stages, in model order.
-    let mut held: Vec<Vec<&mut S>> = (0..count).map(|_| Vec::new()).collect();
-    for stage in stages.iter_mut() {
-        held[placement.device_of(stage.index())].push(stage);
-    }
-    // What each device needs of the batch: the inputs on the first stage's device, the targets
-    // on the last's.
-    let placed: Vec<MicroBatches> = held
-        .iter()
-        .map(|stages| {
-            let on = stages[0].device();
-            let here = |wanted: bool, tensors: &[Tensor]| match wanted {
-                true => tensors.iter().map(|t| t.to_device(on)).collect(),
-                false => Vec::new(),
-            };
-            MicroBatches {
-                inputs: here(stages.iter().any(|s| s.is_first()), &batches.inputs),
-                targets: here(stages.iter().any(|s| s.is_last()), &batches.targets),
-                weights: batches.weights.clone(),
-                positions: batches.positions,
-            }
-        })
-        .collect();
-
-    // Link d joins device d to device d + 1 (d holds `.0` as its next, d + 1 holds `.1` as its
-    // prev); with interleaving the last device's next leads back to device 0, which runs the
-    // following stages.
-    let cyclic = placement.virtual_stages > 1;
-    let (mut nexts, mut prevs): (Vec<Option<ChannelLink>>, Vec<Option<ChannelLink>>) = (Vec::new(), (0..count).map(|_| None).collect());
-    for d in 0..count {
-        let (earlier, later) = match d + 1 < count || cyclic {
-            true => ChannelLink::pair(),
-            false => {
-                nexts.push(None);
-                continue;
-            }
-        };
-        nexts.push(Some(earlier));
-        prevs[(d + 1) % count] = Some(later);
-    }
-
+    let held = stages_by_device(stages, placement);
+    let placed = batches_by_device(&held, batches);
+    let (prevs, nexts) = channel_links(placement);
     let clock = Instant::now();
     // `--profile`: the stages' threads record into LibTorch's profiler as this one does.
     let profiler = crate::torch_ext::ProfilerThreadState::current();
@@ -162,7 +123,63 @@ pub fn run_in_threads<S: PipelineStage + Send>(
             .collect();
         handles.into_iter().enumerate().map(|(i, handle)| handle.join().unwrap_or_else(|_| Err(anyhow!("pipeline stage {i} panicked")))).collect()
     });
-    let wall_s = clock.elapsed().as_secs_f64();
+    step_report(results, clock.elapsed().as_secs_f64())
+}
+
+/// Each device's stages, in model order.
+fn stages_by_device<S: PipelineStage>(stages: &mut [S], placement: Placement) -> Vec<Vec<&mut S>> {
+    let mut held: Vec<Vec<&mut S>> = (0..placement.devices).map(|_| Vec::new()).collect();
+    for stage in stages.iter_mut() {
+        held[placement.device_of(stage.index())].push(stage);
+    }
+    held
+}
+
+/// What each device needs of the batch: the inputs on the first stage's device, the targets
+/// on the last's.
+fn batches_by_device<S: PipelineStage>(held: &[Vec<&mut S>], batches: &MicroBatches) -> Vec<MicroBatches> {
+    held.iter()
+        .map(|stages| {
+            let on = stages[0].device();
+            let here = |wanted: bool, tensors: &[Tensor]| match wanted {
+                true => tensors.iter().map(|t| t.to_device(on)).collect(),
+                false => Vec::new(),
+            };
+            MicroBatches {
+                inputs: here(stages.iter().any(|s| s.is_first()), &batches.inputs),
+                targets: here(stages.iter().any(|s| s.is_last()), &batches.targets),
+                weights: batches.weights.clone(),
+                positions: batches.positions,
+            }
+        })
+        .collect()
+}
+
+/// Each device's links to its previous and its next device, where it has them. Link d joins
+/// device d to device d + 1 (d holds one end as its next, d + 1 the other as its prev); with
+/// interleaving the last device's next leads back to device 0, which runs the following stages.
+fn channel_links(placement: Placement) -> (Vec<Option<ChannelLink>>, Vec<Option<ChannelLink>>) {
+    let count = placement.devices;
+    let cyclic = placement.virtual_stages > 1;
+    let (mut nexts, mut prevs): (Vec<Option<ChannelLink>>, Vec<Option<ChannelLink>>) = (Vec::new(), (0..count).map(|_| None).collect());
+    for d in 0..count {
+        let (earlier, later) = match d + 1 < count || cyclic {
+            true => ChannelLink::pair(),
+            false => {
+                nexts.push(None);
+                continue;
+            }
+        };
+        nexts.push(Some(earlier));
+        prevs[(d + 1) % count] = Some(later);
+    }
+    (prevs, nexts)
+}
+
+/// The devices' outcomes as one step's report: the last stage's loss, the hits, each device's
+/// busy time and trace. A device that stopped because its neighbour did gives way to the
+/// neighbour's error.
+fn step_report(results: Vec<Result<StageOutcome>>, wall_s: f64) -> Result<StepReport> {
     let mut report = StepReport { loss: f64::NAN, hits: 0, wall_s, stage_busy_s: Vec::new(), traces: Vec::new() };
     let mut consequence = None;
     for (i, result) in results.into_iter().enumerate() {

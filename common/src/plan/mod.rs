@@ -167,59 +167,15 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup, observers: &mut Observe
     // the ranks that compute at each moment of a step (a pipeline's idle stages leave theirs to
     // the busy ones), from the cores recorded here.
     let timing = args.compute_together || world.is_root();
-    let mut local = None;
-    if timing {
-        // The whole and every shard in the same rounds: the plan weighs one against the other.
-        let degrees: Vec<usize> = std::iter::once(1).chain(args.shard_degrees()).collect();
-        let mut measured = profile::measure_compute(&model, args.precision, device, args.bptt, &args.micro_batches, &degrees)?.into_iter();
-        let compute = measured.next().expect("the whole is the first degree timed");
-        let shards = degrees[1..].iter().zip(measured).map(|(&tp, compute)| ShardPieces { tp, compute }).collect();
-        let enough = if device.is_cuda() { 256 << 20 } else { 16 << 20 };
-        let optimizer = profile::measure_optimizer(args.optimizer, &model, device, args.nlayers, enough)?;
-        let mut sizes = args.micro_batches.clone();
-        sizes.sort_unstable();
-        let spread = profile::measure_spread(&model, args.precision, device, args.bptt, sizes[sizes.len() / 2])?;
-        local = Some(profile::Timings { compute, shards, optimizer, spread });
-    }
+    let mut local = if timing { Some(time_pieces(args, &model, device)?) } else { None };
     world.barrier()?;
-    // What sharing a machine's cores costs, where its ranks outnumber them: every machine
-    // measures at once (rank 0's is recorded), at the middle micro-batch size. A machine may
-    // hold several of the job's hosts (network namespaces, containers): their ranks share it.
     let per_host = world.local_world_size().max(1);
-    let machines = machine_numbers(world, per_host)?;
-    let ranks_on = |machine: usize| machines.iter().filter(|&&m| m == machine).count();
-    let per_machine = ranks_on(machines[0]);
-    let crowded = device == Device::Cpu && ranks_on(machines[world.rank()]) * threads > device::usable_cores();
-    let shared = if world.any_of(&[crowded])?[0] {
-        let machine = world.split(machines[world.rank()], world.rank())?;
-        let mut sizes = args.micro_batches.clone();
-        sizes.sort_unstable();
-        let mut shared = profile::measure_sharing(&model, device, args.bptt, sizes[sizes.len() / 2], &machine)?;
-        // Shards wait for their partners' turns on the cores: every degree that divides the
-        // machine's ranks, at every size.
-        sizes.dedup();
-        for tp in args.shard_degrees().into_iter().filter(|&tp| machine.world_size() % tp == 0) {
-            shared.shard_waits.extend(profile::measure_shard_waits(&model, device, args.bptt, &sizes, tp, &machine)?);
-        }
-        Some(shared)
-    } else {
-        None
-    };
+    let (shared, per_machine) = measure_shared_cores(args, world, &model, device, threads, per_host)?;
     if args.compute_together {
         local = local.map(|timings| profile::mean_over_ranks(world, timings)).transpose()?;
     }
     let links = measure_links(world, device, &message_sizes(args.max_message_mb << 20))?;
-    // The gradient average as runs do it, among the first host's ranks (every rank there takes
-    // part), beside its link's all-reduce fit.
-    let within = world.split(world.rank() / per_host, world.rank())?;
-    let first_host_link = links.iter().find(|l| l.scope == LinkScope::WithinHost);
-    let gradient_sync = match first_host_link {
-        Some(link) if world.rank() < per_host => {
-            let enough = if device.is_cuda() { 256 << 20 } else { 16 << 20 };
-            Some(profile::measure_gradient_sync(&within, link, &model, device, args.nlayers, enough, DEFAULT_BUCKET_BYTES)?)
-        }
-        _ => None,
-    };
+    let gradient_sync = measure_first_host_gradient_sync(args, world, &links, &model, device, per_host)?;
     world.barrier()?;
     let Some(profile::Timings { compute, shards, optimizer, spread }) = local.filter(|_| world.is_root()) else { return Ok(None) };
     let recorded = Recorded {
@@ -247,6 +203,74 @@ pub fn measure(args: &ProfileArgs, world: &ProcessGroup, observers: &mut Observe
     };
     profile.write(&args.out)?;
     Ok(Some(profile))
+}
+
+/// This rank's timings: the whole model's pieces and every shard's, in the same rounds (the
+/// plan weighs one against the other), the optimizer's step, and the passes' spread.
+fn time_pieces(args: &ProfileArgs, model: &TransformerConfig, device: Device) -> Result<profile::Timings> {
+    let degrees: Vec<usize> = std::iter::once(1).chain(args.shard_degrees()).collect();
+    let mut measured = profile::measure_compute(model, args.precision, device, args.bptt, &args.micro_batches, &degrees)?.into_iter();
+    let compute = measured.next().expect("the whole is the first degree timed");
+    let shards = degrees[1..].iter().zip(measured).map(|(&tp, compute)| ShardPieces { tp, compute }).collect();
+    let enough = if device.is_cuda() { 256 << 20 } else { 16 << 20 };
+    let optimizer = profile::measure_optimizer(args.optimizer, model, device, args.nlayers, enough)?;
+    let mut sizes = args.micro_batches.clone();
+    sizes.sort_unstable();
+    let spread = profile::measure_spread(model, args.precision, device, args.bptt, sizes[sizes.len() / 2])?;
+    Ok(profile::Timings { compute, shards, optimizer, spread })
+}
+
+/// What sharing a machine's cores costs, where its ranks outnumber them (None elsewhere): every
+/// machine measures at once (rank 0's is recorded), at the middle micro-batch size. A machine
+/// may hold several of the job's hosts (network namespaces, containers): their ranks share it.
+/// Also how many ranks rank 0's machine holds. Every rank takes part.
+fn measure_shared_cores(
+    args: &ProfileArgs,
+    world: &ProcessGroup,
+    model: &TransformerConfig,
+    device: Device,
+    threads: usize,
+    per_host: usize,
+) -> Result<(Option<profile::SharedCores>, usize)> {
+    let machines = machine_numbers(world, per_host)?;
+    let ranks_on = |machine: usize| machines.iter().filter(|&&m| m == machine).count();
+    let per_machine = ranks_on(machines[0]);
+    let crowded = device == Device::Cpu && ranks_on(machines[world.rank()]) * threads > device::usable_cores();
+    if !world.any_of(&[crowded])?[0] {
+        return Ok((None, per_machine));
+    }
+    let machine = world.split(machines[world.rank()], world.rank())?;
+    let mut sizes = args.micro_batches.clone();
+    sizes.sort_unstable();
+    let mut shared = profile::measure_sharing(model, device, args.bptt, sizes[sizes.len() / 2], &machine)?;
+    // Shards wait for their partners' turns on the cores: every degree that divides the
+    // machine's ranks, at every size.
+    sizes.dedup();
+    for tp in args.shard_degrees().into_iter().filter(|&tp| machine.world_size() % tp == 0) {
+        shared.shard_waits.extend(profile::measure_shard_waits(model, device, args.bptt, &sizes, tp, &machine)?);
+    }
+    Ok((Some(shared), per_machine))
+}
+
+/// The gradient average as runs do it, among the first host's ranks (every rank there takes
+/// part), beside its link's all-reduce fit; None on the other hosts' ranks and where the host
+/// has no link. Every rank takes part in making the hosts' groups.
+fn measure_first_host_gradient_sync(
+    args: &ProfileArgs,
+    world: &ProcessGroup,
+    links: &[profile::LinkProfile],
+    model: &TransformerConfig,
+    device: Device,
+    per_host: usize,
+) -> Result<Option<profile::GradientSync>> {
+    let within = world.split(world.rank() / per_host, world.rank())?;
+    match links.iter().find(|l| l.scope == LinkScope::WithinHost) {
+        Some(link) if world.rank() < per_host => {
+            let enough = if device.is_cuda() { 256 << 20 } else { 16 << 20 };
+            Ok(Some(profile::measure_gradient_sync(&within, link, model, device, args.nlayers, enough, DEFAULT_BUCKET_BYTES)?))
+        }
+        _ => Ok(None),
+    }
 }
 
 /// The collectives' costs within a host (the first host's ranks) and between hosts (each
@@ -435,6 +459,64 @@ pub const MAX_GLOBAL_BATCH: usize = 1 << 24;
 /// read or is another model's or precision's, for a link the job needs and the profile lacks,
 /// and for a job no layout fits (saying by how much the smallest misses).
 pub fn plan(args: &PlanArgs) -> Result<Plan> {
+    check_plan_args(args)?;
+    let (profile, model) = read_profile(args)?;
+    let assumed = |gbps: Option<f64>| gbps.map(|g| predict::AssumedLink { latency_s: args.link_latency_us * 1e-6, bytes_per_second: g * 1e9 });
+    let links = predict::Links::of(&profile, assumed(args.within_host_gbps), assumed(args.between_hosts_gbps));
+    let space = layouts::Space {
+        nodes: args.nodes,
+        gpus_per_node: args.gpus_per_node,
+        global_batch: args.global_batch,
+        model,
+        precision: profile.precision,
+        hosts_per_machine: if args.hosts_share_cores { args.nodes } else { profile.recorded.hosts_per_machine.clamp(1, args.nodes) },
+    };
+    let candidates = layouts::enumerate(&space);
+    if candidates.is_empty() {
+        return usage(format!(
+            "no layout of {} ranks trains a global batch of {} sequences (the replicas must divide it)",
+            args.nodes * args.gpus_per_node,
+            args.global_batch
+        ));
+    }
+    // On every core: each layout's timeline is drawn many times ([`variability`]), and a plan
+    // for 64 GPUs has thousands of layouts. (Collected in the candidates' order: the ranking's
+    // ties stay where they were.)
+    let predictions = candidates.par_iter().map(|c| predict::predict(&profile, &links, &space, c)).collect::<Result<Vec<_>, _>>()?;
+    let mut ranked = rank_those_that_fit(&predictions, args.memory)?;
+    let peak_tflops = match args.peak_tflops {
+        Some(peak) => Some((peak, "--peak-tflops".to_string())),
+        None => crate::flops::gpu_peak_tflops(&profile.recorded.device, profile.precision, crate::precision::MatmulPrecision::Highest),
+    };
+    let flops_per_token = crate::flops::training_flops_per_token(&model, profile.seq_len);
+    let ranks = args.nodes * args.gpus_per_node;
+    if let Some((peak, _)) = &peak_tflops {
+        for p in &mut ranked {
+            p.mfu = Some(flops_per_token * p.tokens_per_s / (ranks as f64 * peak * 1e12));
+        }
+    }
+    let what_if = args.train_tokens.map(|tokens| WhatIf::of(tokens, ranked[0].tokens_per_s, ranks, flops_per_token));
+    let notes = plan_notes(args, &profile.recorded, &space);
+    Ok(Plan {
+        nodes: args.nodes,
+        gpus_per_node: args.gpus_per_node,
+        memory_bytes: args.memory,
+        global_batch: args.global_batch,
+        model,
+        seq_len: profile.seq_len,
+        precision: profile.precision,
+        profile_device: profile.recorded.device.clone(),
+        layouts: predictions.len(),
+        ranked,
+        peak_tflops,
+        flops_per_token,
+        what_if,
+        notes,
+    })
+}
+
+/// Refuses sizes and figures no plan can take (a usage error), before any file is read.
+fn check_plan_args(args: &PlanArgs) -> Result<()> {
     if args.nodes == 0 || args.gpus_per_node == 0 || args.global_batch == 0 || args.nlayers < 1 {
         return usage("--nodes, --gpus-per-node, --global-batch and --nlayers must be at least 1");
     }
@@ -460,6 +542,12 @@ pub fn plan(args: &PlanArgs) -> Result<Plan> {
     if !(args.link_latency_us >= 0.0 && args.link_latency_us.is_finite()) {
         return usage(format!("--link-latency-us must be a number of microseconds, 0 or more, not {}", args.link_latency_us));
     }
+    Ok(())
+}
+
+/// The profile `args` name, with `--cores-per-node` in place of its host's cores, checked to be
+/// of the job's model and precision; and the model the job stacks (`--nlayers` of its layers).
+fn read_profile(args: &PlanArgs) -> Result<(Profile, TransformerConfig)> {
     let mut profile = Profile::read(&args.profile, None)?;
     match args.cores_per_node {
         Some(0) => return usage("--cores-per-node must be at least 1"),
@@ -472,54 +560,31 @@ pub fn plan(args: &PlanArgs) -> Result<Plan> {
         precision: args.precision.unwrap_or(profile.precision),
     };
     profile.check(&args.profile, key)?;
-    let assumed = |gbps: Option<f64>| gbps.map(|g| predict::AssumedLink { latency_s: args.link_latency_us * 1e-6, bytes_per_second: g * 1e9 });
-    let links = predict::Links::of(&profile, assumed(args.within_host_gbps), assumed(args.between_hosts_gbps));
-    let space = layouts::Space {
-        nodes: args.nodes,
-        gpus_per_node: args.gpus_per_node,
-        global_batch: args.global_batch,
-        model,
-        precision: profile.precision,
-        hosts_per_machine: if args.hosts_share_cores { args.nodes } else { profile.recorded.hosts_per_machine.clamp(1, args.nodes) },
-    };
-    let candidates = layouts::enumerate(&space);
-    if candidates.is_empty() {
-        return usage(format!(
-            "no layout of {} ranks trains a global batch of {} sequences (the replicas must divide it)",
-            args.nodes * args.gpus_per_node,
-            args.global_batch
-        ));
-    }
-    // On every core: each layout's timeline is drawn many times ([`variability`]), and a plan
-    // for 64 GPUs has thousands of layouts. (Collected in the candidates' order: the ranking's
-    // ties stay where they were.)
-    let predictions = candidates.par_iter().map(|c| predict::predict(&profile, &links, &space, c)).collect::<Result<Vec<_>, _>>()?;
-    let mut ranked: Vec<predict::Prediction> = predictions.iter().filter(|p| p.memory_bytes <= args.memory).cloned().collect();
+    Ok((profile, model))
+}
+
+/// The layouts that fit in `memory` per rank, fastest first (the smaller of equally fast
+/// first); a usage error saying by how much the smallest misses where none fits.
+fn rank_those_that_fit(predictions: &[predict::Prediction], memory: f64) -> Result<Vec<predict::Prediction>> {
+    let mut ranked: Vec<predict::Prediction> = predictions.iter().filter(|p| p.memory_bytes <= memory).cloned().collect();
     if ranked.is_empty() {
         let smallest = predictions.iter().min_by(|a, b| a.memory_bytes.total_cmp(&b.memory_bytes)).expect("a layout");
         return usage(format!(
             "no layout fits in {:.1} GiB per rank: the smallest needs {:.1} GiB ({}), {:.1} GiB more; add ranks or memory",
-            gib(args.memory),
+            gib(memory),
             gib(smallest.memory_bytes),
             smallest.candidate.flags(),
-            gib(smallest.memory_bytes - args.memory)
+            gib(smallest.memory_bytes - memory)
         ));
     }
     ranked.sort_by(|a, b| a.step_s.total_cmp(&b.step_s).then(a.memory_bytes.total_cmp(&b.memory_bytes)));
-    let peak_tflops = match args.peak_tflops {
-        Some(peak) => Some((peak, "--peak-tflops".to_string())),
-        None => crate::flops::gpu_peak_tflops(&profile.recorded.device, profile.precision, crate::precision::MatmulPrecision::Highest),
-    };
-    let flops_per_token = crate::flops::training_flops_per_token(&model, profile.seq_len);
-    let ranks = args.nodes * args.gpus_per_node;
-    if let Some((peak, _)) = &peak_tflops {
-        for p in &mut ranked {
-            p.mfu = Some(flops_per_token * p.tokens_per_s / (ranks as f64 * peak * 1e12));
-        }
-    }
-    let what_if = args.train_tokens.map(|tokens| WhatIf::of(tokens, ranked[0].tokens_per_s, ranks, flops_per_token));
+    Ok(ranked)
+}
+
+/// What the reader of a plan should know about its figures: CPU ranks that share cores (or a
+/// profile that cannot say how they do), and links assumed rather than measured.
+fn plan_notes(args: &PlanArgs, recorded: &Recorded, space: &layouts::Space) -> Vec<String> {
     let mut notes = Vec::new();
-    let recorded = &profile.recorded;
     let timed_with = recorded.compute_ranks_per_host;
     if recorded.device == "cpu" && recorded.cores == 0 && timed_with != args.gpus_per_node {
         notes.push(format!(
@@ -546,22 +611,7 @@ pub fn plan(args: &PlanArgs) -> Result<Plan> {
             notes.push(format!("note: {flag} {gbps}: the link's costs are assumed, not measured ({} us latency)", args.link_latency_us));
         }
     }
-    Ok(Plan {
-        nodes: args.nodes,
-        gpus_per_node: args.gpus_per_node,
-        memory_bytes: args.memory,
-        global_batch: args.global_batch,
-        model,
-        seq_len: profile.seq_len,
-        precision: profile.precision,
-        profile_device: profile.recorded.device.clone(),
-        layouts: predictions.len(),
-        ranked,
-        peak_tflops,
-        flops_per_token,
-        what_if,
-        notes,
-    })
+    notes
 }
 
 fn gib(bytes: f64) -> f64 {

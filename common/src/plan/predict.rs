@@ -28,7 +28,7 @@
 use serde::Serialize;
 
 use super::layouts::{Candidate, Space};
-use super::profile::{Collective, CostFit, LinkScope, Profile};
+use super::profile::{Collective, CostFit, LinkScope, Profile, Recorded};
 use super::timeline::{self, StageCosts};
 use super::variability;
 use crate::error::UsageError;
@@ -176,16 +176,48 @@ pub struct Prediction {
     pub mfu: Option<f64>,
 }
 
-/// Predicts `candidate`'s memory and step time.
+/// Predicts `candidate`'s memory and step time: the busiest rank's memory, then the step as
+/// its pieces add up (the pipeline's timeline over the stages' compute and tensor-parallel
+/// talk, the variability's waits, the data-parallel communication, the optimizer).
 pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Candidate) -> Result<Prediction, UsageError> {
     let c = *candidate;
-    let gpus = space.gpus_per_node;
-    let cuda = profile.recorded.device != "cpu";
-    let (d, seq) = (space.model.d_model as f64, profile.seq_len as f64);
-    let tokens = seq * c.micro_batch as f64;
-    let mixed = space.precision != Precision::Full;
     let partition = Partition::even(space.model.nlayers, c.placement().stages()).map_err(|err| UsageError(format!("{err:#}")))?;
-    let job = TransformerJob {
+    let job = transformer_job(profile, space, &c, &partition);
+    let memory_bytes = job.estimate().iter().map(|row| row.total).fold(0.0, f64::max);
+
+    let cores = Cores::of(&profile.recorded, space, &c);
+    let compute = stage_compute(profile, &c, &partition, &cores);
+    let talk = TensorParallelTalk::of(profile, links, space, &c, &cores)?;
+    let passes = StagePasses::of(&compute, &talk, &c, &partition);
+    let busiest_tp_comm = passes.busiest_tp_comm(&c);
+    let pipeline = pipeline(profile, links, space, &c, &cores, passes)?;
+    // This rank's parameters: the busiest device's stages.
+    let parameters = (0..c.pp).map(|device| c.placement().stages_of(device).map(|s| job.stage_parameters(s)).sum::<f64>()).fold(0.0, f64::max);
+    let exposed = data_parallel_seconds(profile, links, space, &c, parameters)?;
+    let optimizer_s = optimizer_seconds(profile, &c, parameters, cores.all_busy);
+
+    let step_s = pipeline.line.seconds + pipeline.waits_s + exposed + optimizer_s;
+    let global_tokens = profile.seq_len as f64 * (c.micro_batch as usize * c.chunks * c.dp) as f64;
+    Ok(Prediction {
+        candidate: c,
+        command: c.flags(),
+        memory_bytes,
+        step_s,
+        compute_s: pipeline.line.busiest,
+        bubble_s: pipeline.line.idle,
+        waits_s: pipeline.waits_s,
+        exposed_comm_s: exposed,
+        optimizer_s,
+        tp_comm_s: busiest_tp_comm + pipeline.line.partner_waits,
+        tokens_per_s: global_tokens / step_s,
+        mfu: None,
+    })
+}
+
+/// The job the memory estimator accounts for (`--estimate-memory`'s): the candidate's layout
+/// of the space's model, trained as the profile's optimizer and precision train it.
+fn transformer_job(profile: &Profile, space: &Space, c: &Candidate, partition: &Partition) -> TransformerJob {
+    TransformerJob {
         config: space.model,
         bptt: profile.seq_len,
         batch: c.micro_batch * c.chunks as i64,
@@ -206,99 +238,201 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
         update_bytes_per_parameter: crate::memory::update_bytes_per_parameter(profile.optimizer.kind),
         bucket_bytes: 25.0 * crate::memory::MIB,
         precision: space.precision,
-        cuda,
+        cuda: profile.recorded.device != "cpu",
         loss_chunks: None,
-    };
-    let memory_bytes = job.estimate().iter().map(|row| row.total).fold(0.0, f64::max);
+    }
+}
 
-    // CPU ranks share their host's cores: the profile's times are alone (or, timed on
-    // several ranks of a host at once, as slow as that many busy ranks make them), and a
-    // collective's were timed with every rank of the host taking part.
-    let recorded = &profile.recorded;
-    let slowdown = |busy: f64| recorded.slowdown(busy);
-    let timed_busy = slowdown(recorded.compute_ranks_per_host as f64);
-    // Hosts that are one machine's namespaces share its cores as one pool.
-    let hosts_per_pool = space.hosts_per_machine.clamp(1, space.nodes.max(1));
-    let pools = space.nodes.max(1).div_ceil(hosts_per_pool);
-    let all_busy = slowdown(c.world().div_ceil(pools) as f64);
-    // One micro-batch through each stage, alone: a shard's own time where the profile timed
-    // shards of this degree, else 1/tp of the whole's.
-    let tp = c.tp as f64;
+/// How the job's CPU ranks share their hosts' cores. The profile's times are alone (or, timed
+/// on several ranks of a host at once, as slow as that many busy ranks make them), and a
+/// collective's were timed with every rank of the host taking part. 1 throughout on a GPU.
+struct Cores<'a> {
+    recorded: &'a Recorded,
+    /// The slowdown the profile's pieces were timed under.
+    timed_busy: f64,
+    /// The slowdown while every rank of a pool computes.
+    all_busy: f64,
+    /// Groups of hosts whose ranks share one machine's cores.
+    pools: usize,
+    hosts_per_pool: usize,
+}
+
+impl<'a> Cores<'a> {
+    fn of(recorded: &'a Recorded, space: &Space, c: &Candidate) -> Cores<'a> {
+        // Hosts that are one machine's namespaces share its cores as one pool.
+        let hosts_per_pool = space.hosts_per_machine.clamp(1, space.nodes.max(1));
+        let pools = space.nodes.max(1).div_ceil(hosts_per_pool);
+        Cores {
+            recorded,
+            timed_busy: recorded.slowdown(recorded.compute_ranks_per_host as f64),
+            all_busy: recorded.slowdown(c.world().div_ceil(pools) as f64),
+            pools,
+            hosts_per_pool,
+        }
+    }
+
+    /// A time the profile measured, as the rank would take alone.
+    fn alone(&self, t: f64) -> f64 {
+        t / self.timed_busy
+    }
+}
+
+/// Compute: one micro-batch's forward and backward seconds through each stage, alone and
+/// without its tensor-parallel talk: a shard's own time where the profile timed shards of this
+/// degree, else 1/tp of the whole's. With recomputation the executor keeps a stage's input
+/// alone and runs the stage's whole forward again before its backward: the embedding and the
+/// output layer with its loss too.
+fn stage_compute(profile: &Profile, c: &Candidate, partition: &Partition, cores: &Cores) -> Vec<[f64; 2]> {
     let (pieces, share) = match profile.shard_pieces_at(c.tp, c.micro_batch) {
         Some(shard) if c.tp > 1 => (shard, 1.0),
-        _ => (profile.pieces_at(c.micro_batch), tp),
-    };
-    let alone = |t: f64| t / timed_busy;
-    let activation_bytes = tokens * d * if mixed { 2.0 } else { 4.0 };
-    let within = |collective, bytes| links.seconds(Span::of(c.tp, 1, gpus), collective, bytes, c.tp);
-    // Megatron's f and g: two all-reduces forward, two backward per layer (sequence
-    // parallel: a reduce-scatter and an all-gather each, the same bus bytes).
-    let linked_talk = if c.sequence_parallel {
-        within(Collective::ReduceScatter, activation_bytes)? + within(Collective::AllGather, activation_bytes)?
-    } else {
-        within(Collective::AllReduce, activation_bytes)?
-    };
-    let talk = linked_talk / all_busy;
-    // Where the machine's ranks outnumber its cores, the shards also wait at each meeting for
-    // their partners' turns on the cores, as measured for shards all computing at once (beyond
-    // the link's own time); the timeline charges the share its crowding at each moment says.
-    let meetings = Meetings::of(c.sequence_parallel);
-    let per_meeting = match &recorded.shared {
-        Some(shared) if c.tp > 1 => shared.shard_wait(c.tp, c.micro_batch, c.sequence_parallel).map_or(0.0, |layer_s| {
-            let talks_per_meeting = if c.sequence_parallel { 2.0 } else { 1.0 };
-            (layer_s / (meetings.layer[0] + meetings.layer[1]) - linked_talk / talks_per_meeting).max(0.0)
-        }),
-        _ => 0.0,
+        _ => (profile.pieces_at(c.micro_batch), c.tp as f64),
     };
     let stages = c.placement().stages();
-    let (mut forward, mut backward) = (vec![0.0; stages], vec![0.0; stages]);
-    let mut tp_comm = vec![0.0; stages];
-    let mut waits = vec![[0.0; 2]; stages];
-    for s in 0..stages {
+    (0..stages)
+        .map(|s| {
+            let layers = partition.layers[s].clone().count() as f64;
+            let mut f = layers * cores.alone(pieces.layer.forward_s) / share;
+            let mut b = layers * cores.alone(pieces.layer.backward_s) / share;
+            if s == 0 {
+                f += cores.alone(pieces.embedding.forward_s) / share;
+                b += cores.alone(pieces.embedding.backward_s) / share;
+            }
+            if s + 1 == stages {
+                f += cores.alone(pieces.head.forward_s) / share;
+                b += cores.alone(pieces.head.backward_s) / share;
+            }
+            if c.recompute {
+                b += f;
+            }
+            [f, b]
+        })
+        .collect()
+}
+
+/// Tensor-parallel talk: what each of a stage's collectives over its shards' link costs, and
+/// what its shards wait at each meeting for their partners' turns on crowded cores.
+struct TensorParallelTalk {
+    /// One collective over the link (Megatron's f or g), at the slowdown of all ranks busy.
+    per_talk: f64,
+    /// Where the machine's ranks outnumber its cores, the shards also wait at each meeting for
+    /// their partners' turns on the cores, as measured for shards all computing at once (beyond
+    /// the link's own time); the timeline charges the share its crowding at each moment says.
+    per_meeting: f64,
+    meetings: Meetings,
+}
+
+impl TensorParallelTalk {
+    fn of(profile: &Profile, links: &Links, space: &Space, c: &Candidate, cores: &Cores) -> Result<TensorParallelTalk, UsageError> {
+        let tokens = profile.seq_len as f64 * c.micro_batch as f64;
+        let mixed = space.precision != Precision::Full;
+        let activation_bytes = tokens * space.model.d_model as f64 * if mixed { 2.0 } else { 4.0 };
+        let within = |collective, bytes| links.seconds(Span::of(c.tp, 1, space.gpus_per_node), collective, bytes, c.tp);
+        // Megatron's f and g: two all-reduces forward, two backward per layer (sequence
+        // parallel: a reduce-scatter and an all-gather each, the same bus bytes).
+        let linked_talk = if c.sequence_parallel {
+            within(Collective::ReduceScatter, activation_bytes)? + within(Collective::AllGather, activation_bytes)?
+        } else {
+            within(Collective::AllReduce, activation_bytes)?
+        };
+        let meetings = Meetings::of(c.sequence_parallel);
+        let per_meeting = match &profile.recorded.shared {
+            Some(shared) if c.tp > 1 => shared.shard_wait(c.tp, c.micro_batch, c.sequence_parallel).map_or(0.0, |layer_s| {
+                let talks_per_meeting = if c.sequence_parallel { 2.0 } else { 1.0 };
+                (layer_s / (meetings.layer[0] + meetings.layer[1]) - linked_talk / talks_per_meeting).max(0.0)
+            }),
+            _ => 0.0,
+        };
+        Ok(TensorParallelTalk { per_talk: linked_talk / cores.all_busy, per_meeting, meetings })
+    }
+
+    /// Stage `s`'s talks over the link in each pass, forward and backward: two per layer each
+    /// way, the embedding's forward, the output layer's input backward (recomputation: the
+    /// forward's again in the backward pass); and the meetings its shards wait at.
+    fn of_stage(&self, c: &Candidate, partition: &Partition, s: usize) -> StageTalk {
+        let stages = c.placement().stages();
         let layers = partition.layers[s].clone().count() as f64;
-        let mut f = layers * alone(pieces.layer.forward_s) / share;
-        let mut b = layers * alone(pieces.layer.backward_s) / share;
-        // Each pass's talks over the link: two per layer each way, the embedding's forward,
-        // the output layer's input backward.
-        let (mut forward_talks, mut backward_talks) = (2.0 * layers, 2.0 * layers);
+        let meetings = &self.meetings;
+        let (mut forward, mut backward) = (2.0 * layers, 2.0 * layers);
         let mut met = [layers * meetings.layer[0], layers * meetings.layer[1]];
         if s == 0 {
-            f += alone(pieces.embedding.forward_s) / share;
-            b += alone(pieces.embedding.backward_s) / share;
-            forward_talks += 1.0;
+            forward += 1.0;
             met = [met[0] + meetings.embedding[0], met[1] + meetings.embedding[1]];
         }
         if s + 1 == stages {
-            f += alone(pieces.head.forward_s) / share;
-            b += alone(pieces.head.backward_s) / share;
-            backward_talks += 1.0;
+            backward += 1.0;
             met = [met[0] + meetings.head[0], met[1] + meetings.head[1]];
         }
         if c.recompute {
-            // The executor keeps a stage's input alone and runs the stage's whole forward again
-            // before its backward: the embedding and the output layer with its loss too.
-            b += f;
-            backward_talks += forward_talks;
+            backward += forward;
             met[1] += met[0];
         }
-        forward[s] = f + forward_talks * talk;
-        backward[s] = b + backward_talks * talk;
-        tp_comm[s] = (forward_talks + backward_talks) * talk;
-        waits[s] = met.map(|m| m * per_meeting);
+        StageTalk { forward, backward, met }
     }
+}
+
+/// How often one stage talks over its shards' link per micro-batch, and meets its partners.
+struct StageTalk {
+    forward: f64,
+    backward: f64,
+    met: [f64; 2],
+}
+
+/// Each stage's passes per micro-batch as the timeline runs them: its compute and its
+/// tensor-parallel talk together, and its shards' waits for each other.
+struct StagePasses {
+    forward: Vec<f64>,
+    backward: Vec<f64>,
+    /// Forward and backward.
+    waits: Vec<[f64; 2]>,
+    /// Of the passes, the talk over the link.
+    tp_comm: Vec<f64>,
+}
+
+impl StagePasses {
+    fn of(compute: &[[f64; 2]], talk: &TensorParallelTalk, c: &Candidate, partition: &Partition) -> StagePasses {
+        let stages = compute.len();
+        let mut passes = StagePasses { forward: vec![0.0; stages], backward: vec![0.0; stages], waits: vec![[0.0; 2]; stages], tp_comm: vec![0.0; stages] };
+        for (s, &[f, b]) in compute.iter().enumerate() {
+            let talks = talk.of_stage(c, partition, s);
+            passes.forward[s] = f + talks.forward * talk.per_talk;
+            passes.backward[s] = b + talks.backward * talk.per_talk;
+            passes.tp_comm[s] = (talks.forward + talks.backward) * talk.per_talk;
+            passes.waits[s] = talks.met.map(|m| m * talk.per_meeting);
+        }
+        passes
+    }
+
+    /// The tensor-parallel talk of the busiest device's stages over all micro-batches.
+    fn busiest_tp_comm(&self, c: &Candidate) -> f64 {
+        (0..c.pp).map(|device| c.placement().stages_of(device).map(|s| self.tp_comm[s]).sum::<f64>() * c.chunks as f64).fold(0.0, f64::max)
+    }
+}
+
+/// The pipeline's outcome: the schedule's timeline and what variability adds to it.
+struct PipelineTime {
+    line: timeline::Timeline,
+    waits_s: f64,
+}
+
+/// The pipeline: the schedule's timeline over the stages' passes, the activations sent between
+/// devices on the link they cross, and the waits the machine's variability adds.
+fn pipeline(profile: &Profile, links: &Links, space: &Space, c: &Candidate, cores: &Cores, passes: StagePasses) -> Result<PipelineTime, UsageError> {
     // Activations between stages, float32 (a shard's rows of them with sequence parallelism);
     // a boundary crosses hosts where a replica's ranks outgrow one.
-    let sent = tokens * d * 4.0 / if c.sequence_parallel { tp } else { 1.0 };
-    let transfer = if c.pp > 1 { links.seconds(Span::of(c.pp, c.tp, gpus), Collective::SendRecv, sent, 2)? } else { 0.0 };
+    let tokens = profile.seq_len as f64 * c.micro_batch as f64;
+    let sent = tokens * space.model.d_model as f64 * 4.0 / if c.sequence_parallel { c.tp as f64 } else { 1.0 };
+    let transfer = if c.pp > 1 { links.seconds(Span::of(c.pp, c.tp, space.gpus_per_node), Collective::SendRecv, sent, 2)? } else { 0.0 };
+    let StagePasses { forward, backward, waits, .. } = passes;
     let costs =
         StageCosts { forward, backward, transfer, forward_waits: waits.iter().map(|w| w[0]).collect(), backward_waits: waits.iter().map(|w| w[1]).collect() };
     // Ranks count shards fastest, then pipeline devices, then replicas.
-    let mut ranks = vec![vec![0.0; c.pp]; pools];
+    let mut ranks = vec![vec![0.0; c.pp]; cores.pools];
     for rank in 0..c.world() {
-        let pool = (rank / gpus / hosts_per_pool).min(pools - 1);
+        let pool = (rank / space.gpus_per_node / cores.hosts_per_pool).min(cores.pools - 1);
         ranks[pool][(rank / c.tp) % c.pp] += 1.0;
     }
-    let crowding = |busy: f64| recorded.crowding(busy);
+    let slowdown = |busy: f64| cores.recorded.slowdown(busy);
+    let crowding = |busy: f64| cores.recorded.crowding(busy);
     let sharing = timeline::Sharing { ranks, slowdown: &slowdown, crowding: &crowding };
     let line = timeline::simulate(c.schedule, c.placement(), c.chunks, &costs, &sharing);
     // Passes of uneven length: a replica's timeline drawn around its mean passes, and the
@@ -309,53 +443,42 @@ pub fn predict(profile: &Profile, links: &Links, space: &Space, candidate: &Cand
     } else {
         0.0
     };
-    let busiest_tp: f64 = (0..c.pp).map(|device| c.placement().stages_of(device).map(|s| tp_comm[s]).sum::<f64>() * c.chunks as f64).fold(0.0, f64::max);
+    Ok(PipelineTime { line, waits_s })
+}
 
-    // The data-parallel step: this rank's parameters (the busiest device's stages).
-    let parameters = (0..c.pp).map(|device| c.placement().stages_of(device).map(|s| job.stage_parameters(s)).sum::<f64>()).fold(0.0, f64::max);
+/// Data-parallel communication after the last backward pass, not overlapped: the style's
+/// collectives (`Costs::communication`) on this rank's `parameters`' gradients, each timed over
+/// its replicas' span of the machine, and the packing of the gradients into buckets and back.
+fn data_parallel_seconds(profile: &Profile, links: &Links, space: &Space, c: &Candidate, parameters: f64) -> Result<f64, UsageError> {
+    if c.dp == 1 {
+        return Ok(0.0);
+    }
     let gradient_bytes = parameters * 4.0;
     let replica = c.pp * c.tp;
-    // The style's collectives (`Costs::communication`), each timed over its replicas' span of
-    // the machine.
-    let style = c.sync.strategy();
     let state_shards = c.shard_group.unwrap_or(c.dp);
     let talk_seconds = |sum: f64, talk: Talk| -> Result<f64, UsageError> {
         let Among::Replicas { count, stride } = talk.among else {
             return Err(UsageError(format!("{:?} talks with ranks the planner does not lay out", c.sync)));
         };
         let collective = Collective::of(talk.collective).ok_or_else(|| UsageError(format!("the profile times no {:?}", talk.collective)))?;
-        Ok(sum + talk.times * links.seconds(Span::of(count, stride * replica, gpus), collective, talk.bytes, count)?)
+        Ok(sum + talk.times * links.seconds(Span::of(count, stride * replica, space.gpus_per_node), collective, talk.bytes, count)?)
     };
-    let exposed = if c.dp == 1 {
-        0.0
-    } else {
-        style.communication(c.dp, state_shards, gradient_bytes).into_iter().try_fold(0.0, talk_seconds)?
-            // Packing the gradients into buckets and back, beyond the collectives (as measured
-            // for the exercises' average; ZeRO's buckets copy as much).
-            + parameters * profile.gradient_sync.map_or(0.0, |sync| sync.overhead_seconds_per_parameter())
-    };
+    Ok(c.sync.strategy().communication(c.dp, state_shards, gradient_bytes).into_iter().try_fold(0.0, talk_seconds)?
+        // Packing the gradients into buckets and back, beyond the collectives (as measured
+        // for the exercises' average; ZeRO's buckets copy as much).
+        + parameters * profile.gradient_sync.map_or(0.0, |sync| sync.overhead_seconds_per_parameter()))
+}
+
+/// The optimizer: clipping the gradients and the step, the profile's seconds per parameter
+/// times the parameters this rank handles, every rank at once (so at all ranks' slowdown).
+fn optimizer_seconds(profile: &Profile, c: &Candidate, parameters: f64, all_busy: f64) -> f64 {
     // A rank that updates its block of the parameters (ZeRO, HSDP) steps over that block alone.
-    let sharded = style.state_sharded();
+    let sharded = c.sync.strategy().state_sharded();
+    let state_shards = c.shard_group.unwrap_or(c.dp);
     let updated = if sharded { parameters / state_shards as f64 } else { parameters };
-    // Every rank clips and steps at once. Without ZeRO each clips every gradient it holds.
+    // Without ZeRO each rank clips every gradient it holds.
     let clipped = if sharded { updated } else { parameters };
-    let optimizer_s = (updated * profile.optimizer.seconds_per_parameter + clipped * profile.optimizer.clip_seconds_per_parameter) * all_busy;
-    let step_s = line.seconds + waits_s + exposed + optimizer_s;
-    let global_tokens = seq * (c.micro_batch as usize * c.chunks * c.dp) as f64;
-    Ok(Prediction {
-        candidate: c,
-        command: c.flags(),
-        memory_bytes,
-        step_s,
-        compute_s: line.busiest,
-        bubble_s: line.idle,
-        waits_s,
-        exposed_comm_s: exposed,
-        optimizer_s,
-        tp_comm_s: busiest_tp + line.partner_waits,
-        tokens_per_s: global_tokens / step_s,
-        mfu: None,
-    })
+    (updated * profile.optimizer.seconds_per_parameter + clipped * profile.optimizer.clip_seconds_per_parameter) * all_busy
 }
 
 #[cfg(test)]

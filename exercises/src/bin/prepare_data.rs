@@ -114,107 +114,124 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = common::cli::parse::<Cli>();
     common::error::run_main(|| match cli.command {
-        Command::Generate { dataset, out, train, test, seed, force } => {
-            let full = generate::GenerateConfig::full(dataset);
-            let config = generate::GenerateConfig { train: train.unwrap_or(full.train), test: test.unwrap_or(full.test), seed };
-            let out = out.unwrap_or_else(|| dataset.default_dir());
-            generate::check_may_replace(&out, force)?;
-            generate::generate(dataset, &out, config)?;
-            println!("wrote a GENERATED {} stand-in ({} train + {} test images) to {}", dataset.name(), config.train, config.test, out.display());
-            Ok(())
-        }
+        Command::Generate { dataset, out, train, test, seed, force } => generate_dataset(dataset, out, train, test, seed, force),
         Command::GenerateImages { out, classes, train, val, sizes, mixed_formats, seed, force } => {
-            if classes == 0 || train == 0 {
-                return common::error::usage("--classes and --train must be at least 1");
-            }
-            if mixed_formats && train < 2 {
-                return common::error::usage("--mixed-formats needs --train 2 or more (a PNG and a grey JPEG per class)");
-            }
-            let config = generate::FolderConfig { classes, train_per_class: train, val_per_class: val, sizes, mixed_formats, seed };
-            generate::check_may_replace(&out, force)?;
-            generate::image_folder(&out, config)?;
-            println!("wrote a GENERATED image folder ({classes} classes × {train} train + {val} val images) to {}", out.display());
-            Ok(())
+            generate_images(out, generate::FolderConfig { classes, train_per_class: train, val_per_class: val, sizes, mixed_formats, seed }, force)
         }
-        Command::Weights { model } => {
-            if common::models::pretrained::published_file(model).is_none() {
-                return common::error::usage(format!("torchvision publishes no ImageNet weights for {} (only resnet34, resnet50 and vgg19)", model.name()));
-            }
-            let path = common::models::pretrained::imagenet_weights(model, true)?;
-            println!("ImageNet weights of {}: {} (checked)", model.name(), path.display());
-            Ok(())
-        }
-        Command::GenerateText { out, seed, force } => {
-            let sizes = WikitextSizes::default();
-            generate::check_may_replace(&out, force)?;
-            text::generate_wikitext(&out, seed, sizes)?;
-            println!(
-                "wrote a GENERATED WikiText-2 stand-in (about {} train + {} valid + {} test tokens) to {}",
-                sizes.train,
-                sizes.valid,
-                sizes.test,
-                out.display()
-            );
-            Ok(())
-        }
-        Command::CheckText { dir } => {
-            let corpus = text::load_corpus(&dir, Tokenizer::Whitespace)?;
-            println!(
-                "wikitext-2 in {}: {} train + {} valid + {} test tokens, {} words{}",
-                dir.display(),
-                corpus.train.numel(),
-                corpus.valid.numel(),
-                corpus.test.numel(),
-                corpus.vocab.len(),
-                if corpus.generated { " (GENERATED stand-in)" } else { "" }
-            );
-            Ok(())
-        }
-        Command::Check { dataset, dir } => {
-            let dir = dir.unwrap_or_else(|| dataset.default_dir());
-            let train = data::load(dataset, &dir, Split::Train)?;
-            let test = data::load(dataset, &dir, Split::Test)?;
-            println!(
-                "{} in {}: {} train + {} test images{}",
-                dataset.name(),
-                dir.display(),
-                train.len(),
-                test.len(),
-                if train.generated { " (GENERATED stand-in)" } else { "" }
-            );
-            Ok(())
-        }
-        Command::Pack { data_dir, out, shard_size, seed } => {
-            if shard_size == 0 {
-                return common::error::usage("--shard-size 0: a shard holds at least one sample");
-            }
-            if within(&out, &data_dir) {
-                // Its shards would sit in a class folder (or beside train/) of what they pack.
-                return common::error::usage(format!(
-                    "--out {} is inside --data-dir {}: the shards would be written into the image folder they pack; choose a folder outside it",
-                    out.display(),
-                    data_dir.display()
-                ));
-            }
-            // Both splits listed (and checked) first: a bad val/ fails before hours of packing train/.
-            let train = ImageFolder::scan_split(&data_dir, Split::Train, None)?;
-            let has_val = data_dir.join(split_folder(Split::Test)).is_dir();
-            let val = has_val.then(|| ImageFolder::scan_split(&data_dir, Split::Test, Some(&train.classes))).transpose()?;
-            for note in std::iter::once(&train).chain(&val).filter_map(ImageFolder::skipped_note) {
-                eprintln!("{note}");
-            }
-            pack_split(&train, &out, Split::Train, shard_size, seed)?;
-            if let Some(val) = &val {
-                pack_split(val, &out, Split::Test, shard_size, seed)?;
-            }
-            // Generated photographs stay marked as such in their shards (runs on them say so).
-            let marker = data_dir.join(data::GENERATED_MARKER);
-            if marker.exists() {
-                common::output::write(&out.join(data::GENERATED_MARKER), common::input::read(&marker, 1 << 20, "remove it from the image folder")?)?;
-            }
-            Ok(())
-        }
+        Command::Weights { model } => fetch_weights(model),
+        Command::GenerateText { out, seed, force } => generate_text(&out, seed, force),
+        Command::CheckText { dir } => check_text(&dir),
+        Command::Check { dataset, dir } => check_dataset(dataset, dir),
+        Command::Pack { data_dir, out, shard_size, seed } => pack_folder(&data_dir, &out, shard_size, seed),
     })
+}
+
+/// `generate`: a stand-in of `dataset`'s binary files, its full size unless told.
+fn generate_dataset(dataset: DatasetKind, out: Option<PathBuf>, train: Option<usize>, test: Option<usize>, seed: u64, force: bool) -> anyhow::Result<()> {
+    let full = generate::GenerateConfig::full(dataset);
+    let config = generate::GenerateConfig { train: train.unwrap_or(full.train), test: test.unwrap_or(full.test), seed };
+    let out = out.unwrap_or_else(|| dataset.default_dir());
+    generate::check_may_replace(&out, force)?;
+    generate::generate(dataset, &out, config)?;
+    println!("wrote a GENERATED {} stand-in ({} train + {} test images) to {}", dataset.name(), config.train, config.test, out.display());
+    Ok(())
+}
+
+/// `generate-images`: an image folder of generated photographs.
+fn generate_images(out: PathBuf, config: generate::FolderConfig, force: bool) -> anyhow::Result<()> {
+    let generate::FolderConfig { classes, train_per_class: train, val_per_class: val, mixed_formats, .. } = config;
+    if classes == 0 || train == 0 {
+        return common::error::usage("--classes and --train must be at least 1");
+    }
+    if mixed_formats && train < 2 {
+        return common::error::usage("--mixed-formats needs --train 2 or more (a PNG and a grey JPEG per class)");
+    }
+    generate::check_may_replace(&out, force)?;
+    generate::image_folder(&out, config)?;
+    println!("wrote a GENERATED image folder ({classes} classes × {train} train + {val} val images) to {}", out.display());
+    Ok(())
+}
+
+/// `weights`: torchvision's ImageNet weights of `model` into its cache, checked.
+fn fetch_weights(model: common::models::Arch) -> anyhow::Result<()> {
+    if common::models::pretrained::published_file(model).is_none() {
+        return common::error::usage(format!("torchvision publishes no ImageNet weights for {} (only resnet34, resnet50 and vgg19)", model.name()));
+    }
+    let path = common::models::pretrained::imagenet_weights(model, true)?;
+    println!("ImageNet weights of {}: {} (checked)", model.name(), path.display());
+    Ok(())
+}
+
+/// `generate-text`: a WikiText-2 stand-in of the real one's size.
+fn generate_text(out: &Path, seed: u64, force: bool) -> anyhow::Result<()> {
+    let sizes = WikitextSizes::default();
+    generate::check_may_replace(out, force)?;
+    text::generate_wikitext(out, seed, sizes)?;
+    println!("wrote a GENERATED WikiText-2 stand-in (about {} train + {} valid + {} test tokens) to {}", sizes.train, sizes.valid, sizes.test, out.display());
+    Ok(())
+}
+
+/// `check-text`: WikiText-2's splits read as the exercises read them, their sizes printed.
+fn check_text(dir: &Path) -> anyhow::Result<()> {
+    let corpus = text::load_corpus(dir, Tokenizer::Whitespace)?;
+    println!(
+        "wikitext-2 in {}: {} train + {} valid + {} test tokens, {} words{}",
+        dir.display(),
+        corpus.train.numel(),
+        corpus.valid.numel(),
+        corpus.test.numel(),
+        corpus.vocab.len(),
+        if corpus.generated { " (GENERATED stand-in)" } else { "" }
+    );
+    Ok(())
+}
+
+/// `check`: both splits of an image data set read, their sizes printed.
+fn check_dataset(dataset: DatasetKind, dir: Option<PathBuf>) -> anyhow::Result<()> {
+    let dir = dir.unwrap_or_else(|| dataset.default_dir());
+    let train = data::load(dataset, &dir, Split::Train)?;
+    let test = data::load(dataset, &dir, Split::Test)?;
+    println!(
+        "{} in {}: {} train + {} test images{}",
+        dataset.name(),
+        dir.display(),
+        train.len(),
+        test.len(),
+        if train.generated { " (GENERATED stand-in)" } else { "" }
+    );
+    Ok(())
+}
+
+/// `pack`: an image folder's splits into tar shards beside their index.
+fn pack_folder(data_dir: &Path, out: &Path, shard_size: usize, seed: u64) -> anyhow::Result<()> {
+    if shard_size == 0 {
+        return common::error::usage("--shard-size 0: a shard holds at least one sample");
+    }
+    if within(out, data_dir) {
+        // Its shards would sit in a class folder (or beside train/) of what they pack.
+        return common::error::usage(format!(
+            "--out {} is inside --data-dir {}: the shards would be written into the image folder they pack; choose a folder outside it",
+            out.display(),
+            data_dir.display()
+        ));
+    }
+    // Both splits listed (and checked) first: a bad val/ fails before hours of packing train/.
+    let train = ImageFolder::scan_split(data_dir, Split::Train, None)?;
+    let has_val = data_dir.join(split_folder(Split::Test)).is_dir();
+    let val = has_val.then(|| ImageFolder::scan_split(data_dir, Split::Test, Some(&train.classes))).transpose()?;
+    for note in std::iter::once(&train).chain(&val).filter_map(ImageFolder::skipped_note) {
+        eprintln!("{note}");
+    }
+    pack_split(&train, out, Split::Train, shard_size, seed)?;
+    if let Some(val) = &val {
+        pack_split(val, out, Split::Test, shard_size, seed)?;
+    }
+    // Generated photographs stay marked as such in their shards (runs on them say so).
+    let marker = data_dir.join(data::GENERATED_MARKER);
+    if marker.exists() {
+        common::output::write(&out.join(data::GENERATED_MARKER), common::input::read(&marker, 1 << 20, "remove it from the image folder")?)?;
+    }
+    Ok(())
 }
 
 /// Whether `path` (which need not exist yet) is `folder` or inside it, links resolved: its

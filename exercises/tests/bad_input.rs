@@ -122,8 +122,8 @@ fn a_rank_count_no_node_can_hold_is_refused_before_any_rank_starts() {
 
 #[test]
 fn a_layout_the_ranks_cannot_form_is_said_once_without_mpis_notice() {
-    // Its own results folder: a refused run still makes an empty one (left in the checkout's
-    // exercises/results/ before).
+    // Its own results folder, not the checkout's exercises/results/ (should a refusal ever
+    // write: a_refused_run_writes_nothing_where_it_runs checks that none does).
     let results = tempfile::tempdir().unwrap();
     let results = results.path().to_str().unwrap();
     let out = run("exercise3", &["tp", "--device", "cpu", "--nproc-per-node", "2", "--tp", "3", "--max-steps", "1", "--results-dir", results]);

@@ -130,7 +130,7 @@ fn bf16_true_language_model_learns_close_to_float32() {
 #[test]
 fn what_true_precisions_cannot_do_yet_is_refused_before_training() {
     let (dir, data) = generated_cifar10();
-    // Its own results folder, not the checkout's exercises/results/ (a refused run still makes one).
+    // Its own results folder, not the checkout's exercises/results/ (should a refusal ever write).
     let results = dir.path().join("results");
     let base = [
         "--device",
